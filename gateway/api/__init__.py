@@ -1,0 +1,1 @@
+"""HTTP handlers: the OpenAI routes (raw ASGI on the hot path), models, health, readiness, metrics."""

@@ -1,0 +1,170 @@
+"""The OpenAI generation routes as one raw ASGI endpoint: read, validate, route, forward, account.
+
+Raw ASGI rather than a framework response: on our machines a framework's streaming response cost 2-3x the
+added latency of a raw path (../shared/PERFORMANCE.md). The endpoint still sits in the FastAPI app, so
+middleware and the other routes are ordinary.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from typing import TYPE_CHECKING
+
+import orjson
+
+from gateway.api.validation import client_wants_usage, parse_request
+from gateway.asgi import Headers, Receive, Scope, Send, header, send_body
+from gateway.errors import GatewayError
+from gateway.pool.backend import Backend
+from gateway.proxy.exchange import Exchange
+from gateway.proxy.upstream import UpstreamError
+from gateway.routing.pipeline import NoRoute
+from gateway.telemetry.metrics import UNKNOWN
+
+if TYPE_CHECKING:
+    from gateway.app import Gateway
+
+log = logging.getLogger("gateway.proxy")
+
+# A connection refused never reached the backend, so the next-ranked backend may take the request.
+MAX_CONNECT_ATTEMPTS = 3
+
+
+class _ClientGone(Exception):
+    pass
+
+
+def request_id(scope: Scope) -> str:
+    given = header(scope, b"x-request-id")
+    if given and len(given) <= 128 and given.isascii() and given.decode().isprintable():
+        return given.decode()
+    return os.urandom(12).hex()
+
+
+async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
+    declared = header(scope, b"content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise GatewayError(413, f"request body is larger than the gateway's limit of {limit} bytes",
+                           code="request_too_large")
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise _ClientGone
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise GatewayError(413, f"request body is larger than the gateway's limit of {limit} bytes",
+                               code="request_too_large")
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+class ProxyEndpoint:
+    def __init__(self, gateway: Gateway, route: str) -> None:
+        self._gw = gateway
+        self._route = route
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        exchange = Exchange(request_id=request_id(scope), route=self._route, t_start=time.perf_counter())
+        headers: Headers = [(b"x-request-id", exchange.request_id.encode())]
+        try:
+            if scope["method"] != "POST":
+                raise GatewayError(405, f"{scope['path']} only accepts POST", code="method_not_allowed",
+                                   headers={"allow": "POST"})
+            raw = await read_body(scope, receive, self._gw.settings.server.max_body_bytes)
+            await self._handle(exchange, raw, receive, send)
+        except GatewayError as exc:
+            exchange.status = exc.status
+            if exchange.outcome == "pending":
+                exchange.outcome = "client_error" if exc.status < 500 else "no_backend"
+            extra = [(k.encode(), v.encode()) for k, v in exc.headers.items()]
+            await send_body(send, exc.status, exc.body(), headers + extra)
+        except _ClientGone:
+            exchange.outcome = "disconnected"
+        finally:
+            exchange.t_end = time.perf_counter()
+            self._gw.observe(exchange)
+
+    async def _handle(self, exchange: Exchange, raw: bytes, receive: Receive, send: Send) -> None:
+        gw = self._gw
+        request = parse_request(self._route, raw)
+        exchange.stream = request.stream
+        try:
+            decision = gw.pipeline.route(request, gw.pool.backends)
+        except NoRoute as exc:
+            raise self._no_route(exc) from None
+        exchange.model = request.model
+        keep_usage = client_wants_usage(request.body)
+        log.debug("request %s model=%s -> %s (%s)", exchange.request_id, request.model,
+                  decision.ranked[0].name, decision.reason)
+        last_error: UpstreamError | None = None
+        for backend in decision.ranked[:MAX_CONNECT_ATTEMPTS]:
+            body = gw.pool.adapters[backend.name].prepare_body(request.route, dict(request.body))
+            exchange.backend = backend
+            backend.in_flight += 1
+            try:
+                await self._forward_until_disconnect(exchange, backend, orjson.dumps(body), keep_usage, receive, send)
+                return
+            except UpstreamError as exc:
+                last_error = exc
+                if not exc.connect:
+                    break
+                backend.mark_down(f"connection failed: {exc}")
+                log.warning("backend %s unreachable (%s); trying the next", backend.name, exc)
+            finally:
+                backend.in_flight -= 1
+        assert last_error is not None
+        exchange.outcome = "upstream_timeout" if last_error.timeout else "upstream_failed"
+        status = 504 if last_error.timeout else 502
+        name = exchange.backend.name if exchange.backend else UNKNOWN
+        raise GatewayError(status, f"backend {name}: {last_error}",
+                           code="upstream_timeout" if last_error.timeout else "upstream_failed",
+                           headers={"x-gateway-backend": name})
+
+    async def _forward_until_disconnect(
+        self, exchange: Exchange, backend: Backend, payload: bytes, keep_usage: bool, receive: Receive, send: Send
+    ) -> None:
+        """Forward while watching the client: when it disconnects, cancel the upstream request at once
+        (uvicorn's ``send`` silently drops writes to a gone client, so nothing else would notice)."""
+        task = asyncio.current_task()
+        assert task is not None
+        state = {"finished": False, "gone": False}
+
+        async def watch() -> None:
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    break
+            if not state["finished"]:
+                state["gone"] = True
+                task.cancel()
+
+        watcher = asyncio.create_task(watch())
+        try:
+            await self._gw.forwarder.forward(exchange, backend, payload, keep_usage, send)
+            state["finished"] = True
+        except asyncio.CancelledError:
+            if not state["gone"]:
+                raise
+            task.uncancel()
+            exchange.outcome = "disconnected"
+        finally:
+            state["finished"] = True
+            watcher.cancel()
+
+    def _no_route(self, exc: NoRoute) -> GatewayError:
+        model = exc.request.model
+        if exc.stage == "serves-model":
+            return GatewayError(404, f"The model '{model}' does not exist or is not served by any backend",
+                                type="invalid_request_error", param="model", code="model_not_found")
+        states = ", ".join(
+            f"{b.name}: {b.health.value}" for b in self._gw.pool.backends if model in b.models
+        )
+        return GatewayError(503, f"no backend can take a request for model '{model}' now ({exc.stage} left none;"
+                                 f" {states})", code="no_backend_available", headers={"retry-after": "1"})

@@ -1,0 +1,103 @@
+"""Checks on an OpenAI request body: only what the gateway relies on, each failure a 400 naming the field.
+
+Sampling parameters and the rest are the engine's to judge; its 400 is passed back in the same envelope.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+from gateway.errors import GatewayError
+from gateway.routing.request import RouteRequest
+
+_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
+
+
+def _bad(message: str, param: str | None) -> GatewayError:
+    return GatewayError(400, message, param=param, code="invalid_request")
+
+
+def _positive_int(body: dict[str, Any], key: str) -> int | None:
+    value = body.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise _bad(f"'{key}' must be an integer of at least 1, got {orjson.dumps(value).decode()}", key)
+    return value
+
+
+def _check_messages(messages: Any) -> None:
+    if not isinstance(messages, list) or not messages:
+        raise _bad("'messages' must be a non-empty array of message objects", "messages")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise _bad(f"messages[{i}] must be an object", f"messages[{i}]")
+        role = message.get("role")
+        if role not in _ROLES:
+            raise _bad(f"messages[{i}].role must be one of {', '.join(sorted(_ROLES))}", f"messages[{i}].role")
+        content = message.get("content")
+        if content is not None and not isinstance(content, str | list):
+            raise _bad(f"messages[{i}].content must be a string or an array of content parts",
+                       f"messages[{i}].content")
+
+
+def _check_prompt(prompt: Any) -> None:
+    if isinstance(prompt, str):
+        return
+    if isinstance(prompt, list) and prompt and (
+        all(isinstance(p, str) for p in prompt)
+        or all(isinstance(p, int) and not isinstance(p, bool) for p in prompt)
+        or all(isinstance(p, list) and all(isinstance(t, int) for t in p) for p in prompt)
+    ):
+        return
+    raise _bad("'prompt' must be a string, an array of strings, or an array of token ids", "prompt")
+
+
+def _check_input(value: Any) -> None:
+    if isinstance(value, str) or (isinstance(value, list) and value):
+        return
+    raise _bad("'input' must be a string or a non-empty array", "input")
+
+
+def parse_request(route: str, raw: bytes) -> RouteRequest:
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise _bad(f"We could not parse the JSON body of your request: {exc}", None) from None
+    if not isinstance(body, dict):
+        raise _bad("The request body must be a JSON object", None)
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise _bad("'model' is required and must be a non-empty string", "model")
+    if route == "chat":
+        _check_messages(body.get("messages"))
+    elif route == "completions":
+        _check_prompt(body.get("prompt"))
+    else:
+        _check_input(body.get("input"))
+    stream = body.get("stream", False)
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise _bad("'stream' must be a boolean", "stream")
+    if route == "embeddings" and stream:
+        raise _bad("embeddings cannot be streamed", "stream")
+    options = body.get("stream_options")
+    if options is not None:
+        if not stream:
+            raise _bad("The 'stream_options' parameter is only allowed when 'stream' is enabled.", "stream_options")
+        if not isinstance(options, dict):
+            raise _bad("'stream_options' must be an object", "stream_options")
+    _positive_int(body, "n")
+    max_completion_tokens = _positive_int(body, "max_completion_tokens")
+    max_tokens = _positive_int(body, "max_tokens")
+    if max_completion_tokens is not None:
+        max_tokens = max_completion_tokens
+    return RouteRequest(route=route, model=model, stream=stream, max_tokens=max_tokens, body=body)
+
+
+def client_wants_usage(body: dict[str, Any]) -> bool:
+    options = body.get("stream_options")
+    return isinstance(options, dict) and options.get("include_usage") is True

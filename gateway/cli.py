@@ -1,0 +1,63 @@
+"""Command line: parse arguments, build settings, hand over. No logic of its own.
+
+    gateway serve [--config FILE] [--host HOST] [--port PORT]
+    gateway check-config FILE
+    gateway sim ...            (the engine emulators; see ``gateway sim --help``)
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from gateway.config import ConfigError, load_settings
+from gateway.routing.policies import check_settings
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="gateway", description="Multi-engine LLM gateway")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run the gateway")
+    serve.add_argument("--config", help="YAML configuration; without it, an emulated fleet is started and used")
+    serve.add_argument("--host", help="listen address (overrides server.host)")
+    serve.add_argument("--port", type=int, help="listen port (overrides server.port)")
+    serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    serve.add_argument("--sim-base-port", type=int, default=18001,
+                       help="without --config: first port of the emulated fleet (default 18001)")
+
+    check = sub.add_parser("check-config", help="validate a configuration file without starting")
+    check.add_argument("file")
+
+    sub.add_parser("sim", help="run emulated engines (llama.cpp, vLLM, SGLang, TabbyAPI)", add_help=False)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args_list = sys.argv[1:] if argv is None else argv
+    if args_list[:1] == ["sim"]:
+        from gateway.sim.cli import main as sim_main
+
+        code: int = sim_main(args_list[1:])
+        return code
+    args = _parser().parse_args(args_list)
+    if args.command == "check-config":
+        try:
+            settings = load_settings(args.file)
+            check_settings(settings)
+        except ConfigError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        names = ", ".join(f"{b.name} ({b.engine})" for b in settings.backends) or "none"
+        print(f"{args.file}: OK; backends: {names}; routing policy: {settings.routing.policy}")
+        return 0
+    from gateway.serve import serve
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return serve(args.config, host=args.host, port=args.port, log_level=args.log_level,
+                     sim_base_port=args.sim_base_port)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2

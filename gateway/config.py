@@ -1,0 +1,168 @@
+"""Settings: one YAML file plus ``GATEWAY_*`` environment overrides, validated by pydantic.
+
+Environment variables win over the file and nest with ``__``: ``GATEWAY_SERVER__PORT=9000``,
+``GATEWAY_ROUTING__POLICY=round-robin``, ``GATEWAY_TIMEOUTS__TOTAL=120``. A bad file raises
+:class:`ConfigError` whose message names each offending field (``backends[1] (vllm-a).url: ...``).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+EngineName = Literal["llamacpp", "vllm", "sglang", "tabbyapi", "openai"]
+
+
+class ConfigError(ValueError):
+    """The configuration cannot be used; the message names the fields at fault."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ServerSettings(_Strict):
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=0, le=65535)
+    max_body_bytes: int = Field(default=8 * 1024 * 1024, gt=0, description="larger request bodies get 413")
+
+
+class BackendSettings(_Strict):
+    name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.:-]*$")
+    engine: EngineName
+    url: str
+    models: list[str] | None = Field(default=None, description="served model ids; discovered when omitted")
+    api_key: SecretStr | None = None
+    api_key_env: str | None = Field(default=None, description="environment variable holding the API key")
+    max_concurrency: int | None = Field(default=None, gt=0)
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, value: str) -> str:
+        if not value.startswith(("http://", "https://")):
+            raise ValueError("must start with http:// or https://")
+        return value.rstrip("/")
+
+    @model_validator(mode="after")
+    def _key_source(self) -> BackendSettings:
+        if self.api_key is not None and self.api_key_env is not None:
+            raise ValueError("set api_key or api_key_env, not both")
+        if self.api_key_env is not None and not os.environ.get(self.api_key_env):
+            raise ValueError(f"api_key_env: environment variable {self.api_key_env} is not set")
+        return self
+
+    def resolved_api_key(self) -> str | None:
+        if self.api_key is not None:
+            return self.api_key.get_secret_value()
+        if self.api_key_env is not None:
+            return os.environ[self.api_key_env]
+        return None
+
+
+class RoutingSettings(_Strict):
+    policy: str = Field(default="least-load", description="a registered routing policy name")
+
+
+class TimeoutSettings(_Strict):
+    """Upstream timeouts in seconds."""
+
+    connect: float = Field(default=5.0, gt=0)
+    first_byte: float = Field(default=120.0, gt=0, description="request sent -> response headers")
+    idle: float = Field(default=60.0, gt=0, description="longest gap between streamed chunks")
+    total: float = Field(default=900.0, gt=0)
+
+
+class ScrapeSettings(_Strict):
+    """The background loop that reads each backend's health, load and models."""
+
+    interval: float = Field(default=1.0, gt=0)
+    timeout: float = Field(default=2.0, gt=0)
+    stale_after: float = Field(default=5.0, gt=0, description="older load readings are not trusted")
+    models_every: int = Field(default=30, ge=1, description="re-discover models every N scrapes")
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="GATEWAY_", env_nested_delimiter="__", extra="forbid", frozen=True
+    )
+
+    server: ServerSettings = ServerSettings()
+    backends: list[BackendSettings] = Field(default_factory=list)
+    routing: RoutingSettings = RoutingSettings()
+    timeouts: TimeoutSettings = TimeoutSettings()
+    scrape: ScrapeSettings = ScrapeSettings()
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # The YAML document arrives as init kwargs; the environment overrides it.
+        return (env_settings, init_settings)
+
+    @model_validator(mode="after")
+    def _unique_names(self) -> Settings:
+        seen: set[str] = set()
+        for backend in self.backends:
+            if backend.name in seen:
+                raise ValueError(f"backends: duplicate backend name {backend.name!r}")
+            seen.add(backend.name)
+        return self
+
+
+def _field_path(loc: tuple[int | str, ...], raw: dict[str, Any]) -> str:
+    parts: list[str] = []
+    node: Any = raw
+    for item in loc:
+        if isinstance(item, int):
+            label = f"[{item}]"
+            if isinstance(node, list) and item < len(node):
+                node = node[item]
+                if isinstance(node, dict) and isinstance(node.get("name"), str):
+                    label += f" ({node['name']})"
+            else:
+                node = None
+            parts.append(label)
+        else:
+            parts.append(("." if parts else "") + item)
+            node = node.get(item) if isinstance(node, dict) else None
+    return "".join(parts) or "(top level)"
+
+
+def settings_from_mapping(raw: dict[str, Any], source: str = "configuration") -> Settings:
+    try:
+        return Settings(**raw)
+    except ValidationError as exc:
+        lines = []
+        for err in exc.errors():
+            loc = tuple(part for part in err["loc"] if part not in ("function-after",))
+            msg = err["msg"].removeprefix("Value error, ")
+            lines.append(f"  {_field_path(loc, raw)}: {msg}")
+        raise ConfigError(f"{source} is invalid:\n" + "\n".join(lines)) from None
+
+
+def load_settings(path: str | Path) -> Settings:
+    """Read and validate a YAML configuration file (environment overrides applied)."""
+    file = Path(path)
+    try:
+        text = file.read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read configuration {file}: {exc.strerror}") from None
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{file} is not valid YAML: {exc}") from None
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{file}: the top level must be a mapping (server:, backends:, routing:, ...)")
+    return settings_from_mapping(raw, str(file))

@@ -1,0 +1,130 @@
+"""The engine adapter contract, and helpers every adapter shares.
+
+An adapter knows one engine's control-plane dialect: where its health, load, capacity and models live and
+what its answers mean. It is handed an ``httpx.AsyncClient`` already pointed at the backend (base URL,
+auth header, timeouts); errors from httpx are mapped here, at the boundary, to :class:`BackendError`.
+Request-side translation (``prepare_body``) also lives here, so engine quirks never leak into the proxy.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Mapping
+from typing import Any, ClassVar
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from gateway.pool.state import Capacity, Health, LoadRecord, Probe
+
+
+class BackendError(Exception):
+    """A backend could not be reached or answered something unusable."""
+
+
+class EngineAdapter:
+    """Base adapter: an OpenAI-compatible server with ``/health`` and ``/v1/models``, no load signals.
+
+    Subclasses override data (paths, the metric-name table) and only the methods whose behaviour differs.
+    """
+
+    engine: ClassVar[str] = "openai"
+    health_path: ClassVar[str] = "/health"
+    models_path: ClassVar[str] = "/v1/models"
+    # normalised field -> the engine's Prometheus metric name
+    metric_names: ClassVar[Mapping[str, str]] = {}
+    # when the engine reports no capacity, assume this many concurrent sequences
+    default_slots: ClassVar[int | None] = None
+
+    def auth_headers(self, api_key: str | None) -> dict[str, str]:
+        return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+    # --- control plane -------------------------------------------------------------------------------
+    async def probe(self, client: httpx.AsyncClient) -> Probe:
+        response = await get(client, self.health_path)
+        if response.status_code == 200:
+            return Probe(Health.READY)
+        return Probe(Health.DOWN, f"{self.health_path} answered HTTP {response.status_code}")
+
+    async def read_load(self, client: httpx.AsyncClient) -> LoadRecord | None:
+        """The engine's own view of its load, or None when it exposes none."""
+        if not self.metric_names:
+            return None
+        response = await get(client, "/metrics")
+        if response.status_code != 200:
+            raise BackendError(f"/metrics answered HTTP {response.status_code}")
+        values = parse_metrics(response.text, self.metric_names.values())
+        return LoadRecord(
+            running=as_int(values.get(self.metric_names.get("running", ""))),
+            waiting=as_int(values.get(self.metric_names.get("waiting", ""))),
+            kv_usage=values.get(self.metric_names.get("kv_usage", "")),
+            read_at=time.monotonic(),
+        )
+
+    async def read_capacity(self, client: httpx.AsyncClient) -> Capacity:
+        return Capacity(slots=self.default_slots)
+
+    async def list_models(self, client: httpx.AsyncClient) -> list[str]:
+        doc = await get_json(client, self.models_path)
+        data = doc.get("data") if isinstance(doc, dict) else None
+        if not isinstance(data, list):
+            raise BackendError(f"{self.models_path} has no 'data' list")
+        return [item["id"] for item in data if isinstance(item, dict) and isinstance(item.get("id"), str)]
+
+    # --- data plane ----------------------------------------------------------------------------------
+    def prepare_body(self, route: str, body: dict[str, Any]) -> dict[str, Any]:
+        """Translate an OpenAI request body (``route``: chat, completions or embeddings) into what this
+        engine needs. May modify ``body`` in place.
+
+        Streaming requests always ask for usage so the gateway's token accounting is exact; the proxy
+        removes the usage chunk again when the client did not ask for it.
+        """
+        if body.get("stream") is True:
+            options = body.get("stream_options")
+            body["stream_options"] = {**options, "include_usage": True} if isinstance(options, dict) else {
+                "include_usage": True
+            }
+        return body
+
+
+# --- helpers ----------------------------------------------------------------------------------------------
+async def get(client: httpx.AsyncClient, path: str) -> httpx.Response:
+    try:
+        return await client.get(path)
+    except httpx.TimeoutException as exc:
+        raise BackendError(f"GET {path} timed out ({type(exc).__name__})") from None
+    except httpx.HTTPError as exc:
+        raise BackendError(f"GET {path} failed: {type(exc).__name__}: {exc}") from None
+
+
+async def get_json(client: httpx.AsyncClient, path: str) -> Any:
+    response = await get(client, path)
+    if response.status_code != 200:
+        raise BackendError(f"GET {path} answered HTTP {response.status_code}")
+    try:
+        return response.json()
+    except ValueError:
+        raise BackendError(f"GET {path} did not answer JSON") from None
+
+
+def parse_metrics(text: str, wanted: Iterable[str]) -> dict[str, float]:
+    """Sum the samples of the wanted metrics across their labels (e.g. one per model or engine rank).
+
+    Parsed with prometheus_client's own parser. Counter families lose their ``_total`` suffix there, so
+    both spellings are matched.
+    """
+    names = set(wanted)
+    out: dict[str, float] = {}
+    try:
+        families = list(text_string_to_metric_families(text))
+    except ValueError as exc:
+        raise BackendError(f"/metrics is not Prometheus text: {exc}") from None
+    for family in families:
+        for sample in family.samples:
+            if sample.name in names:
+                out[sample.name] = out.get(sample.name, 0.0) + float(sample.value)
+    return out
+
+
+def as_int(value: float | None) -> int | None:
+    return None if value is None else round(value)

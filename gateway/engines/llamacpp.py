@@ -1,0 +1,80 @@
+"""llama.cpp ``llama-server``.
+
+Health: ``/health`` (HTTP up but every path answers 503 "Loading model" while the model loads).
+Load: ``/slots`` (``is_processing`` per slot) for running sequences and slot count; ``/metrics`` (only with
+``--metrics``) for ``llamacpp:requests_deferred``. Trap: llama.cpp averages and resets its throughput gauges on
+every ``/metrics`` scrape, so the gateway reads only the instantaneous gauges it needs, and an operator's
+Prometheus scraping the same server sees throughput averaged since the gateway's last read.
+Capacity: ``/props`` ``total_slots`` and ``default_generation_settings.n_ctx``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, ClassVar
+
+import httpx
+
+from gateway.engines.base import BackendError, EngineAdapter, as_int, get, get_json, parse_metrics
+from gateway.pool.state import Capacity, Health, LoadRecord, Probe
+
+_RUNNING = "llamacpp:requests_processing"
+_WAITING = "llamacpp:requests_deferred"
+
+
+class LlamaCppAdapter(EngineAdapter):
+    engine: ClassVar[str] = "llamacpp"
+
+    def __init__(self) -> None:
+        # learned on first contact: a server started without --metrics / with --no-slots answers 501
+        self._metrics_enabled = True
+        self._slots_enabled = True
+
+    async def probe(self, client: httpx.AsyncClient) -> Probe:
+        response = await get(client, "/health")
+        if response.status_code == 200:
+            return Probe(Health.READY)
+        if response.status_code == 503:
+            return Probe(Health.LOADING, "llama-server is loading the model")
+        return Probe(Health.DOWN, f"/health answered HTTP {response.status_code}")
+
+    async def read_load(self, client: httpx.AsyncClient) -> LoadRecord | None:
+        running: int | None = None
+        waiting: int | None = None
+        if self._slots_enabled:
+            response = await get(client, "/slots")
+            if response.status_code == 501:
+                self._slots_enabled = False
+            elif response.status_code != 200:
+                raise BackendError(f"/slots answered HTTP {response.status_code}")
+            else:
+                slots = response.json()
+                if not isinstance(slots, list):
+                    raise BackendError("/slots is not a list")
+                running = sum(1 for slot in slots if isinstance(slot, dict) and slot.get("is_processing"))
+        if self._metrics_enabled:
+            response = await get(client, "/metrics")
+            if response.status_code == 501:
+                self._metrics_enabled = False
+            elif response.status_code != 200:
+                raise BackendError(f"/metrics answered HTTP {response.status_code}")
+            else:
+                values = parse_metrics(response.text, (_RUNNING, _WAITING))
+                waiting = as_int(values.get(_WAITING))
+                if running is None:
+                    running = as_int(values.get(_RUNNING))
+        if running is None and waiting is None:
+            return None
+        return LoadRecord(running=running, waiting=waiting, kv_usage=None, read_at=time.monotonic())
+
+    async def read_capacity(self, client: httpx.AsyncClient) -> Capacity:
+        props: Any = await get_json(client, "/props")
+        if not isinstance(props, dict):
+            raise BackendError("/props is not an object")
+        settings = props.get("default_generation_settings")
+        n_ctx = settings.get("n_ctx") if isinstance(settings, dict) else None
+        slots = props.get("total_slots")
+        return Capacity(
+            slots=slots if isinstance(slots, int) and slots > 0 else None,
+            context_length=n_ctx if isinstance(n_ctx, int) and n_ctx > 0 else None,
+        )

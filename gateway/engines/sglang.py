@@ -1,0 +1,58 @@
+"""SGLang's server.
+
+Health: not ``/health``, which by default runs a one-token generation; the gateway probes ``/v1/models``
+(503 while warming up). Load: ``/v1/loads`` (works without ``--enable-metrics``): running and waiting
+requests and ``token_usage`` per data-parallel rank, summed. Capacity: ``max_running_requests`` from the
+same document, ``max_model_len`` from ``/v1/models``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, ClassVar
+
+import httpx
+
+from gateway.engines.base import BackendError, EngineAdapter, get, get_json
+from gateway.engines.vllm import max_model_len
+from gateway.pool.state import Capacity, Health, LoadRecord, Probe
+
+
+class SGLangAdapter(EngineAdapter):
+    engine: ClassVar[str] = "sglang"
+    health_path: ClassVar[str] = "/v1/models"
+
+    async def probe(self, client: httpx.AsyncClient) -> Probe:
+        response = await get(client, self.health_path)
+        if response.status_code == 200:
+            return Probe(Health.READY)
+        if response.status_code == 503:
+            return Probe(Health.LOADING, "sglang is warming up")
+        return Probe(Health.DOWN, f"{self.health_path} answered HTTP {response.status_code}")
+
+    async def read_load(self, client: httpx.AsyncClient) -> LoadRecord | None:
+        loads = await _loads(client)
+        usages = [float(x["token_usage"]) for x in loads if isinstance(x.get("token_usage"), int | float)]
+        return LoadRecord(
+            running=_sum(loads, "num_running_reqs"),
+            waiting=_sum(loads, "num_waiting_reqs"),
+            kv_usage=max(usages) if usages else None,
+            read_at=time.monotonic(),
+        )
+
+    async def read_capacity(self, client: httpx.AsyncClient) -> Capacity:
+        slots = _sum(await _loads(client), "max_running_requests")
+        return Capacity(slots=slots or None, context_length=await max_model_len(client))
+
+
+async def _loads(client: httpx.AsyncClient) -> list[dict[str, Any]]:
+    doc: Any = await get_json(client, "/v1/loads")
+    loads = doc.get("loads") if isinstance(doc, dict) else None
+    if not isinstance(loads, list):
+        raise BackendError("/v1/loads has no 'loads' list")
+    return [item for item in loads if isinstance(item, dict)]
+
+
+def _sum(loads: list[dict[str, Any]], key: str) -> int | None:
+    values = [item[key] for item in loads if isinstance(item.get(key), int)]
+    return sum(values) if values else None

@@ -1,0 +1,44 @@
+"""TabbyAPI (ExLlamaV2 / ExLlamaV3).
+
+Health: ``/health`` (503 with ``issues`` when unhealthy). Load: none at all, so the gateway's own in-flight
+count against ``/props.total_slots`` (= the generator's ``max_batch_size``) is the load signal.
+Models: ``/v1/models`` lists every model in the model directory, not what is loaded; the loaded model is
+``/v1/model``. Capacity: ``/props.total_slots``, ``/v1/model`` ``parameters.max_seq_len``.
+Auth: ``x-api-key``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import httpx
+
+from gateway.engines.base import BackendError, EngineAdapter, get_json
+from gateway.pool.state import Capacity, LoadRecord
+
+
+class TabbyAPIAdapter(EngineAdapter):
+    engine: ClassVar[str] = "tabbyapi"
+
+    def auth_headers(self, api_key: str | None) -> dict[str, str]:
+        return {"x-api-key": api_key} if api_key else {}
+
+    async def read_load(self, client: httpx.AsyncClient) -> LoadRecord | None:
+        return None
+
+    async def list_models(self, client: httpx.AsyncClient) -> list[str]:
+        card: Any = await get_json(client, "/v1/model")
+        if not isinstance(card, dict) or not isinstance(card.get("id"), str):
+            raise BackendError("/v1/model names no loaded model")
+        return [card["id"]]
+
+    async def read_capacity(self, client: httpx.AsyncClient) -> Capacity:
+        props: Any = await get_json(client, "/props")
+        card: Any = await get_json(client, "/v1/model")
+        slots = props.get("total_slots") if isinstance(props, dict) else None
+        params = card.get("parameters") if isinstance(card, dict) else None
+        max_seq_len = params.get("max_seq_len") if isinstance(params, dict) else None
+        return Capacity(
+            slots=slots if isinstance(slots, int) and slots > 0 else None,
+            context_length=max_seq_len if isinstance(max_seq_len, int) and max_seq_len > 0 else None,
+        )

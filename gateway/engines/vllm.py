@@ -1,0 +1,40 @@
+"""vLLM's OpenAI server.
+
+Health: ``/health`` (the port is not served until the engine is ready). Load: ``/metrics`` gauges.
+Capacity: ``max_model_len`` from ``/v1/models``; vLLM does not publish its ``max_num_seqs``, so the slot
+count is the configured ``max_concurrency`` or vLLM's default of 256.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+import httpx
+
+from gateway.engines.base import EngineAdapter, get_json
+from gateway.pool.state import Capacity
+
+
+class VLLMAdapter(EngineAdapter):
+    engine: ClassVar[str] = "vllm"
+    metric_names: ClassVar[Mapping[str, str]] = {
+        "running": "vllm:num_requests_running",
+        "waiting": "vllm:num_requests_waiting",
+        "kv_usage": "vllm:kv_cache_usage_perc",
+    }
+    default_slots: ClassVar[int | None] = 256
+
+    async def read_capacity(self, client: httpx.AsyncClient) -> Capacity:
+        return Capacity(slots=self.default_slots, context_length=await max_model_len(client))
+
+
+async def max_model_len(client: httpx.AsyncClient) -> int | None:
+    """vLLM and SGLang list ``max_model_len`` with each model in ``/v1/models``."""
+    doc: Any = await get_json(client, "/v1/models")
+    lengths = [
+        item["max_model_len"]
+        for item in (doc.get("data") or [] if isinstance(doc, dict) else [])
+        if isinstance(item, dict) and isinstance(item.get("max_model_len"), int)
+    ]
+    return min(lengths) if lengths else None

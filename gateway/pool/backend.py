@@ -1,0 +1,107 @@
+"""One backend as the gateway knows it: identity, health, last load reading, and its own in-flight count."""
+
+from __future__ import annotations
+
+import time
+
+from gateway.pool.state import Capacity, Health, LoadRecord, Probe
+
+
+class Backend:
+    """Mutable state of one backend, shared by the scrape loop (writer), routing and the proxy (readers).
+
+    Everything runs on one event loop, so plain attributes suffice.
+    """
+
+    __slots__ = (
+        "_in_flight_at_read",
+        "capacity",
+        "configured_models",
+        "detail",
+        "engine",
+        "health",
+        "in_flight",
+        "load",
+        "max_concurrency",
+        "models",
+        "name",
+        "scrape_errors",
+        "stale_after",
+        "url",
+    )
+
+    def __init__(
+        self,
+        name: str,
+        engine: str,
+        url: str,
+        *,
+        models: list[str] | None = None,
+        max_concurrency: int | None = None,
+        stale_after: float = 5.0,
+    ) -> None:
+        self.name = name
+        self.engine = engine
+        self.url = url
+        self.configured_models = frozenset(models) if models else None
+        # Last known models are kept while a backend is down, so its model is "unavailable" (503), not
+        # "unknown" (404).
+        self.models: frozenset[str] = self.configured_models or frozenset()
+        self.max_concurrency = max_concurrency
+        self.stale_after = stale_after
+        self.health = Health.UNKNOWN
+        self.detail = "not probed yet"
+        self.load: LoadRecord | None = None
+        self.capacity = Capacity()
+        self.in_flight = 0
+        self._in_flight_at_read = 0
+        self.scrape_errors = 0
+
+    def __repr__(self) -> str:
+        return f"<Backend {self.name} {self.engine} {self.health.value} in_flight={self.in_flight}>"
+
+    @property
+    def routable(self) -> bool:
+        return self.health is Health.READY
+
+    @property
+    def slots(self) -> int | None:
+        """Concurrent sequences this backend should run: the configured limit, else what the engine says."""
+        return self.max_concurrency or self.capacity.slots
+
+    def fresh_load(self, now: float | None = None) -> LoadRecord | None:
+        load = self.load
+        if load is None:
+            return None
+        if (now if now is not None else time.monotonic()) - load.read_at > self.stale_after:
+            return None
+        return load
+
+    def estimated_queue(self, now: float | None = None) -> int:
+        """Sequences on the engine now (running + waiting), as best known.
+
+        The engine's reading includes the requests this gateway had in flight when it was taken; requests
+        started or finished since are accounted for by the change in our own in-flight count. Without a
+        fresh reading (TabbyAPI never has one) our own in-flight count is the estimate.
+        """
+        load = self.fresh_load(now)
+        if load is None or (load.running is None and load.waiting is None):
+            return self.in_flight
+        engine_total = (load.running or 0) + (load.waiting or 0)
+        return max(self.in_flight, engine_total + self.in_flight - self._in_flight_at_read)
+
+    # --- written by the scrape loop ----------------------------------------------------------------------
+    def record_probe(self, probe: Probe) -> None:
+        self.health = probe.health
+        self.detail = probe.detail
+
+    def record_load(self, load: LoadRecord | None) -> None:
+        self.load = load
+        self._in_flight_at_read = self.in_flight
+
+    # --- written by the proxy ------------------------------------------------------------------------------
+    def mark_down(self, reason: str) -> None:
+        """Take the backend out of rotation at once after a failed connection; the scrape loop restores it."""
+        self.health = Health.DOWN
+        self.detail = reason
+        self.load = None

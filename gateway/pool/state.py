@@ -1,0 +1,43 @@
+"""Normalised state of one backend: the only vocabulary routing sees.
+
+Every engine adapter turns its engine's own signals (Prometheus metric names, ``/slots``, ``/v1/loads``,
+``/props``) into these records, so a scorer reads ``waiting``, never ``vllm:num_requests_waiting``.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class Health(enum.Enum):
+    UNKNOWN = "unknown"  # not probed yet
+    READY = "ready"
+    LOADING = "loading"  # up but not serving yet (llama.cpp "503 Loading model")
+    DOWN = "down"
+
+
+@dataclass(frozen=True, slots=True)
+class LoadRecord:
+    """One reading of an engine's load. ``None`` means the engine does not expose that signal."""
+
+    running: int | None
+    waiting: int | None
+    kv_usage: float | None  # fraction of KV cache in use, 0..1
+    read_at: float  # time.monotonic() of the reading
+
+
+@dataclass(frozen=True, slots=True)
+class Capacity:
+    """What an engine says it can hold. Read once it is ready, and again after it restarts."""
+
+    slots: int | None = None  # concurrent sequences it will run
+    context_length: int | None = None  # tokens per sequence
+
+
+@dataclass(frozen=True, slots=True)
+class Probe:
+    """The outcome of one health check."""
+
+    health: Health
+    detail: str = ""

@@ -1,0 +1,36 @@
+"""The record of one proxied request, filled in as it goes and handed to telemetry at the end."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from gateway.pool.backend import Backend
+
+
+@dataclass(slots=True)
+class Exchange:
+    request_id: str
+    route: str
+    t_start: float  # time.perf_counter() when the request arrived
+    model: str | None = None
+    stream: bool = False
+    backend: Backend | None = None
+    status: int = 0
+    outcome: str = "pending"  # success | client_error | upstream_error | no_backend | disconnected | ...
+    t_first: float | None = None  # first event sent to the client (streams)
+    t_end: float | None = None
+    usage: dict[str, Any] | None = None
+    timings: dict[str, Any] | None = None  # llama.cpp per-request timings
+
+    def usage_int(self, key: str) -> int:
+        value = (self.usage or {}).get(key)
+        return value if isinstance(value, int) else 0
+
+    def cached_tokens(self) -> int:
+        details = (self.usage or {}).get("prompt_tokens_details")
+        cached = details.get("cached_tokens") if isinstance(details, dict) else None
+        if isinstance(cached, int):
+            return cached
+        cache_n = (self.timings or {}).get("cache_n")
+        return cache_n if isinstance(cache_n, int) else 0

@@ -1,0 +1,134 @@
+"""Forward one request to one backend and relay the answer to the client.
+
+Contract: :meth:`Forwarder.forward` raises :class:`UpstreamError` only while nothing has been sent to the
+client (so the caller may answer with an error or try another backend). Once the first byte is out, every
+failure ends the client's stream with a well-formed OpenAI error event instead.
+
+A streamed response's headers are sent to the client with the upstream's first event, not with the
+upstream's headers: until then a failure can still become a clean HTTP error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import orjson
+
+from gateway.asgi import EVENT_STREAM, Headers, Send, send_body
+from gateway.errors import error_body, normalise_upstream_error
+from gateway.pool.backend import Backend
+from gateway.proxy.exchange import Exchange
+from gateway.proxy.sse import SSERelay
+from gateway.proxy.upstream import Upstream, UpstreamError, map_error
+
+PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions", "embeddings": "/v1/embeddings"}
+
+
+class Forwarder:
+    def __init__(self, upstream: Upstream, auth_headers: dict[str, dict[str, str]]) -> None:
+        self._upstream = upstream
+        self._timeouts = upstream.timeouts
+        # per backend: the headers every upstream request carries (its own key, never the client's)
+        self._headers = {name: {"Content-Type": "application/json", **h} for name, h in auth_headers.items()}
+
+    async def forward(
+        self, exchange: Exchange, backend: Backend, payload: bytes, keep_usage: bool, send: Send
+    ) -> None:
+        loop = asyncio.get_running_loop()
+        t = self._timeouts
+        deadline = loop.time() + t.total
+        headers = {**self._headers[backend.name], "X-Request-Id": exchange.request_id}
+        url = backend.url + PATHS[exchange.route]
+        client_headers: Headers = [
+            (b"x-request-id", exchange.request_id.encode()),
+            (b"x-gateway-backend", backend.name.encode()),
+        ]
+        started = False
+        try:
+            async with asyncio.timeout(min(loop.time() + t.first_byte, deadline)) as timer:
+                response = await self._upstream.session.post(url, data=payload, headers=headers)
+                try:
+                    exchange.status = response.status
+                    if response.status != 200:
+                        raw = await response.read()
+                        exchange.outcome = "upstream_error"
+                        await send_body(
+                            send, response.status, normalise_upstream_error(response.status, raw, backend.name),
+                            client_headers,
+                        )
+                        return
+                    content_type = response.headers.get("Content-Type", "")
+                    if not exchange.stream or not content_type.startswith("text/event-stream"):
+                        raw = await response.read()
+                        self._account_body(exchange, raw)
+                        exchange.outcome = "success"
+                        await send_body(send, 200, raw, client_headers)
+                        return
+                    relay = SSERelay(keep_usage)
+                    async for data in response.content.iter_any():
+                        timer.reschedule(min(loop.time() + t.idle, deadline))
+                        out = relay.feed(data)
+                        if not out:
+                            continue
+                        if not started:
+                            await send(
+                                {
+                                    "type": "http.response.start",
+                                    "status": 200,
+                                    "headers": [
+                                        (b"content-type", EVENT_STREAM),
+                                        (b"cache-control", b"no-cache"),
+                                        *client_headers,
+                                    ],
+                                }
+                            )
+                            started = True
+                            exchange.t_first = time.perf_counter()
+                        await send({"type": "http.response.body", "body": out, "more_body": True})
+                    tail = relay.flush()
+                finally:
+                    response.release()
+        except Exception as exc:  # map_error re-raises what is not an upstream failure
+            error = map_error(exc)
+            if not started:
+                raise error from None
+            exchange.outcome = "upstream_timeout" if error.timeout else "upstream_failed"
+            await self._end_with_error(send, f"backend {backend.name}: {error}", error)
+            return
+        exchange.usage = relay.usage
+        exchange.timings = relay.timings
+        if not started:
+            if relay.error is None and not tail:
+                raise UpstreamError("the backend ended the stream without sending anything")
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 200,
+                    "headers": [(b"content-type", EVENT_STREAM), (b"cache-control", b"no-cache"), *client_headers],
+                }
+            )
+            exchange.t_first = time.perf_counter()
+        exchange.outcome = "upstream_error" if relay.error is not None else "success"
+        await send({"type": "http.response.body", "body": tail, "more_body": False})
+
+    @staticmethod
+    def _account_body(exchange: Exchange, raw: bytes) -> None:
+        try:
+            doc: Any = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            return
+        if isinstance(doc, dict):
+            usage = doc.get("usage")
+            exchange.usage = usage if isinstance(usage, dict) else None
+            timings = doc.get("timings")
+            exchange.timings = timings if isinstance(timings, dict) else None
+
+    @staticmethod
+    async def _end_with_error(send: Send, message: str, error: UpstreamError) -> None:
+        body = error_body(message, "timeout_error" if error.timeout else "api_error", None,
+                          "upstream_timeout" if error.timeout else "upstream_failed")
+        await send({"type": "http.response.body", "body": b"data: " + body + b"\n\ndata: [DONE]\n\n",
+                    "more_body": False})
+

@@ -1,0 +1,15 @@
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from gateway.pool.backend import Backend
+from gateway.routing.request import RouteRequest
+
+
+class ServesModelFilter:
+    """Keeps backends that serve (or, while down, last served) the requested model."""
+
+    name = "serves-model"
+
+    def filter(self, request: RouteRequest, backends: Sequence[Backend]) -> list[Backend]:
+        return [b for b in backends if request.model in b.models]

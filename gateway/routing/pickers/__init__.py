@@ -1,0 +1,8 @@
+from gateway.routing.pickers.max_score import MaxScorePicker
+from gateway.routing.pickers.round_robin import RoundRobinPicker
+from gateway.routing.plugins import PICKERS
+
+PICKERS["max-score"] = MaxScorePicker
+PICKERS["round-robin"] = RoundRobinPicker
+
+__all__ = ["MaxScorePicker", "RoundRobinPicker"]

@@ -1,0 +1,1 @@
+"""Metrics and tracing. Every gateway metric is defined in ``metrics.py``."""
