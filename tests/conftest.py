@@ -1,0 +1,74 @@
+"""Shared fixtures: run ASGI apps on loopback in background threads, as real servers."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+import uvicorn
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+class ServerThread:
+    """A uvicorn server (uvloop + httptools, as in production) on its own loop in a daemon thread."""
+
+    def __init__(self, app: Any, port: int | None = None) -> None:
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, loop="uvloop", http="httptools",
+                                lifespan="on", log_level="warning", access_log=False)
+        self.server = uvicorn.Server(config)
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        import uvloop
+
+        loop = uvloop.new_event_loop()
+        self.loop = loop
+        asyncio.set_event_loop(loop)
+        loop.run_until_complete(self.server.serve())
+
+    def call(self, coro: Any, timeout: float = 10.0) -> Any:
+        """Run a coroutine on the server's loop (e.g. to inspect or change app state)."""
+        assert self.loop is not None
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def start(self) -> ServerThread:
+        self._thread.start()
+        deadline = time.monotonic() + 20
+        while not self.server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("test server did not start")
+            time.sleep(0.01)
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self._thread.join(timeout=15)
+
+
+@contextmanager
+def serve_in_thread(app: Any, port: int | None = None) -> Iterator[ServerThread]:
+    server = ServerThread(app, port).start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"

@@ -1,0 +1,102 @@
+"""The scrape loop's state machine: discovery, loading, failure and recovery, stale readings."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from gateway.config import BackendSettings, ScrapeSettings
+from gateway.engines import EngineAdapter
+from gateway.pool.pool import Pool
+from gateway.pool.state import Health
+
+
+class FakeEngine:
+    """A llama.cpp-like server whose answers the test changes between scrapes."""
+
+    def __init__(self) -> None:
+        self.state = "ready"  # ready | loading | down
+        self.models = ["m1"]
+        self.busy = 1
+
+    def handler(self, request: httpx.Request) -> httpx.Response:
+        if self.state == "down":
+            raise httpx.ConnectError("connection refused", request=request)
+        if self.state == "loading":
+            return httpx.Response(503, json={"error": {"code": 503, "message": "Loading model"}})
+        path = request.url.path
+        if path == "/health":
+            return httpx.Response(200, json={"status": "ok"})
+        if path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": m} for m in self.models]})
+        if path == "/slots":
+            return httpx.Response(200, json=[{"id": i, "is_processing": i < self.busy} for i in range(2)])
+        if path == "/metrics":
+            return httpx.Response(501, json={"error": {"code": 501}})
+        if path == "/props":
+            return httpx.Response(200, json={"total_slots": 2, "default_generation_settings": {"n_ctx": 2048}})
+        return httpx.Response(404)
+
+
+def make_pool(engine: FakeEngine, **backend: object) -> Pool:
+    settings = BackendSettings(name="a", engine="llamacpp", url="http://a", **backend)  # type: ignore[arg-type]
+
+    def factory(s: BackendSettings, adapter: EngineAdapter) -> httpx.AsyncClient:
+        return httpx.AsyncClient(transport=httpx.MockTransport(engine.handler), base_url=s.url)
+
+    return Pool([settings], ScrapeSettings(interval=60, stale_after=5), factory)
+
+
+@pytest.mark.anyio
+async def test_discovery_failure_and_recovery() -> None:
+    engine = FakeEngine()
+    pool = make_pool(engine)
+    await pool.start()
+    try:
+        a = pool.get("a")
+        assert a.health is Health.READY and a.models == {"m1"} and pool.models() == ["m1"]
+        assert a.capacity.slots == 2 and a.capacity.context_length == 2048
+        assert a.load is not None and a.load.running == 1
+
+        engine.state = "down"
+        await pool.scrape_once(a)
+        assert a.health is Health.DOWN and "refused" in a.detail and a.load is None
+        assert pool.models() == [] and pool.known_models() == {"m1"}, "a down backend's model stays known"
+
+        engine.state, engine.models = "loading", ["m2"]
+        await pool.scrape_once(a)
+        assert a.health is Health.LOADING
+
+        engine.state = "ready"
+        await pool.scrape_once(a)
+        assert a.health is Health.READY and a.models == {"m2"}, "models are re-discovered on recovery"
+    finally:
+        await pool.stop()
+
+
+@pytest.mark.anyio
+async def test_configured_models_skip_discovery_and_mark_down_is_undone_by_the_next_probe() -> None:
+    engine = FakeEngine()
+    pool = make_pool(engine, models=["alias"])
+    await pool.start()
+    try:
+        a = pool.get("a")
+        assert a.models == {"alias"}
+        a.mark_down("connection failed")
+        assert not a.routable
+        await pool.scrape_once(a)
+        assert a.routable
+    finally:
+        await pool.stop()
+
+
+@pytest.mark.anyio
+async def test_a_server_that_serves_no_model_is_not_routable() -> None:
+    engine = FakeEngine()
+    engine.models = []
+    pool = make_pool(engine)
+    await pool.start()
+    try:
+        assert pool.get("a").health is Health.DOWN and "no model" in pool.get("a").detail
+    finally:
+        await pool.stop()

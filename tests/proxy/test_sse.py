@@ -1,0 +1,100 @@
+"""The SSE relay: byte-for-byte pass-through, usage capture and removal, engine quirks, any chunking."""
+
+from __future__ import annotations
+
+import random
+
+import orjson
+import pytest
+
+from gateway.proxy.sse import SSERelay
+
+
+def chunk(content: str | None = None, finish: str | None = None) -> bytes:
+    delta = {} if content is None else {"content": content}
+    return b"data: " + orjson.dumps({"id": "c", "object": "chat.completion.chunk", "choices": [
+        {"index": 0, "delta": delta, "finish_reason": finish}]}) + b"\n\n"
+
+
+USAGE = {"prompt_tokens": 11, "completion_tokens": 3, "total_tokens": 14,
+         "prompt_tokens_details": {"cached_tokens": 8}}
+USAGE_CHUNK = b"data: " + orjson.dumps({"id": "c", "object": "chat.completion.chunk", "choices": [],
+                                        "usage": USAGE}) + b"\n\n"
+DONE = b"data: [DONE]\n\n"
+VLLM_STREAM = chunk("Hel") + chunk("lo") + chunk(None, "stop") + USAGE_CHUNK + DONE
+
+
+def relay_all(stream: bytes, keep_usage: bool, cuts: list[int]) -> tuple[bytes, SSERelay]:
+    relay = SSERelay(keep_usage)
+    out, start = [], 0
+    for cut in [*cuts, len(stream)]:
+        out.append(relay.feed(stream[start:cut]))
+        start = cut
+    out.append(relay.flush())
+    return b"".join(out), relay
+
+
+def test_events_pass_through_unchanged_when_client_asked_for_usage() -> None:
+    out, relay = relay_all(VLLM_STREAM, keep_usage=True, cuts=[])
+    assert out == VLLM_STREAM
+    assert relay.usage == USAGE and relay.done
+
+
+def test_usage_chunk_is_removed_when_client_did_not_ask_but_still_recorded() -> None:
+    out, relay = relay_all(VLLM_STREAM, keep_usage=False, cuts=[])
+    assert out == chunk("Hel") + chunk("lo") + chunk(None, "stop") + DONE
+    assert relay.usage == USAGE
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_any_split_of_the_upstream_bytes_gives_the_same_output(seed: int) -> None:
+    rng = random.Random(seed)
+    stream = VLLM_STREAM.replace(b"\n", b"\r\n") if seed % 2 else VLLM_STREAM
+    cuts = sorted(rng.sample(range(1, len(stream)), k=rng.randint(1, 12)))
+    for keep in (True, False):
+        out, relay = relay_all(stream, keep, cuts)
+        assert out == relay_all(VLLM_STREAM, keep, [])[0]
+        assert relay.usage == USAGE
+
+
+def test_tabbyapi_crlf_pings_and_usage_chunk_with_choices_are_normalised() -> None:
+    tabby_usage = orjson.dumps({"id": "t", "object": "chat.completion.chunk", "choices": [
+        {"index": 0, "delta": {}, "finish_reason": "stop"}], "usage": USAGE})
+    stream = (b": ping\r\n\r\n" + chunk("Hi").replace(b"\n", b"\r\n") + b"data: " + tabby_usage + b"\r\n\r\n"
+              + DONE.replace(b"\n", b"\r\n"))
+    out, relay = relay_all(stream, keep_usage=True, cuts=[5, 40])
+    events = [e for e in out.split(b"\n\n") if e]
+    assert b"\r" not in out
+    assert events[0] == b": ping"
+    content, usage = orjson.loads(events[2][6:]), orjson.loads(events[3][6:])
+    assert "usage" not in content and content["choices"][0]["finish_reason"] == "stop"
+    assert usage["choices"] == [] and usage["usage"] == USAGE
+    assert events[4] == b"data: [DONE]"
+
+    out, _ = relay_all(stream, keep_usage=False, cuts=[])
+    assert b'"usage"' not in out and b'"finish_reason":"stop"' in out
+
+
+def test_llamacpp_timings_and_cached_tokens_are_recorded() -> None:
+    final = b"data: " + orjson.dumps({"choices": [], "usage": USAGE, "timings": {
+        "cache_n": 8, "prompt_n": 3, "prompt_ms": 12.5, "predicted_n": 3}}) + b"\n\n"
+    _, relay = relay_all(chunk("x") + final + DONE, keep_usage=False, cuts=[])
+    assert relay.timings is not None and relay.timings["cache_n"] == 8
+
+
+def test_error_event_mid_stream_is_forwarded_and_noted() -> None:
+    error = b'data: {"error": {"message": "out of memory", "type": "InternalServerError", "code": 500}}\n\n'
+    out, relay = relay_all(chunk("x") + error, keep_usage=False, cuts=[])
+    assert out == chunk("x") + error
+    assert relay.error == "out of memory" and not relay.done
+
+
+def test_content_mentioning_usage_in_text_is_not_mistaken_for_usage() -> None:
+    text = chunk('the word "usage" and "error"')
+    out, relay = relay_all(text + DONE, keep_usage=False, cuts=[])
+    assert out == text + DONE and relay.usage is None and relay.error is None
+
+
+def test_unterminated_last_event_is_completed_on_flush() -> None:
+    out, relay = relay_all(chunk("x") + b"data: [DONE]", keep_usage=False, cuts=[])
+    assert out.endswith(b"data: [DONE]\n\n") and relay.done

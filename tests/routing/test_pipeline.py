@@ -1,0 +1,106 @@
+"""Filters, the least-load scorer, both pickers and the pipeline runner, on hand-made backend states."""
+
+from __future__ import annotations
+
+import ast
+import collections
+import pathlib
+import random
+import time
+
+import pytest
+
+from gateway.pool.backend import Backend
+from gateway.pool.state import Capacity, Health, LoadRecord, Probe
+from gateway.routing.pickers import MaxScorePicker, RoundRobinPicker
+from gateway.routing.pipeline import NoRoute
+from gateway.routing.policies import build_pipeline
+from gateway.routing.request import RouteRequest
+from gateway.routing.scorers import LeastLoadScorer
+
+
+def backend(name: str, *, models: tuple[str, ...] = ("m",), health: Health = Health.READY,
+            slots: int | None = 4, running: int | None = None, waiting: int | None = None,
+            in_flight: int = 0, age: float = 0.0) -> Backend:
+    b = Backend(name, "vllm", f"http://{name}", stale_after=5.0)
+    b.models = frozenset(models)
+    b.record_probe(Probe(health))
+    b.capacity = Capacity(slots=slots)
+    if running is not None or waiting is not None:
+        b.record_load(LoadRecord(running, waiting, None, time.monotonic() - age))
+    b.in_flight = in_flight
+    return b
+
+
+def request(model: str = "m") -> RouteRequest:
+    return RouteRequest(route="chat", model=model, stream=False, max_tokens=None, body={})
+
+
+def test_unknown_model_stops_at_serves_model_and_down_backends_at_healthy() -> None:
+    pipeline = build_pipeline("least-load")
+    with pytest.raises(NoRoute) as unknown:
+        pipeline.route(request("other"), [backend("a")])
+    assert unknown.value.stage == "serves-model"
+    with pytest.raises(NoRoute) as down:
+        pipeline.route(request(), [backend("a", health=Health.DOWN), backend("b", health=Health.LOADING)])
+    assert down.value.stage == "healthy"
+
+
+def test_least_load_prefers_fewer_sequences_per_slot() -> None:
+    busy = backend("busy", slots=4, running=4, waiting=2)
+    big = backend("big", slots=64, running=10)
+    idle = backend("idle", slots=4)
+    decision = build_pipeline("least-load").route(request(), [busy, big, idle])
+    assert [b.name for b in decision.ranked] == ["idle", "big", "busy"]
+    assert decision.policy == "least-load" and set(decision.timings) == {"serves-model", "healthy", "least-load",
+                                                                        "max-score"}
+
+
+def test_engine_reading_is_corrected_by_our_own_in_flight_change() -> None:
+    b = backend("a", slots=4, running=3, waiting=0)  # read while we had 0 in flight
+    b.in_flight = 2  # two more sent since the reading
+    assert b.estimated_queue() == 5
+    stale = backend("s", slots=4, running=3, in_flight=1, age=10.0)
+    assert stale.estimated_queue() == 1, "a stale reading falls back to our own in-flight count"
+    tabby = backend("t", in_flight=2)  # never has a reading
+    assert tabby.estimated_queue() == 2
+
+
+def test_least_load_score_stays_ordered_past_saturation() -> None:
+    scores = LeastLoadScorer().score(request(), [backend("a", running=8), backend("b", running=16),
+                                                 backend("c", running=0)])
+    assert scores[2] == 1.0 and 1.0 > scores[0] > scores[1] > 0.0
+
+
+def test_round_robin_takes_turns_and_ignores_load() -> None:
+    backends = [backend("b", running=100), backend("a"), backend("c")]
+    pipeline = build_pipeline("round-robin")
+    firsts = [pipeline.route(request(), backends).ranked[0].name for _ in range(6)]
+    assert firsts == ["a", "b", "c", "a", "b", "c"]
+    ranked = RoundRobinPicker().pick(request(), backends, [0.0] * 3)
+    assert sorted(b.name for b in ranked) == ["a", "b", "c"], "the rest is the failover order"
+
+
+def test_max_score_breaks_ties_by_in_flight_then_spreads_them() -> None:
+    picker = MaxScorePicker(random.Random(1))
+    a, b = backend("a", in_flight=1), backend("b")
+    assert picker.pick(request(), [a, b], [0.5, 0.5])[0] is b
+    c, d = backend("c"), backend("d")
+    counts = collections.Counter(picker.pick(request(), [c, d], [0.5, 0.5])[0].name for _ in range(200))
+    assert min(counts.values()) > 50
+
+
+def test_unknown_policy_is_a_clear_error() -> None:
+    with pytest.raises(ValueError, match="unknown policy 'fastest'.*least-load"):
+        build_pipeline("fastest")
+
+
+def test_routing_never_imports_http_or_framework_code() -> None:
+    root = pathlib.Path(__file__).parents[2] / "gateway" / "routing"
+    forbidden = {"fastapi", "starlette", "httpx", "aiohttp", "uvicorn"}
+    for path in root.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            for name in names:
+                assert name.split(".")[0] not in forbidden, f"{path} imports {name}"

@@ -1,0 +1,80 @@
+"""Configuration: YAML + environment, and errors that name the field at fault."""
+
+from __future__ import annotations
+
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from gateway.cli import main
+from gateway.config import ConfigError, load_settings
+
+GOOD = """
+server: {host: 0.0.0.0, port: 8080}
+backends:
+  - {name: llama-a, engine: llamacpp, url: "http://10.0.0.1:8080/", max_concurrency: 2}
+  - {name: vllm-a, engine: vllm, url: "http://10.0.0.2:8000", models: [llama-3-8b], api_key_env: VLLM_KEY}
+routing: {policy: round-robin}
+timeouts: {connect: 2, first_byte: 30, idle: 10, total: 300}
+"""
+
+
+def write(tmp_path: pathlib.Path, text: str) -> pathlib.Path:
+    path = tmp_path / "gateway.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_good_file_with_environment_overrides(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VLLM_KEY", "sk-secret")
+    monkeypatch.setenv("GATEWAY_SERVER__PORT", "9000")
+    monkeypatch.setenv("GATEWAY_TIMEOUTS__IDLE", "5")
+    settings = load_settings(write(tmp_path, GOOD))
+    assert (settings.server.host, settings.server.port) == ("0.0.0.0", 9000)
+    assert settings.timeouts.idle == 5 and settings.timeouts.total == 300
+    llama, vllm = settings.backends
+    assert llama.url == "http://10.0.0.1:8080" and llama.models is None and llama.max_concurrency == 2
+    assert vllm.resolved_api_key() == "sk-secret" and "sk-secret" not in repr(settings)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("backends: [{name: a, engine: vlm, url: 'http://x'}]", "backends[0] (a).engine: Input should be"),
+        ("backends: [{name: a, engine: vllm, url: 'x:80'}]", "backends[0] (a).url: must start with http://"),
+        ("backends: [{name: a, engine: vllm, url: 'http://x', max_concurrency: 0}]",
+         "backends[0] (a).max_concurrency: Input should be greater than 0"),
+        ("backends: [{name: a, engine: vllm, url: 'http://x', api_key_env: NOT_SET_ANYWHERE}]",
+         "environment variable NOT_SET_ANYWHERE is not set"),
+        ("backends: [{name: a, engine: vllm, url: 'http://x'}, {name: a, engine: sglang, url: 'http://y'}]",
+         "duplicate backend name 'a'"),
+        ("timeouts: {connect: -1}", "timeouts.connect: Input should be greater than 0"),
+        ("servr: {port: 1}", "servr: Extra inputs are not permitted"),
+        ("backends: {name: a}", "backends: Input should be a valid list"),
+        ("- just\n- a list", "the top level must be a mapping"),
+        ("backends: [unclosed", "is not valid YAML"),
+    ],
+)
+def test_bad_files_name_the_field(tmp_path: pathlib.Path, text: str, expected: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_settings(write(tmp_path, text))
+    assert expected in str(err.value)
+
+
+def test_check_config_command(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str],
+                              monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VLLM_KEY", "k")
+    assert main(["check-config", str(write(tmp_path, GOOD))]) == 0
+    assert "llama-a (llamacpp), vllm-a (vllm)" in capsys.readouterr().out
+    bad = write(tmp_path, "routing: {policy: fastest}")
+    assert main(["check-config", str(bad)]) == 2
+    assert "routing.policy: unknown policy 'fastest'" in capsys.readouterr().err
+    assert main(["check-config", str(tmp_path / "missing.yaml")]) == 2
+
+
+def test_console_script_entry_point_runs(tmp_path: pathlib.Path) -> None:
+    result = subprocess.run([sys.executable, "-m", "gateway", "check-config", str(write(tmp_path, "{}"))],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and "backends: none" in result.stdout
