@@ -13,6 +13,7 @@ from gateway import __version__
 from gateway.api import errors
 from gateway.api.proxy_endpoint import ProxyEndpoint
 from gateway.api.routes import router
+from gateway.asgi import Receive, Scope, Send
 from gateway.config import Settings
 from gateway.pool.pool import ClientFactory, Pool
 from gateway.proxy.exchange import Exchange
@@ -79,7 +80,7 @@ def create_app(
     *,
     client_factory: ClientFactory | None = None,
     registry: CollectorRegistry | None = None,
-) -> FastAPI:
+) -> GatewayApp:
     gateway = Gateway(settings, client_factory=client_factory, registry=registry)
 
     @contextlib.asynccontextmanager
@@ -94,6 +95,26 @@ def create_app(
     app.state.gateway = gateway
     errors.install(app)
     app.include_router(router)
-    for route, path in PATHS.items():
-        app.add_route(path, ProxyEndpoint(gateway, route))  # type: ignore[arg-type]
-    return app
+    return GatewayApp(app, gateway, {path: ProxyEndpoint(gateway, route) for route, path in PATHS.items()})
+
+
+class GatewayApp:
+    """The ASGI app: the generation routes go straight to their raw endpoints; everything else (lifespan,
+    models, health, metrics, unknown paths) goes through FastAPI.
+
+    Skipping the framework's middleware stack on the hot path measurably lowers added latency under
+    concurrency (see the commit introducing this class); the endpoints render their own OpenAI errors.
+    """
+
+    def __init__(self, app: FastAPI, gateway: Gateway, hot: dict[str, ProxyEndpoint]) -> None:
+        self.fastapi = app
+        self.gateway = gateway
+        self._hot = hot
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            endpoint = self._hot.get(scope["path"])
+            if endpoint is not None:
+                await endpoint(scope, receive, send)
+                return
+        await self.fastapi(scope, receive, send)

@@ -84,9 +84,17 @@ class ProxyEndpoint:
             if exchange.outcome == "pending":
                 exchange.outcome = "client_error" if exc.status < 500 else "no_backend"
             extra = [(k.encode(), v.encode()) for k, v in exc.headers.items()]
+            exchange.responded = True
             await send_body(send, exc.status, exc.body(), headers + extra)
         except _ClientGone:
             exchange.outcome = "disconnected"
+        except Exception:
+            # Not behind the framework's error middleware: answer 500 ourselves if nothing was sent yet.
+            log.exception("request %s failed inside the gateway", exchange.request_id)
+            exchange.status, exchange.outcome = 500, "gateway_error"
+            if not exchange.responded:
+                error = GatewayError(500, "The gateway failed to handle the request", code="internal_error")
+                await send_body(send, 500, error.body(), headers)
         finally:
             exchange.t_end = time.perf_counter()
             self._gw.observe(exchange)

@@ -17,6 +17,7 @@ class Exchange:
     stream: bool = False
     backend: Backend | None = None
     status: int = 0
+    responded: bool = False  # the response has started; errors can no longer change its status
     outcome: str = "pending"  # success | client_error | upstream_error | no_backend | disconnected | ...
     t_first: float | None = None  # first event sent to the client (streams)
     t_end: float | None = None

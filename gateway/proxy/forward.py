@@ -54,6 +54,7 @@ class Forwarder:
                     if response.status != 200:
                         raw = await response.read()
                         exchange.outcome = "upstream_error"
+                        exchange.responded = True
                         await send_body(
                             send, response.status, normalise_upstream_error(response.status, raw, backend.name),
                             client_headers,
@@ -64,6 +65,7 @@ class Forwarder:
                         raw = await response.read()
                         self._account_body(exchange, raw)
                         exchange.outcome = "success"
+                        exchange.responded = True
                         await send_body(send, 200, raw, client_headers)
                         return
                     relay = SSERelay(keep_usage)
@@ -73,19 +75,8 @@ class Forwarder:
                         if not out:
                             continue
                         if not started:
-                            await send(
-                                {
-                                    "type": "http.response.start",
-                                    "status": 200,
-                                    "headers": [
-                                        (b"content-type", EVENT_STREAM),
-                                        (b"cache-control", b"no-cache"),
-                                        *client_headers,
-                                    ],
-                                }
-                            )
+                            await _start_stream(send, exchange, client_headers)
                             started = True
-                            exchange.t_first = time.perf_counter()
                         await send({"type": "http.response.body", "body": out, "more_body": True})
                     tail = relay.flush()
                 finally:
@@ -102,14 +93,7 @@ class Forwarder:
         if not started:
             if relay.error is None and not tail:
                 raise UpstreamError("the backend ended the stream without sending anything")
-            await send(
-                {
-                    "type": "http.response.start",
-                    "status": 200,
-                    "headers": [(b"content-type", EVENT_STREAM), (b"cache-control", b"no-cache"), *client_headers],
-                }
-            )
-            exchange.t_first = time.perf_counter()
+            await _start_stream(send, exchange, client_headers)
         exchange.outcome = "upstream_error" if relay.error is not None else "success"
         await send({"type": "http.response.body", "body": tail, "more_body": False})
 
@@ -132,3 +116,15 @@ class Forwarder:
         await send({"type": "http.response.body", "body": b"data: " + body + b"\n\ndata: [DONE]\n\n",
                     "more_body": False})
 
+
+
+async def _start_stream(send: Send, exchange: Exchange, client_headers: Headers) -> None:
+    exchange.responded = True
+    exchange.t_first = time.perf_counter()
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 200,
+            "headers": [(b"content-type", EVENT_STREAM), (b"cache-control", b"no-cache"), *client_headers],
+        }
+    )
