@@ -1,0 +1,33 @@
+"""Constrained-output sampling for the engine emulators.
+
+Produces model output that satisfies a structured-output constraint the way a real engine's
+constrained decoder would: JSON schema, regex, choice, llama.cpp GBNF, xgrammar EBNF and Lark
+grammars.  Pure standard library; every invalid or unsupported constraint raises
+:class:`ConstraintError`.  Each module's docstring documents its supported subset.
+"""
+
+from __future__ import annotations
+
+from .choice import choice_sample, gbnf_from_choices
+from .convert import gbnf_to_ebnf
+from .errors import ConstraintError
+from .grammars import ebnf_sample, gbnf_sample, lark_sample, validate_grammar
+from .json_gen import json_instance
+from .json_schema import validate_json_schema
+from .regex import regex_from_choices, regex_sample, validate_regex
+
+__all__ = [
+    "ConstraintError",
+    "choice_sample",
+    "ebnf_sample",
+    "gbnf_from_choices",
+    "gbnf_sample",
+    "gbnf_to_ebnf",
+    "json_instance",
+    "lark_sample",
+    "regex_from_choices",
+    "regex_sample",
+    "validate_grammar",
+    "validate_json_schema",
+    "validate_regex",
+]

@@ -1,0 +1,34 @@
+"""Faithful dialect conversion: llama.cpp GBNF to xgrammar EBNF.
+
+The GBNF text is parsed and checked exactly as for sampling, then re-rendered rule by rule.
+The two dialects share their core, but their texts differ in ways a textual copy would get
+wrong, which rendering from the parsed model avoids:
+
+* ``\\x`` reads exactly two hex digits in GBNF but any number in EBNF (``"\\x41B"``);
+* GBNF's ``.`` becomes ``[^]`` and double operators (``"a"*?``) get parentheses;
+* GBNF names may start with a digit, EBNF names may not (such rules are renamed);
+* GBNF rules end at a newline, EBNF rules at the next ``name ::=``.
+
+A grammar that cannot be written faithfully (e.g. one with surrogate code points) raises
+ConstraintError, as does any GBNF grammar llama.cpp itself would reject.
+"""
+
+from __future__ import annotations
+
+from .grammars import parse_grammar
+from .render import render_grammar
+
+
+def gbnf_to_ebnf(grammar: str) -> str:
+    """The xgrammar EBNF grammar accepting exactly the strings GBNF ``grammar`` accepts."""
+    parsed = parse_grammar(grammar, "gbnf")
+    names: dict[str, str] = {}
+    taken = set(parsed.rules)
+    for name in parsed.rules:
+        if name[0].isdigit():
+            candidate = f"r-{name}"
+            while candidate in taken:
+                candidate = f"r-{candidate}"
+            taken.add(candidate)
+            names[name] = candidate
+    return render_grammar(parsed, "ebnf", names)

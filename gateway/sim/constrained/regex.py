@@ -1,0 +1,187 @@
+"""Regular-expression constraints: validation, sampling, and building one from choices.
+
+Supported subset (Python ``re`` syntax): literals and escapes, ``.``, character classes with
+ranges, negation and ``\\d \\w \\s \\D \\W \\S``, capturing / non-capturing / named groups,
+alternation, greedy, lazy and possessive quantifiers ``* + ? {m} {m,} {m,n}`` (unbounded ones
+capped a few repeats past the minimum), inline flags, and the anchors ``^ $ \\A \\Z`` (which
+only make sense at the ends).  Backreferences, lookarounds, conditionals, atomic groups and
+word boundaries raise ConstraintError.  Samples are checked with ``re.fullmatch``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import random
+import re
+from collections.abc import Sequence
+from functools import lru_cache
+from typing import Any
+
+from . import charset
+from .errors import ConstraintError
+from .grammar_ast import ANY_CHAR, CharClass, Expr, Grammar, Lit, Repeat, alt, seq
+from .grammar_sample import INFINITE, CostTable, sample_expr
+
+_parser: Any = importlib.import_module("re._parser")
+_constants: Any = importlib.import_module("re._constants")
+
+_DIGIT: charset.Ranges = ((0x30, 0x39),)
+_WORD: charset.Ranges = ((0x30, 0x39), (0x41, 0x5A), (0x5F, 0x5F), (0x61, 0x7A))
+_SPACE: charset.Ranges = ((0x09, 0x0D), (0x20, 0x20))
+_NON_ASCII: charset.Ranges = ((0x80, charset.MAX_CODE_POINT),)
+_NO_NEWLINE: charset.Ranges = ((0x0A, 0x0A),)
+_ATTEMPTS = 12
+
+
+def _category(name: str, in_negated_class: bool) -> charset.Ranges:
+    """Ranges for a category escape.  Python's classes are Unicode-aware, so in a positive
+    class take an ASCII subset and in a negated class exclude a superset: either way every
+    generated character really is (or is not) in the category."""
+    base = {"DIGIT": _DIGIT, "WORD": _WORD, "SPACE": _SPACE}
+    key = name.removeprefix("CATEGORY_NOT_").removeprefix("CATEGORY_")
+    if key not in base:
+        raise ConstraintError(f"unsupported regex category {name}")
+    ranges = base[key]
+    if not name.startswith("CATEGORY_NOT_"):
+        return charset.normalize(ranges + _NON_ASCII) if in_negated_class else ranges
+    outside = charset.complement(ranges)
+    if in_negated_class:
+        return outside
+    return tuple((lo, min(hi, 0x7F)) for lo, hi in outside if lo <= 0x7F)
+
+
+def _case_variants(ranges: charset.Ranges) -> charset.Ranges:
+    extra: list[tuple[int, int]] = []
+    for lo, hi in ranges:
+        for cp in range(max(lo, 0x41), min(hi, 0x7A) + 1):
+            ch = chr(cp)
+            if ch.isalpha():
+                other = ord(ch.swapcase())
+                extra.append((other, other))
+    return charset.normalize(ranges + tuple(extra))
+
+
+def _class(items: list[tuple[Any, Any]], flags: int) -> Expr:
+    negated = bool(items) and str(items[0][0]) == "NEGATE"
+    body = items[1:] if negated else items
+    ranges: list[tuple[int, int]] = []
+    for op, av in body:
+        kind = str(op)
+        if kind == "LITERAL":
+            ranges.append((av, av))
+        elif kind == "RANGE":
+            ranges.append((av[0], av[1]))
+        elif kind == "CATEGORY":
+            ranges.extend(_category(str(av), negated))
+        else:
+            raise ConstraintError(f"unsupported regex class item {kind}")
+    norm = charset.normalize(ranges)
+    if negated and flags & re.IGNORECASE:
+        norm = _case_variants(norm)
+    return CharClass(norm, negated)
+
+
+def _convert(nodes: Any, flags: int) -> Expr:
+    items: list[Expr] = []
+    for op, av in nodes:
+        kind = str(op)
+        if kind == "LITERAL":
+            items.append(Lit(chr(av)))
+        elif kind == "NOT_LITERAL":
+            excluded = charset.normalize([(av, av)])
+            if flags & re.IGNORECASE:
+                excluded = _case_variants(excluded)
+            items.append(CharClass(excluded, negated=True))
+        elif kind == "ANY":
+            items.append(CharClass(_NO_NEWLINE, negated=True) if not flags & re.DOTALL else ANY_CHAR)
+        elif kind == "IN":
+            items.append(_class(list(av), flags))
+        elif kind == "BRANCH":
+            items.append(alt([_convert(branch, flags) for branch in av[1]]))
+        elif kind == "SUBPATTERN":
+            _group, add_flags, del_flags, sub = av
+            items.append(_convert(sub, (flags | add_flags) & ~del_flags))
+        elif kind in ("MAX_REPEAT", "MIN_REPEAT", "POSSESSIVE_REPEAT"):
+            lo, hi, sub = av
+            upper = None if hi == _constants.MAXREPEAT else int(hi)
+            items.append(Repeat(_convert(sub, flags), int(lo), upper))
+        elif kind == "AT":
+            where = str(av)
+            if where not in ("AT_BEGINNING", "AT_BEGINNING_STRING", "AT_END", "AT_END_STRING"):
+                raise ConstraintError(f"unsupported regex anchor {where} (word boundaries are not supported)")
+            items.append(Lit(""))
+        elif kind in ("GROUPREF", "GROUPREF_EXISTS"):
+            raise ConstraintError("regex backreferences and conditionals are not supported")
+        elif kind in ("ASSERT", "ASSERT_NOT"):
+            raise ConstraintError("regex lookahead/lookbehind assertions are not supported")
+        elif kind == "ATOMIC_GROUP":
+            raise ConstraintError("regex atomic groups are not supported")
+        else:
+            raise ConstraintError(f"unsupported regex construct {kind}")
+    return seq(items) if items else Lit("")
+
+
+@lru_cache(maxsize=256)
+def _compile(pattern: str, flags: int) -> tuple[Expr, CostTable]:
+    if not isinstance(pattern, str):
+        raise ConstraintError(f"regex must be a string, got {type(pattern).__name__}")
+    try:
+        re.compile(pattern, flags)
+        parsed = _parser.parse(pattern, flags)
+    except re.error as exc:
+        raise ConstraintError(f"invalid regex {pattern!r}: {exc}") from exc
+    expr = _convert(parsed, int(parsed.state.flags))
+    table = CostTable(Grammar({"regex": expr}, "regex", "regex"))
+    if table.rule_cost["regex"] >= INFINITE:
+        raise ConstraintError(f"regex {pattern!r} matches nothing")
+    return expr, table
+
+
+def regex_to_expr(pattern: str, flags: int = 0) -> Expr:
+    """The grammar expression for ``pattern`` (used for Lark and EBNF ``Regex`` terminals)."""
+    return _compile(pattern, flags)[0]
+
+
+def validate_regex(pattern: str) -> None:
+    """Raise ConstraintError if ``pattern`` is invalid or outside the supported subset."""
+    _compile(pattern, 0)
+
+
+def regex_sample(pattern: str, rng: random.Random) -> str:
+    """A string that ``re.fullmatch``-es ``pattern``; deterministic for a given rng state."""
+    expr, table = _compile(pattern, 0)
+    for _ in range(_ATTEMPTS):
+        text = sample_expr(table, expr, rng)
+        if re.fullmatch(pattern, text) is not None:
+            return text
+    raise ConstraintError(
+        f"could not generate a string matching {pattern!r} (anchors placed mid-pattern, or flags"
+        " interplay outside the supported subset)"
+    )
+
+
+_REGEX_SPECIAL = set("\\.^$|?*+()[]{}/")
+_CONTROL_ESCAPES = {"\n": "\\n", "\r": "\\r", "\t": "\\t", "\f": "\\f", "\v": "\\v"}
+
+
+def escape_regex(text: str) -> str:
+    """Escape ``text`` portably (Python, ECMAScript and Rust regex agree on this form)."""
+    out: list[str] = []
+    for ch in text:
+        if ch in _REGEX_SPECIAL:
+            out.append("\\" + ch)
+        elif ch in _CONTROL_ESCAPES:
+            out.append(_CONTROL_ESCAPES[ch])
+        elif ord(ch) < 0x20 or ord(ch) == 0x7F:
+            out.append(f"\\x{ord(ch):02x}")
+        else:
+            out.append(ch)
+    return "".join(out)
+
+
+def regex_from_choices(choices: Sequence[str]) -> str:
+    """A regex matching exactly one of ``choices`` (an escaped alternation)."""
+    from .choice import check_choices
+
+    check_choices(choices)
+    return "(" + "|".join(escape_regex(c) for c in choices) + ")"
