@@ -1,0 +1,11 @@
+"""Engine emulators: fake llama.cpp, vLLM, SGLang and TabbyAPI servers that answer like the real ones.
+
+Imports nothing from the rest of ``gateway`` (it could be lifted out). See :class:`SimSpec`, :class:`SimServer`,
+:class:`Fleet`, :class:`FleetThread` and :func:`default_fleet_specs`; ``python -m gateway.sim`` runs them.
+"""
+
+from gateway.sim.fleet import Fleet, FleetThread, default_fleet_specs
+from gateway.sim.server import SimServer
+from gateway.sim.spec import SimSpec
+
+__all__ = ["Fleet", "FleetThread", "SimServer", "SimSpec", "default_fleet_specs"]

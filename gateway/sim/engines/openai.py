@@ -1,0 +1,166 @@
+"""OpenAI routes shared by the four engines: request parsing and the default (vLLM-like) response shapes.
+
+Engines override the shape methods (``usage``, ``token_chunk``, ``head_events``, ``tail_events``,
+``full_response``) and the request hooks (``constraint``, ``check_model``) where their servers differ.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import struct
+from typing import Any
+
+from gateway.sim.engines.base import _MARK, Engine, EngineError, Event, Gen, drive, new_id
+from gateway.sim.generation import Constraint, plan_output, request_rng
+from gateway.sim.http import Request, Responder
+from gateway.sim.scheduler import ContextTooLong
+from gateway.sim.template import content_text, render_chat
+
+EMBED_DIM = 256
+
+
+class OpenAIEngine(Engine):
+    # -- request hooks -----------------------------------------------------------------------------------------
+    def constraint(self, body: dict[str, Any]) -> Constraint | None:
+        return None
+
+    def max_tokens(self, body: dict[str, Any]) -> int | None:
+        value = body.get("max_completion_tokens", body.get("max_tokens"))
+        if value is None:
+            return None
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise EngineError(400, f"max_tokens must be at least 1, got {value}.", param="max_tokens")
+        return value
+
+    def context_error(self, exc: ContextTooLong, prompt_len: int, max_tokens: int | None) -> EngineError:
+        return EngineError(400, f"This model's maximum context length is {self.server.profile.context_length} "
+                           f"tokens. However, you requested {prompt_len + (max_tokens or 0)} tokens "
+                           f"({prompt_len} in the messages, {max_tokens or 0} in the completion). Please "
+                           "reduce the length of the messages or completion.")
+
+    # -- handlers ----------------------------------------------------------------------------------------------
+    async def chat(self, req: Request, resp: Responder) -> None:
+        body = self.parse_json(req)
+        self.check_model(body)
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise EngineError(400, "'messages' must be a non-empty list", param="messages")
+        prompt = render_chat(messages, body.get("tools"))
+        await self.generate(resp, body, "chat", prompt)
+
+    async def completions(self, req: Request, resp: Responder) -> None:
+        body = self.parse_json(req)
+        self.check_model(body)
+        prompt = body.get("prompt")
+        if isinstance(prompt, list):
+            prompt = "".join(str(p) for p in prompt)
+        if not isinstance(prompt, str):
+            raise EngineError(400, "'prompt' must be a string", param="prompt")
+        await self.generate(resp, body, "completion", prompt)
+
+    async def generate(self, resp: Responder, body: dict[str, Any], kind: str, prompt: str,
+                       max_tokens: int | None = None, constraint: Constraint | None = None,
+                       stream: bool | None = None) -> None:
+        server = self.server
+        ids = server.tokenizer.encode(prompt)
+        if max_tokens is None:
+            max_tokens = self.max_tokens(body)
+        if constraint is None:
+            constraint = self.constraint(body)
+        rng = request_rng(self.spec.seed, ids, server.stats.requests)
+        p = server.profile
+        try:
+            plan = plan_output(server.tokenizer, rng, max_tokens, (p.natural_min_tokens, p.natural_max_tokens),
+                               constraint, bool(body.get("ignore_eos")))
+        except ValueError as exc:  # ConstraintError is a ValueError
+            raise self.constraint_error(exc) from exc
+        try:
+            server.scheduler.check(len(ids), len(plan.ids) if max_tokens is None else max_tokens)
+        except ContextTooLong as exc:
+            raise self.context_error(exc, len(ids), max_tokens) from exc
+        opts = body.get("stream_options") or {}
+        gen = Gen(id=new_id("chatcmpl-" if kind == "chat" else "cmpl-"), model=self.model, kind=kind,
+                  stream=bool(body.get("stream")) if stream is None else stream,
+                  include_usage=bool(isinstance(opts, dict) and opts.get("include_usage")),
+                  plan=plan, prompt_len=len(ids), scale=self.spec.time_scale, body=body)
+        await drive(self, gen, ids, resp)
+
+    def constraint_error(self, exc: ValueError) -> EngineError:
+        return EngineError(400, f"Invalid structured output constraint: {exc}")
+
+    async def embeddings(self, req: Request, resp: Responder) -> None:
+        body = self.parse_json(req)
+        self.check_model(body)
+        inputs = body.get("input")
+        if isinstance(inputs, str):
+            inputs = [inputs]
+        if not isinstance(inputs, list) or not inputs:
+            raise EngineError(400, "'input' must be a string or a non-empty list", param="input")
+        data, total = [], 0
+        for i, text in enumerate(inputs):
+            text = content_text(text) if not isinstance(text, list) else " ".join(map(str, text))
+            total += len(self.server.tokenizer.encode(text))
+            data.append({"object": "embedding", "index": i, "embedding": embed(text)})
+        self.send_json(resp, {"object": "list", "data": data, "model": self.model,
+                              "usage": {"prompt_tokens": total, "total_tokens": total}})
+
+    # -- default shapes (vLLM's) -----------------------------------------------------------------------------
+    def usage(self, gen: Gen) -> dict[str, Any]:
+        u: dict[str, Any] = {"prompt_tokens": gen.prompt_len, "total_tokens": gen.prompt_len + gen.completion_tokens,
+                             "completion_tokens": gen.completion_tokens}
+        if self.spec.cache_report:
+            u["prompt_tokens_details"] = {"cached_tokens": gen.cached}
+        return u
+
+    def chunk_base(self, gen: Gen) -> dict[str, Any]:
+        obj = "chat.completion.chunk" if gen.kind == "chat" else "text_completion"
+        return {"id": gen.id, "object": obj, "created": gen.created, "model": gen.model}
+
+    def token_choice(self, gen: Gen, text: str, finish: str | None) -> dict[str, Any]:
+        if gen.kind == "chat":
+            delta = {"content": text}
+            return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish,
+                    **({"stop_reason": None} if finish else {})}
+        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish, "stop_reason": None}
+
+    def token_chunk(self, gen: Gen) -> dict[str, Any]:
+        return {**self.chunk_base(gen), "choices": [self.token_choice(gen, _MARK, None)]}
+
+    def head_events(self, gen: Gen) -> list[Event]:
+        if gen.kind != "chat":
+            return []
+        choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+        return [{**self.chunk_base(gen), "choices": [choice]}]
+
+    def tail_events(self, gen: Gen) -> list[Event]:
+        out: list[Event] = [{**self.chunk_base(gen), "choices": [self.token_choice(gen, "", gen.finish_reason)]}]
+        if gen.include_usage:
+            out.append({**self.chunk_base(gen), "choices": [], "usage": self.usage(gen)})
+        out.append(b"[DONE]")
+        return out
+
+    def full_response(self, gen: Gen) -> dict[str, Any]:
+        if gen.kind == "chat":
+            choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": gen.text,
+                                                              "tool_calls": []},
+                                      "logprobs": None, "finish_reason": gen.finish_reason, "stop_reason": None}
+            obj = "chat.completion"
+        else:
+            choice = {"index": 0, "text": gen.text, "logprobs": None, "finish_reason": gen.finish_reason,
+                      "stop_reason": None}
+            obj = "text_completion"
+        return {"id": gen.id, "object": obj, "created": gen.created, "model": gen.model, "choices": [choice],
+                "usage": self.usage(gen)}
+
+
+def embed(text: str) -> list[float]:
+    """A deterministic unit vector derived from the text's hash (no meaning, stable across processes)."""
+    raw = b""
+    counter = 0
+    while len(raw) < EMBED_DIM * 4:
+        raw += hashlib.sha256(f"{counter}:{text}".encode()).digest()
+        counter += 1
+    vals = [v / 2**31 - 1.0 for v in struct.unpack(f"<{EMBED_DIM}I", raw[: EMBED_DIM * 4])]
+    norm = math.sqrt(sum(v * v for v in vals)) or 1.0
+    return [v / norm for v in vals]

@@ -1,0 +1,264 @@
+"""SGLang's HTTP server as a gateway sees it: routes, auth, error bodies, chunks, ``/v1/loads``, metrics.
+
+Quirks kept: one of ``json_schema`` (a JSON string) / ``regex`` / ``ebnf`` per request; ``/health`` runs a
+one-token generation (it is not free); ``/metrics`` only with ``--enable-metrics`` (else 404); ``cached_tokens``
+only with ``--enable-cache-report``; not listening for the first half of the load, then 503 until warm;
+``[DONE]`` always ends a stream. Not emulated: the ~2 s delay before a streamed request's abort.
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+from typing import Any
+
+import orjson
+
+from gateway.sim.engines.base import EngineError, Event, Gen, Handler, drive, new_id
+from gateway.sim.engines.openai import OpenAIEngine
+from gateway.sim.engines.vllm import openai_constraint
+from gateway.sim.generation import Constraint, plan_output, request_rng
+from gateway.sim.http import Request, Responder
+from gateway.sim.metrics_text import Exposition
+from gateway.sim.prefix_cache import PrefixCache, RadixCache
+from gateway.sim.profiles import Profile
+from gateway.sim.scheduler import Sequence
+from gateway.sim.template import render_chat
+
+VERSION = "0.5.10"
+ERROR_TYPES = {400: "BadRequestError", 401: "Unauthorized", 404: "NotFoundError", 500: "InternalServerError",
+               503: "ServiceUnavailable"}
+
+
+class SglangEngine(OpenAIEngine):
+    name = "sglang"
+    owned_by = "sglang"
+    listen_after_load_fraction = 0.5
+    generation_paths = frozenset({"/v1/chat/completions", "/v1/completions", "/generate"})
+
+    def make_cache(self, profile: Profile) -> PrefixCache:
+        self.radix = RadixCache(profile.kv_capacity_tokens)
+        return self.radix
+
+    def routes(self) -> dict[tuple[str, str], Handler]:
+        r: dict[tuple[str, str], Handler] = {
+            ("POST", "/v1/chat/completions"): self.chat, ("POST", "/v1/completions"): self.completions,
+            ("POST", "/v1/embeddings"): self.embeddings, ("GET", "/v1/models"): self.models,
+            ("POST", "/generate"): self.native_generate, ("GET", "/health"): self.health,
+            ("GET", "/health_generate"): self.health_generate, ("GET", "/v1/loads"): self.loads,
+            ("GET", "/get_load"): self.get_load, ("GET", "/server_info"): self.server_info,
+            ("GET", "/get_server_info"): self.server_info, ("POST", "/flush_cache"): self.flush_cache,
+            ("GET", "/flush_cache"): self.flush_cache, ("POST", "/abort_request"): self.abort_request,
+            ("POST", "/v1/tokenize"): self.tokenize, ("POST", "/v1/detokenize"): self.detokenize,
+        }
+        if self.spec.metrics:
+            r[("GET", "/metrics")] = self.metrics
+        return r
+
+    def authorized(self, req: Request) -> bool:
+        key = self.spec.api_key
+        if not key or req.path.startswith("/health") or req.path.startswith("/metrics"):
+            return True
+        return req.headers.get("authorization", "") == f"Bearer {key}"
+
+    def unauthorized(self, resp: Responder) -> None:
+        self.server.stats.errors += 1
+        resp.send(401, b'{"error":"Unauthorized"}')
+
+    def error_body(self, err: EngineError) -> bytes:
+        if err.status in (404, 405) and err.kind == "not_found":
+            return orjson.dumps({"detail": err.message})
+        return orjson.dumps({"object": "error", "message": err.message,
+                             "type": ERROR_TYPES.get(err.status, "BadRequestError"), "param": err.param,
+                             "code": err.status})
+
+    def stream_error(self, err: EngineError) -> dict[str, Any]:
+        return {"error": orjson.loads(self.error_body(err))}
+
+    def constraint(self, body: dict[str, Any]) -> Constraint | None:
+        found: list[Constraint] = []
+        if body.get("json_schema") is not None:
+            schema = body["json_schema"]
+            found.append(Constraint("json", orjson.loads(schema) if isinstance(schema, str) else schema))
+        if body.get("regex") is not None:
+            found.append(Constraint("regex", body["regex"]))
+        if body.get("ebnf") is not None:
+            found.append(Constraint("ebnf", body["ebnf"]))
+        rf = openai_constraint(body)
+        if rf is not None:
+            found.append(rf)
+        if len(found) > 1:
+            raise EngineError(400, "Only one of regex, json_schema, or ebnf can be set.")
+        return found[0] if found else None
+
+    # -- shapes: SGLang's chunks carry explicit nulls and ``matched_stop`` -------------------------------------
+    def usage(self, gen: Gen) -> dict[str, Any]:
+        return {"prompt_tokens": gen.prompt_len, "total_tokens": gen.prompt_len + gen.completion_tokens,
+                "completion_tokens": gen.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": gen.cached} if self.spec.cache_report else None}
+
+    def token_choice(self, gen: Gen, text: str, finish: str | None) -> dict[str, Any]:
+        matched = 2 if finish == "stop" else None
+        if gen.kind == "chat":
+            delta = {"role": None, "content": text, "reasoning_content": None, "tool_calls": None}
+            return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish, "matched_stop": matched}
+        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish, "matched_stop": matched}
+
+    def token_chunk(self, gen: Gen) -> dict[str, Any]:
+        return {**super().token_chunk(gen), "usage": None}
+
+    def head_events(self, gen: Gen) -> list[Event]:
+        if gen.kind != "chat":
+            return []
+        delta = {"role": "assistant", "content": "", "reasoning_content": None, "tool_calls": None}
+        return [{**self.chunk_base(gen), "choices": [{"index": 0, "delta": delta, "logprobs": None,
+                                                      "finish_reason": None, "matched_stop": None}], "usage": None}]
+
+    def tail_events(self, gen: Gen) -> list[Event]:
+        if gen.kind == "native":
+            return [self.native_event(gen), b"[DONE]"]
+        out: list[Event] = [{**self.chunk_base(gen), "choices": [self.token_choice(gen, "", gen.finish_reason)],
+                             "usage": None}]
+        if gen.include_usage:
+            out.append({**self.chunk_base(gen), "choices": [], "usage": self.usage(gen)})
+        return [*out, b"[DONE]"]
+
+    def full_response(self, gen: Gen) -> dict[str, Any]:
+        if gen.kind == "native":
+            return self.native_event(gen)
+        out = super().full_response(gen)
+        out["choices"][0]["matched_stop"] = 2 if gen.finish_reason == "stop" else None
+        out["choices"][0].pop("stop_reason", None)
+        return out
+
+    # -- native ----------------------------------------------------------------------------------------------
+    def native_event(self, gen: Gen, seq: Sequence | None = None) -> dict[str, Any]:
+        s = seq or gen.seq
+        n = s.generated if s else 0
+        done = s is not None and n >= len(s.output)
+        finish: dict[str, Any] | None = None
+        if done:
+            finish = ({"type": "length", "length": n} if gen.finish_reason == "length"
+                      else {"type": "stop", "matched": 2})
+        return {"text": "".join(gen.plan.pieces[:n]), "output_ids": gen.plan.ids[:n],
+                "meta_info": {"id": gen.id, "finish_reason": finish, "prompt_tokens": gen.prompt_len,
+                              "weight_version": "default", "completion_tokens": n,
+                              "cached_tokens": gen.cached, "e2e_latency": gen.queue_seconds()
+                              + gen.prompt_seconds() + gen.decode_seconds()}}
+
+    def dynamic_token(self, gen: Gen, seq: Sequence) -> bytes | None:
+        if seq.generated >= len(seq.output):
+            return None  # the final state is sent by tail_events
+        return orjson.dumps(self.native_event(gen, seq))
+
+    async def native_generate(self, req: Request, resp: Responder) -> None:
+        body = self.parse_json(req)
+        sp = body.get("sampling_params") or {}
+        if "input_ids" in body:
+            ids = [int(i) for i in body["input_ids"]]
+        elif isinstance(body.get("text"), str):
+            ids = self.server.tokenizer.encode(body["text"])
+        else:
+            raise EngineError(400, "Either text or input_ids should be provided.")
+        mt = sp.get("max_new_tokens", 128)
+        p = self.server.profile
+        try:
+            plan = plan_output(self.server.tokenizer, request_rng(self.spec.seed, ids, self.server.stats.requests),
+                               mt, (p.natural_min_tokens, p.natural_max_tokens), self.constraint(sp),
+                               bool(sp.get("ignore_eos")))
+        except ValueError as exc:
+            raise self.constraint_error(exc) from exc
+        gen = Gen(id=new_id(""), model=self.model, kind="native", stream=bool(body.get("stream")),
+                  include_usage=False, plan=plan, prompt_len=len(ids), scale=self.spec.time_scale, body=body)
+        await drive(self, gen, ids, resp)
+
+    async def models(self, req: Request, resp: Responder) -> None:
+        self.send_json(resp, {"object": "list", "data": [{
+            "id": self.model, "object": "model", "created": int(time.time()), "owned_by": "sglang",
+            "root": self.model, "max_model_len": self.server.profile.context_length}]})
+
+    async def health(self, req: Request, resp: Responder) -> None:
+        await self.health_generate(req, resp)
+
+    async def health_generate(self, req: Request, resp: Responder) -> None:
+        """Runs one real (emulated) one-token generation through the scheduler, as SGLang does by default."""
+        ids = self.server.tokenizer.encode("health")
+        plan = plan_output(self.server.tokenizer, request_rng(0, ids), 1, (1, 1))
+        gen = Gen(id=new_id("HEALTH_CHECK_"), model=self.model, kind="native", stream=False, include_usage=False,
+                  plan=plan, prompt_len=len(ids), scale=self.spec.time_scale, body={})
+        await drive(self, gen, ids, resp, full=lambda g: None)
+
+    def load_entry(self) -> dict[str, Any]:
+        sched, p, st = self.server.scheduler, self.server.profile, self.server.stats
+        return {"dp_rank": 0, "num_running_reqs": len(sched.running), "num_waiting_reqs": len(sched.waiting),
+                "num_used_tokens": sched.kv_used, "max_total_num_tokens": p.kv_capacity_tokens,
+                "token_usage": sched.kv_used / p.kv_capacity_tokens,
+                "cache_hit_rate": st.cached_tokens / st.prompt_tokens if st.prompt_tokens else 0.0,
+                "gen_throughput": 0.0, "max_running_requests": p.max_seqs}
+
+    async def loads(self, req: Request, resp: Responder) -> None:
+        entry = self.load_entry()
+        agg = {k: entry[k] for k in ("num_running_reqs", "num_waiting_reqs", "num_used_tokens",
+                                     "max_total_num_tokens", "token_usage")}
+        self.send_json(resp, {"timestamp": datetime.datetime.now(datetime.UTC).isoformat(), "dp_rank_count": 1,
+                              "loads": [entry], "aggregate": agg})
+
+    async def get_load(self, req: Request, resp: Responder) -> None:
+        e = self.load_entry()
+        self.send_json(resp, [{"num_reqs": e["num_running_reqs"] + e["num_waiting_reqs"],
+                               "num_waiting_reqs": e["num_waiting_reqs"], "num_tokens": e["num_used_tokens"]}])
+
+    async def server_info(self, req: Request, resp: Responder) -> None:
+        p = self.server.profile
+        self.send_json(resp, {
+            "model_path": self.model, "served_model_name": self.model, "context_length": p.context_length,
+            "max_running_requests": p.max_seqs, "max_total_tokens": p.kv_capacity_tokens,
+            "chunked_prefill_size": p.prefill_chunk_tokens, "enable_metrics": self.spec.metrics,
+            "enable_cache_report": self.spec.cache_report, "api_key": None, "port": self.server.port,
+            "version": VERSION, "status": "ready",
+            "internal_states": [{"max_total_num_tokens": p.kv_capacity_tokens, "last_gen_throughput": 0.0,
+                                 "load": len(self.server.scheduler.running)}]})
+
+    async def flush_cache(self, req: Request, resp: Responder) -> None:
+        sched = self.server.scheduler
+        if sched.running or sched.waiting:
+            resp.send(400, b"Cache not flushed. Please check backend logs for more details. (When there are "
+                      b"running or waiting requests, the operation will not be performed.)", "text/plain")
+            return
+        self.radix.flush()
+        resp.send(200, b"Cache flushed.\nPlease check backend logs for more details. (When there are running or "
+                  b"waiting requests, the operation will not be performed.)", "text/plain")
+
+    async def abort_request(self, req: Request, resp: Responder) -> None:
+        resp.send(200, b"")
+
+    async def tokenize(self, req: Request, resp: Responder) -> None:
+        body = self.parse_json(req)
+        prompt = body.get("prompt", "")
+        ids = self.server.tokenizer.encode(render_chat(prompt) if isinstance(prompt, list) else str(prompt))
+        self.send_json(resp, {"tokens": ids, "count": len(ids), "max_model_len": self.server.profile.context_length})
+
+    async def detokenize(self, req: Request, resp: Responder) -> None:
+        body = self.parse_json(req)
+        self.send_json(resp, {"text": self.server.tokenizer.decode(list(body.get("tokens") or []))})
+
+    async def metrics(self, req: Request, resp: Responder) -> None:
+        st, lat, e = self.server.stats, self.server.lat, Exposition({"model_name": self.model})
+        entry = self.load_entry()
+        e.gauge("sglang:num_running_reqs", entry["num_running_reqs"], "The number of running requests.")
+        e.gauge("sglang:num_used_tokens", entry["num_used_tokens"], "The number of used tokens.")
+        e.gauge("sglang:token_usage", entry["token_usage"], "The token usage.")
+        e.gauge("sglang:num_queue_reqs", entry["num_waiting_reqs"], "The number of requests in the waiting queue.")
+        e.gauge("sglang:cache_hit_rate", entry["cache_hit_rate"], "The prefix cache hit rate.")
+        e.gauge("sglang:gen_throughput", 0.0, "The generation throughput (token/s).")
+        e.counter("sglang:prompt_tokens_total", st.prompt_tokens, "Number of prefill tokens processed.")
+        e.counter("sglang:generation_tokens_total", st.tokens_generated, "Number of generation tokens processed.")
+        e.counter("sglang:cached_tokens_total", st.cached_tokens, "Number of cached prompt tokens.")
+        e.counter("sglang:num_requests_total", st.completed, "Number of requests processed.")
+        e.histogram("sglang:time_to_first_token_seconds", lat.ttft, "Histogram of time to first token in seconds.")
+        e.histogram("sglang:inter_token_latency_seconds", lat.itl, "Histogram of inter-token latency in seconds.")
+        e.histogram("sglang:e2e_request_latency_seconds", lat.e2e, "Histogram of End-to-end request latency.")
+        e.histogram("sglang:queue_time_seconds", lat.queue, "Histogram of queueing time in seconds.")
+        resp.send(200, e.render(), "text/plain; version=0.0.4; charset=utf-8")
+
+

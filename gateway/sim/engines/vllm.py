@@ -1,0 +1,180 @@
+"""vLLM's OpenAI server as a gateway sees it: routes, auth, error bodies, chunks, metrics, structured outputs.
+
+Quirks kept: the removed ``guided_*`` fields are ignored (200, unconstrained output); ``structured_outputs``
+takes exactly one of json/regex/choice/grammar/json_object; ``Authorization: Bearer`` only on ``/v1*``;
+``/health`` and ``/metrics`` are open; the port is not served until the model has loaded; ``[DONE]`` always ends
+a stream, even after an in-stream error; ``cached_tokens`` only with ``--enable-prompt-tokens-details``
+(``cache_report``); an unknown model name is a 404.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import orjson
+
+from gateway.sim.engines.base import EngineError, Handler
+from gateway.sim.engines.openai import OpenAIEngine
+from gateway.sim.generation import Constraint
+from gateway.sim.http import Request, Responder
+from gateway.sim.metrics_text import Exposition
+from gateway.sim.prefix_cache import BlockCache, PrefixCache
+from gateway.sim.profiles import Profile
+from gateway.sim.template import render_chat
+
+VERSION = "0.33.0"
+BLOCK_SIZE = 16
+ERROR_TYPES = {400: "BadRequestError", 401: "Unauthorized", 404: "NotFoundError", 500: "InternalServerError",
+               503: "ServiceUnavailableError"}
+STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+
+
+def openai_constraint(body: dict[str, Any]) -> Constraint | None:
+    """``response_format`` as vLLM and SGLang read it."""
+    rf = body.get("response_format")
+    if not isinstance(rf, dict):
+        return None
+    kind = rf.get("type")
+    if kind == "json_object":
+        return Constraint("json_object", None)
+    if kind == "json_schema":
+        js = rf.get("json_schema") or {}
+        schema = js.get("schema", js.get("schema_")) if isinstance(js, dict) else None
+        return Constraint("json", schema if schema is not None else {"type": "object"})
+    if kind not in (None, "text", "structural_tag"):
+        raise EngineError(400, f"Unknown response_format type: {kind}", param="response_format")
+    return None
+
+
+class VllmEngine(OpenAIEngine):
+    name = "vllm"
+    owned_by = "vllm"
+    generation_paths = frozenset({"/v1/chat/completions", "/v1/completions"})
+
+    def make_cache(self, profile: Profile) -> PrefixCache:
+        return BlockCache(BLOCK_SIZE, profile.kv_capacity_tokens)
+
+    def routes(self) -> dict[tuple[str, str], Handler]:
+        return {
+            ("POST", "/v1/chat/completions"): self.chat, ("POST", "/v1/completions"): self.completions,
+            ("POST", "/v1/embeddings"): self.embeddings, ("GET", "/v1/models"): self.models,
+            ("GET", "/health"): self.empty, ("GET", "/ping"): self.empty, ("POST", "/ping"): self.empty,
+            ("GET", "/version"): self.version, ("GET", "/load"): self.load, ("GET", "/metrics"): self.metrics,
+            ("POST", "/tokenize"): self.tokenize, ("POST", "/detokenize"): self.detokenize,
+        }
+
+    def authorized(self, req: Request) -> bool:
+        key = self.spec.api_key
+        if not key or not req.path.startswith("/v1"):
+            return True
+        return req.headers.get("authorization", "") == f"Bearer {key}"
+
+    def unauthorized(self, resp: Responder) -> None:
+        self.server.stats.errors += 1
+        resp.send(401, b'{"error":"Unauthorized"}')
+
+    def error_body(self, err: EngineError) -> bytes:
+        if err.status in (404, 405) and err.kind == "not_found" and err.param is None:
+            return orjson.dumps({"detail": err.message})  # FastAPI's own 404/405
+        return orjson.dumps({"error": {"message": err.message, "type": ERROR_TYPES.get(err.status, "BadRequestError"),
+                                       "param": err.param, "code": err.status}})
+
+    def check_model(self, body: dict[str, Any]) -> None:
+        model = body.get("model")
+        if model is not None and model != self.model:
+            raise EngineError(404, f"The model `{model}` does not exist.", "not_found", param="model")
+
+    def constraint(self, body: dict[str, Any]) -> Constraint | None:
+        # guided_json / guided_regex / guided_choice / guided_grammar were removed: vLLM ignores them silently.
+        so = body.get("structured_outputs")
+        found: list[Constraint] = []
+        if isinstance(so, dict):
+            for key in STRUCTURED_KEYS:
+                value = so.get(key)
+                if value is None or value is False:
+                    continue
+                if key == "json":
+                    found.append(Constraint("json", orjson.loads(value) if isinstance(value, str) else value))
+                elif key == "json_object":
+                    found.append(Constraint("json_object", None))
+                elif key == "grammar":
+                    found.append(Constraint("ebnf" if "::=" in str(value) else "lark", value))
+                elif key == "regex":
+                    found.append(Constraint("regex", value))
+                elif key == "choice":
+                    found.append(Constraint("choice", value))
+            if len(found) > 1:
+                raise EngineError(400, "You can only use one kind of structured outputs constraint but multiple "
+                                  f"are specified: {so}")
+        rf = openai_constraint(body)
+        if rf is not None:
+            if found:
+                raise EngineError(400, "You can only use one kind of structured outputs constraint but multiple "
+                                  "are specified: response_format and structured_outputs")
+            return rf
+        return found[0] if found else None
+
+    # -- native routes ----------------------------------------------------------------------------------------
+    async def empty(self, req: Request, resp: Responder) -> None:
+        resp.send(200, b"")
+
+    async def version(self, req: Request, resp: Responder) -> None:
+        self.send_json(resp, {"version": VERSION})
+
+    async def load(self, req: Request, resp: Responder) -> None:
+        sched = self.server.scheduler
+        self.send_json(resp, {"server_load": len(sched.running) + len(sched.waiting)})
+
+    async def models(self, req: Request, resp: Responder) -> None:
+        now = int(time.time())
+        self.send_json(resp, {"object": "list", "data": [{
+            "id": self.model, "object": "model", "created": now, "owned_by": "vllm", "root": self.model,
+            "parent": None, "max_model_len": self.server.profile.context_length,
+            "permission": [{"id": "modelperm-sim", "object": "model_permission", "created": now,
+                            "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
+                            "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False,
+                            "organization": "*", "group": None, "is_blocking": False}]}]})
+
+    async def tokenize(self, req: Request, resp: Responder) -> None:
+        body = self.parse_json(req)
+        self.check_model(body)
+        tok = self.server.tokenizer
+        if "messages" in body:
+            ids = tok.encode(render_chat(body["messages"], body.get("tools")))
+        else:
+            ids = tok.encode(str(body.get("prompt", "")), add_bos=bool(body.get("add_special_tokens", True)))
+        self.send_json(resp, {"count": len(ids), "max_model_len": self.server.profile.context_length,
+                              "tokens": ids, "token_strs": None})
+
+    async def detokenize(self, req: Request, resp: Responder) -> None:
+        body = self.parse_json(req)
+        self.check_model(body)
+        self.send_json(resp, {"prompt": self.server.tokenizer.decode(list(body.get("tokens") or []))})
+
+    async def metrics(self, req: Request, resp: Responder) -> None:
+        s, lat, sched, p = self.server.stats, self.server.lat, self.server.scheduler, self.server.profile
+        e = Exposition({"model_name": self.model, "engine": "0"})
+        e.gauge("vllm:num_requests_running", len(sched.running), "Number of requests in model execution batches.")
+        e.gauge("vllm:num_requests_waiting", len(sched.waiting), "Number of requests waiting to be processed.")
+        e.gauge("vllm:kv_cache_usage_perc", sched.kv_used / p.kv_capacity_tokens,
+                "KV-cache usage. 1 means 100 percent usage.")
+        e.counter("vllm:prefix_cache_queries_total", s.prompt_tokens,
+                  "Prefix cache queries, in terms of number of queried tokens.")
+        e.counter("vllm:prefix_cache_hits_total", s.cached_tokens,
+                  "Prefix cache hits, in terms of number of cached tokens.")
+        e.counter("vllm:num_preemptions_total", 0, "Cumulative number of preemption from the engine.")
+        e.counter("vllm:prompt_tokens_total", s.prompt_tokens, "Number of prefill tokens processed.")
+        e.counter("vllm:generation_tokens_total", s.tokens_generated, "Number of generation tokens processed.")
+        e.counter("vllm:request_success_total", s.completed, "Count of successfully processed requests.")
+        e.histogram("vllm:time_to_first_token_seconds", lat.ttft, "Histogram of time to first token in seconds.")
+        e.histogram("vllm:inter_token_latency_seconds", lat.itl, "Histogram of inter-token latency in seconds.")
+        e.histogram("vllm:request_queue_time_seconds", lat.queue,
+                    "Histogram of time spent in WAITING phase for request.")
+        e.histogram("vllm:e2e_request_latency_seconds", lat.e2e, "Histogram of e2e request latency in seconds.")
+        e.histogram("vllm:request_prompt_tokens", lat.prompt_len, "Number of prefill tokens processed.")
+        e.histogram("vllm:request_generation_tokens", lat.gen_len, "Number of generation tokens processed.")
+        e.gauge("vllm:cache_config_info", 1.0, "Information of the LLMEngine CacheConfig", {
+            "block_size": str(BLOCK_SIZE), "num_gpu_blocks": str(p.kv_capacity_tokens // BLOCK_SIZE),
+            "enable_prefix_caching": "True", "cache_dtype": "auto", "gpu_memory_utilization": "0.9"})
+        resp.send(200, e.render(), "text/plain; version=0.0.4; charset=utf-8")

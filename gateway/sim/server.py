@@ -1,0 +1,214 @@
+"""SimServer: one emulated engine process: a listener, an engine's routes, a scheduler, faults and records."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from dataclasses import fields
+from typing import Any
+
+import orjson
+
+from gateway.sim.engines import make_engine
+from gateway.sim.engines.base import Engine, EngineError
+from gateway.sim.faults import Faults
+from gateway.sim.http import Connection, Request, Responder
+from gateway.sim.scheduler import Scheduler
+from gateway.sim.spec import SimSpec
+from gateway.sim.stats import Latencies, RecordedRequest, Stats, recorder
+from gateway.sim.tokenizer import Tokenizer
+
+
+class SimServer:
+    """An emulated engine server.
+
+    ``start()`` binds (``port=0`` picks a free port, kept for later restarts); ``stop()`` is abrupt, like a
+    killed process: the listener and every connection close, and the next ``start()`` is a fresh process
+    (empty caches, queues and counters) on the same port. ``faults`` is live; ``received`` holds recent
+    requests (method, path, headers, parsed JSON body); ``stats`` counts what happened.
+    """
+
+    def __init__(self, spec: SimSpec) -> None:
+        self.spec = spec
+        self.profile = spec.resolved_profile()
+        self.port = spec.port
+        self.tokenizer = Tokenizer()
+        self.faults = Faults(_crash=self.crash)
+        self.stats = Stats()
+        self.lat = Latencies()
+        self.received: Any = recorder()
+        self.engine: Engine = make_engine(self)
+        self._scheduler: Scheduler | None = None
+        self._server: asyncio.base_events.Server | None = None
+        self._conns: set[Connection] = set()
+        self._listen_task: asyncio.Task[None] | None = None
+        self._ready_at = 0.0
+        self._started_at = 0.0
+        self.running = False
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.spec.host}:{self.port}"
+
+    @property
+    def scheduler(self) -> Scheduler:
+        assert self._scheduler is not None, "server not started"
+        return self._scheduler
+
+    @property
+    def loading(self) -> bool:
+        return self.faults.loading or asyncio.get_running_loop().time() < self._ready_at
+
+    # -- lifecycle -------------------------------------------------------------------------------------------
+    async def start(self) -> None:
+        if self.running:
+            return
+        loop = asyncio.get_running_loop()
+        for f in fields(Stats):
+            setattr(self.stats, f.name, f.default)
+        self.lat = Latencies()
+        self.engine = make_engine(self)
+        self._scheduler = Scheduler(self.profile, self.engine.make_cache(self.profile), self.spec.time_scale,
+                                    self.stats, self.lat)
+        self._scheduler.start()
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((self.spec.host, self.port))
+        self.port = sock.getsockname()[1]
+        load = self.spec.load_seconds / self.spec.time_scale
+        self._started_at = loop.time()
+        self._ready_at = self._started_at + load
+        listen_after = load * self.engine.listen_after_load_fraction
+        self.running = True
+        if listen_after <= 0:
+            await self._listen(sock)
+        else:
+            self._listen_task = asyncio.create_task(self._listen_later(sock, listen_after))
+
+    async def _listen_later(self, sock: socket.socket, delay: float) -> None:
+        try:
+            await asyncio.sleep(delay)
+        except asyncio.CancelledError:
+            sock.close()
+            raise
+        await self._listen(sock)
+
+    async def _listen(self, sock: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(lambda: Connection(self._app, self._conns), sock=sock,
+                                                backlog=2048)
+
+    async def stop(self) -> None:
+        if not self.running:
+            return
+        self.running = False
+        if self._listen_task is not None:
+            self._listen_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._listen_task
+            self._listen_task = None
+        if self._server is not None:
+            self._server.close()
+        for conn in list(self._conns):
+            conn.cancel_tasks()
+            conn.abort()
+        if self._scheduler is not None:
+            await self._scheduler.stop()
+        if self._server is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._server.wait_closed(), 2.0)
+            self._server = None
+        await asyncio.sleep(0)
+
+    def crash(self) -> None:
+        """Die now, like ``kill -9``: call from the server's own event loop."""
+        task = asyncio.get_running_loop().create_task(self.stop())
+        self._crash_task = task
+
+    # -- requests --------------------------------------------------------------------------------------------
+    async def _app(self, req: Request, resp: Responder) -> None:
+        if req.path.startswith("/sim/"):
+            self._admin(req, resp)
+            return
+        self._record(req)
+        self.stats.requests += 1
+        engine = self.engine
+        faults = self.faults
+        if faults.added_latency_s > 0:
+            await asyncio.sleep(faults.added_latency_s)
+        hang = faults.hang_seconds()
+        if hang is not None:
+            await self._hang(resp, hang)
+            if resp.closed:
+                return
+        if self.loading:
+            engine.loading(req, resp)
+            return
+        handler = engine.routes().get((req.method, req.path))
+        if handler is None:
+            known = any(path == req.path for _, path in engine.routes())
+            status = 405 if known else 404
+            engine.send_error(resp, EngineError(status, "Method Not Allowed" if known else "Not Found",
+                                                "not_found"))
+            return
+        if not engine.authorized(req):
+            engine.unauthorized(resp)
+            return
+        if req.path in engine.generation_paths and faults.should_fail():
+            msg = "Simulated engine error" if faults.error_status == 500 else "Service Unavailable"
+            kind = "server" if faults.error_status == 500 else "unavailable"
+            engine.send_error(resp, EngineError(faults.error_status, msg, kind))
+            return
+        try:
+            await handler(req, resp)
+        except EngineError as err:
+            if resp.started:
+                resp.abort()
+            else:
+                engine.send_error(resp, err)
+
+    async def _hang(self, resp: Responder, seconds: float) -> None:
+        closed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+        def wake() -> None:
+            if not closed.done():
+                closed.set_result(None)
+
+        resp.on_close.append(wake)
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(closed, None if seconds == float("inf") else seconds)
+
+    def _record(self, req: Request) -> None:
+        body: Any = None
+        if req.body:
+            try:
+                body = orjson.loads(req.body)
+            except orjson.JSONDecodeError:
+                body = req.body.decode("utf-8", "replace")
+        self.received.append(RecordedRequest(req.method, req.path, dict(req.headers), body))
+
+    def _admin(self, req: Request, resp: Responder) -> None:
+        key = (req.method, req.path)
+        if key == ("GET", "/sim/faults"):
+            resp.send(200, orjson.dumps(self.faults.as_dict()))
+        elif key == ("POST", "/sim/faults"):
+            try:
+                changes = orjson.loads(req.body or b"{}")
+                if not isinstance(changes, dict):
+                    raise ValueError("body must be a JSON object")
+                crash = bool(changes.pop("crash", False))
+                self.faults.update(changes)
+            except ValueError as exc:  # orjson.JSONDecodeError is a ValueError
+                resp.send(400, orjson.dumps({"error": str(exc)}))
+                return
+            resp.send(200, orjson.dumps(self.faults.as_dict()))
+            if crash:
+                asyncio.get_running_loop().call_later(0.01, self.crash)
+        elif key == ("GET", "/sim/requests"):
+            resp.send(200, orjson.dumps([r.__dict__ for r in self.received]))
+        elif key == ("GET", "/sim/stats"):
+            resp.send(200, orjson.dumps({**self.stats.as_dict(), "engine": self.spec.engine,
+                                         "model": self.spec.model, "emulated": True}))
+        else:
+            resp.send(404, b'{"error":"unknown admin endpoint"}')

@@ -1,0 +1,104 @@
+"""Structured output through each engine's native fields, validated with jsonschema / re.fullmatch."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import httpx
+import jsonschema
+import pytest
+
+from gateway.sim import FleetThread
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+          "required": ["name", "age"], "additionalProperties": False}
+MSG = [{"role": "user", "content": "give me a person"}]
+
+
+def chat(ft: FleetThread, engine: str, extra: dict[str, object], stream: bool = False) -> httpx.Response:
+    body = {"model": "sim-llama-2-7b", "messages": MSG, "max_tokens": 500, "stream": stream, **extra}
+    with httpx.Client(timeout=10) as c:
+        return c.post(ft.fleet[f"sim-{engine}"].url + "/v1/chat/completions", json=body)
+
+
+def content(r: httpx.Response) -> str:
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["message"]["content"]  # type: ignore[no-any-return]
+
+
+RF_SCHEMA = {"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": SCHEMA}}}
+
+
+@pytest.mark.parametrize(("engine", "extra"), [
+    ("vllm", {"structured_outputs": {"json": SCHEMA}}), ("vllm", RF_SCHEMA),
+    ("sglang", {"json_schema": json.dumps(SCHEMA)}), ("sglang", RF_SCHEMA),
+    ("llamacpp", {"json_schema": SCHEMA}), ("llamacpp", RF_SCHEMA),
+    ("tabbyapi", {"json_schema": SCHEMA}), ("tabbyapi", RF_SCHEMA),
+])
+def test_json_schema_yields_a_valid_instance(fleet: FleetThread, engine: str, extra: dict[str, object]) -> None:
+    jsonschema.validate(json.loads(content(chat(fleet, engine, extra))), SCHEMA)
+
+
+def test_streamed_constrained_output_is_the_same_text_token_by_token(fleet: FleetThread) -> None:
+    r = chat(fleet, "vllm", {"structured_outputs": {"json": SCHEMA}}, stream=True)
+    deltas = [json.loads(line[6:])["choices"][0]["delta"].get("content") or ""
+              for line in r.text.split("\n\n") if line.startswith("data: {")]
+    assert sum(1 for d in deltas if d) > 3
+    jsonschema.validate(json.loads("".join(deltas)), SCHEMA)
+
+
+@pytest.mark.parametrize(("engine", "extra"), [
+    ("vllm", {"structured_outputs": {"regex": r"[A-Z][a-z]{2,5}-\d{3}"}}),
+    ("sglang", {"regex": r"[A-Z][a-z]{2,5}-\d{3}"}),
+    ("tabbyapi", {"regex_pattern": r"[A-Z][a-z]{2,5}-\d{3}"}),
+])
+def test_regex(fleet: FleetThread, engine: str, extra: dict[str, object]) -> None:
+    assert re.fullmatch(r"[A-Z][a-z]{2,5}-\d{3}", content(chat(fleet, engine, extra)))
+
+
+def test_choice_and_grammars(fleet: FleetThread) -> None:
+    assert content(chat(fleet, "vllm", {"structured_outputs": {"choice": ["red", "green"]}})) in ("red", "green")
+    gbnf = 'root ::= "yes" | "no"'
+    assert content(chat(fleet, "llamacpp", {"grammar": gbnf})) in ("yes", "no")
+    assert content(chat(fleet, "tabbyapi", {"grammar_string": gbnf})) in ("yes", "no")
+    assert content(chat(fleet, "sglang", {"ebnf": gbnf})) in ("yes", "no")
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang", "llamacpp"])
+def test_json_object(fleet: FleetThread, engine: str) -> None:
+    assert isinstance(json.loads(content(chat(fleet, engine, {"response_format": {"type": "json_object"}}))), dict)
+
+
+def test_tabbyapi_ignores_json_object(fleet: FleetThread) -> None:
+    text = content(chat(fleet, "tabbyapi", {"response_format": {"type": "json_object"}}))
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(text)
+
+
+def test_vllm_ignores_removed_guided_fields(fleet: FleetThread) -> None:
+    r = chat(fleet, "vllm", {"guided_json": SCHEMA, "guided_regex": r"\d+"})
+    text = content(r)
+    assert not re.fullmatch(r"\d+", text)
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(text)
+
+
+@pytest.mark.parametrize(("engine", "extra", "needle"), [
+    ("vllm", {"structured_outputs": {"json": SCHEMA, "regex": "a+"}}, "one kind"),
+    ("sglang", {"json_schema": json.dumps(SCHEMA), "regex": "a+"}, "Only one of"),
+    ("llamacpp", {"json_schema": SCHEMA, "grammar": 'root ::= "a"'}, "not both"),
+])
+def test_rejected_combinations(fleet: FleetThread, engine: str, extra: dict[str, object], needle: str) -> None:
+    r = chat(fleet, engine, extra)
+    assert r.status_code == 400 and needle in r.text
+
+
+def test_tabbyapi_skips_an_unparseable_constraint(fleet: FleetThread) -> None:
+    assert content(chat(fleet, "tabbyapi", {"regex_pattern": "(unclosed"}))
+
+
+def test_invalid_schema_is_refused_by_vllm(fleet: FleetThread) -> None:
+    r = chat(fleet, "vllm", {"structured_outputs": {"regex": "(unclosed"}})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "BadRequestError"
