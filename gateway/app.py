@@ -11,9 +11,9 @@ from prometheus_client import CollectorRegistry
 
 from gateway import __version__
 from gateway.api import errors
-from gateway.api.proxy_endpoint import ProxyEndpoint
+from gateway.api.proxy_endpoint import ProxyEndpoint, request_id
 from gateway.api.routes import router
-from gateway.asgi import Receive, Scope, Send
+from gateway.asgi import Message, Receive, Scope, Send
 from gateway.config import Settings
 from gateway.pool.pool import ClientFactory, Pool
 from gateway.proxy.exchange import Exchange
@@ -112,9 +112,18 @@ class GatewayApp:
         self._hot = hot
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http":
-            endpoint = self._hot.get(scope["path"])
-            if endpoint is not None:
-                await endpoint(scope, receive, send)
-                return
-        await self.fastapi(scope, receive, send)
+        if scope["type"] != "http":
+            await self.fastapi(scope, receive, send)
+            return
+        endpoint = self._hot.get(scope["path"])
+        if endpoint is not None:
+            await endpoint(scope, receive, send)
+            return
+        rid = request_id(scope).encode()
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", ()), (b"x-request-id", rid)]
+            await send(message)
+
+        await self.fastapi(scope, receive, send_with_id)

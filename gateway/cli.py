@@ -55,6 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     from gateway.serve import serve
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # one line per health/load scrape is noise; the pool logs state changes itself
+    logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
     try:
         return serve(args.config, host=args.host, port=args.port, log_level=args.log_level,
                      sim_base_port=args.sim_base_port)

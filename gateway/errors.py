@@ -64,7 +64,11 @@ def error_body(message: str, type: str, param: str | None = None, code: str | in
 
 
 def normalise_upstream_error(status: int, raw: bytes, backend: str) -> bytes:
-    """Re-shape an upstream error body into the OpenAI envelope, keeping its message, type and code.
+    """Re-shape an upstream error body into the OpenAI envelope.
+
+    The message is kept (with the backend named); ``type`` is OpenAI's word for the status, so a client's
+    checks work whichever engine answered; ``code`` keeps the engine's own string code or, failing that, its
+    own error type (``exceed_context_size_error``, ``BadRequestError``), which says more than the status.
 
     Engines disagree on the shape: vLLM and llama.cpp nest under ``error`` (llama.cpp with a numeric
     ``code``), older vLLM answers ``{"object": "error", "message": ...}``, FastAPI-based servers such as
@@ -102,4 +106,6 @@ def normalise_upstream_error(status: int, raw: bytes, backend: str) -> bytes:
     if message is None:
         text = raw.decode("utf-8", "replace").strip()
         message = text[:500] if text else f"upstream answered HTTP {status} with an empty body"
-    return error_body(f"{message} (backend {backend})", type_ or error_type_for(status), param, code)
+    if not isinstance(code, str):
+        code = type_
+    return error_body(f"{message} (backend {backend})", error_type_for(status), param, code)

@@ -4,6 +4,7 @@ configuration is given."""
 from __future__ import annotations
 
 import contextlib
+import signal
 import socket
 import subprocess
 import sys
@@ -55,7 +56,16 @@ def embedded_fleet(base_port: int, host: str = "127.0.0.1") -> Iterator[list[Bac
             proc.kill()
 
 
+def _stop(signum: int, frame: object) -> None:
+    raise SystemExit(0)
+
+
 def _run(settings: Settings, log_level: str) -> None:
+    # uvicorn shuts down gracefully on SIGINT/SIGTERM and then re-raises the signal to the handlers that were
+    # installed before it. Make those end the process by unwinding, so that every ``finally`` runs (the
+    # embedded fleet's child process is stopped) and the exit status is 0.
+    signal.signal(signal.SIGINT, _stop)
+    signal.signal(signal.SIGTERM, _stop)
     config = uvicorn.Config(
         create_app(settings),
         host=settings.server.host,

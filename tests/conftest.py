@@ -21,6 +21,29 @@ def free_port() -> int:
         return port
 
 
+def free_port_block(count: int) -> int:
+    """First of ``count`` consecutive free ports, below Linux's ephemeral range (where client sockets of
+    other tests could take them between this check and the bind)."""
+    import random
+
+    rng = random.Random()
+    for _ in range(200):
+        base = rng.randrange(20000, 32000 - count)
+        socks = []
+        try:
+            for port in range(base, base + count):
+                sock = socket.socket()
+                socks.append(sock)
+                sock.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in socks:
+                sock.close()
+    raise RuntimeError("no block of free ports found")
+
+
 class ServerThread:
     """A uvicorn server (uvloop + httptools, as in production) on its own loop in a daemon thread."""
 

@@ -168,6 +168,11 @@ class ProxyEndpoint:
 
     def _no_route(self, exc: NoRoute) -> GatewayError:
         model = exc.request.model
+        undiscovered = [b.name for b in self._gw.pool.backends if not b.models]
+        if exc.stage == "serves-model" and undiscovered:
+            return GatewayError(503, f"no available backend serves model '{model}'; the models of "
+                                     f"{', '.join(undiscovered)} are not known yet (unreachable so far)",
+                                code="no_backend_available", headers={"retry-after": "1"})
         if exc.stage == "serves-model":
             return GatewayError(404, f"The model '{model}' does not exist or is not served by any backend",
                                 type="invalid_request_error", param="model", code="model_not_found")

@@ -47,7 +47,7 @@ class Forwarder:
         ]
         started = False
         try:
-            async with asyncio.timeout(min(loop.time() + t.first_byte, deadline)) as timer:
+            async with asyncio.timeout_at(min(loop.time() + t.first_byte, deadline)) as timer:
                 response = await self._upstream.session.post(url, data=payload, headers=headers)
                 try:
                     exchange.status = response.status

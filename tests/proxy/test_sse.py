@@ -62,7 +62,7 @@ def test_tabbyapi_crlf_pings_and_usage_chunk_with_choices_are_normalised() -> No
         {"index": 0, "delta": {}, "finish_reason": "stop"}], "usage": USAGE})
     stream = (b": ping\r\n\r\n" + chunk("Hi").replace(b"\n", b"\r\n") + b"data: " + tabby_usage + b"\r\n\r\n"
               + DONE.replace(b"\n", b"\r\n"))
-    out, relay = relay_all(stream, keep_usage=True, cuts=[5, 40])
+    out, _ = relay_all(stream, keep_usage=True, cuts=[5, 40])
     events = [e for e in out.split(b"\n\n") if e]
     assert b"\r" not in out
     assert events[0] == b": ping"

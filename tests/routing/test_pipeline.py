@@ -91,7 +91,7 @@ def test_max_score_breaks_ties_by_in_flight_then_spreads_them() -> None:
 
 
 def test_unknown_policy_is_a_clear_error() -> None:
-    with pytest.raises(ValueError, match="unknown policy 'fastest'.*least-load"):
+    with pytest.raises(ValueError, match=r"unknown policy 'fastest'.*least-load"):
         build_pipeline("fastest")
 
 

@@ -1,0 +1,57 @@
+"""The gateway in front of emulated engines, all on loopback, driven by the official OpenAI SDK."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from gateway.app import GatewayApp, create_app
+from gateway.config import settings_from_mapping
+from gateway.sim import FleetThread, SimServer, SimSpec
+from tests.conftest import ServerThread, serve_in_thread
+
+ENGINES = ("llamacpp", "vllm", "sglang", "tabbyapi")
+TIME_SCALE = 20.0  # emulated engines run 20x faster than the real ones would
+
+
+def gateway_settings(servers: list[SimServer], **extra: Any) -> Any:
+    backends = [{"name": s.spec.name, "engine": s.spec.engine, "url": s.url,
+                 **({"api_key": s.spec.api_key} if s.spec.api_key else {})} for s in servers]
+    return settings_from_mapping({"backends": backends, "scrape": {"interval": 0.1, "timeout": 1.0}, **extra})
+
+
+class Running:
+    """A fleet and a gateway in front of it."""
+
+    def __init__(self, fleet: FleetThread, gateway: ServerThread, app: GatewayApp) -> None:
+        self.fleet = fleet
+        self.gateway = gateway
+        self.app = app
+        self.url = gateway.url
+
+    def server(self, name: str) -> SimServer:
+        return self.fleet.fleet[name]
+
+
+@pytest.fixture(scope="module")
+def engines() -> Iterator[Running]:
+    """One emulated server per engine, each serving its own model ``m-<engine>`` (so a test picks the engine
+    by model), all keyed with their own API keys, behind one gateway."""
+    specs = [SimSpec(engine=e, model=f"m-{e}", name=f"sim-{e}", time_scale=TIME_SCALE, api_key=f"key-{e}")
+             for e in ENGINES]
+    with FleetThread(specs) as fleet:
+        app = create_app(gateway_settings(fleet.fleet.servers))
+        with serve_in_thread(app) as gateway:
+            yield Running(fleet, gateway, app)
+
+
+@pytest.fixture
+def pair() -> Iterator[Running]:
+    """Two vLLM-like servers serving the same model, behind a gateway; for failure and recovery tests."""
+    specs = [SimSpec(engine="vllm", model="shared", name=f"vllm-{x}", time_scale=TIME_SCALE) for x in "ab"]
+    with FleetThread(specs) as fleet:
+        app = create_app(gateway_settings(fleet.fleet.servers))
+        with serve_in_thread(app) as gateway:
+            yield Running(fleet, gateway, app)

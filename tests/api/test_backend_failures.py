@@ -1,0 +1,140 @@
+"""Backends dying, coming back, loading, failing mid-stream; clients leaving mid-stream."""
+
+from __future__ import annotations
+
+import collections
+import time
+
+import httpx
+import openai
+import pytest
+
+from gateway.app import create_app
+from gateway.sim import FleetThread, SimSpec
+from tests.api.conftest import TIME_SCALE, Running, gateway_settings
+from tests.conftest import serve_in_thread
+
+ASK = [{"role": "user", "content": "Tell me a long story."}]
+
+
+def served_by(running: Running, n: int) -> collections.Counter[str]:
+    c = openai.OpenAI(base_url=running.url + "/v1", api_key="x", max_retries=0)
+    counts: collections.Counter[str] = collections.Counter()
+    for _ in range(n):
+        raw = c.chat.completions.with_raw_response.create(model="shared", messages=ASK, max_tokens=2)
+        counts[raw.headers["x-gateway-backend"]] += 1
+    return counts
+
+
+def wait_until(predicate, timeout: float = 5.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.05)
+
+
+def test_killed_backend_leaves_rotation_without_failing_requests_and_returns(pair: Running) -> None:
+    assert set(served_by(pair, 20)) == {"vllm-a", "vllm-b"}
+    a = pair.server("vllm-a")
+    pair.fleet.call(a.stop())
+    # requests right after the kill, before any health check noticed, still succeed (failover on refusal)
+    assert served_by(pair, 10) == {"vllm-b": 10}
+    ready = httpx.get(pair.url + "/ready").json()
+    assert ready["status"] == "ready" and ready["backends"]["vllm-a"]["health"] == "down"
+    assert [m["id"] for m in httpx.get(pair.url + "/v1/models").json()["data"]] == ["shared"]
+
+    pair.fleet.call(a.start())
+    wait_until(lambda: httpx.get(pair.url + "/ready").json()["backends"]["vllm-a"]["health"] == "ready")
+    assert set(served_by(pair, 20)) == {"vllm-a", "vllm-b"}
+
+
+def test_loading_llamacpp_is_not_routed_to_until_loaded() -> None:
+    specs = [SimSpec(engine="llamacpp", model="shared", name=f"llama-{x}", time_scale=TIME_SCALE) for x in "ab"]
+    with FleetThread(specs) as fleet:
+        fleet.fleet["llama-a"].faults.update({"loading": True})
+        with serve_in_thread(create_app(gateway_settings(fleet.fleet.servers))) as gateway:
+            running = Running(fleet, gateway, None)  # type: ignore[arg-type]
+            assert httpx.get(gateway.url + "/ready").json()["backends"]["llama-a"]["health"] == "loading"
+            assert served_by(running, 8) == {"llama-b": 8}
+            fleet.fleet["llama-a"].faults.update({"loading": False})
+            wait_until(lambda: httpx.get(gateway.url + "/ready").json()["backends"]["llama-a"]["health"] == "ready")
+            assert "llama-a" in served_by(running, 20)
+
+
+@pytest.mark.parametrize("engine", ["llamacpp", "vllm", "sglang", "tabbyapi"])
+def test_client_disconnect_cancels_the_upstream_request_within_a_second(engine: str) -> None:
+    spec = SimSpec(engine=engine, model="slow", name="slow", time_scale=1.0)  # real-time: ~200 tok/s
+    with FleetThread([spec]) as fleet:
+        server = fleet.fleet["slow"]
+        with serve_in_thread(create_app(gateway_settings(fleet.fleet.servers))) as gateway:
+            body = {"model": "slow", "messages": ASK, "max_tokens": 2000, "stream": True}
+            with httpx.stream("POST", gateway.url + "/v1/chat/completions", json=body) as response:
+                assert response.status_code == 200
+                chunks = response.iter_bytes()  # (a dropped iterator would close the response early)
+                next(chunks)
+                next(chunks)
+                assert server.stats.active_sequences == 1 and server.stats.cancelled == 0
+                left_at = time.monotonic()
+            wait_until(lambda: server.stats.cancelled == 1, timeout=1.0)
+            assert time.monotonic() - left_at < 1.0
+            assert server.stats.active_sequences == 0
+
+
+@pytest.mark.parametrize("engine", ["llamacpp", "vllm", "sglang", "tabbyapi"])
+def test_backend_dying_mid_stream_ends_the_stream_with_an_openai_error_event(engine: str) -> None:
+    spec = SimSpec(engine=engine, model="m", name="dies", time_scale=TIME_SCALE)
+    with FleetThread([spec]) as fleet:
+        fleet.fleet["dies"].faults.update({"drop_mid_stream_after_tokens": 3})
+        with serve_in_thread(create_app(gateway_settings(fleet.fleet.servers))) as gateway:
+            c = openai.OpenAI(base_url=gateway.url + "/v1", api_key="x", max_retries=0)
+            received = []
+            with pytest.raises(openai.APIError) as err:
+                for chunk in c.chat.completions.create(model="m", messages=ASK, max_tokens=50, stream=True):
+                    received.append(chunk)
+            assert received, "the tokens before the failure reached the client"
+            assert "backend dies" in str(err.value.message)
+            # raw: the error event is well-formed JSON and the stream is closed cleanly
+            body = {"model": "m", "messages": ASK, "max_tokens": 50, "stream": True}
+            raw = httpx.post(gateway.url + "/v1/chat/completions", json=body).text
+            events = [e for e in raw.split("\n\n") if e]
+            assert events[-2].startswith('data: {"error"') and events[-1] == "data: [DONE]"
+
+
+def test_backend_hanging_before_the_first_byte_costs_the_first_byte_timeout_then_504() -> None:
+    spec = SimSpec(engine="vllm", model="m", name="hangs", time_scale=TIME_SCALE)
+    with FleetThread([spec]) as fleet:
+        settings = gateway_settings(fleet.fleet.servers, timeouts={"first_byte": 0.5}, scrape={"interval": 30})
+        with serve_in_thread(create_app(settings)) as gateway:
+            fleet.fleet["hangs"].faults.update({"hang_before_first_byte": True})  # after discovery
+            body = {"model": "m", "messages": ASK, "max_tokens": 50, "stream": True}
+            started = time.monotonic()
+            response = httpx.post(gateway.url + "/v1/chat/completions", json=body)
+            assert response.status_code == 504 and response.json()["error"]["code"] == "upstream_timeout"
+            assert 0.5 <= time.monotonic() - started < 3.0
+
+
+def test_refused_connection_with_no_other_backend_is_502_then_503_until_it_returns() -> None:
+    spec = SimSpec(engine="sglang", model="m", name="gone", time_scale=TIME_SCALE)
+    with FleetThread([spec]) as fleet:
+        server = fleet.fleet["gone"]
+        settings = gateway_settings(fleet.fleet.servers, scrape={"interval": 30})  # no health check in between
+        with serve_in_thread(create_app(settings)) as gateway:
+            fleet.call(server.stop())
+            body = {"model": "m", "messages": ASK, "max_tokens": 5}
+            first = httpx.post(gateway.url + "/v1/chat/completions", json=body)
+            assert first.status_code == 502 and first.json()["error"]["code"] == "upstream_failed"
+            second = httpx.post(gateway.url + "/v1/chat/completions", json=body)
+            assert second.status_code == 503, "the refusal took the backend out of rotation at once"
+
+
+def test_a_stall_between_chunks_longer_than_the_idle_timeout_ends_the_stream_with_an_error_event() -> None:
+    # a real-time-ish engine slowed 20x: ~10 tokens/s, so gaps of ~0.1 s against an idle limit of 0.03 s
+    spec = SimSpec(engine="vllm", model="m", name="stalls", time_scale=0.05)
+    with FleetThread([spec]) as fleet:
+        settings = gateway_settings(fleet.fleet.servers, timeouts={"idle": 0.03, "first_byte": 30})
+        with serve_in_thread(create_app(settings)) as gateway:
+            body = {"model": "m", "messages": ASK, "max_tokens": 50, "stream": True}
+            raw = httpx.post(gateway.url + "/v1/chat/completions", json=body, timeout=30).text
+            events = [e for e in raw.split("\n\n") if e]
+            assert events[-2].startswith('data: {"error"') and '"upstream_timeout"' in events[-2]
+            assert events[-1] == "data: [DONE]"
