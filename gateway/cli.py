@@ -3,6 +3,7 @@
     gateway serve [--config FILE] [--host HOST] [--port PORT]
     gateway check-config FILE
     gateway sim ...            (the engine emulators; see ``gateway sim --help``)
+    gateway llamacpp ...       (a real llama-server on this CPU; see ``gateway llamacpp --help``)
 """
 
 from __future__ import annotations
@@ -31,11 +32,23 @@ def _parser() -> argparse.ArgumentParser:
     check.add_argument("file")
 
     sub.add_parser("sim", help="run emulated engines (llama.cpp, vLLM, SGLang, TabbyAPI)", add_help=False)
+    sub.add_parser("llamacpp", help="build and run a real llama.cpp server on this CPU", add_help=False)
+    sub.add_parser("bench", help="load-generate against OpenAI-compatible endpoints and compare them",
+                   add_help=False)
+    sub.add_parser("profile", help="measure each backend's speed curve over concurrency", add_help=False)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args_list = sys.argv[1:] if argv is None else argv
+    if args_list[:1] in (["bench"], ["profile"]):
+        from gateway.bench.cli import main as bench_main
+
+        return bench_main(args_list)
+    if args_list[:1] == ["llamacpp"]:
+        from gateway.llamacpp.cli import main as llamacpp_main
+
+        return llamacpp_main(args_list[1:])
     if args_list[:1] == ["sim"]:
         from gateway.sim.cli import main as sim_main
 

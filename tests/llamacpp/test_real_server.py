@@ -1,0 +1,145 @@
+"""The gateway in front of real llama-server processes, through the OpenAI SDK."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from gateway.app import create_app
+from gateway.config import settings_from_mapping
+from gateway.llamacpp.server import LlamaServer
+from tests.conftest import ServerThread, serve_in_thread
+
+ASK = [{"role": "user", "content": "Tell me about the gateway."}]
+
+
+@pytest.fixture(scope="module")
+def gateway(tiny_pair: list[LlamaServer]) -> Iterator[ServerThread]:
+    backends = [{"name": f"llama-{i}", "engine": "llamacpp", "url": s.url} for i, s in enumerate(tiny_pair)]
+    settings = settings_from_mapping({"backends": backends, "scrape": {"interval": 0.1, "timeout": 2.0}})
+    with serve_in_thread(create_app(settings)) as server:
+        yield server
+
+
+def sdk(gateway: ServerThread) -> openai.OpenAI:
+    return openai.OpenAI(base_url=gateway.url + "/v1", api_key="x", max_retries=0)
+
+
+def model_id(gateway: ServerThread) -> str:
+    return sdk(gateway).models.list().data[0].id
+
+
+def test_chat_and_completions_streaming_and_not_with_exact_usage(gateway: ServerThread) -> None:
+    c, model = sdk(gateway), model_id(gateway)
+    reply = c.chat.completions.create(model=model, messages=ASK, max_tokens=8)
+    assert reply.usage is not None and reply.usage.completion_tokens <= 8 and reply.usage.prompt_tokens > 5
+    chunks = list(c.chat.completions.create(model=model, messages=ASK, max_tokens=8, stream=True,
+                                            stream_options={"include_usage": True}))
+    usage = chunks[-1].usage
+    assert usage is not None and chunks[-1].choices == []
+    assert usage.prompt_tokens == reply.usage.prompt_tokens
+    content_chunks = [ch for ch in chunks if ch.choices and ch.choices[0].delta.content]
+    assert 0 < usage.completion_tokens <= 8 and len(content_chunks) <= usage.completion_tokens
+
+    plain = list(c.chat.completions.create(model=model, messages=ASK, max_tokens=4, stream=True))
+    assert all(ch.usage is None for ch in plain), "usage chunk removed when not asked for"
+
+    completion = c.completions.create(model=model, prompt="The server", max_tokens=5)
+    assert completion.usage is not None and completion.usage.completion_tokens <= 5
+    streamed = list(c.completions.create(model=model, prompt="The server", max_tokens=5, stream=True,
+                                         stream_options={"include_usage": True}))
+    assert streamed[-1].usage is not None
+    assert streamed[-1].usage.prompt_tokens == completion.usage.prompt_tokens
+
+
+def test_prompt_tokens_match_the_servers_own_tokenizer(gateway: ServerThread, tiny_pair: list[LlamaServer]) -> None:
+    prompt = "The quick brown fox tells a story about the gateway."
+    reply = sdk(gateway).completions.create(model=model_id(gateway), prompt=prompt, max_tokens=1)
+    tokens = httpx.post(tiny_pair[0].url + "/tokenize", json={"content": prompt, "add_special": True}).json()
+    assert reply.usage is not None and reply.usage.prompt_tokens == len(tokens["tokens"])
+
+
+def test_load_is_read_from_the_real_slots_and_metrics(gateway: ServerThread, tiny_pair: list[LlamaServer]) -> None:
+    app = gateway.server.config.app
+    backend = app.gateway.pool.get("llama-0")
+    assert backend.capacity.slots == 2 and backend.capacity.context_length is not None
+    body = {"model": model_id(gateway), "messages": ASK, "max_tokens": 1800, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", tiny_pair[0].url + "/v1/chat/completions", json=body) as response:
+        chunks = response.iter_bytes()
+        next(chunks)
+        deadline = time.monotonic() + 3
+        while (backend.load is None or backend.load.running != 1) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert backend.load is not None and backend.load.running == 1 and backend.load.waiting == 0
+        metrics = httpx.get(gateway.url + "/metrics").text
+        assert 'gateway_backend_running_requests{backend="llama-0",engine="llamacpp"} 1.0' in metrics
+
+
+def test_response_format_json_schema_gives_valid_json(gateway: ServerThread) -> None:
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                               "count": {"type": "integer", "minimum": 0, "maximum": 99}},
+              "required": ["name", "count"], "additionalProperties": False}
+    reply = sdk(gateway).chat.completions.create(
+        model=model_id(gateway), messages=ASK, max_tokens=120,
+        response_format={"type": "json_schema", "json_schema": {"name": "thing", "schema": schema}})
+    content = reply.choices[0].message.content
+    assert content is not None
+    jsonschema.validate(json.loads(content), schema)
+
+
+def test_gbnf_grammar_is_enforced(gateway: ServerThread) -> None:
+    grammar = 'root ::= ("yes" | "no") " " [0-9] [0-9]'
+    for _ in range(3):
+        reply = sdk(gateway).chat.completions.create(model=model_id(gateway), messages=ASK, max_tokens=10,
+                                                     extra_body={"grammar": grammar})
+        content = reply.choices[0].message.content or ""
+        assert content[:3] in ("yes", "no ") and content[-2:].isdigit() and len(content) in (5, 6), content
+
+
+def slots_busy(server: LlamaServer) -> int:
+    slots: list[dict[str, Any]] = httpx.get(server.url + "/slots").json()
+    return sum(1 for slot in slots if slot["is_processing"])
+
+
+def test_client_disconnect_frees_the_slot_within_a_second(gateway: ServerThread,
+                                                         tiny_pair: list[LlamaServer]) -> None:
+    body = {"model": model_id(gateway), "messages": ASK, "max_tokens": 1800, "ignore_eos": True, "stream": True}
+    for server in tiny_pair:
+        assert slots_busy(server) == 0
+    with httpx.stream("POST", gateway.url + "/v1/chat/completions", json=body) as response:
+        chunks = response.iter_bytes()
+        next(chunks)
+        next(chunks)
+        assert sum(slots_busy(s) for s in tiny_pair) == 1
+        left = time.monotonic()
+    while sum(slots_busy(s) for s in tiny_pair):
+        assert time.monotonic() - left < 1.0, "slot still busy a second after the client left"
+        time.sleep(0.02)
+
+
+def test_killed_server_is_marked_down_and_traffic_moves(llama_binary: Any, tiny_model: Any) -> None:
+    from tests.llamacpp.conftest import start_servers
+
+    servers = start_servers(llama_binary, tiny_model, 2, slots=2, ctx=1024)
+    try:
+        backends = [{"name": f"l{i}", "engine": "llamacpp", "url": s.url} for i, s in enumerate(servers)]
+        settings = settings_from_mapping({"backends": backends, "scrape": {"interval": 0.1}})
+        with serve_in_thread(create_app(settings)) as gw:
+            c, model = sdk(gw), model_id(gw)
+            servers[0].kill()
+            served = set()
+            for _ in range(6):
+                raw = c.chat.completions.with_raw_response.create(model=model, messages=ASK, max_tokens=2)
+                served.add(raw.headers["x-gateway-backend"])
+            assert served == {"l1"}
+            assert httpx.get(gw.url + "/ready").json()["backends"]["l0"]["health"] == "down"
+    finally:
+        for server in servers:
+            server.stop()
