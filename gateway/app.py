@@ -19,7 +19,10 @@ from gateway.pool.pool import ClientFactory, Pool
 from gateway.proxy.exchange import Exchange
 from gateway.proxy.forward import PATHS, Forwarder
 from gateway.proxy.upstream import Upstream
+from gateway.routing.pipeline import Decision
 from gateway.routing.policies import build_pipeline
+from gateway.routing.request import Outcome, RouteRequest
+from gateway.routing.state import RoutingState
 from gateway.telemetry.metrics import UNKNOWN, GatewayMetrics
 
 
@@ -34,7 +37,8 @@ class Gateway:
         registry: CollectorRegistry | None = None,
     ) -> None:
         self.settings = settings
-        self.pipeline = build_pipeline(settings.routing.policy)
+        self.routing = RoutingState(settings.routing.engine_profile)
+        self.pipeline = build_pipeline(settings.routing, self.routing)
         self.pool = Pool(settings.backends, settings.scrape, client_factory)
         self.upstream = Upstream(settings.timeouts)
         self.forwarder = Forwarder(
@@ -56,8 +60,16 @@ class Gateway:
         await self.pool.stop()
         await self.upstream.close()
 
+    def observe_decision(self, decision: Decision) -> None:
+        m = self.metrics
+        m.routing_decisions.labels(decision.ranked[0].name, decision.reason).inc()
+        for plugin, seconds in decision.timings.items():
+            m.routing_plugin_seconds.labels(plugin).observe(seconds)
+
     def observe(self, exchange: Exchange) -> None:
-        """Account one finished request in the metrics."""
+        """Account one finished request in the metrics, and let routing learn from it."""
+        if exchange.request is not None and exchange.backend is not None and exchange.outcome != "pending":
+            self.pipeline.observe(outcome_of(exchange, exchange.request), exchange.backend)
         m = self.metrics
         backend = exchange.backend.name if exchange.backend else UNKNOWN
         model = exchange.model if exchange.model is not None else UNKNOWN
@@ -73,6 +85,37 @@ class Gateway:
             m.prompt_tokens.labels(backend, model).inc(exchange.usage_int("prompt_tokens"))
             m.completion_tokens.labels(backend, model).inc(exchange.usage_int("completion_tokens"))
             m.cached_tokens.labels(backend, model).inc(exchange.cached_tokens())
+
+
+def outcome_of(exchange: Exchange, request: RouteRequest) -> Outcome:
+    """What routing learns from a finished exchange. Engine-reported timings (llama.cpp ``timings``, TabbyAPI's
+    usage times) are preferred to the gateway's own clock, which includes network and queueing."""
+    assert exchange.backend is not None
+    ttft = decode = None
+    if exchange.t_first is not None:
+        ttft = exchange.t_first - exchange.t_start
+        if exchange.t_end is not None:
+            decode = exchange.t_end - exchange.t_first
+    timings, usage = exchange.timings or {}, exchange.usage or {}
+    if isinstance(timings.get("prompt_ms"), int | float) and isinstance(timings.get("predicted_ms"), int | float):
+        ttft, decode = timings["prompt_ms"] / 1000, timings["predicted_ms"] / 1000
+    elif isinstance(usage.get("prompt_time"), int | float) and isinstance(usage.get("completion_time"), int | float):
+        ttft, decode = usage["prompt_time"], usage["completion_time"]
+    details = usage.get("prompt_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    if not isinstance(cached, int) and isinstance(timings.get("cache_n"), int):
+        cached = timings["cache_n"]
+    return Outcome(
+        request=request,
+        backend=exchange.backend.name,
+        concurrency=exchange.concurrency,
+        ok=exchange.outcome == "success",
+        ttft=ttft,
+        decode_seconds=decode,
+        prompt_tokens=exchange.usage_int("prompt_tokens") or None,
+        completion_tokens=exchange.usage_int("completion_tokens") or None,
+        cached_tokens=cached if isinstance(cached, int) else None,
+    )
 
 
 def create_app(

@@ -64,8 +64,34 @@ class BackendSettings(_Strict):
         return None
 
 
+DEFAULT_FILTERS: tuple[str | PluginSettings, ...] = ("serves-model", "healthy", "fits-context",
+                                                     "below-max-concurrency")
+
+
+class PluginSettings(_Strict):
+    """One plugin in a profile: its registered name, its weight (scorers only) and its own parameters."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+    name: str
+    weight: float = Field(default=1.0, ge=0)
+
+    def params(self) -> dict[str, Any]:
+        return dict(self.model_extra or {})
+
+
+class ProfileSettings(_Strict):
+    """A routing profile assembled from registered plugins."""
+
+    filters: list[str | PluginSettings] = Field(default_factory=lambda: list(DEFAULT_FILTERS))
+    scorers: list[PluginSettings] = Field(default_factory=list)
+    picker: str | PluginSettings = "max-score"
+
+
 class RoutingSettings(_Strict):
-    policy: str = Field(default="least-load", description="a registered routing policy name")
+    policy: str = Field(default="default", description="a built-in policy or a profile defined under profiles")
+    profiles: dict[str, ProfileSettings] = Field(default_factory=dict)
+    session_header: str = Field(default="x-session-id", description="request header naming a session")
+    engine_profile: Path | None = Field(default=None, description="profile file written by `gateway profile`")
 
 
 class TimeoutSettings(_Strict):

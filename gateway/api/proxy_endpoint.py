@@ -11,7 +11,7 @@ import asyncio
 import logging
 import os
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
@@ -65,20 +65,28 @@ async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
             return b"".join(chunks)
 
 
+def _user_session(body: dict[str, Any]) -> str | None:
+    user = body.get("user")
+    return f"user:{user}" if isinstance(user, str) and user else None
+
+
 class ProxyEndpoint:
     def __init__(self, gateway: Gateway, route: str) -> None:
         self._gw = gateway
         self._route = route
+        self._session_header = gateway.settings.routing.session_header.lower().encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         exchange = Exchange(request_id=request_id(scope), route=self._route, t_start=time.perf_counter())
+
         headers: Headers = [(b"x-request-id", exchange.request_id.encode())]
         try:
             if scope["method"] != "POST":
                 raise GatewayError(405, f"{scope['path']} only accepts POST", code="method_not_allowed",
                                    headers={"allow": "POST"})
             raw = await read_body(scope, receive, self._gw.settings.server.max_body_bytes)
-            await self._handle(exchange, raw, receive, send)
+            session = header(scope, self._session_header)
+            await self._handle(exchange, raw, session.decode("latin-1") if session else None, receive, send)
         except GatewayError as exc:
             exchange.status = exc.status
             if exchange.outcome == "pending":
@@ -99,25 +107,36 @@ class ProxyEndpoint:
             exchange.t_end = time.perf_counter()
             self._gw.observe(exchange)
 
-    async def _handle(self, exchange: Exchange, raw: bytes, receive: Receive, send: Send) -> None:
+    async def _handle(self, exchange: Exchange, raw: bytes, session: str | None, receive: Receive,
+                      send: Send) -> None:
         gw = self._gw
         request = parse_request(self._route, raw)
+        request.session_key = session if session else _user_session(request.body)
         exchange.stream = request.stream
+        exchange.request = request
         try:
             decision = gw.pipeline.route(request, gw.pool.backends)
         except NoRoute as exc:
             raise self._no_route(exc) from None
         exchange.model = request.model
+        gw.observe_decision(decision)
         keep_usage = client_wants_usage(request.body)
-        log.debug("request %s model=%s -> %s (%s)", exchange.request_id, request.model,
-                  decision.ranked[0].name, decision.reason)
+        route_headers: Headers = [(b"x-gateway-policy", decision.policy.encode()),
+                                  (b"x-gateway-route-reason", f"{decision.reason}: {decision.detail}".encode())]
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("request %s model=%s -> %s policy=%s reason=%s (%s) plugins: %s", exchange.request_id,
+                      request.model, decision.ranked[0].name, decision.policy, decision.reason, decision.detail,
+                      " ".join(f"{k}={v * 1e6:.0f}us" for k, v in decision.timings.items()))
         last_error: UpstreamError | None = None
         for backend in decision.ranked[:MAX_CONNECT_ATTEMPTS]:
             body = gw.pool.adapters[backend.name].prepare_body(request.route, dict(request.body))
             exchange.backend = backend
+            exchange.concurrency = backend.estimated_queue() + 1
+            gw.pipeline.routed(request, backend)
             backend.in_flight += 1
             try:
-                await self._forward_until_disconnect(exchange, backend, orjson.dumps(body), keep_usage, receive, send)
+                await self._forward_until_disconnect(exchange, backend, orjson.dumps(body), keep_usage,
+                                                     route_headers, receive, send)
                 return
             except UpstreamError as exc:
                 last_error = exc
@@ -136,7 +155,8 @@ class ProxyEndpoint:
                            headers={"x-gateway-backend": name})
 
     async def _forward_until_disconnect(
-        self, exchange: Exchange, backend: Backend, payload: bytes, keep_usage: bool, receive: Receive, send: Send
+        self, exchange: Exchange, backend: Backend, payload: bytes, keep_usage: bool, extra_headers: Headers,
+        receive: Receive, send: Send,
     ) -> None:
         """Forward while watching the client: when it disconnects, cancel the upstream request at once
         (uvicorn's ``send`` silently drops writes to a gone client, so nothing else would notice)."""
@@ -155,7 +175,7 @@ class ProxyEndpoint:
 
         watcher = asyncio.create_task(watch())
         try:
-            await self._gw.forwarder.forward(exchange, backend, payload, keep_usage, send)
+            await self._gw.forwarder.forward(exchange, backend, payload, keep_usage, send, extra_headers)
             state["finished"] = True
         except asyncio.CancelledError:
             if not state["gone"]:
@@ -173,6 +193,16 @@ class ProxyEndpoint:
             return GatewayError(503, f"no available backend serves model '{model}'; the models of "
                                      f"{', '.join(undiscovered)} are not known yet (unreachable so far)",
                                 code="no_backend_available", headers={"retry-after": "1"})
+        if exc.stage == "fits-context":
+            largest = max((b.capacity.context_length or 0 for b in self._gw.pool.backends if model in b.models),
+                          default=0)
+            needed = exc.request.notes.get("estimated_tokens")
+            return GatewayError(400, f"This request needs at least {needed} tokens (prompt plus max_tokens), more "
+                                     f"than the context of any backend serving '{model}' (largest: {largest})",
+                                param="max_tokens", code="context_length_exceeded")
+        if exc.stage == "below-max-concurrency":
+            return GatewayError(429, f"every backend serving '{model}' is at its max_concurrency; retry shortly",
+                                code="backends_at_capacity", headers={"retry-after": "1"})
         if exc.stage == "serves-model":
             return GatewayError(404, f"The model '{model}' does not exist or is not served by any backend",
                                 type="invalid_request_error", param="model", code="model_not_found")

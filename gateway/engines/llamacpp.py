@@ -74,7 +74,7 @@ class LlamaCppAdapter(EngineAdapter):
         settings = props.get("default_generation_settings")
         n_ctx = settings.get("n_ctx") if isinstance(settings, dict) else None
         slots = props.get("total_slots")
-        return Capacity(
-            slots=slots if isinstance(slots, int) and slots > 0 else None,
-            context_length=n_ctx if isinstance(n_ctx, int) and n_ctx > 0 else None,
-        )
+        slots = slots if isinstance(slots, int) and slots > 0 else None
+        n_ctx = n_ctx if isinstance(n_ctx, int) and n_ctx > 0 else None
+        # each slot caches its own last prompt: the server's prefix cache is the slots' contexts together
+        return Capacity(slots=slots, context_length=n_ctx, cache_tokens=slots * n_ctx if slots and n_ctx else None)

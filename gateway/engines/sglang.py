@@ -41,8 +41,12 @@ class SGLangAdapter(EngineAdapter):
         )
 
     async def read_capacity(self, client: httpx.AsyncClient) -> Capacity:
-        slots = _sum(await _loads(client), "max_running_requests")
-        return Capacity(slots=slots or None, context_length=await max_model_len(client))
+        loads = await _loads(client)
+        return Capacity(
+            slots=_sum(loads, "max_running_requests") or None,
+            context_length=await max_model_len(client),
+            cache_tokens=_sum(loads, "max_total_num_tokens") or None,
+        )
 
 
 async def _loads(client: httpx.AsyncClient) -> list[dict[str, Any]]:

@@ -38,7 +38,9 @@ class TabbyAPIAdapter(EngineAdapter):
         slots = props.get("total_slots") if isinstance(props, dict) else None
         params = card.get("parameters") if isinstance(card, dict) else None
         max_seq_len = params.get("max_seq_len") if isinstance(params, dict) else None
+        cache_size = params.get("cache_size") if isinstance(params, dict) else None
         return Capacity(
             slots=slots if isinstance(slots, int) and slots > 0 else None,
             context_length=max_seq_len if isinstance(max_seq_len, int) and max_seq_len > 0 else None,
+            cache_tokens=cache_size if isinstance(cache_size, int) and cache_size > 0 else None,
         )

@@ -11,8 +11,9 @@ from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.engines.base import EngineAdapter, get_json
+from gateway.engines.base import EngineAdapter, get, get_json
 from gateway.pool.state import Capacity
 
 
@@ -26,7 +27,27 @@ class VLLMAdapter(EngineAdapter):
     default_slots: ClassVar[int | None] = 256
 
     async def read_capacity(self, client: httpx.AsyncClient) -> Capacity:
-        return Capacity(slots=self.default_slots, context_length=await max_model_len(client))
+        return Capacity(
+            slots=self.default_slots, context_length=await max_model_len(client), cache_tokens=await _kv_tokens(client)
+        )
+
+
+async def _kv_tokens(client: httpx.AsyncClient) -> int | None:
+    """KV cache size in tokens, from the labels of ``vllm:cache_config_info`` (num_gpu_blocks x block_size)."""
+    response = await get(client, "/metrics")
+    if response.status_code != 200:
+        return None
+    try:
+        families = list(text_string_to_metric_families(response.text))
+    except ValueError:
+        return None
+    for family in families:
+        if family.name == "vllm:cache_config_info":
+            for sample in family.samples:
+                blocks, size = sample.labels.get("num_gpu_blocks"), sample.labels.get("block_size")
+                if blocks and size and blocks.isdigit() and size.isdigit():
+                    return int(blocks) * int(size)
+    return None
 
 
 async def max_model_len(client: httpx.AsyncClient) -> int | None:

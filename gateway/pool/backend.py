@@ -19,6 +19,7 @@ class Backend:
         "configured_models",
         "detail",
         "engine",
+        "epoch",
         "health",
         "in_flight",
         "load",
@@ -56,6 +57,8 @@ class Backend:
         self.in_flight = 0
         self._in_flight_at_read = 0
         self.scrape_errors = 0
+        # bumped each time the backend comes (back) up: a restarted engine has empty caches
+        self.epoch = 0
 
     def __repr__(self) -> str:
         return f"<Backend {self.name} {self.engine} {self.health.value} in_flight={self.in_flight}>"
@@ -92,6 +95,8 @@ class Backend:
 
     # --- written by the scrape loop ----------------------------------------------------------------------
     def record_probe(self, probe: Probe) -> None:
+        if probe.health is Health.READY and self.health is not Health.READY:
+            self.epoch += 1
         self.health = probe.health
         self.detail = probe.detail
 

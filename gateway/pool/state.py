@@ -33,6 +33,7 @@ class Capacity:
 
     slots: int | None = None  # concurrent sequences it will run
     context_length: int | None = None  # tokens per sequence
+    cache_tokens: int | None = None  # tokens its KV / prefix cache holds in all
 
 
 @dataclass(frozen=True, slots=True)

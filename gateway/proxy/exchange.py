@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gateway.pool.backend import Backend
+from gateway.routing.request import RouteRequest
 
 
 @dataclass(slots=True)
@@ -16,6 +17,8 @@ class Exchange:
     model: str | None = None
     stream: bool = False
     backend: Backend | None = None
+    request: RouteRequest | None = None
+    concurrency: int = 1  # sequences on the backend when sent, this one included
     status: int = 0
     responded: bool = False  # the response has started; errors can no longer change its status
     outcome: str = "pending"  # success | client_error | upstream_error | no_backend | disconnected | ...

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import orjson
@@ -34,7 +35,8 @@ class Forwarder:
         self._headers = {name: {"Content-Type": "application/json", **h} for name, h in auth_headers.items()}
 
     async def forward(
-        self, exchange: Exchange, backend: Backend, payload: bytes, keep_usage: bool, send: Send
+        self, exchange: Exchange, backend: Backend, payload: bytes, keep_usage: bool, send: Send,
+        extra_headers: Sequence[tuple[bytes, bytes]] = (),
     ) -> None:
         loop = asyncio.get_running_loop()
         t = self._timeouts
@@ -44,6 +46,7 @@ class Forwarder:
         client_headers: Headers = [
             (b"x-request-id", exchange.request_id.encode()),
             (b"x-gateway-backend", backend.name.encode()),
+            *extra_headers,
         ]
         started = False
         try:

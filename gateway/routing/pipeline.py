@@ -1,4 +1,5 @@
-"""The pipeline runner: filters, then weighted scorers, then the picker; every plugin timed."""
+"""The pipeline runner: filters, then weighted scorers, then the picker; every plugin timed, every decision
+explained by the scorer that made the difference."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ from dataclasses import dataclass, field
 
 from gateway.pool.backend import Backend
 from gateway.routing.plugins import Filter, Picker, Scorer
-from gateway.routing.request import RouteRequest
+from gateway.routing.request import Outcome, RouteRequest
+from gateway.routing.state import RoutingState
 
 
 class NoRoute(Exception):
@@ -24,7 +26,8 @@ class NoRoute(Exception):
 class Decision:
     ranked: list[Backend]  # best first; the rest is the failover order
     policy: str
-    reason: str
+    reason: str  # a plugin name (bounded: fit for a metric label), or only-candidate / tie
+    detail: str  # human-readable: scores of the winner
     timings: dict[str, float] = field(default_factory=dict)  # plugin name -> seconds
 
 
@@ -34,6 +37,12 @@ class Pipeline:
     filters: list[Filter]
     scorers: list[tuple[Scorer, float]]
     picker: Picker
+    state: RoutingState
+    track_prefix: bool = False
+
+    def __post_init__(self) -> None:
+        self.track_prefix = any(getattr(s, "uses_prefix", False) for s, _ in self.scorers) or \
+            self.picker.name == "consistent-hash"
 
     def route(self, request: RouteRequest, backends: Sequence[Backend]) -> Decision:
         timings: dict[str, float] = {}
@@ -45,22 +54,40 @@ class Pipeline:
             timings[flt.name] = clock() - start
             if not candidates:
                 raise NoRoute(flt.name, request)
+        per_scorer: list[list[float]] = []
         totals = [0.0] * len(candidates)
-        weight_sum = 0.0
+        weight_sum = sum(w for _, w in self.scorers) or 1.0
         for scorer, weight in self.scorers:
             start = clock()
-            for i, value in enumerate(scorer.score(request, candidates)):
-                totals[i] += weight * value
+            values = scorer.score(request, candidates)
             timings[scorer.name] = clock() - start
-            weight_sum += weight
-        if weight_sum:
-            totals = [t / weight_sum for t in totals]
+            per_scorer.append(values)
+            for i, value in enumerate(values):
+                totals[i] += weight * value / weight_sum
         start = clock()
         ranked = self.picker.pick(request, candidates, totals)
         timings[self.picker.name] = clock() - start
-        if self.scorers:
-            best = totals[candidates.index(ranked[0])]
-            reason = f"{self.policy} score={best:.3f} of {len(candidates)}"
-        else:
-            reason = f"{self.policy} of {len(candidates)}"
-        return Decision(ranked=ranked, policy=self.policy, reason=reason, timings=timings)
+        reason, detail = self._explain(candidates, ranked, per_scorer, totals)
+        return Decision(ranked=ranked, policy=self.policy, reason=reason, detail=detail, timings=timings)
+
+    def _explain(self, candidates: Sequence[Backend], ranked: list[Backend], per_scorer: list[list[float]],
+                 totals: list[float]) -> tuple[str, str]:
+        if len(candidates) == 1:
+            return "only-candidate", "only one eligible backend"
+        if not self.scorers:
+            return self.picker.name, self.picker.name
+        win, second = candidates.index(ranked[0]), candidates.index(ranked[1])
+        margins = [w * (values[win] - values[second]) for (_, w), values in zip(self.scorers, per_scorer, strict=True)]
+        best = max(range(len(margins)), key=margins.__getitem__)
+        scores = " ".join(f"{s.name}={values[win]:.2f}" for (s, _), values in zip(self.scorers, per_scorer,
+                                                                                   strict=True))
+        if margins[best] <= 0:
+            return "tie", f"tie at {totals[win]:.3f} ({scores})"
+        return self.scorers[best][0].name, f"{totals[win]:.3f} over {totals[second]:.3f} ({scores})"
+
+    def routed(self, request: RouteRequest, backend: Backend) -> None:
+        """Called for each backend the request is actually sent to."""
+        self.state.routed(request, backend, self.track_prefix)
+
+    def observe(self, outcome: Outcome, backend: Backend) -> None:
+        self.state.observe(outcome, backend)

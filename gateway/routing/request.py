@@ -1,9 +1,14 @@
-"""What routing knows about a request."""
+"""What routing knows about a request, and what it learns when one finishes."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
+
+from gateway.routing.prompt import BLOCK_BYTES, block_hashes, render
+
+# tokens to plan for when a request sets no max_tokens
+DEFAULT_MAX_TOKENS = 256
 
 
 @dataclass(slots=True)
@@ -13,3 +18,40 @@ class RouteRequest:
     stream: bool
     max_tokens: int | None
     body: dict[str, Any]  # the parsed request, for plugins that need the prompt
+    session_key: str | None = None  # from the session header or the body's "user"
+    _prompt: bytes | None = field(default=None, repr=False)
+    _blocks: list[bytes] | None = field(default=None, repr=False)
+    # filled by plugins for the ones after them and for the outcome (e.g. predicted cached bytes per backend)
+    notes: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def prompt(self) -> bytes:
+        if self._prompt is None:
+            self._prompt = render(self.route, self.body)
+        return self._prompt
+
+    @property
+    def blocks(self) -> list[bytes]:
+        """Chained block hashes of the canonical prompt (computed once, on first use)."""
+        if self._blocks is None:
+            self._blocks = block_hashes(self.model, self.prompt, BLOCK_BYTES)
+        return self._blocks
+
+    @property
+    def planned_tokens(self) -> int:
+        return self.max_tokens or DEFAULT_MAX_TOKENS
+
+
+@dataclass(slots=True)
+class Outcome:
+    """A finished request as routing plugins learn from it. Times in seconds; None when not known."""
+
+    request: RouteRequest
+    backend: str
+    concurrency: int  # sequences on the backend when it was sent, itself included
+    ok: bool
+    ttft: float | None = None
+    decode_seconds: float | None = None  # first token to last
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    cached_tokens: int | None = None  # as the engine reported it

@@ -23,6 +23,8 @@ if TYPE_CHECKING:
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0)
 DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 900.0)
 
+PLUGIN_BUCKETS = (1e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 5e-3)
+
 UNKNOWN = "_unknown"  # label value for a model or backend the request never reached
 
 
@@ -62,6 +64,20 @@ class GatewayMetrics:
             "gateway_cached_tokens",
             "Prompt tokens the engine reported as served from its prefix cache.",
             ["backend", "model"],
+            registry=r,
+        )
+
+        self.routing_decisions = Counter(
+            "gateway_routing_decisions",
+            "Routing decisions, by chosen backend and the plugin that made the difference.",
+            ["backend", "reason"],
+            registry=r,
+        )
+        self.routing_plugin_seconds = Histogram(
+            "gateway_routing_plugin_seconds",
+            "Time each routing plugin took per request.",
+            ["plugin"],
+            buckets=PLUGIN_BUCKETS,
             registry=r,
         )
 

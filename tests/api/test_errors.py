@@ -98,13 +98,21 @@ def test_upstream_errors_keep_their_status_in_the_envelope(pair: Running, status
 @pytest.mark.parametrize("engine", ["llamacpp", "vllm", "sglang", "tabbyapi"])
 def test_an_engine_400_is_passed_back_as_400_in_openai_terms(engines: Running, engine: str) -> None:
     # each emulated engine, like the real one, rejects max_tokens beyond its context, in its own error shape
-    response = httpx.post(engines.url + CHAT, json={"model": f"m-{engine}", "max_tokens": 10_000_000,
+    # (4090 + the prompt's tokens is just past 4096: too close for the gateway's own estimate to refuse)
+    response = httpx.post(engines.url + CHAT, json={"model": f"m-{engine}", "max_tokens": 4090,
                                                     "messages": [{"role": "user", "content": "x"}]})
     error = assert_envelope(response, 400)
     assert error["type"] == "invalid_request_error"
     message = str(error["message"])
     assert message.endswith(f"(backend sim-{engine})")
     assert "context" in message or "max_seq_len" in message
+
+
+def test_a_request_no_backend_context_can_hold_is_refused_by_the_gateway(engines: Running) -> None:
+    response = httpx.post(engines.url + CHAT, json={"model": "m-vllm", "max_tokens": 10_000_000,
+                                                    "messages": [{"role": "user", "content": "x"}]})
+    error = assert_envelope(response, 400, param="max_tokens", code="context_length_exceeded")
+    assert "largest: 4096" in str(error["message"])
 
 
 def test_no_backend_available_is_503_with_retry_after(pair: Running) -> None:

@@ -143,3 +143,20 @@ def test_killed_server_is_marked_down_and_traffic_moves(llama_binary: Any, tiny_
     finally:
         for server in servers:
             server.stop()
+
+
+def test_shared_long_prefix_lands_on_the_same_server_and_hits_its_cache(gateway: ServerThread) -> None:
+    c, model = sdk(gateway), model_id(gateway)
+    system = "You answer questions about the gateway, the model, the cache and the server. " * 40  # ~800 tokens
+    served, cached = [], []
+    for question in ("What is a token?", "What is a prefix?", "Tell me about the cache."):
+        raw = c.chat.completions.with_raw_response.create(
+            model=model, max_tokens=4,
+            messages=[{"role": "system", "content": system}, {"role": "user", "content": question}])
+        served.append(raw.headers["x-gateway-backend"])
+        usage = raw.parse().usage
+        assert usage is not None and usage.prompt_tokens_details is not None
+        cached.append(usage.prompt_tokens_details.cached_tokens or 0)
+        assert raw.headers["x-gateway-policy"] == "default"
+    assert len(set(served)) == 1, served
+    assert cached[1] > 700 and cached[2] > 700, cached

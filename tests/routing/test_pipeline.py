@@ -17,6 +17,7 @@ from gateway.routing.pipeline import NoRoute
 from gateway.routing.policies import build_pipeline
 from gateway.routing.request import RouteRequest
 from gateway.routing.scorers import LeastLoadScorer
+from gateway.routing.state import RoutingState
 
 
 def backend(name: str, *, models: tuple[str, ...] = ("m",), health: Health = Health.READY,
@@ -52,8 +53,9 @@ def test_least_load_prefers_fewer_sequences_per_slot() -> None:
     idle = backend("idle", slots=4)
     decision = build_pipeline("least-load").route(request(), [busy, big, idle])
     assert [b.name for b in decision.ranked] == ["idle", "big", "busy"]
-    assert decision.policy == "least-load" and set(decision.timings) == {"serves-model", "healthy", "least-load",
-                                                                        "max-score"}
+    assert decision.policy == "least-load" and decision.reason == "least-load"
+    assert set(decision.timings) == {"serves-model", "healthy", "fits-context", "below-max-concurrency",
+                                     "least-load", "max-score"}
 
 
 def test_engine_reading_is_corrected_by_our_own_in_flight_change() -> None:
@@ -67,7 +69,7 @@ def test_engine_reading_is_corrected_by_our_own_in_flight_change() -> None:
 
 
 def test_least_load_score_stays_ordered_past_saturation() -> None:
-    scores = LeastLoadScorer().score(request(), [backend("a", running=8), backend("b", running=16),
+    scores = LeastLoadScorer(RoutingState()).score(request(), [backend("a", running=8), backend("b", running=16),
                                                  backend("c", running=0)])
     assert scores[2] == 1.0 and 1.0 > scores[0] > scores[1] > 0.0
 
@@ -77,12 +79,12 @@ def test_round_robin_takes_turns_and_ignores_load() -> None:
     pipeline = build_pipeline("round-robin")
     firsts = [pipeline.route(request(), backends).ranked[0].name for _ in range(6)]
     assert firsts == ["a", "b", "c", "a", "b", "c"]
-    ranked = RoundRobinPicker().pick(request(), backends, [0.0] * 3)
+    ranked = RoundRobinPicker(RoutingState()).pick(request(), backends, [0.0] * 3)
     assert sorted(b.name for b in ranked) == ["a", "b", "c"], "the rest is the failover order"
 
 
 def test_max_score_breaks_ties_by_in_flight_then_spreads_them() -> None:
-    picker = MaxScorePicker(random.Random(1))
+    picker = MaxScorePicker(RoutingState(), random.Random(1))
     a, b = backend("a", in_flight=1), backend("b")
     assert picker.pick(request(), [a, b], [0.5, 0.5])[0] is b
     c, d = backend("c"), backend("d")

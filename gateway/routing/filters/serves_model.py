@@ -4,12 +4,16 @@ from collections.abc import Sequence
 
 from gateway.pool.backend import Backend
 from gateway.routing.request import RouteRequest
+from gateway.routing.state import RoutingState
 
 
 class ServesModelFilter:
     """Keeps backends that serve (or, while down, last served) the requested model."""
 
     name = "serves-model"
+
+    def __init__(self, state: RoutingState) -> None:
+        pass
 
     def filter(self, request: RouteRequest, backends: Sequence[Backend]) -> list[Backend]:
         return [b for b in backends if request.model in b.models]

@@ -5,6 +5,7 @@ from collections.abc import Sequence
 
 from gateway.pool.backend import Backend
 from gateway.routing.request import RouteRequest
+from gateway.routing.state import RoutingState
 
 
 class MaxScorePicker:
@@ -13,7 +14,7 @@ class MaxScorePicker:
 
     name = "max-score"
 
-    def __init__(self, rng: random.Random | None = None) -> None:
+    def __init__(self, state: RoutingState, rng: random.Random | None = None) -> None:
         self._rng = rng or random.Random()
 
     def pick(self, request: RouteRequest, backends: Sequence[Backend], scores: Sequence[float]) -> list[Backend]:

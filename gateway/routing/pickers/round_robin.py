@@ -4,6 +4,7 @@ from collections.abc import Sequence
 
 from gateway.pool.backend import Backend
 from gateway.routing.request import RouteRequest
+from gateway.routing.state import RoutingState
 
 
 class RoundRobinPicker:
@@ -12,7 +13,7 @@ class RoundRobinPicker:
 
     name = "round-robin"
 
-    def __init__(self) -> None:
+    def __init__(self, state: RoutingState) -> None:
         self._turn = 0
 
     def pick(self, request: RouteRequest, backends: Sequence[Backend], scores: Sequence[float]) -> list[Backend]:

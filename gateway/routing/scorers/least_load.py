@@ -5,6 +5,7 @@ from collections.abc import Sequence
 
 from gateway.pool.backend import Backend
 from gateway.routing.request import RouteRequest
+from gateway.routing.state import RoutingState
 
 # Slots assumed for a backend that reports none and has no configured max_concurrency.
 DEFAULT_SLOTS = 8
@@ -19,6 +20,10 @@ class LeastLoadScorer:
     """
 
     name = "least-load"
+    uses_prefix = False
+
+    def __init__(self, state: RoutingState) -> None:
+        pass
 
     def score(self, request: RouteRequest, backends: Sequence[Backend]) -> list[float]:
         now = time.monotonic()

@@ -1,0 +1,28 @@
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from gateway.pool.backend import Backend
+from gateway.routing.request import RouteRequest
+from gateway.routing.state import RoutingState
+
+
+class FitsContextFilter:
+    """Keeps backends whose context (when known) can hold the prompt plus ``max_tokens``.
+
+    The prompt's token count is estimated from its bytes with a deliberately generous bytes-per-token ratio,
+    so the estimate errs low: a backend is dropped only when the request surely does not fit (a borderline
+    request is left for the engine to judge, and its 400 comes back as it is).
+    """
+
+    name = "fits-context"
+
+    def __init__(self, state: RoutingState, bytes_per_token: float = 6.0) -> None:
+        self._bytes_per_token = bytes_per_token
+
+    def filter(self, request: RouteRequest, backends: Sequence[Backend]) -> list[Backend]:
+        if request.route == "embeddings":
+            return list(backends)
+        needed = int(len(request.prompt) / self._bytes_per_token) + (request.max_tokens or 1)
+        request.notes["estimated_tokens"] = needed
+        return [b for b in backends if b.capacity.context_length is None or needed <= b.capacity.context_length]

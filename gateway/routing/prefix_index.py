@@ -1,0 +1,100 @@
+"""What each backend's prefix cache probably holds: a per-backend LRU set of chained block hashes.
+
+Sized to the backend's cache where the engine says how big it is (``Capacity.cache_tokens``), corrected by
+what the engine reports it really had cached: a request predicted to hit but reported as (mostly) missed
+means the cache evicts sooner than assumed, so that backend's index shrinks; hits as predicted let it grow
+back towards the engine's stated size.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from gateway.pool.backend import Backend
+from gateway.routing.prompt import BLOCK_BYTES
+
+DEFAULT_CACHE_TOKENS = 100_000  # when the engine does not say
+MIN_BLOCKS = 64
+
+
+class BlockIndex:
+    __slots__ = ("_blocks", "capacity", "epoch", "limit")
+
+    def __init__(self, capacity: int, epoch: int = 0) -> None:
+        self._blocks: OrderedDict[bytes, None] = OrderedDict()
+        self.epoch = epoch  # the backend's epoch it describes
+        self.capacity = capacity  # current estimate, in blocks
+        self.limit = capacity  # what the engine states
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def match(self, blocks: Sequence[bytes]) -> int:
+        """How many leading blocks are held (chained hashes: the first miss ends the shared prefix)."""
+        held = self._blocks
+        n = 0
+        for block in blocks:
+            if block not in held:
+                break
+            n += 1
+        return n
+
+    def insert(self, blocks: Sequence[bytes]) -> None:
+        held = self._blocks
+        for block in blocks:
+            if block in held:
+                held.move_to_end(block)
+            else:
+                held[block] = None
+        self._evict()
+
+    def resize(self, capacity: int) -> None:
+        self.capacity = max(MIN_BLOCKS, min(capacity, self.limit))
+        self._evict()
+
+    def _evict(self) -> None:
+        held = self._blocks
+        while len(held) > self.capacity:
+            held.popitem(last=False)
+
+
+class PrefixIndexes:
+    """One :class:`BlockIndex` per backend, created on first use and sized from the backend's capacity."""
+
+    def __init__(self, bytes_per_token: float = 4.0) -> None:
+        self._indexes: dict[str, BlockIndex] = {}
+        self.bytes_per_token = bytes_per_token
+
+    def for_backend(self, backend: Backend) -> BlockIndex:
+        index = self._indexes.get(backend.name)
+        stated = self._stated_blocks(backend)
+        if index is None or index.epoch != backend.epoch:  # new, or the engine restarted with an empty cache
+            index = self._indexes[backend.name] = BlockIndex(stated, backend.epoch)
+        elif index.limit != stated:  # the engine restarted with another size, or told us at last
+            index.limit = stated
+            index.resize(stated)
+        return index
+
+    def _stated_blocks(self, backend: Backend) -> int:
+        tokens = backend.capacity.cache_tokens or DEFAULT_CACHE_TOKENS
+        return max(MIN_BLOCKS, int(tokens * self.bytes_per_token / BLOCK_BYTES))
+
+    def match(self, backend: Backend, blocks: Sequence[bytes]) -> int:
+        return self.for_backend(backend).match(blocks)
+
+    def insert(self, backend: Backend, blocks: Sequence[bytes]) -> None:
+        self.for_backend(backend).insert(blocks)
+
+    def correct(self, backend: Backend, predicted_blocks: int, reported_cached_tokens: int) -> None:
+        """Reconcile a prediction with what the engine reported for the same request."""
+        index = self.for_backend(backend)
+        reported_blocks = int(reported_cached_tokens * self.bytes_per_token / BLOCK_BYTES)
+        if predicted_blocks >= 4 and reported_blocks < predicted_blocks // 2:
+            index.resize(int(index.capacity * 0.8))  # evicted sooner than we thought
+        elif predicted_blocks > 0 and reported_blocks >= predicted_blocks:
+            index.resize(int(index.capacity * 1.05) + 1)
+
+    def learn_bytes_per_token(self, prompt_bytes: int, prompt_tokens: int) -> None:
+        if prompt_tokens > 16 and prompt_bytes > 0:
+            self.bytes_per_token += 0.05 * (prompt_bytes / prompt_tokens - self.bytes_per_token)

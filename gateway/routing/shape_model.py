@@ -1,0 +1,119 @@
+"""Each backend's performance shape, learned online: per-token decode time as a function of how many
+sequences share the engine, and prefill speed.
+
+Seeded from a profile file written by ``gateway profile`` when one is configured, else from engine defaults
+(single-user speeds anchored to published figures for a 7B model at ~4 bits on one RTX 4090; the curves are
+each engine's scheduling behaviour): ExLlamaV2/V3 (TabbyAPI) is fastest alone and its per-token time grows
+almost linearly with the batch; vLLM and SGLang batch continuously, nearly flat; llama.cpp has a few slots.
+Observed requests then pull the curve towards this deployment's reality: each concurrency bucket (powers of
+two) keeps its own moving average, and a global correction factor moves the unobserved rest with it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class Seed:
+    tok_s: float  # single-stream decode tokens/s
+    growth: float  # per-token time at batch b = (1 + growth * (b - 1)) / tok_s
+    prefill_tok_s: float
+
+
+ENGINE_SEEDS: dict[str, Seed] = {
+    "tabbyapi": Seed(tok_s=211.0, growth=0.9, prefill_tok_s=8_000.0),
+    "llamacpp": Seed(tok_s=186.0, growth=0.3, prefill_tok_s=5_000.0),
+    "vllm": Seed(tok_s=175.0, growth=0.012, prefill_tok_s=10_000.0),
+    "sglang": Seed(tok_s=178.0, growth=0.011, prefill_tok_s=10_000.0),
+    "openai": Seed(tok_s=100.0, growth=0.05, prefill_tok_s=5_000.0),
+}
+
+ALPHA = 0.2  # weight of a new observation in the moving averages
+
+
+def _bucket(concurrency: int) -> int:
+    return max(0, math.ceil(math.log2(max(1, concurrency))))
+
+
+class ShapeModel:
+    """Per-token decode seconds at a concurrency, and prefill tokens/s, for one backend."""
+
+    __slots__ = ("_buckets", "_counts", "correction", "prefill_tok_s", "seed", "table")
+
+    def __init__(self, seed: Seed, table: dict[int, float] | None = None) -> None:
+        self.seed = seed
+        self.table = table or {}  # concurrency -> per-token seconds, from a profile file
+        self.prefill_tok_s = seed.prefill_tok_s
+        self.correction = 1.0
+        self._buckets: dict[int, float] = {}
+        self._counts: dict[int, int] = {}
+
+    def _prior(self, concurrency: int) -> float:
+        if self.table:
+            levels = sorted(self.table)
+            if concurrency <= levels[0]:
+                return self.table[levels[0]]
+            for low, high in itertools.pairwise(levels):
+                if low <= concurrency <= high:
+                    share = (concurrency - low) / (high - low)
+                    return self.table[low] + share * (self.table[high] - self.table[low])
+            top = levels[-1]
+            return self.table[top] * concurrency / top  # beyond the measured range: assume saturation
+        return (1.0 + self.seed.growth * (concurrency - 1)) / self.seed.tok_s
+
+    def token_seconds(self, concurrency: int) -> float:
+        bucket = _bucket(concurrency)
+        if self._counts.get(bucket, 0) >= 3:
+            # the bucket's own average, moved along the prior's slope within the bucket
+            centre = 2**bucket
+            return self._buckets[bucket] * self._prior(concurrency) / self._prior(centre)
+        return self._prior(concurrency) * self.correction
+
+    def observe_decode(self, concurrency: int, token_seconds: float) -> None:
+        if token_seconds <= 0 or not math.isfinite(token_seconds):
+            return
+        bucket = _bucket(concurrency)
+        centred = token_seconds * self._prior(2**bucket) / self._prior(concurrency)
+        if bucket in self._buckets:
+            self._buckets[bucket] += ALPHA * (centred - self._buckets[bucket])
+        else:
+            self._buckets[bucket] = centred
+        self._counts[bucket] = self._counts.get(bucket, 0) + 1
+        ratio = token_seconds / self._prior(concurrency)
+        self.correction += ALPHA * (ratio - self.correction)
+
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        if tokens >= 64 and seconds > 0:
+            self.prefill_tok_s += ALPHA * (tokens / seconds - self.prefill_tok_s)
+
+
+def load_profile_file(path: Path) -> dict[str, tuple[dict[int, float], float | None]]:
+    """Read a ``gateway profile`` file: per backend name, per-token seconds by concurrency and prefill tok/s.
+
+    Accepted shape: ``{"backends": {NAME: {"levels": [{"concurrency": C, "decode_tok_s_per_user": X,
+    "prefill_tok_s": Y?}, ...]}}}``.
+    """
+    doc: Any = json.loads(path.read_text())
+    out: dict[str, tuple[dict[int, float], float | None]] = {}
+    backends = doc.get("backends") if isinstance(doc, dict) else None
+    if not isinstance(backends, dict):
+        raise ValueError(f"{path}: no 'backends' object")
+    for name, entry in backends.items():
+        table: dict[int, float] = {}
+        prefill: list[float] = []
+        for level in entry.get("levels", []):
+            c, speed = level.get("concurrency"), level.get("decode_tok_s_per_user")
+            if isinstance(c, int) and c > 0 and isinstance(speed, int | float) and speed > 0:
+                table[c] = 1.0 / speed
+            p = level.get("prefill_tok_s")
+            if isinstance(p, int | float) and p > 0:
+                prefill.append(float(p))
+        if table:
+            out[name] = (table, sum(prefill) / len(prefill) if prefill else None)
+    return out
