@@ -96,8 +96,9 @@ class ShapeModel:
 def load_profile_file(path: Path) -> dict[str, tuple[dict[int, float], float | None]]:
     """Read a ``gateway profile`` file: per backend name, per-token seconds by concurrency and prefill tok/s.
 
-    Accepted shape: ``{"backends": {NAME: {"levels": [{"concurrency": C, "decode_tok_s_per_user": X,
-    "prefill_tok_s": Y?}, ...]}}}``.
+    The schema is ``gateway-engine-profile/1`` (see ``gateway/bench/profile.py``): ``{"backends": {NAME:
+    {"levels": [{"concurrency": C, "per_user_decode_tok_s": X, "prefill_tok_s": Y | null,
+    "host_saturated": bool}, ...]}}}``. Levels measured on a saturated load generator are skipped.
     """
     doc: Any = json.loads(path.read_text())
     out: dict[str, tuple[dict[int, float], float | None]] = {}
@@ -108,7 +109,9 @@ def load_profile_file(path: Path) -> dict[str, tuple[dict[int, float], float | N
         table: dict[int, float] = {}
         prefill: list[float] = []
         for level in entry.get("levels", []):
-            c, speed = level.get("concurrency"), level.get("decode_tok_s_per_user")
+            if level.get("host_saturated"):
+                continue
+            c, speed = level.get("concurrency"), level.get("per_user_decode_tok_s")
             if isinstance(c, int) and c > 0 and isinstance(speed, int | float) and speed > 0:
                 table[c] = 1.0 / speed
             p = level.get("prefill_tok_s")

@@ -1,0 +1,1 @@
+"""Load generation, side-by-side comparison, overhead benchmark and engine profiling."""
