@@ -61,30 +61,30 @@ class Gateway:
         await self.upstream.close()
 
     def observe_decision(self, decision: Decision) -> None:
-        m = self.metrics
-        m.routing_decisions.labels(decision.ranked[0].name, decision.reason).inc()
+        m, child = self.metrics, self.metrics.child
+        child(m.routing_decisions, decision.ranked[0].name, decision.reason).inc()
         for plugin, seconds in decision.timings.items():
-            m.routing_plugin_seconds.labels(plugin).observe(seconds)
+            child(m.routing_plugin_seconds, plugin).observe(seconds)
 
     def observe(self, exchange: Exchange) -> None:
         """Account one finished request in the metrics, and let routing learn from it."""
         if exchange.request is not None and exchange.backend is not None and exchange.outcome != "pending":
             self.pipeline.observe(outcome_of(exchange, exchange.request), exchange.backend)
-        m = self.metrics
+        m, child = self.metrics, self.metrics.child
         backend = exchange.backend.name if exchange.backend else UNKNOWN
         model = exchange.model if exchange.model is not None else UNKNOWN
         status_class = f"{exchange.status // 100}xx" if exchange.status else "none"
-        m.requests.labels(exchange.route, model, backend, status_class, exchange.outcome).inc()
+        child(m.requests, exchange.route, model, backend, status_class, exchange.outcome).inc()
         if exchange.backend is None:
             return
         end = exchange.t_end or time.perf_counter()
-        m.request_duration.labels(exchange.route, backend, model).observe(end - exchange.t_start)
+        child(m.request_duration, exchange.route, backend, model).observe(end - exchange.t_start)
         if exchange.t_first is not None:
-            m.time_to_first_token.labels(backend, model).observe(exchange.t_first - exchange.t_start)
+            child(m.time_to_first_token, backend, model).observe(exchange.t_first - exchange.t_start)
         if exchange.usage:
-            m.prompt_tokens.labels(backend, model).inc(exchange.usage_int("prompt_tokens"))
-            m.completion_tokens.labels(backend, model).inc(exchange.usage_int("completion_tokens"))
-            m.cached_tokens.labels(backend, model).inc(exchange.cached_tokens())
+            child(m.prompt_tokens, backend, model).inc(exchange.usage_int("prompt_tokens"))
+            child(m.completion_tokens, backend, model).inc(exchange.usage_int("completion_tokens"))
+            child(m.cached_tokens, backend, model).inc(exchange.cached_tokens())
 
 
 def outcome_of(exchange: Exchange, request: RouteRequest) -> Outcome:

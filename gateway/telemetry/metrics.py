@@ -8,7 +8,7 @@ read from the pool when Prometheus scrapes, so it costs nothing per request.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -80,6 +80,17 @@ class GatewayMetrics:
             buckets=PLUGIN_BUCKETS,
             registry=r,
         )
+
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
+
+    def child(self, metric: Any, *labels: str) -> Any:
+        """``metric.labels(*labels)``, cached: label values are bounded, and ``labels()`` takes a lock and
+        builds a tuple each call, which showed in hot-path profiles."""
+        key = (id(metric), labels)
+        found = self._children.get(key)
+        if found is None:
+            found = self._children[key] = metric.labels(*labels)
+        return found
 
     def watch_pool(self, pool: Pool) -> None:
         self.registry.register(PoolCollector(pool))
