@@ -15,6 +15,7 @@ from gateway.api.proxy_endpoint import ProxyEndpoint, request_id
 from gateway.api.routes import router
 from gateway.asgi import Message, Receive, Scope, Send
 from gateway.config import Settings
+from gateway.pool.backend import Backend
 from gateway.pool.pool import ClientFactory, Pool
 from gateway.proxy.exchange import Exchange
 from gateway.proxy.forward import PATHS, Forwarder
@@ -65,6 +66,9 @@ class Gateway:
         child(m.routing_decisions, decision.ranked[0].name, decision.reason).inc()
         for plugin, seconds in decision.timings.items():
             child(m.routing_plugin_seconds, plugin).observe(seconds)
+
+    def observe_invalid_output(self, backend: Backend, action: str) -> None:
+        self.metrics.child(self.metrics.invalid_outputs, backend.name, backend.engine, action).inc()
 
     def observe(self, exchange: Exchange) -> None:
         """Account one finished request in the metrics, and let routing learn from it."""

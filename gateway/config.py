@@ -64,8 +64,8 @@ class BackendSettings(_Strict):
         return None
 
 
-DEFAULT_FILTERS: tuple[str | PluginSettings, ...] = ("serves-model", "healthy", "fits-context",
-                                                     "below-max-concurrency")
+DEFAULT_FILTERS: tuple[str | PluginSettings, ...] = ("serves-model", "structured-output", "healthy",
+                                                     "fits-context", "below-max-concurrency")
 
 
 class PluginSettings(_Strict):
@@ -112,6 +112,20 @@ class ScrapeSettings(_Strict):
     models_every: int = Field(default=30, ge=1, description="re-discover models every N scrapes")
 
 
+class StructuredOutputSettings(_Strict):
+    """Checking non-streamed JSON answers against the request's schema (json_object: that it is JSON)."""
+
+    validate_outputs: Literal["off", "mark", "retry"] = Field(
+        default="off", description="mark: header + metric; retry: once on another backend, then mark"
+    )
+    models: dict[str, Literal["off", "mark", "retry"]] = Field(
+        default_factory=dict, description="per-model override of validate_outputs"
+    )
+
+    def mode(self, model: str) -> str:
+        return self.models.get(model, self.validate_outputs)
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix="GATEWAY_", env_nested_delimiter="__", extra="forbid", frozen=True
@@ -122,6 +136,7 @@ class Settings(BaseSettings):
     routing: RoutingSettings = RoutingSettings()
     timeouts: TimeoutSettings = TimeoutSettings()
     scrape: ScrapeSettings = ScrapeSettings()
+    structured_output: StructuredOutputSettings = StructuredOutputSettings()
 
     @classmethod
     def settings_customise_sources(

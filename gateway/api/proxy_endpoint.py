@@ -11,17 +11,23 @@ import asyncio
 import logging
 import os
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import orjson
 
 from gateway.api.validation import client_wants_usage, parse_request
 from gateway.asgi import Headers, Receive, Scope, Send, header, send_body
+from gateway.engines import ADAPTERS
 from gateway.errors import GatewayError
 from gateway.pool.backend import Backend
 from gateway.proxy.exchange import Exchange
+from gateway.proxy.forward import InvalidOutput
 from gateway.proxy.upstream import UpstreamError
 from gateway.routing.pipeline import NoRoute
+from gateway.routing.request import RouteRequest
+from gateway.structured import can_honour
+from gateway.structured.check import CHECKABLE, output_problem
 from gateway.telemetry.metrics import UNKNOWN
 
 if TYPE_CHECKING:
@@ -128,16 +134,25 @@ class ProxyEndpoint:
                       request.model, decision.ranked[0].name, decision.policy, decision.reason, decision.detail,
                       " ".join(f"{k}={v * 1e6:.0f}us" for k, v in decision.timings.items()))
         last_error: UpstreamError | None = None
+        check, retry_invalid = self._output_check(request, alternatives=len(decision.ranked) > 1)
         for backend in decision.ranked[:MAX_CONNECT_ATTEMPTS]:
-            body = gw.pool.adapters[backend.name].prepare_body(request.route, dict(request.body))
+            body = gw.pool.adapters[backend.name].prepare_body(request.route, dict(request.body), request.constraint)
             exchange.backend = backend
             exchange.concurrency = backend.estimated_queue() + 1
             gw.pipeline.routed(request, backend)
             backend.in_flight += 1
             try:
                 await self._forward_until_disconnect(exchange, backend, orjson.dumps(body), keep_usage,
-                                                     route_headers, receive, send)
+                                                     route_headers, receive, send, check, retry_invalid)
+                if exchange.invalid_output is not None:
+                    gw.observe_invalid_output(backend, "marked")
                 return
+            except InvalidOutput as exc:
+                gw.observe_invalid_output(backend, "retried")
+                log.warning("request %s: %s answered outside its constraint (%s); retrying once elsewhere",
+                            exchange.request_id, backend.name, exc)
+                retry_invalid = False
+                exchange.invalid_output = None
             except UpstreamError as exc:
                 last_error = exc
                 if not exc.connect:
@@ -146,6 +161,7 @@ class ProxyEndpoint:
                 log.warning("backend %s unreachable (%s); trying the next", backend.name, exc)
             finally:
                 backend.in_flight -= 1
+        assert last_error is not None, "a retried invalid answer is always followed by an attempt that marks"
         assert last_error is not None
         exchange.outcome = "upstream_timeout" if last_error.timeout else "upstream_failed"
         status = 504 if last_error.timeout else 502
@@ -156,7 +172,7 @@ class ProxyEndpoint:
 
     async def _forward_until_disconnect(
         self, exchange: Exchange, backend: Backend, payload: bytes, keep_usage: bool, extra_headers: Headers,
-        receive: Receive, send: Send,
+        receive: Receive, send: Send, check: Callable[[bytes], str | None] | None, retry_invalid: bool,
     ) -> None:
         """Forward while watching the client: when it disconnects, cancel the upstream request at once
         (uvicorn's ``send`` silently drops writes to a gone client, so nothing else would notice)."""
@@ -175,7 +191,8 @@ class ProxyEndpoint:
 
         watcher = asyncio.create_task(watch())
         try:
-            await self._gw.forwarder.forward(exchange, backend, payload, keep_usage, send, extra_headers)
+            await self._gw.forwarder.forward(exchange, backend, payload, keep_usage, send, extra_headers, check,
+                                             retry_invalid)
             state["finished"] = True
         except asyncio.CancelledError:
             if not state["gone"]:
@@ -186,6 +203,16 @@ class ProxyEndpoint:
             state["finished"] = True
             watcher.cancel()
 
+    def _output_check(self, request: RouteRequest,
+                      alternatives: bool) -> tuple[Callable[[bytes], str | None] | None, bool]:
+        constraint = request.constraint
+        mode = self._gw.settings.structured_output.mode(request.model)
+        if constraint is None or mode == "off" or request.stream or constraint.kind not in CHECKABLE:
+            return None, False
+        route = request.route
+        # with nowhere else to retry, a failing answer is marked rather than lost
+        return (lambda raw: output_problem(route, raw, constraint)), mode == "retry" and alternatives
+
     def _no_route(self, exc: NoRoute) -> GatewayError:
         model = exc.request.model
         undiscovered = [b.name for b in self._gw.pool.backends if not b.models]
@@ -193,6 +220,13 @@ class ProxyEndpoint:
             return GatewayError(503, f"no available backend serves model '{model}'; the models of "
                                      f"{', '.join(undiscovered)} are not known yet (unreachable so far)",
                                 code="no_backend_available", headers={"retry-after": "1"})
+        if exc.stage == "structured-output":
+            constraint = exc.request.constraint
+            assert constraint is not None
+            able = sorted(name for name, adapter in ADAPTERS.items() if can_honour(constraint, adapter.structured))
+            return GatewayError(400, f"no backend serving '{model}' can honour the {constraint.describe()} "
+                                     f"constraint; engines that can: {', '.join(able) or 'none'}",
+                                param=constraint.source, code="unsupported_constraint")
         if exc.stage == "fits-context":
             largest = max((b.capacity.context_length or 0 for b in self._gw.pool.backends if model in b.models),
                           default=0)

@@ -11,6 +11,7 @@ import orjson
 
 from gateway.errors import GatewayError
 from gateway.routing.request import RouteRequest
+from gateway.structured import ConstraintInvalid, extract
 
 _ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
 
@@ -95,7 +96,14 @@ def parse_request(route: str, raw: bytes) -> RouteRequest:
     max_tokens = _positive_int(body, "max_tokens")
     if max_completion_tokens is not None:
         max_tokens = max_completion_tokens
-    return RouteRequest(route=route, model=model, stream=stream, max_tokens=max_tokens, body=body)
+    constraint = None
+    if route != "embeddings":
+        try:
+            constraint = extract(body)
+        except ConstraintInvalid as exc:
+            raise GatewayError(400, str(exc), param=exc.param, code="invalid_constraint") from None
+    return RouteRequest(route=route, model=model, stream=stream, max_tokens=max_tokens, body=body,
+                        constraint=constraint)
 
 
 def client_wants_usage(body: dict[str, Any]) -> bool:

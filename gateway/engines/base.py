@@ -16,6 +16,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.pool.state import Capacity, Health, LoadRecord, Probe
+from gateway.structured import CONSTRAINT_FIELDS, Constraint, grammar_in
 
 
 class BackendError(Exception):
@@ -35,6 +36,8 @@ class EngineAdapter:
     metric_names: ClassVar[Mapping[str, str]] = {}
     # when the engine reports no capacity, assume this many concurrent sequences
     default_slots: ClassVar[int | None] = None
+    # structured-output constraints it honours (see gateway.structured.support); grammar:<dialect> natively
+    structured: ClassVar[frozenset[str]] = frozenset({"json_object", "json_schema", "tool_call", "strict_tools"})
 
     def auth_headers(self, api_key: str | None) -> dict[str, str]:
         return {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -72,19 +75,35 @@ class EngineAdapter:
         return [item["id"] for item in data if isinstance(item, dict) and isinstance(item.get("id"), str)]
 
     # --- data plane ----------------------------------------------------------------------------------
-    def prepare_body(self, route: str, body: dict[str, Any]) -> dict[str, Any]:
+    def prepare_body(self, route: str, body: dict[str, Any], constraint: Constraint | None = None) -> dict[str, Any]:
         """Translate an OpenAI request body (``route``: chat, completions or embeddings) into what this
         engine needs. May modify ``body`` in place.
 
         Streaming requests always ask for usage so the gateway's token accounting is exact; the proxy
-        removes the usage chunk again when the client did not ask for it.
+        removes the usage chunk again when the client did not ask for it. A structured-output constraint,
+        whatever field it came in, is removed and written in this engine's native fields; the routing
+        filter has made sure the engine can honour it.
         """
         if body.get("stream") is True:
             options = body.get("stream_options")
             body["stream_options"] = {**options, "include_usage": True} if isinstance(options, dict) else {
                 "include_usage": True
             }
+        if constraint is not None and constraint.kind not in ("tool_call", "strict_tools"):
+            for name in CONSTRAINT_FIELDS:
+                body.pop(name, None)
+            body.pop("response_format", None)
+            body.update(self.constraint_fields(constraint))
         return body
+
+    def constraint_fields(self, constraint: Constraint) -> dict[str, Any]:
+        """The request fields that carry ``constraint`` in this engine's dialect (OpenAI's, here)."""
+        if constraint.kind == "json_object":
+            return {"response_format": {"type": "json_object"}}
+        if constraint.kind == "json_schema":
+            return {"response_format": {"type": "json_schema", "json_schema": {
+                "name": constraint.name, "schema": constraint.schema, "strict": constraint.strict}}}
+        raise ValueError(f"{self.engine} cannot express {constraint.describe()}")
 
 
 # --- helpers ----------------------------------------------------------------------------------------------
@@ -128,3 +147,10 @@ def parse_metrics(text: str, wanted: Iterable[str]) -> dict[str, float]:
 
 def as_int(value: float | None) -> int | None:
     return None if value is None else round(value)
+
+
+def native_grammar(constraint: Constraint, dialects: tuple[str, ...]) -> str:
+    converted = grammar_in(constraint, dialects)
+    if converted is None:
+        raise ValueError(f"no faithful conversion of {constraint.describe()} to {', '.join(dialects)}")
+    return converted[1]

@@ -15,8 +15,10 @@ from typing import Any, ClassVar
 
 import httpx
 
-from gateway.engines.base import BackendError, EngineAdapter, as_int, get, get_json, parse_metrics
+from gateway.engines.base import BackendError, EngineAdapter, as_int, get, get_json, native_grammar, parse_metrics
 from gateway.pool.state import Capacity, Health, LoadRecord, Probe
+from gateway.sim.constrained import gbnf_from_choices
+from gateway.structured import Constraint
 
 _RUNNING = "llamacpp:requests_processing"
 _WAITING = "llamacpp:requests_deferred"
@@ -24,6 +26,19 @@ _WAITING = "llamacpp:requests_deferred"
 
 class LlamaCppAdapter(EngineAdapter):
     engine: ClassVar[str] = "llamacpp"
+    # GBNF natively (json_schema is compiled to GBNF by the server); no regex; choices as a GBNF alternation
+    structured: ClassVar[frozenset[str]] = frozenset(
+        {"json_object", "json_schema", "choice", "grammar:gbnf", "tool_call"}
+    )
+
+    def constraint_fields(self, constraint: Constraint) -> dict[str, Any]:
+        if constraint.kind == "json_schema":
+            return {"json_schema": constraint.schema}
+        if constraint.kind == "choice":
+            return {"grammar": gbnf_from_choices(list(constraint.choices))}
+        if constraint.kind == "grammar":
+            return {"grammar": native_grammar(constraint, ("gbnf",))}
+        return super().constraint_fields(constraint)
 
     def __init__(self) -> None:
         # learned on first contact: a server started without --metrics / with --no-slots answers 501

@@ -13,3 +13,4 @@ from gateway.engines.base import EngineAdapter
 class OpenAIAdapter(EngineAdapter):
     engine: ClassVar[str] = "openai"
     health_path: ClassVar[str] = "/v1/models"
+    # the OpenAI API's own fields only: response_format and (strict) tools

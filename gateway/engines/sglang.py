@@ -12,14 +12,33 @@ import time
 from typing import Any, ClassVar
 
 import httpx
+import orjson
 
-from gateway.engines.base import BackendError, EngineAdapter, get, get_json
+from gateway.engines.base import BackendError, EngineAdapter, get, get_json, native_grammar
 from gateway.engines.vllm import max_model_len
 from gateway.pool.state import Capacity, Health, LoadRecord, Probe
+from gateway.sim.constrained import regex_from_choices
+from gateway.structured import Constraint
 
 
 class SGLangAdapter(EngineAdapter):
     engine: ClassVar[str] = "sglang"
+    # json_schema as a JSON string, regex, ebnf (xgrammar); choices as a regex alternation
+    structured: ClassVar[frozenset[str]] = frozenset(
+        {"json_object", "json_schema", "regex", "choice", "grammar:ebnf", "tool_call"}
+    )
+
+    def constraint_fields(self, constraint: Constraint) -> dict[str, Any]:
+        kind = constraint.kind
+        if kind == "json_schema":
+            return {"json_schema": orjson.dumps(constraint.schema).decode()}
+        if kind == "regex":
+            return {"regex": constraint.pattern}
+        if kind == "choice":
+            return {"regex": regex_from_choices(list(constraint.choices))}
+        if kind == "grammar":
+            return {"ebnf": native_grammar(constraint, ("ebnf",))}
+        return super().constraint_fields(constraint)
     health_path: ClassVar[str] = "/v1/models"
 
     async def probe(self, client: httpx.AsyncClient) -> Probe:

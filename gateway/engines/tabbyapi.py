@@ -13,12 +13,33 @@ from typing import Any, ClassVar
 
 import httpx
 
-from gateway.engines.base import BackendError, EngineAdapter, get_json
+from gateway.engines.base import BackendError, EngineAdapter, get_json, native_grammar
 from gateway.pool.state import Capacity, LoadRecord
+from gateway.sim.constrained import regex_from_choices
+from gateway.structured import Constraint
 
 
 class TabbyAPIAdapter(EngineAdapter):
     engine: ClassVar[str] = "tabbyapi"
+    # json_schema, regex_pattern, grammar_string (GBNF with ::=, else Lark). It IGNORES response_format
+    # json_object, so that becomes json_schema {"type": "object"}. No tool-call enforcement.
+    structured: ClassVar[frozenset[str]] = frozenset(
+        {"json_object", "json_schema", "regex", "choice", "grammar:gbnf", "grammar:lark"}
+    )
+
+    def constraint_fields(self, constraint: Constraint) -> dict[str, Any]:
+        kind = constraint.kind
+        if kind == "json_object":
+            return {"json_schema": {"type": "object"}}
+        if kind == "json_schema":
+            return {"json_schema": constraint.schema}
+        if kind == "regex":
+            return {"regex_pattern": constraint.pattern}
+        if kind == "choice":
+            return {"regex_pattern": regex_from_choices(list(constraint.choices))}
+        if kind == "grammar":
+            return {"grammar_string": native_grammar(constraint, ("gbnf", "lark"))}
+        return super().constraint_fields(constraint)
 
     def auth_headers(self, api_key: str | None) -> dict[str, str]:
         return {"x-api-key": api_key} if api_key else {}

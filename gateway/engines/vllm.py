@@ -13,12 +13,32 @@ from typing import Any, ClassVar
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.engines.base import EngineAdapter, get, get_json
+from gateway.engines.base import EngineAdapter, get, get_json, native_grammar
 from gateway.pool.state import Capacity
+from gateway.structured import Constraint
 
 
 class VLLMAdapter(EngineAdapter):
     engine: ClassVar[str] = "vllm"
+    # structured_outputs (xgrammar): JSON, regex, choice, EBNF and Lark grammars. Never the removed guided_*
+    # fields, which vLLM ignores with a 200.
+    structured: ClassVar[frozenset[str]] = frozenset(
+        {"json_object", "json_schema", "regex", "choice", "grammar:ebnf", "grammar:lark", "tool_call"}
+    )
+
+    def constraint_fields(self, constraint: Constraint) -> dict[str, Any]:
+        kind = constraint.kind
+        if kind == "json_object":
+            return {"structured_outputs": {"json_object": True}}
+        if kind == "json_schema":
+            return {"structured_outputs": {"json": constraint.schema}}
+        if kind == "regex":
+            return {"structured_outputs": {"regex": constraint.pattern}}
+        if kind == "choice":
+            return {"structured_outputs": {"choice": list(constraint.choices)}}
+        if kind == "grammar":
+            return {"structured_outputs": {"grammar": native_grammar(constraint, ("ebnf", "lark"))}}
+        return super().constraint_fields(constraint)
     metric_names: ClassVar[Mapping[str, str]] = {
         "running": "vllm:num_requests_running",
         "waiting": "vllm:num_requests_waiting",

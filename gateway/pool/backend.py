@@ -23,11 +23,13 @@ class Backend:
         "health",
         "in_flight",
         "load",
+        "marked_down",
         "max_concurrency",
         "models",
         "name",
         "scrape_errors",
         "stale_after",
+        "structured",
         "url",
     )
 
@@ -57,6 +59,8 @@ class Backend:
         self.in_flight = 0
         self._in_flight_at_read = 0
         self.scrape_errors = 0
+        self.marked_down = 0  # times the proxy took it out of rotation (a probe begun before that is stale)
+        self.structured: frozenset[str] = frozenset()  # structured-output support, from the engine adapter
         # bumped each time the backend comes (back) up: a restarted engine has empty caches
         self.epoch = 0
 
@@ -110,3 +114,4 @@ class Backend:
         self.health = Health.DOWN
         self.detail = reason
         self.load = None
+        self.marked_down += 1

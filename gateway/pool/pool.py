@@ -55,6 +55,8 @@ class Pool:
             for b in backends
         ]
         self.adapters: dict[str, EngineAdapter] = {b.name: create_adapter(b.engine) for b in backends}
+        for backend in self.backends:
+            backend.structured = self.adapters[backend.name].structured
         self._by_name = {b.name: b for b in self.backends}
         self._clients: dict[str, httpx.AsyncClient] = {}
         self._tasks: list[asyncio.Task[None]] = []
@@ -105,10 +107,13 @@ class Pool:
         client = self._clients[backend.name]
         cycle = self._cycles.get(backend.name, 0)
         self._cycles[backend.name] = cycle + 1
+        marks = backend.marked_down
         try:
             probe = await asyncio.wait_for(adapter.probe(client), self._scrape.timeout)
         except (BackendError, TimeoutError) as exc:
             probe = Probe(Health.DOWN, str(exc) or "health check timed out")
+        if backend.marked_down != marks:
+            return  # the proxy saw it fail while this probe was out: the probe's answer is older news
         if probe.health is not Health.READY:
             self._transition(backend, probe)
             backend.record_load(None)

@@ -26,6 +26,7 @@ class Exchange:
     t_end: float | None = None
     usage: dict[str, Any] | None = None
     timings: dict[str, Any] | None = None  # llama.cpp per-request timings
+    invalid_output: str | None = None  # why the answer failed its structured-output check
 
     def usage_int(self, key: str) -> int:
         value = (self.usage or {}).get(key)

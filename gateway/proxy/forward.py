@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import orjson
@@ -27,6 +27,10 @@ from gateway.proxy.upstream import Upstream, UpstreamError, map_error
 PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions", "embeddings": "/v1/embeddings"}
 
 
+class InvalidOutput(Exception):
+    """A non-streamed answer failed its structured-output check, and the caller asked to retry elsewhere."""
+
+
 class Forwarder:
     def __init__(self, upstream: Upstream, auth_headers: dict[str, dict[str, str]]) -> None:
         self._upstream = upstream
@@ -37,6 +41,8 @@ class Forwarder:
     async def forward(
         self, exchange: Exchange, backend: Backend, payload: bytes, keep_usage: bool, send: Send,
         extra_headers: Sequence[tuple[bytes, bytes]] = (),
+        check: Callable[[bytes], str | None] | None = None,
+        retry_invalid: bool = False,
     ) -> None:
         loop = asyncio.get_running_loop()
         t = self._timeouts
@@ -67,6 +73,12 @@ class Forwarder:
                     if not exchange.stream or not content_type.startswith("text/event-stream"):
                         raw = await response.read()
                         self._account_body(exchange, raw)
+                        problem = check(raw) if check is not None else None
+                        if problem is not None:
+                            exchange.invalid_output = problem
+                            if retry_invalid:
+                                raise InvalidOutput(problem)
+                            client_headers.append((b"x-gateway-output-invalid", problem[:200].encode()))
                         exchange.outcome = "success"
                         exchange.responded = True
                         await send_body(send, 200, raw, client_headers)
@@ -91,6 +103,8 @@ class Forwarder:
                     tail = relay.flush()
                 finally:
                     response.release()
+        except InvalidOutput:
+            raise
         except Exception as exc:  # map_error re-raises what is not an upstream failure
             error = map_error(exc)
             if not started:

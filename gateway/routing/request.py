@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.routing.prompt import BLOCK_BYTES, block_hashes, render
+from gateway.structured import Constraint
 
 # tokens to plan for when a request sets no max_tokens
 DEFAULT_MAX_TOKENS = 256
@@ -19,6 +20,7 @@ class RouteRequest:
     max_tokens: int | None
     body: dict[str, Any]  # the parsed request, for plugins that need the prompt
     session_key: str | None = None  # from the session header or the body's "user"
+    constraint: Constraint | None = None  # structured-output constraint, in whatever field it came
     _prompt: bytes | None = field(default=None, repr=False)
     _blocks: list[bytes] | None = field(default=None, repr=False)
     # filled by plugins for the ones after them and for the outcome (e.g. predicted cached bytes per backend)

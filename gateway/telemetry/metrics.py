@@ -81,6 +81,12 @@ class GatewayMetrics:
             registry=r,
         )
 
+        self.invalid_outputs = Counter(
+            "gateway_structured_output_invalid",
+            "Non-streamed answers that failed their structured-output check, by what was done (retried, marked).",
+            ["backend", "engine", "action"],
+            registry=r,
+        )
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
 
     def child(self, metric: Any, *labels: str) -> Any:

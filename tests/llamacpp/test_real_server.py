@@ -160,3 +160,16 @@ def test_shared_long_prefix_lands_on_the_same_server_and_hits_its_cache(gateway:
         assert raw.headers["x-gateway-policy"] == "default"
     assert len(set(served)) == 1, served
     assert cached[1] > 700 and cached[2] > 700, cached
+
+
+def test_choice_becomes_a_gbnf_grammar_the_real_server_enforces(gateway: ServerThread) -> None:
+    for _ in range(3):
+        reply = sdk(gateway).chat.completions.create(model=model_id(gateway), messages=ASK, max_tokens=10,
+                                                     extra_body={"choice": ["red", "green", "blue"]})
+        assert reply.choices[0].message.content in ("red", "green", "blue")
+
+
+def test_regex_is_refused_for_llamacpp_which_has_no_regex_constraint(gateway: ServerThread) -> None:
+    with pytest.raises(openai.BadRequestError) as err:
+        sdk(gateway).chat.completions.create(model=model_id(gateway), messages=ASK, extra_body={"regex": "[0-9]+"})
+    assert err.value.code == "unsupported_constraint"

@@ -54,8 +54,8 @@ def test_least_load_prefers_fewer_sequences_per_slot() -> None:
     decision = build_pipeline("least-load").route(request(), [busy, big, idle])
     assert [b.name for b in decision.ranked] == ["idle", "big", "busy"]
     assert decision.policy == "least-load" and decision.reason == "least-load"
-    assert set(decision.timings) == {"serves-model", "healthy", "fits-context", "below-max-concurrency",
-                                     "least-load", "max-score"}
+    assert set(decision.timings) == {"serves-model", "structured-output", "healthy", "fits-context",
+                                     "below-max-concurrency", "least-load", "max-score"}
 
 
 def test_engine_reading_is_corrected_by_our_own_in_flight_change() -> None:

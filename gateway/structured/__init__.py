@@ -1,0 +1,13 @@
+"""Structured output: one request form for every constraint, validated up front, translated per engine.
+
+``extract`` reads any spelling a client may use (OpenAI ``response_format`` and forced/strict tools, the
+gateway's own ``regex`` / ``choice`` / ``grammar`` fields, and each engine's native fields) into one
+:class:`Constraint`; each engine adapter says what it can honour and writes the constraint in its native
+fields; the routing filter ``structured-output`` sends a request only where its constraint will be
+honoured. Nothing is forwarded to an engine that would ignore it.
+"""
+
+from gateway.structured.constraint import CONSTRAINT_FIELDS, Constraint, ConstraintInvalid, extract
+from gateway.structured.support import can_honour, grammar_in
+
+__all__ = ["CONSTRAINT_FIELDS", "Constraint", "ConstraintInvalid", "can_honour", "extract", "grammar_in"]

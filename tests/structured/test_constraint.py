@@ -1,0 +1,155 @@
+"""One constraint from any spelling; malformed ones refused up front; what each engine can honour."""
+
+from __future__ import annotations
+
+import pytest
+
+from gateway.engines import ADAPTERS, create_adapter
+from gateway.structured import ConstraintInvalid, can_honour, extract
+
+SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+GBNF = 'root ::= "yes" | "no"'
+EBNF_ONLY = 'root ::= Regex("[a-z]+")'  # xgrammar's Regex macro: EBNF, not GBNF
+
+
+@pytest.mark.parametrize(
+    ("body", "kind", "source"),
+    [
+        ({"response_format": {"type": "json_object"}}, "json_object", "response_format"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA, "strict": True}}},
+         "json_schema", "response_format"),
+        ({"structured_outputs": {"json": SCHEMA}}, "json_schema", "structured_outputs.json"),
+        ({"structured_outputs": {"regex": "[0-9]+"}}, "regex", "structured_outputs.regex"),
+        ({"structured_outputs": {"choice": ["a", "b"]}}, "choice", "structured_outputs.choice"),
+        ({"structured_outputs": {"grammar": GBNF}}, "grammar", "structured_outputs.grammar"),
+        ({"structured_outputs": {"json_object": True}}, "json_object", "structured_outputs.json_object"),
+        ({"guided_json": SCHEMA}, "json_schema", "guided_json"),
+        ({"guided_regex": "a+"}, "regex", "guided_regex"),
+        ({"guided_choice": ["x"]}, "choice", "guided_choice"),
+        ({"json_schema": '{"type": "object"}'}, "json_schema", "json_schema"),  # SGLang: a string
+        ({"json_schema": SCHEMA}, "json_schema", "json_schema"),  # llama.cpp, TabbyAPI: an object
+        ({"regex": "a|b"}, "regex", "regex"),
+        ({"ebnf": 'root ::= "a"'}, "grammar", "ebnf"),
+        ({"grammar": GBNF}, "grammar", "grammar"),
+        ({"grammar": 'start: "a" | "b"', "grammar_syntax": "lark"}, "grammar", "grammar"),
+        ({"regex_pattern": "[a-z]+"}, "regex", "regex_pattern"),
+        ({"grammar_string": 'start: "a"'}, "grammar", "grammar_string"),
+        ({"choice": ["red", "green"]}, "choice", "choice"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}], "tool_choice": "required"},
+         "tool_call", "tool_choice"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "strict": True, "parameters": {}}}]},
+         "strict_tools", "tools[].function.strict"),
+    ],
+)
+def test_every_spelling_becomes_one_constraint(body: dict[str, object], kind: str, source: str) -> None:
+    constraint = extract(body)
+    assert constraint is not None and constraint.kind == kind and constraint.source == source
+
+
+def test_dialects_are_recognised() -> None:
+    assert extract({"grammar_string": GBNF}).dialect == "gbnf"  # type: ignore[union-attr]
+    assert extract({"grammar_string": 'start: "a"'}).dialect == "lark"  # type: ignore[union-attr]
+    assert extract({"structured_outputs": {"grammar": 'start: "a"'}}).dialect == "lark"  # type: ignore[union-attr]
+    assert extract({"ebnf": 'root ::= "a"'}).dialect == "ebnf"  # type: ignore[union-attr]
+
+
+def test_no_constraint() -> None:
+    assert extract({}) is None
+    assert extract({"response_format": {"type": "text"}}) is None
+    assert extract({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto"}) is None
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "words"),
+    [
+        ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "strin"}}}},
+         "response_format.json_schema.schema", "not a valid JSON schema"),
+        ({"response_format": {"type": "json_schema"}}, "response_format.json_schema", "must be an object"),
+        ({"response_format": {"type": "yaml"}}, "response_format.type", "must be text, json_object or json_schema"),
+        ({"json_schema": "{not json"}, "json_schema", "not valid JSON"),
+        ({"regex": "(unclosed"}, "regex", "not a valid regular expression"),
+        ({"regex": "(?=a)b"}, "regex", "lookarounds and backreferences"),
+        ({"guided_regex": r"(a)\1"}, "guided_regex", "lookarounds and backreferences"),
+        ({"choice": []}, "choice", "non-empty array of strings"),
+        ({"choice": ["a", 1]}, "choice", "non-empty array of strings"),
+        ({"grammar": 'root ::= "unclosed'}, "grammar", "not a valid GBNF grammar"),
+        ({"grammar": GBNF, "grammar_syntax": "peg"}, "grammar_syntax", "gbnf, ebnf or lark"),
+        ({"structured_outputs": {"jsn": SCHEMA}}, "structured_outputs.jsn", "unknown structured_outputs field"),
+        ({"regex": "a", "response_format": {"type": "json_object"}}, "regex", "only one structured-output"),
+        ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs.choice", "only one"),
+    ],
+)
+def test_malformed_constraints_are_the_clients_error(body: dict[str, object], param: str, words: str) -> None:
+    with pytest.raises(ConstraintInvalid) as err:
+        extract(body)
+    assert err.value.param == param and words in str(err.value)
+
+
+# constraint -> engines that honour it (natively or by a faithful conversion)
+MATRIX = {
+    "json_object": {"llamacpp", "vllm", "sglang", "tabbyapi", "openai"},
+    "json_schema": {"llamacpp", "vllm", "sglang", "tabbyapi", "openai"},
+    "regex": {"vllm", "sglang", "tabbyapi"},
+    "choice": {"llamacpp", "vllm", "sglang", "tabbyapi"},
+    "gbnf": {"llamacpp", "vllm", "sglang", "tabbyapi"},
+    "ebnf-as-gbnf": {"llamacpp", "vllm", "sglang", "tabbyapi"},
+    "ebnf-only": {"vllm", "sglang"},
+    "lark": {"vllm", "tabbyapi"},
+    "tool_call": {"llamacpp", "vllm", "sglang", "openai"},
+    "strict_tools": {"openai"},
+}
+BODIES = {
+    "json_object": {"response_format": {"type": "json_object"}},
+    "json_schema": {"json_schema": SCHEMA},
+    "regex": {"regex": "[0-9]{3}"},
+    "choice": {"choice": ["a", "b"]},
+    "gbnf": {"grammar": GBNF},
+    "ebnf-as-gbnf": {"ebnf": 'root ::= "a" [0-9]'},
+    "ebnf-only": {"ebnf": EBNF_ONLY},
+    "lark": {"grammar": 'start: "a" | "b"', "grammar_syntax": "lark"},
+    "tool_call": {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"},
+    "strict_tools": {"tools": [{"type": "function", "function": {"name": "f", "strict": True}}]},
+}
+
+
+@pytest.mark.parametrize("case", sorted(MATRIX))
+def test_capability_matrix(case: str) -> None:
+    constraint = extract(BODIES[case])
+    assert constraint is not None
+    able = {name for name, adapter in ADAPTERS.items() if can_honour(constraint, adapter.structured)}
+    assert able == MATRIX[case]
+
+
+def test_adapters_write_native_fields_and_drop_every_other_spelling() -> None:
+    noise = {"guided_json": SCHEMA, "regex": "x", "response_format": {"type": "json_object"}}
+    regex = extract({"regex": "[0-9]+"})
+    schema = extract({"json_schema": SCHEMA})
+    json_object = extract({"response_format": {"type": "json_object"}})
+    gbnf = extract({"grammar": GBNF})
+    choice = extract({"choice": ["a", "b"]})
+    sglang_schema = '{"type":"object","properties":{"n":{"type":"integer"}},"required":["n"]}'
+    expect = [
+        ("vllm", regex, {"structured_outputs": {"regex": "[0-9]+"}}),
+        ("vllm", schema, {"structured_outputs": {"json": SCHEMA}}),
+        ("vllm", json_object, {"structured_outputs": {"json_object": True}}),
+        ("vllm", choice, {"structured_outputs": {"choice": ["a", "b"]}}),
+        ("sglang", regex, {"regex": "[0-9]+"}),
+        ("sglang", schema, {"json_schema": sglang_schema}),
+        ("sglang", json_object, {"response_format": {"type": "json_object"}}),
+        ("llamacpp", schema, {"json_schema": SCHEMA}),
+        ("llamacpp", gbnf, {"grammar": GBNF}),
+        ("tabbyapi", json_object, {"json_schema": {"type": "object"}}),
+        ("tabbyapi", regex, {"regex_pattern": "[0-9]+"}),
+        ("tabbyapi", gbnf, {"grammar_string": GBNF}),
+        ("openai", schema, {"response_format": {"type": "json_schema", "json_schema": {
+            "name": "response", "schema": SCHEMA, "strict": False}}}),
+    ]
+    for engine, constraint, fields in expect:
+        body = create_adapter(engine).prepare_body("chat", {"model": "m", "messages": [], **noise}, constraint)
+        assert {k: v for k, v in body.items() if k not in ("model", "messages")} == fields, engine
+    # choices become a GBNF alternation (llama.cpp) or a regex alternation (SGLang, TabbyAPI)
+    assert "::=" in create_adapter("llamacpp").prepare_body("chat", {}, choice)["grammar"]
+    assert create_adapter("sglang").prepare_body("chat", {}, choice)["regex"].count("|") == 1
+    # GBNF reaches vLLM and SGLang rewritten as xgrammar EBNF
+    assert "root" in create_adapter("vllm").prepare_body("chat", {}, gbnf)["structured_outputs"]["grammar"]
+    assert "ebnf" in create_adapter("sglang").prepare_body("chat", {}, gbnf)
