@@ -16,6 +16,7 @@ from gateway.api.routes import router
 from gateway.asgi import Message, Receive, Scope, Send
 from gateway.config import Settings
 from gateway.pool.backend import Backend
+from gateway.pool.discovery import Resolver
 from gateway.pool.pool import ClientFactory, Pool
 from gateway.proxy.exchange import Exchange
 from gateway.proxy.forward import PATHS, Forwarder
@@ -36,19 +37,15 @@ class Gateway:
         *,
         client_factory: ClientFactory | None = None,
         registry: CollectorRegistry | None = None,
+        resolver: Resolver | None = None,
     ) -> None:
         self.settings = settings
         self.routing = RoutingState(settings.routing.engine_profile)
         self.pipeline = build_pipeline(settings.routing, self.routing)
-        self.pool = Pool(settings.backends, settings.scrape, client_factory)
+        self.pool = Pool(settings.backends, settings.scrape, client_factory, discovery=settings.discovery,
+                         resolver=resolver)
         self.upstream = Upstream(settings.timeouts)
-        self.forwarder = Forwarder(
-            self.upstream,
-            {
-                b.name: self.pool.adapters[b.name].auth_headers(b.resolved_api_key())
-                for b in settings.backends
-            },
-        )
+        self.forwarder = Forwarder(self.upstream)
         self.metrics = GatewayMetrics(registry)
         self.metrics.watch_pool(self.pool)
         self.started_at = int(time.time())
@@ -127,8 +124,9 @@ def create_app(
     *,
     client_factory: ClientFactory | None = None,
     registry: CollectorRegistry | None = None,
+    resolver: Resolver | None = None,
 ) -> GatewayApp:
-    gateway = Gateway(settings, client_factory=client_factory, registry=registry)
+    gateway = Gateway(settings, client_factory=client_factory, registry=registry, resolver=resolver)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

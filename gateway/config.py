@@ -33,9 +33,16 @@ class ServerSettings(_Strict):
 
 
 class BackendSettings(_Strict):
+    """One backend, or with ``dns`` a group of replicas: every address the name resolves to (a Kubernetes
+    headless Service) becomes a backend ``<name>-<address>`` at ``scheme://address:port``, re-resolved every
+    ``discovery.interval`` seconds."""
+
     name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.:-]*$")
     engine: EngineName
-    url: str
+    url: str | None = None
+    dns: str | None = Field(default=None, description="a DNS name whose addresses are this backend's replicas")
+    port: int | None = Field(default=None, ge=1, le=65535, description="with dns: the replicas' port")
+    scheme: Literal["http", "https"] = "http"
     models: list[str] | None = Field(default=None, description="served model ids; discovered when omitted")
     api_key: SecretStr | None = None
     api_key_env: str | None = Field(default=None, description="environment variable holding the API key")
@@ -43,13 +50,19 @@ class BackendSettings(_Strict):
 
     @field_validator("url")
     @classmethod
-    def _url(cls, value: str) -> str:
+    def _url(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
         if not value.startswith(("http://", "https://")):
             raise ValueError("must start with http:// or https://")
         return value.rstrip("/")
 
     @model_validator(mode="after")
     def _key_source(self) -> BackendSettings:
+        if (self.url is None) == (self.dns is None):
+            raise ValueError("set either url or dns (with port)")
+        if self.dns is not None and self.port is None:
+            raise ValueError("dns needs a port")
         if self.api_key is not None and self.api_key_env is not None:
             raise ValueError("set api_key or api_key_env, not both")
         if self.api_key_env is not None and not os.environ.get(self.api_key_env):
@@ -103,6 +116,10 @@ class TimeoutSettings(_Strict):
     total: float = Field(default=900.0, gt=0)
 
 
+class DiscoverySettings(_Strict):
+    interval: float = Field(default=10.0, gt=0, description="seconds between DNS re-resolutions")
+
+
 class ScrapeSettings(_Strict):
     """The background loop that reads each backend's health, load and models."""
 
@@ -136,6 +153,7 @@ class Settings(BaseSettings):
     routing: RoutingSettings = RoutingSettings()
     timeouts: TimeoutSettings = TimeoutSettings()
     scrape: ScrapeSettings = ScrapeSettings()
+    discovery: DiscoverySettings = DiscoverySettings()
     structured_output: StructuredOutputSettings = StructuredOutputSettings()
 
     @classmethod

@@ -131,8 +131,12 @@ def targets_from_config(path: Path) -> list[tuple[Target, str]]:
     from gateway.config import load_settings
 
     settings = load_settings(path)
-    return [(Target(b.name, b.url, b.models[0] if b.models else None, b.resolved_api_key()), b.engine)
-            for b in settings.backends]
+    found: list[tuple[Target, str]] = []
+    for b in settings.backends:
+        if b.url is None:
+            raise SystemExit(f"profile: backend {b.name} is found by DNS ({b.dns}); name its replicas with --backend")
+        found.append((Target(b.name, b.url, b.models[0] if b.models else None, b.resolved_api_key()), b.engine))
+    return found
 
 
 def build_profile(settings: ProfileSettings, backends: dict[str, dict[str, Any]]) -> dict[str, Any]:

@@ -27,6 +27,7 @@ class Backend:
         "max_concurrency",
         "models",
         "name",
+        "request_headers",
         "scrape_errors",
         "stale_after",
         "structured",
@@ -59,6 +60,8 @@ class Backend:
         self.in_flight = 0
         self._in_flight_at_read = 0
         self.scrape_errors = 0
+        # what every proxied request to it carries: content type and its own key (never the client's)
+        self.request_headers: dict[str, str] = {"Content-Type": "application/json"}
         self.marked_down = 0  # times the proxy took it out of rotation (a probe begun before that is stale)
         self.structured: frozenset[str] = frozenset()  # structured-output support, from the engine adapter
         # bumped each time the backend comes (back) up: a restarted engine has empty caches

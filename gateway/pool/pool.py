@@ -9,9 +9,10 @@ from collections.abc import Callable, Iterator
 
 import httpx
 
-from gateway.config import BackendSettings, ScrapeSettings
+from gateway.config import BackendSettings, DiscoverySettings, ScrapeSettings
 from gateway.engines import BackendError, EngineAdapter, create_adapter
 from gateway.pool.backend import Backend
+from gateway.pool.discovery import Resolver, replica_settings, system_resolver
 from gateway.pool.state import Health, Probe
 
 log = logging.getLogger("gateway.pool")
@@ -21,6 +22,7 @@ ClientFactory = Callable[[BackendSettings, EngineAdapter], httpx.AsyncClient]
 
 def default_client_factory(scrape: ScrapeSettings) -> ClientFactory:
     def factory(settings: BackendSettings, adapter: EngineAdapter) -> httpx.AsyncClient:
+        assert settings.url is not None, "DNS entries are expanded into replicas with URLs first"
         return httpx.AsyncClient(
             base_url=settings.url,
             headers=adapter.auth_headers(settings.resolved_api_key()),
@@ -32,38 +34,75 @@ def default_client_factory(scrape: ScrapeSettings) -> ClientFactory:
 
 class Pool:
     """Owns the backends. ``start`` probes every backend once (so the gateway starts ready when it can be)
-    and then runs one scrape loop per backend; ``stop`` ends them and closes their clients."""
+    and then runs one scrape loop per backend, plus a discovery loop when some entry names a DNS name;
+    ``stop`` ends them and closes their clients. Backends found by DNS are added and removed as the name's
+    answers change; a request already sent to a removed replica finishes on it."""
 
     def __init__(
         self,
         backends: list[BackendSettings],
         scrape: ScrapeSettings,
         client_factory: ClientFactory | None = None,
+        *,
+        discovery: DiscoverySettings | None = None,
+        resolver: Resolver | None = None,
     ) -> None:
         self._scrape = scrape
-        self._settings = {b.name: b for b in backends}
+        self._discovery = discovery or DiscoverySettings()
+        self._resolver = resolver or system_resolver
         self._factory = client_factory or default_client_factory(scrape)
-        self.backends: list[Backend] = [
-            Backend(
-                b.name,
-                b.engine,
-                b.url,
-                models=b.models,
-                max_concurrency=b.max_concurrency,
-                stale_after=scrape.stale_after,
-            )
-            for b in backends
-        ]
-        self.adapters: dict[str, EngineAdapter] = {b.name: create_adapter(b.engine) for b in backends}
-        for backend in self.backends:
-            backend.structured = self.adapters[backend.name].structured
-        self._by_name = {b.name: b for b in self.backends}
+        self._groups = [b for b in backends if b.dns is not None]
+        self.backends: list[Backend] = []
+        self.adapters: dict[str, EngineAdapter] = {}
+        self._by_name: dict[str, Backend] = {}
+        self._settings: dict[str, BackendSettings] = {}
+        self._group_members: dict[str, set[str]] = {g.name: set() for g in self._groups}
         self._clients: dict[str, httpx.AsyncClient] = {}
-        self._tasks: list[asyncio.Task[None]] = []
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._discovery_task: asyncio.Task[None] | None = None
         self._cycles: dict[str, int] = {}
+        self._running = False
+        for settings in backends:
+            if settings.dns is None:
+                self._add(settings)
+
+    def _add(self, settings: BackendSettings) -> Backend:
+        assert settings.url is not None
+        adapter = create_adapter(settings.engine)
+        backend = Backend(
+            settings.name,
+            settings.engine,
+            settings.url,
+            models=settings.models,
+            max_concurrency=settings.max_concurrency,
+            stale_after=self._scrape.stale_after,
+        )
+        backend.structured = adapter.structured
+        backend.request_headers = {"Content-Type": "application/json",
+                                   **adapter.auth_headers(settings.resolved_api_key())}
+        self.backends.append(backend)
+        self.adapters[settings.name] = adapter
+        self._by_name[settings.name] = backend
+        self._settings[settings.name] = settings
+        return backend
+
+    async def _remove(self, name: str) -> None:
+        backend = self._by_name.pop(name)
+        self.backends.remove(backend)
+        backend.mark_down("removed: no longer in DNS")  # anything still holding it routes elsewhere
+        task = self._tasks.pop(name, None)
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        client = self._clients.pop(name, None)
+        if client is not None:
+            await client.aclose()
+        self._settings.pop(name, None)
+        log.info("backend %s removed (no longer in DNS)", name)
 
     def __iter__(self) -> Iterator[Backend]:
-        return iter(self.backends)
+        return iter(list(self.backends))
 
     def get(self, name: str) -> Backend:
         return self._by_name[name]
@@ -77,23 +116,68 @@ class Pool:
         return frozenset(m for b in self.backends for m in b.models)
 
     async def start(self) -> None:
+        self._running = True
+        if self._groups:
+            await self.discover()
         for backend in self.backends:
-            settings = self._settings[backend.name]
-            self._clients[backend.name] = self._factory(settings, self.adapters[backend.name])
+            self._open(backend)
         if self.backends:
             await asyncio.gather(*(self.scrape_once(b) for b in self.backends))
-        self._tasks = [asyncio.create_task(self._loop(b), name=f"scrape:{b.name}") for b in self.backends]
+        for backend in self.backends:
+            self._start_loop(backend)
+        if self._groups:
+            self._discovery_task = asyncio.create_task(self._discovery_loop(), name="dns-discovery")
+
+    def _open(self, backend: Backend) -> None:
+        if backend.name not in self._clients:
+            settings = self._settings[backend.name]
+            self._clients[backend.name] = self._factory(settings, self.adapters[backend.name])
+
+    def _start_loop(self, backend: Backend) -> None:
+        self._tasks[backend.name] = asyncio.create_task(self._loop(backend), name=f"scrape:{backend.name}")
 
     async def stop(self) -> None:
-        for task in self._tasks:
+        self._running = False
+        tasks = list(self._tasks.values()) + ([self._discovery_task] if self._discovery_task else [])
+        for task in tasks:
             task.cancel()
-        for task in self._tasks:
+        for task in tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        self._tasks = []
+        self._tasks = {}
+        self._discovery_task = None
         for client in self._clients.values():
             await client.aclose()
         self._clients = {}
+
+    async def discover(self) -> None:
+        """Resolve every DNS entry once; add new replicas (probed at once) and remove vanished ones. A failed
+        lookup keeps the current replicas (DNS hiccups must not empty the pool)."""
+        for group in self._groups:
+            assert group.dns is not None and group.port is not None
+            try:
+                addresses = await self._resolver(group.dns, group.port)
+            except OSError as exc:
+                log.warning("resolving %s for backend %s failed: %s", group.dns, group.name, exc)
+                continue
+            wanted = {replica_settings(group, a).name: replica_settings(group, a) for a in addresses}
+            members = self._group_members[group.name]
+            for name in sorted(members - set(wanted)):
+                members.discard(name)
+                await self._remove(name)
+            for name in sorted(set(wanted) - members):
+                members.add(name)
+                backend = self._add(wanted[name])
+                log.info("backend %s added from DNS %s", name, group.dns)
+                if self._running and self._tasks:  # after start: bring it in like the others
+                    self._open(backend)
+                    await self.scrape_once(backend)
+                    self._start_loop(backend)
+
+    async def _discovery_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self._discovery.interval)
+            await self.discover()
 
     async def _loop(self, backend: Backend) -> None:
         while True:

@@ -32,11 +32,9 @@ class InvalidOutput(Exception):
 
 
 class Forwarder:
-    def __init__(self, upstream: Upstream, auth_headers: dict[str, dict[str, str]]) -> None:
+    def __init__(self, upstream: Upstream) -> None:
         self._upstream = upstream
         self._timeouts = upstream.timeouts
-        # per backend: the headers every upstream request carries (its own key, never the client's)
-        self._headers = {name: {"Content-Type": "application/json", **h} for name, h in auth_headers.items()}
 
     async def forward(
         self, exchange: Exchange, backend: Backend, payload: bytes, keep_usage: bool, send: Send,
@@ -47,7 +45,7 @@ class Forwarder:
         loop = asyncio.get_running_loop()
         t = self._timeouts
         deadline = loop.time() + t.total
-        headers = {**self._headers[backend.name], "X-Request-Id": exchange.request_id}
+        headers = {**backend.request_headers, "X-Request-Id": exchange.request_id}
         url = backend.url + PATHS[exchange.route]
         client_headers: Headers = [
             (b"x-request-id", exchange.request_id.encode()),
