@@ -18,14 +18,14 @@ from gateway.config import Settings
 from gateway.pool.backend import Backend
 from gateway.pool.discovery import Resolver
 from gateway.pool.pool import ClientFactory, Pool
+from gateway.proxy.accounting import outcome_of, record_metrics
 from gateway.proxy.exchange import Exchange
 from gateway.proxy.forward import PATHS, Forwarder
 from gateway.proxy.upstream import Upstream
 from gateway.routing.pipeline import Decision
 from gateway.routing.policies import build_pipeline
-from gateway.routing.request import Outcome, RouteRequest
 from gateway.routing.state import RoutingState
-from gateway.telemetry.metrics import UNKNOWN, GatewayMetrics
+from gateway.telemetry.metrics import GatewayMetrics
 
 
 class Gateway:
@@ -68,55 +68,10 @@ class Gateway:
         self.metrics.child(self.metrics.invalid_outputs, backend.name, backend.engine, action).inc()
 
     def observe(self, exchange: Exchange) -> None:
-        """Account one finished request in the metrics, and let routing learn from it."""
+        """Account one finished request in the metrics and the access log, and let routing learn from it."""
         if exchange.request is not None and exchange.backend is not None and exchange.outcome != "pending":
             self.pipeline.observe(outcome_of(exchange, exchange.request), exchange.backend)
-        m, child = self.metrics, self.metrics.child
-        backend = exchange.backend.name if exchange.backend else UNKNOWN
-        model = exchange.model if exchange.model is not None else UNKNOWN
-        status_class = f"{exchange.status // 100}xx" if exchange.status else "none"
-        child(m.requests, exchange.route, model, backend, status_class, exchange.outcome).inc()
-        if exchange.backend is None:
-            return
-        end = exchange.t_end or time.perf_counter()
-        child(m.request_duration, exchange.route, backend, model).observe(end - exchange.t_start)
-        if exchange.t_first is not None:
-            child(m.time_to_first_token, backend, model).observe(exchange.t_first - exchange.t_start)
-        if exchange.usage:
-            child(m.prompt_tokens, backend, model).inc(exchange.usage_int("prompt_tokens"))
-            child(m.completion_tokens, backend, model).inc(exchange.usage_int("completion_tokens"))
-            child(m.cached_tokens, backend, model).inc(exchange.cached_tokens())
-
-
-def outcome_of(exchange: Exchange, request: RouteRequest) -> Outcome:
-    """What routing learns from a finished exchange. Engine-reported timings (llama.cpp ``timings``, TabbyAPI's
-    usage times) are preferred to the gateway's own clock, which includes network and queueing."""
-    assert exchange.backend is not None
-    ttft = decode = None
-    if exchange.t_first is not None:
-        ttft = exchange.t_first - exchange.t_start
-        if exchange.t_end is not None:
-            decode = exchange.t_end - exchange.t_first
-    timings, usage = exchange.timings or {}, exchange.usage or {}
-    if isinstance(timings.get("prompt_ms"), int | float) and isinstance(timings.get("predicted_ms"), int | float):
-        ttft, decode = timings["prompt_ms"] / 1000, timings["predicted_ms"] / 1000
-    elif isinstance(usage.get("prompt_time"), int | float) and isinstance(usage.get("completion_time"), int | float):
-        ttft, decode = usage["prompt_time"], usage["completion_time"]
-    details = usage.get("prompt_tokens_details")
-    cached = details.get("cached_tokens") if isinstance(details, dict) else None
-    if not isinstance(cached, int) and isinstance(timings.get("cache_n"), int):
-        cached = timings["cache_n"]
-    return Outcome(
-        request=request,
-        backend=exchange.backend.name,
-        concurrency=exchange.concurrency,
-        ok=exchange.outcome == "success",
-        ttft=ttft,
-        decode_seconds=decode,
-        prompt_tokens=exchange.usage_int("prompt_tokens") or None,
-        completion_tokens=exchange.usage_int("completion_tokens") or None,
-        cached_tokens=cached if isinstance(cached, int) else None,
-    )
+        record_metrics(self.metrics, exchange)
 
 
 def create_app(

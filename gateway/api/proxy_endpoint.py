@@ -84,6 +84,8 @@ class ProxyEndpoint:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         exchange = Exchange(request_id=request_id(scope), route=self._route, t_start=time.perf_counter())
+        in_flight = self._gw.metrics.in_flight
+        in_flight.inc()
 
         headers: Headers = [(b"x-request-id", exchange.request_id.encode())]
         try:
@@ -111,6 +113,7 @@ class ProxyEndpoint:
                 await send_body(send, 500, error.body(), headers)
         finally:
             exchange.t_end = time.perf_counter()
+            in_flight.dec()
             self._gw.observe(exchange)
 
     async def _handle(self, exchange: Exchange, raw: bytes, session: str | None, receive: Receive,
@@ -149,6 +152,7 @@ class ProxyEndpoint:
                 return
             except InvalidOutput as exc:
                 gw.observe_invalid_output(backend, "retried")
+                gw.metrics.child(gw.metrics.retries, backend.name, "invalid_output").inc()
                 log.warning("request %s: %s answered outside its constraint (%s); retrying once elsewhere",
                             exchange.request_id, backend.name, exc)
                 retry_invalid = False
@@ -158,6 +162,7 @@ class ProxyEndpoint:
                 if not exc.connect:
                     break
                 backend.mark_down(f"connection failed: {exc}")
+                gw.metrics.child(gw.metrics.retries, backend.name, "connect_failed").inc()
                 log.warning("backend %s unreachable (%s); trying the next", backend.name, exc)
             finally:
                 backend.in_flight -= 1

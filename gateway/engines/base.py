@@ -57,11 +57,13 @@ class EngineAdapter:
         if response.status_code != 200:
             raise BackendError(f"/metrics answered HTTP {response.status_code}")
         values = parse_metrics(response.text, self.metric_names.values())
+        queue = self.metric_names.get("queue_histogram")
         return LoadRecord(
             running=as_int(values.get(self.metric_names.get("running", ""))),
             waiting=as_int(values.get(self.metric_names.get("waiting", ""))),
             kv_usage=values.get(self.metric_names.get("kv_usage", "")),
             read_at=time.monotonic(),
+            queue_histogram=parse_histogram(response.text, queue) if queue else None,
         )
 
     async def read_capacity(self, client: httpx.AsyncClient) -> Capacity:
@@ -124,6 +126,31 @@ async def get_json(client: httpx.AsyncClient, path: str) -> Any:
         return response.json()
     except ValueError:
         raise BackendError(f"GET {path} did not answer JSON") from None
+
+
+def parse_histogram(text: str, name: str) -> tuple[tuple[tuple[str, float], ...], float, float] | None:
+    """A histogram family summed across its label sets (engine ranks, models): ((le, cumulative), ...), sum,
+    count; None when the family is absent."""
+    try:
+        families = list(text_string_to_metric_families(text))
+    except ValueError as exc:
+        raise BackendError(f"/metrics is not Prometheus text: {exc}") from None
+    for family in families:
+        if family.name != name or family.type != "histogram":
+            continue
+        buckets: dict[str, float] = {}
+        total = count = 0.0
+        for sample in family.samples:
+            if sample.name.endswith("_bucket"):
+                le = sample.labels.get("le", "+Inf")
+                buckets[le] = buckets.get(le, 0.0) + float(sample.value)
+            elif sample.name.endswith("_sum"):
+                total += float(sample.value)
+            elif sample.name.endswith("_count"):
+                count += float(sample.value)
+        ordered = sorted(buckets.items(), key=lambda kv: float(kv[0]))
+        return tuple(ordered), total, count
+    return None
 
 
 def parse_metrics(text: str, wanted: Iterable[str]) -> dict[str, float]:

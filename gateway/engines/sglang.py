@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 import httpx
 import orjson
 
-from gateway.engines.base import BackendError, EngineAdapter, get, get_json, native_grammar
+from gateway.engines.base import BackendError, EngineAdapter, get, get_json, native_grammar, parse_histogram
 from gateway.engines.vllm import max_model_len
 from gateway.pool.state import Capacity, Health, LoadRecord, Probe
 from gateway.sim.constrained import regex_from_choices
@@ -49,14 +49,25 @@ class SGLangAdapter(EngineAdapter):
             return Probe(Health.LOADING, "sglang is warming up")
         return Probe(Health.DOWN, f"{self.health_path} answered HTTP {response.status_code}")
 
+    def __init__(self) -> None:
+        self._metrics_enabled = True  # learned: without --enable-metrics /metrics is not served
+
     async def read_load(self, client: httpx.AsyncClient) -> LoadRecord | None:
         loads = await _loads(client)
         usages = [float(x["token_usage"]) for x in loads if isinstance(x.get("token_usage"), int | float)]
+        queue = None
+        if self._metrics_enabled:
+            response = await get(client, "/metrics")
+            if response.status_code == 200:
+                queue = parse_histogram(response.text, "sglang:queue_time_seconds")
+            else:
+                self._metrics_enabled = False
         return LoadRecord(
             running=_sum(loads, "num_running_reqs"),
             waiting=_sum(loads, "num_waiting_reqs"),
             kv_usage=max(usages) if usages else None,
             read_at=time.monotonic(),
+            queue_histogram=queue,
         )
 
     async def read_capacity(self, client: httpx.AsyncClient) -> Capacity:

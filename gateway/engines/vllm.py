@@ -43,6 +43,7 @@ class VLLMAdapter(EngineAdapter):
         "running": "vllm:num_requests_running",
         "waiting": "vllm:num_requests_waiting",
         "kv_usage": "vllm:kv_cache_usage_perc",
+        "queue_histogram": "vllm:request_queue_time_seconds",
     }
     default_slots: ClassVar[int | None] = 256
 

@@ -25,6 +25,8 @@ class LoadRecord:
     waiting: int | None
     kv_usage: float | None  # fraction of KV cache in use, 0..1
     read_at: float  # time.monotonic() of the reading
+    # the engine's own queue-time histogram, when it keeps one: ((le, cumulative count), ...), sum, count
+    queue_histogram: tuple[tuple[tuple[str, float], ...], float, float] | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.pool.backend import Backend
@@ -23,10 +23,25 @@ class Exchange:
     responded: bool = False  # the response has started; errors can no longer change its status
     outcome: str = "pending"  # success | client_error | upstream_error | no_backend | disconnected | ...
     t_first: float | None = None  # first event sent to the client (streams)
+    t_dispatch: float | None = None  # sent to the backend (the last attempt)
+    t_first_text: float | None = None  # first event carrying generated text forwarded (streams)
+    t_last_text: float | None = None
+    text_events: int = 0
+    gaps: list[float] = field(default_factory=list)  # between forwarded blocks carrying text
+    zero_gaps: int = 0  # further text events that arrived in the same block (no gap seen by the client)
     t_end: float | None = None
     usage: dict[str, Any] | None = None
     timings: dict[str, Any] | None = None  # llama.cpp per-request timings
     invalid_output: str | None = None  # why the answer failed its structured-output check
+
+    def saw_text(self, events: int, now: float) -> None:
+        if self.t_last_text is None:
+            self.t_first_text = now
+        else:
+            self.gaps.append(now - self.t_last_text)
+        self.zero_gaps += events - 1
+        self.t_last_text = now
+        self.text_events += events
 
     def usage_int(self, key: str) -> int:
         value = (self.usage or {}).get(key)

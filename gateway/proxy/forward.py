@@ -21,7 +21,7 @@ from gateway.asgi import EVENT_STREAM, Headers, Send, send_body
 from gateway.errors import error_body, normalise_upstream_error
 from gateway.pool.backend import Backend
 from gateway.proxy.exchange import Exchange
-from gateway.proxy.sse import SSERelay
+from gateway.proxy.sse import SSERelay, text_events_in
 from gateway.proxy.upstream import Upstream, UpstreamError, map_error
 
 PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions", "embeddings": "/v1/embeddings"}
@@ -44,6 +44,7 @@ class Forwarder:
     ) -> None:
         loop = asyncio.get_running_loop()
         t = self._timeouts
+        exchange.t_dispatch = time.perf_counter()
         deadline = loop.time() + t.total
         headers = {**backend.request_headers, "X-Request-Id": exchange.request_id}
         url = backend.url + PATHS[exchange.route]
@@ -94,11 +95,17 @@ class Forwarder:
                         out = relay.feed(data)
                         if not out:
                             continue
+                        texts = text_events_in(out)
+                        if texts:
+                            exchange.saw_text(texts, time.perf_counter())
                         if not started:
                             await _start_stream(send, exchange, client_headers)
                             started = True
                         await send({"type": "http.response.body", "body": out, "more_body": True})
                     tail = relay.flush()
+                    texts = text_events_in(tail)
+                    if texts:
+                        exchange.saw_text(texts, time.perf_counter())
                 finally:
                     response.release()
         except InvalidOutput:

@@ -19,6 +19,16 @@ import orjson
 _MARKERS = (b'"usage"', b'"timings"', b'"error"')
 
 
+def text_events_in(block: bytes) -> int:
+    """How many events of an SSE block carry generated text (non-empty ``content`` or ``text``).
+
+    Byte counts, no parsing: inside a JSON string a quote is escaped, so ``"content":"`` only ever matches a
+    key. Role-only chunks (``"content":null``), empty finish chunks and usage chunks do not count.
+    """
+    return (block.count(b'"content":"') - block.count(b'"content":""')
+            + block.count(b'"text":"') - block.count(b'"text":""'))
+
+
 def _has_content(choice: Any) -> bool:
     if not isinstance(choice, dict):
         return False
@@ -31,7 +41,7 @@ def _has_content(choice: Any) -> bool:
 class SSERelay:
     """Feed it upstream bytes; it returns what to send to the client (possibly ``b""``)."""
 
-    __slots__ = ("_buf", "done", "error", "events", "keep_usage", "timings", "usage")
+    __slots__ = ("_buf", "done", "error", "events", "keep_usage", "text_events", "timings", "usage")
 
     def __init__(self, keep_usage: bool) -> None:
         self.keep_usage = keep_usage
@@ -41,6 +51,7 @@ class SSERelay:
         self.error: str | None = None  # message of an error event the upstream sent mid-stream
         self.done = False  # saw data: [DONE]
         self.events = 0
+        self.text_events = 0  # events carrying generated text, counted by the caller with text_events_in
 
     def feed(self, data: bytes) -> bytes:
         buf = self._buf + data if self._buf else data

@@ -1,17 +1,27 @@
 """Every gateway metric, in one place: ``gateway_`` prefix, base units, bounded labels.
 
 Labels are only ever backend and engine names from the configuration, models some backend serves, route
-names and outcome words: never a request id, a user or a prompt. Backend state (health, load, in-flight) is
-read from the pool when Prometheus scrapes, so it costs nothing per request.
+names, stages and outcome words: never a request id, a user or a prompt. Backend state (health, load,
+in-flight) is read from the pool when Prometheus scrapes, so it costs nothing per request.
+
+Queue wait (``gateway_queue_wait_seconds{backend,stage}``) has two stages:
+* ``gateway``: from the request's arrival to its dispatch to the backend (validation, routing and, once
+  admission control exists, waiting for a slot), measured by the gateway;
+* ``engine``: time in the engine's own queue. vLLM and SGLang measure it themselves: the gateway re-exports
+  their ``vllm:request_queue_time_seconds`` / ``sglang:queue_time_seconds`` histograms as last scraped (the
+  engine's buckets, cumulative since the engine started). llama.cpp and TabbyAPI do not: per request the
+  gateway takes its time to first token and subtracts the engine's own prompt time (llama.cpp
+  ``timings.prompt_ms``, TabbyAPI ``usage.prompt_time``) and the gateway stage.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import bisect
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from gateway.pool.state import Health
@@ -19,13 +29,39 @@ from gateway.pool.state import Health
 if TYPE_CHECKING:
     from gateway.pool.pool import Pool
 
-# LLM latencies: time to first token from 10 ms to 60 s, whole requests up to 15 minutes.
-TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0)
+# LLM latencies: time to first token from 10 ms to 60 s, inter-token from 1 ms to 1 s, requests to 15 min.
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0)
 DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 900.0)
-
+QUEUE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+TOKENS_PER_SECOND_BUCKETS = (1, 5, 10, 20, 30, 50, 75, 100, 150, 200, 300, 500, 1000, 2000, 5000)
 PLUGIN_BUCKETS = (1e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 5e-3)
 
 UNKNOWN = "_unknown"  # label value for a model or backend the request never reached
+
+
+class Buckets:
+    """A cumulative histogram kept by hand, for series a collector assembles itself."""
+
+    __slots__ = ("bounds", "count", "counts", "sum")
+
+    def __init__(self, bounds: Sequence[float]) -> None:
+        self.bounds = tuple(bounds)
+        self.counts = [0] * (len(self.bounds) + 1)  # the last one is +Inf
+        self.sum = 0.0
+        self.count = 0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.sum += value
+        self.count += 1
+
+    def cumulative(self) -> list[tuple[str, float]]:
+        out, running = [], 0
+        for bound, n in zip((*self.bounds, float("inf")), self.counts, strict=True):
+            running += n
+            out.append(("+Inf" if bound == float("inf") else repr(float(bound)), float(running)))
+        return out
 
 
 class GatewayMetrics:
@@ -34,59 +70,53 @@ class GatewayMetrics:
         disable_created_metrics()  # type: ignore[no-untyped-call]
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
+        by_model = ["backend", "model"]
         self.requests = Counter(
-            "gateway_requests",
-            "Requests answered, by route, model, backend, HTTP status class and outcome.",
-            ["route", "model", "backend", "status_class", "outcome"],
-            registry=r,
-        )
+            "gateway_requests", "Requests answered, by route, model, backend, HTTP status class and outcome.",
+            ["route", "model", "backend", "status_class", "outcome"], registry=r)
+        self.in_flight = Gauge("gateway_requests_in_flight", "Requests the gateway is handling now.", registry=r)
         self.time_to_first_token = Histogram(
             "gateway_time_to_first_token_seconds",
-            "From the gateway receiving a streamed request to sending the client its first event.",
-            ["backend", "model"],
-            buckets=TTFT_BUCKETS,
-            registry=r,
-        )
+            "From the gateway receiving a streamed request to sending the client its first generated text.",
+            by_model, buckets=TTFT_BUCKETS, registry=r)
+        self.inter_token_latency = Histogram(
+            "gateway_inter_token_latency_seconds",
+            "Gaps between the streamed events carrying generated text, as sent to the client.",
+            by_model, buckets=ITL_BUCKETS, registry=r)
+        self.time_per_output_token = Histogram(
+            "gateway_time_per_output_token_seconds",
+            "Per request: (last token - first token time) / (output tokens - 1).",
+            by_model, buckets=ITL_BUCKETS, registry=r)
+        self.output_tokens_per_second = Histogram(
+            "gateway_output_tokens_per_second",
+            "Per request decode speed: (output tokens - 1) / (last token - first token time).",
+            by_model, buckets=TOKENS_PER_SECOND_BUCKETS, registry=r)
         self.request_duration = Histogram(
-            "gateway_request_duration_seconds",
-            "From the gateway receiving a request to its last byte sent.",
-            ["route", "backend", "model"],
-            buckets=DURATION_BUCKETS,
-            registry=r,
-        )
-        self.prompt_tokens = Counter(
-            "gateway_prompt_tokens", "Prompt tokens, from upstream usage.", ["backend", "model"], registry=r
-        )
-        self.completion_tokens = Counter(
-            "gateway_completion_tokens", "Completion tokens, from upstream usage.", ["backend", "model"], registry=r
-        )
+            "gateway_request_duration_seconds", "From the gateway receiving a request to its last byte sent.",
+            ["route", "backend", "model"], buckets=DURATION_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("gateway_prompt_tokens", "Prompt tokens, from upstream usage.", by_model,
+                                     registry=r)
+        self.completion_tokens = Counter("gateway_completion_tokens", "Completion tokens, from upstream usage.",
+                                         by_model, registry=r)
         self.cached_tokens = Counter(
-            "gateway_cached_tokens",
-            "Prompt tokens the engine reported as served from its prefix cache.",
-            ["backend", "model"],
-            registry=r,
-        )
-
+            "gateway_cached_tokens", "Prompt tokens the engine reported as served from its prefix cache.",
+            by_model, registry=r)
         self.routing_decisions = Counter(
             "gateway_routing_decisions",
             "Routing decisions, by chosen backend and the plugin that made the difference.",
-            ["backend", "reason"],
-            registry=r,
-        )
+            ["backend", "reason"], registry=r)
         self.routing_plugin_seconds = Histogram(
-            "gateway_routing_plugin_seconds",
-            "Time each routing plugin took per request.",
-            ["plugin"],
-            buckets=PLUGIN_BUCKETS,
-            registry=r,
-        )
-
+            "gateway_routing_plugin_seconds", "Time each routing plugin took per request.", ["plugin"],
+            buckets=PLUGIN_BUCKETS, registry=r)
+        self.retries = Counter(
+            "gateway_retries", "Requests sent again to another backend, by the backend that failed and why.",
+            ["backend", "reason"], registry=r)
         self.invalid_outputs = Counter(
             "gateway_structured_output_invalid",
             "Non-streamed answers that failed their structured-output check, by what was done (retried, marked).",
-            ["backend", "engine", "action"],
-            registry=r,
-        )
+            ["backend", "engine", "action"], registry=r)
+        self.queue_wait = QueueWaitCollector()
+        r.register(self.queue_wait)
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
 
     def child(self, metric: Any, *labels: str) -> Any:
@@ -99,7 +129,42 @@ class GatewayMetrics:
         return found
 
     def watch_pool(self, pool: Pool) -> None:
+        self.queue_wait.pool = pool
         self.registry.register(PoolCollector(pool))
+
+
+class QueueWaitCollector(Collector):
+    """``gateway_queue_wait_seconds{backend,stage}``: the gateway's measurements, and the engines' own
+    queue histograms where the engine keeps one (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.pool: Pool | None = None
+        self._own: dict[tuple[str, str], Buckets] = {}
+
+    def observe(self, backend: str, stage: str, seconds: float) -> None:
+        buckets = self._own.get((backend, stage))
+        if buckets is None:
+            buckets = self._own[(backend, stage)] = Buckets(QUEUE_BUCKETS)
+        buckets.observe(max(0.0, seconds))
+
+    def collect(self) -> Iterator[Metric]:
+        family = HistogramMetricFamily(
+            "gateway_queue_wait_seconds",
+            "Time waiting before processing: stage=gateway (arrival to dispatch), stage=engine (in the engine's "
+            "queue; vLLM/SGLang's own histogram, else TTFT minus the engine's prompt time).",
+            labels=["backend", "stage"])
+        mirrored = set()
+        for backend in self.pool or ():
+            load = backend.load
+            if load is not None and load.queue_histogram is not None:
+                buckets, total, _count = load.queue_histogram
+                family.add_metric([backend.name, "engine"], list(buckets), total)
+                mirrored.add(backend.name)
+        for (name, stage), own in self._own.items():
+            if stage == "engine" and name in mirrored:
+                continue
+            family.add_metric([name, stage], own.cumulative(), own.sum)
+        yield family
 
 
 class PoolCollector(Collector):
@@ -109,28 +174,37 @@ class PoolCollector(Collector):
         self._pool = pool
 
     def collect(self) -> Iterator[Metric]:
+        import time
+
         labels = ["backend", "engine"]
-        up = GaugeMetricFamily("gateway_backend_up", "1 when the backend's last health check passed.", labels=labels)
+        up = GaugeMetricFamily("gateway_backend_up", "1 when the backend answers (ready or loading).", labels=labels)
+        ready = GaugeMetricFamily("gateway_backend_ready", "1 when the backend can take requests.", labels=labels)
         in_flight = GaugeMetricFamily(
-            "gateway_backend_in_flight_requests", "Requests this gateway has in flight to the backend.", labels=labels
-        )
+            "gateway_backend_in_flight_requests", "Requests this gateway has in flight to the backend.", labels=labels)
         running = GaugeMetricFamily(
-            "gateway_backend_running_requests", "Sequences running on the engine, as last read.", labels=labels
-        )
+            "gateway_backend_running_requests", "Sequences running on the engine, as last read.", labels=labels)
         waiting = GaugeMetricFamily(
-            "gateway_backend_waiting_requests", "Requests queued in the engine, as last read.", labels=labels
-        )
+            "gateway_backend_waiting_requests", "Requests queued in the engine, as last read.", labels=labels)
         kv = GaugeMetricFamily("gateway_backend_kv_cache_usage_ratio", "KV cache in use, 0..1, as last read.",
                                labels=labels)
+        slots = GaugeMetricFamily("gateway_backend_slots", "Concurrent sequences the backend runs.", labels=labels)
+        age = GaugeMetricFamily("gateway_backend_load_age_seconds",
+                                "Seconds since the backend's load was last read successfully.", labels=labels)
         errors = CounterMetricFamily(
-            "gateway_backend_scrape_errors", "Failed reads of a backend's load, models or capacity.", labels=labels
-        )
+            "gateway_backend_scrape_errors", "Failed reads of a backend's load, models or capacity.", labels=labels)
+        now = time.monotonic()
         for backend in self._pool:
             key = [backend.name, backend.engine]
-            up.add_metric(key, 1.0 if backend.health is Health.READY else 0.0)
+            up.add_metric(key, 1.0 if backend.health in (Health.READY, Health.LOADING) else 0.0)
+            ready.add_metric(key, 1.0 if backend.health is Health.READY else 0.0)
             in_flight.add_metric(key, float(backend.in_flight))
             errors.add_metric(key, float(backend.scrape_errors))
-            load = backend.fresh_load()
+            if backend.slots:
+                slots.add_metric(key, float(backend.slots))
+            load = backend.load
+            if load is not None:
+                age.add_metric(key, now - load.read_at)
+            load = backend.fresh_load(now)
             if load is None:
                 continue
             if load.running is not None:
@@ -139,4 +213,4 @@ class PoolCollector(Collector):
                 waiting.add_metric(key, float(load.waiting))
             if load.kv_usage is not None:
                 kv.add_metric(key, load.kv_usage)
-        yield from (up, in_flight, running, waiting, kv, errors)
+        yield from (up, ready, in_flight, running, waiting, kv, slots, age, errors)

@@ -83,11 +83,13 @@ def test_load_is_read_from_the_real_slots_and_metrics(gateway: ServerThread, tin
 
 
 def test_response_format_json_schema_gives_valid_json(gateway: ServerThread) -> None:
-    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+    # (free-form strings from a random-weight model can hold byte sequences that llama.cpp's own output
+    # parser then rejects with a 500 about once in 20 requests: the pattern keeps the test about the gateway)
+    schema = {"type": "object", "properties": {"name": {"type": "string", "pattern": "^[a-z]{1,12}$"},
                                                "count": {"type": "integer", "minimum": 0, "maximum": 99}},
               "required": ["name", "count"], "additionalProperties": False}
     reply = sdk(gateway).chat.completions.create(
-        model=model_id(gateway), messages=ASK, max_tokens=120,
+        model=model_id(gateway), messages=ASK, max_tokens=600,
         response_format={"type": "json_schema", "json_schema": {"name": "thing", "schema": schema}})
     content = reply.choices[0].message.content
     assert content is not None

@@ -1,0 +1,95 @@
+"""What a finished exchange tells the metrics and the routing plugins. Runs once per request, after its last
+byte was sent."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from gateway.proxy.exchange import Exchange
+from gateway.routing.request import Outcome, RouteRequest
+from gateway.telemetry.metrics import UNKNOWN, GatewayMetrics
+
+
+def _engine_times(exchange: Exchange) -> tuple[float, float] | None:
+    """The engine's own (prompt processing, generation) seconds, where it reports them: llama.cpp
+    ``timings.prompt_ms`` / ``predicted_ms``, TabbyAPI ``usage.prompt_time`` / ``completion_time``."""
+    timings, usage = exchange.timings or {}, exchange.usage or {}
+    prompt_ms, predicted_ms = timings.get("prompt_ms"), timings.get("predicted_ms")
+    if isinstance(prompt_ms, int | float) and isinstance(predicted_ms, int | float):
+        return prompt_ms / 1000, predicted_ms / 1000
+    prompt_time, completion_time = usage.get("prompt_time"), usage.get("completion_time")
+    if isinstance(prompt_time, int | float) and isinstance(completion_time, int | float):
+        return float(prompt_time), float(completion_time)
+    return None
+
+
+def record_metrics(m: GatewayMetrics, exchange: Exchange) -> None:
+    child = m.child
+    backend = exchange.backend.name if exchange.backend else UNKNOWN
+    model = exchange.model if exchange.model is not None else UNKNOWN
+    status_class = f"{exchange.status // 100}xx" if exchange.status else "none"
+    child(m.requests, exchange.route, model, backend, status_class, exchange.outcome).inc()
+    if exchange.backend is None:
+        return
+    end = exchange.t_end or time.perf_counter()
+    child(m.request_duration, exchange.route, backend, model).observe(end - exchange.t_start)
+    if exchange.t_dispatch is not None:
+        m.queue_wait.observe(backend, "gateway", exchange.t_dispatch - exchange.t_start)
+    first, last = exchange.t_first_text, exchange.t_last_text
+    if first is not None:
+        child(m.time_to_first_token, backend, model).observe(first - exchange.t_start)
+        if exchange.gaps or exchange.zero_gaps:
+            itl = child(m.inter_token_latency, backend, model)
+            for gap in exchange.gaps:
+                itl.observe(gap)
+            for _ in range(exchange.zero_gaps):
+                itl.observe(0.0)
+    if exchange.usage:
+        child(m.prompt_tokens, backend, model).inc(exchange.usage_int("prompt_tokens"))
+        completion = exchange.usage_int("completion_tokens")
+        child(m.completion_tokens, backend, model).inc(completion)
+        child(m.cached_tokens, backend, model).inc(exchange.cached_tokens())
+        if first is not None and last is not None and completion >= 2 and last > first:
+            per_token = (last - first) / (completion - 1)
+            child(m.time_per_output_token, backend, model).observe(per_token)
+            child(m.output_tokens_per_second, backend, model).observe(1.0 / per_token)
+    engine_times = _engine_times(exchange)
+    if engine_times is not None and exchange.t_dispatch is not None and exchange.outcome == "success":
+        prompt_s, generate_s = engine_times
+        if first is not None:  # streamed: time to the first token, less the engine's prompt processing
+            waited = first - exchange.t_dispatch - prompt_s
+        else:
+            waited = end - exchange.t_dispatch - prompt_s - generate_s
+        m.queue_wait.observe(backend, "engine", waited)
+
+
+def outcome_of(exchange: Exchange, request: RouteRequest) -> Outcome:
+    """What routing learns from a finished exchange. Engine-reported times are preferred to the gateway's own
+    clock, which includes network and queueing."""
+    assert exchange.backend is not None
+    ttft = decode = None
+    if exchange.t_first_text is not None:
+        ttft = exchange.t_first_text - (exchange.t_dispatch or exchange.t_start)
+        if exchange.t_last_text is not None:
+            decode = exchange.t_last_text - exchange.t_first_text
+    engine_times = _engine_times(exchange)
+    if engine_times is not None:
+        ttft, decode = engine_times
+    usage: dict[str, Any] = exchange.usage or {}
+    details = usage.get("prompt_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    cache_n = (exchange.timings or {}).get("cache_n")
+    if not isinstance(cached, int) and isinstance(cache_n, int):
+        cached = cache_n
+    return Outcome(
+        request=request,
+        backend=exchange.backend.name,
+        concurrency=exchange.concurrency,
+        ok=exchange.outcome == "success",
+        ttft=ttft,
+        decode_seconds=decode,
+        prompt_tokens=exchange.usage_int("prompt_tokens") or None,
+        completion_tokens=exchange.usage_int("completion_tokens") or None,
+        cached_tokens=cached if isinstance(cached, int) else None,
+    )
