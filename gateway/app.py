@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections.abc import AsyncIterator
 
 from fastapi import FastAPI
+from opentelemetry.sdk.trace import TracerProvider
 from prometheus_client import CollectorRegistry
 
 from gateway import __version__
@@ -18,7 +20,7 @@ from gateway.config import Settings
 from gateway.pool.backend import Backend
 from gateway.pool.discovery import Resolver
 from gateway.pool.pool import ClientFactory, Pool
-from gateway.proxy.accounting import outcome_of, record_metrics
+from gateway.proxy.accounting import access_record, outcome_of, record_metrics
 from gateway.proxy.exchange import Exchange
 from gateway.proxy.forward import PATHS, Forwarder
 from gateway.proxy.upstream import Upstream
@@ -26,6 +28,9 @@ from gateway.routing.pipeline import Decision
 from gateway.routing.policies import build_pipeline
 from gateway.routing.state import RoutingState
 from gateway.telemetry.metrics import GatewayMetrics
+from gateway.telemetry.tracing import Tracing, provider_from_environment
+
+access_log = logging.getLogger("gateway.access")
 
 
 class Gateway:
@@ -38,8 +43,10 @@ class Gateway:
         client_factory: ClientFactory | None = None,
         registry: CollectorRegistry | None = None,
         resolver: Resolver | None = None,
+        tracer_provider: TracerProvider | None = None,
     ) -> None:
         self.settings = settings
+        self.tracing = Tracing(tracer_provider if tracer_provider is not None else provider_from_environment())
         self.routing = RoutingState(settings.routing.engine_profile)
         self.pipeline = build_pipeline(settings.routing, self.routing)
         self.pool = Pool(settings.backends, settings.scrape, client_factory, discovery=settings.discovery,
@@ -49,6 +56,7 @@ class Gateway:
         self.metrics = GatewayMetrics(registry)
         self.metrics.watch_pool(self.pool)
         self.started_at = int(time.time())
+        self._access_log = settings.access_log.enabled
 
     async def start(self) -> None:
         await self.upstream.start()
@@ -57,6 +65,7 @@ class Gateway:
     async def stop(self) -> None:
         await self.pool.stop()
         await self.upstream.close()
+        self.tracing.shutdown()
 
     def observe_decision(self, decision: Decision) -> None:
         m, child = self.metrics, self.metrics.child
@@ -72,6 +81,8 @@ class Gateway:
         if exchange.request is not None and exchange.backend is not None and exchange.outcome != "pending":
             self.pipeline.observe(outcome_of(exchange, exchange.request), exchange.backend)
         record_metrics(self.metrics, exchange)
+        if self._access_log:
+            access_log.info(access_record(exchange).decode())
 
 
 def create_app(
@@ -80,8 +91,10 @@ def create_app(
     client_factory: ClientFactory | None = None,
     registry: CollectorRegistry | None = None,
     resolver: Resolver | None = None,
+    tracer_provider: TracerProvider | None = None,
 ) -> GatewayApp:
-    gateway = Gateway(settings, client_factory=client_factory, registry=registry, resolver=resolver)
+    gateway = Gateway(settings, client_factory=client_factory, registry=registry, resolver=resolver,
+                      tracer_provider=tracer_provider)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

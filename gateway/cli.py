@@ -70,6 +70,13 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # one line per health/load scrape is noise; the pool logs state changes itself
     logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
+    # the access log: bare JSON lines on standard output, apart from the diagnostic log on standard error
+    access = logging.getLogger("gateway.access")
+    access_handler = logging.StreamHandler(sys.stdout)
+    access_handler.setFormatter(logging.Formatter("%(message)s"))
+    access.addHandler(access_handler)
+    access.setLevel(logging.INFO)
+    access.propagate = False
     try:
         return serve(args.config, host=args.host, port=args.port, log_level=args.log_level,
                      sim_base_port=args.sim_base_port)

@@ -143,6 +143,13 @@ class StructuredOutputSettings(_Strict):
         return self.models.get(model, self.validate_outputs)
 
 
+class AccessLogSettings(_Strict):
+    """One JSON line per request on standard output (request id, model, backend, status, TTFT, tokens,
+    duration); never a prompt, an answer or a key."""
+
+    enabled: bool = True
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix="GATEWAY_", env_nested_delimiter="__", extra="forbid", frozen=True
@@ -155,6 +162,7 @@ class Settings(BaseSettings):
     scrape: ScrapeSettings = ScrapeSettings()
     discovery: DiscoverySettings = DiscoverySettings()
     structured_output: StructuredOutputSettings = StructuredOutputSettings()
+    access_log: AccessLogSettings = AccessLogSettings()
 
     @classmethod
     def settings_customise_sources(

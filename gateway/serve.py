@@ -16,6 +16,7 @@ import uvicorn
 from gateway.app import create_app
 from gateway.config import BackendSettings, ConfigError, Settings, load_settings, settings_from_mapping
 from gateway.routing.policies import check_settings
+from gateway.server_protocol import StampedHttpToolsProtocol
 
 
 def _wait_for_ports(host: str, ports: list[int], proc: subprocess.Popen[bytes], timeout: float = 30.0) -> None:
@@ -71,7 +72,7 @@ def _run(settings: Settings, log_level: str) -> None:
         host=settings.server.host,
         port=settings.server.port,
         loop="uvloop",
-        http="httptools",
+        http=StampedHttpToolsProtocol,
         lifespan="on",
         access_log=False,
         log_level=log_level,

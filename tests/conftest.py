@@ -50,7 +50,9 @@ class ServerThread:
     def __init__(self, app: Any, port: int | None = None) -> None:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, loop="uvloop", http="httptools",
+        from gateway.server_protocol import StampedHttpToolsProtocol
+
+        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, loop="uvloop", http=StampedHttpToolsProtocol,
                                 lifespan="on", log_level="warning", access_log=False)
         self.server = uvicorn.Server(config)
         self.loop: asyncio.AbstractEventLoop | None = None

@@ -22,13 +22,15 @@ from gateway.engines import ADAPTERS
 from gateway.errors import GatewayError
 from gateway.pool.backend import Backend
 from gateway.proxy.exchange import Exchange
-from gateway.proxy.forward import InvalidOutput
+from gateway.proxy.forward import PATHS, InvalidOutput
 from gateway.proxy.upstream import UpstreamError
 from gateway.routing.pipeline import NoRoute
 from gateway.routing.request import RouteRequest
+from gateway.server_protocol import ARRIVAL
 from gateway.structured import can_honour
 from gateway.structured.check import CHECKABLE, output_problem
 from gateway.telemetry.metrics import UNKNOWN
+from gateway.telemetry.tracing import RequestTrace
 
 if TYPE_CHECKING:
     from gateway.app import Gateway
@@ -83,9 +85,14 @@ class ProxyEndpoint:
         self._session_header = gateway.settings.routing.session_header.lower().encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        exchange = Exchange(request_id=request_id(scope), route=self._route, t_start=time.perf_counter())
+        state = scope.get("state")
+        arrival = state.get(ARRIVAL) if state else None
+        exchange = Exchange(request_id=request_id(scope), route=self._route,
+                            t_start=arrival if arrival is not None else time.perf_counter())
         in_flight = self._gw.metrics.in_flight
         in_flight.inc()
+        if self._gw.tracing.enabled:
+            exchange.trace = RequestTrace(self._gw.tracing, self._route, scope["headers"])
 
         headers: Headers = [(b"x-request-id", exchange.request_id.encode())]
         try:
@@ -114,6 +121,9 @@ class ProxyEndpoint:
         finally:
             exchange.t_end = time.perf_counter()
             in_flight.dec()
+            if exchange.trace is not None:
+                ttft = exchange.t_first_text - exchange.t_start if exchange.t_first_text is not None else None
+                exchange.trace.finish(exchange.status, exchange.outcome, exchange.usage, ttft)
             self._gw.observe(exchange)
 
     async def _handle(self, exchange: Exchange, raw: bytes, session: str | None, receive: Receive,
@@ -123,11 +133,20 @@ class ProxyEndpoint:
         request.session_key = session if session else _user_session(request.body)
         exchange.stream = request.stream
         exchange.request = request
+        trace = exchange.trace
+        if trace is not None:
+            trace.request(request.route, request.model, request.max_tokens, request.stream)
+            trace.route_start()
         try:
             decision = gw.pipeline.route(request, gw.pool.backends)
         except NoRoute as exc:
+            if trace is not None:
+                trace.route_end(gw.pipeline.policy, f"none: {exc.stage}", "no eligible backend", None)
             raise self._no_route(exc) from None
+        if trace is not None:
+            trace.route_end(decision.policy, decision.reason, decision.detail, decision.ranked[0].name)
         exchange.model = request.model
+        exchange.route_reason = decision.reason
         gw.observe_decision(decision)
         keep_usage = client_wants_usage(request.body)
         route_headers: Headers = [(b"x-gateway-policy", decision.policy.encode()),
@@ -143,10 +162,13 @@ class ProxyEndpoint:
             exchange.backend = backend
             exchange.concurrency = backend.estimated_queue() + 1
             gw.pipeline.routed(request, backend)
+            upstream_headers = (trace.upstream_start(backend.name, backend.engine, backend.url, PATHS[request.route])
+                                if trace is not None else None)
             backend.in_flight += 1
             try:
                 await self._forward_until_disconnect(exchange, backend, orjson.dumps(body), keep_usage,
-                                                     route_headers, receive, send, check, retry_invalid)
+                                                     route_headers, receive, send, check, retry_invalid,
+                                                     upstream_headers)
                 if exchange.invalid_output is not None:
                     gw.observe_invalid_output(backend, "marked")
                 return
@@ -159,6 +181,8 @@ class ProxyEndpoint:
                 exchange.invalid_output = None
             except UpstreamError as exc:
                 last_error = exc
+                if trace is not None:
+                    trace.upstream_end(None, str(exc))
                 if not exc.connect:
                     break
                 backend.mark_down(f"connection failed: {exc}")
@@ -178,6 +202,7 @@ class ProxyEndpoint:
     async def _forward_until_disconnect(
         self, exchange: Exchange, backend: Backend, payload: bytes, keep_usage: bool, extra_headers: Headers,
         receive: Receive, send: Send, check: Callable[[bytes], str | None] | None, retry_invalid: bool,
+        upstream_headers: dict[str, str] | None,
     ) -> None:
         """Forward while watching the client: when it disconnects, cancel the upstream request at once
         (uvicorn's ``send`` silently drops writes to a gone client, so nothing else would notice)."""
@@ -197,7 +222,7 @@ class ProxyEndpoint:
         watcher = asyncio.create_task(watch())
         try:
             await self._gw.forwarder.forward(exchange, backend, payload, keep_usage, send, extra_headers, check,
-                                             retry_invalid)
+                                             retry_invalid, upstream_headers)
             state["finished"] = True
         except asyncio.CancelledError:
             if not state["gone"]:

@@ -3,8 +3,11 @@ byte was sent."""
 
 from __future__ import annotations
 
+import datetime
 import time
 from typing import Any
+
+import orjson
 
 from gateway.proxy.exchange import Exchange
 from gateway.routing.request import Outcome, RouteRequest
@@ -22,6 +25,31 @@ def _engine_times(exchange: Exchange) -> tuple[float, float] | None:
     if isinstance(prompt_time, int | float) and isinstance(completion_time, int | float):
         return float(prompt_time), float(completion_time)
     return None
+
+
+def access_record(exchange: Exchange) -> bytes:
+    """The access-log line of a finished request (JSON)."""
+    end = exchange.t_end or time.perf_counter()
+    usage = exchange.usage or {}
+    backend = exchange.backend
+    return orjson.dumps({
+        "ts": datetime.datetime.now(datetime.UTC).isoformat(timespec="milliseconds"),
+        "request_id": exchange.request_id,
+        "route": exchange.route,
+        "model": exchange.model,
+        "backend": backend.name if backend else None,
+        "engine": backend.engine if backend else None,
+        "status": exchange.status,
+        "outcome": exchange.outcome,
+        "stream": exchange.stream,
+        "ttft_ms": round((exchange.t_first_text - exchange.t_start) * 1000, 2)
+        if exchange.t_first_text is not None else None,
+        "duration_ms": round((end - exchange.t_start) * 1000, 2),
+        "prompt_tokens": usage.get("prompt_tokens"),
+        "completion_tokens": usage.get("completion_tokens"),
+        "cached_tokens": exchange.cached_tokens() if usage else None,
+        "route_reason": exchange.route_reason,
+    })
 
 
 def record_metrics(m: GatewayMetrics, exchange: Exchange) -> None:

@@ -7,6 +7,7 @@ from typing import Any
 
 from gateway.pool.backend import Backend
 from gateway.routing.request import RouteRequest
+from gateway.telemetry.tracing import RequestTrace
 
 
 @dataclass(slots=True)
@@ -33,6 +34,8 @@ class Exchange:
     usage: dict[str, Any] | None = None
     timings: dict[str, Any] | None = None  # llama.cpp per-request timings
     invalid_output: str | None = None  # why the answer failed its structured-output check
+    trace: RequestTrace | None = None  # the request's spans, when tracing is on
+    route_reason: str | None = None
 
     def saw_text(self, events: int, now: float) -> None:
         if self.t_last_text is None:

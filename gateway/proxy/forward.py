@@ -41,12 +41,15 @@ class Forwarder:
         extra_headers: Sequence[tuple[bytes, bytes]] = (),
         check: Callable[[bytes], str | None] | None = None,
         retry_invalid: bool = False,
+        upstream_headers: dict[str, str] | None = None,
     ) -> None:
         loop = asyncio.get_running_loop()
         t = self._timeouts
         exchange.t_dispatch = time.perf_counter()
         deadline = loop.time() + t.total
         headers = {**backend.request_headers, "X-Request-Id": exchange.request_id}
+        if upstream_headers:
+            headers.update(upstream_headers)
         url = backend.url + PATHS[exchange.route]
         client_headers: Headers = [
             (b"x-request-id", exchange.request_id.encode()),

@@ -208,7 +208,9 @@ class SimServer:
         elif key == ("GET", "/sim/requests"):
             resp.send(200, orjson.dumps([r.__dict__ for r in self.received]))
         elif key == ("GET", "/sim/stats"):
+            queue = self.lat.queue
             resp.send(200, orjson.dumps({**self.stats.as_dict(), "engine": self.spec.engine,
-                                         "model": self.spec.model, "emulated": True}))
+                                         "model": self.spec.model, "emulated": True,
+                                         "queue_seconds_sum": queue.sum, "queue_count": sum(queue.counts)}))
         else:
             resp.send(404, b'{"error":"unknown admin endpoint"}')
