@@ -15,12 +15,16 @@ from gateway import __version__
 from gateway.api import errors
 from gateway.api.proxy_endpoint import ProxyEndpoint, request_id
 from gateway.api.routes import router
-from gateway.asgi import Message, Receive, Scope, Send
+from gateway.asgi import Message, Receive, Scope, Send, header, send_body
+from gateway.auth import KeyStore
 from gateway.config import Settings
+from gateway.errors import GatewayError
 from gateway.pool.backend import Backend
 from gateway.pool.discovery import Resolver
 from gateway.pool.pool import ClientFactory, Pool
 from gateway.proxy.accounting import access_record, outcome_of, record_metrics
+from gateway.proxy.admission import Admission
+from gateway.proxy.dispatch import Dispatcher
 from gateway.proxy.exchange import Exchange
 from gateway.proxy.forward import PATHS, Forwarder
 from gateway.proxy.upstream import Upstream
@@ -50,9 +54,12 @@ class Gateway:
         self.routing = RoutingState(settings.routing.engine_profile)
         self.pipeline = build_pipeline(settings.routing, self.routing)
         self.pool = Pool(settings.backends, settings.scrape, client_factory, discovery=settings.discovery,
-                         resolver=resolver)
+                         resolver=resolver, breaker=settings.breaker)
         self.upstream = Upstream(settings.timeouts)
         self.forwarder = Forwarder(self.upstream)
+        self.admission = Admission(settings.admission)
+        self.keys = KeyStore(settings.auth)
+        self.dispatcher = Dispatcher(self)
         self.metrics = GatewayMetrics(registry)
         self.metrics.watch_pool(self.pool)
         self.started_at = int(time.time())
@@ -124,6 +131,17 @@ class GatewayApp:
         self.gateway = gateway
         self._hot = hot
 
+    def _needs_key(self, path: str) -> bool:
+        """With API keys configured: the OpenAI API always; health and metrics when the operator says so."""
+        auth = self.gateway.settings.auth
+        if not self.gateway.keys.enabled:
+            return False
+        if path in ("/health", "/ready"):
+            return auth.protect_health
+        if path == "/metrics":
+            return auth.protect_metrics
+        return path.startswith("/v1/")
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.fastapi(scope, receive, send)
@@ -133,6 +151,12 @@ class GatewayApp:
             await endpoint(scope, receive, send)
             return
         rid = request_id(scope).encode()
+        if self._needs_key(scope["path"]):
+            try:
+                self.gateway.keys.authenticate(header(scope, b"authorization"), header(scope, b"x-api-key"))
+            except GatewayError as exc:
+                await send_body(send, exc.status, exc.body(), [(b"x-request-id", rid)])
+                return
 
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":

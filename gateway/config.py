@@ -30,6 +30,73 @@ class ServerSettings(_Strict):
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65535)
     max_body_bytes: int = Field(default=8 * 1024 * 1024, gt=0, description="larger request bodies get 413")
+    shutdown_timeout: float = Field(default=30.0, ge=0, description="seconds in-flight streams get to finish")
+
+
+class LimitSettings(_Strict):
+    """Per-request limits; beyond them a 400 naming the field."""
+
+    max_messages: int = Field(default=4096, gt=0)
+    max_tokens: int = Field(default=131072, gt=0, description="largest max_tokens / max_completion_tokens accepted")
+
+
+class RetrySettings(_Strict):
+    """Failover before any byte reached the client: connection errors, first-byte timeouts and the engine's
+    retryable statuses go to the next-ranked backend."""
+
+    max_attempts: int = Field(default=3, ge=1, le=10)
+    max_seconds: float = Field(default=30.0, gt=0, description="no new attempt after this long since arrival")
+
+
+class BreakerSettings(_Strict):
+    """Outlier ejection per backend: consecutive failures or a failure ratio over a window open it."""
+
+    consecutive_failures: int = Field(default=5, ge=1)
+    failure_ratio: float = Field(default=0.5, gt=0, le=1)
+    window_seconds: float = Field(default=30.0, gt=0)
+    min_requests: int = Field(default=20, ge=1, description="in the window, before the ratio counts")
+    cooldown_seconds: float = Field(default=5.0, gt=0, description="first ejection; doubles while probes fail")
+    max_cooldown_seconds: float = Field(default=120.0, gt=0)
+
+
+class AdmissionSettings(_Strict):
+    """When every eligible backend is at its max_concurrency, requests wait here, fairly across API keys."""
+
+    queue_size: int = Field(default=1024, ge=0, description="waiting requests at most; beyond them 429")
+    max_wait_seconds: float = Field(default=30.0, ge=0)
+
+
+class ApiKeySettings(_Strict):
+    name: str = Field(min_length=1)
+    key_sha256: str | None = Field(default=None, pattern=r"^[0-9a-f]{64}$",
+                                   description="hex SHA-256 of the key (the key itself is never stored)")
+    key_env: str | None = Field(default=None, description="environment variable holding the key")
+    models: list[str] = Field(default_factory=lambda: ["*"], description="allowed models (shell patterns)")
+    requests_per_minute: int | None = Field(default=None, gt=0)
+    tokens_per_minute: int | None = Field(default=None, gt=0)
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ApiKeySettings:
+        if (self.key_sha256 is None) == (self.key_env is None):
+            raise ValueError("set exactly one of key_sha256 or key_env")
+        if self.key_env is not None and not os.environ.get(self.key_env):
+            raise ValueError(f"key_env: environment variable {self.key_env} is not set")
+        return self
+
+    def digest(self) -> str:
+        if self.key_sha256 is not None:
+            return self.key_sha256
+        import hashlib
+
+        return hashlib.sha256(os.environ[str(self.key_env)].encode()).hexdigest()
+
+
+class AuthSettings(_Strict):
+    """Gateway API keys. With none configured, the gateway is open."""
+
+    keys: list[ApiKeySettings] = Field(default_factory=list)
+    protect_health: bool = Field(default=False, description="/health and /ready need a key too")
+    protect_metrics: bool = Field(default=False, description="/metrics needs a key too")
 
 
 class BackendSettings(_Strict):
@@ -163,6 +230,11 @@ class Settings(BaseSettings):
     discovery: DiscoverySettings = DiscoverySettings()
     structured_output: StructuredOutputSettings = StructuredOutputSettings()
     access_log: AccessLogSettings = AccessLogSettings()
+    limits: LimitSettings = LimitSettings()
+    retries: RetrySettings = RetrySettings()
+    breaker: BreakerSettings = BreakerSettings()
+    admission: AdmissionSettings = AdmissionSettings()
+    auth: AuthSettings = AuthSettings()
 
     @classmethod
     def settings_customise_sources(

@@ -46,8 +46,10 @@ class GatewayError(Exception):
         param: str | None = None,
         code: str | int | None = None,
         headers: dict[str, str] | None = None,
+        body: bytes | None = None,
     ) -> None:
         super().__init__(message)
+        self._body = body  # an upstream's error, already in the envelope
         self.status = status
         self.message = message
         self.type = type or error_type_for(status)
@@ -56,6 +58,8 @@ class GatewayError(Exception):
         self.headers = headers or {}
 
     def body(self) -> bytes:
+        if self._body is not None:
+            return self._body
         return error_body(self.message, self.type, self.param, self.code)
 
 

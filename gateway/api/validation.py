@@ -9,6 +9,7 @@ from typing import Any
 
 import orjson
 
+from gateway.config import LimitSettings
 from gateway.errors import GatewayError
 from gateway.routing.request import RouteRequest
 from gateway.structured import ConstraintInvalid, extract
@@ -62,7 +63,7 @@ def _check_input(value: Any) -> None:
     raise _bad("'input' must be a string or a non-empty array", "input")
 
 
-def parse_request(route: str, raw: bytes) -> RouteRequest:
+def parse_request(route: str, raw: bytes, limits: LimitSettings | None = None) -> RouteRequest:
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
@@ -72,8 +73,12 @@ def parse_request(route: str, raw: bytes) -> RouteRequest:
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise _bad("'model' is required and must be a non-empty string", "model")
+    limits = limits or LimitSettings()
     if route == "chat":
         _check_messages(body.get("messages"))
+        if len(body["messages"]) > limits.max_messages:
+            raise _bad(f"'messages' has {len(body['messages'])} entries; this gateway accepts at most "
+                       f"{limits.max_messages}", "messages")
     elif route == "completions":
         _check_prompt(body.get("prompt"))
     else:
@@ -96,6 +101,9 @@ def parse_request(route: str, raw: bytes) -> RouteRequest:
     max_tokens = _positive_int(body, "max_tokens")
     if max_completion_tokens is not None:
         max_tokens = max_completion_tokens
+    if max_tokens is not None and max_tokens > limits.max_tokens:
+        field = "max_completion_tokens" if max_completion_tokens is not None else "max_tokens"
+        raise _bad(f"'{field}' is {max_tokens}; this gateway accepts at most {limits.max_tokens}", field)
     constraint = None
     if route != "embeddings":
         try:

@@ -36,6 +36,8 @@ class EngineAdapter:
     metric_names: ClassVar[Mapping[str, str]] = {}
     # when the engine reports no capacity, assume this many concurrent sequences
     default_slots: ClassVar[int | None] = None
+    # statuses worth sending to another backend (nothing was generated): back-pressure and server errors
+    retry_statuses: ClassVar[frozenset[int]] = frozenset({429, 500, 502, 503, 504})
     # structured-output constraints it honours (see gateway.structured.support); grammar:<dialect> natively
     structured: ClassVar[frozenset[str]] = frozenset({"json_object", "json_schema", "tool_call", "strict_tools"})
 

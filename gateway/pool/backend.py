@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import time
 
+from gateway.config import BreakerSettings
+from gateway.pool.breaker import Breaker
 from gateway.pool.state import Capacity, Health, LoadRecord, Probe
 
 
@@ -15,6 +17,7 @@ class Backend:
 
     __slots__ = (
         "_in_flight_at_read",
+        "breaker",
         "capacity",
         "configured_models",
         "detail",
@@ -28,6 +31,7 @@ class Backend:
         "models",
         "name",
         "request_headers",
+        "retry_statuses",
         "scrape_errors",
         "stale_after",
         "structured",
@@ -43,6 +47,7 @@ class Backend:
         models: list[str] | None = None,
         max_concurrency: int | None = None,
         stale_after: float = 5.0,
+        breaker: BreakerSettings | None = None,
     ) -> None:
         self.name = name
         self.engine = engine
@@ -63,7 +68,10 @@ class Backend:
         # what every proxied request to it carries: content type and its own key (never the client's)
         self.request_headers: dict[str, str] = {"Content-Type": "application/json"}
         self.marked_down = 0  # times the proxy took it out of rotation (a probe begun before that is stale)
-        self.structured: frozenset[str] = frozenset()  # structured-output support, from the engine adapter
+        # from the engine adapter: structured-output support, and statuses worth another backend
+        self.structured: frozenset[str] = frozenset()
+        self.retry_statuses: frozenset[int] = frozenset({429, 500, 502, 503, 504})
+        self.breaker = Breaker(breaker or BreakerSettings())
         # bumped each time the backend comes (back) up: a restarted engine has empty caches
         self.epoch = 0
 
@@ -72,7 +80,8 @@ class Backend:
 
     @property
     def routable(self) -> bool:
-        return self.health is Health.READY
+        """Ready by its last health check and not ejected by its circuit breaker."""
+        return self.health is Health.READY and self.breaker.available()
 
     @property
     def slots(self) -> int | None:

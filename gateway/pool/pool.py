@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator
 
 import httpx
 
-from gateway.config import BackendSettings, DiscoverySettings, ScrapeSettings
+from gateway.config import BackendSettings, BreakerSettings, DiscoverySettings, ScrapeSettings
 from gateway.engines import BackendError, EngineAdapter, create_adapter
 from gateway.pool.backend import Backend
 from gateway.pool.discovery import Resolver, replica_settings, system_resolver
@@ -46,8 +46,10 @@ class Pool:
         *,
         discovery: DiscoverySettings | None = None,
         resolver: Resolver | None = None,
+        breaker: BreakerSettings | None = None,
     ) -> None:
         self._scrape = scrape
+        self._breaker = breaker or BreakerSettings()
         self._discovery = discovery or DiscoverySettings()
         self._resolver = resolver or system_resolver
         self._factory = client_factory or default_client_factory(scrape)
@@ -76,8 +78,10 @@ class Pool:
             models=settings.models,
             max_concurrency=settings.max_concurrency,
             stale_after=self._scrape.stale_after,
+            breaker=self._breaker,
         )
         backend.structured = adapter.structured
+        backend.retry_statuses = adapter.retry_statuses
         backend.request_headers = {"Content-Type": "application/json",
                                    **adapter.auth_headers(settings.resolved_api_key())}
         self.backends.append(backend)

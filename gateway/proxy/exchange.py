@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from gateway.auth import Client
 from gateway.pool.backend import Backend
 from gateway.routing.request import RouteRequest
 from gateway.telemetry.tracing import RequestTrace
@@ -36,6 +37,7 @@ class Exchange:
     invalid_output: str | None = None  # why the answer failed its structured-output check
     trace: RequestTrace | None = None  # the request's spans, when tracing is on
     route_reason: str | None = None
+    client: Client | None = None  # the gateway API key it came with, when keys are configured
 
     def saw_text(self, events: int, now: float) -> None:
         if self.t_last_text is None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -31,30 +32,48 @@ class InvalidOutput(Exception):
     """A non-streamed answer failed its structured-output check, and the caller asked to retry elsewhere."""
 
 
+class RetryableStatus(Exception):
+    """The backend answered a status worth trying elsewhere, and the caller may still do so. Nothing was sent
+    to the client."""
+
+    def __init__(self, status: int, body: bytes) -> None:
+        super().__init__(f"HTTP {status}")
+        self.status = status
+        self.body = body
+
+
+@dataclass(slots=True)
+class AttemptOptions:
+    """How to forward one attempt."""
+
+    keep_usage: bool = False  # the client asked for the usage chunk
+    headers: Sequence[tuple[bytes, bytes]] = ()  # extra response headers for the client
+    upstream_headers: dict[str, str] | None = None  # extra request headers for the backend (trace context)
+    check: Callable[[bytes], str | None] | None = None  # structured-output check of a non-streamed answer
+    retry_invalid: bool = False  # raise InvalidOutput instead of marking a failing answer
+    retry_statuses: frozenset[int] = frozenset()  # raise RetryableStatus for these instead of answering
+
+
 class Forwarder:
     def __init__(self, upstream: Upstream) -> None:
         self._upstream = upstream
         self._timeouts = upstream.timeouts
 
     async def forward(
-        self, exchange: Exchange, backend: Backend, payload: bytes, keep_usage: bool, send: Send,
-        extra_headers: Sequence[tuple[bytes, bytes]] = (),
-        check: Callable[[bytes], str | None] | None = None,
-        retry_invalid: bool = False,
-        upstream_headers: dict[str, str] | None = None,
+        self, exchange: Exchange, backend: Backend, payload: bytes, send: Send, options: AttemptOptions,
     ) -> None:
         loop = asyncio.get_running_loop()
         t = self._timeouts
         exchange.t_dispatch = time.perf_counter()
         deadline = loop.time() + t.total
         headers = {**backend.request_headers, "X-Request-Id": exchange.request_id}
-        if upstream_headers:
-            headers.update(upstream_headers)
+        if options.upstream_headers:
+            headers.update(options.upstream_headers)
         url = backend.url + PATHS[exchange.route]
         client_headers: Headers = [
             (b"x-request-id", exchange.request_id.encode()),
             (b"x-gateway-backend", backend.name.encode()),
-            *extra_headers,
+            *options.headers,
         ]
         started = False
         try:
@@ -64,6 +83,8 @@ class Forwarder:
                     exchange.status = response.status
                     if response.status != 200:
                         raw = await response.read()
+                        if response.status in options.retry_statuses:
+                            raise RetryableStatus(response.status, raw)
                         exchange.outcome = "upstream_error"
                         exchange.responded = True
                         await send_body(
@@ -75,17 +96,17 @@ class Forwarder:
                     if not exchange.stream or not content_type.startswith("text/event-stream"):
                         raw = await response.read()
                         self._account_body(exchange, raw)
-                        problem = check(raw) if check is not None else None
+                        problem = options.check(raw) if options.check is not None else None
                         if problem is not None:
                             exchange.invalid_output = problem
-                            if retry_invalid:
+                            if options.retry_invalid:
                                 raise InvalidOutput(problem)
                             client_headers.append((b"x-gateway-output-invalid", problem[:200].encode()))
                         exchange.outcome = "success"
                         exchange.responded = True
                         await send_body(send, 200, raw, client_headers)
                         return
-                    relay = SSERelay(keep_usage)
+                    relay = SSERelay(options.keep_usage)
                     idle, slack = t.idle, t.idle * 1.25
                     async for data in response.content.iter_any():
                         # Move the idle deadline only when less than `idle` is left, to 1.25 x idle ahead: a
@@ -111,7 +132,7 @@ class Forwarder:
                         exchange.saw_text(texts, time.perf_counter())
                 finally:
                     response.release()
-        except InvalidOutput:
+        except (InvalidOutput, RetryableStatus):
             raise
         except Exception as exc:  # map_error re-raises what is not an upstream failure
             error = map_error(exc)

@@ -1,0 +1,126 @@
+"""Gateway API keys and their limits.
+
+Keys are configured by their SHA-256 (``key_sha256``) or read from the environment (``key_env``); the
+gateway keeps only digests and compares them in constant time. A client presents its key as
+``Authorization: Bearer <key>`` or ``x-api-key``; it is never forwarded (backends get their own keys).
+
+Limits are token buckets per key, refilled continuously: ``requests_per_minute`` is charged one per request
+on arrival; ``tokens_per_minute`` is charged the real prompt + completion tokens when the request ends
+(a request is admitted while the bucket is positive, so one large request may take it below zero and hold
+the next ones back until it refills). Each gateway replica keeps its own buckets: behind N replicas a key
+gets up to N times its limits, so divide the limits by the replica count (or pin keys to replicas).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import hmac
+import math
+import time
+from dataclasses import dataclass
+
+from gateway.config import ApiKeySettings, AuthSettings
+from gateway.errors import GatewayError
+
+
+class TokenBucket:
+    __slots__ = ("capacity", "level", "rate", "updated")
+
+    def __init__(self, per_minute: int, now: float | None = None) -> None:
+        self.capacity = float(per_minute)
+        self.rate = per_minute / 60.0
+        self.level = float(per_minute)
+        self.updated = time.monotonic() if now is None else now
+
+    def _refill(self, now: float) -> None:
+        self.level = min(self.capacity, self.level + (now - self.updated) * self.rate)
+        self.updated = now
+
+    def take(self, amount: float, now: float | None = None) -> float:
+        """Take ``amount`` if the bucket holds at least that much (0 taken: just check it is positive);
+        returns 0 on success, else the seconds until it would."""
+        now = time.monotonic() if now is None else now
+        self._refill(now)
+        needed = amount if amount > 0 else 1e-9
+        if self.level >= needed:
+            self.level -= amount
+            return 0.0
+        return (needed - self.level) / self.rate
+
+    def charge(self, amount: float, now: float | None = None) -> None:
+        """Take ``amount`` unconditionally (the level may go below zero)."""
+        self._refill(time.monotonic() if now is None else now)
+        self.level -= amount
+
+
+@dataclass
+class Client:
+    """An authenticated API key."""
+
+    name: str
+    settings: ApiKeySettings
+    requests: TokenBucket | None
+    tokens: TokenBucket | None
+
+    def allows(self, model: str) -> bool:
+        return any(fnmatch.fnmatchcase(model, pattern) for pattern in self.settings.models)
+
+
+ANONYMOUS = "_anonymous"
+
+
+class KeyStore:
+    def __init__(self, settings: AuthSettings) -> None:
+        self.settings = settings
+        self._clients = [
+            (k.digest(), Client(k.name, k,
+                                TokenBucket(k.requests_per_minute) if k.requests_per_minute else None,
+                                TokenBucket(k.tokens_per_minute) if k.tokens_per_minute else None))
+            for k in settings.keys
+        ]
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self._clients)
+
+    def authenticate(self, authorization: bytes | None, api_key: bytes | None) -> Client | None:
+        """The client behind the request's key; None when auth is off. Raises a 401 GatewayError."""
+        if not self._clients:
+            return None
+        key = None
+        if authorization and authorization[:7].lower() == b"bearer ":
+            key = authorization[7:].strip()
+        elif api_key:
+            key = api_key.strip()
+        if not key:
+            raise GatewayError(401, "Missing API key: send 'Authorization: Bearer <key>' or 'x-api-key'",
+                               code="missing_api_key")
+        digest = hashlib.sha256(key).hexdigest()
+        found = None
+        for known, client in self._clients:  # constant time per comparison, and every key compared
+            if hmac.compare_digest(known, digest):
+                found = client
+        if found is None:
+            raise GatewayError(401, "Incorrect API key provided", code="invalid_api_key")
+        return found
+
+    @staticmethod
+    def admit(client: Client, model: str) -> None:
+        """Model permission and the request and token budgets, on arrival. Raises 403 / 429."""
+        if not client.allows(model):
+            raise GatewayError(403, f"The API key '{client.name}' may not use model '{model}'",
+                               param="model", code="model_not_allowed")
+        for bucket, what, amount in ((client.requests, "requests", 1.0), (client.tokens, "tokens", 0.0)):
+            if bucket is None:
+                continue
+            wait = bucket.take(amount)
+            if wait > 0:
+                raise GatewayError(429, f"Rate limit reached for {what} per minute on key '{client.name}'; "
+                                        f"retry in {wait:.1f} s", code=f"rate_limit_{what}",
+                                   headers={"retry-after": str(max(1, math.ceil(wait)))})
+
+    @staticmethod
+    def spent(client: Client, tokens: int) -> None:
+        if client.tokens is not None and tokens > 0:
+            client.tokens.charge(tokens)

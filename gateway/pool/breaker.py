@@ -1,0 +1,95 @@
+"""Outlier ejection per backend: a circuit breaker fed by the outcome of every proxied request.
+
+closed -> open: ``consecutive_failures`` failures in a row, or a failure ratio of at least ``failure_ratio``
+over the last ``window_seconds`` once ``min_requests`` were seen. open -> half-open: after the cooldown, one
+real request is let through as a probe. Its success closes the breaker; its failure opens it again with
+the cooldown doubled (up to ``max_cooldown_seconds``). A health check passing does not close an open
+breaker: an engine can answer ``/health`` and still fail every request.
+
+Failures are what the backend did wrong: refused or dropped connections, timeouts, 5xx answers and broken
+streams. Client errors (4xx) and 429 back-pressure are not.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections import deque
+
+from gateway.config import BreakerSettings
+
+
+class BreakerState(enum.Enum):
+    CLOSED = "closed"
+    OPEN = "open"
+    HALF_OPEN = "half_open"
+
+
+class Breaker:
+    __slots__ = ("_consecutive", "_cooldown", "_open_until", "_outcomes", "_probing", "settings", "state",
+                 "trips")
+
+    def __init__(self, settings: BreakerSettings) -> None:
+        self.settings = settings
+        self.state = BreakerState.CLOSED
+        self._outcomes: deque[tuple[float, bool]] = deque()
+        self._consecutive = 0
+        self._cooldown = settings.cooldown_seconds
+        self._open_until = 0.0
+        self._probing = False
+        self.trips = 0
+
+    def available(self, now: float | None = None) -> bool:
+        """May a request be routed here? (No side effects: routing asks this of every candidate.)"""
+        if self.state is BreakerState.CLOSED:
+            return True
+        now = time.monotonic() if now is None else now
+        if self.state is BreakerState.OPEN:
+            return now >= self._open_until
+        return not self._probing
+
+    def begin(self, now: float | None = None) -> None:
+        """A request is being sent: after the cooldown, it is the half-open probe."""
+        if self.state is BreakerState.OPEN and (time.monotonic() if now is None else now) >= self._open_until:
+            self.state = BreakerState.HALF_OPEN
+        if self.state is BreakerState.HALF_OPEN:
+            self._probing = True
+
+    def release(self) -> None:
+        """The request ended without telling anything (the client left): let another probe through."""
+        self._probing = False
+
+    def record(self, ok: bool, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        s = self.settings
+        if self.state is BreakerState.HALF_OPEN:
+            self._probing = False
+            if ok:
+                self._close()
+            else:
+                self._open(now, self._cooldown * 2)
+            return
+        outcomes = self._outcomes
+        outcomes.append((now, ok))
+        while outcomes and now - outcomes[0][0] > s.window_seconds:
+            outcomes.popleft()
+        self._consecutive = 0 if ok else self._consecutive + 1
+        if self.state is not BreakerState.CLOSED or ok:
+            return
+        failures = sum(1 for _, good in outcomes if not good)
+        if self._consecutive >= s.consecutive_failures or (
+            len(outcomes) >= s.min_requests and failures / len(outcomes) >= s.failure_ratio
+        ):
+            self._open(now, s.cooldown_seconds)
+
+    def _open(self, now: float, cooldown: float) -> None:
+        self._cooldown = min(cooldown, self.settings.max_cooldown_seconds)
+        self._open_until = now + self._cooldown
+        self.state = BreakerState.OPEN
+        self.trips += 1
+
+    def _close(self) -> None:
+        self.state = BreakerState.CLOSED
+        self._outcomes.clear()
+        self._consecutive = 0
+        self._cooldown = self.settings.cooldown_seconds

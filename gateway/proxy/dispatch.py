@@ -1,0 +1,252 @@
+"""From a parsed request to an answer: route (waiting for a slot when every backend is full), then attempt
+backends in the routing order, failing over before any byte reached the client.
+
+Failover (tenacity): a refused connection, a failure before the first byte, a first-byte timeout, an
+engine status listed in its adapter's ``retry_statuses`` (429 and 5xx) or, when output checks retry, an
+answer outside its constraint, send the request to the next-ranked backend; at most
+``retries.max_attempts`` attempts and no new one after ``retries.max_seconds``. Never after streaming began.
+Every attempt's outcome feeds the backend's circuit breaker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import orjson
+from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, stop_after_delay, wait_none
+
+from gateway.api.validation import client_wants_usage
+from gateway.asgi import Headers, Receive, Send
+from gateway.engines import ADAPTERS
+from gateway.errors import GatewayError, normalise_upstream_error
+from gateway.pool.backend import Backend
+from gateway.proxy.admission import QueueFull, QueueTimeout
+from gateway.proxy.exchange import Exchange
+from gateway.proxy.forward import PATHS, AttemptOptions, InvalidOutput, RetryableStatus
+from gateway.proxy.upstream import UpstreamError
+from gateway.routing.pipeline import Decision, NoRoute
+from gateway.routing.request import RouteRequest
+from gateway.structured import can_honour
+from gateway.structured.check import CHECKABLE, output_problem
+
+if TYPE_CHECKING:
+    from gateway.app import Gateway
+
+log = logging.getLogger("gateway.proxy")
+
+
+class _Retry(Exception):
+    """This attempt failed in a way another backend may fix. ``final`` is the answer if none is tried."""
+
+    def __init__(self, final: GatewayError, reason: str) -> None:
+        super().__init__(reason)
+        self.final = final
+        self.reason = reason
+
+
+class Dispatcher:
+    def __init__(self, gateway: Gateway) -> None:
+        self._gw = gateway
+
+    async def dispatch(self, exchange: Exchange, request: RouteRequest, key: str, receive: Receive,
+                       send: Send) -> None:
+        gw = self._gw
+        decision = await self._route(exchange, request, key)
+        exchange.model = request.model
+        exchange.route_reason = decision.reason
+        gw.observe_decision(decision)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("request %s model=%s -> %s policy=%s reason=%s (%s) plugins: %s", exchange.request_id,
+                      request.model, decision.ranked[0].name, decision.policy, decision.reason, decision.detail,
+                      " ".join(f"{k}={v * 1e6:.0f}us" for k, v in decision.timings.items()))
+        headers: Headers = [(b"x-gateway-policy", decision.policy.encode()),
+                            (b"x-gateway-route-reason", f"{decision.reason}: {decision.detail}".encode())]
+        settings = gw.settings.retries
+        candidates = iter(decision.ranked)
+        remaining = len(decision.ranked)
+        started = time.monotonic()
+        retrying = AsyncRetrying(
+            stop=stop_after_attempt(settings.max_attempts) | stop_after_delay(settings.max_seconds),
+            retry=retry_if_exception_type(_Retry), wait=wait_none(), reraise=True,
+        )
+        try:
+            async for attempt in retrying:
+                with attempt:
+                    number = attempt.retry_state.attempt_number
+                    backend = next(candidates)
+                    remaining -= 1
+                    last = (remaining == 0 or number >= settings.max_attempts
+                            or time.monotonic() - started >= settings.max_seconds)
+                    await self._attempt(exchange, request, backend, last, headers, receive, send)
+        except _Retry as exc:  # stopped by time between attempts
+            raise exc.final from None
+
+    async def _route(self, exchange: Exchange, request: RouteRequest, key: str) -> Decision:
+        gw = self._gw
+        trace = exchange.trace
+        admission = gw.admission
+        deadline = time.monotonic() + admission.settings.max_wait_seconds
+        while True:
+            if trace is not None:
+                trace.route_start()
+            try:
+                decision = gw.pipeline.route(request, gw.pool.backends)
+            except NoRoute as exc:
+                if trace is not None:
+                    trace.route_end(gw.pipeline.policy, f"none: {exc.stage}", "no eligible backend", None)
+                if exc.stage != "below-max-concurrency" or admission.settings.max_wait_seconds <= 0:
+                    raise self.no_route(exc) from None
+                try:
+                    await admission.wait(request.model, key, deadline)
+                except QueueFull:
+                    raise GatewayError(429, f"every backend serving '{request.model}' is at its max_concurrency "
+                                            "and the gateway's queue is full; retry shortly",
+                                       code="queue_full", headers={"retry-after": "1"}) from None
+                except QueueTimeout:
+                    raise GatewayError(429, f"no backend serving '{request.model}' had a free slot within "
+                                            f"{admission.settings.max_wait_seconds:g} s; retry shortly",
+                                       code="queue_timeout", headers={"retry-after": "1"}) from None
+                continue
+            if trace is not None:
+                trace.route_end(decision.policy, decision.reason, decision.detail, decision.ranked[0].name)
+            return decision
+
+    async def _attempt(self, exchange: Exchange, request: RouteRequest, backend: Backend, last: bool,
+                       headers: Headers, receive: Receive, send: Send) -> None:
+        gw = self._gw
+        trace = exchange.trace
+        check, retry_invalid = self._output_check(request, can_retry=not last)
+        options = AttemptOptions(
+            keep_usage=client_wants_usage(request.body), headers=headers, check=check, retry_invalid=retry_invalid,
+            retry_statuses=frozenset() if last else backend.retry_statuses,
+            upstream_headers=(trace.upstream_start(backend.name, backend.engine, backend.url, PATHS[request.route])
+                              if trace is not None else None),
+        )
+        body = gw.pool.adapters[backend.name].prepare_body(request.route, dict(request.body), request.constraint)
+        exchange.backend = backend
+        exchange.concurrency = backend.estimated_queue() + 1
+        gw.pipeline.routed(request, backend)
+        backend.breaker.begin()
+        backend.in_flight += 1
+        try:
+            await self._forward_until_disconnect(exchange, backend, orjson.dumps(body), options, receive, send)
+        except InvalidOutput as exc:
+            gw.observe_invalid_output(backend, "retried")
+            backend.breaker.record(True)  # it answered; the answer was wrong, not the backend
+            raise self._retry(exchange, backend, "invalid_output", GatewayError(
+                502, f"backend {backend.name}: {exc}", code="invalid_output")) from None
+        except RetryableStatus as exc:
+            backend.breaker.record(exc.status == 429)
+            final = GatewayError(exc.status, "", headers={"x-gateway-backend": backend.name},
+                                 body=normalise_upstream_error(exc.status, exc.body, backend.name))
+            raise self._retry(exchange, backend, f"status_{exc.status}", final) from None
+        except UpstreamError as exc:
+            backend.breaker.record(False)
+            if trace is not None:
+                trace.upstream_end(None, str(exc))
+            if exc.connect:
+                backend.mark_down(f"connection failed: {exc}")
+            exchange.outcome = "upstream_timeout" if exc.timeout else "upstream_failed"
+            final = GatewayError(504 if exc.timeout else 502, f"backend {backend.name}: {exc}",
+                                 code="upstream_timeout" if exc.timeout else "upstream_failed",
+                                 headers={"x-gateway-backend": backend.name})
+            if last:
+                raise final from None
+            raise self._retry(exchange, backend, "timeout" if exc.timeout else "connect_failed"
+                              if exc.connect else "upstream_failed", final) from None
+        finally:
+            backend.in_flight -= 1
+            gw.admission.released(backend)
+        if exchange.outcome == "disconnected":
+            backend.breaker.release()
+        elif exchange.outcome in ("upstream_failed", "upstream_timeout") or exchange.status >= 500:
+            backend.breaker.record(False)
+        else:
+            backend.breaker.record(True)
+        if exchange.invalid_output is not None:
+            gw.observe_invalid_output(backend, "marked")
+
+    def _retry(self, exchange: Exchange, backend: Backend, reason: str, final: GatewayError) -> _Retry:
+        gw = self._gw
+        gw.metrics.child(gw.metrics.retries, backend.name, reason).inc()
+        log.warning("request %s: backend %s failed (%s); trying the next", exchange.request_id, backend.name, reason)
+        exchange.invalid_output = None
+        exchange.outcome = "pending"
+        return _Retry(final, reason)
+
+    async def _forward_until_disconnect(self, exchange: Exchange, backend: Backend, payload: bytes,
+                                        options: AttemptOptions, receive: Receive, send: Send) -> None:
+        """Forward while watching the client: when it disconnects, cancel the upstream request at once
+        (uvicorn's ``send`` silently drops writes to a gone client, so nothing else would notice)."""
+        task = asyncio.current_task()
+        assert task is not None
+        state = {"finished": False, "gone": False}
+
+        async def watch() -> None:
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    break
+            if not state["finished"]:
+                state["gone"] = True
+                task.cancel()
+
+        watcher = asyncio.create_task(watch())
+        try:
+            await self._gw.forwarder.forward(exchange, backend, payload, send, options)
+            state["finished"] = True
+        except asyncio.CancelledError:
+            if not state["gone"]:
+                raise
+            task.uncancel()
+            exchange.outcome = "disconnected"
+        finally:
+            state["finished"] = True
+            watcher.cancel()
+
+    def _output_check(self, request: RouteRequest, can_retry: bool) -> tuple[Callable[[bytes], str | None] | None,
+                                                                             bool]:
+        constraint = request.constraint
+        mode = self._gw.settings.structured_output.mode(request.model)
+        if constraint is None or mode == "off" or request.stream or constraint.kind not in CHECKABLE:
+            return None, False
+        route = request.route
+        # with nowhere else to retry, a failing answer is marked rather than lost
+        return (lambda raw: output_problem(route, raw, constraint)), mode == "retry" and can_retry
+
+    def no_route(self, exc: NoRoute) -> GatewayError:
+        gw = self._gw
+        model = exc.request.model
+        undiscovered = [b.name for b in gw.pool.backends if not b.models]
+        if exc.stage == "serves-model" and undiscovered:
+            return GatewayError(503, f"no available backend serves model '{model}'; the models of "
+                                     f"{', '.join(undiscovered)} are not known yet (unreachable so far)",
+                                code="no_backend_available", headers={"retry-after": "1"})
+        if exc.stage == "structured-output":
+            constraint = exc.request.constraint
+            assert constraint is not None
+            able = sorted(name for name, adapter in ADAPTERS.items() if can_honour(constraint, adapter.structured))
+            return GatewayError(400, f"no backend serving '{model}' can honour the {constraint.describe()} "
+                                     f"constraint; engines that can: {', '.join(able) or 'none'}",
+                                param=constraint.source, code="unsupported_constraint")
+        if exc.stage == "fits-context":
+            largest = max((b.capacity.context_length or 0 for b in gw.pool.backends if model in b.models), default=0)
+            needed = exc.request.notes.get("estimated_tokens")
+            return GatewayError(400, f"This request needs at least {needed} tokens (prompt plus max_tokens), more "
+                                     f"than the context of any backend serving '{model}' (largest: {largest})",
+                                param="max_tokens", code="context_length_exceeded")
+        if exc.stage == "below-max-concurrency":
+            return GatewayError(429, f"every backend serving '{model}' is at its max_concurrency; retry shortly",
+                                code="backends_at_capacity", headers={"retry-after": "1"})
+        if exc.stage == "serves-model":
+            return GatewayError(404, f"The model '{model}' does not exist or is not served by any backend",
+                                type="invalid_request_error", param="model", code="model_not_found")
+        states = ", ".join(f"{b.name}: {b.health.value}{'' if b.breaker.available() else ' (ejected)'}"
+                           for b in gw.pool.backends if model in b.models)
+        return GatewayError(503, f"no backend can take a request for model '{model}' now ({exc.stage} left none;"
+                                 f" {states})", code="no_backend_available", headers={"retry-after": "1"})
+

@@ -1,0 +1,63 @@
+"""API keys: digests only, constant-time lookup, model permissions and per-key budgets."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+
+from gateway.auth import KeyStore, TokenBucket
+from gateway.config import settings_from_mapping
+from gateway.errors import GatewayError
+
+
+def store(monkeypatch: pytest.MonkeyPatch) -> KeyStore:
+    monkeypatch.setenv("TEAM_B_KEY", "sk-team-b")
+    settings = settings_from_mapping({"auth": {"keys": [
+        {"name": "a", "key_sha256": hashlib.sha256(b"sk-team-a").hexdigest(), "models": ["llama-*"],
+         "requests_per_minute": 2},
+        {"name": "b", "key_env": "TEAM_B_KEY", "tokens_per_minute": 600},
+    ]}})
+    return KeyStore(settings.auth)
+
+
+def test_keys_by_digest_or_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    keys = store(monkeypatch)
+    assert keys.authenticate(b"Bearer sk-team-a", None).name == "a"  # type: ignore[union-attr]
+    assert keys.authenticate(None, b"sk-team-b").name == "b"  # type: ignore[union-attr]
+    for authorization, api_key, code in [(None, None, "missing_api_key"), (b"Bearer nope", None, "invalid_api_key"),
+                                         (b"Basic c2stdGVhbS1h", None, "missing_api_key")]:
+        with pytest.raises(GatewayError) as err:
+            keys.authenticate(authorization, api_key)
+        assert err.value.status == 401 and err.value.code == code
+
+
+def test_models_and_request_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    keys = store(monkeypatch)
+    a = keys.authenticate(b"Bearer sk-team-a", None)
+    assert a is not None
+    with pytest.raises(GatewayError) as err:
+        KeyStore.admit(a, "mistral-7b")
+    assert err.value.status == 403 and err.value.param == "model"
+    KeyStore.admit(a, "llama-3")
+    KeyStore.admit(a, "llama-3")
+    with pytest.raises(GatewayError) as err:
+        KeyStore.admit(a, "llama-3")
+    assert err.value.status == 429 and err.value.headers["retry-after"] == "30"
+
+
+def test_token_budget_is_charged_with_real_usage() -> None:
+    bucket = TokenBucket(600, now=0)  # 10 tokens/s
+    assert bucket.take(0, now=0) == 0
+    bucket.charge(700, now=0)  # one large request overdraws it
+    assert bucket.take(0, now=5) == pytest.approx(5.0)  # -100 + 50 refilled: 5 s more to get above zero
+    assert bucket.take(0, now=10.1) == 0
+
+
+def test_key_settings_are_validated() -> None:
+    from gateway.config import ConfigError
+
+    with pytest.raises(ConfigError, match="set exactly one of key_sha256 or key_env"):
+        settings_from_mapping({"auth": {"keys": [{"name": "x"}]}})
+    with pytest.raises(ConfigError, match="key_sha256"):
+        settings_from_mapping({"auth": {"keys": [{"name": "x", "key_sha256": "not-hex"}]}})
