@@ -76,7 +76,7 @@ def _run(settings: Settings, log_level: str) -> None:
         lifespan="on",
         access_log=False,
         log_level=log_level,
-        timeout_graceful_shutdown=30,
+        timeout_graceful_shutdown=settings.server.shutdown_timeout,
     )
     uvicorn.Server(config).run()
 
