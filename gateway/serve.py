@@ -4,6 +4,7 @@ configuration is given."""
 from __future__ import annotations
 
 import contextlib
+import math
 import signal
 import socket
 import subprocess
@@ -76,7 +77,7 @@ def _run(settings: Settings, log_level: str) -> None:
         lifespan="on",
         access_log=False,
         log_level=log_level,
-        timeout_graceful_shutdown=settings.server.shutdown_timeout,
+        timeout_graceful_shutdown=math.ceil(settings.server.shutdown_timeout),
     )
     uvicorn.Server(config).run()
 

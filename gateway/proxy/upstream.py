@@ -47,7 +47,9 @@ class Upstream:
     async def start(self) -> None:
         connector = aiohttp.TCPConnector(
             limit=0,  # admission control is the gateway's job, not the pool's
-            keepalive_timeout=75,
+            # below the 5 s idle timeout of uvicorn (vLLM, SGLang, TabbyAPI) and llama.cpp's server, so the
+            # pool never reuses a connection the backend is closing (a 502 "server disconnected" otherwise)
+            keepalive_timeout=4,
             ttl_dns_cache=10,
         )
         self._session = aiohttp.ClientSession(

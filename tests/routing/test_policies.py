@@ -47,7 +47,7 @@ def test_prefix_goes_where_it_is_cached_and_spreads_when_hot() -> None:
         decision = pipeline.route(chat(SYSTEM, f"question {i}"), backends)
         assert decision.ranked[0] is home and decision.reason == "prefix"
     # the home backend gets busy: past the load gate, affinity no longer pins the prefix there
-    home.in_flight = 12
+    home.in_flight = 20
     decision = pipeline.route(chat(SYSTEM, "question 7"), backends)
     assert decision.ranked[0] is not home
 

@@ -20,7 +20,7 @@ class PrefixAffinityScorer:
     name = "prefix"
     uses_prefix = True
 
-    def __init__(self, state: RoutingState, gate_abs: int = 4, gate_rel: float = 2.0) -> None:
+    def __init__(self, state: RoutingState, gate_abs: int = 12, gate_rel: float = 3.0) -> None:
         self._state = state
         self._gate_abs = gate_abs
         self._gate_rel = gate_rel
