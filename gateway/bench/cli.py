@@ -2,6 +2,7 @@
 
     gateway bench --target NAME=URL [--target NAME=URL ...] [--compare] [workload] [arrival] [--out PREFIX]
     gateway bench overhead [--levels 1,16,64,256] [--py-spy SECONDS] [--out DIR]
+    gateway bench routing {prefix,shape,real-prefix} [options] [--out DIR]
     gateway profile (--backend NAME=URL ... | --config FILE) [--time-scale S] [--out FILE.json]
 """
 
@@ -21,7 +22,8 @@ def bench_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="gateway bench",
         description="Streamed load against OpenAI-compatible endpoints: one target, or several compared side by "
-                    "side (interleaved round by round). `gateway bench overhead --help`: the overhead benchmark.")
+                    "side (interleaved round by round). `gateway bench overhead --help`: the overhead benchmark; "
+                    "`gateway bench routing --help`: the routing benchmarks.")
     t = p.add_argument_group("targets")
     t.add_argument("--target", action="append", default=[], metavar="NAME=URL",
                    help="an OpenAI-compatible base URL (with or without /v1); repeat to compare")
@@ -148,4 +150,8 @@ def main(argv: list[str]) -> int:
         from gateway.bench.overhead import main as overhead_main
 
         return overhead_main(rest[1:])
+    if rest[:1] == ["routing"]:
+        from gateway.bench.routing import main as routing_main
+
+        return routing_main(rest[1:])
     return bench_main(rest)

@@ -207,7 +207,7 @@ async def send_streaming(session: aiohttp.ClientSession, target: Target, model: 
 
 def new_session(limit: int = 0) -> aiohttp.ClientSession:
     """One keep-alive pool without a connection limit (the benchmark sets concurrency, not the pool)."""
-    connector = aiohttp.TCPConnector(limit=limit, keepalive_timeout=120, force_close=False)
+    connector = aiohttp.TCPConnector(limit=limit, keepalive_timeout=4, force_close=False)
     return aiohttp.ClientSession(connector=connector, auto_decompress=False,
                                  skip_auto_headers=("User-Agent", "Accept-Encoding"),
                                  timeout=aiohttp.ClientTimeout(total=None))
