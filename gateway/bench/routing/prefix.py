@@ -1,0 +1,215 @@
+"""(a) ``gateway bench routing prefix``: shared prefixes on emulated vLLM-like backends."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gateway.bench.client import Target
+from gateway.bench.report import build_report
+from gateway.bench.routing.stack import (
+    PREFIX_POLICIES,
+    SIM_MODEL,
+    SYSTEM_OVERHEAD_TOKENS,
+    Log,
+    PortPool,
+    Stack,
+    against,
+    fmt,
+    phase_note,
+    policy_summary,
+    print_targets,
+    rich_console,
+    run_interleaved,
+    sim_server,
+    target_check,
+)
+from gateway.bench.runner import (
+    Arrival,
+    host_busy_share,
+    host_cpu_times,
+    run_sync,
+)
+from gateway.bench.workload import WorkloadConfig, build_workload
+
+
+@dataclass
+class PrefixConfig:
+    policies: list[str] = field(default_factory=lambda: list(PREFIX_POLICIES))
+    backends: int = 4
+    groups: int = 32
+    prompts_per_group: int = 16
+    system_len: int = 1536
+    question_len: int = 64
+    output_len: int = 48
+    popularity: str = "uniform"
+    count: int | None = None  # default: one pass (groups x prompts_per_group)
+    cache_share: float = 1 / 3  # of the prefix set, per backend
+    concurrency: int = 16
+    round_size: int = 128
+    time_scale: float = 1.0
+    scrape_interval: float = 0.5
+    seed: int = 0
+    base_port: int = 18700
+    profiles: dict[str, Any] = field(default_factory=dict)  # extra routing.profiles for every gateway
+    out: Path = Path("reports/routing")
+    include_requests: bool = True
+
+
+def prefix_set_tokens(groups: int, system_len: int) -> int:
+    """Tokens of all the distinct system prompts as the emulators count them (one per word, plus the
+    template's and the header's)."""
+    return groups * (system_len + SYSTEM_OVERHEAD_TOKENS)
+
+
+def kv_capacity_for(groups: int, system_len: int, share: float, question_len: int = 0, output_len: int = 0) -> int:
+    """A backend cache holding ``share`` of the prefix set (in the emulators' tokens), and at least two whole
+    requests (the emulators also bound one request's prompt + output by it)."""
+    one = system_len + question_len + output_len + 2 * SYSTEM_OVERHEAD_TOKENS
+    return max(int(prefix_set_tokens(groups, system_len) * share), 2 * one)
+
+
+def prefix_workload(cfg: PrefixConfig) -> WorkloadConfig:
+    return WorkloadConfig(kind="shared-prefix", count=cfg.count, seed=cfg.seed, output_len=cfg.output_len,
+                          ignore_eos=True, groups=cfg.groups, prompts_per_group=cfg.prompts_per_group,
+                          system_len=cfg.system_len, question_len=cfg.question_len,
+                          popularity="zipf" if cfg.popularity == "zipf" else "uniform")
+
+
+def prefix_fleet(policy: str, cfg: PrefixConfig, ports: Sequence[int]) -> list[dict[str, Any]]:
+    kv = kv_capacity_for(cfg.groups, cfg.system_len, cfg.cache_share, cfg.question_len, cfg.output_len)
+    return [sim_server(f"vllm-{i}", "vllm", port, cfg.time_scale, {"kv_capacity_tokens": kv})
+            for i, port in enumerate(ports)]
+
+
+def summarize_prefix(doc: dict[str, Any], reference: str = "round-robin") -> dict[str, Any]:
+    summaries = {name: policy_summary(t) for name, t in doc["targets"].items()}
+    out: dict[str, Any] = {"policies": summaries}
+    if reference in summaries:
+        out["against"] = against(summaries, reference)
+        out["reference"] = reference
+        if "prefix" in summaries:
+            out["targets"] = [target_check("prefix_ttft_p50", out["against"]["prefix"]["ttft_p50_x"], 3.0,
+                                           "prefix TTFT p50 vs round-robin")]
+    return out
+
+
+def run_prefix(cfg: PrefixConfig, log: Log = print) -> dict[str, Any]:
+    requests = build_workload(prefix_workload(cfg))
+    workdir = cfg.out / "prefix"
+    workdir.mkdir(parents=True, exist_ok=True)
+    ports = PortPool(cfg.base_port)
+    stack = Stack(workdir, log, cfg.scrape_interval, cfg.profiles)
+    kv = kv_capacity_for(cfg.groups, cfg.system_len, cfg.cache_share, cfg.question_len, cfg.output_len)
+    total = prefix_set_tokens(cfg.groups, cfg.system_len)
+    log(f"prefix: {len(requests)} requests x {len(cfg.policies)} policies; {cfg.groups} groups of "
+        f"~{cfg.system_len + SYSTEM_OVERHEAD_TOKENS}-token prefixes (set ~{total:,} tokens); "
+        f"{cfg.backends} vLLM-like backends per policy, cache {kv:,} tokens each")
+    try:
+        targets = []
+        for policy in cfg.policies:
+            servers = prefix_fleet(policy, cfg, [ports.take() for _ in range(cfg.backends)])
+            urls = stack.fleet(policy, servers)
+            backends = [(s["name"], "vllm", u) for s, u in zip(servers, urls, strict=True)]
+            targets.append(stack.gateway(policy, ports.take(), backends, policy))
+        log("all up; running (interleaved)")
+        before = host_cpu_times()
+        started = time.perf_counter()
+        targets = [Target(t.name, t.url, SIM_MODEL, pid=t.pid) for t in targets]
+        result = run_sync(run_interleaved(targets, requests, Arrival(concurrency=cfg.concurrency), cfg.round_size,
+                                          request_timeout=300))
+        elapsed = time.perf_counter() - started
+        busy = host_busy_share(before, host_cpu_times())
+    finally:
+        stack.stop()
+    config = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()}
+    config.update(kv_capacity_tokens=kv, prefix_set_tokens=prefix_set_tokens(cfg.groups, cfg.system_len))
+    bench = build_report(result, config, include_requests=cfg.include_requests)
+    doc: dict[str, Any] = {"schema": "gateway-bench-routing/1", "benchmark": "prefix",
+                           "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "config": config,
+                           "host_busy_share": busy, "wall_s": elapsed, **summarize_prefix(bench), "bench": bench,
+                           **phase_note(result)}
+    return doc
+
+
+def plot_policies(doc: dict[str, Any], path: Path, title: str) -> Path:
+    """TTFT CDF per policy (when per-request records are present), TTFT p50/p90, hit rate and throughput."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pol = doc["policies"]
+    names = list(pol)
+    fig, axes = plt.subplots(2, 2, figsize=(12, 8))
+    ax = axes[0][0]
+    records = doc.get("bench", {}).get("requests") or {}
+    drawn = 0
+    for name in names:
+        values = sorted(1000 * r["ttft"] for r in records.get(name, []) if r.get("ok") and r.get("ttft"))
+        if values:
+            drawn += 1
+            ax.plot(values, [(i + 1) / len(values) for i in range(len(values))], label=name)
+    ax.set_xscale("log")
+    ax.set_xlabel("time to first token (ms)")
+    ax.set_ylabel("fraction of requests")
+    ax.grid(alpha=0.3)
+    if drawn:
+        ax.legend()
+    xs = range(len(names))
+    ax = axes[0][1]
+    width = 0.4
+    ax.bar([x - width / 2 for x in xs], [pol[n]["ttft_ms_p50"] or 0 for n in names], width, label="p50")
+    ax.bar([x + width / 2 for x in xs], [pol[n]["ttft_ms_p90"] or 0 for n in names], width, label="p90")
+    ax.set_xticks(list(xs), names)
+    ax.set_ylabel("TTFT (ms)")
+    ax.legend()
+    ax.grid(alpha=0.3, axis="y")
+    ax = axes[1][0]
+    ax.bar(list(xs), [100 * (pol[n]["cache_hit_rate"] or 0) for n in names], color="tab:green")
+    ax.set_xticks(list(xs), names)
+    ax.set_ylabel("cache-hit rate (% of prompt tokens)")
+    ax.grid(alpha=0.3, axis="y")
+    ax = axes[1][1]
+    ax.bar(list(xs), [pol[n]["output_tok_s"] or 0 for n in names], color="tab:purple")
+    ax.set_xticks(list(xs), names)
+    ax.set_ylabel("output tokens/s (while the policy ran)")
+    ax.grid(alpha=0.3, axis="y")
+    fig.suptitle(title)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def print_policies(doc: dict[str, Any], title: str) -> None:
+    from rich.table import Table
+
+    console = rich_console()
+    ref = doc.get("reference")
+    table = Table(title=title)
+    for col in ("policy", "ok/all", "hit rate", "TTFT p50 ms", "TTFT p90 ms", "E2E p50 ms", "out tok/s",
+                f"TTFT p50 x vs {ref}", "TTFT p90 x", "tok/s x", "backends"):
+        table.add_column(col, justify="left" if col in ("policy", "backends") else "right")
+    for name, s in doc["policies"].items():
+        a = doc.get("against", {}).get(name, {})
+        table.add_row(name, f"{s['ok']}/{s['requests']}",
+                      fmt(None if s["cache_hit_rate"] is None else 100 * s["cache_hit_rate"], 1, "%"),
+                      fmt(s["ttft_ms_p50"]), fmt(s["ttft_ms_p90"]), fmt(s["e2e_ms_p50"]),
+                      fmt(s["output_tok_s"], 0), fmt(a.get("ttft_p50_x"), 2), fmt(a.get("ttft_p90_x"), 2),
+                      fmt(a.get("throughput_x"), 2),
+                      " ".join(f"{b.rsplit('-', 1)[-1]}:{n}" for b, n in s["backends"].items()))
+    console.print(table)
+    print_targets(console, doc.get("targets", []))
+    if doc.get("host_busy_share") is not None:
+        console.print(f"host CPU busy during the run: {100 * doc['host_busy_share']:.0f}%")
+    for name, s in doc["policies"].items():
+        if s["errors"]:
+            console.print(f"[red]{name}: {s['errors']} failed[/red]; e.g. {(s['error_samples'] or ['?'])[0]}")
+
+
+# --- (b) shape --------------------------------------------------------------------------------------------------
