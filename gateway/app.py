@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry
 
 from gateway import __version__
 from gateway.api import errors
+from gateway.api.openapi import install_openapi
 from gateway.api.proxy_endpoint import ProxyEndpoint, request_id
 from gateway.api.routes import router
 from gateway.asgi import Message, Receive, Scope, Send, header, send_body
@@ -114,6 +115,7 @@ def create_app(
     app = FastAPI(title="LLM gateway", version=__version__, lifespan=lifespan)
     app.state.gateway = gateway
     errors.install(app)
+    install_openapi(app)
     app.include_router(router)
     return GatewayApp(app, gateway, {path: ProxyEndpoint(gateway, route) for route, path in PATHS.items()})
 

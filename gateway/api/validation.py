@@ -37,7 +37,7 @@ def _check_messages(messages: Any) -> None:
         if not isinstance(message, dict):
             raise _bad(f"messages[{i}] must be an object", f"messages[{i}]")
         role = message.get("role")
-        if role not in _ROLES:
+        if not isinstance(role, str) or role not in _ROLES:  # (an unhashable role must not raise TypeError)
             raise _bad(f"messages[{i}].role must be one of {', '.join(sorted(_ROLES))}", f"messages[{i}].role")
         content = message.get("content")
         if content is not None and not isinstance(content, str | list):

@@ -3,6 +3,8 @@
     gateway bench --target NAME=URL [--target NAME=URL ...] [--compare] [workload] [arrival] [--out PREFIX]
     gateway bench overhead [--levels 1,16,64,256] [--py-spy SECONDS] [--out DIR]
     gateway bench routing {prefix,shape,real-prefix} [options] [--out DIR]
+    gateway bench soak [--requests 100000] [--concurrency 32] [--out DIR]
+    gateway bench faults [--scenario NAME ...] [--out DIR]
     gateway profile (--backend NAME=URL ... | --config FILE) [--time-scale S] [--out FILE.json]
 """
 
@@ -154,4 +156,12 @@ def main(argv: list[str]) -> int:
         from gateway.bench.routing import main as routing_main
 
         return routing_main(rest[1:])
+    if rest[:1] == ["soak"]:
+        from gateway.bench.soak import main as soak_main
+
+        return soak_main(rest[1:])
+    if rest[:1] == ["faults"]:
+        from gateway.bench.faults import main as faults_main
+
+        return faults_main(rest[1:])
     return bench_main(rest)

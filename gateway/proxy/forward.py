@@ -95,7 +95,9 @@ class Forwarder:
                     content_type = response.headers.get("Content-Type", "")
                     if not exchange.stream or not content_type.startswith("text/event-stream"):
                         raw = await response.read()
-                        self._account_body(exchange, raw)
+                        if not self._account_body(exchange, raw):
+                            raise UpstreamError(f"the backend answered 200 with a body that is not a JSON object: "
+                                                f"{raw[:80]!r}")
                         problem = options.check(raw) if options.check is not None else None
                         if problem is not None:
                             exchange.invalid_output = problem
@@ -143,24 +145,36 @@ class Forwarder:
             return
         exchange.usage = relay.usage
         exchange.timings = relay.timings
+        if not relay.done and relay.error is None:
+            # the backend closed the stream without finishing it: the answer is cut short
+            error = UpstreamError("the backend ended the stream before it was complete")
+            if not started:
+                raise error
+            exchange.outcome = "upstream_failed"
+            await send({"type": "http.response.body", "body": tail, "more_body": True})
+            await self._end_with_error(send, f"backend {backend.name}: {error}", error)
+            return
         if not started:
-            if relay.error is None and not tail:
-                raise UpstreamError("the backend ended the stream without sending anything")
             await _start_stream(send, exchange, client_headers)
         exchange.outcome = "upstream_error" if relay.error is not None else "success"
+        if not relay.done:  # llama.cpp and TabbyAPI send no [DONE] after an error event; clients get one always
+            tail += b"data: [DONE]\n\n"
         await send({"type": "http.response.body", "body": tail, "more_body": False})
 
     @staticmethod
-    def _account_body(exchange: Exchange, raw: bytes) -> None:
+    def _account_body(exchange: Exchange, raw: bytes) -> bool:
+        """Record usage and timings; False when the body is not a JSON object."""
         try:
             doc: Any = orjson.loads(raw)
         except orjson.JSONDecodeError:
-            return
-        if isinstance(doc, dict):
-            usage = doc.get("usage")
-            exchange.usage = usage if isinstance(usage, dict) else None
-            timings = doc.get("timings")
-            exchange.timings = timings if isinstance(timings, dict) else None
+            return False
+        if not isinstance(doc, dict):
+            return False
+        usage = doc.get("usage")
+        exchange.usage = usage if isinstance(usage, dict) else None
+        timings = doc.get("timings")
+        exchange.timings = timings if isinstance(timings, dict) else None
+        return True
 
     @staticmethod
     async def _end_with_error(send: Send, message: str, error: UpstreamError) -> None:

@@ -12,6 +12,7 @@ import asyncio
 import aiohttp
 
 from gateway.config import TimeoutSettings
+from gateway.proxy.sse import InvalidStream
 
 
 class UpstreamError(Exception):
@@ -24,6 +25,10 @@ class UpstreamError(Exception):
 
 
 def map_error(exc: BaseException) -> UpstreamError:
+    if isinstance(exc, UpstreamError):
+        return exc
+    if isinstance(exc, InvalidStream):
+        return UpstreamError(f"the backend's stream is malformed: {exc}")
     if isinstance(exc, aiohttp.ClientConnectorError):
         return UpstreamError(f"cannot connect: {exc.os_error.strerror or exc}", connect=True)
     if isinstance(exc, TimeoutError | asyncio.TimeoutError):

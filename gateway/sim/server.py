@@ -120,6 +120,11 @@ class SimServer:
                 await asyncio.wait_for(self._server.wait_closed(), 2.0)
             self._server = None
         await asyncio.sleep(0)
+        # Connections the listener had accepted before it closed can reach connection_made during the awaits
+        # above: a killed process would have closed them too.
+        for conn in list(self._conns):
+            conn.cancel_tasks()
+            conn.abort()
 
     def crash(self) -> None:
         """Die now, like ``kill -9``: call from the server's own event loop."""

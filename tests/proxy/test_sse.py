@@ -98,3 +98,37 @@ def test_content_mentioning_usage_in_text_is_not_mistaken_for_usage() -> None:
 def test_unterminated_last_event_is_completed_on_flush() -> None:
     out, relay = relay_all(chunk("x") + b"data: [DONE]", keep_usage=False, cuts=[])
     assert out.endswith(b"data: [DONE]\n\n") and relay.done
+
+
+@pytest.mark.parametrize("garbage", [
+    b"<html>502 Bad Gateway</html>\n\n",
+    b"data: {not json}\n\n",
+    b'data: ["a list"]\n\n',
+    b"hello world\n\n",
+    b"data: {\"choices\":[{\"delta\"\n\n",  # a JSON line cut short
+])
+def test_malformed_events_are_refused_not_relayed(garbage: bytes) -> None:
+    from gateway.proxy.sse import InvalidStream
+
+    relay = SSERelay(keep_usage=False)
+    assert relay.feed(chunk("ok")) == chunk("ok")
+    with pytest.raises(InvalidStream):
+        relay.feed(garbage)
+
+
+def test_a_json_line_cut_at_the_end_of_the_stream_is_refused_on_flush() -> None:
+    from gateway.proxy.sse import InvalidStream
+
+    relay = SSERelay(keep_usage=False)
+    relay.feed(chunk("ok") + b'data: {"choices":[{"del')
+    with pytest.raises(InvalidStream):
+        relay.flush()
+
+
+def test_a_stream_without_event_boundaries_is_cut_off() -> None:
+    from gateway.proxy.sse import MAX_PENDING_BYTES, InvalidStream
+
+    relay = SSERelay(keep_usage=False)
+    with pytest.raises(InvalidStream):
+        for _ in range(MAX_PENDING_BYTES // 4096 + 2):
+            relay.feed(b"x" * 4096)
