@@ -26,13 +26,16 @@ class BreakerState(enum.Enum):
 
 
 class Breaker:
-    __slots__ = ("_consecutive", "_cooldown", "_open_until", "_outcomes", "_probing", "settings", "state",
-                 "trips")
+    __slots__ = ("_consecutive", "_cooldown", "_failures", "_open_until", "_probing", "_seconds", "_total",
+                 "settings", "state", "trips")
 
     def __init__(self, settings: BreakerSettings) -> None:
         self.settings = settings
         self.state = BreakerState.CLOSED
-        self._outcomes: deque[tuple[float, bool]] = deque()
+        # outcomes counted per second over the window: O(1) per request and bounded memory at any rate
+        self._seconds: deque[list[int]] = deque()  # [second, requests, failures]
+        self._total = 0
+        self._failures = 0
         self._consecutive = 0
         self._cooldown = settings.cooldown_seconds
         self._open_until = 0.0
@@ -69,16 +72,24 @@ class Breaker:
             else:
                 self._open(now, self._cooldown * 2)
             return
-        outcomes = self._outcomes
-        outcomes.append((now, ok))
-        while outcomes and now - outcomes[0][0] > s.window_seconds:
-            outcomes.popleft()
+        second = int(now)
+        seconds = self._seconds
+        while seconds and second - seconds[0][0] >= s.window_seconds:
+            _, total, failures = seconds.popleft()
+            self._total -= total
+            self._failures -= failures
+        if not seconds or seconds[-1][0] != second:
+            seconds.append([second, 0, 0])
+        seconds[-1][1] += 1
+        self._total += 1
+        if not ok:
+            seconds[-1][2] += 1
+            self._failures += 1
         self._consecutive = 0 if ok else self._consecutive + 1
         if self.state is not BreakerState.CLOSED or ok:
             return
-        failures = sum(1 for _, good in outcomes if not good)
         if self._consecutive >= s.consecutive_failures or (
-            len(outcomes) >= s.min_requests and failures / len(outcomes) >= s.failure_ratio
+            self._total >= s.min_requests and self._failures / self._total >= s.failure_ratio
         ):
             self._open(now, s.cooldown_seconds)
 
@@ -90,6 +101,7 @@ class Breaker:
 
     def _close(self) -> None:
         self.state = BreakerState.CLOSED
-        self._outcomes.clear()
+        self._seconds.clear()
+        self._total = self._failures = 0
         self._consecutive = 0
         self._cooldown = self.settings.cooldown_seconds
