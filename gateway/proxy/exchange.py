@@ -24,7 +24,6 @@ class Exchange:
     status: int = 0
     responded: bool = False  # the response has started; errors can no longer change its status
     outcome: str = "pending"  # success | client_error | upstream_error | no_backend | disconnected | ...
-    t_first: float | None = None  # first event sent to the client (streams)
     t_dispatch: float | None = None  # sent to the backend (the last attempt)
     t_first_text: float | None = None  # first event carrying generated text forwarded (streams)
     t_last_text: float | None = None

@@ -187,7 +187,6 @@ class Forwarder:
 
 async def _start_stream(send: Send, exchange: Exchange, client_headers: Headers) -> None:
     exchange.responded = True
-    exchange.t_first = time.perf_counter()
     await send(
         {
             "type": "http.response.start",
