@@ -9,7 +9,10 @@
 from __future__ import annotations
 
 import argparse
+import atexit
 import logging
+import logging.handlers
+import queue
 import sys
 
 from gateway.config import ConfigError, load_settings
@@ -70,13 +73,19 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # one line per health/load scrape is noise; the pool logs state changes itself
     logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
-    # the access log: bare JSON lines on standard output, apart from the diagnostic log on standard error
+    # The access log: bare JSON lines on standard output, apart from the diagnostic log on standard error.
+    # Written by a thread: a slow stdout (a full pipe to a log collector) must never block the event loop
+    # that carries every stream.
     access = logging.getLogger("gateway.access")
     access_handler = logging.StreamHandler(sys.stdout)
     access_handler.setFormatter(logging.Formatter("%(message)s"))
-    access.addHandler(access_handler)
+    lines: queue.SimpleQueue[logging.LogRecord] = queue.SimpleQueue()
+    access.addHandler(logging.handlers.QueueHandler(lines))
     access.setLevel(logging.INFO)
     access.propagate = False
+    writer = logging.handlers.QueueListener(lines, access_handler)
+    writer.start()
+    atexit.register(writer.stop)
     try:
         return serve(args.config, host=args.host, port=args.port, log_level=args.log_level,
                      sim_base_port=args.sim_base_port)

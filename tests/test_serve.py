@@ -47,6 +47,8 @@ def test_serve_without_config_runs_the_emulated_fleet_and_shuts_down_cleanly(sto
         output, _ = proc.communicate(timeout=30)
     assert proc.returncode == 0, output
     assert "EMULATED" in output
+    access = [line for line in output.splitlines() if line.startswith('{"ts":')]
+    assert len(access) >= 12 and all('"outcome":"success"' in line for line in access[:12]), output[-2000:]
     for p in range(base, base + 4):  # the fleet went with it
         try:
             httpx.get(f"http://127.0.0.1:{p}/health", timeout=1)
