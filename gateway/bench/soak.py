@@ -26,7 +26,7 @@ from typing import Any
 import aiohttp
 import orjson
 
-from gateway.bench.faults import _free_ports, rss_bytes
+from gateway.bench.faults import free_ports, rss_bytes
 from gateway.bench.overhead import MODEL, gateway_yaml
 from gateway.bench.procs import ChildProcess
 
@@ -109,7 +109,7 @@ async def _load(cfg: SoakConfig, url: str, pid: int, log: Any) -> dict[str, Any]
 def run_soak(cfg: SoakConfig, log: Any = print) -> dict[str, Any]:
     cfg.out.mkdir(parents=True, exist_ok=True)
     py = sys.executable
-    bport, gport = _free_ports(2)
+    bport, gport = free_ports(2)
     backend_url, gateway_url = f"http://127.0.0.1:{bport}", f"http://127.0.0.1:{gport}"
     with tempfile.TemporaryDirectory() as tmp:
         config = Path(tmp) / "gateway.yaml"

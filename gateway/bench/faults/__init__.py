@@ -1,0 +1,43 @@
+"""``gateway bench faults``: bounded, loopback-only fault scenarios and their report (see ``cli.py``).
+``harness`` runs a gateway and judges what a client got, ``fakes`` misbehaves, ``scenarios`` combines them."""
+
+from gateway.bench.faults.cli import main
+from gateway.bench.faults.fakes import GARBAGE, AsyncThread, GarbageBackend, SlowReader, free_ports, rss_bytes
+from gateway.bench.faults.harness import (
+    Outcome,
+    ScenarioReport,
+    fleet_and_gateway,
+    is_error_envelope,
+    judge_stream,
+    settings_for,
+)
+from gateway.bench.faults.scenarios import (
+    flapping_backend,
+    garbage_backend,
+    hanging_backend,
+    kill_while_streaming,
+    loading_backend,
+    slow_client,
+)
+
+__all__ = [
+    "GARBAGE",
+    "AsyncThread",
+    "GarbageBackend",
+    "Outcome",
+    "ScenarioReport",
+    "SlowReader",
+    "flapping_backend",
+    "fleet_and_gateway",
+    "free_ports",
+    "garbage_backend",
+    "hanging_backend",
+    "is_error_envelope",
+    "judge_stream",
+    "kill_while_streaming",
+    "loading_backend",
+    "main",
+    "rss_bytes",
+    "settings_for",
+    "slow_client",
+]
