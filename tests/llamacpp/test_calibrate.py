@@ -123,4 +123,4 @@ def test_summarize_takes_the_best_or_the_median_per_measurement() -> None:
 
 
 def test_no_nan_in_json() -> None:
-    assert cal._no_nan({"a": [math.nan, 1.0], "b": (2.0, math.nan)}) == {"a": [None, 1.0], "b": [2.0, None]}
+    assert cal.no_nan({"a": [math.nan, 1.0], "b": (2.0, math.nan)}) == {"a": [None, 1.0], "b": [2.0, None]}
