@@ -108,6 +108,8 @@ class Engine:
     owned_by = "sim"
     listen_after_load_fraction = 1.0  # share of the load time spent not listening at all
     generation_paths: frozenset[str] = frozenset()
+    # the engine's 401 body when it is not its ordinary error shape (FastAPI-based servers answer their own)
+    unauthorized_body: bytes | None = None
 
     def __init__(self, server: SimServer) -> None:
         self.server = server
@@ -132,7 +134,11 @@ class Engine:
         raise NotImplementedError
 
     def unauthorized(self, resp: Responder) -> None:
-        self.send_error(resp, EngineError(401, "Unauthorized", "auth"))
+        if self.unauthorized_body is None:
+            self.send_error(resp, EngineError(401, "Unauthorized", "auth"))
+            return
+        self.server.stats.errors += 1
+        resp.send(401, self.unauthorized_body)
 
     def loading(self, req: Request, resp: Responder) -> None:
         """Answer while the model loads (only reached by engines whose HTTP server is up then)."""

@@ -35,6 +35,7 @@ class SglangEngine(OpenAIEngine):
     owned_by = "sglang"
     listen_after_load_fraction = 0.5
     generation_paths = frozenset({"/v1/chat/completions", "/v1/completions", "/generate"})
+    unauthorized_body = b'{"error":"Unauthorized"}'
 
     def make_cache(self, profile: Profile) -> PrefixCache:
         self.radix = RadixCache(profile.kv_capacity_tokens)
@@ -60,10 +61,6 @@ class SglangEngine(OpenAIEngine):
         if not key or req.path.startswith("/health") or req.path.startswith("/metrics"):
             return True
         return req.headers.get("authorization", "") == f"Bearer {key}"
-
-    def unauthorized(self, resp: Responder) -> None:
-        self.server.stats.errors += 1
-        resp.send(401, b'{"error":"Unauthorized"}')
 
     def error_body(self, err: EngineError) -> bytes:
         if err.status in (404, 405) and err.kind == "not_found":

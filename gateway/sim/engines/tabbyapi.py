@@ -35,6 +35,7 @@ class TabbyEngine(OpenAIEngine):
     done_after_error = False
     owned_by = "tabbyAPI"
     generation_paths = frozenset({"/v1/chat/completions", "/v1/completions"})
+    unauthorized_body = b'{"detail":"Invalid API key"}'
 
     def make_cache(self, profile: Profile) -> PrefixCache:
         return BlockCache(PAGE_SIZE, profile.kv_capacity_tokens)
@@ -57,10 +58,6 @@ class TabbyEngine(OpenAIEngine):
         if not key or req.path == "/health":
             return True
         return req.headers.get("x-api-key") == key or req.headers.get("authorization", "") == f"Bearer {key}"
-
-    def unauthorized(self, resp: Responder) -> None:
-        self.server.stats.errors += 1
-        resp.send(401, b'{"detail":"Invalid API key"}')
 
     def error_body(self, err: EngineError) -> bytes:
         return orjson.dumps({"detail": err.message})

@@ -51,6 +51,7 @@ class VllmEngine(OpenAIEngine):
     name = "vllm"
     owned_by = "vllm"
     generation_paths = frozenset({"/v1/chat/completions", "/v1/completions"})
+    unauthorized_body = b'{"error":"Unauthorized"}'
 
     def make_cache(self, profile: Profile) -> PrefixCache:
         return BlockCache(BLOCK_SIZE, profile.kv_capacity_tokens)
@@ -69,10 +70,6 @@ class VllmEngine(OpenAIEngine):
         if not key or not req.path.startswith("/v1"):
             return True
         return req.headers.get("authorization", "") == f"Bearer {key}"
-
-    def unauthorized(self, resp: Responder) -> None:
-        self.server.stats.errors += 1
-        resp.send(401, b'{"error":"Unauthorized"}')
 
     def error_body(self, err: EngineError) -> bytes:
         if err.status in (404, 405) and err.kind == "not_found" and err.param is None:
