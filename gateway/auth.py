@@ -5,10 +5,14 @@ gateway keeps only digests and compares them in constant time. A client presents
 ``Authorization: Bearer <key>`` or ``x-api-key``; it is never forwarded (backends get their own keys).
 
 Limits are token buckets per key, refilled continuously: ``requests_per_minute`` is charged one per request
-on arrival; ``tokens_per_minute`` is charged the real prompt + completion tokens when the request ends
-(a request is admitted while the bucket is positive, so one large request may take it below zero and hold
-the next ones back until it refills). Each gateway replica keeps its own buckets: behind N replicas a key
-gets up to N times its limits, so divide the limits by the replica count (or pin keys to replicas).
+on arrival. ``tokens_per_minute`` is reserved on arrival and settled when the request ends: a request is
+admitted while the bucket is positive and takes its reservation at once (its prompt, estimated from its
+bytes, plus ``max_tokens`` or ``auth.reserve_tokens``), so one large request may take the bucket below zero
+and hold the next ones back until it refills, and a burst of concurrent requests cannot all pass on one
+positive reading. At the end the difference to the real prompt + completion tokens is given back (or
+charged); a stream cut before its usage chunk is charged what was streamed. Each gateway replica keeps its
+own buckets: behind N replicas a key gets up to N times its limits, so divide the limits by the replica
+count (or pin keys to replicas).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import hmac
 import math
 import time
 from dataclasses import dataclass
+from typing import Literal
 
 from gateway.config import ApiKeySettings, AuthSettings
 from gateway.errors import GatewayError
@@ -49,9 +54,10 @@ class TokenBucket:
         return (needed - self.level) / self.rate
 
     def charge(self, amount: float, now: float | None = None) -> None:
-        """Take ``amount`` unconditionally (the level may go below zero)."""
+        """Take ``amount`` unconditionally (the level may go below zero); a negative amount gives back, up to
+        the capacity."""
         self._refill(time.monotonic() if now is None else now)
-        self.level -= amount
+        self.level = min(self.capacity, self.level - amount)
 
 
 @dataclass
@@ -68,6 +74,7 @@ class Client:
 
 
 ANONYMOUS = "_anonymous"
+KeyScope = Literal["inference", "metrics"]  # what a key may reach (ApiKeySettings.scopes)
 
 
 class KeyStore:
@@ -84,8 +91,11 @@ class KeyStore:
     def enabled(self) -> bool:
         return bool(self._clients)
 
-    def authenticate(self, authorization: bytes | None, api_key: bytes | None) -> Client | None:
-        """The client behind the request's key; None when auth is off. Raises a 401 GatewayError."""
+    def authenticate(self, authorization: bytes | None, api_key: bytes | None,
+                     scope: KeyScope | None = "inference") -> Client | None:
+        """The client behind the request's key; None when auth is off. Raises a 401 GatewayError for a
+        missing or unknown key, 403 (``insufficient_scope``) for a key whose scopes lack ``scope`` (None:
+        any key will do)."""
         if not self._clients:
             return None
         key = None
@@ -103,24 +113,34 @@ class KeyStore:
                 found = client
         if found is None:
             raise GatewayError(401, "Incorrect API key provided", code="invalid_api_key")
+        if scope is not None and scope not in found.settings.scopes:
+            raise GatewayError(403, f"The API key '{found.name}' lacks the '{scope}' scope",
+                               code="insufficient_scope")
         return found
 
     @staticmethod
-    def admit(client: Client, model: str) -> None:
-        """Model permission and the request and token budgets, on arrival. Raises 403 / 429."""
+    def admit(client: Client, model: str, reserve: int = 0) -> int:
+        """Model permission and the request and token budgets, on arrival. Raises 403 / 429. Returns the
+        tokens reserved (``reserve`` when the key has a token limit, else 0); settle them with :meth:`settle`."""
         if not client.allows(model):
             raise GatewayError(403, f"The API key '{client.name}' may not use model '{model}'",
                                param="model", code="model_not_allowed")
-        for bucket, what, amount in ((client.requests, "requests", 1.0), (client.tokens, "tokens", 0.0)):
+        now = time.monotonic()
+        for bucket, what in ((client.requests, "requests"), (client.tokens, "tokens")):
             if bucket is None:
                 continue
-            wait = bucket.take(amount)
+            wait = bucket.take(1.0 if bucket is client.requests else 0.0, now)
             if wait > 0:
                 raise GatewayError(429, f"Rate limit reached for {what} per minute on key '{client.name}'; "
                                         f"retry in {wait:.1f} s", code=f"rate_limit_{what}",
                                    headers={"retry-after": str(max(1, math.ceil(wait)))})
+        if client.tokens is None or reserve <= 0:
+            return 0
+        client.tokens.charge(reserve, now)
+        return reserve
 
     @staticmethod
-    def spent(client: Client, tokens: int) -> None:
-        if client.tokens is not None and tokens > 0:
-            client.tokens.charge(tokens)
+    def settle(client: Client, reserved: int, used: int) -> None:
+        """The request ended having used ``used`` tokens: give back (or charge) the difference."""
+        if client.tokens is not None and used != reserved:
+            client.tokens.charge(used - reserved)

@@ -7,15 +7,19 @@ Environment variables win over the file and nest with ``__``: ``GATEWAY_SERVER__
 
 from __future__ import annotations
 
+import base64
 import os
+import re
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 EngineName = Literal["llamacpp", "vllm", "sglang", "tabbyapi", "openai"]
+Scope = Literal["inference", "metrics"]  # what a gateway API key may use
 
 
 class ConfigError(ValueError):
@@ -31,6 +35,18 @@ class ServerSettings(_Strict):
     port: int = Field(default=8000, ge=0, le=65535)
     max_body_bytes: int = Field(default=8 * 1024 * 1024, gt=0, description="larger request bodies get 413")
     shutdown_timeout: float = Field(default=30.0, ge=0, description="seconds in-flight streams get to finish")
+    max_header_bytes: int = Field(default=64 * 1024, ge=1024,
+                                  description="request line plus headers at most; larger requests get 431")
+    header_timeout: float = Field(default=10.0, gt=0,
+                                  description="seconds a client has to send a request's line and headers")
+    body_timeout: float = Field(default=30.0, gt=0,
+                                description="longest wait for the next piece of a request body; then 408")
+    keepalive_timeout: float = Field(default=5.0, gt=0, description="an idle keep-alive connection is closed after")
+    max_connections: int | None = Field(
+        default=None, gt=0,
+        description="client connections at most (more are refused at once); default: what the descriptor "
+                    "limit leaves after headroom for upstream connections and health checks")
+    docs: bool = Field(default=False, description="serve /docs and /redoc (their pages load scripts from a CDN)")
 
 
 class LimitSettings(_Strict):
@@ -38,6 +54,13 @@ class LimitSettings(_Strict):
 
     max_messages: int = Field(default=4096, gt=0)
     max_tokens: int = Field(default=131072, gt=0, description="largest max_tokens / max_completion_tokens accepted")
+    max_nesting: int = Field(default=64, ge=4, le=200,
+                             description="deepest nesting of a JSON schema, regex group or grammar expression")
+    max_constraint_bytes: int = Field(default=128 * 1024, gt=0,
+                                      description="largest JSON schema, regex or grammar accepted (serialised)")
+    max_grammar_rules: int = Field(default=2000, gt=0, description="most rules in a GBNF, EBNF or Lark grammar")
+    validation_timeout: float = Field(default=2.0, gt=0,
+                                      description="seconds a constraint's validation may take off the event loop")
 
 
 class RetrySettings(_Strict):
@@ -74,6 +97,9 @@ class ApiKeySettings(_Strict):
     models: list[str] = Field(default_factory=lambda: ["*"], description="allowed models (shell patterns)")
     requests_per_minute: int | None = Field(default=None, gt=0)
     tokens_per_minute: int | None = Field(default=None, gt=0)
+    scopes: list[Scope] = Field(
+        default_factory=lambda: list[Scope](["inference"]),
+        description="inference: the /v1 API; metrics: /metrics when auth.protect_metrics is on")
 
     @model_validator(mode="after")
     def _one_source(self) -> ApiKeySettings:
@@ -96,7 +122,10 @@ class AuthSettings(_Strict):
 
     keys: list[ApiKeySettings] = Field(default_factory=list)
     protect_health: bool = Field(default=False, description="/health and /ready need a key too")
-    protect_metrics: bool = Field(default=False, description="/metrics needs a key too")
+    protect_metrics: bool = Field(default=False, description="/metrics needs a key with the metrics scope")
+    reserve_tokens: int = Field(
+        default=1024, gt=0,
+        description="tokens_per_minute: completion tokens reserved on admission for a request without max_tokens")
 
 
 class BackendSettings(_Strict):
@@ -113,7 +142,29 @@ class BackendSettings(_Strict):
     models: list[str] | None = Field(default=None, description="served model ids; discovered when omitted")
     api_key: SecretStr | None = None
     api_key_env: str | None = Field(default=None, description="environment variable holding the API key")
+    basic_auth: SecretStr | None = Field(
+        default=None, description="user:password for HTTP Basic auth to the backend (a reverse proxy in front "
+                                  "of the engine); also taken from user:password@ in url")
     max_concurrency: int | None = Field(default=None, gt=0)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _userinfo(cls, data: Any) -> Any:
+        """Credentials in the URL move to ``basic_auth``, so the URL the gateway logs, traces and names in
+        errors carries none (and the HTTP client is never asked to combine them with a key)."""
+        if not isinstance(data, dict) or not isinstance(data.get("url"), str):
+            return data
+        parts = urlsplit(data["url"])
+        if "@" not in parts.netloc:
+            return data
+        userinfo, _, hostport = parts.netloc.rpartition("@")
+        if data.get("api_key") is not None or data.get("api_key_env") is not None:
+            raise ValueError("url carries credentials (user:password@) and an api_key is set too: use one")
+        if data.get("basic_auth") is not None:
+            raise ValueError("url carries credentials (user:password@) and basic_auth is set too: use one")
+        user, _, password = userinfo.partition(":")
+        return {**data, "url": urlunsplit(parts._replace(netloc=hostport)),
+                "basic_auth": f"{unquote(user)}:{unquote(password)}"}
 
     @field_validator("url")
     @classmethod
@@ -122,6 +173,8 @@ class BackendSettings(_Strict):
             return None
         if not value.startswith(("http://", "https://")):
             raise ValueError("must start with http:// or https://")
+        if not urlsplit(value).hostname:
+            raise ValueError("has no host")
         return value.rstrip("/")
 
     @model_validator(mode="after")
@@ -132,6 +185,10 @@ class BackendSettings(_Strict):
             raise ValueError("dns needs a port")
         if self.api_key is not None and self.api_key_env is not None:
             raise ValueError("set api_key or api_key_env, not both")
+        if self.basic_auth is not None and (self.api_key is not None or self.api_key_env is not None):
+            raise ValueError("set basic_auth or an api_key, not both")
+        if self.basic_auth is not None and ":" not in self.basic_auth.get_secret_value():
+            raise ValueError("basic_auth must be user:password")
         if self.api_key_env is not None and not os.environ.get(self.api_key_env):
             raise ValueError(f"api_key_env: environment variable {self.api_key_env} is not set")
         return self
@@ -142,6 +199,20 @@ class BackendSettings(_Strict):
         if self.api_key_env is not None:
             return os.environ[self.api_key_env]
         return None
+
+    def basic_auth_header(self) -> dict[str, str]:
+        if self.basic_auth is None:
+            return {}
+        token = base64.b64encode(self.basic_auth.get_secret_value().encode()).decode()
+        return {"Authorization": f"Basic {token}"}
+
+    def secrets(self) -> list[str]:
+        """What must never reach a client: the key, the Basic credentials and their encoded form."""
+        found = [self.resolved_api_key()]
+        if self.basic_auth is not None:
+            found += [self.basic_auth.get_secret_value(), *self.basic_auth_header().values()]
+            found.append(self.basic_auth.get_secret_value().partition(":")[2])
+        return [s for s in found if s]
 
 
 DEFAULT_FILTERS: tuple[str | PluginSettings, ...] = ("serves-model", "structured-output", "healthy",
@@ -289,6 +360,31 @@ def settings_from_mapping(raw: dict[str, Any], source: str = "configuration") ->
         raise ConfigError(f"{source} is invalid:\n" + "\n".join(lines)) from None
 
 
+# a quoted piece of a YAML error message: the document's text, unless it is one character or a token name
+_QUOTED = re.compile(r"'[^'\n]*'|\"[^\"\n]*\"")
+_TOKEN_NAME = re.compile(r"'<[a-z ]+>'")
+
+
+def _elide(words: str) -> str:
+    return _QUOTED.sub(lambda m: m[0] if len(m[0]) <= 4 or _TOKEN_NAME.fullmatch(m[0]) else "'...'", words)
+
+
+def _at(mark: yaml.Mark | None) -> str:
+    return f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+
+
+def _where(exc: yaml.YAMLError) -> str:
+    """Where and what, never the document's lines: PyYAML's own message quotes them, and they may hold a key.
+    Its problem texts can still quote a piece of the document (the tag or alias an unquoted secret starting
+    with '!' or '*' becomes), so quoted pieces are elided; token names such as '<stream end>' stay."""
+    if not isinstance(exc, yaml.MarkedYAMLError):
+        return ""
+    where = f": {_elide(exc.problem or 'syntax error')}{_at(exc.problem_mark)}"
+    if exc.context:
+        where += f" ({_elide(exc.context)}{_at(exc.context_mark)})"
+    return where
+
+
 def load_settings(path: str | Path) -> Settings:
     """Read and validate a YAML configuration file (environment overrides applied)."""
     file = Path(path)
@@ -299,7 +395,12 @@ def load_settings(path: str | Path) -> Settings:
     try:
         raw = yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        raise ConfigError(f"{file} is not valid YAML: {exc}") from None
+        raise ConfigError(f"{file} is not valid YAML{_where(exc)}") from None
+    except Exception:
+        # PyYAML's constructors fail with plain errors, the value in their message, on an explicit tag that does
+        # not fit it (``!!int sk-...``); deep nesting ends in RecursionError
+        raise ConfigError(f"{file} is not valid YAML: a value does not fit its explicit !! tag, or nesting is "
+                          "too deep") from None
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):

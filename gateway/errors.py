@@ -6,7 +6,10 @@ Every error a client sees, whether the gateway raised it or an upstream answered
 
 from __future__ import annotations
 
+import re
+from collections.abc import Iterable
 from typing import Any
+from urllib.parse import urlsplit
 
 import orjson
 
@@ -20,6 +23,39 @@ _TYPE_BY_STATUS = {
     422: "invalid_request_error",
     429: "rate_limit_error",
 }
+
+
+class Redactor:
+    """Takes a backend's address and credentials out of text bound for a client.
+
+    Upstream libraries and faulty engines put them in error messages (aiohttp's ``url='http://10.0.0.7:8000
+    /v1/chat/completions'``, an engine echoing the Authorization header it rejected); a client learns the
+    backend's name instead, which is what it sees in ``x-gateway-backend`` anyway.
+    """
+
+    __slots__ = ("_name", "_pattern", "_secrets")
+
+    def __init__(self, name: str, url: str, secrets: Iterable[str | None] = ()) -> None:
+        self._name = f"backend {name}"
+        parts = urlsplit(url)
+        host, port = parts.hostname or "", parts.port
+        alternatives = [re.escape(url.rstrip("/")) + r"[^\s'\"]*"]  # the URL with whatever path follows
+        if host:
+            if port is not None:
+                alternatives.append(re.escape(f"{host}:{port}"))
+                alternatives.append(rf"\(\s*'{re.escape(host)}',\s*{port}\s*\)")  # ('10.0.0.7', 8000)
+            alternatives.append(re.escape(host))
+        self._secrets = [s for s in secrets if s and len(s) >= 4]
+        alternatives += [re.escape(s) for s in sorted(self._secrets, key=len, reverse=True)]
+        self._pattern = re.compile("|".join(alternatives))
+
+    def scrub(self, text: str) -> str:
+        if not text:
+            return text
+        return self._pattern.sub(self._replacement, text)
+
+    def _replacement(self, match: re.Match[str]) -> str:
+        return "[redacted]" if match.group(0) in self._secrets else self._name
 
 
 def error_type_for(status: int) -> str:
@@ -67,7 +103,7 @@ def error_body(message: str, type: str, param: str | None = None, code: str | in
     return orjson.dumps({"error": {"message": message, "type": type, "param": param, "code": code}})
 
 
-def normalise_upstream_error(status: int, raw: bytes, backend: str) -> bytes:
+def normalise_upstream_error(status: int, raw: bytes, backend: str, redactor: Redactor | None = None) -> bytes:
     """Re-shape an upstream error body into the OpenAI envelope.
 
     The message is kept (with the backend named); ``type`` is OpenAI's word for the status, so a client's
@@ -112,4 +148,8 @@ def normalise_upstream_error(status: int, raw: bytes, backend: str) -> bytes:
         message = text[:500] if text else f"upstream answered HTTP {status} with an empty body"
     if not isinstance(code, str):
         code = type_
+    if redactor is not None:
+        message = redactor.scrub(message)
+        param = redactor.scrub(param) if param is not None else None
+        code = redactor.scrub(code) if code is not None else None
     return error_body(f"{message} (backend {backend})", error_type_for(status), param, code)

@@ -42,7 +42,10 @@ async def _validation_error(request: Request, exc: Exception) -> Response:
 
 
 async def _unexpected(request: Request, exc: Exception) -> Response:
-    log.exception("unhandled error on %s %s", request.method, request.url.path)
+    rid = request.headers.get("x-request-id", "-")[:128]
+    log.error("unhandled error on %s %s (request %s): %s", request.method, request.url.path, rid,
+              type(exc).__name__)
+    log.debug("traceback", exc_info=exc)
     return _respond(GatewayError(500, "The gateway failed to handle the request", code="internal_error"))
 
 

@@ -13,9 +13,10 @@ from typing import TYPE_CHECKING, Any
 
 from gateway.api.validation import parse_request
 from gateway.asgi import Headers, Receive, Scope, Send, header, send_body
-from gateway.auth import ANONYMOUS, KeyStore
+from gateway.auth import ANONYMOUS, Client, KeyStore
 from gateway.errors import GatewayError
 from gateway.proxy.exchange import Exchange
+from gateway.routing.request import RouteRequest
 from gateway.server_protocol import ARRIVAL
 from gateway.telemetry.tracing import RequestTrace
 
@@ -62,11 +63,33 @@ def _user_session(body: dict[str, Any]) -> str | None:
     return f"user:{user}" if isinstance(user, str) and user else None
 
 
+# bytes per prompt token when reserving a key's tokens: typical English tokenizes at ~4 bytes per token
+_BYTES_PER_TOKEN = 4
+
+
+def _tokens_used(exchange: Exchange) -> int:
+    """What a finished request is charged against its key's tokens per minute: the engine's usage, else
+    (a stream cut before its usage chunk, a backend that reports none) the prompt's estimate plus one token
+    per generated-text event relayed. Nothing when no backend was reached."""
+    if exchange.usage:
+        return exchange.usage_int("prompt_tokens") + exchange.usage_int("completion_tokens")
+    if exchange.backend is None or exchange.request is None:
+        return 0
+    return len(exchange.request.prompt) // _BYTES_PER_TOKEN + exchange.text_events
+
+
 class ProxyEndpoint:
     def __init__(self, gateway: Gateway, route: str) -> None:
         self._gw = gateway
         self._route = route
         self._session_header = gateway.settings.routing.session_header.lower().encode()
+
+    def _reservation(self, request: RouteRequest, client: Client) -> int:
+        """Tokens to reserve on admission: the prompt's estimate plus what the request may generate."""
+        if client.tokens is None:
+            return 0
+        return (len(request.prompt) // _BYTES_PER_TOKEN
+                + (request.max_tokens or self._gw.settings.auth.reserve_tokens))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         gw = self._gw
@@ -93,7 +116,8 @@ class ProxyEndpoint:
             if exchange.trace is not None:
                 exchange.trace.request(request.route, request.model, request.max_tokens, request.stream)
             if exchange.client is not None:
-                KeyStore.admit(exchange.client, request.model)
+                exchange.reserved_tokens = KeyStore.admit(exchange.client, request.model,
+                                                          self._reservation(request, exchange.client))
             await gw.dispatcher.dispatch(exchange, request, exchange.client.name if exchange.client else ANONYMOUS,
                                          receive, send)
         except GatewayError as exc:
@@ -105,9 +129,12 @@ class ProxyEndpoint:
             await send_body(send, exc.status, exc.body(), headers + extra)
         except _ClientGone:
             exchange.outcome = "disconnected"
-        except Exception:
-            # Not behind the framework's error middleware: answer 500 ourselves if nothing was sent yet.
-            log.exception("request %s failed inside the gateway", exchange.request_id)
+        except Exception as exc:
+            # Not behind the framework's error middleware: answer 500 ourselves if nothing was sent yet. One
+            # line per failure (a flood of bad requests must not become a flood of tracebacks); the trace at
+            # debug level.
+            log.error("request %s failed inside the gateway: %s", exchange.request_id, type(exc).__name__)
+            log.debug("request %s: traceback", exchange.request_id, exc_info=True)
             exchange.status, exchange.outcome = 500, "gateway_error"
             if not exchange.responded:
                 error = GatewayError(500, "The gateway failed to handle the request", code="internal_error")
@@ -115,9 +142,8 @@ class ProxyEndpoint:
         finally:
             exchange.t_end = time.perf_counter()
             in_flight.dec()
-            if exchange.client is not None and exchange.usage:
-                KeyStore.spent(exchange.client, exchange.usage_int("prompt_tokens")
-                               + exchange.usage_int("completion_tokens"))
+            if exchange.client is not None and exchange.client.tokens is not None:
+                KeyStore.settle(exchange.client, exchange.reserved_tokens, _tokens_used(exchange))
             if exchange.trace is not None:
                 ttft = exchange.t_first_text - exchange.t_start if exchange.t_first_text is not None else None
                 exchange.trace.finish(exchange.status, exchange.outcome, exchange.usage, ttft)

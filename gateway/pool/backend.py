@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 from gateway.config import BreakerSettings
+from gateway.errors import Redactor
 from gateway.pool.breaker import Breaker
 from gateway.pool.state import Capacity, Health, LoadRecord, Probe
 
@@ -33,6 +34,7 @@ class Backend:
         "request_headers",
         "retry_statuses",
         "scrape_errors",
+        "secrets",
         "stale_after",
         "structured",
         "url",
@@ -67,6 +69,8 @@ class Backend:
         self.scrape_errors = 0
         # what every proxied request to it carries: content type and its own key (never the client's)
         self.request_headers: dict[str, str] = {"Content-Type": "application/json"}
+        # its address and credentials, kept out of every message passed to a client
+        self.secrets = Redactor(name, url)
         self.marked_down = 0  # times the proxy took it out of rotation (a probe begun before that is stale)
         # from the engine adapter: structured-output support, and statuses worth another backend
         self.structured: frozenset[str] = frozenset()

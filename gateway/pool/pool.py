@@ -11,6 +11,7 @@ import httpx
 
 from gateway.config import BackendSettings, BreakerSettings, DiscoverySettings, ScrapeSettings
 from gateway.engines import BackendError, EngineAdapter, create_adapter
+from gateway.errors import Redactor
 from gateway.pool.backend import Backend
 from gateway.pool.discovery import Resolver, replica_settings, system_resolver
 from gateway.pool.state import Health, Probe
@@ -25,7 +26,7 @@ def default_client_factory(scrape: ScrapeSettings) -> ClientFactory:
         assert settings.url is not None, "DNS entries are expanded into replicas with URLs first"
         return httpx.AsyncClient(
             base_url=settings.url,
-            headers=adapter.auth_headers(settings.resolved_api_key()),
+            headers={**settings.basic_auth_header(), **adapter.auth_headers(settings.resolved_api_key())},
             timeout=scrape.timeout,
         )
 
@@ -82,8 +83,9 @@ class Pool:
         )
         backend.structured = adapter.structured
         backend.retry_statuses = adapter.retry_statuses
-        backend.request_headers = {"Content-Type": "application/json",
+        backend.request_headers = {"Content-Type": "application/json", **settings.basic_auth_header(),
                                    **adapter.auth_headers(settings.resolved_api_key())}
+        backend.secrets = Redactor(settings.name, settings.url, settings.secrets())
         self.backends.append(backend)
         self.adapters[settings.name] = adapter
         self._by_name[settings.name] = backend

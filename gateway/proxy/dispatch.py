@@ -115,58 +115,89 @@ class Dispatcher:
                 trace.route_end(decision.policy, decision.reason, decision.detail, decision.ranked[0].name)
             return decision
 
+    def _payload(self, request: RouteRequest, backend: Backend) -> bytes:
+        """The body in the backend's dialect (the request's validation made sure it encodes)."""
+        body = self._gw.pool.adapters[backend.name].prepare_body(request.route, dict(request.body),
+                                                                 request.constraint)
+        return orjson.dumps(body)
+
     async def _attempt(self, exchange: Exchange, request: RouteRequest, backend: Backend, last: bool,
                        headers: Headers, receive: Receive, send: Send) -> None:
         gw = self._gw
         trace = exchange.trace
         check, retry_invalid = self._output_check(request, can_retry=not last)
+        payload = self._payload(request, backend)
         options = AttemptOptions(
             keep_usage=client_wants_usage(request.body), headers=headers, check=check, retry_invalid=retry_invalid,
             retry_statuses=frozenset() if last else backend.retry_statuses,
             upstream_headers=(trace.upstream_start(backend.name, backend.engine, backend.url, PATHS[request.route])
                               if trace is not None else None),
         )
-        body = gw.pool.adapters[backend.name].prepare_body(request.route, dict(request.body), request.constraint)
         exchange.backend = backend
         exchange.concurrency = backend.estimated_queue() + 1
         gw.pipeline.routed(request, backend)
-        backend.breaker.begin()
+        # From begin() on, every path must settle the breaker (record an outcome or release the probe):
+        # a half-open breaker whose probe is never settled lets no request through again.
+        breaker = backend.breaker
+        breaker.begin()
         backend.in_flight += 1
+        settled = False
         try:
-            await self._forward_until_disconnect(exchange, backend, orjson.dumps(body), options, receive, send)
+            await self._forward_until_disconnect(exchange, backend, payload, options, receive, send)
         except InvalidOutput as exc:
             gw.observe_invalid_output(backend, "retried")
-            backend.breaker.record(True)  # it answered; the answer was wrong, not the backend
+            breaker.record(True)  # it answered; the answer was wrong, not the backend
+            settled = True
             raise self._retry(exchange, backend, "invalid_output", GatewayError(
                 502, f"backend {backend.name}: {exc}", code="invalid_output")) from None
         except RetryableStatus as exc:
-            backend.breaker.record(exc.status == 429)
+            breaker.record(exc.status == 429)
+            settled = True
             final = GatewayError(exc.status, "", headers={"x-gateway-backend": backend.name},
-                                 body=normalise_upstream_error(exc.status, exc.body, backend.name))
+                                 body=normalise_upstream_error(exc.status, exc.body, backend.name, backend.secrets))
             raise self._retry(exchange, backend, f"status_{exc.status}", final) from None
         except UpstreamError as exc:
-            backend.breaker.record(False)
+            breaker.record(False)
+            settled = True
             if trace is not None:
                 trace.upstream_end(None, str(exc))
             if exc.connect:
                 backend.mark_down(f"connection failed: {exc}")
-            exchange.outcome = "upstream_timeout" if exc.timeout else "upstream_failed"
-            final = GatewayError(504 if exc.timeout else 502, f"backend {backend.name}: {exc}",
-                                 code="upstream_timeout" if exc.timeout else "upstream_failed",
+            exchange.outcome = exc.code
+            final = GatewayError(504 if exc.timeout else 502, f"backend {backend.name}: {exc}", code=exc.code,
                                  headers={"x-gateway-backend": backend.name})
             if last:
                 raise final from None
-            raise self._retry(exchange, backend, "timeout" if exc.timeout else "connect_failed"
-                              if exc.connect else "upstream_failed", final) from None
+            raise self._retry(exchange, backend, exc.reason, final) from None
+        except (GatewayError, asyncio.CancelledError):
+            raise
+        except Exception as exc:
+            # A failure of the attempt itself (the request could not even be built or sent): the backend
+            # cannot be used as configured, so it counts against it and the next backend is tried.
+            breaker.record(False)
+            settled = True
+            log.error("request %s: sending to backend %s failed: %s: %s", exchange.request_id, backend.name,
+                      type(exc).__name__, backend.secrets.scrub(str(exc)))
+            log.debug("request %s: attempt failure", exchange.request_id, exc_info=True)
+            if exchange.responded:
+                raise
+            exchange.outcome = "upstream_failed"
+            final = GatewayError(502, f"backend {backend.name}: the request could not be sent "
+                                      f"({type(exc).__name__})", code="upstream_failed",
+                                 headers={"x-gateway-backend": backend.name})
+            if last:
+                raise final from None
+            raise self._retry(exchange, backend, "attempt_failed", final) from None
         finally:
             backend.in_flight -= 1
             gw.admission.released(backend)
-        if exchange.outcome == "disconnected":
-            backend.breaker.release()
-        elif exchange.outcome in ("upstream_failed", "upstream_timeout") or exchange.status >= 500:
-            backend.breaker.record(False)
-        else:
-            backend.breaker.record(True)
+            if not settled:
+                if exchange.outcome == "disconnected" or exchange.outcome == "pending":
+                    breaker.release()  # nothing was learnt (the client left, or the gateway is stopping)
+                elif exchange.outcome in ("upstream_failed", "upstream_timeout") or exchange.status >= 500:
+                    breaker.record(False)
+                else:
+                    breaker.record(True)
         if exchange.invalid_output is not None:
             gw.observe_invalid_output(backend, "marked")
 

@@ -37,6 +37,7 @@ class Exchange:
     trace: RequestTrace | None = None  # the request's spans, when tracing is on
     route_reason: str | None = None
     client: Client | None = None  # the gateway API key it came with, when keys are configured
+    reserved_tokens: int = 0  # taken from the key's tokens per minute on admission, settled at the end
 
     def saw_text(self, events: int, now: float) -> None:
         if self.t_last_text is None:

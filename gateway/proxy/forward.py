@@ -83,14 +83,17 @@ class Forwarder:
                     exchange.status = response.status
                     if response.status != 200:
                         raw = await response.read()
+                        if response.status in (401, 403):
+                            # the backend refused the gateway's own credentials for it: the client's key was
+                            # fine, so never show it the engine's 401 as if it were about its key
+                            raise UpstreamError(f"the backend refused the gateway's credentials for it (HTTP "
+                                                f"{response.status}); check its api_key", auth=True)
                         if response.status in options.retry_statuses:
                             raise RetryableStatus(response.status, raw)
                         exchange.outcome = "upstream_error"
                         exchange.responded = True
-                        await send_body(
-                            send, response.status, normalise_upstream_error(response.status, raw, backend.name),
-                            client_headers,
-                        )
+                        body = normalise_upstream_error(response.status, raw, backend.name, backend.secrets)
+                        await send_body(send, response.status, body, client_headers)
                         return
                     content_type = response.headers.get("Content-Type", "")
                     if not exchange.stream or not content_type.startswith("text/event-stream"):
@@ -108,17 +111,21 @@ class Forwarder:
                         exchange.responded = True
                         await send_body(send, 200, raw, client_headers)
                         return
-                    relay = SSERelay(options.keep_usage)
+                    relay = SSERelay(options.keep_usage, backend.secrets.scrub)
                     idle, slack = t.idle, t.idle * 1.25
                     async for data in response.content.iter_any():
-                        # Move the idle deadline only when less than `idle` is left, to 1.25 x idle ahead: a
-                        # stall is cut between idle and 1.25 x idle after it began, for one timer move per
-                        # quarter-idle instead of one per chunk (it showed in profiles at 64+ streams).
-                        now = loop.time()
-                        when = timer.when()
-                        if relay.events == 0 or (when is not None and when - now < idle):
-                            timer.reschedule(min(now + slack, deadline))  # (first data: leave first_byte)
+                        seen = relay.events
                         out = relay.feed(data)
+                        if relay.events != seen:
+                            # Only data events move the deadline: until the first one the first-byte timeout
+                            # holds, and a backend sending nothing but ": ping" comments is cut like a silent
+                            # one. The idle deadline moves only when less than `idle` is left, to 1.25 x idle
+                            # ahead: a stall is cut between idle and 1.25 x idle after it began, for one timer
+                            # move per quarter-idle instead of one per chunk (it showed in profiles).
+                            now = loop.time()
+                            when = timer.when()
+                            if seen == 0 or (when is not None and when - now < idle):
+                                timer.reschedule(min(now + slack, deadline))
                         if not out:
                             continue
                         texts = text_events_in(out)
@@ -137,10 +144,10 @@ class Forwarder:
         except (InvalidOutput, RetryableStatus):
             raise
         except Exception as exc:  # map_error re-raises what is not an upstream failure
-            error = map_error(exc)
+            error = map_error(exc).redacted(backend.secrets)
             if not started:
                 raise error from None
-            exchange.outcome = "upstream_timeout" if error.timeout else "upstream_failed"
+            exchange.outcome = error.code
             await self._end_with_error(send, f"backend {backend.name}: {error}", error)
             return
         exchange.usage = relay.usage
@@ -178,8 +185,7 @@ class Forwarder:
 
     @staticmethod
     async def _end_with_error(send: Send, message: str, error: UpstreamError) -> None:
-        body = error_body(message, "timeout_error" if error.timeout else "api_error", None,
-                          "upstream_timeout" if error.timeout else "upstream_failed")
+        body = error_body(message, "timeout_error" if error.timeout else "api_error", None, error.code)
         await send({"type": "http.response.body", "body": b"data: " + body + b"\n\ndata: [DONE]\n\n",
                     "more_body": False})
 

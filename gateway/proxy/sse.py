@@ -17,6 +17,8 @@ ASGI server spends sending it.
 
 from __future__ import annotations
 
+import re
+from collections.abc import Callable
 from typing import Any
 
 import orjson
@@ -29,14 +31,20 @@ class InvalidStream(Exception):
     """The upstream's stream is not well-formed SSE carrying JSON."""
 
 
-def text_events_in(block: bytes) -> int:
-    """How many events of a (validated) SSE block carry generated text (non-empty ``content`` or ``text``).
+# a key whose non-empty string value is generated output: text, reasoning, or a tool call's arguments;
+# JSON allows whitespace around the colon (Python servers write ``"content": "``)
+_GENERATED = re.compile(rb'"(?:content|text|reasoning_content|reasoning|arguments)"\s*:\s*"(?!")')
 
-    Byte counts, no parsing: inside a JSON string a quote is escaped, so ``"content":"`` only ever matches a
-    key. Role-only chunks (``"content":null``), empty finish chunks and usage chunks do not count.
+
+def text_events_in(block: bytes) -> int:
+    """How many events of a (validated) SSE block carry generated output (a non-empty ``content``, ``text``,
+    ``reasoning_content``/``reasoning`` or tool-call ``arguments`` string).
+
+    A regex over the bytes, no parsing (as cheap as counting, ~0.4 us a block): inside a JSON string a quote
+    is escaped, so the pattern only ever matches a key. Role-only chunks (``"content":null``), empty finish
+    chunks and usage chunks do not count.
     """
-    return (block.count(b'"content":"') - block.count(b'"content":""')
-            + block.count(b'"text":"') - block.count(b'"text":""'))
+    return len(_GENERATED.findall(block))
 
 
 def _has_content(choice: Any) -> bool:
@@ -68,16 +76,17 @@ def _payload(event: bytes) -> bytes:
 class SSERelay:
     """Feed it upstream bytes; it returns what to send to the client (possibly ``b""``)."""
 
-    __slots__ = ("_buf", "done", "error", "events", "keep_usage", "timings", "usage")
+    __slots__ = ("_buf", "_redact", "done", "error", "events", "keep_usage", "timings", "usage")
 
-    def __init__(self, keep_usage: bool) -> None:
+    def __init__(self, keep_usage: bool, redact: Callable[[str], str] | None = None) -> None:
         self.keep_usage = keep_usage
+        self._redact = redact  # applied to the upstream's error events (they may name its address or key)
         self._buf = b""
         self.usage: dict[str, Any] | None = None
         self.timings: dict[str, Any] | None = None
         self.error: str | None = None  # message of an error event the upstream sent mid-stream
         self.done = False  # saw data: [DONE]
-        self.events = 0
+        self.events = 0  # data events seen (comments are not counted)
 
     def feed(self, data: bytes) -> bytes:
         buf = self._buf + data if self._buf else data
@@ -103,10 +112,10 @@ class SSERelay:
         for event in block.split(b"\n\n"):
             if not event:
                 continue
-            self.events += 1
             if event.startswith(b":"):
                 out.append(event)
                 continue
+            self.events += 1
             payload = _payload(event)
             if payload == b"[DONE]":
                 self.done = True
@@ -121,6 +130,12 @@ class SSERelay:
             if "error" in doc and "choices" not in doc:
                 err = doc["error"]
                 self.error = str(err.get("message") if isinstance(err, dict) else err)
+                if self._redact is not None:
+                    scrubbed = self._redact(payload.decode("utf-8", "replace"))
+                    if scrubbed.encode() != payload:
+                        out.append(b"data: " + scrubbed.encode())
+                        changed = True
+                        continue
             timings = doc.get("timings")
             if isinstance(timings, dict):
                 self.timings = timings

@@ -12,16 +12,39 @@ import asyncio
 import aiohttp
 
 from gateway.config import TimeoutSettings
+from gateway.errors import Redactor
 from gateway.proxy.sse import InvalidStream
 
 
 class UpstreamError(Exception):
-    """The upstream failed. ``connect`` is true when no request reached it (safe to try another backend)."""
+    """The upstream failed. ``connect`` is true when no request reached it (safe to try another backend);
+    ``auth`` when it refused the gateway's own credentials for it (401/403): a configuration fault of the
+    gateway's, never the client's."""
 
-    def __init__(self, message: str, *, connect: bool = False, timeout: bool = False) -> None:
+    def __init__(self, message: str, *, connect: bool = False, timeout: bool = False, auth: bool = False) -> None:
         super().__init__(message)
         self.connect = connect
         self.timeout = timeout
+        self.auth = auth
+
+    @property
+    def code(self) -> str:
+        """The error code a client sees, and the request's outcome."""
+        if self.auth:
+            return "upstream_auth_failed"
+        return "upstream_timeout" if self.timeout else "upstream_failed"
+
+    @property
+    def reason(self) -> str:
+        """Why another backend is tried (the retries metric's label)."""
+        if self.auth:
+            return "upstream_auth"
+        if self.timeout:
+            return "timeout"
+        return "connect_failed" if self.connect else "upstream_failed"
+
+    def redacted(self, redactor: Redactor) -> UpstreamError:
+        return UpstreamError(redactor.scrub(str(self)), connect=self.connect, timeout=self.timeout, auth=self.auth)
 
 
 def map_error(exc: BaseException) -> UpstreamError:

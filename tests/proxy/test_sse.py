@@ -132,3 +132,24 @@ def test_a_stream_without_event_boundaries_is_cut_off() -> None:
     with pytest.raises(InvalidStream):
         for _ in range(MAX_PENDING_BYTES // 4096 + 2):
             relay.feed(b"x" * 4096)
+
+
+@pytest.mark.parametrize(("event", "counted"), [
+    (chunk("Hel"), 1),
+    (b'data: {"choices": [{"index": 0, "delta": {"content": "Hel"}, "finish_reason": null}]}\n\n', 1),  # spaces
+    (b'data: {"choices":[{"delta":{"content" :  "x"}}]}\n\n', 1),
+    (b'data: {"choices":[{"delta":{"reasoning_content": "think"}}]}\n\n', 1),
+    (b'data: {"choices":[{"delta":{"tool_calls":[{"index":0,"function":{"arguments": "{\\"a\\""}}]}}]}\n\n', 1),
+    (b'data: {"choices":[{"text": "once"}]}\n\n', 1),
+    (chunk(None, "stop"), 0),
+    (b'data: {"choices":[{"delta":{"role": "assistant", "content": ""}}]}\n\n', 0),
+    (b'data: {"choices":[{"delta":{"content": null}}]}\n\n', 0),
+    (b'data: {"choices":[{"delta":{"content": "say \\"content\\": \\"x\\""}}]}\n\n', 1),  # a key inside text
+    (USAGE_CHUNK, 0),
+])
+def test_generated_output_is_found_however_the_json_is_spaced(event: bytes, counted: int) -> None:
+    """Time to first token is taken at the first event carrying generated output: servers written in Python
+    put spaces after colons, and reasoning and tool-call deltas are generated tokens too."""
+    from gateway.proxy.sse import text_events_in
+
+    assert text_events_in(event) == counted

@@ -1,0 +1,134 @@
+"""A raw asyncio HTTP/1.1 backend whose answer to each POST is a script the test sets, for faults that no
+engine emulator produces on purpose: bytes that are not HTTP, an error body echoing the credentials it was
+sent, an auth refusal, a stream of nothing but comment pings, a stream that never sends its usage.
+
+``GET`` answers the model list (so discovery and the health probe pass). ``seen_headers`` keeps the headers
+of the last POST.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+import threading
+from typing import Any
+
+import orjson
+
+
+def _chunk(text: str) -> bytes:
+    doc = {"id": "s", "object": "chat.completion.chunk", "created": 0, "model": "m",
+           "choices": [{"index": 0, "delta": {"content": text}, "finish_reason": None}]}
+    return b"data: " + orjson.dumps(doc) + b"\n\n"
+
+
+class ScriptedUpstream:
+    """Modes: ``stream`` (``tokens`` chunks ``every`` s apart, then usage and [DONE]), ``stream_no_usage``
+    (the same without the usage chunk), ``not_http`` (bytes that are not an HTTP response), ``echo_500``
+    (HTTP 500 whose message repeats the Authorization header it got and the backend's own address),
+    ``status_401``, ``pings`` (200 SSE, then ``: ping`` every ``every`` s until the client leaves)."""
+
+    def __init__(self, mode: str = "stream", model: str = "m", tokens: int = 8, every: float = 0.01,
+                 usage_after: float = 0.0) -> None:
+        self.mode, self.model, self.tokens, self.every = mode, model, tokens, every
+        self.usage_after = usage_after  # seconds between the last token and the usage chunk
+        self.port = 0
+        self.posts = 0
+        self.seen_headers: dict[str, str] = {}
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self._server: asyncio.Server | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> ScriptedUpstream:
+        self._thread.start()
+
+        async def start() -> None:
+            self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+            self.port = self._server.sockets[0].getsockname()[1]
+
+        asyncio.run_coroutine_threadsafe(start(), self.loop).result(5)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        async def stop() -> None:
+            assert self._server is not None
+            self._server.close()
+            others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in others:  # connections still being answered (a stream mid-way, pings)
+                task.cancel()
+            await asyncio.gather(*others, return_exceptions=True)
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._server.wait_closed(), 1)
+
+        with contextlib.suppress(Exception):
+            asyncio.run_coroutine_threadsafe(stop(), self.loop).result(5)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=5)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = re.search(rb"(?i)content-length:\s*(\d+)", head)
+                if length:
+                    await reader.readexactly(int(length.group(1)))
+                if head.startswith(b"GET"):
+                    models = orjson.dumps({"object": "list", "data": [{"id": self.model, "object": "model"}]})
+                    writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+                                 % len(models) + models)
+                    await writer.drain()
+                    continue
+                self.posts += 1
+                self.seen_headers = {
+                    k.decode().lower(): v.decode()
+                    for k, v in (line.split(b":", 1) for line in head.split(b"\r\n")[1:] if b":" in line)
+                }
+                self.seen_headers = {k: v.strip() for k, v in self.seen_headers.items()}
+                if not await self._answer(writer):
+                    return
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    async def _answer(self, writer: asyncio.StreamWriter) -> bool:
+        """Write the scripted answer; False when the connection is done with."""
+        mode = self.mode
+        if mode == "not_http":
+            writer.write(b"SSH-2.0-OpenSSH_9.2\r\nthis is no HTTP server\r\n\r\n")
+            await writer.drain()
+            return False
+        if mode in ("echo_500", "status_401"):
+            status = b"500 Internal Server Error" if mode == "echo_500" else b"401 Unauthorized"
+            message = (f"rejected credentials '{self.seen_headers.get('authorization', '')}' at {self.url}/v1/chat"
+                       if mode == "echo_500" else "invalid api key")
+            body = orjson.dumps({"error": {"message": message, "type": "server_error"}})
+            writer.write(b"HTTP/1.1 " + status + b"\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+                         % len(body) + body)
+            await writer.drain()
+            return True
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nConnection: close\r\n\r\n")
+        await writer.drain()
+        if mode == "pings":
+            while True:
+                await asyncio.sleep(self.every)
+                writer.write(b": ping\n\n")
+                await writer.drain()
+        for i in range(self.tokens):
+            writer.write(_chunk(f"t{i} "))
+            await writer.drain()
+            await asyncio.sleep(self.every)
+        await asyncio.sleep(self.usage_after)
+        if mode == "stream":
+            usage: dict[str, Any] = {"prompt_tokens": 10, "completion_tokens": self.tokens,
+                                     "total_tokens": 10 + self.tokens}
+            writer.write(b"data: " + orjson.dumps({"id": "s", "object": "chat.completion.chunk", "created": 0,
+                                                   "model": "m", "choices": [], "usage": usage}) + b"\n\n")
+        writer.write(b"data: [DONE]\n\n")
+        await writer.drain()
+        return False
