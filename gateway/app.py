@@ -15,9 +15,9 @@ from gateway import __version__
 from gateway.api import errors
 from gateway.api.openapi import install_openapi
 from gateway.api.proxy_endpoint import ProxyEndpoint, request_id
-from gateway.api.routes import router
+from gateway.api.routes import CLIENT, router
 from gateway.asgi import Message, Receive, Scope, Send, header, send_body
-from gateway.auth import KeyStore
+from gateway.auth import KeyScope, KeyStore
 from gateway.config import Settings
 from gateway.errors import GatewayError
 from gateway.pool.backend import Backend
@@ -112,7 +112,12 @@ def create_app(
         finally:
             await gateway.stop()
 
-    app = FastAPI(title="LLM gateway", version=__version__, lifespan=lifespan)
+    # /docs and /redoc load their scripts from a CDN (broken offline and under a strict CSP): off unless asked
+    # for; /openapi.json is always served. No redirect on a trailing slash: Starlette builds its Location from
+    # the client's Host header.
+    docs = settings.server.docs
+    app = FastAPI(title="LLM gateway", version=__version__, lifespan=lifespan, docs_url="/docs" if docs else None,
+                  redoc_url="/redoc" if docs else None, redirect_slashes=False)
     app.state.gateway = gateway
     errors.install(app)
     install_openapi(app)
@@ -144,6 +149,14 @@ class GatewayApp:
             return auth.protect_metrics
         return path.startswith("/v1/")
 
+    @staticmethod
+    def _scope(path: str) -> KeyScope | None:
+        """The scope the key needs: ``metrics`` for /metrics, ``inference`` for the OpenAI API; /health and
+        /ready take any valid key."""
+        if path == "/metrics":
+            return "metrics"
+        return "inference" if path.startswith("/v1/") else None
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.fastapi(scope, receive, send)
@@ -155,10 +168,12 @@ class GatewayApp:
         rid = request_id(scope).encode()
         if self._needs_key(scope["path"]):
             try:
-                self.gateway.keys.authenticate(header(scope, b"authorization"), header(scope, b"x-api-key"))
+                client = self.gateway.keys.authenticate(header(scope, b"authorization"), header(scope, b"x-api-key"),
+                                                        self._scope(scope["path"]))
             except GatewayError as exc:
                 await send_body(send, exc.status, exc.body(), [(b"x-request-id", rid)])
                 return
+            scope.setdefault("state", {})[CLIENT] = client  # the routes filter models by its allow-list
 
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":

@@ -78,3 +78,30 @@ def test_console_script_entry_point_runs(tmp_path: pathlib.Path) -> None:
     result = subprocess.run([sys.executable, "-m", "gateway", "check-config", str(write(tmp_path, "{}"))],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0 and "backends: none" in result.stdout
+
+
+SECRET = "sk-live-7f3a9c0e5b1d4e2f8a6c"
+
+
+@pytest.mark.parametrize(
+    ("text", "where"),
+    [
+        (f"backends:\n  - name: a\n    api_key: {SECRET}: oops\n", "mapping values are not allowed here at line 3"),
+        (f'auth:\n  keys:\n    - {{name: a, key: "{SECRET}}}\n', "(while scanning a quoted scalar at line 3"),
+        (f"backends:\n  - name: a\n    api_key: !{SECRET}\n", "the tag '...' at line 3, column 14"),
+        (f"backends:\n  - name: a\n    api_key: *{SECRET}\n", "found undefined alias '...' at line 3"),
+        (f"backends:\n  - name: a\n    api_key: !!bool {SECRET}\n", "does not fit its explicit !! tag"),
+        ("backends: [unclosed", "expected ',' or ']', but got '<stream end>' at line 1, column 20"),
+    ],
+)
+def test_yaml_errors_say_where_but_never_echo_the_document(tmp_path: pathlib.Path, text: str, where: str,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError) as err:
+        load_settings(path)
+    message = str(err.value)
+    assert f"{path} is not valid YAML: " in message and where in message
+    assert SECRET not in message and "name: a" not in message and "sk-" not in message
+    assert main(["check-config", str(path)]) == 2
+    printed = capsys.readouterr()
+    assert "not valid YAML" in printed.err and SECRET not in printed.out + printed.err

@@ -1,4 +1,9 @@
-"""The light routes: model list, liveness, readiness, Prometheus metrics."""
+"""The light routes: model list, liveness, readiness, Prometheus metrics.
+
+With API keys configured, :class:`gateway.app.GatewayApp` authenticates these requests before FastAPI sees
+them and leaves the key's :class:`~gateway.auth.Client` in ``scope["state"][CLIENT]`` (absent when the
+gateway is open).
+"""
 
 from __future__ import annotations
 
@@ -12,8 +17,11 @@ from gateway.errors import GatewayError
 
 if TYPE_CHECKING:
     from gateway.app import Gateway
+    from gateway.auth import Client
 
 router = APIRouter()
+
+CLIENT = "gateway.client"  # scope["state"] key of the authenticated API key
 
 
 class JSONBytes(Response):
@@ -28,21 +36,30 @@ def _gateway(request: Request) -> Gateway:
     return gateway
 
 
+def _allowed(request: Request, models: list[str]) -> list[str]:
+    """The models the request's API key may use (all of them when the gateway is open)."""
+    client: Client | None = request.scope.get("state", {}).get(CLIENT)
+    return models if client is None else [m for m in models if client.allows(m)]
+
+
 def _model_card(model: str, created: int) -> dict[str, Any]:
     return {"id": model, "object": "model", "created": created, "owned_by": "llm-gateway"}
 
 
 @router.get("/v1/models")
 async def list_models(request: Request) -> JSONBytes:
-    """Models served by at least one healthy backend."""
+    """Models served by at least one routable backend that the API key may use."""
     gw = _gateway(request)
-    return JSONBytes({"object": "list", "data": [_model_card(m, gw.started_at) for m in gw.pool.models()]})
+    models = _allowed(request, gw.pool.models())
+    return JSONBytes({"object": "list", "data": [_model_card(m, gw.started_at) for m in models]})
 
 
 @router.get("/v1/models/{model:path}")
 async def retrieve_model(model: str, request: Request) -> JSONBytes:
+    """One model, as listed; a model the API key may not use is 404 like an unknown one (as OpenAI answers),
+    so a key learns nothing of models beyond its allow-list."""
     gw = _gateway(request)
-    if model not in gw.pool.models():
+    if model not in _allowed(request, gw.pool.models()):
         raise GatewayError(404, f"The model '{model}' does not exist or is not served by any backend",
                            type="invalid_request_error", param="model", code="model_not_found")
     return JSONBytes(_model_card(model, gw.started_at))
@@ -56,14 +73,31 @@ async def health() -> JSONBytes:
 
 @router.get("/ready")
 async def ready(request: Request) -> JSONBytes:
-    """Readiness: at least one backend can take a request."""
+    """Readiness: can this gateway serve a request now, not merely "is the process alive" (that is /health).
+
+    A model is ready when at least one backend serving it is routable: healthy by its last check and not
+    ejected by its circuit breaker (an ejected backend counts again once its cooldown ends, since the next
+    request is its probe). The body lists every known model with its routable backends, and every backend's
+    health and breaker state.
+
+    The status is 200 while at least one model is ready and 503 when none is. So a gateway with a single
+    model leaves its Service when that model cannot be served, while a gateway serving several models stays
+    in for the ones it can serve (a request for the model that is down gets 503 from the API itself); alert
+    on ``gateway_model_ready`` to hear of the latter.
+    """
     gw = _gateway(request)
-    backends = {b.name: {"engine": b.engine, "health": b.health.value, "models": sorted(b.models)}
+    backends = {b.name: {"engine": b.engine, "health": b.health.value, "breaker": b.breaker.state.value,
+                         "routable": b.routable, "models": sorted(b.models)}
                 for b in gw.pool.backends}
-    routable = any(b.routable and b.models for b in gw.pool.backends)
-    return JSONBytes(
-        {"status": "ready" if routable else "not_ready", "backends": backends}, status_code=200 if routable else 503
-    )
+    serving: dict[str, list[str]] = {m: [] for m in sorted(gw.pool.known_models())}
+    for b in gw.pool.backends:
+        if b.routable:
+            for m in b.models:
+                serving[m].append(b.name)
+    models = {m: {"ready": bool(names), "backends": names} for m, names in serving.items()}
+    servable = any(names for names in serving.values())
+    return JSONBytes({"status": "ready" if servable else "not_ready", "models": models, "backends": backends},
+                     status_code=200 if servable else 503)
 
 
 @router.get("/metrics")

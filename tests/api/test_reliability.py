@@ -119,7 +119,8 @@ def keyed() -> Iterator[Running]:
     auth = {"keys": [
         {"name": "alpha", "key_sha256": hashlib.sha256(KEY_A.encode()).hexdigest(), "models": ["m"],
          "requests_per_minute": 5},
-        {"name": "beta", "key_sha256": hashlib.sha256(KEY_B.encode()).hexdigest()},
+        {"name": "beta", "key_sha256": hashlib.sha256(KEY_B.encode()).hexdigest(),
+         "scopes": ["inference", "metrics"]},
     ], "protect_metrics": True}
     yield from running(specs, auth=auth, limits={"max_messages": 4, "max_tokens": 1000})
 
