@@ -4,7 +4,6 @@ configuration is given."""
 from __future__ import annotations
 
 import contextlib
-import math
 import signal
 import socket
 import subprocess
@@ -17,7 +16,7 @@ import uvicorn
 from gateway.app import create_app
 from gateway.config import BackendSettings, ConfigError, Settings, load_settings, settings_from_mapping
 from gateway.routing.policies import check_settings
-from gateway.server_protocol import StampedHttpToolsProtocol
+from gateway.server_limits import raise_nofile_limit, uvicorn_config
 
 
 def _wait_for_ports(host: str, ports: list[int], proc: subprocess.Popen[bytes], timeout: float = 30.0) -> None:
@@ -68,17 +67,8 @@ def _run(settings: Settings, log_level: str) -> None:
     # embedded fleet's child process is stopped) and the exit status is 0.
     signal.signal(signal.SIGINT, _stop)
     signal.signal(signal.SIGTERM, _stop)
-    config = uvicorn.Config(
-        create_app(settings),
-        host=settings.server.host,
-        port=settings.server.port,
-        loop="uvloop",
-        http=StampedHttpToolsProtocol,
-        lifespan="on",
-        access_log=False,
-        log_level=log_level,
-        timeout_graceful_shutdown=math.ceil(settings.server.shutdown_timeout),
-    )
+    raise_nofile_limit()  # before the connection cap is worked out from it
+    config = uvicorn_config(create_app(settings), settings.server, log_level=log_level)
     uvicorn.Server(config).run()
 
 

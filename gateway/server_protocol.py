@@ -1,21 +1,226 @@
-"""uvicorn's httptools protocol, stamping each request's arrival.
+"""uvicorn's httptools protocol, stamping each request's arrival and bounding what a connection may cost.
 
 A request's clock (time to first token, queue wait, duration) must start when its bytes are parsed, not when
 the event loop gets round to running the ASGI app: under a burst the app task of the last request of
 twelve starts ~10 ms after it arrived on our 2-core machines, and that wait is latency the client sees.
 The stamp travels in ``scope["state"]["gateway.arrival"]`` (``time.perf_counter()``).
+
+The limits (:class:`ServerLimits`) exist because httptools and uvicorn set none of their own:
+
+* httptools accepts a request head of any size, at a cost that grows with the square of its length (one
+  64 MiB header held the event loop 7.5 s), so the head is fed to it only up to ``max_header_bytes``;
+* uvicorn never times out a connection that is opening, sending its head or its body slowly, so idle and
+  slow sockets piled up until the process ran out of descriptors and could no longer reach its backends;
+* nothing caps the number of client connections, which share the descriptor limit with upstream ones.
+
+Where a client is owed an answer (400, 408, 431, 503), it is an OpenAI-shaped JSON error, and the
+connection is closed after it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
+from asyncio import TimerHandle
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.config import Config
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+from uvicorn.server import ServerState
+
+from gateway.errors import error_body, error_type_for
 
 ARRIVAL = "gateway.arrival"
 
 
+@dataclass(frozen=True)
+class ServerLimits:
+    """What one client connection may cost. ``max_connections`` counts this server's open client
+    connections; None means no cap (the production default is computed, see :mod:`gateway.server_limits`)."""
+
+    max_header_bytes: int = 64 * 1024
+    header_timeout: float = 10.0
+    body_timeout: float = 30.0
+    max_connections: int | None = None
+    # told the error code of every connection refused or cut here (the gateway counts them in a metric)
+    on_refusal: Callable[[str], None] | None = None
+
+
 class StampedHttpToolsProtocol(HttpToolsProtocol):
+    """Reads its :class:`ServerLimits` from ``config.limits`` (see ``server_limits.LimitedConfig``); a plain
+    ``uvicorn.Config`` gets the defaults.
+
+    Clocks: the head clock runs from the connection's opening, or from the end of the previous response, to
+    the end of the request's head (408 if some of it came, else a silent close); the body clock runs between
+    two pieces of a request body while the app is reading it (408). The keep-alive clock is uvicorn's.
+    """
+
+    def __init__(self, config: Config, server_state: ServerState, app_state: dict[str, Any],
+                 _loop: asyncio.AbstractEventLoop | None = None) -> None:
+        super().__init__(config, server_state, app_state, _loop)
+        limits = getattr(config, "limits", None)
+        self.limits = limits if isinstance(limits, ServerLimits) else ServerLimits()
+        self._in_head = True  # between requests or inside a request's head
+        self._head_bytes = 0  # of the pending head, as far as counted (see data_received)
+        self._head_timer: TimerHandle | None = None
+        self._body_pending = False  # head complete, body not yet
+        self._body_seen = 0.0  # loop time of the last body piece
+        self._body_timer: TimerHandle | None = None
+
+    # -- connection ---------------------------------------------------------------------------------------
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        cap = self.limits.max_connections
+        if cap is not None and len(self.connections) >= cap:
+            # refused before anything is parsed: what it costs is the accept and this write
+            self.transport = transport
+            self._answer_and_close(503, "The gateway has too many open connections; retry shortly",
+                                   "too_many_connections")
+            return
+        super().connection_made(transport)
+        self._arm_head_timer()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_timers()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if not self._in_head:
+            super().data_received(data)
+            if self._body_pending and self._body_timer is None and not self.transport.is_closing():
+                self._arm_body_timer()
+            return
+        room = self.limits.max_header_bytes - self._head_bytes
+        if len(data) <= room:
+            self._head_bytes += len(data)
+            super().data_received(data)
+        else:
+            # Feed httptools no more than the limit allows, then see whether the head ended inside it (the
+            # rest is body, or a pipelined request, and is fed on).
+            view = memoryview(data)
+            self._head_bytes += room
+            super().data_received(view[:room])  # type: ignore[arg-type]  # httptools takes any buffer
+            if self.transport.is_closing():
+                return
+            if self._in_head:
+                self._refuse_head()
+                return
+            self.data_received(view[room:])
+            return
+        if self._body_pending and self._body_timer is None and not self.transport.is_closing():
+            self._arm_body_timer()
+
+    # -- parser callbacks ---------------------------------------------------------------------------------
     def on_message_begin(self) -> None:
         super().on_message_begin()
         self.scope["state"][ARRIVAL] = time.perf_counter()
+
+    def on_headers_complete(self) -> None:
+        self._in_head = False
+        self._head_bytes = 0
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+        self._body_pending = True
+        self._body_seen = self.loop.time()
+        super().on_headers_complete()
+
+    def on_body(self, body: bytes) -> None:
+        self._body_seen = self.loop.time()
+        super().on_body(body)
+
+    def on_message_complete(self) -> None:
+        self._body_pending = False
+        if self._body_timer is not None:
+            self._body_timer.cancel()
+            self._body_timer = None
+        # A pipelined head that follows in the same read is not counted; it is bounded by the read size.
+        self._in_head = True
+        super().on_message_complete()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        # uvicorn armed its keep-alive clock: the connection waits for its next request
+        if self.timeout_keep_alive_task is not None:
+            self._arm_head_timer()
+
+    def send_400_response(self, msg: str) -> None:
+        self._answer_and_close(400, msg, "invalid_http_request")
+
+    # -- refusals -----------------------------------------------------------------------------------------
+    def _count(self, code: str) -> None:
+        if self.limits.on_refusal is not None:
+            self.limits.on_refusal(code)
+
+    def _answer_and_close(self, status: int, message: str, code: str) -> None:
+        self._count(code)
+        body = error_body(message, error_type_for(status), None, code)
+        content = [STATUS_LINE[status]]
+        for name, value in self.server_state.default_headers:
+            content.extend([name, b": ", value, b"\r\n"])
+        content.extend([b"content-type: application/json\r\ncontent-length: ", str(len(body)).encode(),
+                        b"\r\nconnection: close\r\n\r\n", body])
+        self.transport.write(b"".join(content))
+        self.transport.close()
+
+    def _responding(self) -> bool:
+        return self.cycle is not None and not self.cycle.response_complete
+
+    def _refuse_head(self) -> None:
+        if self._responding():
+            # a pipelined head behind a response still being written: no room for a 431 in that stream
+            self.transport.close()
+            return
+        self._answer_and_close(431, f"The request line and headers exceed the gateway's limit of "
+                                    f"{self.limits.max_header_bytes} bytes", "request_headers_too_large")
+
+    def _arm_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+        self._head_timer = self.loop.call_later(self.limits.header_timeout, self._head_timed_out)
+
+    def _head_timed_out(self) -> None:
+        self._head_timer = None
+        if self.transport.is_closing() or not self._in_head or self._responding():
+            return
+        if self._head_bytes == 0:
+            self._count("idle_timeout")
+            self.transport.close()  # nothing was asked: nobody to answer
+            return
+        self._answer_and_close(408, f"The request's headers did not arrive within "
+                                    f"{self.limits.header_timeout:g} s", "header_timeout")
+
+    def _arm_body_timer(self) -> None:
+        self._body_timer = self.loop.call_later(self.limits.body_timeout, self._body_timed_out)
+
+    def _body_timed_out(self) -> None:
+        # One timer per wait, not per piece: it re-arms itself for what is left since the last piece.
+        self._body_timer = None
+        if self.transport.is_closing() or not self._body_pending:
+            return
+        now = self.loop.time()
+        cycle = self.cycle
+        if self.flow.read_paused or cycle.waiting_for_100_continue:
+            # the app is not reading (yet): the client is not the one keeping us waiting
+            self._body_seen = now
+        left = self._body_seen + self.limits.body_timeout - now
+        if left > 0:
+            self._body_timer = self.loop.call_later(left, self._body_timed_out)
+            return
+        self._body_pending = False
+        if cycle.response_started:
+            self._count("body_timeout")
+            self.transport.close()
+        else:
+            self._answer_and_close(408, f"The request body stalled for more than {self.limits.body_timeout:g} s",
+                                   "body_timeout")
+        # the app waiting in receive() sees the client gone, and whatever it sends next is dropped
+        cycle.disconnected = True
+        cycle.message_event.set()
+
+    def _cancel_timers(self) -> None:
+        for timer in (self._head_timer, self._body_timer):
+            if timer is not None:
+                timer.cancel()
+        self._head_timer = self._body_timer = None

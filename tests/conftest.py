@@ -13,6 +13,9 @@ from typing import Any
 import pytest
 import uvicorn
 
+from gateway.config import ServerSettings
+from gateway.server_limits import uvicorn_config
+
 
 def free_port() -> int:
     with socket.socket() as sock:
@@ -45,15 +48,20 @@ def free_port_block(count: int) -> int:
 
 
 class ServerThread:
-    """A uvicorn server (uvloop + httptools, as in production) on its own loop in a daemon thread."""
+    """A uvicorn server (uvloop + httptools, as in production) on its own loop in a daemon thread.
 
-    def __init__(self, app: Any, port: int | None = None) -> None:
+    Configured as ``gateway serve`` configures it (``gateway.server_limits.uvicorn_config``), with the limits of
+    ``server`` if given, else of the gateway app's own settings, else the defaults (for emulators and other
+    apps); it always listens on 127.0.0.1:``port``."""
+
+    def __init__(self, app: Any, port: int | None = None, server: ServerSettings | None = None) -> None:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        from gateway.server_protocol import StampedHttpToolsProtocol
-
-        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, loop="uvloop", http=StampedHttpToolsProtocol,
-                                lifespan="on", log_level="warning", access_log=False)
+        if server is None:
+            gateway = getattr(app, "gateway", None)
+            server = gateway.settings.server if gateway is not None else ServerSettings()
+        server = server.model_copy(update={"host": "127.0.0.1", "port": self.port})
+        config = uvicorn_config(app, server, log_level="warning")
         self.server = uvicorn.Server(config)
         self.loop: asyncio.AbstractEventLoop | None = None
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -86,12 +94,13 @@ class ServerThread:
 
 
 @contextmanager
-def serve_in_thread(app: Any, port: int | None = None) -> Iterator[ServerThread]:
-    server = ServerThread(app, port).start()
+def serve_in_thread(app: Any, port: int | None = None,
+                    server: ServerSettings | None = None) -> Iterator[ServerThread]:
+    running = ServerThread(app, port, server).start()
     try:
-        yield server
+        yield running
     finally:
-        server.stop()
+        running.stop()
 
 
 @pytest.fixture

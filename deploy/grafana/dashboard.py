@@ -196,6 +196,10 @@ ROUTING = RowSpec("Routing", (
     PanelSpec("Retries/s", "Requests sent again to another backend, by the backend that failed and why "
               "(connect_failed, invalid_output).", "reqps",
               (Query(rate_by("gateway_retries_total", B, "backend, reason"), "{{backend}} {{reason}}"),)),
+    PanelSpec("Connections refused/s", "Client connections the server refused or cut by its limits: headers "
+              "too large (431), too slow (408), body stalled (408), over the connection cap (503), not HTTP "
+              "(400).", "reqps",
+              (Query(f"sum by (code) (rate(gateway_connections_refused_total[{RATE}]))", "{{code}}"),)),
     PanelSpec("Structured output invalid/s", "Non-streamed answers that failed their structured-output check, "
               "by backend, engine and what was done (retried, marked).", "reqps",
               (Query(rate_by("gateway_structured_output_invalid_total", B, "backend, engine, action"),

@@ -115,6 +115,11 @@ class GatewayMetrics:
             "gateway_structured_output_invalid",
             "Non-streamed answers that failed their structured-output check, by what was done (retried, marked).",
             ["backend", "engine", "action"], registry=r)
+        self.connections_refused = Counter(
+            "gateway_connections_refused",
+            "Client connections refused or cut by the server's limits, by code (request_headers_too_large, "
+            "header_timeout, idle_timeout, body_timeout, too_many_connections, invalid_http_request).",
+            ["code"], registry=r)
         self.queue_wait = QueueWaitCollector()
         r.register(self.queue_wait)
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
@@ -168,7 +173,7 @@ class QueueWaitCollector(Collector):
 
 
 class PoolCollector(Collector):
-    """Backend state as gauges, read at scrape time."""
+    """Backend and model state as gauges, read at scrape time."""
 
     def __init__(self, pool: Pool) -> None:
         self._pool = pool
@@ -178,7 +183,13 @@ class PoolCollector(Collector):
 
         labels = ["backend", "engine"]
         up = GaugeMetricFamily("gateway_backend_up", "1 when the backend answers (ready or loading).", labels=labels)
-        ready = GaugeMetricFamily("gateway_backend_ready", "1 when the backend can take requests.", labels=labels)
+        ready = GaugeMetricFamily(
+            "gateway_backend_ready",
+            "1 when the backend can take requests: ready by its health check and not ejected by its circuit breaker.",
+            labels=labels)
+        model_ready = GaugeMetricFamily(
+            "gateway_model_ready", "1 when at least one backend serving the model can take requests.",
+            labels=["model"])
         in_flight = GaugeMetricFamily(
             "gateway_backend_in_flight_requests", "Requests this gateway has in flight to the backend.", labels=labels)
         running = GaugeMetricFamily(
@@ -196,7 +207,7 @@ class PoolCollector(Collector):
         for backend in self._pool:
             key = [backend.name, backend.engine]
             up.add_metric(key, 1.0 if backend.health in (Health.READY, Health.LOADING) else 0.0)
-            ready.add_metric(key, 1.0 if backend.health is Health.READY else 0.0)
+            ready.add_metric(key, 1.0 if backend.routable else 0.0)
             in_flight.add_metric(key, float(backend.in_flight))
             errors.add_metric(key, float(backend.scrape_errors))
             if backend.slots:
@@ -213,4 +224,7 @@ class PoolCollector(Collector):
                 waiting.add_metric(key, float(load.waiting))
             if load.kv_usage is not None:
                 kv.add_metric(key, load.kv_usage)
-        yield from (up, ready, in_flight, running, waiting, kv, slots, age, errors)
+        servable = set(self._pool.models())
+        for model in sorted(self._pool.known_models()):
+            model_ready.add_metric([model], 1.0 if model in servable else 0.0)
+        yield from (up, ready, model_ready, in_flight, running, waiting, kv, slots, age, errors)

@@ -87,7 +87,8 @@ def test_template_variables() -> None:
         assert var["type"] == "query" and var["multi"] and var["includeAll"] and var["allValue"] == ".*"
         assert f", {name})" in var["query"]["query"]
     exprs = [t.expr for p in load_script("preview").panels(dashboard()) for t in p.targets]
-    unlabelled = ("gateway_routing_plugin_seconds", "gateway_requests_in_flight")  # no backend label
+    unlabelled = ("gateway_routing_plugin_seconds", "gateway_requests_in_flight",  # no backend label
+                  "gateway_connections_refused_total")
     for expr in exprs:
         assert "$backend" in expr or any(name in expr for name in unlabelled), expr
     assert any("$model" in e for e in exprs)
