@@ -54,7 +54,8 @@ def test_killing_a_backend_while_200_streams_run() -> None:
     assert report.checks["hung"] == 0, "nothing hangs"
     # the scenario did what it says: some streams were cut mid-flight, some arrived only after the kill
     assert report.checks["interrupted_mid_stream"] > 0, kinds
-    assert report.checks["started_after_kill"] > 0
+    # every stream due after the kill waited for it to be over (stopping a server takes a variable while)
+    assert report.checks["started_after_kill"] == 80, report.checks
     # requests that had not started streaming failed over: every one completed
     not_streaming = [o for o in outcomes if not (o.kind == "error_event" and o.streamed)]
     assert all(o.kind == "complete" for o in not_streaming), report.samples

@@ -1,8 +1,20 @@
 """``gateway bench faults``: bounded, loopback-only fault scenarios and their report (see ``cli.py``).
-``harness`` runs a gateway and judges what a client got, ``fakes`` misbehaves, ``scenarios`` combines them."""
+``harness`` runs a gateway and judges what a client got, ``fakes`` misbehaves, ``scenarios`` combines them
+(``front_door`` for the attacks on the gateway's own HTTP server)."""
 
 from gateway.bench.faults.cli import main
-from gateway.bench.faults.fakes import GARBAGE, AsyncThread, GarbageBackend, SlowReader, free_ports, rss_bytes
+from gateway.bench.faults.fakes import (
+    GARBAGE,
+    AsyncThread,
+    GarbageBackend,
+    HugeHeaderResult,
+    IdleFlood,
+    SlowReader,
+    free_ports,
+    rss_bytes,
+    send_huge_header,
+)
+from gateway.bench.faults.front_door import huge_header, idle_flood
 from gateway.bench.faults.harness import (
     Outcome,
     ScenarioReport,
@@ -24,6 +36,8 @@ __all__ = [
     "GARBAGE",
     "AsyncThread",
     "GarbageBackend",
+    "HugeHeaderResult",
+    "IdleFlood",
     "Outcome",
     "ScenarioReport",
     "SlowReader",
@@ -32,12 +46,15 @@ __all__ = [
     "free_ports",
     "garbage_backend",
     "hanging_backend",
+    "huge_header",
+    "idle_flood",
     "is_error_envelope",
     "judge_stream",
     "kill_while_streaming",
     "loading_backend",
     "main",
     "rss_bytes",
+    "send_huge_header",
     "settings_for",
     "slow_client",
 ]

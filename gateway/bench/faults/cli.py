@@ -12,6 +12,12 @@ Scenarios (each one a fresh emulated fleet and a fresh gateway):
 * ``flap``: a backend stopped and started again and again under load: no request fails while another
   backend is healthy.
 * ``loading``: a llama.cpp backend stuck loading is never sent a generation request.
+* ``slow``: clients reading long streams slowly hold back no one, and the gateway's memory stays bounded.
+* ``huge_header``: while clients stream, others send ``GET /health`` with a 64 MiB header: each gets a 431
+  at once, the streams' TTFT p99 rises by no more than 2x, no backend is marked down.
+* ``idle_flood``: while clients stream, 3,000 connections open and stay silent, against a cap of 2,000:
+  those past the cap are refused at once (503), the streams' TTFT p99 rises by no more than 2x, no backend
+  is marked down.
 
 For every scenario the report gives requests, requests lost (failed without being owed an error event,
 hung, or malformed), error events (well-formed / total) and the longest stall a client saw (largest gap
@@ -31,6 +37,7 @@ from typing import Any
 
 import orjson
 
+from gateway.bench.faults.front_door import huge_header, idle_flood
 from gateway.bench.faults.harness import (
     ScenarioReport,
 )
@@ -51,6 +58,8 @@ SCENARIOS: dict[str, Callable[[], ScenarioReport]] = {
     "flap": flapping_backend,
     "loading": loading_backend,
     "slow": slow_client,
+    "huge_header": huge_header,
+    "idle_flood": idle_flood,
 }
 
 

@@ -1,4 +1,5 @@
-"""Misbehaving peers for the fault scenarios: a backend answering garbage, and a client reading slowly."""
+"""Misbehaving peers for the fault scenarios: a backend answering garbage, a client reading slowly, a client
+sending a huge header, and a crowd of idle connections."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import re
 import threading
 import time
 from collections.abc import Awaitable
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -172,3 +174,103 @@ def free_ports(n: int) -> list[int]:
     for s in socks:
         s.close()
     return ports
+
+
+# -- clients attacking the front door -----------------------------------------------------------------------
+@dataclass
+class HugeHeaderResult:
+    status: int | None
+    body: bytes
+    seconds_after_limit: float  # from the client having sent one byte past the limit to the first byte back
+    bytes_sent: int  # before the gateway closed the connection under the sender
+
+
+def send_huge_header(port: int, limit: int, size: int = 64 << 20, path: str = "/health",
+                     timeout: float = 30.0) -> HugeHeaderResult:
+    """``GET path`` with one header ``size`` bytes long, written 1 MiB at a time while a second thread reads
+    the answer (blocking; run it on a thread of its own)."""
+    import socket
+
+    sock = socket.create_connection(("127.0.0.1", port), timeout=timeout)
+    answer: list[tuple[float, bytes]] = []
+
+    def read() -> None:
+        chunks = []
+        first = 0.0
+        with contextlib.suppress(OSError):
+            while data := sock.recv(65536):
+                first = first or time.perf_counter()
+                chunks.append(data)
+        answer.append((first, b"".join(chunks)))
+
+    reader = threading.Thread(target=read, name="huge-header-reader", daemon=True)
+    reader.start()
+    head = b"GET %s HTTP/1.1\r\nHost: gateway\r\nX-Big: " % path.encode()
+    filler = _FILLER
+    sent = 0
+    crossed = 0.0
+    try:
+        sock.sendall(head + filler[: limit - len(head) + 1])
+        crossed = time.perf_counter()
+        sent = limit + 1
+        while sent < size:
+            sock.sendall(filler)
+            sent += len(filler)
+        sock.sendall(b"\r\n\r\n")
+    except OSError:
+        pass  # the gateway answered and closed: what a client still sending gets
+    reader.join(timeout=timeout)
+    sock.close()
+    first, raw = answer[0] if answer else (0.0, b"")
+    head_part, _, body = raw.partition(b"\r\n\r\n")
+    status = int(head_part.split(b" ", 2)[1]) if raw.startswith(b"HTTP/1.") else None
+    return HugeHeaderResult(status, body, first - crossed if first else float("inf"), sent)
+
+
+_FILLER = b"a" * (1 << 20)
+
+
+class IdleFlood:
+    """``count`` connections opened to ``port`` and left silent (blocking; run it on a thread of its own).
+    ``refused()`` counts those the gateway answered 503 and closed; ``closed()`` those it closed silently."""
+
+    def __init__(self, port: int, count: int) -> None:
+        self.port, self.count = port, count
+        self.socks: list[Any] = []
+        self.opened_in_s = 0.0
+        self._answers: dict[int, bytes] = {}
+
+    def open(self) -> None:
+        import socket
+
+        t0 = time.perf_counter()
+        for _ in range(self.count):
+            sock = socket.create_connection(("127.0.0.1", self.port), timeout=10)
+            sock.setblocking(False)
+            self.socks.append(sock)
+        self.opened_in_s = time.perf_counter() - t0
+
+    def _poll(self) -> None:
+        for i, sock in enumerate(self.socks):
+            if i in self._answers:
+                continue
+            try:
+                data = sock.recv(4096)
+            except BlockingIOError:
+                continue
+            except ConnectionError:
+                data = b""
+            self._answers[i] = data  # enough to tell a 503 from a silent close
+
+    def refused(self) -> int:
+        self._poll()
+        return sum(a.startswith(b"HTTP/1.1 503 ") for a in self._answers.values())
+
+    def closed(self) -> int:
+        self._poll()
+        return sum(a == b"" for a in self._answers.values())
+
+    def close(self) -> None:
+        for sock in self.socks:
+            sock.close()
+        self.socks.clear()

@@ -22,21 +22,20 @@ ASK = [{"role": "user", "content": "Tell me a long story about a lighthouse."}]
 
 # -- the gateway on a thread ---------------------------------------------------------------------------------
 class GatewayThread:
-    """``create_app(settings)`` served by uvicorn (uvloop + httptools, as in production) on a daemon thread."""
+    """``create_app(settings)`` served by uvicorn on a daemon thread, configured as ``gateway serve`` does it."""
 
     def __init__(self, settings: Settings) -> None:
         import uvicorn
 
         from gateway.app import create_app
-        from gateway.server_protocol import StampedHttpToolsProtocol
+        from gateway.server_limits import uvicorn_config
 
         self.app = create_app(settings)
         self.gateway = self.app.gateway
         sock = _bound_socket()
         self.port = sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(self.app, loop="uvloop", http=StampedHttpToolsProtocol, lifespan="on",
-                                log_level="error", access_log=False, timeout_graceful_shutdown=2)
+        config = uvicorn_config(self.app, settings.server, log_level="error", graceful_shutdown=2)
         self.server = uvicorn.Server(config)
         self._sock = sock
         self.loop: asyncio.AbstractEventLoop | None = None

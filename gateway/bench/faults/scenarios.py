@@ -46,8 +46,10 @@ class KillResult:
 def kill_while_streaming(streams: int = 200, max_tokens: int = 120, time_scale: float = 1.0,
                          spread_s: float = 1.0, kill_after_s: float = 0.6, timeout: float = 30.0) -> KillResult:
     """``streams`` streams arriving evenly over ``spread_s`` onto two emulated vLLM servers; ``v0`` is killed
-    ``kill_after_s`` after the first arrival. Lost: anything but a complete stream, except a stream that
-    was mid-flight on the killed backend and ended with a well-formed error event."""
+    ``kill_after_s`` after the first arrival. Streams due at or after ``kill_after_s`` wait until the kill is
+    done (stopping a server takes a variable while), so that they certainly arrive after it. Lost: anything
+    but a complete stream, except a stream that was mid-flight on the killed backend and ended with a
+    well-formed error event."""
     specs = [SimSpec(engine="vllm", model="m", name=f"v{i}", time_scale=time_scale) for i in range(2)]
     report = ScenarioReport("kill_while_streaming")
     t0 = time.monotonic()
@@ -59,15 +61,21 @@ def kill_while_streaming(streams: int = 200, max_tokens: int = 120, time_scale: 
         killed: dict[str, float] = {}
 
         async def drive() -> list[Outcome]:
+            done = asyncio.Event()
             async with client_session() as session:
                 async def one(i: int) -> Outcome:
-                    await asyncio.sleep(spread_s * i / streams)
+                    due = spread_s * i / streams
+                    await asyncio.sleep(due)
+                    if due >= kill_after_s:
+                        await done.wait()
                     return await request(session, url, chat_body(max_tokens), i, timeout)
 
                 async def kill() -> None:
                     await asyncio.sleep(kill_after_s)
+                    killed["began"] = time.monotonic()
                     await asyncio.to_thread(fleet.call, victim.stop())
                     killed["at"] = time.monotonic()
+                    done.set()
 
                 killer = asyncio.create_task(kill())
                 results = await asyncio.gather(*(one(i) for i in range(streams)))
@@ -90,6 +98,7 @@ def kill_while_streaming(streams: int = 200, max_tokens: int = 120, time_scale: 
         report.checks["served_after_failover_or_by_survivor"] = sum(
             o.kind == "complete" and o.backend == "v1" for o in outcomes)
         report.checks["started_after_kill"] = sum(o.started >= killed_at for o in outcomes)
+        report.checks["kill_took_s"] = round(killed_at - killed["began"], 3)
         report.checks["hung"] = sum(o.kind == "hung" for o in outcomes)
         report.checks["longest_stream_s"] = round(max(o.duration for o in outcomes), 3)
     report.seconds = time.monotonic() - t0
