@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import random
 import re
+import time
 from typing import Any
 
 import jsonschema
@@ -13,6 +14,8 @@ import pytest
 
 from gateway.sim.constrained import (
     ConstraintError,
+    ConstraintTooDeep,
+    ConstraintTooLarge,
     choice_sample,
     ebnf_sample,
     gbnf_from_choices,
@@ -26,6 +29,9 @@ from gateway.sim.constrained import (
     validate_json_schema,
     validate_regex,
 )
+from gateway.sim.constrained.grammar_ast import Alt, CharClass, Expr, Grammar, Lit, Ref, Repeat, Seq
+from gateway.sim.constrained.grammar_parse import parse_text_grammar
+from gateway.sim.constrained.grammar_sample import CostTable
 
 SEEDS = range(25)
 
@@ -584,3 +590,117 @@ def test_validate_grammar_rejects_unknown_dialect_and_non_strings() -> None:
         validate_grammar('root ::= "a"', "peg")  # type: ignore[arg-type]
     with pytest.raises(ConstraintError, match="string"):
         validate_grammar(None, "gbnf")  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------------------- bounded work
+INF = 1 << 62
+
+
+def naive_costs(grammar: Grammar) -> dict[str, int]:
+    """The definition of the least derivation costs, iterated until nothing changes (quadratic)."""
+    costs = dict.fromkeys(grammar.rules, INF)
+
+    def cost(expr: Expr) -> int:
+        if isinstance(expr, Lit):
+            return len(expr.text)
+        if isinstance(expr, CharClass):
+            return 1 if expr.members() else INF
+        if isinstance(expr, Ref):
+            return costs.get(expr.name, INF)
+        if isinstance(expr, Seq):
+            return min(INF, sum(cost(item) for item in expr.items))
+        if isinstance(expr, Alt):
+            return min(cost(option) for option in expr.options)
+        assert isinstance(expr, Repeat)
+        return 0 if expr.lo == 0 else min(INF, expr.lo * cost(expr.item))
+
+    changed = True
+    while changed:
+        changed = False
+        for name, body in grammar.rules.items():
+            if min(INF, 1 + cost(body)) < costs[name]:
+                costs[name], changed = min(INF, 1 + cost(body)), True
+    return costs
+
+
+def random_expr(rng: random.Random, names: list[str], depth: int = 0) -> Expr:
+    pick = rng.randrange(7 if depth < 4 else 3)
+    if pick == 0:
+        return Lit(rng.choice(["", "a", "bc"]))
+    if pick == 1:
+        return CharClass(((97, 98),)) if rng.random() < 0.8 else CharClass(())
+    if pick == 2:
+        return Ref(rng.choice(names))
+    if pick == 3:
+        return Seq(tuple(random_expr(rng, names, depth + 1) for _ in range(rng.randrange(0, 4))))
+    if pick == 4:
+        return Alt(tuple(random_expr(rng, names, depth + 1) for _ in range(rng.randrange(1, 4))))
+    lo = rng.randrange(0, 3)
+    return Repeat(random_expr(rng, names, depth + 1), lo, rng.choice([None, lo, lo + 2]))
+
+
+def test_least_costs_are_those_of_the_definition() -> None:
+    for seed in range(400):
+        rng = random.Random(seed)
+        names = [f"r{i}" for i in range(rng.randrange(1, 8))]
+        grammar = Grammar({name: random_expr(rng, names) for name in names}, names[0], "gbnf")
+        assert CostTable(grammar).rule_cost == naive_costs(grammar), seed
+
+
+def chain(rules: int, left: bool = False, reverse: bool = False) -> str:
+    """``rules`` rules each referring to the next (on its left: a long but not left-recursive chain)."""
+    body = [f'r{i} ::= r{i + 1} "a"' if left else f'r{i} ::= "a" r{i + 1}' for i in range(1, rules)]
+    lines = ["root ::= r1", *(reversed(body) if reverse else body), f'r{rules} ::= "a"']
+    return "\n".join(lines) + "\n"
+
+
+@pytest.mark.parametrize(("left", "reverse"), [(False, False), (False, True), (True, False)])
+def test_a_chain_of_12000_rules_is_checked_and_sampled_in_linear_time(left: bool, reverse: bool) -> None:
+    text = chain(12_000, left, reverse)
+    start = time.perf_counter()
+    validate_grammar(text, "gbnf")
+    costs = CostTable(parse_text_grammar(text, "gbnf")).rule_cost
+    assert costs["root"] == 1 + 2 * 12_000 and costs["r12000"] == 2
+    assert gbnf_sample(text, random.Random(0)) == "a" * 12_000  # no recursion per rule either
+    assert "r12000 ::=" in gbnf_to_ebnf(text)
+    assert time.perf_counter() - start < 20  # it took 42 s and more to validate alone
+
+
+@pytest.mark.parametrize(("dialect", "make"), [
+    ("gbnf", lambda n: "root ::= " + '("a" ' * n + ")" * n),
+    ("gbnf", lambda n: 'root ::= "a"' + "*" * n),
+    ("ebnf", lambda n: "root ::= " + '("a" | ' * n + '"b"' + ")" * n),
+    ("ebnf", lambda n: 'root ::= Regex("' + "(" * n + "a" + ")" * n + '")'),
+    ("lark", lambda n: "start: " + '["a" ' * n + "]" * n),
+    ("lark", lambda n: "start: /" + "(?:" * n + "a" + ")" * n + "/"),
+])
+def test_grammars_nested_past_the_limit_stop_the_parser(dialect: Any, make: Any) -> None:
+    validate_grammar(make(30), dialect, max_nesting=30)
+    with pytest.raises(ConstraintTooDeep, match="deeper than 30 levels"):
+        validate_grammar(make(31), dialect, max_nesting=30)
+    with pytest.raises(ConstraintTooDeep):  # never a RecursionError
+        validate_grammar(make(5000), dialect)
+
+
+def test_regexes_nested_past_the_limit_are_refused_before_parsing() -> None:
+    validate_regex("(" * 200 + "a" + ")" * 200)
+    with pytest.raises(ConstraintTooDeep, match="at offset 200"):
+        validate_regex("(" * 201 + "a" + ")" * 201)
+    validate_regex("[(]" * 300 + "\\(" * 300, max_nesting=1)  # escaped and in classes: not groups
+
+
+def test_grammars_with_more_rules_than_the_limit_are_refused_when_the_next_starts() -> None:
+    validate_grammar(chain(10), "gbnf", max_rules=11)
+    with pytest.raises(ConstraintTooLarge, match="more than 10 rules"):
+        validate_grammar(chain(10), "gbnf", max_rules=10)
+    lark = "start: a\n" + "\n".join(f'a{"" if i == 0 else i}: "x"' for i in range(5))
+    validate_grammar(lark, "lark", max_rules=6)
+    with pytest.raises(ConstraintTooLarge):
+        validate_grammar(lark, "lark", max_rules=5)
+
+
+def test_deep_expressions_convert_and_sample() -> None:
+    grammar = "root ::= " + '("a" | "b" (' * 100 + '"c"' + ")*)*" * 100
+    converted = gbnf_to_ebnf(grammar)
+    text = ebnf_sample(converted, random.Random(1))
+    assert re.fullmatch("[abc]*", text)

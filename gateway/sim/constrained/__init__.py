@@ -10,22 +10,28 @@ from __future__ import annotations
 
 from .choice import choice_sample, gbnf_from_choices
 from .convert import gbnf_to_ebnf
-from .errors import ConstraintError
-from .grammars import ebnf_sample, gbnf_sample, lark_sample, validate_grammar
+from .errors import DEFAULT_MAX_NESTING, ConstraintError, ConstraintTooDeep, ConstraintTooLarge
+from .grammars import ebnf_sample, forget_prepared, gbnf_sample, lark_sample, validate_grammar
 from .json_gen import json_instance
 from .json_schema import validate_json_schema
-from .regex import regex_from_choices, regex_sample, validate_regex
+from .regex import parse_regex, regex_from_choices, regex_nesting, regex_sample, validate_regex
 
 __all__ = [
+    "DEFAULT_MAX_NESTING",
     "ConstraintError",
+    "ConstraintTooDeep",
+    "ConstraintTooLarge",
     "choice_sample",
     "ebnf_sample",
+    "forget_prepared",
     "gbnf_from_choices",
     "gbnf_sample",
     "gbnf_to_ebnf",
     "json_instance",
     "lark_sample",
+    "parse_regex",
     "regex_from_choices",
+    "regex_nesting",
     "regex_sample",
     "validate_grammar",
     "validate_json_schema",

@@ -15,13 +15,14 @@ ConstraintError, as does any GBNF grammar llama.cpp itself would reject.
 
 from __future__ import annotations
 
+from .errors import DEFAULT_MAX_NESTING
 from .grammars import parse_grammar
 from .render import render_grammar
 
 
-def gbnf_to_ebnf(grammar: str) -> str:
+def gbnf_to_ebnf(grammar: str, max_nesting: int = DEFAULT_MAX_NESTING, max_rules: int | None = None) -> str:
     """The xgrammar EBNF grammar accepting exactly the strings GBNF ``grammar`` accepts."""
-    parsed = parse_grammar(grammar, "gbnf")
+    parsed = parse_grammar(grammar, "gbnf", max_nesting, max_rules)
     names: dict[str, str] = {}
     taken = set(parsed.rules)
     for name in parsed.rules:

@@ -1,7 +1,18 @@
-"""The one exception type of the constrained-output library."""
+"""The exception types of the constrained-output library."""
 
 from __future__ import annotations
+
+# deepest nesting the parsers accept unless told otherwise: well inside Python's recursion limit
+DEFAULT_MAX_NESTING = 200
 
 
 class ConstraintError(ValueError):
     """An invalid or unsupported constraint; the message says what is wrong and where."""
+
+
+class ConstraintTooDeep(ConstraintError):
+    """Nested deeper than the caller's ``max_nesting`` (the parsers stop there, before recursing on)."""
+
+
+class ConstraintTooLarge(ConstraintError):
+    """More rules than the caller's ``max_rules``."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 from typing import Literal as TypingLiteral
 
@@ -109,3 +110,19 @@ def reachable(grammar: Grammar) -> list[str]:
         seen[name] = None
         todo.extend(r.name for r in reversed(refs_in(grammar.rules[name])))
     return list(seen)
+
+
+class LineIndex:
+    """Line and column (from 1) of an offset in a text, in O(log lines): counting the newlines before
+    each position from the start of the text would make parsing a long grammar quadratic."""
+
+    def __init__(self, text: str) -> None:
+        self._starts = [0]
+        at = text.find("\n")
+        while at >= 0:
+            self._starts.append(at + 1)
+            at = text.find("\n", at + 1)
+
+    def line_col(self, pos: int) -> tuple[int, int]:
+        line = bisect.bisect_right(self._starts, pos)
+        return line, pos - self._starts[line - 1] + 1

@@ -10,6 +10,10 @@ the extra escapes ``\\/ \\' \\? \\b \\f \\a \\v \\0 \\e``, ``\\x`` with any numb
 ``[^]``, rule options ``name[capture, temperature=..., max_tokens=N] ::=`` (no effect on the
 language) and the ``Regex("...")`` macro.  Lookahead ``(= ...)``, ``lazy`` / ``max_chars``
 options and the other macros (``TagDispatch``, ``Substring``, ...) raise ConstraintError.
+
+Bounded: parentheses (and stacked repetition operators) nested deeper than ``max_nesting`` raise
+ConstraintTooDeep where they are met, before the parser recurses further; more than ``max_rules``
+rules raise ConstraintTooLarge when the next one starts.
 """
 
 from __future__ import annotations
@@ -18,8 +22,8 @@ import re
 from typing import Literal, NoReturn
 
 from . import charset
-from .errors import ConstraintError
-from .grammar_ast import ANY_CHAR, CharClass, Expr, Grammar, Lit, Ref, Repeat, alt, seq
+from .errors import DEFAULT_MAX_NESTING, ConstraintError, ConstraintTooDeep, ConstraintTooLarge
+from .grammar_ast import ANY_CHAR, CharClass, Expr, Grammar, LineIndex, Lit, Ref, Repeat, alt, seq
 from .regex import regex_to_expr
 
 TextDialect = Literal["gbnf", "ebnf"]
@@ -49,21 +53,27 @@ _REGEX_FLAGS = {"i": re.IGNORECASE, "s": re.DOTALL, "u": 0}
 
 
 class _Parser:
-    def __init__(self, text: str, dialect: TextDialect) -> None:
+    def __init__(self, text: str, dialect: TextDialect, max_nesting: int, max_rules: int | None) -> None:
         self.text = text
         self.n = len(text)
         self.pos = 0
         self.dialect = dialect
         self.ebnf = dialect == "ebnf"
+        self.lines = LineIndex(text)
+        self.max_nesting = max_nesting
+        self.max_rules = max_rules
+        self.depth = 0  # parentheses around the current position
 
     # -- positions and errors -------------------------------------------------------------
     def line_col(self, pos: int) -> tuple[int, int]:
-        line = self.text.count("\n", 0, pos) + 1
-        return line, pos - (self.text.rfind("\n", 0, pos) + 1) + 1
+        return self.lines.line_col(pos)
 
-    def fail(self, message: str, pos: int | None = None) -> NoReturn:
+    def fail(self, message: str, pos: int | None = None, error: type[ConstraintError] = ConstraintError) -> NoReturn:
         line, col = self.line_col(self.pos if pos is None else pos)
-        raise ConstraintError(f"{self.dialect} grammar error at line {line}, column {col}: {message}")
+        raise error(f"{self.dialect} grammar error at line {line}, column {col}: {message}")
+
+    def too_deep(self) -> NoReturn:
+        self.fail(f"nested deeper than {self.max_nesting} levels", error=ConstraintTooDeep)
 
     def peek(self, offset: int = 0) -> str:
         at = self.pos + offset
@@ -130,6 +140,8 @@ class _Parser:
         self.skip(True)
         while self.pos < self.n:
             start = self.pos
+            if self.max_rules is not None and len(rules) >= self.max_rules:
+                self.fail(f"more than {self.max_rules} rules", error=ConstraintTooLarge)
             name = self.parse_name()
             if self.ebnf and self.peek() == "[":
                 self.parse_options()
@@ -187,6 +199,8 @@ class _Parser:
                     break
                 if self.ebnf and operators:
                     self.fail("two repetition operators in a row; wrap the element in parentheses")
+                if self.depth + operators >= self.max_nesting:  # each stacked operator nests one level
+                    self.too_deep()
                 atom = self.parse_operator(atom, op)
                 operators += 1
             items.append(atom)
@@ -237,11 +251,15 @@ class _Parser:
         if ch == "(":
             if self.ebnf and self.peek(1) == "=":
                 self.fail("lookahead assertions '(= ...)' are not supported")
+            if self.depth >= self.max_nesting:
+                self.too_deep()
             self.pos += 1
+            self.depth += 1
             self.skip(True)
             inner = self.parse_alternatives(nested=True)
             self.skip(True)
             self.expect(")", "')'")
+            self.depth -= 1
             return inner
         if ch == ".":
             self.pos += 1
@@ -369,14 +387,15 @@ class _Parser:
             self.skip(True)
         self.expect(")", "')' closing Regex(...)")
         try:
-            return regex_to_expr(pattern, flags)
+            return regex_to_expr(pattern, flags, self.max_nesting - self.depth)
         except ConstraintError as exc:
             line, col = self.line_col(start)
-            raise ConstraintError(f"ebnf grammar error at line {line}, column {col}: {exc}") from exc
+            raise type(exc)(f"ebnf grammar error at line {line}, column {col}: {exc}") from exc
 
 
-def parse_text_grammar(text: str, dialect: TextDialect) -> Grammar:
+def parse_text_grammar(text: str, dialect: TextDialect, max_nesting: int = DEFAULT_MAX_NESTING,
+                       max_rules: int | None = None) -> Grammar:
     """Parse GBNF or xgrammar EBNF text (syntax only; see grammar_sample.check_grammar)."""
     if not isinstance(text, str):
         raise ConstraintError(f"grammar must be a string, got {type(text).__name__}")
-    return _Parser(text, dialect).parse()
+    return _Parser(text, dialect, max_nesting, max_rules).parse()

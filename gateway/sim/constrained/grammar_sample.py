@@ -1,7 +1,7 @@
 """Checking a parsed grammar (undefined rules, finite derivations) and sampling from it.
 
 Sampling is a random walk from the root.  Each rule's minimal derivation cost (characters
-produced plus one per rule expansion) is precomputed by fixed point; past a depth or length
+produced plus one per rule expansion) is precomputed (least_cost.py); past a depth or length
 budget the walk always takes a cheapest alternative and the fewest repetitions, so the cost
 strictly decreases at every rule expansion and the walk terminates.
 """
@@ -13,56 +13,29 @@ import random
 from . import charset
 from .errors import ConstraintError
 from .grammar_ast import Alt, CharClass, Expr, Grammar, Lit, Ref, Repeat, Seq, reachable, refs_in
+from .least_cost import INFINITE, expression_cost, flatten, least_costs
 
-INFINITE = 1 << 62
 DEPTH_BUDGET = 10
 LENGTH_BUDGET = 120
 EXTRA_REPEATS = 3
 
 
-def _cap(value: int) -> int:
-    return INFINITE if value >= INFINITE else value
-
-
 class CostTable:
-    """Minimal derivation cost of every rule and (memoised) of every expression."""
+    """Minimal derivation cost of every rule and of every expression of the grammar (see least_cost)."""
 
     def __init__(self, grammar: Grammar) -> None:
         self.grammar = grammar
-        self.rule_cost: dict[str, int] = {name: INFINITE for name in grammar.rules}
-        self._memo: dict[int, int] = {}
-        changed = True
-        while changed:
-            changed = False
-            for name, body in grammar.rules.items():
-                cost = _cap(1 + self._compute(body))
-                if cost < self.rule_cost[name]:
-                    self.rule_cost[name] = cost
-                    changed = True
-        self._memo.clear()
-
-    def _compute(self, expr: Expr) -> int:
-        if isinstance(expr, Lit):
-            return len(expr.text)
-        if isinstance(expr, CharClass):
-            return 1 if expr.members() else INFINITE
-        if isinstance(expr, Ref):
-            return self.rule_cost.get(expr.name, INFINITE)
-        if isinstance(expr, Seq):
-            return _cap(sum(self._compute(item) for item in expr.items))
-        if isinstance(expr, Alt):
-            return min(self._compute(option) for option in expr.options)
-        if expr.lo == 0:
-            return 0
-        return _cap(expr.lo * self._compute(expr.item))
+        flat = flatten(grammar)
+        costs = least_costs(grammar, 1, flat)
+        self.rule_cost: dict[str, int] = costs.rules
+        # keyed by identity: equal costs for an expression object wherever it occurs
+        self._memo: dict[int, int] = {id(expr): value for expr, value in zip(flat.exprs, costs.values, strict=True)}
 
     def cost(self, expr: Expr) -> int:
-        key = id(expr)
-        found = self._memo.get(key)
-        if found is None:
-            found = self._compute(expr)
-            self._memo[key] = found
-        return found
+        found = self._memo.get(id(expr))
+        if found is not None:
+            return found
+        return expression_cost(expr, self.rule_cost)  # an expression from outside the grammar
 
 
 def _where(grammar: Grammar, name: str) -> str:
@@ -107,21 +80,24 @@ class _Walker:
         self.out.append(text)
         self.length += len(text)
 
-    def walk(self, expr: Expr, depth: int) -> None:
-        if isinstance(expr, Lit):
-            self.emit(expr.text)
-        elif isinstance(expr, CharClass):
-            self.emit(charset.sample_char(expr.members(), self.rng))
-        elif isinstance(expr, Ref):
-            self.walk(self.rules[expr.name], depth + 1)
-        elif isinstance(expr, Seq):
-            for item in expr.items:
-                self.walk(item, depth)
-        elif isinstance(expr, Alt):
-            self.walk(self._pick(expr, depth), depth)
-        else:
-            for _ in range(self._count(expr, depth)):
-                self.walk(expr.item, depth)
+    def walk(self, start: Expr, depth: int) -> None:
+        # depth first with an explicit stack (a chain of rules may be deeper than Python's recursion
+        # limit); each choice is made when its node is reached, as a recursive walk would make it
+        stack = [(start, depth)]
+        while stack:
+            expr, depth = stack.pop()
+            if isinstance(expr, Lit):
+                self.emit(expr.text)
+            elif isinstance(expr, CharClass):
+                self.emit(charset.sample_char(expr.members(), self.rng))
+            elif isinstance(expr, Ref):
+                stack.append((self.rules[expr.name], depth + 1))
+            elif isinstance(expr, Seq):
+                stack.extend((item, depth) for item in reversed(expr.items))
+            elif isinstance(expr, Alt):
+                stack.append((self._pick(expr, depth), depth))
+            else:
+                stack.extend([(expr.item, depth)] * self._count(expr, depth))
 
     def _pressure(self, depth: int) -> float:
         """0 at the start, rising to 1 at the depth or length budget."""

@@ -10,6 +10,10 @@ NUMBER, SIGNED_NUMBER, INT, SIGNED_INT, DECIMAL, FLOAT, SIGNED_FLOAT, WORD, LETT
 LCASE_LETTER, UCASE_LETTER, DIGIT, HEXDIGIT, ESCAPED_STRING, CNAME; ``%ignore`` (samples
 contain no ignored text).  Templates, ``%declare``, ``%override``, ``%extend`` and other
 imports raise ConstraintError.  The start rule is ``start``.
+
+Bounded like grammar_parse.py: ``( )`` / ``[ ]`` and stacked operators nested deeper than
+``max_nesting`` raise ConstraintTooDeep (a ``/regex/`` counts from where it stands), more than
+``max_rules`` definitions ConstraintTooLarge.
 """
 
 from __future__ import annotations
@@ -19,8 +23,8 @@ from functools import lru_cache
 from typing import NoReturn
 
 from . import charset
-from .errors import ConstraintError
-from .grammar_ast import Alt, CharClass, Expr, Grammar, Lit, Ref, Repeat, Seq, alt, refs_in, seq
+from .errors import DEFAULT_MAX_NESTING, ConstraintError, ConstraintTooDeep, ConstraintTooLarge
+from .grammar_ast import Alt, CharClass, Expr, Grammar, LineIndex, Lit, Ref, Repeat, Seq, alt, refs_in, seq
 from .lark_common import COMMON_SOURCE
 from .regex import regex_to_expr
 
@@ -47,20 +51,27 @@ def is_terminal(name: str) -> bool:
 
 
 class _LarkParser:
-    def __init__(self, text: str) -> None:
+    def __init__(self, text: str, max_nesting: int = DEFAULT_MAX_NESTING, max_rules: int | None = None) -> None:
         self.text = text
         self.n = len(text)
         self.pos = 0
         self.rules: dict[str, Expr] = {}
         self.positions: dict[str, tuple[int, int]] = {}
         self.ignores = 0
+        self.lines = LineIndex(text)
+        self.max_nesting = max_nesting
+        self.max_rules = max_rules
+        self.defined = 0
 
     def line_col(self, pos: int) -> tuple[int, int]:
-        return self.text.count("\n", 0, pos) + 1, pos - (self.text.rfind("\n", 0, pos) + 1) + 1
+        return self.lines.line_col(pos)
 
-    def fail(self, message: str, pos: int | None = None) -> NoReturn:
+    def fail(self, message: str, pos: int | None = None, error: type[ConstraintError] = ConstraintError) -> NoReturn:
         line, col = self.line_col(self.pos if pos is None else pos)
-        raise ConstraintError(f"lark grammar error at line {line}, column {col}: {message}")
+        raise error(f"lark grammar error at line {line}, column {col}: {message}")
+
+    def too_deep(self) -> NoReturn:
+        self.fail(f"nested deeper than {self.max_nesting} levels", error=ConstraintTooDeep)
 
     def peek(self, offset: int = 0) -> str:
         at = self.pos + offset
@@ -85,6 +96,9 @@ class _LarkParser:
         return match.group()
 
     def define(self, name: str, body: Expr, start: int) -> None:
+        self.defined += 1
+        if self.max_rules is not None and self.defined > self.max_rules:
+            self.fail(f"more than {self.max_rules} rules and terminals", start, ConstraintTooLarge)
         if name in self.rules:
             self.fail(f"'{name}' is defined more than once", start)
         self.rules[name] = body
@@ -230,9 +244,14 @@ class _LarkParser:
         return seq(items)
 
     def operators(self, atom: Expr, depth: int) -> Expr:
+        stacked = 0
         while True:
             self.skip(depth > 0)
             ch = self.peek()
+            if ch in ("*", "+", "?", "~", "{"):
+                if depth + stacked >= self.max_nesting:  # each stacked operator nests one level
+                    self.too_deep()
+                stacked += 1
             if ch in ("*", "+", "?"):
                 self.pos += 1
                 atom = Repeat(atom, *{"*": (0, None), "+": (1, None), "?": (0, 1)}[ch])
@@ -274,6 +293,8 @@ class _LarkParser:
         ch = self.peek()
         start = self.pos
         if ch in ("(", "["):
+            if depth >= self.max_nesting:
+                self.too_deep()
             self.pos += 1
             self.skip(True)
             inner = self.expansions(depth + 1)
@@ -295,7 +316,7 @@ class _LarkParser:
                 return CharClass(((ord(text), ord(end)),))
             return Lit(text)
         if ch == "/":
-            return self.regex()
+            return self.regex(depth)
         if ch.isalpha() or ch == "_":
             name = self.name()
             line, col = self.line_col(start)
@@ -333,7 +354,7 @@ class _LarkParser:
             else:
                 out.extend(("\\", esc))
 
-    def regex(self) -> Expr:
+    def regex(self, depth: int) -> Expr:
         start = self.pos
         self.pos += 1
         out: list[str] = []
@@ -360,10 +381,10 @@ class _LarkParser:
             flags |= _REGEX_FLAGS[flag]
             self.pos += 1
         try:
-            return regex_to_expr("".join(out), flags)
+            return regex_to_expr("".join(out), flags, self.max_nesting - depth)
         except ConstraintError as exc:
             line, col = self.line_col(start)
-            raise ConstraintError(f"lark grammar error at line {line}, column {col}: {exc}") from exc
+            raise type(exc)(f"lark grammar error at line {line}, column {col}: {exc}") from exc
 
 
 def _rename(expr: Expr, prefix: str) -> Expr:
@@ -385,8 +406,8 @@ def _common_terminals() -> dict[str, Expr]:
     return parser.rules
 
 
-def parse_lark(text: str) -> Grammar:
+def parse_lark(text: str, max_nesting: int = DEFAULT_MAX_NESTING, max_rules: int | None = None) -> Grammar:
     """Parse Lark grammar text (syntax and terminal/rule separation; see check_grammar)."""
     if not isinstance(text, str):
         raise ConstraintError(f"grammar must be a string, got {type(text).__name__}")
-    return _LarkParser(text).parse()
+    return _LarkParser(text, max_nesting, max_rules).parse()

@@ -6,6 +6,11 @@ alternation, greedy, lazy and possessive quantifiers ``* + ? {m} {m,} {m,n}`` (u
 capped a few repeats past the minimum), inline flags, and the anchors ``^ $ \\A \\Z`` (which
 only make sense at the ends).  Backreferences, lookarounds, conditionals, atomic groups and
 word boundaries raise ConstraintError.  Samples are checked with ``re.fullmatch``.
+
+Validation is bounded: groups nested deeper than ``max_nesting`` raise ConstraintTooDeep after a
+linear scan, before Python's recursive regex parser runs; the pattern is parsed but not compiled
+(compiling a wide character range costs milliseconds per range, e.g. ``[\\x00-\\U0010ffff]``, and
+compilation finds no error the parser has not already reported for the supported subset).
 """
 
 from __future__ import annotations
@@ -18,9 +23,10 @@ from functools import lru_cache
 from typing import Any
 
 from . import charset
-from .errors import ConstraintError
+from .errors import DEFAULT_MAX_NESTING, ConstraintError, ConstraintTooDeep
 from .grammar_ast import ANY_CHAR, CharClass, Expr, Grammar, Lit, Repeat, alt, seq
-from .grammar_sample import INFINITE, CostTable, sample_expr
+from .grammar_sample import CostTable, sample_expr
+from .least_cost import INFINITE
 
 _parser: Any = importlib.import_module("re._parser")
 _constants: Any = importlib.import_module("re._constants")
@@ -31,6 +37,46 @@ _SPACE: charset.Ranges = ((0x09, 0x0D), (0x20, 0x20))
 _NON_ASCII: charset.Ranges = ((0x80, charset.MAX_CODE_POINT),)
 _NO_NEWLINE: charset.Ranges = ((0x0A, 0x0A),)
 _ATTEMPTS = 12
+_GROUPING = re.compile(r"[\\\[()]")  # what the nesting scan stops at
+_CLASS_REST = re.compile(r"\^?\]?(?:\\.|[^\]\\])*\]?", re.DOTALL)  # a class's body after its '['
+
+
+def regex_nesting(pattern: str, limit: int) -> int | None:
+    """Where ``pattern``'s groups first nest deeper than ``limit`` (an offset), or None: a linear scan
+    that skips escapes and character classes, safe on any input (Python's own parser recurses per
+    group and overflows the interpreter's stack on a few hundred)."""
+    depth = 0
+    pos = 0
+    while (found := _GROUPING.search(pattern, pos)) is not None:
+        at = found.start()
+        char = found.group()
+        if char == "\\":
+            pos = at + 2
+        elif char == "[":
+            rest = _CLASS_REST.match(pattern, at + 1)
+            pos = rest.end() if rest is not None else at + 1
+        elif char == "(":
+            depth += 1
+            if depth > limit:
+                return at
+            pos = at + 1
+        else:
+            depth = max(0, depth - 1)
+            pos = at + 1
+    return None
+
+
+def parse_regex(pattern: str, flags: int = 0, max_nesting: int = DEFAULT_MAX_NESTING) -> Any:
+    """Python's parse tree of ``pattern``; ConstraintTooDeep or ConstraintError when it has none."""
+    deep = regex_nesting(pattern, max_nesting)
+    if deep is not None:
+        raise ConstraintTooDeep(f"regex groups nested deeper than {max_nesting} levels (at offset {deep})")
+    try:
+        return _parser.parse(pattern, flags)
+    except re.error as exc:
+        raise ConstraintError(f"invalid regex {pattern!r}: {exc}") from exc
+    except RecursionError:  # the scan bounds groups; this is a last line, not a path
+        raise ConstraintTooDeep(f"regex nested too deeply to parse (limit {max_nesting})") from None
 
 
 def _category(name: str, in_negated_class: bool) -> charset.Ranges:
@@ -122,14 +168,10 @@ def _convert(nodes: Any, flags: int) -> Expr:
 
 
 @lru_cache(maxsize=256)
-def _compile(pattern: str, flags: int) -> tuple[Expr, CostTable]:
+def _compile(pattern: str, flags: int, max_nesting: int) -> tuple[Expr, CostTable]:
     if not isinstance(pattern, str):
         raise ConstraintError(f"regex must be a string, got {type(pattern).__name__}")
-    try:
-        re.compile(pattern, flags)
-        parsed = _parser.parse(pattern, flags)
-    except re.error as exc:
-        raise ConstraintError(f"invalid regex {pattern!r}: {exc}") from exc
+    parsed = parse_regex(pattern, flags, max_nesting)
     expr = _convert(parsed, int(parsed.state.flags))
     table = CostTable(Grammar({"regex": expr}, "regex", "regex"))
     if table.rule_cost["regex"] >= INFINITE:
@@ -137,19 +179,23 @@ def _compile(pattern: str, flags: int) -> tuple[Expr, CostTable]:
     return expr, table
 
 
-def regex_to_expr(pattern: str, flags: int = 0) -> Expr:
+def forget_regexes() -> None:
+    _compile.cache_clear()
+
+
+def regex_to_expr(pattern: str, flags: int = 0, max_nesting: int = DEFAULT_MAX_NESTING) -> Expr:
     """The grammar expression for ``pattern`` (used for Lark and EBNF ``Regex`` terminals)."""
-    return _compile(pattern, flags)[0]
+    return _compile(pattern, flags, max_nesting)[0]
 
 
-def validate_regex(pattern: str) -> None:
+def validate_regex(pattern: str, max_nesting: int = DEFAULT_MAX_NESTING) -> None:
     """Raise ConstraintError if ``pattern`` is invalid or outside the supported subset."""
-    _compile(pattern, 0)
+    _compile(pattern, 0, max_nesting)
 
 
 def regex_sample(pattern: str, rng: random.Random) -> str:
     """A string that ``re.fullmatch``-es ``pattern``; deterministic for a given rng state."""
-    expr, table = _compile(pattern, 0)
+    expr, table = _compile(pattern, 0, DEFAULT_MAX_NESTING)
     for _ in range(_ATTEMPTS):
         text = sample_expr(table, expr, rng)
         if re.fullmatch(pattern, text) is not None:

@@ -69,23 +69,50 @@ def _suffix(expr: Repeat) -> str:
 
 
 def render_expr(expr: Expr, dialect: TextDialect, names: dict[str, str] | None = None, context: int = 0) -> str:
-    """``context``: 0 top level, 1 inside a sequence, 2 operand of a repetition."""
-    if isinstance(expr, Lit):
-        return render_literal(expr.text, dialect)
-    if isinstance(expr, CharClass):
-        return render_class(expr, dialect)
-    if isinstance(expr, Ref):
-        return (names or {}).get(expr.name, expr.name)
-    if isinstance(expr, Seq):
-        if not expr.items:
-            return '""'
-        text = " ".join(render_expr(item, dialect, names, 1) for item in expr.items)
-        return f"({text})" if context == 2 and len(expr.items) > 1 else text
-    if isinstance(expr, Alt):
-        text = " | ".join(render_expr(option, dialect, names, 0) for option in expr.options)
-        return f"({text})" if context > 0 else text
-    text = render_expr(expr.item, dialect, names, 2) + _suffix(expr)
-    return f"({text})" if context == 2 else text
+    """``context``: 0 top level, 1 inside a sequence, 2 operand of a repetition.
+
+    Post-order with an explicit stack: an expression may nest deeper than Python's recursion limit
+    allows a recursive renderer (three frames per level)."""
+    renamed = names or {}
+    done: list[str] = []  # rendered children, in order, waiting for their parent
+    stack: list[tuple[Expr, int, bool]] = [(expr, context, False)]
+    while stack:
+        node, where, children_done = stack.pop()
+        if isinstance(node, Lit):
+            done.append(render_literal(node.text, dialect))
+        elif isinstance(node, CharClass):
+            done.append(render_class(node, dialect))
+        elif isinstance(node, Ref):
+            done.append(renamed.get(node.name, node.name))
+        elif isinstance(node, Seq):
+            if not node.items:
+                done.append('""')
+            elif not children_done:
+                stack.append((node, where, True))
+                stack.extend((item, 1, False) for item in reversed(node.items))
+            else:
+                text = " ".join(_take(done, len(node.items)))
+                done.append(f"({text})" if where == 2 and len(node.items) > 1 else text)
+        elif isinstance(node, Alt):
+            if not children_done:
+                stack.append((node, where, True))
+                stack.extend((option, 0, False) for option in reversed(node.options))
+            else:
+                text = " | ".join(_take(done, len(node.options)))
+                done.append(f"({text})" if where > 0 else text)
+        elif not children_done:
+            stack.append((node, where, True))
+            stack.append((node.item, 2, False))
+        else:
+            text = done.pop() + _suffix(node)
+            done.append(f"({text})" if where == 2 else text)
+    return done[0]
+
+
+def _take(done: list[str], count: int) -> list[str]:
+    taken = done[len(done) - count :]
+    del done[len(done) - count :]
+    return taken
 
 
 def render_grammar(grammar: Grammar, dialect: TextDialect, names: dict[str, str] | None = None) -> str:
