@@ -32,6 +32,7 @@ from gateway.proxy.upstream import Upstream
 from gateway.routing.pipeline import Decision
 from gateway.routing.policies import build_pipeline
 from gateway.routing.state import RoutingState
+from gateway.structured.offload import ValidationWorkers
 from gateway.telemetry.metrics import GatewayMetrics
 from gateway.telemetry.tracing import Tracing, provider_from_environment
 
@@ -60,6 +61,7 @@ class Gateway:
         self.forwarder = Forwarder(self.upstream)
         self.admission = Admission(settings.admission)
         self.keys = KeyStore(settings.auth)
+        self.validation_workers = ValidationWorkers(settings.limits)
         self.dispatcher = Dispatcher(self)
         self.metrics = GatewayMetrics(registry)
         self.metrics.watch_pool(self.pool)
@@ -73,6 +75,7 @@ class Gateway:
     async def stop(self) -> None:
         await self.pool.stop()
         await self.upstream.close()
+        await self.validation_workers.close()
         self.tracing.shutdown()
 
     def observe_decision(self, decision: Decision) -> None:

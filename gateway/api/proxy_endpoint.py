@@ -11,7 +11,7 @@ import os
 import time
 from typing import TYPE_CHECKING, Any
 
-from gateway.api.validation import parse_request
+from gateway.api.validation import parse_request, validate_heavy
 from gateway.asgi import Headers, Receive, Scope, Send, header, send_body
 from gateway.auth import ANONYMOUS, Client, KeyStore
 from gateway.errors import GatewayError
@@ -109,6 +109,7 @@ class ProxyEndpoint:
             exchange.client = gw.keys.authenticate(header(scope, b"authorization"), header(scope, b"x-api-key"))
             raw = await read_body(scope, receive, gw.settings.server.max_body_bytes)
             request = parse_request(self._route, raw, gw.settings.limits)
+            await validate_heavy(request, gw.validation_workers)  # large constraints: off the event loop
             session = header(scope, self._session_header)
             request.session_key = session.decode("latin-1") if session else _user_session(request.body)
             exchange.stream = request.stream

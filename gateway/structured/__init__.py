@@ -5,6 +5,11 @@ gateway's own ``regex`` / ``choice`` / ``grammar`` fields, and each engine's nat
 :class:`Constraint`; each engine adapter says what it can honour and writes the constraint in its native
 fields; the routing filter ``structured-output`` sends a request only where its constraint will be
 honoured. Nothing is forwarded to an engine that would ignore it.
+
+Validation is bounded (``bounds``, ``checks``): limits on size, nesting and rules are checked first by linear
+scans and refused with a 400 naming the limit; a constraint too big to validate within about a millisecond
+is validated in a worker process under a deadline (``offload``); answers are checked only where that work is
+bounded (``check``).
 """
 
 from gateway.structured.constraint import CONSTRAINT_FIELDS, Constraint, ConstraintInvalid, extract

@@ -1,15 +1,35 @@
-"""Checking a finished (non-streamed) answer against the request's constraint."""
+"""Checking a finished (non-streamed) answer against the request's constraint, with bounded work.
+
+It runs on the event loop, so each check is one it can finish fast or none. Python's ``re`` backtracks
+without a bound: a regex is matched only when ``regex_cost.steps`` bounds the work for this answer's length
+within ``MATCH_BUDGET`` (about a millisecond, measured) and compiling it expands few character ranges; a
+schema's ``pattern`` keywords likewise, for the longest string in the answer. ``jsonschema`` recurses with
+the answer: one nested deeper than ``MAX_ANSWER_DEPTH`` is not checked. An answer that cannot be checked in
+bounds passes unchecked (the check is a safety net behind engines that enforce the constraint themselves);
+``skipped`` says why, in a debug log. A schema's answer longer than ``MAX_ANSWER_BYTES`` is not checked
+either: ``jsonschema`` takes a few microseconds per value.
+"""
 
 from __future__ import annotations
 
+import logging
 import re
+from functools import lru_cache
 from typing import Any
 
 import orjson
 
+from gateway.structured.bounds import json_depth
 from gateway.structured.constraint import Constraint
+from gateway.structured.regex_cost import compile_cost, steps
 
 CHECKABLE = frozenset({"json_object", "json_schema", "regex", "choice"})
+MATCH_BUDGET = 20_000_000  # estimated steps; the estimate runs 28x or more above the real work
+COMPILE_BUDGET = 10_000  # code points compiling may expand (about 0.1 us each)
+MAX_ANSWER_DEPTH = 64  # jsonschema recurses ~8 frames per level
+MAX_ANSWER_BYTES = 64 * 1024
+
+log = logging.getLogger("gateway.structured")
 
 
 def _texts(route: str, raw: bytes) -> list[str] | str:
@@ -35,6 +55,92 @@ def _texts(route: str, raw: bytes) -> list[str] | str:
     return texts
 
 
+def regex_too_costly(pattern: str, length: int, search: bool = False) -> str | None:
+    """Why matching ``pattern`` against ``length`` characters is not bounded within budget, or None."""
+    bound = steps(pattern, length, search)
+    if bound is None:
+        return "its regex can backtrack exponentially (or is too long to analyse)"
+    if bound > MATCH_BUDGET:
+        return f"its regex could take ~{bound:.1e} steps on {length} characters"
+    if (compile_cost(pattern) or 0) > COMPILE_BUDGET:
+        return "its regex has character ranges too wide to compile on the event loop"
+    return None
+
+
+def _longest_string(value: Any) -> int:
+    """The length of the longest string (value or key) in a JSON value."""
+    longest = 0
+    stack = [value]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, str):
+            longest = max(longest, len(node))
+        elif isinstance(node, dict):
+            longest = max(longest, max(map(len, node), default=0))
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return longest
+
+
+@lru_cache(maxsize=64)
+def _schema_patterns(text: bytes) -> tuple[str, ...]:
+    """Every ``pattern`` and ``patternProperties`` regex of a schema (by its serialised form)."""
+    found: list[str] = []
+    stack = [orjson.loads(text)]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            if isinstance(node.get("pattern"), str):
+                found.append(node["pattern"])
+            if isinstance(node.get("patternProperties"), dict):
+                found.extend(node["patternProperties"])
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return tuple(found)
+
+
+def _schema_problem(text: str, value: Any, constraint: Constraint) -> str | None:
+    """Why ``value`` does not match the schema; None when it does or the check would not be bounded."""
+    if len(text) > MAX_ANSWER_BYTES:
+        skipped(constraint, f"the answer is longer than {MAX_ANSWER_BYTES} characters")
+        return None
+    depth, _, _ = json_depth(value, MAX_ANSWER_DEPTH)
+    if depth > MAX_ANSWER_DEPTH:
+        skipped(constraint, f"the answer nests deeper than {MAX_ANSWER_DEPTH} levels")
+        return None
+    patterns = _schema_patterns(orjson.dumps(constraint.schema))
+    if patterns:
+        longest = _longest_string(value)
+        for pattern in patterns:
+            why = regex_too_costly(pattern, longest, search=True)
+            if why is not None:
+                skipped(constraint, why)
+                return None
+    from jsonschema.exceptions import UnknownType, best_match
+    from jsonschema.validators import validator_for
+    from referencing.exceptions import Unresolvable
+
+    schema = constraint.schema
+    try:
+        # checked against its metaschema up front: not again per answer (as jsonschema.validate would)
+        error = best_match(validator_for(schema)(schema).iter_errors(value))
+    except (Unresolvable, UnknownType) as exc:  # e.g. a $ref to a document the gateway does not have
+        skipped(constraint, f"{type(exc).__name__}: {exc}")
+        return None
+    except RecursionError:  # only with limits.max_nesting far above its default: in-place nesting recurses
+        skipped(constraint, "the schema nests too deeply to check an answer on the event loop")
+        return None
+    if error is not None:
+        return f"the answer does not match the schema: {error.message}"
+    return None
+
+
+def skipped(constraint: Constraint, why: str) -> None:
+    log.debug("answer not checked against the %s constraint: %s", constraint.describe(), why)
+
+
 def output_problem(route: str, raw: bytes, constraint: Constraint) -> str | None:
     """Why the answer does not satisfy the constraint, or None when it does (or cannot be checked)."""
     if constraint.kind not in CHECKABLE:
@@ -52,13 +158,14 @@ def output_problem(route: str, raw: bytes, constraint: Constraint) -> str | None
                 if not isinstance(value, dict):
                     return "the answer is JSON but not an object"
                 continue
-            from jsonschema import ValidationError, validate
-
-            try:
-                validate(value, constraint.schema)
-            except ValidationError as exc:
-                return f"the answer does not match the schema: {exc.message}"
+            problem = _schema_problem(text, value, constraint)
+            if problem is not None:
+                return problem
         elif constraint.kind == "regex":
+            why = regex_too_costly(constraint.pattern, len(text))
+            if why is not None:
+                skipped(constraint, why)
+                return None
             if re.fullmatch(constraint.pattern, text) is None:
                 return "the answer does not match the regex"
         elif text not in constraint.choices:

@@ -17,16 +17,22 @@ Accepted spellings (at most one constraint per request, as vLLM and SGLang requi
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
-import orjson
-
-from gateway.sim.constrained import ConstraintError, validate_grammar
+from gateway.config import LimitSettings
+from gateway.structured.bounds import Bounds, ConstraintInvalid, Offload
+from gateway.structured.checks import (
+    Dialect,
+    Renderings,
+    check_choices,
+    check_grammar,
+    check_regex,
+    check_schema,
+    parse_schema,
+)
 
 Kind = Literal["json_object", "json_schema", "regex", "choice", "grammar", "tool_call", "strict_tools"]
-Dialect = Literal["gbnf", "ebnf", "lark"]
 
 # every request field that carries a constraint in some dialect; all are removed before the adapter writes
 # the engine's own
@@ -35,14 +41,9 @@ CONSTRAINT_FIELDS = (
     "guided_decoding_backend", "guided_whitespace_pattern", "json_schema", "regex", "ebnf", "grammar",
     "grammar_syntax", "choice", "regex_pattern", "grammar_string",
 )
+_DEFAULT_BOUNDS = Bounds.of(LimitSettings())
 
-
-class ConstraintInvalid(ValueError):
-    """The client's constraint is malformed; ``param`` names the field."""
-
-    def __init__(self, message: str, param: str) -> None:
-        super().__init__(message)
-        self.param = param
+__all__ = ["CONSTRAINT_FIELDS", "Constraint", "ConstraintInvalid", "Dialect", "Kind", "extract"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +57,11 @@ class Constraint:
     choices: tuple[str, ...] = ()  # choice
     grammar: str = ""
     dialect: Dialect = "gbnf"
+    # grammar: its text in each dialect it can be faithfully written in, its own first (found by validation)
+    renderings: Renderings = ()
+    # the field whose validation was too much work for the event loop and waits for a worker process
+    # (gateway.api.validation.validate_heavy); None once validated
+    pending: str | None = None
 
     def describe(self) -> str:
         if self.kind == "grammar":
@@ -63,56 +69,41 @@ class Constraint:
         return f"{self.kind} (from {self.source})"
 
 
-def _schema(value: Any, param: str) -> Any:
-    if isinstance(value, str):
-        try:
-            value = orjson.loads(value)
-        except orjson.JSONDecodeError as exc:
-            raise ConstraintInvalid(f"{param} is not valid JSON: {exc}", param) from None
-    if not isinstance(value, dict):
-        raise ConstraintInvalid(f"{param} must be a JSON schema object", param)
-    from jsonschema import SchemaError
-    from jsonschema.validators import validator_for
-
+def _schema(source: str, value: Any, param: str, bounds: Bounds, **extra: Any) -> Constraint:
+    schema, text = parse_schema(value, param, bounds)
     try:
-        validator_for(value).check_schema(value)
-    except SchemaError as exc:
-        where = "/".join(str(p) for p in exc.path)
-        raise ConstraintInvalid(f"{param} is not a valid JSON schema: {exc.message}"
-                                + (f" (at {where})" if where else ""), param) from None
-    return value
+        check_schema(schema, text, param, bounds, inline=True)
+    except Offload:
+        return Constraint("json_schema", source, schema=schema, pending=param, **extra)
+    return Constraint("json_schema", source, schema=schema, **extra)
 
 
-def _regex(value: Any, param: str) -> str:
-    if not isinstance(value, str) or not value:
-        raise ConstraintInvalid(f"{param} must be a non-empty regular expression string", param)
+def _regex(source: str, value: Any, param: str, bounds: Bounds) -> Constraint:
     try:
-        re.compile(value)
-    except re.error as exc:
-        raise ConstraintInvalid(f"{param} is not a valid regular expression: {exc}", param) from None
-    # constrained decoders (xgrammar, llguidance, outlines) build automata: no lookaround, no backreferences
-    if re.search(r"\(\?<?[=!]|\\[1-9]|\(\?P=", value):
-        raise ConstraintInvalid(f"{param}: lookarounds and backreferences cannot be enforced by any engine", param)
-    return value
+        check_regex(value, param, bounds, inline=True)
+    except Offload:
+        return Constraint("regex", source, pattern=value, pending=param)
+    return Constraint("regex", source, pattern=value)
 
 
-def _choices(value: Any, param: str) -> tuple[str, ...]:
-    if not isinstance(value, list) or not value or not all(isinstance(v, str) for v in value):
-        raise ConstraintInvalid(f"{param} must be a non-empty array of strings", param)
-    return tuple(value)
+def _choices(source: str, value: Any, param: str, bounds: Bounds) -> Constraint:
+    return Constraint("choice", source, choices=check_choices(value, param, bounds))
 
 
-def _grammar(value: Any, dialect: Dialect, param: str) -> str:
-    if not isinstance(value, str) or not value.strip():
-        raise ConstraintInvalid(f"{param} must be a non-empty grammar string", param)
+def _bnf_or(value: Any, otherwise: Dialect, bnf: Dialect) -> Dialect:
+    """The dialect a field that takes either kind holds: BNF-like when it has a ``::=``."""
+    return bnf if isinstance(value, str) and "::=" in value else otherwise
+
+
+def _grammar(source: str, value: Any, dialect: Dialect, param: str, bounds: Bounds) -> Constraint:
     try:
-        validate_grammar(value, dialect)
-    except ConstraintError as exc:
-        raise ConstraintInvalid(f"{param} is not a valid {dialect.upper()} grammar: {exc}", param) from None
-    return value
+        renderings = check_grammar(value, dialect, param, bounds, inline=True)
+    except Offload:
+        return Constraint("grammar", source, grammar=value, dialect=dialect, pending=param)
+    return Constraint("grammar", source, grammar=value, dialect=dialect, renderings=renderings)
 
 
-def _from_response_format(rf: Any) -> Constraint | None:
+def _from_response_format(rf: Any, bounds: Bounds) -> Constraint | None:
     if rf is None:
         return None
     if not isinstance(rf, dict) or not isinstance(rf.get("type"), str):
@@ -127,9 +118,8 @@ def _from_response_format(rf: Any) -> Constraint | None:
         if not isinstance(spec, dict) or "schema" not in spec:
             raise ConstraintInvalid("response_format.json_schema must be an object with a 'schema'",
                                     "response_format.json_schema")
-        schema = _schema(spec["schema"], "response_format.json_schema.schema")
-        return Constraint("json_schema", "response_format", schema=schema, strict=spec.get("strict") is True,
-                          name=str(spec.get("name") or "response"))
+        return _schema("response_format", spec["schema"], "response_format.json_schema.schema", bounds,
+                       strict=spec.get("strict") is True, name=str(spec.get("name") or "response"))
     raise ConstraintInvalid(f"response_format.type must be text, json_object or json_schema, not {kind!r}",
                             "response_format.type")
 
@@ -147,7 +137,7 @@ def _from_tools(body: dict[str, Any]) -> Constraint | None:
     return None
 
 
-def _from_vllm(so: Any) -> list[Constraint]:
+def _from_vllm(so: Any, bounds: Bounds) -> list[Constraint]:
     if so is None:
         return []
     if not isinstance(so, dict):
@@ -158,63 +148,60 @@ def _from_vllm(so: Any) -> list[Constraint]:
             continue
         param = f"structured_outputs.{key}"
         if key == "json":
-            found.append(Constraint("json_schema", param, schema=_schema(value, param)))
+            found.append(_schema(param, value, param, bounds))
         elif key == "json_object":
             found.append(Constraint("json_object", param))
         elif key == "regex":
-            found.append(Constraint("regex", param, pattern=_regex(value, param)))
+            found.append(_regex(param, value, param, bounds))
         elif key == "choice":
-            found.append(Constraint("choice", param, choices=_choices(value, param)))
+            found.append(_choices(param, value, param, bounds))
         elif key == "grammar":
-            dialect: Dialect = "ebnf" if "::=" in str(value) else "lark"
-            found.append(Constraint("grammar", param, grammar=_grammar(value, dialect, param), dialect=dialect))
+            found.append(_grammar(param, value, _bnf_or(value, "lark", "ebnf"), param, bounds))
         elif key not in ("disable_fallback", "disable_any_whitespace", "disable_additional_properties",
                          "whitespace_pattern"):
             raise ConstraintInvalid(f"unknown structured_outputs field {key!r}", param)
     return found
 
 
-def extract(body: dict[str, Any]) -> Constraint | None:
-    """The request's constraint, validated; ConstraintInvalid (a client error) when malformed or several."""
+def extract(body: dict[str, Any], limits: LimitSettings | None = None) -> Constraint | None:
+    """The request's constraint, validated within ``limits``; ConstraintInvalid (a client error) when
+    malformed, past a limit or several. A constraint too big to validate on the event loop comes back with
+    ``pending`` set, checked only for size: gateway.api.validation.validate_heavy finishes it."""
+    bounds = _DEFAULT_BOUNDS if limits is None else Bounds.of(limits)
     found: list[Constraint] = []
-    rf = _from_response_format(body.get("response_format"))
+    rf = _from_response_format(body.get("response_format"), bounds)
     if rf is not None:
         found.append(rf)
     tools = _from_tools(body)
     if tools is not None:
         found.append(tools)
-    found += _from_vllm(body.get("structured_outputs"))
+    found += _from_vllm(body.get("structured_outputs"), bounds)
     if body.get("guided_json") is not None:
-        found.append(Constraint("json_schema", "guided_json", schema=_schema(body["guided_json"], "guided_json")))
+        found.append(_schema("guided_json", body["guided_json"], "guided_json", bounds))
     if body.get("guided_regex") is not None:
-        found.append(Constraint("regex", "guided_regex", pattern=_regex(body["guided_regex"], "guided_regex")))
+        found.append(_regex("guided_regex", body["guided_regex"], "guided_regex", bounds))
     if body.get("guided_choice") is not None:
-        found.append(Constraint("choice", "guided_choice", choices=_choices(body["guided_choice"], "guided_choice")))
+        found.append(_choices("guided_choice", body["guided_choice"], "guided_choice", bounds))
     if body.get("guided_grammar") is not None:
         g = body["guided_grammar"]
-        dialect: Dialect = "ebnf" if "::=" in str(g) else "lark"
-        found.append(Constraint("grammar", "guided_grammar", grammar=_grammar(g, dialect, "guided_grammar"),
-                                dialect=dialect))
+        found.append(_grammar("guided_grammar", g, _bnf_or(g, "lark", "ebnf"), "guided_grammar", bounds))
     if body.get("json_schema") is not None:
-        found.append(Constraint("json_schema", "json_schema", schema=_schema(body["json_schema"], "json_schema")))
+        found.append(_schema("json_schema", body["json_schema"], "json_schema", bounds))
     for key in ("regex", "regex_pattern"):
         if body.get(key) is not None:
-            found.append(Constraint("regex", key, pattern=_regex(body[key], key)))
+            found.append(_regex(key, body[key], key, bounds))
     if body.get("choice") is not None:
-        found.append(Constraint("choice", "choice", choices=_choices(body["choice"], "choice")))
+        found.append(_choices("choice", body["choice"], "choice", bounds))
     if body.get("ebnf") is not None:
-        found.append(Constraint("grammar", "ebnf", grammar=_grammar(body["ebnf"], "ebnf", "ebnf"), dialect="ebnf"))
+        found.append(_grammar("ebnf", body["ebnf"], "ebnf", "ebnf", bounds))
     if body.get("grammar") is not None:
         syntax = body.get("grammar_syntax", "gbnf")
         if syntax not in ("gbnf", "ebnf", "lark"):
             raise ConstraintInvalid("grammar_syntax must be gbnf, ebnf or lark", "grammar_syntax")
-        found.append(Constraint("grammar", "grammar", grammar=_grammar(body["grammar"], syntax, "grammar"),
-                                dialect=syntax))
+        found.append(_grammar("grammar", body["grammar"], syntax, "grammar", bounds))
     if body.get("grammar_string") is not None:
         g = body["grammar_string"]
-        dialect = "gbnf" if "::=" in str(g) else "lark"
-        found.append(Constraint("grammar", "grammar_string", grammar=_grammar(g, dialect, "grammar_string"),
-                                dialect=dialect))
+        found.append(_grammar("grammar_string", g, _bnf_or(g, "lark", "gbnf"), "grammar_string", bounds))
     if len(found) > 1:
         raise ConstraintInvalid("only one structured-output constraint per request; got "
                                 + ", ".join(c.source for c in found), found[1].source)

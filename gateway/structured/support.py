@@ -5,14 +5,14 @@ An engine's support is a set of words: ``json_object``, ``json_schema``, ``regex
 and ``grammar:<dialect>`` for each grammar dialect it parses natively. A grammar in another dialect is
 honoured where a faithful conversion exists: GBNF -> xgrammar EBNF always (a rewrite, see
 ``gateway.sim.constrained.gbnf_to_ebnf``); EBNF -> GBNF when the grammar is already valid GBNF (xgrammar's
-EBNF is a superset); Lark never.
+EBNF is a superset); Lark never. Validation finds the conversions once (``Constraint.renderings``): routing
+asks for them per backend, and parsing a large grammar there would stall the event loop.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
-from gateway.sim.constrained import ConstraintError, gbnf_to_ebnf, validate_grammar
 from gateway.structured.constraint import Constraint, Dialect
 
 
@@ -21,17 +21,9 @@ def grammar_in(constraint: Constraint, dialects: Iterable[str]) -> tuple[Dialect
     native = set(dialects)
     if constraint.dialect in native:
         return constraint.dialect, constraint.grammar
-    if constraint.dialect == "gbnf" and "ebnf" in native:
-        try:
-            return "ebnf", gbnf_to_ebnf(constraint.grammar)
-        except ConstraintError:
-            return None
-    if constraint.dialect == "ebnf" and "gbnf" in native:
-        try:
-            validate_grammar(constraint.grammar, "gbnf")
-        except ConstraintError:
-            return None
-        return "gbnf", constraint.grammar
+    for dialect, text in constraint.renderings:
+        if dialect in native:
+            return dialect, text
     return None
 
 

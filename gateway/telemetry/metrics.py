@@ -64,6 +64,11 @@ class Buckets:
         return out
 
 
+# why the server refused or cut a client connection (gateway.server_protocol)
+REFUSAL_CODES = ("request_headers_too_large", "header_timeout", "idle_timeout", "body_timeout",
+                 "too_many_connections", "invalid_http_request")
+
+
 class GatewayMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         # ``*_created`` series double the exposition for no use on dashboards (process-wide switch)
@@ -120,6 +125,8 @@ class GatewayMetrics:
             "Client connections refused or cut by the server's limits, by code (request_headers_too_large, "
             "header_timeout, idle_timeout, body_timeout, too_many_connections, invalid_http_request).",
             ["code"], registry=r)
+        for code in REFUSAL_CODES:  # a bounded set, exported from zero so rates and alerts have a series
+            self.connections_refused.labels(code)
         self.queue_wait = QueueWaitCollector()
         r.register(self.queue_wait)
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}

@@ -1,0 +1,336 @@
+"""Validating a constraint's content with bounded work: limits first, by linear scans, then validation whose
+cost is linear in the (already bounded) input.
+
+On the event loop (``inline=True``) a check does about a millisecond of work at most: past the sizes
+measured to cost that much it raises Offload before starting, and the caller has a worker process do it
+(offload.py) under the validation deadline. Measured costs on a 2-core machine: parsing a regex ~0.4 us a
+character; jsonschema's metaschema check ~2 us a byte of schema; parsing, analysing and converting a
+grammar ~0.9 us a character. Inline verdicts are memoised: clients send the same constraint each request.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any, Literal
+from urllib.parse import unquote
+
+import orjson
+
+from gateway.sim.constrained import (
+    ConstraintError,
+    ConstraintTooDeep,
+    ConstraintTooLarge,
+    forget_prepared,
+    gbnf_to_ebnf,
+    regex_nesting,
+    validate_grammar,
+)
+from gateway.structured.bounds import (
+    Bounds,
+    Code,
+    ConstraintInvalid,
+    Offload,
+    check_size,
+    json_depth,
+    too_deep,
+    utf8_size,
+)
+from gateway.structured.regex_cost import parsed_compile_cost
+
+_parser: Any = importlib.import_module("re._parser")
+
+Dialect = Literal["gbnf", "ebnf", "lark"]
+Renderings = tuple[tuple[Dialect, str], ...]
+
+INLINE_REGEX_CHARS = 1024
+INLINE_SCHEMA_BYTES = 512
+INLINE_GRAMMAR_CHARS = 1024
+# before a large constraint goes to a worker, the event loop looks this far for what it can refuse at once
+INLINE_SCAN_CHARS = 4096  # of a regex, for nesting
+INLINE_SCAN_NODES = 512  # of a schema's objects and arrays, for nesting
+INLINE_COMPILE_COST = 8192  # code points the format checker's re.compile of a schema's patterns expands
+# jsonschema recurses ~8 frames per level of a schema: deeper ones go to a worker, whose limit is raised
+INLINE_SCHEMA_DEPTH = 64
+WORKER_RECURSION_LIMIT = 6000  # 200 levels (the most max_nesting allows) need ~1,700 frames; 600 tested
+
+# constrained decoders (xgrammar, llguidance, outlines) build automata: no lookaround, no backreferences
+_NOT_REGULAR = re.compile(r"\(\?<?[=!]|\\[1-9]|\(\?P=")
+# a line starting a rule: a GBNF / EBNF rule starts on a new line (an EBNF one may also follow another on its
+# line: uncounted here, counted by the parser); a Lark rule or terminal always does
+_BNF_RULE = re.compile(r"^[ \t]*[A-Za-z0-9_.-]+[ \t]*(?:\[[^\]\n]*\])?[ \t]*::=", re.MULTILINE)
+_LARK_RULE = re.compile(r"^[ \t]*[?!]*[A-Za-z_][A-Za-z0-9_]*(?:\.-?[0-9]+)?[ \t]*:(?!:)", re.MULTILINE)
+_IN_PLACE_LISTS = ("allOf", "anyOf", "oneOf")
+_IN_PLACE_VALUES = ("not", "if", "then", "else")
+
+
+# -- regular expressions ----------------------------------------------------------------------------------
+def check_regex(pattern: Any, param: str, bounds: Bounds, inline: bool) -> None:
+    if not isinstance(pattern, str) or not pattern:
+        raise ConstraintInvalid(f"{param} must be a non-empty regular expression string", param)
+    check_size(utf8_size(pattern), "regular expression", param, bounds)
+    if inline and len(pattern) > INLINE_REGEX_CHARS:
+        # a prefix nests no deeper than the whole: what it shows too deep is refused at once
+        _check_nesting(pattern[:INLINE_SCAN_CHARS], param, "", bounds.max_nesting)
+        raise Offload
+    (_inline_regex if inline else _regex)(pattern, param, bounds.max_nesting)
+
+
+def _regex(pattern: str, param: str, max_nesting: int) -> None:
+    _parse_regex(pattern, param, "", max_nesting)
+    if _NOT_REGULAR.search(pattern):
+        raise ConstraintInvalid(f"{param}: lookarounds and backreferences cannot be enforced by any engine", param)
+
+
+_inline_regex = lru_cache(maxsize=512)(_regex)
+
+
+def _check_nesting(pattern: str, param: str, where: str, max_nesting: int) -> None:
+    deep = regex_nesting(pattern, max_nesting)
+    if deep is not None:
+        raise too_deep(f"regular expression{where}", f" (groups, at offset {deep})", param, max_nesting)
+
+
+def _parse_regex(pattern: str, param: str, where: str, max_nesting: int) -> Any:
+    """Python's parse tree of ``pattern`` (no compiling: see gateway.sim.constrained.regex)."""
+    _check_nesting(pattern, param, where, max_nesting)
+    try:
+        return _parser.parse(pattern)
+    except re.error as exc:
+        raise ConstraintInvalid(f"{param} is not a valid regular expression{where}: {exc}", param) from None
+
+
+# -- JSON schemas -----------------------------------------------------------------------------------------
+def parse_schema(value: Any, param: str, bounds: Bounds) -> tuple[dict[str, Any], bytes]:
+    """The schema (parsed when it came as a string) and its serialised form, within the size limit."""
+    if isinstance(value, str):
+        check_size(utf8_size(value), "JSON schema", param, bounds)
+        try:
+            value = orjson.loads(value)
+        except orjson.JSONDecodeError as exc:
+            if "depth" in str(exc):
+                raise too_deep("JSON schema", "", param, bounds.max_nesting) from None
+            raise ConstraintInvalid(f"{param} is not valid JSON: {exc}", param) from None
+    if not isinstance(value, dict):
+        raise ConstraintInvalid(f"{param} must be a JSON schema object", param)
+    try:
+        text = orjson.dumps(value)
+    except orjson.JSONEncodeError:  # orjson stops at 255 levels
+        raise too_deep("JSON schema", "", param, bounds.max_nesting) from None
+    check_size(len(text), "JSON schema", param, bounds)
+    return value, text
+
+
+def check_schema(schema: dict[str, Any], text: bytes, param: str, bounds: Bounds, inline: bool) -> None:
+    """Check the schema (and ``text``, it serialised): nesting, its regexes, $ref cycles, then against its
+    metaschema."""
+    if inline and len(text) > INLINE_SCHEMA_BYTES:
+        _check_depth(schema, param, bounds, INLINE_SCAN_NODES)
+        raise Offload
+    (_inline_schema if inline else _schema)(text, param, bounds, inline)
+
+
+def _check_depth(schema: Any, param: str, bounds: Bounds, max_nodes: int | None) -> int:
+    depth, where, _ = json_depth(schema, bounds.max_nesting, max_nodes)
+    if depth > bounds.max_nesting:
+        raise too_deep("JSON schema", f" (objects and arrays, at {where[:200] or '/'})", param, bounds.max_nesting)
+    return depth
+
+
+def _schema(text: bytes, param: str, bounds: Bounds, inline: bool) -> None:
+    value = orjson.loads(text)
+    if _check_depth(value, param, bounds, None) > INLINE_SCHEMA_DEPTH and inline:
+        raise Offload
+    compiling = 0
+    for at, pattern in _patterns(value):
+        try:
+            tree = _parse_regex(pattern, param, f" at {at[:200]}", bounds.max_nesting)
+        except ConstraintInvalid as exc:
+            if exc.code != "invalid_constraint":
+                raise
+            continue  # the metaschema check judges it, if it is a schema's pattern and not data that looks like one
+        compiling += parsed_compile_cost(tree, pattern)
+    if inline and compiling > INLINE_COMPILE_COST:
+        raise Offload
+    cycle = _in_place_cycle(value)
+    if cycle:
+        raise ConstraintInvalid(f"{param} is not a valid JSON schema: $ref cycle {' -> '.join(cycle)} (a schema "
+                                "that refers back to itself without descending into the value)", param)
+    from jsonschema.validators import validator_for
+
+    error = next(_metaschema_validator(validator_for(value)).iter_errors(value), None)
+    if error is not None:
+        where = "/".join(str(p) for p in error.path)
+        raise ConstraintInvalid(f"{param} is not a valid JSON schema: {error.message}"
+                                + (f" (at {where})" if where else ""), param)
+
+
+_inline_schema = lru_cache(maxsize=256)(_schema)
+
+
+@lru_cache(maxsize=8)
+def _metaschema_validator(cls: Any) -> Any:
+    """What ``cls.check_schema`` builds on every call: the metaschema's validator, with format checks (the
+    ``regex`` format compiles every ``pattern``, hence the checks on them first)."""
+    return cls(cls.META_SCHEMA, format_checker=cls.FORMAT_CHECKER)
+
+
+def _patterns(root: Any) -> Iterator[tuple[str, str]]:
+    """(JSON pointer, regex) for every ``pattern`` and ``patternProperties`` key in the schema."""
+    stack: list[tuple[Any, str]] = [(root, "")]
+    while stack:
+        node, at = stack.pop()
+        if isinstance(node, dict):
+            if isinstance(node.get("pattern"), str):
+                yield f"{at}/pattern", node["pattern"]
+            if isinstance(node.get("patternProperties"), dict):
+                yield from ((f"{at}/patternProperties", key) for key in node["patternProperties"])
+            stack.extend((child, f"{at}/{key}") for key, child in node.items())
+        elif isinstance(node, list):
+            stack.extend((child, f"{at}/{index}") for index, child in enumerate(node))
+
+
+def _resolve(root: Any, ref: str) -> Any:
+    node = root
+    for raw in unquote(ref[1:]).split("/")[1:]:
+        part = raw.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return None
+    return node
+
+
+def _in_place_cycle(root: Any) -> list[str]:
+    """A cycle of schemas each applying the next to the same value (``$ref`` to a local JSON pointer,
+    ``allOf``/``anyOf``/``oneOf``, ``not``, ``if``/``then``/``else``): validating it never ends. Empty
+    when there is none. Linear: every object is a node, visited once."""
+    where: dict[int, str] = {}
+    nexts: dict[int, list[Any]] = {}
+    stack: list[tuple[Any, str]] = [(root, "#")]
+    while stack:
+        node, at = stack.pop()
+        if isinstance(node, list):
+            stack.extend((child, f"{at}/{i}") for i, child in enumerate(node))
+            continue
+        if not isinstance(node, dict) or id(node) in where:
+            continue
+        where[id(node)] = at
+        targets = [node[key] for key in _IN_PLACE_VALUES if key in node]
+        targets += [item for key in _IN_PLACE_LISTS if isinstance(node.get(key), list) for item in node[key]]
+        ref = node.get("$ref")
+        if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
+            targets.append(_resolve(root, ref))
+        nexts[id(node)] = [t for t in targets if isinstance(t, dict)]
+        stack.extend((child, f"{at}/{key}") for key, child in node.items())
+    state: dict[int, int] = {}  # 1: on the current path, 2: done
+    for start in nexts:
+        if start in state:
+            continue
+        path = [start]
+        todo = [iter(nexts[start])]
+        state[start] = 1
+        while todo:
+            nxt = next(todo[-1], None)
+            if nxt is None:
+                state[path.pop()] = 2
+                todo.pop()
+            elif state.get(id(nxt)) == 1:
+                loop = [*path[path.index(id(nxt)) :], id(nxt)]
+                return [where[n] for n in loop]
+            elif id(nxt) not in state:
+                state[id(nxt)] = 1
+                path.append(id(nxt))
+                todo.append(iter(nexts[id(nxt)]))
+    return []
+
+
+# -- grammars ---------------------------------------------------------------------------------------------
+def check_grammar(text: Any, dialect: Dialect, param: str, bounds: Bounds, inline: bool) -> Renderings:
+    """The grammar written in each dialect it can be faithfully written in, its own first."""
+    if not isinstance(text, str) or not text.strip():
+        raise ConstraintInvalid(f"{param} must be a non-empty grammar string", param)
+    check_size(utf8_size(text), f"{dialect.upper()} grammar", param, bounds)
+    if inline and len(text) > INLINE_GRAMMAR_CHARS:
+        rules = len((_LARK_RULE if dialect == "lark" else _BNF_RULE).findall(text))  # C speed, never too many
+        if rules > bounds.max_rules:
+            raise ConstraintInvalid(f"{param}: the {dialect.upper()} grammar has {rules} rules; this gateway accepts "
+                                    f"at most limits.max_grammar_rules = {bounds.max_rules}", param,
+                                    "constraint_too_large")
+        raise Offload
+    return (_inline_grammar if inline else _grammar)(text, dialect, param, bounds)
+
+
+def _grammar(text: str, dialect: Dialect, param: str, bounds: Bounds) -> Renderings:
+    try:
+        validate_grammar(text, dialect, bounds.max_nesting, bounds.max_rules)
+    except ConstraintTooDeep as exc:
+        raise ConstraintInvalid(f"{param}: {exc}; this gateway accepts at most limits.max_nesting = "
+                                f"{bounds.max_nesting}", param, "constraint_too_deep") from None
+    except ConstraintTooLarge as exc:
+        raise ConstraintInvalid(f"{param}: {exc}; this gateway accepts at most limits.max_grammar_rules = "
+                                f"{bounds.max_rules}", param, "constraint_too_large") from None
+    except ConstraintError as exc:
+        raise ConstraintInvalid(f"{param} is not a valid {dialect.upper()} grammar: {exc}", param) from None
+    renderings: list[tuple[Dialect, str]] = [(dialect, text)]
+    try:
+        if dialect == "gbnf":  # -> xgrammar EBNF, always faithful (see gateway.sim.constrained.convert)
+            renderings.append(("ebnf", gbnf_to_ebnf(text, bounds.max_nesting, bounds.max_rules)))
+        elif dialect == "ebnf":  # -> GBNF when it already is GBNF (xgrammar's EBNF is a superset)
+            validate_grammar(text, "gbnf", bounds.max_nesting, bounds.max_rules)
+            renderings.append(("gbnf", text))
+    except ConstraintError:
+        pass
+    return tuple(renderings)
+
+
+_inline_grammar = lru_cache(maxsize=128)(_grammar)
+
+
+# -- choices ----------------------------------------------------------------------------------------------
+def check_choices(value: Any, param: str, bounds: Bounds) -> tuple[str, ...]:
+    if not isinstance(value, list) or not value or not all(isinstance(v, str) for v in value):
+        raise ConstraintInvalid(f"{param} must be a non-empty array of strings", param)
+    check_size(sum(utf8_size(v) for v in value), "list of choices", param, bounds)
+    return tuple(value)
+
+
+# -- in a worker process ----------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """A check's outcome as plain data (it comes back from a worker process)."""
+
+    renderings: Renderings = ()
+    problem: str | None = None  # the ConstraintInvalid message when not valid
+    code: Code = "invalid_constraint"
+
+
+def prepare_worker() -> None:
+    """Worker-process set-up: room for the deepest schema max_nesting allows (jsonschema recurses)."""
+    sys.setrecursionlimit(max(sys.getrecursionlimit(), WORKER_RECURSION_LIMIT))
+
+
+def run_check(kind: str, payload: Any, dialect: Dialect, param: str, bounds: Bounds) -> Verdict:
+    """One whole check of a constraint (``kind``: json_schema, regex or grammar) without the event loop's
+    budget: it runs in a worker process."""
+    try:
+        if kind == "json_schema":
+            text = payload.encode() if isinstance(payload, str) else payload
+            check_schema(orjson.loads(text), text, param, bounds, inline=False)
+        elif kind == "regex":
+            check_regex(payload, param, bounds, inline=False)
+        else:
+            return Verdict(check_grammar(payload, dialect, param, bounds, inline=False))
+    except ConstraintInvalid as exc:
+        return Verdict(problem=str(exc), code=exc.code)
+    except RecursionError:  # the limits keep every input shallow enough (tests/structured); a last line only
+        return Verdict(problem=f"{param}: nested too deeply to validate", code="constraint_too_deep")
+    finally:
+        forget_prepared()  # a worker sees large grammars in turn: keeping 128 of them could take gigabytes
+    return Verdict()

@@ -1,0 +1,180 @@
+"""Validating the constraints too big for the event loop, in worker processes, within a deadline.
+
+A worker is a child process (``python -m gateway.structured.worker``: a fresh interpreter that inherits none
+of the server's threads nor re-runs its main script) started on first use; it runs one check at a time and
+talks JSON lines over its standard input and output, so the event loop only writes and reads a pipe and
+never shares the GIL with validation. A check still running at the deadline is the client's 400 (a
+constraint too complex to validate in ``limits.validation_timeout`` seconds), and its worker is killed (a
+thread could not be) and replaced; a request that waited the whole deadline for a free worker gets a 503.
+Verdicts are memoised by content: a client sending the same large schema with every request pays once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import sys
+from collections import OrderedDict
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+import gateway
+from gateway.config import LimitSettings
+from gateway.structured.bounds import Bounds, ConstraintInvalid
+from gateway.structured.checks import Verdict
+from gateway.structured.constraint import Constraint
+
+START_TIMEOUT = 60.0  # seconds a new worker gets to start (importing jsonschema on a busy machine)
+MEMO_CHARS = 16 * 1024 * 1024  # remembered verdicts, measured in the characters of their renderings
+_LINE_LIMIT = 64 * 1024 * 1024  # a verdict's renderings may be several times the 128 KiB grammar
+_GATEWAY_ROOT = str(Path(gateway.__file__).resolve().parent.parent)  # workers import the gateway this one runs
+
+
+class ValidationBusy(Exception):
+    """No worker could take the check in time (or one died): the gateway's fault, not the client's."""
+
+
+def _payload(constraint: Constraint) -> tuple[str, str]:
+    if constraint.kind == "json_schema":
+        return "json_schema", orjson.dumps(constraint.schema).decode()
+    if constraint.kind == "regex":
+        return "regex", constraint.pattern
+    return "grammar", constraint.grammar
+
+
+def _chars(verdict: Verdict) -> int:
+    return sum(len(text) for _, text in verdict.renderings)
+
+
+class _Worker:
+    """One worker process and its pipes."""
+
+    def __init__(self, process: asyncio.subprocess.Process) -> None:
+        self.process = process
+        assert process.stdin is not None and process.stdout is not None
+        self.stdin = process.stdin
+        self.stdout = process.stdout
+
+    @classmethod
+    async def start(cls) -> _Worker:
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (_GATEWAY_ROOT, env.get("PYTHONPATH")) if p)
+        process = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "gateway.structured.worker", stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE, env=env, limit=_LINE_LIMIT)
+        worker = cls(process)
+        try:
+            ready = await asyncio.wait_for(worker.stdout.readline(), START_TIMEOUT)
+        except BaseException:
+            worker.kill()
+            raise
+        if ready.strip() != b'"ready"':
+            worker.kill()
+            raise ValidationBusy("a constraint-validation worker did not start; retry shortly")
+        return worker
+
+    async def check(self, job: list[Any]) -> Verdict:
+        self.stdin.write(orjson.dumps(job) + b"\n")
+        await self.stdin.drain()
+        line = await self.stdout.readline()
+        if not line:
+            raise ConnectionError("the worker exited")
+        renderings, problem, code = orjson.loads(line)
+        return Verdict(tuple((dialect, text) for dialect, text in renderings), problem, code)
+
+    def kill(self) -> None:
+        if self.process.returncode is None:
+            self.process.kill()
+
+
+class ValidationWorkers:
+    """The worker processes of one gateway; ``close`` when it stops."""
+
+    def __init__(self, limits: LimitSettings, workers: int | None = None) -> None:
+        self._bounds = Bounds.of(limits)
+        self._timeout = limits.validation_timeout
+        self._count = workers or max(1, min(4, (os.cpu_count() or 2) // 2))
+        self._workers: list[_Worker | None] = [None] * self._count
+        self._free: asyncio.Queue[int] | None = None  # made in the event loop, on first use
+        self._verdicts: OrderedDict[bytes, Verdict] = OrderedDict()
+        self._memo_chars = 0
+
+    async def validate(self, constraint: Constraint) -> Constraint:
+        """``constraint`` validated (``pending`` cleared, renderings found); ConstraintInvalid when it is
+        not valid or took longer than the deadline, ValidationBusy when no worker was free in time."""
+        param = constraint.pending
+        if param is None:
+            return constraint
+        kind, payload = _payload(constraint)
+        key = hashlib.blake2b(repr((kind, constraint.dialect, param, self._bounds)).encode(), digest_size=16)
+        key.update(payload.encode("utf-8", "surrogatepass"))
+        digest = key.digest()
+        verdict = self._verdicts.get(digest)
+        if verdict is None:
+            bounds = self._bounds
+            job = [kind, payload, constraint.dialect, param, [bounds.max_nesting, bounds.max_bytes, bounds.max_rules]]
+            verdict = await self._run(job, param)
+            self._remember(digest, verdict)
+        else:
+            self._verdicts.move_to_end(digest)
+        if verdict.problem is not None:
+            raise ConstraintInvalid(verdict.problem, param, verdict.code)
+        return replace(constraint, renderings=verdict.renderings, pending=None)
+
+    async def _run(self, job: list[Any], param: str) -> Verdict:
+        if self._free is None:
+            self._free = asyncio.Queue()
+            for slot in range(self._count):
+                self._free.put_nowait(slot)
+        try:
+            slot = await asyncio.wait_for(self._free.get(), self._timeout)
+        except TimeoutError:
+            raise ValidationBusy(f"every constraint-validation worker stayed busy for {self._timeout:g} s; "
+                                 "retry shortly") from None
+        try:
+            worker = self._workers[slot]
+            if worker is None:  # its start is no part of any client's deadline
+                try:
+                    worker = self._workers[slot] = await _Worker.start()
+                except (OSError, TimeoutError) as exc:
+                    raise ValidationBusy(f"a constraint-validation worker did not start ({exc!r}); "
+                                         "retry shortly") from None
+            try:
+                return await asyncio.wait_for(worker.check(job), self._timeout)
+            except TimeoutError:
+                self._kill(slot)
+                raise ConstraintInvalid(f"{param}: too complex to validate within {self._timeout:g} s "
+                                        "(limits.validation_timeout)", param, "constraint_too_complex") from None
+            except (ConnectionError, ValueError):
+                self._kill(slot)
+                raise ValidationBusy("a constraint-validation worker died; retry shortly") from None
+            except asyncio.CancelledError:  # the client left: stop the work it started
+                self._kill(slot)
+                raise
+        finally:
+            self._free.put_nowait(slot)
+
+    def _kill(self, slot: int) -> None:
+        worker, self._workers[slot] = self._workers[slot], None
+        if worker is not None:
+            worker.kill()
+
+    def _remember(self, digest: bytes, verdict: Verdict) -> None:
+        self._verdicts[digest] = verdict
+        self._memo_chars += _chars(verdict)
+        while self._memo_chars > MEMO_CHARS or len(self._verdicts) > 1024:
+            _, old = self._verdicts.popitem(last=False)
+            self._memo_chars -= _chars(old)
+
+    async def close(self) -> None:
+        """Stop every worker (and wait for them to go)."""
+        workers = [w for w in self._workers if w is not None]
+        self._workers = [None] * self._count
+        for worker in workers:
+            worker.kill()
+        for worker in workers:
+            await worker.process.wait()

@@ -1,0 +1,254 @@
+"""Constraint validation within limits: each limit refused by name and code, the deepest inputs the limits
+allow validated without overflowing Python's stack, the work left to a worker, and answer checks that
+cannot run away."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+import orjson
+import pytest
+
+from gateway.config import LimitSettings
+from gateway.structured import Constraint, ConstraintInvalid, extract, grammar_in
+from gateway.structured.bounds import Bounds, json_depth
+from gateway.structured.check import output_problem
+from gateway.structured.checks import _inline_schema, check_grammar, run_check
+from gateway.structured.offload import ValidationWorkers
+from gateway.structured.regex_cost import steps
+
+SMALL = LimitSettings(max_nesting=8, max_constraint_bytes=2000, max_grammar_rules=5)
+
+
+def nested_schema(levels: int, key: str = "items") -> dict[str, Any]:
+    node: dict[str, Any] = {"type": "string"}
+    for _ in range(levels):
+        node = {key: node} if key == "items" else {"type": "object", "properties": {"a": node}}
+    return node
+
+
+def rules(count: int) -> str:
+    return "\n".join(["root ::= r1", *(f'r{i} ::= "a" r{i + 1}' for i in range(1, count - 1)), f'r{count - 1} ::= "a"'])
+
+
+@pytest.mark.parametrize(("ok", "too_far", "code", "limit"), [
+    ({"regex": "(" * 8 + "a" + ")" * 8}, {"regex": "(" * 9 + "a" + ")" * 9}, "constraint_too_deep", "max_nesting"),
+    ({"regex": "\\(" + "(" * 8 + "[(]a" + ")" * 8}, {"regex": "(" * 9 + "[)]" + ")" * 9}, "constraint_too_deep",
+     "max_nesting"),
+    ({"json_schema": nested_schema(7)}, {"json_schema": nested_schema(8)}, "constraint_too_deep", "max_nesting"),
+    ({"grammar": "root ::= " + '("a" ' * 8 + ")" * 8}, {"grammar": "root ::= " + '("a" ' * 9 + ")" * 9},
+     "constraint_too_deep", "max_nesting"),
+    ({"grammar": 'root ::= "a"' + "?" * 8}, {"grammar": 'root ::= "a"' + "?" * 9}, "constraint_too_deep",
+     "max_nesting"),
+    ({"grammar": "start: " + '["a" ' * 8 + "]" * 8, "grammar_syntax": "lark"},
+     {"grammar": "start: " + '["a" ' * 9 + "]" * 9, "grammar_syntax": "lark"}, "constraint_too_deep", "max_nesting"),
+    ({"grammar": 'start: ("a" /(((a)))/)', "grammar_syntax": "lark"},
+     {"grammar": 'start: ("a" /((((((((a))))))))/)', "grammar_syntax": "lark"}, "constraint_too_deep", "max_nesting"),
+    ({"grammar": rules(5)}, {"grammar": rules(6)}, "constraint_too_large", "max_grammar_rules"),
+    ({"regex": "a" * 2000}, {"regex": "a" * 2001}, "constraint_too_large", "max_constraint_bytes"),
+    ({"regex": "é" * 1000}, {"regex": "é" * 1001}, "constraint_too_large", "max_constraint_bytes"),
+    ({"choice": ["ab"] * 1000}, {"choice": ["ab"] * 1000 + ["c"]}, "constraint_too_large", "max_constraint_bytes"),
+    ({"json_schema": {"enum": ["x" * 1980]}}, {"json_schema": {"enum": ["x" * 1990]}}, "constraint_too_large",
+     "max_constraint_bytes"),
+])
+def test_each_limit_is_refused_by_name_just_past_it(ok: dict[str, Any], too_far: dict[str, Any], code: str,
+                                                    limit: str) -> None:
+    assert extract(ok, SMALL) is not None
+    with pytest.raises(ConstraintInvalid) as err:
+        extract(too_far, SMALL)
+    assert err.value.code == code and f"limits.{limit} = " in str(err.value)
+    assert err.value.param in too_far
+
+
+def test_a_schema_nested_in_the_request_body_is_measured_as_a_document() -> None:
+    assert json_depth({"a": [{"b": []}]}, 10) == (4, "/a/0/b", True)
+    assert json_depth([[[[]]]], 2)[0] == 3  # stops once past the limit
+    assert json_depth([[]] * 100, 10, max_nodes=5)[2] is False
+
+
+def call_deep(frames: int, work: Callable[[], Any]) -> Any:
+    """``work`` called with ``frames`` frames already on the stack (a server's stack, and then some)."""
+    return call_deep(frames - 1, work) if frames else work()
+
+
+DEEPEST = LimitSettings(max_nesting=200)  # the most max_nesting may be set to
+
+
+@pytest.mark.parametrize("body", [
+    {"regex": "(" * 200 + "a" + ")" * 200},
+    {"regex": "(?:a|" * 200 + "b" + ")" * 200},
+    {"regex": "(?:a{2,5}|(?:" * 100 + "b" + "))" * 100},
+    {"grammar": "root ::= " + '("a" | "b" (' * 100 + '"c"' + ")*)*" * 100},
+    {"grammar": "root ::= " + '("a" ' * 199 + '"b"*' + ")" * 199},
+    {"ebnf": "root ::= " + '("a" ' * 100 + 'Regex("' + "(a|" * 100 + "b" + ")" * 100 + '")' + ")" * 100},
+    {"grammar": "start: " + '("a" | ["b" ' * 50 + "/" + "(a|" * 100 + "b" + ")" * 100 + "/" + "])" * 50,
+     "grammar_syntax": "lark"},
+])
+def test_the_deepest_constraints_the_limits_allow_never_overflow_the_stack(body: dict[str, Any]) -> None:
+    bounds = Bounds.of(DEEPEST)
+
+    def validated(body: dict[str, Any]) -> Constraint:
+        found = call_deep(100, lambda: extract(body, DEEPEST))
+        assert isinstance(found, Constraint)
+        if found.pending is None:
+            return found
+        # too big for the event loop: what a worker would run, here, with no more stack than the server has
+        text = found.grammar if found.kind == "grammar" else found.pattern
+        verdict = call_deep(100, lambda: run_check(found.kind, text, found.dialect, found.pending or "", bounds))
+        if verdict.problem is not None:
+            raise ConstraintInvalid(verdict.problem, found.pending or "", verdict.code)
+        return replace(found, renderings=verdict.renderings, pending=None)
+
+    constraint = validated(body)
+    if constraint.kind == "grammar" and constraint.dialect == "gbnf":
+        assert grammar_in(constraint, ["ebnf"]) is not None  # converted as well
+    deeper = {key: value.replace("(", "((", 1) if isinstance(value, str) and key != "grammar_syntax" else value
+              for key, value in body.items()}
+    with pytest.raises(ConstraintInvalid) as err:  # and one level more is refused
+        validated(deeper)
+    assert err.value.code == "constraint_too_deep"
+
+
+def test_the_deepest_schemas_go_to_a_worker_that_has_the_stack_for_them() -> None:
+    schemas = [nested_schema(199), {"allOf": [nested_schema(98, "properties")]}]
+    pending = [extract({"json_schema": schema}, DEEPEST) for schema in schemas]
+    assert all(c is not None and c.pending == "json_schema" for c in pending)
+
+    async def validate_all() -> list[Constraint]:
+        workers = ValidationWorkers(DEEPEST, workers=1)
+        try:
+            return [await workers.validate(c) for c in pending if c is not None]
+        finally:
+            await workers.close()
+
+    assert all(c.pending is None for c in asyncio.run(validate_all()))
+    answer = orjson.dumps({"choices": [{"message": {"content": orjson.dumps([[[["x"]]]]).decode()}}]})
+    schema = pending[0]
+    assert schema is not None and call_deep(100, lambda: output_problem("chat", answer, schema)) is None
+
+
+def test_work_too_big_for_the_event_loop_is_left_to_a_worker() -> None:
+    big_schema = {"type": "object", "properties": {f"f{i}": {"type": "integer"} for i in range(40)}}
+    big_grammar = 'root ::= "a" [0-9]\n# ' + "x" * 2000  # past the size checked on the event loop
+    bodies: list[dict[str, Any]] = [{"json_schema": big_schema}, {"grammar": big_grammar}, {"regex": "(ab|cd)" * 300}]
+    for body in bodies:
+        constraint = extract(body)
+        assert constraint is not None and constraint.pending == next(iter(body))
+    grammar = check_grammar(big_grammar, "gbnf", "grammar", Bounds(), inline=False)
+    assert [dialect for dialect, _ in grammar] == ["gbnf", "ebnf"]
+    payload = orjson.dumps({**big_schema, "required": "f1"}).decode()
+    verdict = run_check("json_schema", payload, "gbnf", "json_schema", Bounds())
+    assert verdict.problem is not None and "not a valid JSON schema" in verdict.problem
+    assert run_check("regex", "(ab|cd)" * 300, "gbnf", "regex", Bounds()).problem is None
+
+
+def test_a_worker_past_the_deadline_is_killed_and_replaced_and_verdicts_are_remembered(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    slow = {"type": "object", "properties": {f"field_{i}": {"type": "string", "maxLength": 20,
+                                                            "description": "some words"} for i in range(1200)}}
+    fast = {"type": "object", "properties": {f"f{i}": {"type": "integer"} for i in range(40)}}
+
+    workers = ValidationWorkers(LimitSettings(validation_timeout=0.05), workers=1)
+    runs: list[str] = []
+    run = workers._run
+
+    async def counted(job: list[Any], param: str) -> Any:
+        runs.append(job[0])
+        return await run(job, param)
+
+    monkeypatch.setattr(workers, "_run", counted)
+
+    async def scenario() -> list[Any]:
+        outcomes: list[Any] = []
+        try:
+            for schema in (slow, fast, fast):
+                constraint = extract({"json_schema": schema})
+                assert constraint is not None
+                try:
+                    outcomes.append((await workers.validate(constraint)).pending)
+                except ConstraintInvalid as exc:
+                    outcomes.append(exc.code)
+        finally:
+            await workers.close()
+        return outcomes
+
+    assert asyncio.run(scenario()) == ["constraint_too_complex", None, None]
+    assert runs == ["json_schema", "json_schema"]  # the second fast one was remembered
+
+
+@pytest.mark.parametrize(("schema", "words"), [
+    ({"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"allOf": [{"$ref": "#/$defs/a"}]}}, "$ref": "#/$defs/a"},
+     "#/$defs/a -> #/$defs/b -> #/$defs/b/allOf/0 -> #/$defs/a"),
+    ({"anyOf": [{"$ref": "#"}, {"type": "string"}]}, "# -> #/anyOf/0 -> #"),
+])
+def test_schemas_that_refer_back_to_themselves_in_place_are_refused(schema: dict[str, Any], words: str) -> None:
+    with pytest.raises(ConstraintInvalid, match="cycle") as err:
+        extract({"json_schema": schema})
+    assert words in str(err.value)
+    tree = {"type": "object", "properties": {"children": {"type": "array", "items": {"$ref": "#"}}}}
+    assert extract({"json_schema": tree}) is not None  # recursion through the value is fine
+
+
+def answer(text: str) -> bytes:
+    return orjson.dumps({"choices": [{"message": {"content": text}}]})
+
+
+def regex(pattern: str) -> Constraint:
+    constraint = extract({"regex": pattern})
+    assert constraint is not None
+    return constraint
+
+
+def test_answer_checks_that_could_run_away_are_skipped_and_the_rest_still_run() -> None:
+    start = time.perf_counter()
+    assert output_problem("chat", answer("a" * 40 + "b"), regex("(a+)+$")) is None  # seconds with re
+    assert output_problem("chat", answer("a" * 3000), regex("a*a*a*b")) is None  # ~2.5 s with re
+    assert output_problem("chat", answer("x"), regex("[\\x00-\\U0010ffff]" * 20)) is None  # ~140 ms to compile
+    hostile = extract({"json_schema": {"type": "object", "properties": {"s": {"pattern": "^(a+)+$"}}}})
+    assert hostile is not None
+    assert output_problem("chat", answer(orjson.dumps({"s": "a" * 40 + "b"}).decode()), hostile) is None
+    assert time.perf_counter() - start < 1  # each of them would take seconds or more
+    assert output_problem("chat", answer("12-ab"), regex("[0-9]{2}-[a-z]{3}")) == "the answer does not match the regex"
+    assert output_problem("chat", answer('{"name": "' + "x" * 100 + '", "n": 1}'),
+                          regex('\\{"name": "[^"]*", "n": [0-9]+\\}')) is None
+    assert steps("[a-z]+@[a-z]+", 10) is not None and steps("(a|ab)*c", 10) is None
+
+
+def test_answer_checks_against_schemas_stay_bounded() -> None:
+    tree = extract({"json_schema": {"type": "object", "properties": {"c": {"$ref": "#"}}}})
+    elsewhere = extract({"json_schema": {"$ref": "https://example.com/schema.json"}})
+    strings = extract({"json_schema": {"type": "array", "items": {"type": "string"}}})
+    assert tree is not None and elsewhere is not None and strings is not None
+    deep: Any = {}
+    for _ in range(200):
+        deep = {"c": deep}
+    assert output_problem("chat", answer(orjson.dumps(deep).decode()), tree) is None  # too deep to check: skipped
+    assert output_problem("chat", answer('{"c": 1}'), tree) is not None
+    assert output_problem("chat", answer("{}"), elsewhere) is None  # a reference the gateway cannot follow
+    assert output_problem("chat", answer(orjson.dumps(["x"] * 20000).decode()), strings) is None  # too long
+    assert output_problem("chat", answer("[1]"), strings) is not None
+
+
+def test_conversions_are_found_once_by_validation() -> None:
+    gbnf = extract({"grammar": 'root ::= "a" [0-9]'})
+    ebnf_only = extract({"ebnf": 'root ::= Regex("[a-z]+")'})
+    assert gbnf is not None and ebnf_only is not None
+    assert [d for d, _ in gbnf.renderings] == ["gbnf", "ebnf"]
+    assert [d for d, _ in ebnf_only.renderings] == ["ebnf"]
+    manual = Constraint("grammar", "grammar", grammar='root ::= "a"', dialect="gbnf")
+    assert grammar_in(manual, ["ebnf"]) is None  # nothing is parsed when routing asks
+
+
+def test_small_constraints_are_validated_on_the_event_loop_once() -> None:
+    """The common case: validated inline, and a client's repeated schema is not checked again."""
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}}}
+    body = {"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": schema}}}
+    first = extract(body)
+    hits = _inline_schema.cache_info().hits
+    again = extract(body)
+    assert first is not None and again is not None and first.pending is None and again.pending is None
+    assert _inline_schema.cache_info().hits == hits + 1
