@@ -25,6 +25,7 @@ from gateway.sim.constrained import (
     ConstraintError,
     ConstraintTooDeep,
     ConstraintTooLarge,
+    first_cycle,
     forget_prepared,
     gbnf_to_ebnf,
     regex_nesting,
@@ -212,7 +213,7 @@ def _in_place_cycle(root: Any) -> list[str]:
     ``allOf``/``anyOf``/``oneOf``, ``not``, ``if``/``then``/``else``): validating it never ends. Empty
     when there is none. Linear: every object is a node, visited once."""
     where: dict[int, str] = {}
-    nexts: dict[int, list[Any]] = {}
+    nexts: dict[int, list[int]] = {}
     stack: list[tuple[Any, str]] = [(root, "#")]
     while stack:
         node, at = stack.pop()
@@ -227,28 +228,9 @@ def _in_place_cycle(root: Any) -> list[str]:
         ref = node.get("$ref")
         if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
             targets.append(_resolve(root, ref))
-        nexts[id(node)] = [t for t in targets if isinstance(t, dict)]
+        nexts[id(node)] = [id(t) for t in targets if isinstance(t, dict)]
         stack.extend((child, f"{at}/{key}") for key, child in node.items())
-    state: dict[int, int] = {}  # 1: on the current path, 2: done
-    for start in nexts:
-        if start in state:
-            continue
-        path = [start]
-        todo = [iter(nexts[start])]
-        state[start] = 1
-        while todo:
-            nxt = next(todo[-1], None)
-            if nxt is None:
-                state[path.pop()] = 2
-                todo.pop()
-            elif state.get(id(nxt)) == 1:
-                loop = [*path[path.index(id(nxt)) :], id(nxt)]
-                return [where[n] for n in loop]
-            elif id(nxt) not in state:
-                state[id(nxt)] = 1
-                path.append(id(nxt))
-                todo.append(iter(nexts[id(nxt)]))
-    return []
+    return [where[n] for n in first_cycle(nexts)]
 
 
 # -- grammars ---------------------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ from .errors import DEFAULT_MAX_NESTING, ConstraintError, ConstraintTooDeep, Con
 from .grammars import ebnf_sample, forget_prepared, gbnf_sample, lark_sample, validate_grammar
 from .json_gen import json_instance
 from .json_schema import validate_json_schema
+from .left_recursion import first_cycle
 from .regex import parse_regex, regex_from_choices, regex_nesting, regex_sample, validate_regex
 
 __all__ = [
@@ -23,6 +24,7 @@ __all__ = [
     "ConstraintTooLarge",
     "choice_sample",
     "ebnf_sample",
+    "first_cycle",
     "forget_prepared",
     "gbnf_from_choices",
     "gbnf_sample",

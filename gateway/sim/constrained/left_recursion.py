@@ -7,11 +7,14 @@ search with an explicit stack (a chain of rules may be longer than Python's recu
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Hashable, Iterable, Iterator, Mapping
+from typing import TypeVar
 
 from .errors import ConstraintError
 from .grammar_ast import Alt, Expr, Grammar, Ref, Repeat, Seq
 from .least_cost import flatten, least_costs
+
+K = TypeVar("K", bound=Hashable)
 
 
 def _leading_refs(body: Expr, nullable: dict[int, bool]) -> set[str]:
@@ -40,12 +43,20 @@ def check_no_left_recursion(grammar: Grammar) -> None:
     nullable = {id(expr): value == 0 for expr, value in zip(flat.exprs, lengths.values, strict=True)}
     edges = {name: sorted(_leading_refs(body, nullable) & grammar.rules.keys())
              for name, body in grammar.rules.items()}
-    state: dict[str, int] = {}  # 1: on the current path, 2: done
-    for start in grammar.rules:
+    cycle = first_cycle(edges)
+    if cycle:
+        raise ConstraintError("gbnf grammar: left recursion is not supported by llama.cpp: " + " -> ".join(cycle))
+
+
+def first_cycle(edges: Mapping[K, Iterable[K]]) -> list[K]:
+    """A cycle of the directed graph ``edges`` (node -> successors; every successor is a key), its first node
+    repeated at its end; [] when there is none. Iterative depth-first search: no recursion per node."""
+    state: dict[K, int] = {}  # 1: on the current path, 2: done
+    for start in edges:
         if start in state:
             continue
         path = [start]
-        todo: list[Iterator[str]] = [iter(edges[start])]
+        todo: list[Iterator[K]] = [iter(edges[start])]
         state[start] = 1
         while todo:
             nxt = next(todo[-1], None)
@@ -53,11 +64,9 @@ def check_no_left_recursion(grammar: Grammar) -> None:
                 state[path.pop()] = 2
                 todo.pop()
             elif state.get(nxt) == 1:
-                cycle = [*path[path.index(nxt) :], nxt]
-                raise ConstraintError(
-                    "gbnf grammar: left recursion is not supported by llama.cpp: " + " -> ".join(cycle)
-                )
+                return [*path[path.index(nxt) :], nxt]
             elif nxt not in state:
                 state[nxt] = 1
                 path.append(nxt)
                 todo.append(iter(edges[nxt]))
+    return []
