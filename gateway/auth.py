@@ -126,10 +126,12 @@ class KeyStore:
             raise GatewayError(403, f"The API key '{client.name}' may not use model '{model}'",
                                param="model", code="model_not_allowed")
         now = time.monotonic()
-        for bucket, what in ((client.requests, "requests"), (client.tokens, "tokens")):
+        # a request takes one from its bucket; the token bucket is only checked here (0 taken) and charged the
+        # reservation below, once every check passed
+        for bucket, what, amount in ((client.requests, "requests", 1.0), (client.tokens, "tokens", 0.0)):
             if bucket is None:
                 continue
-            wait = bucket.take(1.0 if bucket is client.requests else 0.0, now)
+            wait = bucket.take(amount, now)
             if wait > 0:
                 raise GatewayError(429, f"Rate limit reached for {what} per minute on key '{client.name}'; "
                                         f"retry in {wait:.1f} s", code=f"rate_limit_{what}",
