@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import contextlib
 import logging
 import logging.handlers
 import queue
@@ -86,9 +87,16 @@ def main(argv: list[str] | None = None) -> int:
     writer = logging.handlers.QueueListener(lines, access_handler)
     writer.start()
     atexit.register(writer.stop)
+    # without a configuration, the emulated fleet: tooling, which only this composition root may reach
+    fleet: contextlib.AbstractContextManager[list[dict[str, str]]] = contextlib.nullcontext([])
+    errors: tuple[type[Exception], ...] = (ConfigError,)
+    if args.config is None:
+        from gateway.sim.embedded import FleetStartError, embedded_fleet
+
+        fleet, errors = embedded_fleet(args.sim_base_port), (ConfigError, FleetStartError)
     try:
-        return serve(args.config, host=args.host, port=args.port, log_level=args.log_level,
-                     sim_base_port=args.sim_base_port)
-    except ConfigError as exc:
+        with fleet as emulated:
+            return serve(args.config, host=args.host, port=args.port, log_level=args.log_level, emulated=emulated)
+    except errors as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -17,8 +17,8 @@ import httpx
 
 from gateway.engines.base import BackendError, EngineAdapter, as_int, get, get_json, native_grammar, parse_metrics
 from gateway.pool.state import Capacity, Health, LoadRecord, Probe
-from gateway.sim.constrained import gbnf_from_choices
 from gateway.structured import Constraint
+from gateway.structured.syntax import gbnf_from_choices
 
 _RUNNING = "llamacpp:requests_processing"
 _WAITING = "llamacpp:requests_deferred"

@@ -17,8 +17,8 @@ import orjson
 from gateway.engines.base import BackendError, EngineAdapter, get, get_json, native_grammar, parse_histogram
 from gateway.engines.vllm import max_model_len
 from gateway.pool.state import Capacity, Health, LoadRecord, Probe
-from gateway.sim.constrained import regex_from_choices
 from gateway.structured import Constraint
+from gateway.structured.syntax import regex_from_choices
 
 
 class SGLangAdapter(EngineAdapter):

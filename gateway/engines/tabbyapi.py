@@ -15,8 +15,8 @@ import httpx
 
 from gateway.engines.base import BackendError, EngineAdapter, get_json, native_grammar
 from gateway.pool.state import Capacity, LoadRecord
-from gateway.sim.constrained import regex_from_choices
 from gateway.structured import Constraint
+from gateway.structured.syntax import regex_from_choices
 
 
 class TabbyAPIAdapter(EngineAdapter):

@@ -1,6 +1,7 @@
 """Engine emulators: fake llama.cpp, vLLM, SGLang and TabbyAPI servers that answer like the real ones.
 
-Imports nothing from the rest of ``gateway`` (it could be lifted out). See :class:`SimSpec`, :class:`SimServer`,
+Imports nothing from the rest of ``gateway`` but the constraint parsers it samples from
+(``gateway.structured.syntax``, pure standard library). See :class:`SimSpec`, :class:`SimServer`,
 :class:`Fleet`, :class:`FleetThread` and :func:`default_fleet_specs`; ``python -m gateway.sim`` runs them.
 """
 

@@ -48,7 +48,7 @@ def request_rng(seed: int, prompt: list[int], salt: int = 0) -> random.Random:
 
 
 def constrained_text(constraint: Constraint, rng: random.Random) -> str:
-    """Raises ``gateway.sim.constrained.ConstraintError`` for a constraint it cannot satisfy."""
+    """Raises ``gateway.structured.syntax.ConstraintError`` for a constraint it cannot satisfy."""
     from gateway.sim import constrained as c
 
     kind, value = constraint.kind, constraint.value

@@ -12,7 +12,25 @@ is validated in a worker process under a deadline (``offload``); answers are che
 bounded (``check``).
 """
 
-from gateway.structured.constraint import CONSTRAINT_FIELDS, Constraint, ConstraintInvalid, extract
-from gateway.structured.support import can_honour, grammar_in
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from gateway.structured.constraint import CONSTRAINT_FIELDS, Constraint, ConstraintInvalid, extract
+    from gateway.structured.support import can_honour, grammar_in
 
 __all__ = ["CONSTRAINT_FIELDS", "Constraint", "ConstraintInvalid", "can_honour", "extract", "grammar_in"]
+
+# Loaded on first use, so that ``gateway.structured.syntax`` (pure standard library, also used by the engine
+# emulators) can be imported without the request model and its settings.
+_HOME = {"CONSTRAINT_FIELDS": "constraint", "Constraint": "constraint", "ConstraintInvalid": "constraint",
+         "extract": "constraint", "can_honour": "support", "grammar_in": "support"}
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOME.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{home}"), name)

@@ -21,16 +21,6 @@ from urllib.parse import unquote
 
 import orjson
 
-from gateway.sim.constrained import (
-    ConstraintError,
-    ConstraintTooDeep,
-    ConstraintTooLarge,
-    first_cycle,
-    forget_prepared,
-    gbnf_to_ebnf,
-    regex_nesting,
-    validate_grammar,
-)
 from gateway.structured.bounds import (
     Bounds,
     Code,
@@ -42,6 +32,16 @@ from gateway.structured.bounds import (
     utf8_size,
 )
 from gateway.structured.regex_cost import parsed_compile_cost
+from gateway.structured.syntax import (
+    ConstraintError,
+    ConstraintTooDeep,
+    ConstraintTooLarge,
+    first_cycle,
+    forget_prepared,
+    gbnf_to_ebnf,
+    regex_nesting,
+    validate_grammar,
+)
 
 _parser: Any = importlib.import_module("re._parser")
 
@@ -97,7 +97,7 @@ def _check_nesting(pattern: str, param: str, where: str, max_nesting: int) -> No
 
 
 def _parse_regex(pattern: str, param: str, where: str, max_nesting: int) -> Any:
-    """Python's parse tree of ``pattern`` (no compiling: see gateway.sim.constrained.regex)."""
+    """Python's parse tree of ``pattern`` (no compiling: see gateway.structured.syntax.regex)."""
     _check_nesting(pattern, param, where, max_nesting)
     try:
         return _parser.parse(pattern)
@@ -262,7 +262,7 @@ def _grammar(text: str, dialect: Dialect, param: str, bounds: Bounds) -> Renderi
         raise ConstraintInvalid(f"{param} is not a valid {dialect.upper()} grammar: {exc}", param) from None
     renderings: list[tuple[Dialect, str]] = [(dialect, text)]
     try:
-        if dialect == "gbnf":  # -> xgrammar EBNF, always faithful (see gateway.sim.constrained.convert)
+        if dialect == "gbnf":  # -> xgrammar EBNF, always faithful (see gateway.structured.syntax.convert)
             renderings.append(("ebnf", gbnf_to_ebnf(text, bounds.max_nesting, bounds.max_rules)))
         elif dialect == "ebnf":  # -> GBNF when it already is GBNF (xgrammar's EBNF is a superset)
             validate_grammar(text, "gbnf", bounds.max_nesting, bounds.max_rules)

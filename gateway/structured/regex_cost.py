@@ -17,7 +17,7 @@ import importlib
 from functools import lru_cache
 from typing import Any
 
-from gateway.sim.constrained import ConstraintError, parse_regex
+from gateway.structured.syntax import ConstraintError, parse_regex
 
 _constants: Any = importlib.import_module("re._constants")
 

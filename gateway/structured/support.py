@@ -4,7 +4,7 @@ An engine's support is a set of words: ``json_object``, ``json_schema``, ``regex
 ``tool_call`` (a forced tool call), ``strict_tools`` (strict argument schemas under ``tool_choice: auto``),
 and ``grammar:<dialect>`` for each grammar dialect it parses natively. A grammar in another dialect is
 honoured where a faithful conversion exists: GBNF -> xgrammar EBNF always (a rewrite, see
-``gateway.sim.constrained.gbnf_to_ebnf``); EBNF -> GBNF when the grammar is already valid GBNF (xgrammar's
+``gateway.structured.syntax.gbnf_to_ebnf``); EBNF -> GBNF when the grammar is already valid GBNF (xgrammar's
 EBNF is a superset); Lark never. Validation finds the conversions once (``Constraint.renderings``): routing
 asks for them per backend, and parsing a large grammar there would stall the event loop.
 """

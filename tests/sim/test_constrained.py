@@ -1,5 +1,6 @@
-"""Tests for gateway.sim.constrained: every sample is checked by an independent oracle
-(jsonschema, re.fullmatch, json.loads, a hand-written regex for the language)."""
+"""Tests for gateway.sim.constrained and the parsers it samples from (gateway.structured.syntax): every
+sample is checked by an independent oracle (jsonschema, re.fullmatch, json.loads, a hand-written regex for
+the language)."""
 
 from __future__ import annotations
 
@@ -13,25 +14,27 @@ import jsonschema
 import pytest
 
 from gateway.sim.constrained import (
+    choice_sample,
+    ebnf_sample,
+    gbnf_sample,
+    json_instance,
+    lark_sample,
+    regex_sample,
+    validate_json_schema,
+)
+from gateway.structured.syntax import (
     ConstraintError,
     ConstraintTooDeep,
     ConstraintTooLarge,
-    choice_sample,
-    ebnf_sample,
     gbnf_from_choices,
-    gbnf_sample,
     gbnf_to_ebnf,
-    json_instance,
-    lark_sample,
     regex_from_choices,
-    regex_sample,
     validate_grammar,
-    validate_json_schema,
     validate_regex,
 )
-from gateway.sim.constrained.grammar_ast import Alt, CharClass, Expr, Grammar, Lit, Ref, Repeat, Seq
-from gateway.sim.constrained.grammar_parse import parse_text_grammar
-from gateway.sim.constrained.grammar_sample import CostTable
+from gateway.structured.syntax.grammar_ast import Alt, CharClass, Expr, Grammar, Lit, Ref, Repeat, Seq
+from gateway.structured.syntax.grammar_check import CostTable
+from gateway.structured.syntax.grammar_parse import parse_text_grammar
 
 SEEDS = range(25)
 

@@ -20,6 +20,7 @@ SIM = Path(__file__).resolve().parents[2] / "gateway" / "sim"
 
 
 def test_sim_imports_nothing_else_from_gateway() -> None:
+    """Except the constraint parsers it samples from: tooling may use the product (never the reverse)."""
     offenders = []
     files = list(SIM.rglob("*.py"))
     assert len(files) > 10
@@ -35,7 +36,8 @@ def test_sim_imports_nothing_else_from_gateway() -> None:
                 if node.level > depth + 1:
                     offenders.append(f"{path}: relative import above gateway.sim")
             offenders += [f"{path}: {n}" for n in names
-                          if (n == "gateway" or n.startswith("gateway.")) and not n.startswith("gateway.sim")]
+                          if (n == "gateway" or n.startswith("gateway."))
+                          and not n.startswith(("gateway.sim", "gateway.structured.syntax"))]
     assert offenders == []
 
 

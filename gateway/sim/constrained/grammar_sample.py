@@ -1,68 +1,60 @@
-"""Checking a parsed grammar (undefined rules, finite derivations) and sampling from it.
+"""Sampling a string from a grammar constraint (GBNF, xgrammar EBNF, Lark), as a constrained decoder would.
 
-Sampling is a random walk from the root.  Each rule's minimal derivation cost (characters
-produced plus one per rule expansion) is precomputed (least_cost.py); past a depth or length
-budget the walk always takes a cheapest alternative and the fewest repetitions, so the cost
-strictly decreases at every rule expansion and the walk terminates.
+The grammar is parsed and checked by ``gateway.structured.syntax`` (the gateway's own validator), which also
+computes each rule's minimal derivation cost (characters produced plus one per rule expansion). Sampling is a
+random walk from the root; past a depth or length budget the walk always takes a cheapest alternative and the
+fewest repetitions, so the cost strictly decreases at every rule expansion and the walk terminates.
 """
 
 from __future__ import annotations
 
 import random
+from functools import lru_cache
 
-from . import charset
-from .errors import ConstraintError
-from .grammar_ast import Alt, CharClass, Expr, Grammar, Lit, Ref, Repeat, Seq, reachable, refs_in
-from .least_cost import INFINITE, expression_cost, flatten, least_costs
+from gateway.structured.syntax import DEFAULT_MAX_NESTING, ConstraintError, GrammarDialect, charset, validate_grammar
+from gateway.structured.syntax.grammar_ast import Alt, CharClass, Expr, Grammar, Lit, Ref, Repeat, Seq
+from gateway.structured.syntax.grammar_check import CostTable, check_grammar
+from gateway.structured.syntax.grammars import prepared_grammar
+from gateway.structured.syntax.least_cost import INFINITE
 
 DEPTH_BUDGET = 10
 LENGTH_BUDGET = 120
 EXTRA_REPEATS = 3
+_SURROGATES = (0xD800, 0xDFFF)
+# A few non-ASCII letters so samples are not ASCII-only when a class allows more.
+_NICE_NON_ASCII = "éüßλжñ中"
 
 
-class CostTable:
-    """Minimal derivation cost of every rule and of every expression of the grammar (see least_cost)."""
-
-    def __init__(self, grammar: Grammar) -> None:
-        self.grammar = grammar
-        flat = flatten(grammar)
-        costs = least_costs(grammar, 1, flat)
-        self.rule_cost: dict[str, int] = costs.rules
-        # keyed by identity: equal costs for an expression object wherever it occurs
-        self._memo: dict[int, int] = {id(expr): value for expr, value in zip(flat.exprs, costs.values, strict=True)}
-
-    def cost(self, expr: Expr) -> int:
-        found = self._memo.get(id(expr))
-        if found is not None:
-            return found
-        return expression_cost(expr, self.rule_cost)  # an expression from outside the grammar
+@lru_cache(maxsize=1024)
+def _printable_members(ranges: charset.Ranges) -> str:
+    return "".join(chr(cp) for cp in range(0x20, 0x7F) if charset.contains(ranges, cp))
 
 
-def _where(grammar: Grammar, name: str) -> str:
-    pos = grammar.positions.get(name)
-    return f" (defined at line {pos[0]}, column {pos[1]})" if pos else ""
+@lru_cache(maxsize=1024)
+def _nice_members(ranges: charset.Ranges) -> str:
+    return "".join(ch for ch in _NICE_NON_ASCII if charset.contains(ranges, ord(ch)))
 
 
-def check_grammar(grammar: Grammar) -> CostTable:
-    """Raise ConstraintError for a missing root, undefined references or rules with no finite
-    derivation (reachable from the root); return the cost table for sampling."""
-    if grammar.root not in grammar.rules:
-        raise ConstraintError(f"{grammar.dialect} grammar has no '{grammar.root}' rule")
-    for name, body in grammar.rules.items():
-        for ref in refs_in(body):
-            if ref.name not in grammar.rules:
-                raise ConstraintError(
-                    f"{grammar.dialect} grammar: undefined rule '{ref.name}' referenced in "
-                    f"'{name}' at line {ref.line}, column {ref.col}"
-                )
-    table = CostTable(grammar)
-    for name in reachable(grammar):
-        if table.rule_cost[name] >= INFINITE:
-            raise ConstraintError(
-                f"{grammar.dialect} grammar: rule '{name}'{_where(grammar, name)} has no finite "
-                "derivation (every alternative recurses forever or matches nothing)"
-            )
-    return table
+def sample_char(ranges: charset.Ranges, rng: random.Random) -> str:
+    """One member of ``ranges``, preferring printable ASCII, then a few common letters."""
+    if not ranges:
+        raise ConstraintError("empty character class matches nothing")
+    printable = _printable_members(ranges)
+    nice = _nice_members(ranges)
+    roll = rng.random()
+    if printable and (roll < 0.97 or not nice):
+        return rng.choice(printable)
+    if nice:
+        return rng.choice(nice)
+    usable = [r for r in ranges if not (r[0] >= _SURROGATES[0] and r[1] <= _SURROGATES[1])]
+    if not usable:
+        raise ConstraintError("character class contains only surrogate code points")
+    lo, hi = rng.choice(usable)
+    for _ in range(16):
+        cp = rng.randint(lo, hi)
+        if not _SURROGATES[0] <= cp <= _SURROGATES[1]:
+            return chr(cp)
+    return chr(lo if lo < _SURROGATES[0] else hi)
 
 
 class _Walker:
@@ -89,7 +81,7 @@ class _Walker:
             if isinstance(expr, Lit):
                 self.emit(expr.text)
             elif isinstance(expr, CharClass):
-                self.emit(charset.sample_char(expr.members(), self.rng))
+                self.emit(sample_char(expr.members(), self.rng))
             elif isinstance(expr, Ref):
                 stack.append((self.rules[expr.name], depth + 1))
             elif isinstance(expr, Seq):
@@ -135,3 +127,24 @@ def sample_grammar(grammar: Grammar, rng: random.Random) -> str:
     """Check ``grammar`` and return one string it derives from its root."""
     table = check_grammar(grammar)
     return sample_expr(table, Ref(grammar.root), rng)
+
+
+def _sample(grammar: str, dialect: GrammarDialect, rng: random.Random) -> str:
+    validate_grammar(grammar, dialect)
+    table = prepared_grammar(grammar, dialect, DEFAULT_MAX_NESTING, None)
+    return sample_expr(table, Ref(table.grammar.root), rng)
+
+
+def gbnf_sample(grammar: str, rng: random.Random) -> str:
+    """A string the llama.cpp GBNF ``grammar`` accepts from rule ``root``."""
+    return _sample(grammar, "gbnf", rng)
+
+
+def ebnf_sample(grammar: str, rng: random.Random) -> str:
+    """A string the xgrammar EBNF ``grammar`` accepts from rule ``root``."""
+    return _sample(grammar, "ebnf", rng)
+
+
+def lark_sample(grammar: str, rng: random.Random) -> str:
+    """A string the Lark ``grammar`` accepts from rule ``start`` (no ``%ignore``-d text)."""
+    return _sample(grammar, "lark", rng)

@@ -16,7 +16,8 @@ import random
 from collections.abc import Mapping
 from typing import Any, cast
 
-from .errors import ConstraintError
+from gateway.structured.syntax import ConstraintError
+
 from .json_check import is_valid
 from .json_merge import merge
 from .json_scalars import WORDS, Stuck, integer_value, number_value, string_value

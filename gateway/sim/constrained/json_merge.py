@@ -12,7 +12,8 @@ from collections.abc import Mapping
 from fractions import Fraction
 from typing import Any
 
-from .errors import ConstraintError
+from gateway.structured.syntax import ConstraintError
+
 from .json_check import json_equal
 
 _LOWER = ("minimum", "minLength", "minItems", "minProperties")

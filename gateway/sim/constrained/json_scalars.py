@@ -9,10 +9,11 @@ from collections.abc import Callable, Mapping
 from fractions import Fraction
 from typing import Any
 
-from .errors import ConstraintError
+from gateway.structured.syntax import ConstraintError
+
 from .json_check import multiple_ok
 from .json_schema import is_number
-from .regex import regex_sample
+from .regex_sample import regex_sample
 
 WORDS = (
     "alpha",

@@ -4,8 +4,9 @@ Supported (Draft 2020-12 meaning, plus draft-07 tuple ``items`` / ``additionalIt
 boolean ``exclusiveMinimum``/``exclusiveMaximum``): ``type`` (string or list), ``enum``,
 ``const``, ``properties``, ``required``, ``additionalProperties``, ``minProperties``,
 ``maxProperties``, ``items``, ``prefixItems``, ``minItems``, ``maxItems``, ``uniqueItems``,
-``minLength``, ``maxLength``, ``pattern`` (regex.py subset), ``format`` (date, date-time, time,
-email, uuid, uri, hostname, ipv4, ipv6 generated; others are annotations), ``minimum``,
+``minLength``, ``maxLength``, ``pattern`` (the ``gateway.structured.syntax.regex`` subset),
+``format`` (date, date-time, time, email, uuid, uri, hostname, ipv4, ipv6 generated; others are
+annotations), ``minimum``,
 ``maximum``, ``exclusiveMinimum``, ``exclusiveMaximum``, ``multipleOf``, ``anyOf``, ``oneOf``,
 ``allOf``, ``$ref`` to ``#``, ``#/$defs/...``, ``#/definitions/...`` (any local JSON pointer),
 boolean schemas.  Annotations (title, description, default, examples, ...) and unknown
@@ -19,8 +20,7 @@ from collections.abc import Mapping
 from typing import Any
 from urllib.parse import unquote
 
-from .errors import ConstraintError
-from .regex import validate_regex
+from gateway.structured.syntax import ConstraintError, validate_regex
 
 TYPES = frozenset({"string", "number", "integer", "boolean", "null", "object", "array"})
 UNSUPPORTED = frozenset(

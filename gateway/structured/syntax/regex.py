@@ -1,11 +1,11 @@
-"""Regular-expression constraints: validation, sampling, and building one from choices.
+"""Regular-expression constraints: parsing, the nesting scan, validation and the grammar model of a pattern.
 
 Supported subset (Python ``re`` syntax): literals and escapes, ``.``, character classes with
 ranges, negation and ``\\d \\w \\s \\D \\W \\S``, capturing / non-capturing / named groups,
-alternation, greedy, lazy and possessive quantifiers ``* + ? {m} {m,} {m,n}`` (unbounded ones
-capped a few repeats past the minimum), inline flags, and the anchors ``^ $ \\A \\Z`` (which
-only make sense at the ends).  Backreferences, lookarounds, conditionals, atomic groups and
-word boundaries raise ConstraintError.  Samples are checked with ``re.fullmatch``.
+alternation, greedy, lazy and possessive quantifiers ``* + ? {m} {m,} {m,n}``, inline flags, and
+the anchors ``^ $ \\A \\Z`` (which only make sense at the ends).  Backreferences, lookarounds,
+conditionals, atomic groups and word boundaries raise ConstraintError, as does a pattern that
+matches nothing.
 
 Validation is bounded: groups nested deeper than ``max_nesting`` raise ConstraintTooDeep after a
 linear scan, before Python's recursive regex parser runs; the pattern is parsed but not compiled
@@ -16,16 +16,14 @@ compilation finds no error the parser has not already reported for the supported
 from __future__ import annotations
 
 import importlib
-import random
 import re
-from collections.abc import Sequence
 from functools import lru_cache
 from typing import Any
 
 from . import charset
 from .errors import DEFAULT_MAX_NESTING, ConstraintError, ConstraintTooDeep
 from .grammar_ast import ANY_CHAR, CharClass, Expr, Grammar, Lit, Repeat, alt, seq
-from .grammar_sample import CostTable, sample_expr
+from .grammar_check import CostTable
 from .least_cost import INFINITE
 
 _parser: Any = importlib.import_module("re._parser")
@@ -36,7 +34,6 @@ _WORD: charset.Ranges = ((0x30, 0x39), (0x41, 0x5A), (0x5F, 0x5F), (0x61, 0x7A))
 _SPACE: charset.Ranges = ((0x09, 0x0D), (0x20, 0x20))
 _NON_ASCII: charset.Ranges = ((0x80, charset.MAX_CODE_POINT),)
 _NO_NEWLINE: charset.Ranges = ((0x0A, 0x0A),)
-_ATTEMPTS = 12
 _GROUPING = re.compile(r"[\\\[()]")  # what the nesting scan stops at
 _CLASS_REST = re.compile(r"\^?\]?(?:\\.|[^\]\\])*\]?", re.DOTALL)  # a class's body after its '['
 
@@ -168,7 +165,8 @@ def _convert(nodes: Any, flags: int) -> Expr:
 
 
 @lru_cache(maxsize=256)
-def _compile(pattern: str, flags: int, max_nesting: int) -> tuple[Expr, CostTable]:
+def compiled_regex(pattern: str, flags: int, max_nesting: int) -> tuple[Expr, CostTable]:
+    """``pattern`` as a grammar expression, with its cost table (what a sampler walks); memoised."""
     if not isinstance(pattern, str):
         raise ConstraintError(f"regex must be a string, got {type(pattern).__name__}")
     parsed = parse_regex(pattern, flags, max_nesting)
@@ -180,54 +178,14 @@ def _compile(pattern: str, flags: int, max_nesting: int) -> tuple[Expr, CostTabl
 
 
 def forget_regexes() -> None:
-    _compile.cache_clear()
+    compiled_regex.cache_clear()
 
 
 def regex_to_expr(pattern: str, flags: int = 0, max_nesting: int = DEFAULT_MAX_NESTING) -> Expr:
     """The grammar expression for ``pattern`` (used for Lark and EBNF ``Regex`` terminals)."""
-    return _compile(pattern, flags, max_nesting)[0]
+    return compiled_regex(pattern, flags, max_nesting)[0]
 
 
 def validate_regex(pattern: str, max_nesting: int = DEFAULT_MAX_NESTING) -> None:
     """Raise ConstraintError if ``pattern`` is invalid or outside the supported subset."""
-    _compile(pattern, 0, max_nesting)
-
-
-def regex_sample(pattern: str, rng: random.Random) -> str:
-    """A string that ``re.fullmatch``-es ``pattern``; deterministic for a given rng state."""
-    expr, table = _compile(pattern, 0, DEFAULT_MAX_NESTING)
-    for _ in range(_ATTEMPTS):
-        text = sample_expr(table, expr, rng)
-        if re.fullmatch(pattern, text) is not None:
-            return text
-    raise ConstraintError(
-        f"could not generate a string matching {pattern!r} (anchors placed mid-pattern, or flags"
-        " interplay outside the supported subset)"
-    )
-
-
-_REGEX_SPECIAL = set("\\.^$|?*+()[]{}/")
-_CONTROL_ESCAPES = {"\n": "\\n", "\r": "\\r", "\t": "\\t", "\f": "\\f", "\v": "\\v"}
-
-
-def escape_regex(text: str) -> str:
-    """Escape ``text`` portably (Python, ECMAScript and Rust regex agree on this form)."""
-    out: list[str] = []
-    for ch in text:
-        if ch in _REGEX_SPECIAL:
-            out.append("\\" + ch)
-        elif ch in _CONTROL_ESCAPES:
-            out.append(_CONTROL_ESCAPES[ch])
-        elif ord(ch) < 0x20 or ord(ch) == 0x7F:
-            out.append(f"\\x{ord(ch):02x}")
-        else:
-            out.append(ch)
-    return "".join(out)
-
-
-def regex_from_choices(choices: Sequence[str]) -> str:
-    """A regex matching exactly one of ``choices`` (an escaped alternation)."""
-    from .choice import check_choices
-
-    check_choices(choices)
-    return "(" + "|".join(escape_regex(c) for c in choices) + ")"
+    compiled_regex(pattern, 0, max_nesting)

@@ -1,4 +1,4 @@
-"""The exception types of the constrained-output library."""
+"""The exception types of the constraint parsers and validators, and their default nesting limit."""
 
 from __future__ import annotations
 

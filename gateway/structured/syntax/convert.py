@@ -1,6 +1,6 @@
 """Faithful dialect conversion: llama.cpp GBNF to xgrammar EBNF.
 
-The GBNF text is parsed and checked exactly as for sampling, then re-rendered rule by rule.
+The GBNF text is parsed and checked exactly as for validation, then re-rendered rule by rule.
 The two dialects share their core, but their texts differ in ways a textual copy would get
 wrong, which rendering from the parsed model avoids:
 
