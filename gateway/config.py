@@ -18,7 +18,6 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-EngineName = Literal["llamacpp", "vllm", "sglang", "tabbyapi", "openai"]
 Scope = Literal["inference", "metrics"]  # what a gateway API key may use
 
 
@@ -134,7 +133,7 @@ class BackendSettings(_Strict):
     ``discovery.interval`` seconds."""
 
     name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.:-]*$")
-    engine: EngineName
+    engine: str = Field(description="the engine kind: one of gateway.engines.registry.ENGINES")
     url: str | None = None
     dns: str | None = Field(default=None, description="a DNS name whose addresses are this backend's replicas")
     port: int | None = Field(default=None, ge=1, le=65535, description="with dns: the replicas' port")
@@ -165,6 +164,16 @@ class BackendSettings(_Strict):
         user, _, password = userinfo.partition(":")
         return {**data, "url": urlunsplit(parts._replace(netloc=hostport)),
                 "basic_auth": f"{unquote(user)}:{unquote(password)}"}
+
+    @field_validator("engine")
+    @classmethod
+    def _engine(cls, value: str) -> str:
+        # the engine list is the registry's (read when a configuration is loaded, not when this module is)
+        from gateway.engines.registry import ENGINES
+
+        if value not in ENGINES:
+            raise ValueError(f"unknown engine {value!r}; known: {', '.join(ENGINES)}")
+        return value
 
     @field_validator("url")
     @classmethod

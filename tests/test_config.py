@@ -42,7 +42,8 @@ def test_good_file_with_environment_overrides(tmp_path: pathlib.Path, monkeypatc
 @pytest.mark.parametrize(
     ("text", "expected"),
     [
-        ("backends: [{name: a, engine: vlm, url: 'http://x'}]", "backends[0] (a).engine: Input should be"),
+        ("backends: [{name: a, engine: vlm, url: 'http://x'}]",
+         "backends[0] (a).engine: unknown engine 'vlm'; known: llamacpp, vllm"),
         ("backends: [{name: a, engine: vllm, url: 'x:80'}]", "backends[0] (a).url: must start with http://"),
         ("backends: [{name: a, engine: vllm, url: 'http://x', max_concurrency: 0}]",
          "backends[0] (a).max_concurrency: Input should be greater than 0"),

@@ -1,25 +1,7 @@
-"""One module per engine. Adding an engine is a new module plus one line in ``ADAPTERS``."""
+"""One module per engine: its :class:`~gateway.engines.spec.EngineSpec` (the facts, as data) and its adapter
+(the code that reads its signals). The registry (:mod:`gateway.engines.registry`) lists them; adding an
+engine is a new module plus one line there (and its emulator under ``gateway/sim/engines``).
 
-from __future__ import annotations
-
-from gateway.engines.base import BackendError, EngineAdapter
-from gateway.engines.llamacpp import LlamaCppAdapter
-from gateway.engines.openai import OpenAIAdapter
-from gateway.engines.sglang import SGLangAdapter
-from gateway.engines.tabbyapi import TabbyAPIAdapter
-from gateway.engines.vllm import VLLMAdapter
-
-ADAPTERS: dict[str, type[EngineAdapter]] = {
-    "llamacpp": LlamaCppAdapter,
-    "vllm": VLLMAdapter,
-    "sglang": SGLangAdapter,
-    "tabbyapi": TabbyAPIAdapter,
-    "openai": OpenAIAdapter,
-}
-
-
-def create_adapter(engine: str) -> EngineAdapter:
-    return ADAPTERS[engine]()
-
-
-__all__ = ["ADAPTERS", "BackendError", "EngineAdapter", "create_adapter"]
+This package's ``__init__`` imports nothing, so ``gateway.engines.spec`` can be read without loading the
+adapters and their HTTP client.
+"""

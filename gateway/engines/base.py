@@ -1,20 +1,22 @@
 """The engine adapter contract, and helpers every adapter shares.
 
-An adapter knows one engine's control-plane dialect: where its health, load, capacity and models live and
-what its answers mean. It is handed an ``httpx.AsyncClient`` already pointed at the backend (base URL,
-auth header, timeouts); errors from httpx are mapped here, at the boundary, to :class:`BackendError`.
-Request-side translation (``prepare_body``) also lives here, so engine quirks never leak into the proxy.
+An adapter reads one engine's control plane as its :class:`~gateway.engines.spec.EngineSpec` describes it:
+where its health, load, capacity and models live and what its answers mean. It is handed an
+``httpx.AsyncClient`` already pointed at the backend (base URL, auth header, timeouts); errors from httpx
+are mapped here, at the boundary, to :class:`BackendError`. Request-side translation (``prepare_body``) also
+lives here, so engine quirks never leak into the proxy.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from typing import Any, ClassVar
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from gateway.engines.spec import EngineSpec
 from gateway.pool.state import Capacity, Health, LoadRecord, Probe
 from gateway.structured import CONSTRAINT_FIELDS, Constraint, grammar_in
 
@@ -24,58 +26,58 @@ class BackendError(Exception):
 
 
 class EngineAdapter:
-    """Base adapter: an OpenAI-compatible server with ``/health`` and ``/v1/models``, no load signals.
+    """Base adapter: an OpenAI-compatible server with a health path and ``/v1/models``, reading load from
+    ``/metrics`` when its spec names metrics. ``spec`` holds the engine's facts; a subclass overrides only
+    the methods whose behaviour is code (parsing the engine's own load or capacity documents)."""
 
-    Subclasses override data (paths, the metric-name table) and only the methods whose behaviour differs.
-    """
+    spec: ClassVar[EngineSpec] = EngineSpec(name="openai")
 
-    engine: ClassVar[str] = "openai"
-    health_path: ClassVar[str] = "/health"
-    models_path: ClassVar[str] = "/v1/models"
-    # normalised field -> the engine's Prometheus metric name
-    metric_names: ClassVar[Mapping[str, str]] = {}
-    # when the engine reports no capacity, assume this many concurrent sequences
-    default_slots: ClassVar[int | None] = None
-    # statuses worth sending to another backend (nothing was generated): back-pressure and server errors
-    retry_statuses: ClassVar[frozenset[int]] = frozenset({429, 500, 502, 503, 504})
-    # structured-output constraints it honours (see gateway.structured.support); grammar:<dialect> natively
-    structured: ClassVar[frozenset[str]] = frozenset({"json_object", "json_schema", "tool_call", "strict_tools"})
+    @property
+    def engine(self) -> str:
+        return self.spec.name
 
-    def auth_headers(self, api_key: str | None) -> dict[str, str]:
-        return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    @property
+    def structured(self) -> frozenset[str]:
+        return self.spec.structured
 
     # --- control plane -------------------------------------------------------------------------------
     async def probe(self, client: httpx.AsyncClient) -> Probe:
-        response = await get(client, self.health_path)
+        path = self.spec.health_path
+        response = await get(client, path)
         if response.status_code == 200:
             return Probe(Health.READY)
-        return Probe(Health.DOWN, f"{self.health_path} answered HTTP {response.status_code}")
+        if response.status_code == self.spec.loading_status:
+            return Probe(Health.LOADING, f"{self.spec.name} is loading its model ({path} answered "
+                                         f"HTTP {response.status_code})")
+        return Probe(Health.DOWN, f"{path} answered HTTP {response.status_code}")
 
     async def read_load(self, client: httpx.AsyncClient) -> LoadRecord | None:
         """The engine's own view of its load, or None when it exposes none."""
-        if not self.metric_names:
+        names = self.spec.metric_names
+        if not names:
             return None
         response = await get(client, "/metrics")
         if response.status_code != 200:
             raise BackendError(f"/metrics answered HTTP {response.status_code}")
-        values = parse_metrics(response.text, self.metric_names.values())
-        queue = self.metric_names.get("queue_histogram")
+        values = parse_metrics(response.text, names.values())
+        queue = names.get("queue_histogram")
         return LoadRecord(
-            running=as_int(values.get(self.metric_names.get("running", ""))),
-            waiting=as_int(values.get(self.metric_names.get("waiting", ""))),
-            kv_usage=values.get(self.metric_names.get("kv_usage", "")),
+            running=as_int(values.get(names.get("running", ""))),
+            waiting=as_int(values.get(names.get("waiting", ""))),
+            kv_usage=values.get(names.get("kv_usage", "")),
             read_at=time.monotonic(),
             queue_histogram=parse_histogram(response.text, queue) if queue else None,
         )
 
     async def read_capacity(self, client: httpx.AsyncClient) -> Capacity:
-        return Capacity(slots=self.default_slots)
+        return Capacity(slots=self.spec.default_slots)
 
     async def list_models(self, client: httpx.AsyncClient) -> list[str]:
-        doc = await get_json(client, self.models_path)
+        path = self.spec.models_path
+        doc = await get_json(client, path)
         data = doc.get("data") if isinstance(doc, dict) else None
         if not isinstance(data, list):
-            raise BackendError(f"{self.models_path} has no 'data' list")
+            raise BackendError(f"{path} has no 'data' list")
         return [item["id"] for item in data if isinstance(item, dict) and isinstance(item.get("id"), str)]
 
     # --- data plane ----------------------------------------------------------------------------------
@@ -107,7 +109,7 @@ class EngineAdapter:
         if constraint.kind == "json_schema":
             return {"response_format": {"type": "json_schema", "json_schema": {
                 "name": constraint.name, "schema": constraint.schema, "strict": constraint.strict}}}
-        raise ValueError(f"{self.engine} cannot express {constraint.describe()}")
+        raise ValueError(f"{self.spec.name} cannot express {constraint.describe()}")
 
 
 # --- helpers ----------------------------------------------------------------------------------------------

@@ -16,20 +16,27 @@ from typing import Any, ClassVar
 import httpx
 
 from gateway.engines.base import BackendError, EngineAdapter, as_int, get, get_json, native_grammar, parse_metrics
-from gateway.pool.state import Capacity, Health, LoadRecord, Probe
+from gateway.engines.spec import EngineSpec
+from gateway.pool.state import Capacity, LoadRecord, ShapeSeed
 from gateway.structured import Constraint
 from gateway.structured.syntax import gbnf_from_choices
 
-_RUNNING = "llamacpp:requests_processing"
-_WAITING = "llamacpp:requests_deferred"
+SPEC = EngineSpec(
+    name="llamacpp",
+    loading_status=503,  # "Loading model"
+    # only with --metrics; read beside /slots (see read_load)
+    metric_names={"running": "llamacpp:requests_processing", "waiting": "llamacpp:requests_deferred"},
+    # GBNF natively (json_schema is compiled to GBNF by the server); no regex; choices as a GBNF alternation
+    structured=frozenset({"json_object", "json_schema", "choice", "grammar:gbnf", "tool_call"}),
+    timings="timings_ms",  # timings.prompt_ms / predicted_ms in every answer and the last streamed chunk
+    # a few slots, each decoding at full speed alone; anchored to published figures for a 7B model at ~4 bits
+    # on one RTX 4090 (the curve is the engine's scheduling: slots share the GPU)
+    shape=ShapeSeed(tok_s=186.0, growth=0.3, prefill_tok_s=5_000.0),
+)
 
 
 class LlamaCppAdapter(EngineAdapter):
-    engine: ClassVar[str] = "llamacpp"
-    # GBNF natively (json_schema is compiled to GBNF by the server); no regex; choices as a GBNF alternation
-    structured: ClassVar[frozenset[str]] = frozenset(
-        {"json_object", "json_schema", "choice", "grammar:gbnf", "tool_call"}
-    )
+    spec: ClassVar[EngineSpec] = SPEC
 
     def constraint_fields(self, constraint: Constraint) -> dict[str, Any]:
         if constraint.kind == "json_schema":
@@ -44,14 +51,6 @@ class LlamaCppAdapter(EngineAdapter):
         # learned on first contact: a server started without --metrics / with --no-slots answers 501
         self._metrics_enabled = True
         self._slots_enabled = True
-
-    async def probe(self, client: httpx.AsyncClient) -> Probe:
-        response = await get(client, "/health")
-        if response.status_code == 200:
-            return Probe(Health.READY)
-        if response.status_code == 503:
-            return Probe(Health.LOADING, "llama-server is loading the model")
-        return Probe(Health.DOWN, f"/health answered HTTP {response.status_code}")
 
     async def read_load(self, client: httpx.AsyncClient) -> LoadRecord | None:
         running: int | None = None
@@ -74,10 +73,11 @@ class LlamaCppAdapter(EngineAdapter):
             elif response.status_code != 200:
                 raise BackendError(f"/metrics answered HTTP {response.status_code}")
             else:
-                values = parse_metrics(response.text, (_RUNNING, _WAITING))
-                waiting = as_int(values.get(_WAITING))
+                names = self.spec.metric_names
+                values = parse_metrics(response.text, names.values())
+                waiting = as_int(values.get(names["waiting"]))
                 if running is None:
-                    running = as_int(values.get(_RUNNING))
+                    running = as_int(values.get(names["running"]))
         if running is None and waiting is None:
             return None
         return LoadRecord(running=running, waiting=waiting, kv_usage=None, read_at=time.monotonic())

@@ -1,6 +1,7 @@
 """Any other OpenAI-compatible server (TGI, LM Studio, a hosted API): no load signals, models from /v1/models.
 
-``/v1/models`` doubles as the health probe, since ``/health`` is not part of the OpenAI API.
+``/v1/models`` doubles as the health probe, since ``/health`` is not part of the OpenAI API. Its stream may
+have any quirk the relay knows, so every quirk flag is on.
 """
 
 from __future__ import annotations
@@ -8,9 +9,11 @@ from __future__ import annotations
 from typing import ClassVar
 
 from gateway.engines.base import EngineAdapter
+from gateway.engines.spec import ALL_QUIRKS, EngineSpec
+
+# the OpenAI API's own fields only: response_format and (strict) tools
+SPEC = EngineSpec(name="openai", health_path="/v1/models", stream=ALL_QUIRKS)
 
 
 class OpenAIAdapter(EngineAdapter):
-    engine: ClassVar[str] = "openai"
-    health_path: ClassVar[str] = "/v1/models"
-    # the OpenAI API's own fields only: response_format and (strict) tools
+    spec: ClassVar[EngineSpec] = SPEC

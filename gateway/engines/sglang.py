@@ -15,18 +15,27 @@ import httpx
 import orjson
 
 from gateway.engines.base import BackendError, EngineAdapter, get, get_json, native_grammar, parse_histogram
+from gateway.engines.spec import EngineSpec
 from gateway.engines.vllm import max_model_len
-from gateway.pool.state import Capacity, Health, LoadRecord, Probe
+from gateway.pool.state import Capacity, LoadRecord, ShapeSeed
 from gateway.structured import Constraint
 from gateway.structured.syntax import regex_from_choices
 
+SPEC = EngineSpec(
+    name="sglang",
+    health_path="/v1/models",  # /health runs a one-token generation by default
+    loading_status=503,  # warming up
+    # /metrics only with --enable-metrics; running and waiting come from /v1/loads (see read_load)
+    metric_names={"queue_histogram": "sglang:queue_time_seconds"},
+    # json_schema as a JSON string, regex, ebnf (xgrammar); choices as a regex alternation
+    structured=frozenset({"json_object", "json_schema", "regex", "choice", "grammar:ebnf", "tool_call"}),
+    # continuous batching, like vLLM
+    shape=ShapeSeed(tok_s=178.0, growth=0.011, prefill_tok_s=10_000.0),
+)
+
 
 class SGLangAdapter(EngineAdapter):
-    engine: ClassVar[str] = "sglang"
-    # json_schema as a JSON string, regex, ebnf (xgrammar); choices as a regex alternation
-    structured: ClassVar[frozenset[str]] = frozenset(
-        {"json_object", "json_schema", "regex", "choice", "grammar:ebnf", "tool_call"}
-    )
+    spec: ClassVar[EngineSpec] = SPEC
 
     def constraint_fields(self, constraint: Constraint) -> dict[str, Any]:
         kind = constraint.kind
@@ -39,15 +48,6 @@ class SGLangAdapter(EngineAdapter):
         if kind == "grammar":
             return {"ebnf": native_grammar(constraint, ("ebnf",))}
         return super().constraint_fields(constraint)
-    health_path: ClassVar[str] = "/v1/models"
-
-    async def probe(self, client: httpx.AsyncClient) -> Probe:
-        response = await get(client, self.health_path)
-        if response.status_code == 200:
-            return Probe(Health.READY)
-        if response.status_code == 503:
-            return Probe(Health.LOADING, "sglang is warming up")
-        return Probe(Health.DOWN, f"{self.health_path} answered HTTP {response.status_code}")
 
     def __init__(self) -> None:
         self._metrics_enabled = True  # learned: without --enable-metrics /metrics is not served
@@ -59,7 +59,7 @@ class SGLangAdapter(EngineAdapter):
         if self._metrics_enabled:
             response = await get(client, "/metrics")
             if response.status_code == 200:
-                queue = parse_histogram(response.text, "sglang:queue_time_seconds")
+                queue = parse_histogram(response.text, self.spec.metric_names["queue_histogram"])
             else:
                 self._metrics_enabled = False
         return LoadRecord(

@@ -14,18 +14,27 @@ from typing import Any, ClassVar
 import httpx
 
 from gateway.engines.base import BackendError, EngineAdapter, get_json, native_grammar
-from gateway.pool.state import Capacity, LoadRecord
+from gateway.engines.spec import EngineSpec, StreamQuirks
+from gateway.pool.state import Capacity, LoadRecord, ShapeSeed
 from gateway.structured import Constraint
 from gateway.structured.syntax import regex_from_choices
 
-
-class TabbyAPIAdapter(EngineAdapter):
-    engine: ClassVar[str] = "tabbyapi"
+SPEC = EngineSpec(
+    name="tabbyapi",
+    auth="x-api-key",
     # json_schema, regex_pattern, grammar_string (GBNF with ::=, else Lark). It IGNORES response_format
     # json_object, so that becomes json_schema {"type": "object"}. No tool-call enforcement.
-    structured: ClassVar[frozenset[str]] = frozenset(
-        {"json_object", "json_schema", "regex", "choice", "grammar:gbnf", "grammar:lark"}
-    )
+    structured=frozenset({"json_object", "json_schema", "regex", "choice", "grammar:gbnf", "grammar:lark"}),
+    # sse-starlette writes "\r\n"; the usage chunk also carries the last choices entry
+    stream=StreamQuirks(crlf=True, usage_with_choices=True),
+    timings="usage_seconds",  # usage.prompt_time / completion_time
+    # ExLlamaV2/V3: fastest alone; per-token time grows almost linearly with the batch
+    shape=ShapeSeed(tok_s=211.0, growth=0.9, prefill_tok_s=8_000.0),
+)
+
+
+class TabbyAPIAdapter(EngineAdapter):
+    spec: ClassVar[EngineSpec] = SPEC
 
     def constraint_fields(self, constraint: Constraint) -> dict[str, Any]:
         kind = constraint.kind
@@ -40,9 +49,6 @@ class TabbyAPIAdapter(EngineAdapter):
         if kind == "grammar":
             return {"grammar_string": native_grammar(constraint, ("gbnf", "lark"))}
         return super().constraint_fields(constraint)
-
-    def auth_headers(self, api_key: str | None) -> dict[str, str]:
-        return {"x-api-key": api_key} if api_key else {}
 
     async def read_load(self, client: httpx.AsyncClient) -> LoadRecord | None:
         return None

@@ -7,24 +7,36 @@ count is the configured ``max_concurrency`` or vLLM's default of 256.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.engines.base import EngineAdapter, get, get_json, native_grammar
-from gateway.pool.state import Capacity
+from gateway.engines.spec import EngineSpec
+from gateway.pool.state import Capacity, ShapeSeed
 from gateway.structured import Constraint
+
+SPEC = EngineSpec(
+    name="vllm",
+    metric_names={
+        "running": "vllm:num_requests_running",
+        "waiting": "vllm:num_requests_waiting",
+        "kv_usage": "vllm:kv_cache_usage_perc",
+        "queue_histogram": "vllm:request_queue_time_seconds",
+    },
+    default_slots=256,  # vLLM's default max_num_seqs, which it does not publish
+    # structured_outputs (xgrammar): JSON, regex, choice, EBNF and Lark grammars. Never the removed guided_*
+    # fields, which vLLM ignores with a 200.
+    structured=frozenset({"json_object", "json_schema", "regex", "choice", "grammar:ebnf", "grammar:lark",
+                          "tool_call"}),
+    # continuous batching: barely slower per token at 64 sequences than alone
+    shape=ShapeSeed(tok_s=175.0, growth=0.012, prefill_tok_s=10_000.0),
+)
 
 
 class VLLMAdapter(EngineAdapter):
-    engine: ClassVar[str] = "vllm"
-    # structured_outputs (xgrammar): JSON, regex, choice, EBNF and Lark grammars. Never the removed guided_*
-    # fields, which vLLM ignores with a 200.
-    structured: ClassVar[frozenset[str]] = frozenset(
-        {"json_object", "json_schema", "regex", "choice", "grammar:ebnf", "grammar:lark", "tool_call"}
-    )
+    spec: ClassVar[EngineSpec] = SPEC
 
     def constraint_fields(self, constraint: Constraint) -> dict[str, Any]:
         kind = constraint.kind
@@ -39,18 +51,10 @@ class VLLMAdapter(EngineAdapter):
         if kind == "grammar":
             return {"structured_outputs": {"grammar": native_grammar(constraint, ("ebnf", "lark"))}}
         return super().constraint_fields(constraint)
-    metric_names: ClassVar[Mapping[str, str]] = {
-        "running": "vllm:num_requests_running",
-        "waiting": "vllm:num_requests_waiting",
-        "kv_usage": "vllm:kv_cache_usage_perc",
-        "queue_histogram": "vllm:request_queue_time_seconds",
-    }
-    default_slots: ClassVar[int | None] = 256
 
     async def read_capacity(self, client: httpx.AsyncClient) -> Capacity:
-        return Capacity(
-            slots=self.default_slots, context_length=await max_model_len(client), cache_tokens=await _kv_tokens(client)
-        )
+        return Capacity(slots=self.spec.default_slots, context_length=await max_model_len(client),
+                        cache_tokens=await _kv_tokens(client))
 
 
 async def _kv_tokens(client: httpx.AsyncClient) -> int | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 from gateway.config import BreakerSettings
+from gateway.engines.spec import EngineSpec
 from gateway.errors import Redactor
 from gateway.pool.breaker import Breaker
 from gateway.pool.state import Capacity, Health, LoadRecord, Probe
@@ -32,11 +33,10 @@ class Backend:
         "models",
         "name",
         "request_headers",
-        "retry_statuses",
         "scrape_errors",
         "secrets",
+        "spec",
         "stale_after",
-        "structured",
         "url",
     )
 
@@ -50,9 +50,13 @@ class Backend:
         max_concurrency: int | None = None,
         stale_after: float = 5.0,
         breaker: BreakerSettings | None = None,
+        spec: EngineSpec | None = None,
     ) -> None:
         self.name = name
         self.engine = engine
+        # the engine's facts (routes, structured output, retries, stream quirks, shape): a plain
+        # OpenAI-compatible server's when not given
+        self.spec = spec if spec is not None else EngineSpec(name=engine)
         self.url = url
         self.configured_models = frozenset(models) if models else None
         # Last known models are kept while a backend is down, so its model is "unavailable" (503), not
@@ -72,9 +76,6 @@ class Backend:
         # its address and credentials, kept out of every message passed to a client
         self.secrets = Redactor(name, url)
         self.marked_down = 0  # times the proxy took it out of rotation (a probe begun before that is stale)
-        # from the engine adapter: structured-output support, and statuses worth another backend
-        self.structured: frozenset[str] = frozenset()
-        self.retry_statuses: frozenset[int] = frozenset({429, 500, 502, 503, 504})
         self.breaker = Breaker(breaker or BreakerSettings())
         # bumped each time the backend comes (back) up: a restarted engine has empty caches
         self.epoch = 0

@@ -10,7 +10,8 @@ from collections.abc import Callable, Iterator
 import httpx
 
 from gateway.config import BackendSettings, BreakerSettings, DiscoverySettings, ScrapeSettings
-from gateway.engines import BackendError, EngineAdapter, create_adapter
+from gateway.engines.base import BackendError, EngineAdapter
+from gateway.engines.registry import create_adapter
 from gateway.errors import Redactor
 from gateway.pool.backend import Backend
 from gateway.pool.discovery import Resolver, replica_settings, system_resolver
@@ -26,7 +27,7 @@ def default_client_factory(scrape: ScrapeSettings) -> ClientFactory:
         assert settings.url is not None, "DNS entries are expanded into replicas with URLs first"
         return httpx.AsyncClient(
             base_url=settings.url,
-            headers={**settings.basic_auth_header(), **adapter.auth_headers(settings.resolved_api_key())},
+            headers={**settings.basic_auth_header(), **adapter.spec.auth_headers(settings.resolved_api_key())},
             timeout=scrape.timeout,
         )
 
@@ -80,11 +81,10 @@ class Pool:
             max_concurrency=settings.max_concurrency,
             stale_after=self._scrape.stale_after,
             breaker=self._breaker,
+            spec=adapter.spec,
         )
-        backend.structured = adapter.structured
-        backend.retry_statuses = adapter.retry_statuses
         backend.request_headers = {"Content-Type": "application/json", **settings.basic_auth_header(),
-                                   **adapter.auth_headers(settings.resolved_api_key())}
+                                   **adapter.spec.auth_headers(settings.resolved_api_key())}
         backend.secrets = Redactor(settings.name, settings.url, settings.secrets())
         self.backends.append(backend)
         self.adapters[settings.name] = adapter

@@ -44,3 +44,20 @@ class Probe:
 
     health: Health
     detail: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class ShapeSeed:
+    """An engine kind's performance shape before anything is measured: where a routing model that predicts
+    speed starts (a ``gateway profile`` file or observed requests then take over).
+
+    Per-token decode time at ``b`` concurrent sequences = (1 + growth x (b - 1)) / tok_s.
+    """
+
+    tok_s: float  # single-stream decode tokens/s
+    growth: float
+    prefill_tok_s: float
+
+
+# an unknown engine: middling speed, mild slowdown with concurrency
+NEUTRAL_SHAPE = ShapeSeed(tok_s=100.0, growth=0.05, prefill_tok_s=5_000.0)

@@ -21,7 +21,7 @@ from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt,
 
 from gateway.api.validation import client_wants_usage
 from gateway.asgi import Headers, Receive, Send
-from gateway.engines import ADAPTERS
+from gateway.engines.registry import ENGINES
 from gateway.errors import GatewayError, normalise_upstream_error
 from gateway.pool.backend import Backend
 from gateway.proxy.admission import QueueFull, QueueTimeout
@@ -129,7 +129,7 @@ class Dispatcher:
         payload = self._payload(request, backend)
         options = AttemptOptions(
             keep_usage=client_wants_usage(request.body), headers=headers, check=check, retry_invalid=retry_invalid,
-            retry_statuses=frozenset() if last else backend.retry_statuses,
+            retry_statuses=frozenset() if last else backend.spec.retry_statuses,
             upstream_headers=(trace.upstream_start(backend.name, backend.engine, backend.url, PATHS[request.route])
                               if trace is not None else None),
         )
@@ -260,13 +260,13 @@ class Dispatcher:
         if exc.stage == "structured-output":
             constraint = exc.request.constraint
             assert constraint is not None
-            able = sorted(name for name, adapter in ADAPTERS.items() if can_honour(constraint, adapter.structured))
+            able = sorted(name for name, spec in ENGINES.items() if can_honour(constraint, spec.structured))
             return GatewayError(400, f"no backend serving '{model}' can honour the {constraint.describe()} "
                                      f"constraint; engines that can: {', '.join(able) or 'none'}",
                                 param=constraint.source, code="unsupported_constraint")
         if exc.stage == "fits-context":
             largest = max((b.capacity.context_length or 0 for b in gw.pool.backends if model in b.models), default=0)
-            needed = exc.request.notes.get("estimated_tokens")
+            needed = exc.request.estimated_tokens
             return GatewayError(400, f"This request needs at least {needed} tokens (prompt plus max_tokens), more "
                                      f"than the context of any backend serving '{model}' (largest: {largest})",
                                 param="max_tokens", code="context_length_exceeded")

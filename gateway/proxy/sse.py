@@ -23,6 +23,8 @@ from typing import Any
 
 import orjson
 
+from gateway.engines.spec import ALL_QUIRKS, StreamQuirks
+
 # an upstream that sends this much without ending an event is not speaking SSE
 MAX_PENDING_BYTES = 1 << 20
 
@@ -76,10 +78,14 @@ def _payload(event: bytes) -> bytes:
 class SSERelay:
     """Feed it upstream bytes; it returns what to send to the client (possibly ``b""``)."""
 
-    __slots__ = ("_buf", "_redact", "done", "error", "events", "keep_usage", "timings", "usage")
+    __slots__ = ("_buf", "_crlf", "_redact", "_split_usage", "done", "error", "events", "keep_usage", "timings",
+                 "usage")
 
-    def __init__(self, keep_usage: bool, redact: Callable[[str], str] | None = None) -> None:
+    def __init__(self, keep_usage: bool, redact: Callable[[str], str] | None = None,
+                 quirks: StreamQuirks = ALL_QUIRKS) -> None:
         self.keep_usage = keep_usage
+        self._crlf = quirks.crlf
+        self._split_usage = quirks.usage_with_choices
         self._redact = redact  # applied to the upstream's error events (they may name its address or key)
         self._buf = b""
         self.usage: dict[str, Any] | None = None
@@ -90,7 +96,7 @@ class SSERelay:
 
     def feed(self, data: bytes) -> bytes:
         buf = self._buf + data if self._buf else data
-        if b"\r" in buf:
+        if self._crlf and b"\r" in buf:
             buf = buf.replace(b"\r\n", b"\n")
         end = buf.rfind(b"\n\n")
         if end < 0:
@@ -150,7 +156,10 @@ class SSERelay:
                 if self.keep_usage:
                     out.append(event)
                 continue
-            # a usage chunk that also carries choices (TabbyAPI): split it
+            if not self._split_usage:  # not this engine's habit: an ordinary chunk that also says usage
+                out.append(event)
+                continue
+            # a usage chunk that also carries choices: split it
             content = {k: v for k, v in doc.items() if k != "usage"}
             if any(_has_content(c) for c in choices):
                 out.append(b"data: " + orjson.dumps(content))

@@ -4,11 +4,11 @@ explained by the scorer that made the difference."""
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from gateway.pool.backend import Backend
-from gateway.routing.plugins import Filter, Picker, Scorer
+from gateway.routing.plugins import Filter, Picker, Scorer, hooks
 from gateway.routing.request import Outcome, RouteRequest
 from gateway.routing.state import RoutingState
 
@@ -38,11 +38,18 @@ class Pipeline:
     scorers: list[tuple[Scorer, float]]
     picker: Picker
     state: RoutingState
-    track_prefix: bool = False
+    _on_routed: list[Callable[[RouteRequest, Backend], None]] = field(default_factory=list, init=False)
+    _on_outcome: list[Callable[[Outcome, Backend], None]] = field(default_factory=list, init=False)
 
     def __post_init__(self) -> None:
-        self.track_prefix = any(getattr(s, "uses_prefix", False) for s, _ in self.scorers) or \
-            self.picker.name == "consistent-hash"
+        # the learning hooks: each plugin's own, then the shared learners the plugins attached when built
+        plugins: list[object] = [*self.filters, *(s for s, _ in self.scorers), self.picker, *self.state.learners]
+        for plugin in plugins:
+            routed, observe = hooks(plugin)
+            if routed is not None:
+                self._on_routed.append(routed)
+            if observe is not None:
+                self._on_outcome.append(observe)
 
     def route(self, request: RouteRequest, backends: Sequence[Backend]) -> Decision:
         timings: dict[str, float] = {}
@@ -87,7 +94,10 @@ class Pipeline:
 
     def routed(self, request: RouteRequest, backend: Backend) -> None:
         """Called for each backend the request is actually sent to."""
-        self.state.routed(request, backend, self.track_prefix)
+        for hook in self._on_routed:
+            hook(request, backend)
 
     def observe(self, outcome: Outcome, backend: Backend) -> None:
-        self.state.observe(outcome, backend)
+        """Called once per finished request, with the backend that answered (or failed) last."""
+        for hook in self._on_outcome:
+            hook(outcome, backend)

@@ -1,20 +1,27 @@
-"""The three plugin kinds and their registries.
+"""The three plugin kinds, the learning hooks, and the registries.
 
 A filter returns the eligible subset; a scorer returns one score in [0, 1] per candidate (higher is better);
 a picker orders the candidates, best first (the rest are the failover order). Weights live in the profile,
 never in a scorer. Each plugin is built as ``Plugin(state, **params)``: ``state`` is the gateway's shared
-:class:`RoutingState`, ``params`` come from the profile's YAML. Registering a plugin is one line in its
-package's ``__init__``.
+:class:`~gateway.routing.state.RoutingState`, ``params`` come from the profile's YAML. Registering a plugin is
+one line in its package's ``__init__``.
+
+A plugin that learns implements either hook of :class:`Learner` (``routed``: the request was sent to a
+backend; ``observe``: it finished there) and the pipeline calls it; state shared by several plugins (the
+prefix index) is a learner of its own, attached to the ``RoutingState``. What one plugin leaves for a later
+stage travels in typed fields of :class:`~gateway.routing.request.RouteRequest`, never a free dictionary.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from gateway.pool.backend import Backend
-from gateway.routing.request import RouteRequest
-from gateway.routing.state import RoutingState
+from gateway.routing.request import Outcome, RouteRequest
+
+if TYPE_CHECKING:
+    from gateway.routing.state import RoutingState
 
 
 class Filter(Protocol):
@@ -25,7 +32,6 @@ class Filter(Protocol):
 
 class Scorer(Protocol):
     name: str
-    uses_prefix: bool  # the pipeline keeps the prefix index up to date when any plugin says so
 
     def score(self, request: RouteRequest, backends: Sequence[Backend]) -> list[float]: ...
 
@@ -35,6 +41,22 @@ class Picker(Protocol):
 
     def pick(self, request: RouteRequest, backends: Sequence[Backend], scores: Sequence[float]) -> list[Backend]:
         ...
+
+
+class Learner(Protocol):
+    """Hooks of a plugin (or shared state) that learns; a plugin may implement either or both."""
+
+    def routed(self, request: RouteRequest, backend: Backend) -> None:
+        """The request is being sent to ``backend`` (once per attempt: failover calls it again)."""
+
+    def observe(self, outcome: Outcome, backend: Backend) -> None:
+        """The request finished on ``backend``: what it cost, what the engine reported."""
+
+
+def hooks(plugin: object) -> tuple[Callable[[RouteRequest, Backend], None] | None,
+                                   Callable[[Outcome, Backend], None] | None]:
+    """The ``routed`` and ``observe`` hooks a plugin implements (None for each it does not)."""
+    return getattr(plugin, "routed", None), getattr(plugin, "observe", None)
 
 
 FILTERS: dict[str, Callable[..., Filter]] = {}

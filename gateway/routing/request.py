@@ -23,8 +23,9 @@ class RouteRequest:
     constraint: Constraint | None = None  # structured-output constraint, in whatever field it came
     _prompt: bytes | None = field(default=None, repr=False)
     _blocks: list[bytes] | None = field(default=None, repr=False)
-    # filled by plugins for the ones after them and for the outcome (e.g. predicted cached bytes per backend)
-    notes: dict[str, Any] = field(default_factory=dict)
+    # left by plugins for later stages (typed; add a field here for new data passed between plugins):
+    estimated_tokens: int | None = None  # fits-context: prompt estimate + max_tokens (its error message)
+    predicted_cached_blocks: int | None = None  # prefix learner: blocks predicted cached where it went
 
     @property
     def prompt(self) -> bytes:

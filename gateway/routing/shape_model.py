@@ -1,10 +1,8 @@
 """Each backend's performance shape, learned online: per-token decode time as a function of how many
 sequences share the engine, and prefill speed.
 
-Seeded from a profile file written by ``gateway profile`` when one is configured, else from engine defaults
-(single-user speeds anchored to published figures for a 7B model at ~4 bits on one RTX 4090; the curves are
-each engine's scheduling behaviour): ExLlamaV2/V3 (TabbyAPI) is fastest alone and its per-token time grows
-almost linearly with the batch; vLLM and SGLang batch continuously, nearly flat; llama.cpp has a few slots.
+Seeded from a profile file written by ``gateway profile`` when one is configured, else from the engine's
+spec (``shape`` in ``gateway/engines/<engine>.py``: an engine kind's typical curve, not this deployment's).
 Observed requests then pull the curve towards this deployment's reality: each concurrency bucket (powers of
 two) keeps its own moving average, and a global correction factor moves the unobserved rest with it.
 """
@@ -14,25 +12,14 @@ from __future__ import annotations
 import itertools
 import json
 import math
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gateway.pool.state import ShapeSeed
 
-@dataclass(frozen=True, slots=True)
-class Seed:
-    tok_s: float  # single-stream decode tokens/s
-    growth: float  # per-token time at batch b = (1 + growth * (b - 1)) / tok_s
-    prefill_tok_s: float
+# one backend's measured curve: per-token seconds by concurrency, and prefill tokens/s when measured
+ShapeProfile = tuple[dict[int, float], float | None]
 
-
-ENGINE_SEEDS: dict[str, Seed] = {
-    "tabbyapi": Seed(tok_s=211.0, growth=0.9, prefill_tok_s=8_000.0),
-    "llamacpp": Seed(tok_s=186.0, growth=0.3, prefill_tok_s=5_000.0),
-    "vllm": Seed(tok_s=175.0, growth=0.012, prefill_tok_s=10_000.0),
-    "sglang": Seed(tok_s=178.0, growth=0.011, prefill_tok_s=10_000.0),
-    "openai": Seed(tok_s=100.0, growth=0.05, prefill_tok_s=5_000.0),
-}
 
 ALPHA = 0.2  # weight of a new observation in the moving averages
 
@@ -46,7 +33,7 @@ class ShapeModel:
 
     __slots__ = ("_buckets", "_counts", "correction", "prefill_tok_s", "seed", "table")
 
-    def __init__(self, seed: Seed, table: dict[int, float] | None = None) -> None:
+    def __init__(self, seed: ShapeSeed, table: dict[int, float] | None = None) -> None:
         self.seed = seed
         self.table = table or {}  # concurrency -> per-token seconds, from a profile file
         self.prefill_tok_s = seed.prefill_tok_s
@@ -93,7 +80,7 @@ class ShapeModel:
             self.prefill_tok_s += ALPHA * (tokens / seconds - self.prefill_tok_s)
 
 
-def load_profile_file(path: Path) -> dict[str, tuple[dict[int, float], float | None]]:
+def load_profile_file(path: Path) -> dict[str, ShapeProfile]:
     """Read a ``gateway profile`` file: per backend name, per-token seconds by concurrency and prefill tok/s.
 
     The schema is ``gateway-engine-profile/1`` (see ``gateway/bench/profile.py``): ``{"backends": {NAME:
@@ -101,7 +88,7 @@ def load_profile_file(path: Path) -> dict[str, tuple[dict[int, float], float | N
     "host_saturated": bool}, ...]}}}``. Levels measured on a saturated load generator are skipped.
     """
     doc: Any = json.loads(path.read_text())
-    out: dict[str, tuple[dict[int, float], float | None]] = {}
+    out: dict[str, ShapeProfile] = {}
     backends = doc.get("backends") if isinstance(doc, dict) else None
     if not isinstance(backends, dict):
         raise ValueError(f"{path}: no 'backends' object")

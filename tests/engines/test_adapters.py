@@ -7,7 +7,8 @@ from collections.abc import Callable
 import httpx
 import pytest
 
-from gateway.engines import BackendError, create_adapter
+from gateway.engines.base import BackendError
+from gateway.engines.registry import create_adapter
 from gateway.pool.state import Health
 
 Routes = dict[str, httpx.Response | Callable[[httpx.Request], httpx.Response]]
@@ -142,7 +143,7 @@ async def test_tabbyapi_has_no_load_and_reports_the_loaded_model_only() -> None:
     assert await adapter.list_models(client) == ["b"]
     capacity = await adapter.read_capacity(client)
     assert (capacity.slots, capacity.context_length) == (6, 16384)
-    assert adapter.auth_headers("k") == {"x-api-key": "k"}
+    assert adapter.spec.auth_headers("k") == {"x-api-key": "k"}
 
 
 @pytest.mark.anyio

@@ -6,7 +6,7 @@ import httpx
 import pytest
 
 from gateway.config import BackendSettings, ScrapeSettings
-from gateway.engines import EngineAdapter
+from gateway.engines.base import EngineAdapter
 from gateway.pool.pool import Pool
 from gateway.pool.state import Health
 

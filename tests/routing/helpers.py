@@ -3,6 +3,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from gateway.engines.registry import ENGINES
 from gateway.pool.backend import Backend
 from gateway.pool.state import Capacity, Health, LoadRecord, Probe
 from gateway.routing.request import RouteRequest
@@ -12,7 +13,8 @@ def backend(name: str, *, engine: str = "vllm", models: tuple[str, ...] = ("m",)
             slots: int | None = 4, running: int | None = None, waiting: int | None = None, in_flight: int = 0,
             age: float = 0.0, context: int | None = None, cache_tokens: int | None = None,
             max_concurrency: int | None = None) -> Backend:
-    b = Backend(name, engine, f"http://{name}", stale_after=5.0, max_concurrency=max_concurrency)
+    b = Backend(name, engine, f"http://{name}", stale_after=5.0, max_concurrency=max_concurrency,
+                spec=ENGINES[engine])
     b.models = frozenset(models)
     b.record_probe(Probe(health))
     b.capacity = Capacity(slots=slots, context_length=context, cache_tokens=cache_tokens)

@@ -13,6 +13,7 @@ from gateway.routing.pipeline import NoRoute
 from gateway.routing.policies import build_pipeline, check_settings
 from gateway.routing.prompt import BLOCK_BYTES, block_hashes, render
 from gateway.routing.request import Outcome
+from gateway.routing.scorers import EngineShapeScorer
 from gateway.routing.state import RoutingState
 from tests.routing.helpers import backend, chat
 
@@ -54,23 +55,23 @@ def test_prefix_goes_where_it_is_cached_and_spreads_when_hot() -> None:
 
 def test_prefix_index_is_bounded_by_the_cache_and_corrected_by_reports() -> None:
     state = RoutingState()
+    pipeline = build_pipeline(routing("prefix"), state)  # type: ignore[arg-type]
     small = backend("small", cache_tokens=320)  # 320 tokens x 4 bytes = 10 blocks, floored at 64 blocks
     index = state.prefix.for_backend(small)
     assert index.capacity == 64
     request = chat(SYSTEM * 4, "x")  # ~75 blocks
-    state.routed(request, small, track_prefix=True)
+    pipeline.routed(request, small)
     assert len(index) == 64
     assert index.match(request.blocks) == 0, "the oldest (leading) blocks were evicted first"
 
     big = backend("big", cache_tokens=1_000_000)
     request = chat(SYSTEM, "y")
-    state.routed(request, big, track_prefix=True)
+    pipeline.routed(request, big)
     again = chat(SYSTEM, "y")
-    state.routed(again, big, track_prefix=True)
-    predicted = again.notes["predicted_blocks"]
-    assert predicted == len(again.blocks)
+    pipeline.routed(again, big)
+    assert again.predicted_cached_blocks == len(again.blocks)
     before = state.prefix.for_backend(big).capacity
-    state.observe(Outcome(request=again, backend="big", concurrency=1, ok=True, prompt_tokens=600,
+    pipeline.observe(Outcome(request=again, backend="big", concurrency=1, ok=True, prompt_tokens=600,
                           cached_tokens=0), big)
     assert state.prefix.for_backend(big).capacity < before, "a predicted hit reported as a miss shrinks it"
 
@@ -108,10 +109,11 @@ def test_engine_shape_learns_from_observed_speed() -> None:
     a, b = backend("a", engine="vllm"), backend("b", engine="vllm")
     request = chat("s", "q", max_tokens=100)
     for _ in range(5):  # "a" turns out 4x slower than the vLLM default
-        state.observe(Outcome(request=request, backend="a", concurrency=1, ok=True, ttft=0.01,
+        pipeline.observe(Outcome(request=request, backend="a", concurrency=1, ok=True, ttft=0.01,
                               decode_seconds=99 * 4 / 175, prompt_tokens=10, completion_tokens=100), a)
     assert pipeline.route(chat("s", "q", max_tokens=100), [a, b]).ranked[0] is b
-    assert state.shape(a).token_seconds(1) == pytest.approx(4 / 175, rel=0.05)
+    shape = next(s for s, _ in pipeline.scorers if isinstance(s, EngineShapeScorer))
+    assert shape.model(a).token_seconds(1) == pytest.approx(4 / 175, rel=0.05)
 
 
 def test_consistent_hash_replicas_agree_without_sharing_state_and_spill_when_hot() -> None:
@@ -172,3 +174,41 @@ def test_profiles_from_yaml_with_parameters_and_clear_errors() -> None:
         settings = settings_from_mapping({"routing": {"policy": "bad", "profiles": {"bad": profile}}})
         with pytest.raises(ConfigError, match=message):
             check_settings(settings)
+
+
+def test_a_plugin_that_learns_gets_its_own_hooks_and_shared_state_is_kept_only_when_used() -> None:
+    from gateway.routing.plugins import SCORERS
+
+    seen: list[tuple[str, str]] = []
+
+    class Counting:
+        name = "counting"
+
+        def __init__(self, state: RoutingState) -> None:
+            pass
+
+        def score(self, request: object, backends: list[object]) -> list[float]:
+            return [0.0] * len(backends)
+
+        def routed(self, request: object, backend: object) -> None:
+            seen.append(("routed", backend.name))  # type: ignore[attr-defined]
+
+        def observe(self, outcome: Outcome, backend: object) -> None:
+            seen.append(("observe", outcome.backend))
+
+    SCORERS["counting"] = Counting
+    try:
+        state = RoutingState()
+        pipeline = build_pipeline(routing("mine", profiles={"mine": {"scorers": [{"name": "counting"}]}}), state)  # type: ignore[arg-type]
+        a = backend("a")
+        request = chat(SYSTEM, "q")
+        pipeline.routed(request, a)
+        pipeline.observe(Outcome(request=request, backend="a", concurrency=1, ok=True), a)
+        assert seen == [("routed", "a"), ("observe", "a")]
+        assert state.learners == [], "no plugin asked for the prefix index, so none is kept"
+        assert request.predicted_cached_blocks is None
+    finally:
+        del SCORERS["counting"]
+    state = RoutingState()
+    build_pipeline(routing("default"), state)  # type: ignore[arg-type]
+    assert len(state.learners) == 1, "prefix and engine-shape share one prefix learner"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.engines import ADAPTERS, create_adapter
+from gateway.engines.registry import ENGINES, create_adapter
 from gateway.structured import ConstraintInvalid, can_honour, extract
 
 SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
@@ -116,7 +116,7 @@ BODIES = {
 def test_capability_matrix(case: str) -> None:
     constraint = extract(BODIES[case])
     assert constraint is not None
-    able = {name for name, adapter in ADAPTERS.items() if can_honour(constraint, adapter.structured)}
+    able = {name for name, spec in ENGINES.items() if can_honour(constraint, spec.structured)}
     assert able == MATRIX[case]
 
 

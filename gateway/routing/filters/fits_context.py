@@ -24,5 +24,5 @@ class FitsContextFilter:
         if request.route == "embeddings":
             return list(backends)
         needed = int(len(request.prompt) / self._bytes_per_token) + (request.max_tokens or 1)
-        request.notes["estimated_tokens"] = needed
+        request.estimated_tokens = needed
         return [b for b in backends if b.capacity.context_length is None or needed <= b.capacity.context_length]

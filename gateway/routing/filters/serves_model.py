@@ -8,7 +8,8 @@ from gateway.routing.state import RoutingState
 
 
 class ServesModelFilter:
-    """Keeps backends that serve (or, while down, last served) the requested model."""
+    """Keeps backends that serve (or, while down, last served) the requested model, on an engine that serves
+    the request's route."""
 
     name = "serves-model"
 
@@ -16,4 +17,4 @@ class ServesModelFilter:
         pass
 
     def filter(self, request: RouteRequest, backends: Sequence[Backend]) -> list[Backend]:
-        return [b for b in backends if request.model in b.models]
+        return [b for b in backends if request.model in b.models and request.route in b.spec.routes]

@@ -21,4 +21,4 @@ class StructuredOutputFilter:
         constraint = request.constraint
         if constraint is None:
             return list(backends)
-        return [b for b in backends if can_honour(constraint, b.structured)]
+        return [b for b in backends if can_honour(constraint, b.spec.structured)]

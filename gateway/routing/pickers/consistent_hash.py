@@ -66,5 +66,4 @@ class ConsistentHashPicker:
                     break
         within = [n for n in order if queues[n] < bound]
         ranked = within + [n for n in order if n not in within]
-        request.notes["ring_first"] = order[0]
         return [by_name[n] for n in ranked]

@@ -5,7 +5,8 @@ from collections.abc import Sequence
 
 from gateway.pool.backend import Backend
 from gateway.routing.prompt import BLOCK_BYTES
-from gateway.routing.request import RouteRequest
+from gateway.routing.request import Outcome, RouteRequest
+from gateway.routing.shape_model import ShapeModel, ShapeProfile
 from gateway.routing.state import RoutingState
 
 
@@ -13,22 +14,36 @@ class EngineShapeScorer:
     """Prefers the backend predicted to finish this request first, knowing each engine's shape.
 
     predicted = queue wait + uncached prefill + planned tokens x per-token time at (current sequences + 1):
-    * per-token time comes from the backend's :class:`ShapeModel` (fast alone vs fast in a crowd);
+    * per-token time comes from the backend's :class:`ShapeModel` (fast alone vs fast in a crowd), seeded
+      from a ``gateway profile`` measurement of that backend when configured, else its engine's shape seed;
     * uncached prefill uses the prefix index's view of this backend's cache and its learned prefill speed;
     * when every slot is taken, the wait is the sequences ahead beyond the slots, each holding a slot for
       about one planned request's decode time, shared across the slots.
     Score = best prediction / this prediction, so the best backend scores 1.
+
+    Learns in its ``observe`` hook: each finished request's decode and prefill speed move that backend's
+    model towards this deployment's reality.
     """
 
     name = "engine-shape"
-    uses_prefix = True
 
     def __init__(self, state: RoutingState) -> None:
-        self._state = state
+        self._prefix = state.prefix  # attaches the shared prefix learner
+        self._profile: dict[str, ShapeProfile] = state.profile
+        self._models: dict[str, ShapeModel] = {}
+
+    def model(self, backend: Backend) -> ShapeModel:
+        model = self._models.get(backend.name)
+        if model is None:
+            table, prefill = self._profile.get(backend.name, ({}, None))
+            model = self._models[backend.name] = ShapeModel(backend.spec.shape, table)
+            if prefill:
+                model.prefill_tok_s = prefill
+        return model
 
     def predict(self, request: RouteRequest, backend: Backend, now: float) -> float:
-        model = self._state.shape(backend)
-        prefix = self._state.prefix
+        model = self.model(backend)
+        prefix = self._prefix
         queue = backend.estimated_queue(now)
         slots = backend.slots or 1
         running = min(queue + 1, slots)
@@ -45,6 +60,16 @@ class EngineShapeScorer:
     def score(self, request: RouteRequest, backends: Sequence[Backend]) -> list[float]:
         now = time.monotonic()
         predictions = [self.predict(request, b, now) for b in backends]
-        request.notes["predicted_seconds"] = dict(zip((b.name for b in backends), predictions, strict=True))
         best = min(predictions)
         return [best / p if p > 0 else 1.0 for p in predictions]
+
+    def observe(self, outcome: Outcome, backend: Backend) -> None:
+        if not outcome.ok:
+            return
+        model = self.model(backend)
+        if outcome.decode_seconds and outcome.completion_tokens and outcome.completion_tokens >= 4:
+            model.observe_decode(outcome.concurrency, outcome.decode_seconds / (outcome.completion_tokens - 1))
+        if outcome.ttft and outcome.prompt_tokens and outcome.concurrency <= (backend.slots or 1):
+            # (a request that queued tells nothing about prefill speed)
+            uncached = outcome.prompt_tokens - (outcome.cached_tokens or 0)
+            model.observe_prefill(uncached, outcome.ttft)

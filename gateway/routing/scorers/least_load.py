@@ -20,7 +20,6 @@ class LeastLoadScorer:
     """
 
     name = "least-load"
-    uses_prefix = False
 
     def __init__(self, state: RoutingState) -> None:
         pass

@@ -18,10 +18,9 @@ class PrefixAffinityScorer:
     """
 
     name = "prefix"
-    uses_prefix = True
 
     def __init__(self, state: RoutingState, gate_abs: int = 12, gate_rel: float = 3.0) -> None:
-        self._state = state
+        self._prefix = state.prefix  # attaches the shared prefix learner
         self._gate_abs = gate_abs
         self._gate_rel = gate_rel
 
@@ -32,7 +31,7 @@ class PrefixAffinityScorer:
         now = time.monotonic()
         queues = [b.estimated_queue(now) for b in backends]
         lightest = min(queues)
-        prefix = self._state.prefix
+        prefix = self._prefix
         scores = []
         for backend, queue in zip(backends, queues, strict=True):
             if queue - lightest > self._gate_abs and queue > self._gate_rel * max(lightest, 1):

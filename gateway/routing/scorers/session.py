@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 
 from gateway.pool.backend import Backend
@@ -8,20 +9,45 @@ from gateway.routing.request import RouteRequest
 from gateway.routing.state import RoutingState
 
 
+class SessionTable:
+    """Session key -> backend name, least recently used first out, entries idle past ``ttl`` forgotten."""
+
+    def __init__(self, max_entries: int = 100_000, ttl: float = 3600.0) -> None:
+        self._entries: OrderedDict[str, tuple[str, float]] = OrderedDict()
+        self.max_entries = max_entries
+        self.ttl = ttl
+
+    def get(self, key: str) -> str | None:
+        entry = self._entries.get(key)
+        if entry is None:
+            return None
+        if time.monotonic() - entry[1] > self.ttl:
+            del self._entries[key]
+            return None
+        return entry[0]
+
+    def put(self, key: str, backend: str) -> None:
+        self._entries[key] = (backend, time.monotonic())
+        self._entries.move_to_end(key)
+        while len(self._entries) > self.max_entries:
+            self._entries.popitem(last=False)
+
+
 class SessionScorer:
     """Keeps a session (the session header, else the body's ``user``) on the backend it started on, while
-    that backend is eligible and not overloaded (more queued sequences than ``overload`` x its slots)."""
+    that backend is eligible and not overloaded (more queued sequences than ``overload`` x its slots).
+
+    Learns in its ``routed`` hook: wherever a session's request is sent, the session sticks there."""
 
     name = "session"
-    uses_prefix = False
 
-    def __init__(self, state: RoutingState, overload: float = 1.5, ttl: float = 3600.0) -> None:
-        self._sessions = state.sessions
-        self._sessions.ttl = ttl
+    def __init__(self, state: RoutingState, overload: float = 1.5, ttl: float = 3600.0,
+                 max_sessions: int = 100_000) -> None:
+        self.sessions = SessionTable(max_sessions, ttl)
         self._overload = overload
 
     def score(self, request: RouteRequest, backends: Sequence[Backend]) -> list[float]:
-        sticky = self._sessions.get(request.session_key) if request.session_key else None
+        sticky = self.sessions.get(request.session_key) if request.session_key else None
         if sticky is None:
             return [0.0] * len(backends)
         now = time.monotonic()
@@ -29,3 +55,7 @@ class SessionScorer:
             1.0 if b.name == sticky and b.estimated_queue(now) <= self._overload * (b.slots or 1) else 0.0
             for b in backends
         ]
+
+    def routed(self, request: RouteRequest, backend: Backend) -> None:
+        if request.session_key:
+            self.sessions.put(request.session_key, backend.name)

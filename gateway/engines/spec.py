@@ -1,0 +1,71 @@
+"""What the gateway knows about one kind of engine, as data: :class:`EngineSpec`.
+
+Each engine module (``gateway/engines/<engine>.py``) holds its spec next to the adapter class that reads the
+engine's signals (the part that is code: parsing ``/slots``, ``/v1/loads``, ``/props``). Everything else
+reads the spec's fields and flags, never an engine's name: the pool (paths, auth, slots, retries), routing
+(routes served, structured-output support, shape seed), the stream relay (stream quirks) and accounting
+(where engine-reported timings live).
+
+This module is a leaf: it imports no HTTP client, so routing and the pool can hold specs without loading one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Literal
+
+from gateway.pool.state import NEUTRAL_SHAPE, ShapeSeed
+
+# the OpenAI routes the gateway serves; an engine lists those it serves (routing skips it for the others)
+OPENAI_ROUTES: frozenset[str] = frozenset({"chat", "completions", "embeddings"})
+
+# statuses worth sending to another backend (nothing was generated): back-pressure and server errors
+RETRY_STATUSES: frozenset[int] = frozenset({429, 500, 502, 503, 504})
+
+# Where an engine reports its own prompt-processing and generation times in an answer:
+# "timings_ms": ``timings.prompt_ms`` / ``timings.predicted_ms`` (milliseconds);
+# "usage_seconds": ``usage.prompt_time`` / ``usage.completion_time`` (seconds);
+# None: nowhere (the gateway's clock is all there is).
+TimingSource = Literal["timings_ms", "usage_seconds"]
+
+
+@dataclass(frozen=True, slots=True)
+class StreamQuirks:
+    """How an engine's server-sent events depart from OpenAI's. The relay honours a quirk only where the
+    flag says the engine has it; an engine of unknown make (``openai``) is given every flag."""
+
+    crlf: bool = False  # lines end in "\r\n", normalised to "\n"
+    usage_with_choices: bool = False  # the usage chunk also carries a choices entry, split into two chunks
+
+
+ALL_QUIRKS = StreamQuirks(crlf=True, usage_with_choices=True)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSpec:
+    """One engine kind. Only ``name`` is required: the defaults describe a plain OpenAI-compatible server."""
+
+    name: str
+    # control plane
+    health_path: str = "/health"
+    loading_status: int | None = None  # what the health path answers while the model loads (LOADING)
+    models_path: str = "/v1/models"
+    # normalised field (running, waiting, kv_usage, queue_histogram) -> the engine's Prometheus metric name
+    metric_names: Mapping[str, str] = field(default_factory=dict)
+    default_slots: int | None = None  # concurrent sequences assumed when the engine does not say
+    auth: Literal["bearer", "x-api-key"] = "bearer"  # how it takes its API key
+    # data plane
+    routes: frozenset[str] = OPENAI_ROUTES
+    retry_statuses: frozenset[int] = RETRY_STATUSES
+    # structured-output constraints it honours natively (see gateway.structured.support); grammar:<dialect>
+    structured: frozenset[str] = frozenset({"json_object", "json_schema", "tool_call", "strict_tools"})
+    stream: StreamQuirks = StreamQuirks()
+    timings: TimingSource | None = None
+    # routing: its performance shape before anything is measured
+    shape: ShapeSeed = NEUTRAL_SHAPE
+
+    def auth_headers(self, api_key: str | None) -> dict[str, str]:
+        if not api_key:
+            return {}
+        return {"x-api-key": api_key} if self.auth == "x-api-key" else {"Authorization": f"Bearer {api_key}"}
