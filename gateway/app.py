@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import logging
 import time
 from collections.abc import AsyncIterator
 
@@ -14,33 +13,29 @@ from prometheus_client import CollectorRegistry
 from gateway import __version__
 from gateway.api import errors
 from gateway.api.openapi import install_openapi
-from gateway.api.proxy_endpoint import ProxyEndpoint, request_id
-from gateway.api.routes import CLIENT, router
+from gateway.api.proxy_endpoint import EndpointSettings, ProxyEndpoint, request_id
+from gateway.api.routes import CLIENT, build_router
 from gateway.asgi import Message, Receive, Scope, Send, header, send_body
 from gateway.auth import KeyScope, KeyStore
-from gateway.config import Settings
+from gateway.config import AuthSettings, Settings
 from gateway.errors import GatewayError
-from gateway.pool.backend import Backend
 from gateway.pool.discovery import Resolver
 from gateway.pool.pool import ClientFactory, Pool
-from gateway.proxy.accounting import access_record, outcome_of, record_metrics
+from gateway.proxy.accounting import Accounting
 from gateway.proxy.admission import Admission
 from gateway.proxy.dispatch import Dispatcher
-from gateway.proxy.exchange import Exchange
 from gateway.proxy.forward import PATHS, Forwarder
-from gateway.proxy.upstream import Upstream
-from gateway.routing.pipeline import Decision
+from gateway.proxy.transport import AiohttpTransport, Transport
 from gateway.routing.policies import build_pipeline
 from gateway.routing.state import RoutingState
 from gateway.structured.offload import ValidationWorkers
 from gateway.telemetry.metrics import GatewayMetrics
 from gateway.telemetry.tracing import Tracing, provider_from_environment
 
-access_log = logging.getLogger("gateway.access")
-
 
 class Gateway:
-    """The running gateway's components. One per app; nothing global."""
+    """The composition root: builds the running gateway's components and wires each to the few others it
+    uses. One per app; nothing global. No component is handed this object."""
 
     def __init__(
         self,
@@ -50,50 +45,39 @@ class Gateway:
         registry: CollectorRegistry | None = None,
         resolver: Resolver | None = None,
         tracer_provider: TracerProvider | None = None,
+        transport: Transport | None = None,
     ) -> None:
         self.settings = settings
         self.tracing = Tracing(tracer_provider if tracer_provider is not None else provider_from_environment())
-        self.routing = RoutingState(settings.routing.engine_profile)
-        self.pipeline = build_pipeline(settings.routing, self.routing)
+        self.pipeline = build_pipeline(settings.routing, RoutingState(settings.routing.engine_profile))
         self.pool = Pool(settings.backends, settings.scrape, client_factory, discovery=settings.discovery,
                          resolver=resolver, breaker=settings.breaker)
-        self.upstream = Upstream(settings.timeouts)
-        self.forwarder = Forwarder(self.upstream)
+        self.transport: Transport = transport if transport is not None else AiohttpTransport(settings.timeouts)
         self.admission = Admission(settings.admission)
         self.keys = KeyStore(settings.auth)
         self.validation_workers = ValidationWorkers(settings.limits)
-        self.dispatcher = Dispatcher(self)
         self.metrics = GatewayMetrics(registry)
         self.metrics.watch_pool(self.pool)
+        self.dispatcher = Dispatcher(self.pool, self.pipeline, self.admission,
+                                     Forwarder(self.transport, settings.timeouts), self.metrics, settings.retries,
+                                     settings.structured_output)
+        self.accounting = Accounting(self.metrics, self.pipeline.observe, settings.access_log.enabled)
         self.started_at = int(time.time())
-        self._access_log = settings.access_log.enabled
+
+    def endpoint(self, route: str) -> ProxyEndpoint:
+        return ProxyEndpoint(route, EndpointSettings.of(self.settings), keys=self.keys,
+                             workers=self.validation_workers, dispatcher=self.dispatcher, tracing=self.tracing,
+                             in_flight=self.metrics.in_flight, finish=self.accounting)
 
     async def start(self) -> None:
-        await self.upstream.start()
+        await self.transport.start()
         await self.pool.start()
 
     async def stop(self) -> None:
         await self.pool.stop()
-        await self.upstream.close()
+        await self.transport.close()
         await self.validation_workers.close()
         self.tracing.shutdown()
-
-    def observe_decision(self, decision: Decision) -> None:
-        m, child = self.metrics, self.metrics.child
-        child(m.routing_decisions, decision.ranked[0].name, decision.reason).inc()
-        for plugin, seconds in decision.timings.items():
-            child(m.routing_plugin_seconds, plugin).observe(seconds)
-
-    def observe_invalid_output(self, backend: Backend, action: str) -> None:
-        self.metrics.child(self.metrics.invalid_outputs, backend.name, backend.engine, action).inc()
-
-    def observe(self, exchange: Exchange) -> None:
-        """Account one finished request in the metrics and the access log, and let routing learn from it."""
-        if exchange.request is not None and exchange.backend is not None and exchange.outcome != "pending":
-            self.pipeline.observe(outcome_of(exchange, exchange.request), exchange.backend)
-        record_metrics(self.metrics, exchange)
-        if self._access_log:
-            access_log.info(access_record(exchange).decode())
 
 
 def create_app(
@@ -103,9 +87,10 @@ def create_app(
     registry: CollectorRegistry | None = None,
     resolver: Resolver | None = None,
     tracer_provider: TracerProvider | None = None,
+    transport: Transport | None = None,
 ) -> GatewayApp:
     gateway = Gateway(settings, client_factory=client_factory, registry=registry, resolver=resolver,
-                      tracer_provider=tracer_provider)
+                      tracer_provider=tracer_provider, transport=transport)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -121,11 +106,11 @@ def create_app(
     docs = settings.server.docs
     app = FastAPI(title="LLM gateway", version=__version__, lifespan=lifespan, docs_url="/docs" if docs else None,
                   redoc_url="/redoc" if docs else None, redirect_slashes=False)
-    app.state.gateway = gateway
     errors.install(app)
     install_openapi(app)
-    app.include_router(router)
-    return GatewayApp(app, gateway, {path: ProxyEndpoint(gateway, route) for route, path in PATHS.items()})
+    app.include_router(build_router(gateway.pool, gateway.metrics.registry, gateway.started_at))
+    hot = {path: gateway.endpoint(route) for route, path in PATHS.items()}
+    return GatewayApp(app, gateway, hot, gateway.keys, settings.auth)
 
 
 class GatewayApp:
@@ -136,15 +121,18 @@ class GatewayApp:
     concurrency (see the commit introducing this class); the endpoints render their own OpenAI errors.
     """
 
-    def __init__(self, app: FastAPI, gateway: Gateway, hot: dict[str, ProxyEndpoint]) -> None:
+    def __init__(self, app: FastAPI, gateway: Gateway, hot: dict[str, ProxyEndpoint], keys: KeyStore,
+                 auth: AuthSettings) -> None:
         self.fastapi = app
-        self.gateway = gateway
+        self.gateway = gateway  # for tests and embedding: the components, as built
         self._hot = hot
+        self._keys = keys
+        self._auth = auth
 
     def _needs_key(self, path: str) -> bool:
         """With API keys configured: the OpenAI API always; health and metrics when the operator says so."""
-        auth = self.gateway.settings.auth
-        if not self.gateway.keys.enabled:
+        auth = self._auth
+        if not self._keys.enabled:
             return False
         if path in ("/health", "/ready"):
             return auth.protect_health
@@ -171,7 +159,7 @@ class GatewayApp:
         rid = request_id(scope).encode()
         if self._needs_key(scope["path"]):
             try:
-                client = self.gateway.keys.authenticate(header(scope, b"authorization"), header(scope, b"x-api-key"),
+                client = self._keys.authenticate(header(scope, b"authorization"), header(scope, b"x-api-key"),
                                                         self._scope(scope["path"]))
             except GatewayError as exc:
                 await send_body(send, exc.status, exc.body(), [(b"x-request-id", rid)])

@@ -9,19 +9,23 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client import Gauge
 
 from gateway.api.validation import parse_request, validate_heavy
 from gateway.asgi import Headers, Receive, Scope, Send, header, send_body
 from gateway.auth import ANONYMOUS, Client, KeyStore
+from gateway.config import LimitSettings, Settings
 from gateway.errors import GatewayError
+from gateway.proxy.dispatch import Dispatcher
 from gateway.proxy.exchange import Exchange
 from gateway.routing.request import RouteRequest
 from gateway.server_protocol import ARRIVAL
-from gateway.telemetry.tracing import RequestTrace
-
-if TYPE_CHECKING:
-    from gateway.app import Gateway
+from gateway.structured.offload import ValidationWorkers
+from gateway.telemetry.tracing import RequestTrace, Tracing
 
 log = logging.getLogger("gateway.proxy")
 
@@ -78,39 +82,62 @@ def _tokens_used(exchange: Exchange) -> int:
     return len(exchange.request.prompt) // _BYTES_PER_TOKEN + exchange.text_events
 
 
+@dataclass(frozen=True, slots=True)
+class EndpointSettings:
+    """What the endpoint reads of the configuration."""
+
+    max_body_bytes: int
+    limits: LimitSettings
+    session_header: bytes  # lower-case
+    reserve_tokens: int  # a key's tokens reserved for a request without max_tokens
+
+    @classmethod
+    def of(cls, settings: Settings) -> EndpointSettings:
+        return cls(settings.server.max_body_bytes, settings.limits, settings.routing.session_header.lower().encode(),
+                   settings.auth.reserve_tokens)
+
+
 class ProxyEndpoint:
-    def __init__(self, gateway: Gateway, route: str) -> None:
-        self._gw = gateway
+    """One generation route. ``finish`` is called once per request, after its last byte (accounting)."""
+
+    def __init__(self, route: str, settings: EndpointSettings, *, keys: KeyStore, workers: ValidationWorkers,
+                 dispatcher: Dispatcher, tracing: Tracing, in_flight: Gauge,
+                 finish: Callable[[Exchange], None]) -> None:
         self._route = route
-        self._session_header = gateway.settings.routing.session_header.lower().encode()
+        self._settings = settings
+        self._keys = keys
+        self._workers = workers
+        self._dispatcher = dispatcher
+        self._tracing = tracing
+        self._in_flight = in_flight
+        self._finish = finish
 
     def _reservation(self, request: RouteRequest, client: Client) -> int:
         """Tokens to reserve on admission: the prompt's estimate plus what the request may generate."""
         if client.tokens is None:
             return 0
-        return (len(request.prompt) // _BYTES_PER_TOKEN
-                + (request.max_tokens or self._gw.settings.auth.reserve_tokens))
+        return len(request.prompt) // _BYTES_PER_TOKEN + (request.max_tokens or self._settings.reserve_tokens)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        gw = self._gw
+        settings = self._settings
         state = scope.get("state")
         arrival = state.get(ARRIVAL) if state else None
         exchange = Exchange(request_id=request_id(scope), route=self._route,
                             t_start=arrival if arrival is not None else time.perf_counter())
-        in_flight = gw.metrics.in_flight
+        in_flight = self._in_flight
         in_flight.inc()
-        if gw.tracing.enabled:
-            exchange.trace = RequestTrace(gw.tracing, self._route, scope["headers"])
+        if self._tracing.enabled:
+            exchange.trace = RequestTrace(self._tracing, self._route, scope["headers"])
         headers: Headers = [(b"x-request-id", exchange.request_id.encode())]
         try:
             if scope["method"] != "POST":
                 raise GatewayError(405, f"{scope['path']} only accepts POST", code="method_not_allowed",
                                    headers={"allow": "POST"})
-            exchange.client = gw.keys.authenticate(header(scope, b"authorization"), header(scope, b"x-api-key"))
-            raw = await read_body(scope, receive, gw.settings.server.max_body_bytes)
-            request = parse_request(self._route, raw, gw.settings.limits)
-            await validate_heavy(request, gw.validation_workers)  # large constraints: off the event loop
-            session = header(scope, self._session_header)
+            exchange.client = self._keys.authenticate(header(scope, b"authorization"), header(scope, b"x-api-key"))
+            raw = await read_body(scope, receive, settings.max_body_bytes)
+            request = parse_request(self._route, raw, settings.limits)
+            await validate_heavy(request, self._workers)  # large constraints: off the event loop
+            session = header(scope, settings.session_header)
             request.session_key = session.decode("latin-1") if session else _user_session(request.body)
             exchange.stream = request.stream
             exchange.request = request
@@ -119,7 +146,7 @@ class ProxyEndpoint:
             if exchange.client is not None:
                 exchange.reserved_tokens = KeyStore.admit(exchange.client, request.model,
                                                           self._reservation(request, exchange.client))
-            await gw.dispatcher.dispatch(exchange, request, exchange.client.name if exchange.client else ANONYMOUS,
+            await self._dispatcher.dispatch(exchange, request, exchange.client.name if exchange.client else ANONYMOUS,
                                          receive, send)
         except GatewayError as exc:
             exchange.status = exc.status
@@ -148,4 +175,4 @@ class ProxyEndpoint:
             if exchange.trace is not None:
                 ttft = exchange.t_first_text - exchange.t_start if exchange.t_first_text is not None else None
                 exchange.trace.finish(exchange.status, exchange.outcome, exchange.usage, ttft)
-            gw.observe(exchange)
+            self._finish(exchange)

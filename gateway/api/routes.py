@@ -7,19 +7,15 @@ gateway is open).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import orjson
 from fastapi import APIRouter, Request, Response
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from gateway.auth import Client
 from gateway.errors import GatewayError
-
-if TYPE_CHECKING:
-    from gateway.app import Gateway
-    from gateway.auth import Client
-
-router = APIRouter()
+from gateway.pool.pool import Pool
 
 CLIENT = "gateway.client"  # scope["state"] key of the authenticated API key
 
@@ -29,11 +25,6 @@ class JSONBytes(Response):
 
     def render(self, content: Any) -> bytes:
         return orjson.dumps(content)
-
-
-def _gateway(request: Request) -> Gateway:
-    gateway: Gateway = request.app.state.gateway
-    return gateway
 
 
 def _allowed(request: Request, models: list[str]) -> list[str]:
@@ -46,60 +37,59 @@ def _model_card(model: str, created: int) -> dict[str, Any]:
     return {"id": model, "object": "model", "created": created, "owned_by": "llm-gateway"}
 
 
-@router.get("/v1/models")
-async def list_models(request: Request) -> JSONBytes:
-    """Models served by at least one routable backend that the API key may use."""
-    gw = _gateway(request)
-    models = _allowed(request, gw.pool.models())
-    return JSONBytes({"object": "list", "data": [_model_card(m, gw.started_at) for m in models]})
+def build_router(pool: Pool, registry: CollectorRegistry, created: int) -> APIRouter:
+    """The routes, over the pool they report on, the registry they expose and the models' creation time."""
+    router = APIRouter()
 
+    @router.get("/v1/models")
+    async def list_models(request: Request) -> JSONBytes:
+        """Models served by at least one routable backend that the API key may use."""
+        models = _allowed(request, pool.models())
+        return JSONBytes({"object": "list", "data": [_model_card(m, created) for m in models]})
 
-@router.get("/v1/models/{model:path}")
-async def retrieve_model(model: str, request: Request) -> JSONBytes:
-    """One model, as listed; a model the API key may not use is 404 like an unknown one (as OpenAI answers),
-    so a key learns nothing of models beyond its allow-list."""
-    gw = _gateway(request)
-    if model not in _allowed(request, gw.pool.models()):
-        raise GatewayError(404, f"The model '{model}' does not exist or is not served by any backend",
-                           type="invalid_request_error", param="model", code="model_not_found")
-    return JSONBytes(_model_card(model, gw.started_at))
+    @router.get("/v1/models/{model:path}")
+    async def retrieve_model(model: str, request: Request) -> JSONBytes:
+        """One model, as listed; a model the API key may not use is 404 like an unknown one (as OpenAI answers),
+        so a key learns nothing of models beyond its allow-list."""
+        if model not in _allowed(request, pool.models()):
+            raise GatewayError(404, f"The model '{model}' does not exist or is not served by any backend",
+                               type="invalid_request_error", param="model", code="model_not_found")
+        return JSONBytes(_model_card(model, created))
 
+    @router.get("/health")
+    async def health() -> JSONBytes:
+        """Liveness: the process answers."""
+        return JSONBytes({"status": "ok"})
 
-@router.get("/health")
-async def health() -> JSONBytes:
-    """Liveness: the process answers."""
-    return JSONBytes({"status": "ok"})
+    @router.get("/ready")
+    async def ready(request: Request) -> JSONBytes:
+        """Readiness: can this gateway serve a request now, not merely "is the process alive" (that is /health).
 
+        A model is ready when at least one backend serving it is routable: healthy by its last check and not
+        ejected by its circuit breaker (an ejected backend counts again once its cooldown ends, since the next
+        request is its probe). The body lists every known model with its routable backends, and every backend's
+        health and breaker state.
 
-@router.get("/ready")
-async def ready(request: Request) -> JSONBytes:
-    """Readiness: can this gateway serve a request now, not merely "is the process alive" (that is /health).
+        The status is 200 while at least one model is ready and 503 when none is. So a gateway with a single
+        model leaves its Service when that model cannot be served, while a gateway serving several models stays
+        in for the ones it can serve (a request for the model that is down gets 503 from the API itself); alert
+        on ``gateway_model_ready`` to hear of the latter.
+        """
+        backends = {b.name: {"engine": b.engine, "health": b.health.value, "breaker": b.breaker.state.value,
+                             "routable": b.routable, "models": sorted(b.models)}
+                    for b in pool.backends}
+        serving: dict[str, list[str]] = {m: [] for m in sorted(pool.known_models())}
+        for b in pool.backends:
+            if b.routable:
+                for m in b.models:
+                    serving[m].append(b.name)
+        models = {m: {"ready": bool(names), "backends": names} for m, names in serving.items()}
+        servable = any(names for names in serving.values())
+        return JSONBytes({"status": "ready" if servable else "not_ready", "models": models, "backends": backends},
+                         status_code=200 if servable else 503)
 
-    A model is ready when at least one backend serving it is routable: healthy by its last check and not
-    ejected by its circuit breaker (an ejected backend counts again once its cooldown ends, since the next
-    request is its probe). The body lists every known model with its routable backends, and every backend's
-    health and breaker state.
+    @router.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
-    The status is 200 while at least one model is ready and 503 when none is. So a gateway with a single
-    model leaves its Service when that model cannot be served, while a gateway serving several models stays
-    in for the ones it can serve (a request for the model that is down gets 503 from the API itself); alert
-    on ``gateway_model_ready`` to hear of the latter.
-    """
-    gw = _gateway(request)
-    backends = {b.name: {"engine": b.engine, "health": b.health.value, "breaker": b.breaker.state.value,
-                         "routable": b.routable, "models": sorted(b.models)}
-                for b in gw.pool.backends}
-    serving: dict[str, list[str]] = {m: [] for m in sorted(gw.pool.known_models())}
-    for b in gw.pool.backends:
-        if b.routable:
-            for m in b.models:
-                serving[m].append(b.name)
-    models = {m: {"ready": bool(names), "backends": names} for m, names in serving.items()}
-    servable = any(names for names in serving.values())
-    return JSONBytes({"status": "ready" if servable else "not_ready", "models": models, "backends": backends},
-                     status_code=200 if servable else 503)
-
-
-@router.get("/metrics")
-async def metrics(request: Request) -> Response:
-    return Response(generate_latest(_gateway(request).metrics.registry), media_type=CONTENT_TYPE_LATEST)
+    return router

@@ -139,8 +139,3 @@ async def validate_heavy(request: RouteRequest, workers: ValidationWorkers) -> N
         raise GatewayError(400, str(exc), param=exc.param, code=exc.code) from None
     except ValidationBusy as exc:
         raise GatewayError(503, str(exc), code="validation_busy", headers={"retry-after": "1"}) from None
-
-
-def client_wants_usage(body: dict[str, Any]) -> bool:
-    options = body.get("stream_options")
-    return isinstance(options, dict) and options.get("include_usage") is True

@@ -4,26 +4,53 @@ byte was sent."""
 from __future__ import annotations
 
 import datetime
+import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import orjson
 
+from gateway.pool.backend import Backend
 from gateway.proxy.exchange import Exchange
 from gateway.routing.request import Outcome, RouteRequest
 from gateway.telemetry.metrics import UNKNOWN, GatewayMetrics
 
+access_log = logging.getLogger("gateway.access")
+
+
+class Accounting:
+    """Accounts one finished request: its metrics, its access-log line, and what routing learns from it
+    (``learn``: the routing pipeline's ``observe``)."""
+
+    def __init__(self, metrics: GatewayMetrics, learn: Callable[[Outcome, Backend], None],
+                 access_log_enabled: bool) -> None:
+        self._metrics = metrics
+        self._learn = learn
+        self._access_log = access_log_enabled
+
+    def __call__(self, exchange: Exchange) -> None:
+        if exchange.request is not None and exchange.backend is not None and exchange.outcome != "pending":
+            self._learn(outcome_of(exchange, exchange.request), exchange.backend)
+        record_metrics(self._metrics, exchange)
+        if self._access_log:
+            access_log.info(access_record(exchange).decode())
+
 
 def _engine_times(exchange: Exchange) -> tuple[float, float] | None:
-    """The engine's own (prompt processing, generation) seconds, where it reports them: llama.cpp
-    ``timings.prompt_ms`` / ``predicted_ms``, TabbyAPI ``usage.prompt_time`` / ``completion_time``."""
-    timings, usage = exchange.timings or {}, exchange.usage or {}
-    prompt_ms, predicted_ms = timings.get("prompt_ms"), timings.get("predicted_ms")
-    if isinstance(prompt_ms, int | float) and isinstance(predicted_ms, int | float):
-        return prompt_ms / 1000, predicted_ms / 1000
-    prompt_time, completion_time = usage.get("prompt_time"), usage.get("completion_time")
-    if isinstance(prompt_time, int | float) and isinstance(completion_time, int | float):
-        return float(prompt_time), float(completion_time)
+    """The engine's own (prompt processing, generation) seconds, where its spec says it reports them
+    (``EngineSpec.timings``)."""
+    source = exchange.backend.spec.timings if exchange.backend is not None else None
+    if source == "timings_ms":
+        timings = exchange.timings or {}
+        prompt_ms, predicted_ms = timings.get("prompt_ms"), timings.get("predicted_ms")
+        if isinstance(prompt_ms, int | float) and isinstance(predicted_ms, int | float):
+            return prompt_ms / 1000, predicted_ms / 1000
+    elif source == "usage_seconds":
+        usage = exchange.usage or {}
+        prompt_time, completion_time = usage.get("prompt_time"), usage.get("completion_time")
+        if isinstance(prompt_time, int | float) and isinstance(completion_time, int | float):
+            return float(prompt_time), float(completion_time)
     return None
 
 

@@ -13,30 +13,44 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol
 
 import orjson
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, stop_after_delay, wait_none
 
-from gateway.api.validation import client_wants_usage
 from gateway.asgi import Headers, Receive, Send
+from gateway.config import RetrySettings, StructuredOutputSettings
+from gateway.engines.base import EngineAdapter
 from gateway.engines.registry import ENGINES
 from gateway.errors import GatewayError, normalise_upstream_error
 from gateway.pool.backend import Backend
-from gateway.proxy.admission import QueueFull, QueueTimeout
+from gateway.proxy.admission import Admission, QueueFull, QueueTimeout
 from gateway.proxy.exchange import Exchange
-from gateway.proxy.forward import PATHS, AttemptOptions, InvalidOutput, RetryableStatus
+from gateway.proxy.forward import PATHS, AttemptOptions, Forwarder, InvalidOutput, RetryableStatus
 from gateway.proxy.upstream import UpstreamError
-from gateway.routing.pipeline import Decision, NoRoute
+from gateway.routing.pipeline import Decision, NoRoute, Pipeline
 from gateway.routing.request import RouteRequest
 from gateway.structured import can_honour
 from gateway.structured.check import CHECKABLE, output_problem
-
-if TYPE_CHECKING:
-    from gateway.app import Gateway
+from gateway.telemetry.metrics import GatewayMetrics
 
 log = logging.getLogger("gateway.proxy")
+
+
+class Fleet(Protocol):
+    """The backends to route among (the pool's live list) and each one's engine adapter, by backend name."""
+
+    @property
+    def backends(self) -> Sequence[Backend]: ...
+
+    @property
+    def adapters(self) -> Mapping[str, EngineAdapter]: ...
+
+
+def client_wants_usage(body: dict[str, Any]) -> bool:
+    options = body.get("stream_options")
+    return isinstance(options, dict) and options.get("include_usage") is True
 
 
 class _Retry(Exception):
@@ -49,23 +63,38 @@ class _Retry(Exception):
 
 
 class Dispatcher:
-    def __init__(self, gateway: Gateway) -> None:
-        self._gw = gateway
+    def __init__(self, fleet: Fleet, pipeline: Pipeline, admission: Admission, forwarder: Forwarder,
+                 metrics: GatewayMetrics, retries: RetrySettings, structured_output: StructuredOutputSettings) -> None:
+        self._fleet = fleet
+        self._pipeline = pipeline
+        self._admission = admission
+        self._forwarder = forwarder
+        self._metrics = metrics
+        self._retries = retries
+        self._structured_output = structured_output
+
+    def _observe_decision(self, decision: Decision) -> None:
+        m, child = self._metrics, self._metrics.child
+        child(m.routing_decisions, decision.ranked[0].name, decision.reason).inc()
+        for plugin, seconds in decision.timings.items():
+            child(m.routing_plugin_seconds, plugin).observe(seconds)
+
+    def _observe_invalid_output(self, backend: Backend, action: str) -> None:
+        self._metrics.child(self._metrics.invalid_outputs, backend.name, backend.engine, action).inc()
 
     async def dispatch(self, exchange: Exchange, request: RouteRequest, key: str, receive: Receive,
                        send: Send) -> None:
-        gw = self._gw
         decision = await self._route(exchange, request, key)
         exchange.model = request.model
         exchange.route_reason = decision.reason
-        gw.observe_decision(decision)
+        self._observe_decision(decision)
         if log.isEnabledFor(logging.DEBUG):
             log.debug("request %s model=%s -> %s policy=%s reason=%s (%s) plugins: %s", exchange.request_id,
                       request.model, decision.ranked[0].name, decision.policy, decision.reason, decision.detail,
                       " ".join(f"{k}={v * 1e6:.0f}us" for k, v in decision.timings.items()))
         headers: Headers = [(b"x-gateway-policy", decision.policy.encode()),
                             (b"x-gateway-route-reason", f"{decision.reason}: {decision.detail}".encode())]
-        settings = gw.settings.retries
+        settings = self._retries
         candidates = iter(decision.ranked)
         remaining = len(decision.ranked)
         started = time.monotonic()
@@ -86,18 +115,18 @@ class Dispatcher:
             raise exc.final from None
 
     async def _route(self, exchange: Exchange, request: RouteRequest, key: str) -> Decision:
-        gw = self._gw
         trace = exchange.trace
-        admission = gw.admission
+        admission = self._admission
+        pipeline = self._pipeline
         deadline = time.monotonic() + admission.settings.max_wait_seconds
         while True:
             if trace is not None:
                 trace.route_start()
             try:
-                decision = gw.pipeline.route(request, gw.pool.backends)
+                decision = pipeline.route(request, self._fleet.backends)
             except NoRoute as exc:
                 if trace is not None:
-                    trace.route_end(gw.pipeline.policy, f"none: {exc.stage}", "no eligible backend", None)
+                    trace.route_end(pipeline.policy, f"none: {exc.stage}", "no eligible backend", None)
                 if exc.stage != "below-max-concurrency" or admission.settings.max_wait_seconds <= 0:
                     raise self.no_route(exc) from None
                 try:
@@ -117,13 +146,12 @@ class Dispatcher:
 
     def _payload(self, request: RouteRequest, backend: Backend) -> bytes:
         """The body in the backend's dialect (the request's validation made sure it encodes)."""
-        body = self._gw.pool.adapters[backend.name].prepare_body(request.route, dict(request.body),
+        body = self._fleet.adapters[backend.name].prepare_body(request.route, dict(request.body),
                                                                  request.constraint)
         return orjson.dumps(body)
 
     async def _attempt(self, exchange: Exchange, request: RouteRequest, backend: Backend, last: bool,
                        headers: Headers, receive: Receive, send: Send) -> None:
-        gw = self._gw
         trace = exchange.trace
         check, retry_invalid = self._output_check(request, can_retry=not last)
         payload = self._payload(request, backend)
@@ -135,7 +163,7 @@ class Dispatcher:
         )
         exchange.backend = backend
         exchange.concurrency = backend.estimated_queue() + 1
-        gw.pipeline.routed(request, backend)
+        self._pipeline.routed(request, backend)
         # From begin() on, every path must settle the breaker (record an outcome or release the probe):
         # a half-open breaker whose probe is never settled lets no request through again.
         breaker = backend.breaker
@@ -145,7 +173,7 @@ class Dispatcher:
         try:
             await self._forward_until_disconnect(exchange, backend, payload, options, receive, send)
         except InvalidOutput as exc:
-            gw.observe_invalid_output(backend, "retried")
+            self._observe_invalid_output(backend, "retried")
             breaker.record(True)  # it answered; the answer was wrong, not the backend
             settled = True
             raise self._retry(exchange, backend, "invalid_output", GatewayError(
@@ -190,7 +218,7 @@ class Dispatcher:
             raise self._retry(exchange, backend, "attempt_failed", final) from None
         finally:
             backend.in_flight -= 1
-            gw.admission.released(backend)
+            self._admission.released(backend)
             if not settled:
                 if exchange.outcome == "disconnected" or exchange.outcome == "pending":
                     breaker.release()  # nothing was learnt (the client left, or the gateway is stopping)
@@ -199,11 +227,10 @@ class Dispatcher:
                 else:
                     breaker.record(True)
         if exchange.invalid_output is not None:
-            gw.observe_invalid_output(backend, "marked")
+            self._observe_invalid_output(backend, "marked")
 
     def _retry(self, exchange: Exchange, backend: Backend, reason: str, final: GatewayError) -> _Retry:
-        gw = self._gw
-        gw.metrics.child(gw.metrics.retries, backend.name, reason).inc()
+        self._metrics.child(self._metrics.retries, backend.name, reason).inc()
         log.warning("request %s: backend %s failed (%s); trying the next", exchange.request_id, backend.name, reason)
         exchange.invalid_output = None
         exchange.outcome = "pending"
@@ -228,7 +255,7 @@ class Dispatcher:
 
         watcher = asyncio.create_task(watch())
         try:
-            await self._gw.forwarder.forward(exchange, backend, payload, send, options)
+            await self._forwarder.forward(exchange, backend, payload, send, options)
             state["finished"] = True
         except asyncio.CancelledError:
             if not state["gone"]:
@@ -242,7 +269,7 @@ class Dispatcher:
     def _output_check(self, request: RouteRequest, can_retry: bool) -> tuple[Callable[[bytes], str | None] | None,
                                                                              bool]:
         constraint = request.constraint
-        mode = self._gw.settings.structured_output.mode(request.model)
+        mode = self._structured_output.mode(request.model)
         if constraint is None or mode == "off" or request.stream or constraint.kind not in CHECKABLE:
             return None, False
         route = request.route
@@ -250,9 +277,9 @@ class Dispatcher:
         return (lambda raw: output_problem(route, raw, constraint)), mode == "retry" and can_retry
 
     def no_route(self, exc: NoRoute) -> GatewayError:
-        gw = self._gw
+        backends = self._fleet.backends
         model = exc.request.model
-        undiscovered = [b.name for b in gw.pool.backends if not b.models]
+        undiscovered = [b.name for b in backends if not b.models]
         if exc.stage == "serves-model" and undiscovered:
             return GatewayError(503, f"no available backend serves model '{model}'; the models of "
                                      f"{', '.join(undiscovered)} are not known yet (unreachable so far)",
@@ -265,7 +292,7 @@ class Dispatcher:
                                      f"constraint; engines that can: {', '.join(able) or 'none'}",
                                 param=constraint.source, code="unsupported_constraint")
         if exc.stage == "fits-context":
-            largest = max((b.capacity.context_length or 0 for b in gw.pool.backends if model in b.models), default=0)
+            largest = max((b.capacity.context_length or 0 for b in backends if model in b.models), default=0)
             needed = exc.request.estimated_tokens
             return GatewayError(400, f"This request needs at least {needed} tokens (prompt plus max_tokens), more "
                                      f"than the context of any backend serving '{model}' (largest: {largest})",
@@ -277,7 +304,7 @@ class Dispatcher:
             return GatewayError(404, f"The model '{model}' does not exist or is not served by any backend",
                                 type="invalid_request_error", param="model", code="model_not_found")
         states = ", ".join(f"{b.name}: {b.health.value}{'' if b.breaker.available() else ' (ejected)'}"
-                           for b in gw.pool.backends if model in b.models)
+                           for b in backends if model in b.models)
         return GatewayError(503, f"no backend can take a request for model '{model}' now ({exc.stage} left none;"
                                  f" {states})", code="no_backend_available", headers={"retry-after": "1"})
 

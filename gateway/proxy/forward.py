@@ -19,11 +19,13 @@ from typing import Any
 import orjson
 
 from gateway.asgi import EVENT_STREAM, Headers, Send, send_body
+from gateway.config import TimeoutSettings
 from gateway.errors import error_body, normalise_upstream_error
 from gateway.pool.backend import Backend
 from gateway.proxy.exchange import Exchange
-from gateway.proxy.sse import SSERelay, text_events_in
-from gateway.proxy.upstream import Upstream, UpstreamError, map_error
+from gateway.proxy.sse import InvalidStream, SSERelay, text_events_in
+from gateway.proxy.transport import Transport
+from gateway.proxy.upstream import UpstreamError
 
 PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions", "embeddings": "/v1/embeddings"}
 
@@ -55,9 +57,9 @@ class AttemptOptions:
 
 
 class Forwarder:
-    def __init__(self, upstream: Upstream) -> None:
-        self._upstream = upstream
-        self._timeouts = upstream.timeouts
+    def __init__(self, transport: Transport, timeouts: TimeoutSettings) -> None:
+        self._transport = transport
+        self._timeouts = timeouts
 
     async def forward(
         self, exchange: Exchange, backend: Backend, payload: bytes, send: Send, options: AttemptOptions,
@@ -78,7 +80,7 @@ class Forwarder:
         started = False
         try:
             async with asyncio.timeout_at(min(loop.time() + t.first_byte, deadline)) as timer:
-                response = await self._upstream.session.post(url, data=payload, headers=headers)
+                response = await self._transport.post(url, payload, headers)
                 try:
                     exchange.status = response.status
                     if response.status != 200:
@@ -111,9 +113,9 @@ class Forwarder:
                         exchange.responded = True
                         await send_body(send, 200, raw, client_headers)
                         return
-                    relay = SSERelay(options.keep_usage, backend.secrets.scrub)
+                    relay = SSERelay(options.keep_usage, backend.secrets.scrub, backend.spec.stream)
                     idle, slack = t.idle, t.idle * 1.25
-                    async for data in response.content.iter_any():
+                    async for data in response.chunks():
                         seen = relay.events
                         out = relay.feed(data)
                         if relay.events != seen:
@@ -144,7 +146,8 @@ class Forwarder:
         except (InvalidOutput, RetryableStatus):
             raise
         except Exception as exc:  # map_error re-raises what is not an upstream failure
-            error = map_error(exc).redacted(backend.secrets)
+            error = (UpstreamError(f"the backend's stream is malformed: {exc}") if isinstance(exc, InvalidStream)
+                     else self._transport.map_error(exc)).redacted(backend.secrets)
             if not started:
                 raise error from None
             exchange.outcome = error.code
@@ -164,7 +167,7 @@ class Forwarder:
         if not started:
             await _start_stream(send, exchange, client_headers)
         exchange.outcome = "upstream_error" if relay.error is not None else "success"
-        if not relay.done:  # llama.cpp and TabbyAPI send no [DONE] after an error event; clients get one always
+        if not relay.done:  # a stream that ended on an error event: clients get their [DONE] all the same
             tail += b"data: [DONE]\n\n"
         await send({"type": "http.response.body", "body": tail, "more_body": False})
 
