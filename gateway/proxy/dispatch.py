@@ -261,7 +261,8 @@ class Dispatcher:
             if not state["gone"]:
                 raise
             task.uncancel()
-            exchange.outcome = "disconnected"
+            if exchange.outcome == "pending":  # (a client that hangs up after [DONE] had its answer)
+                exchange.outcome = "disconnected"
         finally:
             state["finished"] = True
             watcher.cancel()

@@ -137,6 +137,11 @@ class Forwarder:
                             await _start_stream(send, exchange, client_headers)
                             started = True
                         await send({"type": "http.response.body", "body": out, "more_body": True})
+                        if relay.done:
+                            # the client has its whole answer, [DONE] included, and may hang up before the
+                            # upstream closes: account the request now, or its usage would be lost with it
+                            exchange.usage, exchange.timings = relay.usage, relay.timings
+                            exchange.outcome = "upstream_error" if relay.error is not None else "success"
                     tail = relay.flush()
                     texts = text_events_in(tail)
                     if texts:

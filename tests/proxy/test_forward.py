@@ -156,3 +156,28 @@ def test_failover_to_the_next_backend_through_the_transport() -> None:
     assert [r.url.split("/")[2] for r in transport.requests].count("a:1") == 1, "a was tried once, then b"
     assert registry.get_sample_value("gateway_retries_total", {"backend": "a", "reason": "status_503"}) == 1
 
+
+def test_a_client_that_hangs_up_right_after_done_is_still_accounted() -> None:
+    """The upstream keeps its connection open a moment after [DONE]; the client has its answer and hangs up,
+    which cancels the forwarding task (the dispatcher's disconnect watcher does that): usage and the outcome
+    must already be recorded."""
+    pieces: list[bytes | BaseException] = [
+        chunk("Hi"), b"data: " + orjson.dumps({"choices": [], "usage": USAGE}) + b"\n\ndata: [DONE]\n\n", b": bye\n\n"]
+    response = MockResponse(headers=SSE, pieces=pieces, delay=0.05)
+    backend = Backend("b", "vllm", "http://b:8000", spec=ENGINES["vllm"])
+    exchange = Exchange(request_id="r1", route="chat", t_start=0.0, stream=True)
+
+    async def scenario() -> None:
+        task = asyncio.current_task()
+        assert task is not None
+
+        async def send(message: Message) -> None:
+            if b"[DONE]" in message.get("body", b""):
+                asyncio.get_running_loop().call_soon(task.cancel)  # the client leaves at once
+
+        with pytest.raises(asyncio.CancelledError):
+            await Forwarder(MockTransport(lambda r: response), TimeoutSettings()).forward(
+                exchange, backend, b"{}", send, AttemptOptions())
+
+    asyncio.run(scenario())
+    assert exchange.usage == USAGE and exchange.outcome == "success"
