@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import contextlib
+import itertools
 import logging
 import logging.handlers
 import queue
@@ -43,16 +44,36 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+# The optional extras (pyproject.toml's [project.optional-dependencies]) by the top-level modules they bring.
+# The tools import them lazily, where they are used, so a missing one surfaces at the command boundary below.
+_EXTRA_OF_MODULE = {"gguf": "llamacpp", "numpy": "llamacpp", "rich": "bench", "matplotlib": "bench"}
+
+
+def _missing_extra(args: list[str], exc: ModuleNotFoundError) -> int:
+    """One line naming the command, the extra and the missing module (exit 2); re-raise any other import error."""
+    module = (exc.name or "").partition(".")[0]
+    extra = _EXTRA_OF_MODULE.get(module)
+    if extra is None:
+        raise exc
+    words = list(itertools.takewhile(lambda a: not a.startswith("-"), args))[:3]
+    print(f"error: '{' '.join(['gateway', *words])}' needs the {extra} extra (no module named {module!r}): "
+          f"pip install 'llm-gateway[{extra}]'", file=sys.stderr)
+    return 2
+
+
 def main(argv: list[str] | None = None) -> int:
     args_list = sys.argv[1:] if argv is None else argv
-    if args_list[:1] in (["bench"], ["profile"]):
-        from gateway.bench.cli import main as bench_main
+    try:
+        if args_list[:1] in (["bench"], ["profile"]):
+            from gateway.bench.cli import main as bench_main
 
-        return bench_main(args_list)
-    if args_list[:1] == ["llamacpp"]:
-        from gateway.llamacpp.cli import main as llamacpp_main
+            return bench_main(args_list)
+        if args_list[:1] == ["llamacpp"]:
+            from gateway.llamacpp.cli import main as llamacpp_main
 
-        return llamacpp_main(args_list[1:])
+            return llamacpp_main(args_list[1:])
+    except ModuleNotFoundError as exc:
+        return _missing_extra(args_list, exc)
     if args_list[:1] == ["sim"]:
         from gateway.sim.cli import main as sim_main
 

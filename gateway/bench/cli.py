@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 import time
 from pathlib import Path
@@ -19,13 +20,31 @@ from typing import Any
 from gateway.bench.client import Target, parse_target
 from gateway.bench.workload import KINDS, WorkloadConfig, build_workload
 
+# `gateway bench NAME ...`: the module whose main(argv) runs NAME (imported only when asked for) and its line in
+# `gateway bench --help`. A new benchmark is a module with a main() and one line here.
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "overhead": ("gateway.bench.overhead", "what the gateway adds to a stream, against the backend directly"),
+    "routing": ("gateway.bench.routing", "the routing policies against each other: prefix, shape, real-prefix"),
+    "soak": ("gateway.bench.soak", "many short requests through a gateway process, its memory sampled"),
+    "faults": ("gateway.bench.faults", "the gateway under backend and client faults, bounded in time"),
+}
+
+
+def _subcommands_help() -> str:
+    width = max(map(len, SUBCOMMANDS))
+    lines = [f"  {name:<{width}}  {text}" for name, (_, text) in SUBCOMMANDS.items()]
+    return ("benchmarks (gateway bench NAME --help for each):\n" + "\n".join(lines)
+            + "\n\nalso: gateway profile --help (each backend's speed curve over concurrency)")
+
 
 def bench_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="gateway bench",
-        description="Streamed load against OpenAI-compatible endpoints: one target, or several compared side by "
-                    "side (interleaved round by round). `gateway bench overhead --help`: the overhead benchmark; "
-                    "`gateway bench routing --help`: the routing benchmarks.")
+        usage=f"%(prog)s {{{','.join(SUBCOMMANDS)}}} ...\n"
+              "       %(prog)s --target NAME=URL [--target NAME=URL ...] [--compare] [options]",
+        description="Streamed load against OpenAI-compatible endpoints: one target, or several compared side by\n"
+                    "side (interleaved round by round). The other benchmarks are the subcommands listed below.",
+        epilog=_subcommands_help(), formatter_class=argparse.RawDescriptionHelpFormatter)
     t = p.add_argument_group("targets")
     t.add_argument("--target", action="append", default=[], metavar="NAME=URL",
                    help="an OpenAI-compatible base URL (with or without /v1); repeat to compare")
@@ -148,20 +167,7 @@ def main(argv: list[str]) -> int:
         from gateway.bench.profile import main as profile_main
 
         return profile_main(rest)
-    if rest[:1] == ["overhead"]:
-        from gateway.bench.overhead import main as overhead_main
-
-        return overhead_main(rest[1:])
-    if rest[:1] == ["routing"]:
-        from gateway.bench.routing import main as routing_main
-
-        return routing_main(rest[1:])
-    if rest[:1] == ["soak"]:
-        from gateway.bench.soak import main as soak_main
-
-        return soak_main(rest[1:])
-    if rest[:1] == ["faults"]:
-        from gateway.bench.faults import main as faults_main
-
-        return faults_main(rest[1:])
+    if rest and rest[0] in SUBCOMMANDS:
+        code: int = importlib.import_module(SUBCOMMANDS[rest[0]][0]).main(rest[1:])
+        return code
     return bench_main(rest)
