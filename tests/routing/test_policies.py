@@ -212,3 +212,18 @@ def test_a_plugin_that_learns_gets_its_own_hooks_and_shared_state_is_kept_only_w
     state = RoutingState()
     build_pipeline(routing("default"), state)  # type: ignore[arg-type]
     assert len(state.learners) == 1, "prefix and engine-shape share one prefix learner"
+
+
+def test_a_profile_gives_prefill_speed_from_its_lowest_level_where_nothing_queued(tmp_path: object) -> None:
+    import json
+    import pathlib
+
+    from gateway.routing.shape_model import load_profile_file
+
+    path = pathlib.Path(str(tmp_path)) / "profile.json"
+    levels = [{"concurrency": 8, "per_user_decode_tok_s": 5.0, "prefill_tok_s": 665.0},
+              {"concurrency": 1, "per_user_decode_tok_s": 40.0, "prefill_tok_s": 13_000.0},
+              {"concurrency": 2, "per_user_decode_tok_s": 20.0, "prefill_tok_s": 4_000.0, "host_saturated": True}]
+    path.write_text(json.dumps({"backends": {"one-slot": {"levels": levels}}}))
+    table, prefill = load_profile_file(path)["one-slot"]
+    assert table == {8: 1 / 5.0, 1: 1 / 40.0} and prefill == 13_000.0
