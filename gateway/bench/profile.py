@@ -32,6 +32,7 @@ Profile file (JSON, ``schema: "gateway-engine-profile/1"``)::
              "requests": 2, "errors": 0,
              "host_cpu_busy": 0.41,           # share of this machine's CPUs busy during the level (Linux)
              "host_saturated": false},        # busy >= 0.9: the load generator's machine was the limit
+                                              # (never set for an engine computing on this machine itself)
             ...
           ]
         }
@@ -106,7 +107,11 @@ def level_figures(results: list[RequestResult], wall: float, concurrency: int, t
     }
 
 
-async def profile_backend(target: Target, settings: ProfileSettings, log: Any = print) -> list[dict[str, Any]]:
+async def profile_backend(target: Target, settings: ProfileSettings, log: Any = print,
+                          saturated_at: float | None = SATURATED) -> list[dict[str, Any]]:
+    """One backend's levels. ``saturated_at``: the host CPU busy share from which a level is marked
+    ``host_saturated``; None for an engine that computes on this machine's CPUs itself (a real llama-server
+    here), whose busy CPUs are the engine at work, not a floor set by the load generator."""
     levels = []
     for c in sorted(settings.levels):
         count = c * settings.requests_per_user
@@ -117,7 +122,8 @@ async def profile_backend(target: Target, settings: ProfileSettings, log: Any = 
         result = await run([target], build_workload(wl), Arrival(concurrency=c), request_timeout=600)
         fig = level_figures(result.results[target.name], result.wall(target.name), c, settings.time_scale)
         fig["host_cpu_busy"] = host_busy_share(before, host_cpu_times())
-        fig["host_saturated"] = fig["host_cpu_busy"] is not None and fig["host_cpu_busy"] >= SATURATED
+        busy = fig["host_cpu_busy"]
+        fig["host_saturated"] = saturated_at is not None and busy is not None and busy >= saturated_at
         levels.append(fig)
         log(f"  {target.name:<16} c={c:<3} per-user {fig['per_user_decode_tok_s'] or 0:8.1f} tok/s  aggregate "
             f"{fig['aggregate_tok_s'] or 0:9.1f} tok/s  TTFT p50 {1000 * (fig['ttft_p50_s'] or 0):8.1f} ms"
@@ -145,6 +151,17 @@ def build_profile(settings: ProfileSettings, backends: dict[str, dict[str, Any]]
                          "output_len": settings.output_len, "requests_per_user": settings.requests_per_user,
                          "time_scale": settings.time_scale},
             "backends": backends}
+
+
+def profile_fleet(pairs: list[tuple[Target, str]], settings: ProfileSettings, log: Any = print,
+                  saturated_at: float | None = SATURATED) -> dict[str, Any]:
+    """Profile each (target, engine) in turn; the profile file's document, keyed by target name."""
+    backends: dict[str, dict[str, Any]] = {}
+    for target, engine in pairs:
+        log(f"profiling {target.name} ({engine}) at {target.base}")
+        curve = run_sync(profile_backend(target, settings, log, saturated_at))
+        backends[target.name] = {"engine": engine, "url": target.url, "model": target.model, "levels": curve}
+    return build_profile(settings, backends)
 
 
 def plot_profile(doc: dict[str, Any], path: Path) -> Path:
@@ -218,12 +235,7 @@ def main(argv: list[str]) -> int:
     levels = [int(x) for x in a.levels.split(",")] if a.levels else default_levels(a.max_concurrency)
     settings = ProfileSettings(levels=levels, input_len=a.input_len, output_len=a.output_len,
                                requests_per_user=a.requests_per_user, time_scale=a.time_scale)
-    backends: dict[str, dict[str, Any]] = {}
-    for target, engine in pairs:
-        print(f"profiling {target.name} ({engine}) at {target.base}")
-        curve = run_sync(profile_backend(target, settings))
-        backends[target.name] = {"engine": engine, "url": target.url, "model": target.model, "levels": curve}
-    doc = build_profile(settings, backends)
+    doc = profile_fleet(pairs, settings)
     write_json(doc, a.out)
     chart = plot_profile(doc, a.out.with_suffix(".png"))
     print(f"wrote {a.out} and {chart}")

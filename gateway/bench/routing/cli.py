@@ -1,4 +1,4 @@
-"""``gateway bench routing {prefix,shape,real-prefix}``: the routing policies measured against each other.
+"""``gateway bench routing {prefix,shape,real-prefix,real-shape}``: the routing policies measured against each other.
 
 Every benchmark starts what it needs as separate processes on loopback (emulated fleets with
 ``python -m gateway.sim fleet --config FILE``, real ``llama-server`` processes, and one gateway per policy with
@@ -11,15 +11,21 @@ and the processes' logs under ``reports/routing/NAME/``) and prints a table.
 * ``prefix``: the shared-prefix workload (default 32 groups of ~1,536-token system prompts, uniform popularity)
   on 4 emulated vLLM-like backends whose prefix caches (``kv_capacity_tokens``) each hold about a third of the
   prefix set. Policies round-robin, least-load, prefix and default. Realized cache-hit rate (cached / prompt
-  tokens, from usage), TTFT p50/p90, throughput, and each against round-robin. Target: prefix TTFT p50 at least
-  3x better than round-robin.
+  tokens, from usage), TTFT p50/p90, throughput, and each against round-robin; each hit rate also as a share of
+  the oracle's (``oracle.py``: the best placement found knowing the whole sequence, on the same caches). Target:
+  prefix TTFT p50 at least 3x better than round-robin.
 * ``shape``: closed-loop ramp of 1, 2, 4, ..., 64 users on one ExLlamaV2-like (TabbyAPI) and one vLLM-like
   emulated backend: least-load vs engine-shape (each its own pair of backends and gateway), and each engine
   alone behind a single-backend gateway as the reference. End-to-end p50/p90 per level. Targets: engine-shape
-  p90 at least 1.3x better than least-load; at no level worse than the better engine alone.
+  p90 at least 1.3x better than least-load; at no level worse than the better engine alone. The gateways are
+  seeded from a ``gateway profile`` run of a copy of the fleet (``shape-profile.json``), not from the emulator's
+  constants; ``--seed-from engine-defaults`` seeds from the engine specs instead, ``--compare-seeding`` runs both.
 * ``real-prefix``: prefix vs round-robin on 3 real ``llama-server`` processes per policy (the generated "large"
   model, 2 slots, 1 thread each) with ~1.5k-token shared prefixes: TTFT and cache hits (``timings.cache_n``
-  as usage ``cached_tokens``).
+  as usage ``cached_tokens``), and the oracle's hit rate on the servers' slots (prompts tokenized by them).
+* ``real-shape``: engine-shape vs least-load on two real ``llama-server`` processes of different shapes (1 slot
+  x 2 threads, 4 slots x 1 thread) per policy, seeded from a profile of such a pair, over 1, 2, 4, 8 users:
+  aggregate tokens/s, TTFT p50/p90, requests per backend.
 
 A ratio "x better" is reference / this for latencies and this / reference for throughput and hit rate, so
 above 1 is always better.
@@ -45,6 +51,7 @@ from gateway.bench.routing.real_prefix import (
     RealPrefixConfig,
     run_real_prefix,
 )
+from gateway.bench.routing.real_shape import RealShapeConfig, plot_real_shape, print_real_shape, run_real_shape
 from gateway.bench.routing.shape import (
     ShapeConfig,
     plot_shape,
@@ -109,6 +116,30 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--input-len", type=int, default=s.input_len)
     b.add_argument("--output-len", type=int, default=s.output_len)
     b.add_argument("--time-scale", type=float, default=s.time_scale)
+    b.add_argument("--seed-from", choices=("profile", "engine-defaults"), default=s.seed_from,
+                   help="seed the gateways' shape model from a profile of this fleet, or from the engine specs")
+    b.add_argument("--compare-seeding", action="store_true", help="also run engine-shape seeded the other way")
+    b.add_argument("--profile-levels", help="the profile's levels (default: 1, 4, 16, ... and the top level)")
+    b.add_argument("--quick", action="store_true", help="a short run: levels 1,4, one round, fast emulators "
+                                                        "(the size options above are ignored)")
+
+    e = sub.add_parser("real-shape", parents=[common], help="(d) engine-shape vs least-load on real llama-server",
+                       description="engine-shape vs least-load, each with its own pair of llama-server processes "
+                                   "of different shapes and a gateway seeded from a profile of such a pair.")
+    rs = RealShapeConfig()
+    e.add_argument("--levels", default=",".join(map(str, rs.levels)))
+    e.add_argument("--policies", default=",".join(rs.policies))
+    e.add_argument("--rounds", type=int, default=rs.rounds)
+    e.add_argument("--min-round", type=int, default=rs.min_round)
+    e.add_argument("--input-len", type=int, default=rs.input_len)
+    e.add_argument("--output-len", type=int, default=rs.output_len)
+    e.add_argument("--model-size", choices=("tiny", "large"), default=rs.model_size)
+    e.add_argument("--profile-levels", default=",".join(map(str, rs.profile_levels)))
+    e.add_argument("--seed-from", choices=("profile", "engine-defaults"), default=rs.seed_from,
+                   help="seed engine-shape from a profile of such a pair, or from the llama.cpp engine seed")
+    e.add_argument("--compare-seeding", action="store_true", help="also run engine-shape seeded the other way")
+    e.add_argument("--quick", action="store_true", help="tiny model, levels 1,4, one short round (size options "
+                                                        "ignored)")
 
     c = sub.add_parser("real-prefix", parents=[common], help="(c) prefix vs round-robin on real llama-server",
                        description="prefix vs round-robin, each with its own 3 llama-server processes (generated "
@@ -156,14 +187,33 @@ def main(argv: list[str]) -> int:
                             f"{pcfg.backends} vLLM-like backends caching ~{pcfg.cache_share:.0%} of the set each")
         print_policies(doc, "shared prefixes on emulated vLLM-like backends")
     elif name == "shape":
-        scfg = ShapeConfig(levels=_levels(args.levels), policies=_policies(args.policies), alone=not args.no_alone,
-                           rounds=args.rounds, min_round=args.min_round, input_len=args.input_len,
-                           output_len=args.output_len, time_scale=args.time_scale,
-                           **{k: v for k, v in common.items()})
+        seeding = {"policies": _policies(args.policies), "seed_from": args.seed_from,
+                   "compare_seeding": args.compare_seeding, **common}
+        if args.quick:
+            scfg = ShapeConfig.quick(**seeding)
+        else:
+            scfg = ShapeConfig(levels=_levels(args.levels), alone=not args.no_alone, rounds=args.rounds,
+                               min_round=args.min_round, input_len=args.input_len, output_len=args.output_len,
+                               time_scale=args.time_scale,
+                               profile_levels=_levels(args.profile_levels) if args.profile_levels else None,
+                               **seeding)
         doc = run_shape(scfg)
         json_path = write_json(doc, out / "shape.json")
         png = plot_shape(doc, out / "shape.png")
         print_shape(doc)
+    elif name == "real-shape":
+        seeding = {"policies": _policies(args.policies), "seed_from": args.seed_from,
+                   "compare_seeding": args.compare_seeding, **common}
+        if args.quick:
+            tcfg = RealShapeConfig.quick(**seeding)
+        else:
+            tcfg = RealShapeConfig(levels=_levels(args.levels), rounds=args.rounds, min_round=args.min_round,
+                                   input_len=args.input_len, output_len=args.output_len, model_size=args.model_size,
+                                   profile_levels=_levels(args.profile_levels), **seeding)
+        doc = run_real_shape(tcfg)
+        json_path = write_json(doc, out / "real-shape.json")
+        png = plot_real_shape(doc, out / "real-shape.png")
+        print_real_shape(doc)
     else:
         rcfg = RealPrefixConfig(policies=_policies(args.policies), servers=args.servers, slots=args.slots,
                                 threads=args.threads, groups=args.groups, prompts_per_group=args.prompts_per_group,

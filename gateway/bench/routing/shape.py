@@ -1,15 +1,25 @@
-"""(b) ``gateway bench routing shape``: an ExLlamaV2-like and a vLLM-like backend over a 1 -> 64 user ramp."""
+"""(b) ``gateway bench routing shape``: an ExLlamaV2-like and a vLLM-like backend over a 1 -> 64 user ramp.
+
+The gateways under test model each engine's shape from a measurement, not from the emulator's constants:
+before the ramp the benchmark profiles a fresh copy of its own fleet with ``gateway profile``'s code (a few
+levels, the benchmark's own request lengths), writes ``shape-profile.json`` into the report directory and gives
+it to every gateway as ``routing.engine_profile``. ``seed_from="engine-defaults"`` runs without it (the shape
+model then starts from the engine specs' seeds); ``compare_seeding`` runs each policy that models engine shape
+both ways, the other way as a target named ``POLICY@SEEDING``.
+"""
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from gateway.bench.client import Target
-from gateway.bench.report import build_report
+from gateway.bench.profile import ProfileSettings, plot_profile, profile_fleet
+from gateway.bench.report import build_report, write_json
 from gateway.bench.routing.stack import (
     SHAPE_POLICIES,
     SIM_MODEL,
@@ -49,9 +59,93 @@ class ShapeConfig:
     base_port: int = 18760
     profiles: dict[str, Any] = field(default_factory=dict)
     out: Path = Path("reports/routing")
+    seed_from: str = "profile"  # or "engine-defaults"
+    compare_seeding: bool = False  # run the shape-modelling policies seeded both ways
+    profile_levels: list[int] | None = None  # default: 1, 4, 16, ... and the ramp's top level
+    profile_requests_per_user: int = 1
+
+    @classmethod
+    def quick(cls, **overrides: Any) -> ShapeConfig:
+        """A run of well under a minute: two levels, one round, fast emulators, short requests."""
+        small: dict[str, Any] = {"levels": [1, 4], "alone": False, "rounds": 1, "min_round": 4, "input_len": 32,
+                                 "output_len": 16, "time_scale": 2.0, "profile_levels": [1, 4]}
+        return cls(**{**small, **overrides})
 
 
 SHAPE_ENGINES = (("tabby", "tabbyapi"), ("vllm", "vllm"))
+SEEDINGS = ("profile", "engine-defaults")
+
+
+def profile_levels(cfg: ShapeConfig) -> list[int]:
+    """The profile's levels: as configured, else 1, 4, 16, ... up to and including the ramp's top level."""
+    if cfg.profile_levels:
+        return sorted(set(cfg.profile_levels))
+    top = max(cfg.levels)
+    out = [1]
+    while out[-1] * 4 < top:
+        out.append(out[-1] * 4)
+    return sorted({*out, top})
+
+
+def uses_shape_model(policy: str, profiles: dict[str, Any]) -> bool:
+    """Whether the policy's routing profile scores with ``engine-shape`` (so its seeding matters)."""
+    from gateway.config import ProfileSettings as RoutingProfile
+    from gateway.routing.policies import BUILTIN
+
+    profile = RoutingProfile.model_validate(profiles[policy]) if policy in profiles else BUILTIN.get(policy)
+    return profile is not None and any(s.name == "engine-shape" for s in profile.scorers)
+
+
+def levels_the_gateway_uses(path: Path, log: Log) -> dict[str, list[int]]:
+    """The profile's levels per backend as the gateway loads them (it skips levels measured on a saturated
+    machine); says so when a backend is left with none, as its model then starts from the engine seed."""
+    from gateway.routing.shape_model import load_profile_file
+
+    used = {name: sorted(table) for name, (table, _) in load_profile_file(path).items()}
+    doc = json.loads(path.read_text())
+    for name in doc.get("backends", {}):
+        if not used.get(name):
+            log(f"  note: every level of {name} was measured on a saturated machine; the gateway ignores them "
+                f"and seeds {name} from its engine's defaults")
+    return used
+
+
+class SeedingOptions(Protocol):
+    policies: list[str]
+    seed_from: str
+    compare_seeding: bool
+    profiles: dict[str, Any]
+
+
+def seeded_targets(cfg: SeedingOptions) -> list[tuple[str, str, str]]:
+    """(target name, policy, seeding) per routed target: every policy seeded as ``seed_from`` under its own
+    name; with ``compare_seeding``, each shape-modelling policy also seeded the other way, as POLICY@SEEDING."""
+    if cfg.seed_from not in SEEDINGS:
+        raise ValueError(f"seed_from: {cfg.seed_from!r}; known: {', '.join(SEEDINGS)}")
+    other = next(s for s in SEEDINGS if s != cfg.seed_from)
+    out = [(p, p, cfg.seed_from) for p in cfg.policies]
+    if cfg.compare_seeding:
+        out += [(f"{p}@{other}", p, other) for p in cfg.policies if uses_shape_model(p, cfg.profiles)]
+    return out
+
+
+def profile_shape_fleet(cfg: ShapeConfig, ports: PortPool, log: Log) -> dict[str, Any]:
+    """Profile a fresh copy of the benchmark's fleet (same backend names, engines and time scale) with the
+    benchmark's request lengths; its figures stay in the units the gateway sees (a time scale is not undone)."""
+    stack = Stack(cfg.out / "shape", log, cfg.scrape_interval)
+    settings = ProfileSettings(levels=profile_levels(cfg), input_len=cfg.input_len, output_len=cfg.output_len,
+                               requests_per_user=cfg.profile_requests_per_user, seed=cfg.seed)
+    try:
+        servers = [sim_server(label, engine, ports.take(), cfg.time_scale) for label, engine in SHAPE_ENGINES]
+        urls = stack.fleet("profile", servers)
+        pairs = [(Target(s["name"], u, SIM_MODEL), engine)
+                 for s, u, (_, engine) in zip(servers, urls, SHAPE_ENGINES, strict=True)]
+        doc = profile_fleet(pairs, settings, log)
+    finally:
+        stack.stop()
+    doc["measured_for"] = {"benchmark": "shape", "emulator_time_scale": cfg.time_scale,
+                           "units": "as the gateway under test sees them (time scale not undone)"}
+    return doc
 
 
 def shape_requests(cfg: ShapeConfig, level: int) -> tuple[list[BenchRequest], int]:
@@ -80,6 +174,28 @@ def shape_level(doc: dict[str, Any], policies: Sequence[str], alone: Sequence[st
         for p in policies:
             if p in rows:
                 out[f"{p}_vs_best_alone_p90_x"] = better(best, rows[p]["e2e_ms_p90"])
+    return out
+
+
+def seeding_level(rows: dict[str, dict[str, Any]], targets: Sequence[tuple[str, str, str]]
+                  ) -> dict[str, dict[str, Any]]:
+    """Per policy run both ways: aggregate output tok/s, TTFT p50/p90 and e2e p90 (ms) under each seeding,
+    and profile against engine-defaults (x better; above 1: seeding from the profile is better)."""
+    out: dict[str, dict[str, Any]] = {}
+    by_policy: dict[str, dict[str, str]] = {}
+    for name, policy, seeding in targets:
+        by_policy.setdefault(policy, {})[seeding] = name
+    for policy, names in by_policy.items():
+        if len(names) < 2 or any(n not in rows for n in names.values()):
+            continue
+        figs = {seeding: {k: rows[name][k] for k in ("output_tok_s", "ttft_ms_p50", "ttft_ms_p90", "e2e_ms_p90")}
+                for seeding, name in names.items()}
+        prof, base = figs["profile"], figs["engine-defaults"]
+        out[policy] = {**figs, "profile_vs_engine_defaults": {
+            "throughput_x": better(base["output_tok_s"], prof["output_tok_s"], lower_is_better=False),
+            "ttft_p50_x": better(base["ttft_ms_p50"], prof["ttft_ms_p50"]),
+            "ttft_p90_x": better(base["ttft_ms_p90"], prof["ttft_ms_p90"]),
+            "e2e_p90_x": better(base["e2e_ms_p90"], prof["e2e_ms_p90"])}}
     return out
 
 
@@ -117,18 +233,28 @@ def run_shape(cfg: ShapeConfig, log: Log = print) -> dict[str, Any]:
     workdir = cfg.out / "shape"
     workdir.mkdir(parents=True, exist_ok=True)
     ports = PortPool(cfg.base_port)
+    seeded = seeded_targets(cfg)
+    started = time.perf_counter()
+    profile_doc: dict[str, Any] | None = None
+    profile_path: Path | None = None
+    used: dict[str, list[int]] = {}
+    if any(seeding == "profile" for _, _, seeding in seeded):
+        log(f"shape: profiling the fleet at levels {profile_levels(cfg)}")
+        profile_doc = profile_shape_fleet(cfg, ports, log)
+        profile_path = write_json(profile_doc, cfg.out / "shape-profile.json")
+        plot_profile(profile_doc, profile_path.with_suffix(".png"))
+        used = levels_the_gateway_uses(profile_path, log)
     stack = Stack(workdir, log, cfg.scrape_interval, cfg.profiles)
     levels: dict[str, Any] = {}
-    busy: dict[str, float | None] = {}
     alone_names = [f"{label}-alone" for label, _ in SHAPE_ENGINES] if cfg.alone else []
-    started = time.perf_counter()
     try:
         targets: list[Target] = []
-        for policy in cfg.policies:
+        for name, policy, seeding in seeded:
             servers = [sim_server(label, engine, ports.take(), cfg.time_scale) for label, engine in SHAPE_ENGINES]
-            urls = stack.fleet(policy, servers)
+            urls = stack.fleet(name, servers)
             backends = [(s["name"], s["engine"], u) for s, u in zip(servers, urls, strict=True)]
-            targets.append(stack.gateway(policy, ports.take(), backends, policy))
+            targets.append(stack.gateway(name, ports.take(), backends, policy,
+                                         engine_profile=profile_path if seeding == "profile" else None))
         if cfg.alone:
             servers = [sim_server(label, engine, ports.take(), cfg.time_scale) for label, engine in SHAPE_ENGINES]
             urls = stack.fleet("alone", servers)
@@ -142,10 +268,10 @@ def run_shape(cfg: ShapeConfig, log: Log = print) -> dict[str, Any]:
             t0 = time.perf_counter()
             result = run_sync(run_interleaved(targets, requests, Arrival(concurrency=level), round_size,
                                               request_timeout=600))
-            busy[str(level)] = host_busy_share(before, host_cpu_times())
             bench = build_report(result, {"level": level}, include_requests=False)
             row = shape_level(bench, cfg.policies, alone_names)
-            row["host_busy_share"] = busy[str(level)]
+            row["seeding"] = seeding_level(row["targets"], seeded)
+            row["host_busy_share"] = host_busy_share(before, host_cpu_times())
             levels[str(level)] = row
             t = row["targets"]
             log(f"  {level:>3} users: {time.perf_counter() - t0:5.1f} s  " + "  ".join(
@@ -155,8 +281,11 @@ def run_shape(cfg: ShapeConfig, log: Log = print) -> dict[str, Any]:
         stack.stop()
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()}
     return {"schema": "gateway-bench-routing/1", "benchmark": "shape", "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "config": config, "wall_s": time.perf_counter() - started, "levels": levels,
-            "targets": shape_verdict(levels)}
+            "config": config, "wall_s": time.perf_counter() - started,
+            "seeding": {"from": cfg.seed_from, "targets": {n: s for n, _, s in seeded},
+                        "profile_path": None if profile_path is None else str(profile_path),
+                        "profile_levels_used": used, "profile": profile_doc},
+            "levels": levels, "targets": shape_verdict(levels)}
 
 
 def plot_shape(doc: dict[str, Any], path: Path) -> Path:
@@ -167,7 +296,8 @@ def plot_shape(doc: dict[str, Any], path: Path) -> Path:
 
     levels = sorted(int(k) for k in doc["levels"])
     names = list(doc["levels"][str(levels[0])]["targets"])
-    fig, axes = plt.subplots(1, 3, figsize=(16, 5))
+    seeded = sorted({p for lv in levels for p in doc["levels"][str(lv)].get("seeding", {})})
+    fig, axes = plt.subplots(1, 4 if seeded else 3, figsize=(21 if seeded else 16, 5))
     for ax, key, label in ((axes[0], "e2e_ms_p50", "end to end p50 (ms)"),
                            (axes[1], "e2e_ms_p90", "end to end p90 (ms)")):
         for name in names:
@@ -197,6 +327,23 @@ def plot_shape(doc: dict[str, Any], path: Path) -> Path:
     ax.set_ylabel("x better (above 1: engine-shape better)")
     ax.grid(alpha=0.3)
     ax.legend()
+    if seeded:
+        ax = axes[3]
+        for policy in seeded:
+            for key, label in (("throughput_x", "tok/s"), ("ttft_p50_x", "TTFT p50"), ("ttft_p90_x", "TTFT p90")):
+                pts = [(lv, doc["levels"][str(lv)].get("seeding", {}).get(policy, {})
+                        .get("profile_vs_engine_defaults", {}).get(key)) for lv in levels]
+                pts = [(x, y) for x, y in pts if y is not None]
+                if pts:
+                    ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{policy}: {label}")
+        ax.axhline(1.0, color="grey", linestyle=":")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(levels, [str(lv) for lv in levels])
+        ax.set_xlabel("concurrent users")
+        ax.set_ylabel("x better (above 1: seeded from the profile better)")
+        ax.set_title("seeded from a profile vs from engine defaults", fontsize=10)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
     fig.suptitle("engine shape: one ExLlamaV2-like + one vLLM-like emulated backend, closed-loop ramp")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -240,7 +387,27 @@ def print_shape(doc: dict[str, Any]) -> None:
         mix.add_row(str(lv), *[" ".join(f"{b} {n}" for b, n in row[name]["backends"].items())
                                for name in names if not name.endswith("-alone")])
     console.print(mix)
+    print_seeding(console, doc)
     print_targets(console, doc["targets"])
 
 
-# --- (c) real-prefix --------------------------------------------------------------------------------------------
+
+def print_seeding(console: Any, doc: dict[str, Any]) -> None:
+    """Per level, each policy run both ways: seeded from the profile vs from the engine defaults."""
+    from rich.table import Table
+
+    levels = sorted(int(k) for k in doc["levels"])
+    rows = [(lv, policy, fig) for lv in levels for policy, fig in doc["levels"][str(lv)].get("seeding", {}).items()]
+    if not rows:
+        return
+    table = Table(title="seeded from the profile vs from engine defaults (profile / defaults; x: above 1, profile "
+                        "better)")
+    for col in ("users", "policy", "out tok/s", "TTFT p50 ms", "TTFT p90 ms", "tok/s x", "TTFT p50 x",
+                "TTFT p90 x"):
+        table.add_column(col, justify="left" if col == "policy" else "right")
+    for lv, policy, fig in rows:
+        prof, base, x = fig["profile"], fig["engine-defaults"], fig["profile_vs_engine_defaults"]
+        table.add_row(str(lv), policy, *[f"{fmt(prof[k], 0)} / {fmt(base[k], 0)}"
+                                         for k in ("output_tok_s", "ttft_ms_p50", "ttft_ms_p90")],
+                      fmt(x["throughput_x"], 2), fmt(x["ttft_p50_x"], 2), fmt(x["ttft_p90_x"], 2))
+    console.print(table)

@@ -79,9 +79,10 @@ def fleet_config(servers: Sequence[dict[str, Any]], host: str = HOST) -> dict[st
 
 def gateway_config(port: int, backends: Sequence[tuple[str, str, str]], policy: str,
                    scrape_interval: float = 0.2, models: Sequence[str] | None = None,
-                   profiles: dict[str, Any] | None = None) -> dict[str, Any]:
+                   profiles: dict[str, Any] | None = None, engine_profile: Path | None = None) -> dict[str, Any]:
     """A ``python -m gateway serve --config`` document: ``backends`` are (name, engine, url); ``profiles``
-    (``routing.profiles``: your own policies, or built-in ones with other plugin parameters) when given."""
+    (``routing.profiles``: your own policies, or built-in ones with other plugin parameters) and
+    ``engine_profile`` (``routing.engine_profile``: a ``gateway profile`` file) when given."""
     entries: list[dict[str, Any]] = []
     for name, engine, url in backends:
         entry: dict[str, Any] = {"name": name, "engine": engine, "url": url}
@@ -91,6 +92,8 @@ def gateway_config(port: int, backends: Sequence[tuple[str, str, str]], policy: 
     routing: dict[str, Any] = {"policy": policy}
     if profiles:
         routing["profiles"] = dict(profiles)
+    if engine_profile is not None:
+        routing["engine_profile"] = str(engine_profile.resolve())
     return {"server": {"host": HOST, "port": port}, "backends": entries, "routing": routing,
             "scrape": {"interval": scrape_interval}}
 
@@ -158,8 +161,8 @@ class Stack:
         return urls
 
     def gateway(self, name: str, port: int, backends: Sequence[tuple[str, str, str]], policy: str,
-                models: Sequence[str] | None = None) -> Target:
-        doc = gateway_config(port, backends, policy, self.scrape_interval, models, self.profiles)
+                models: Sequence[str] | None = None, engine_profile: Path | None = None) -> Target:
+        doc = gateway_config(port, backends, policy, self.scrape_interval, models, self.profiles, engine_profile)
         path = dump_yaml(doc, self.workdir / f"gateway-{name}.yaml")
         proc = ChildProcess(f"gateway {name}", [sys.executable, "-m", "gateway", "serve", "--config", str(path),
                                                 "--log-level", "warning"], self.workdir / f"gateway-{name}.log")
