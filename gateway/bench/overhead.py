@@ -11,6 +11,13 @@ request and per chunk. Then ``hold`` streams (default 1,000) are opened at once 
 for a few seconds; the backend reports how many it had open at once. Optionally py-spy samples the gateway
 under load (``--py-spy SECONDS``) and the report ranks its hottest functions.
 
+``--tracing`` adds a second gateway process with OpenTelemetry tracing on (``OTEL_EXPORTER_OTLP_ENDPOINT``
+pointing at a loopback OTLP/HTTP sink in its own process that answers 200 and discards every export; never a
+remote collector), interleaved with the others at the same levels, and reports what tracing adds per request:
+TTFT p50/p99 and end-to-end p50 against the untraced gateway (microseconds, and the gateway's added TTFT over
+direct with tracing / without) and CPU per request from /proc. The untraced gateway then runs with
+``OTEL_SDK_DISABLED=true``, so an ``OTEL_*`` variable in the caller's environment cannot turn it on.
+
 Writes ``overhead.json`` and ``overhead.png`` (and the processes' logs) under ``--out`` (``reports/overhead``).
 """
 
@@ -34,6 +41,7 @@ from gateway.bench.runner import Arrival, run, run_sync
 from gateway.bench.workload import BenchRequest
 
 MODEL = "bench-model"
+TRACED = "gateway+tracing"
 
 
 @dataclass
@@ -48,6 +56,7 @@ class OverheadConfig:
     rust: bool = True
     py_spy_seconds: float = 0.0
     py_spy_concurrency: int = 64
+    tracing: bool = False
     base_port: int = 18500
     out: Path = Path("reports/overhead")
 
@@ -74,7 +83,7 @@ def level_row(doc: dict[str, Any], direct: str) -> dict[str, Any]:
         row = {
             "ok": t["ok"], "requests": t["requests"], "errors": t["errors"],
             "ttfb_ms_p50": _ms(m["ttfb_s"]["p50"]), "ttft_ms_p50": _ms(m["ttft_s"]["p50"]),
-            "ttft_ms_p99": _ms(m["ttft_s"]["p99"]),
+            "ttft_ms_p99": _ms(m["ttft_s"]["p99"]), "e2e_ms_p50": _ms(m.get("e2e_s", {}).get("p50")),
             "itl_ms_mean": _ms(m["itl_s"]["mean"]), "itl_ms_p99": _ms(m["itl_s"]["p99"]),
             "chunks_per_s": t["chunks_per_s"], "cpu_ms_per_request": t["cpu_ms_per_request"],
             "cpu_us_per_chunk": t["cpu_us_per_chunk"],
@@ -86,6 +95,36 @@ def level_row(doc: dict[str, Any], direct: str) -> dict[str, Any]:
             row["added_itl_ms_mean"] = _diff(m["itl_s"]["mean"], rm["itl_s"]["mean"])
         out[name] = row
     return out
+
+
+def tracing_cost(levels: dict[str, Any], untraced: str = "gateway", traced: str = TRACED) -> dict[str, Any]:
+    """Per level, what the traced gateway adds over the untraced one, per request: microseconds and ratios
+    (above 1: tracing costs). ``added_ttft_over_direct_x``: the gateway's added TTFT p50 over direct, with
+    tracing / without."""
+    out: dict[str, Any] = {}
+    for level, rows in levels.items():
+        off, on = rows.get(untraced), rows.get(traced)
+        if off is None or on is None:
+            continue
+        out[level] = {
+            "ttft_us_p50": _us_diff(on["ttft_ms_p50"], off["ttft_ms_p50"]),
+            "ttft_us_p99": _us_diff(on["ttft_ms_p99"], off["ttft_ms_p99"]),
+            "e2e_us_p50": _us_diff(on.get("e2e_ms_p50"), off.get("e2e_ms_p50")),
+            "ttft_p50_x": _ratio(on["ttft_ms_p50"], off["ttft_ms_p50"]),
+            "e2e_p50_x": _ratio(on.get("e2e_ms_p50"), off.get("e2e_ms_p50")),
+            "added_ttft_over_direct_x": _ratio(on.get("added_ttft_ms_p50"), off.get("added_ttft_ms_p50")),
+            "cpu_us_per_request": _us_diff(on["cpu_ms_per_request"], off["cpu_ms_per_request"]),
+            "cpu_per_request_x": _ratio(on["cpu_ms_per_request"], off["cpu_ms_per_request"]),
+        }
+    return out
+
+
+def _us_diff(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else 1000 * (a - b)
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None or b <= 0 else a / b
 
 
 def _ms(v: float | None) -> float | None:
@@ -127,6 +166,59 @@ async def _hold(targets: list[Target], backend_url: str, cfg: OverheadConfig) ->
                             "backend_peak_open": stats["peak_streams"] if isinstance(stats, dict) else None,
                             "wall_s": result.wall(target.name)}
     return out
+
+
+def _traced_gateway(cfg: OverheadConfig, backend_url: str) -> tuple[ChildProcess, ChildProcess, str]:
+    """The gateway again, on ``base_port + 3``, with tracing exported to an OTLP sink on ``base_port + 4``."""
+    py = sys.executable
+    port, sink_port = cfg.base_port + 3, cfg.base_port + 4
+    sink_url = f"http://127.0.0.1:{sink_port}"
+    code = f"from gateway.bench.overhead import otlp_sink; otlp_sink({sink_port})"
+    sink = ChildProcess("otlp sink", [py, "-c", code], cfg.out / "otlp-sink.log")
+    config_file = cfg.out / "gateway-tracing.yaml"
+    config_file.write_text(gateway_yaml(backend_url, port))
+    env = ["env", "OTEL_SDK_DISABLED=false", "OTEL_TRACES_EXPORTER=otlp", f"OTEL_EXPORTER_OTLP_ENDPOINT={sink_url}",
+           f"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT={sink_url}/v1/traces", "OTEL_SERVICE_NAME=llm-gateway-bench"]
+    traced = ChildProcess(TRACED, [*env, py, "-m", "gateway", "serve", "--config", str(config_file),
+                                   "--log-level", "warning"], cfg.out / "gateway-tracing.log")
+    return traced, sink, sink_url
+
+
+def otlp_sink(port: int) -> None:
+    """An OTLP/HTTP endpoint on 127.0.0.1:``port`` that answers every POST with 200 and an empty body and
+    keeps nothing; ``GET /stats`` says how many exports (and bytes) it received. Runs until killed."""
+    import json
+
+    counts = {"exports": 0, "bytes": 0}
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                head = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1").split("\r\n")
+                method, path = [*head[0].split(" "), "", ""][:2]
+                length = next((int(v) for k, _, v in (h.partition(":") for h in head[1:])
+                               if k.strip().lower() == "content-length"), 0)
+                body = await reader.readexactly(length) if length else b""
+                payload, kind = b"", b"application/x-protobuf"
+                if method == "GET" and path == "/stats":
+                    payload, kind = json.dumps(counts).encode(), b"application/json"
+                else:
+                    counts["exports"] += 1
+                    counts["bytes"] += len(body)
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: %s\r\nContent-Length: %d\r\n\r\n%s"
+                             % (kind, len(payload), payload))
+                await writer.drain()
+        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError, ValueError):
+            pass
+        finally:
+            writer.close()
+
+    async def serve() -> None:
+        server = await asyncio.start_server(handle, "127.0.0.1", port)
+        async with server:
+            await server.serve_forever()
+
+    asyncio.run(serve())
 
 
 async def _profile_gateway(target: Target, cfg: OverheadConfig) -> dict[str, Any]:
@@ -192,8 +284,11 @@ def run_overhead(cfg: OverheadConfig, log: Any = print) -> dict[str, Any]:
                                            "--model", MODEL], cfg.out / "backend.log")
     config_file = cfg.out / "gateway.yaml"
     config_file.write_text(gateway_yaml(backend_url, gateway_port))
-    gateway = ChildProcess("gateway", [py, "-m", "gateway", "serve", "--config", str(config_file),
+    # with --tracing, the untraced gateway is made sure to be untraced whatever OTEL_* the caller has set
+    untraced_env = ["env", "OTEL_SDK_DISABLED=true"] if cfg.tracing else []
+    gateway = ChildProcess("gateway", [*untraced_env, py, "-m", "gateway", "serve", "--config", str(config_file),
                                        "--log-level", "warning"], cfg.out / "gateway.log")
+    traced, sink, sink_url = _traced_gateway(cfg, backend_url) if cfg.tracing else (None, None, "")
     router: ChildProcess | None = None
     if cfg.rust:
         if shutil.which("sglang-router") is None and not (Path(py).parent / "sglang-router").exists():
@@ -209,6 +304,11 @@ def run_overhead(cfg: OverheadConfig, log: Any = print) -> dict[str, Any]:
         gateway.start().wait_http(f"http://127.0.0.1:{gateway_port}/v1/chat/completions", method="POST", body=probe)
         targets = [Target("direct", backend_url, MODEL, pid=backend.pid),
                    Target("gateway", f"http://127.0.0.1:{gateway_port}", MODEL, pid=gateway.pid)]
+        if traced is not None and sink is not None:
+            sink.start().wait_http(sink_url + "/stats")
+            traced_url = f"http://127.0.0.1:{cfg.base_port + 3}"
+            traced.start().wait_http(traced_url + "/v1/chat/completions", method="POST", body=probe)
+            targets.append(Target(TRACED, traced_url, MODEL, pid=traced.pid))
         if router is not None:
             router.start().wait_http(f"http://127.0.0.1:{router_port}/v1/chat/completions", method="POST",
                                      body=probe)
@@ -225,8 +325,11 @@ def run_overhead(cfg: OverheadConfig, log: Any = print) -> dict[str, Any]:
         if cfg.py_spy_seconds > 0:
             log(f"py-spy on the gateway for {cfg.py_spy_seconds:.0f} s at {cfg.py_spy_concurrency} streams")
             doc["py_spy"] = run_sync(_profile_gateway(targets[1], cfg))
+        if traced is not None:
+            doc["tracing"] = {"exporter": "OTLP/HTTP (protobuf) to a loopback sink that discards",
+                              "levels": tracing_cost(doc["levels"]), "sink": get_json(sink_url + "/stats")}
     finally:
-        for proc in (router, gateway, backend):
+        for proc in (router, traced, sink, gateway, backend):
             if proc is not None:
                 proc.stop()
     write_json(doc, cfg.out / "overhead.json")
@@ -260,6 +363,8 @@ def print_overhead(doc: dict[str, Any]) -> None:
             console.print(f"hold {name}: {h['complete']}/{h['streams']} complete, backend peak open "
                           f"{h['backend_peak_open']}" + (f"; e.g. {h['error_samples'][0]}" if h["error_samples"]
                                                          else ""))
+    if "tracing" in doc:
+        print_tracing(console, doc["tracing"])
     spy = doc.get("py_spy")
     if spy and "top_self" in spy:
         t = Table(title=f"gateway hot path (py-spy, {spy['concurrency']} streams): top self time")
@@ -271,6 +376,26 @@ def print_overhead(doc: dict[str, Any]) -> None:
         console.print(t)
     elif spy:
         console.print(f"py-spy: {spy.get('error')}")
+
+
+def print_tracing(console: Any, tracing: dict[str, Any]) -> None:
+    from rich.table import Table
+
+    table = Table(title=f"what tracing adds per request ({tracing['exporter']}), against the same gateway untraced")
+    for col in ("streams", "TTFT p50 us", "TTFT p99 us", "E2E p50 us", "TTFT p50 x", "added over direct x",
+                "CPU us/req", "CPU/req x"):
+        table.add_column(col, justify="right")
+
+    def f(v: Any, d: int = 0) -> str:
+        return "-" if v is None else f"{v:,.{d}f}"
+
+    for level, r in tracing["levels"].items():
+        table.add_row(level, f(r["ttft_us_p50"]), f(r["ttft_us_p99"]), f(r["e2e_us_p50"]), f(r["ttft_p50_x"], 3),
+                      f(r["added_ttft_over_direct_x"], 2), f(r["cpu_us_per_request"]), f(r["cpu_per_request_x"], 3))
+    console.print(table)
+    sink = tracing.get("sink")
+    if isinstance(sink, dict):
+        console.print(f"OTLP sink received {sink.get('exports')} exports ({sink.get('bytes', 0):,} bytes)")
 
 
 def main(argv: list[str]) -> int:
@@ -285,13 +410,16 @@ def main(argv: list[str]) -> int:
     p.add_argument("--no-rust", action="store_true", help="without the Rust sglang-router reference")
     p.add_argument("--py-spy", type=float, default=0.0, metavar="SECONDS", help="profile the gateway under load")
     p.add_argument("--py-spy-concurrency", type=int, default=64)
+    p.add_argument("--tracing", action="store_true",
+                   help="also a gateway with OpenTelemetry tracing on, exporting to a loopback OTLP sink that "
+                        "discards (ports base+3 and base+4); reports what tracing adds per request")
     p.add_argument("--base-port", type=int, default=18500, help="backend, gateway, router on 3 consecutive ports")
     p.add_argument("--out", type=Path, default=Path("reports/overhead"))
     a = p.parse_args(argv)
     cfg = OverheadConfig(levels=[int(x) for x in a.levels.split(",") if x], rounds=a.rounds, min_round=a.min_round,
                          tokens=a.tokens, gap_ms=a.gap_ms, hold=a.hold, hold_seconds=a.hold_seconds,
                          rust=not a.no_rust, py_spy_seconds=a.py_spy, py_spy_concurrency=a.py_spy_concurrency,
-                         base_port=a.base_port, out=a.out)
+                         tracing=a.tracing, base_port=a.base_port, out=a.out)
     doc = run_overhead(cfg)
     print_overhead(doc)
     print(f"wrote {cfg.out / 'overhead.json'} and {cfg.out / 'overhead.png'}")

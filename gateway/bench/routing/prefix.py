@@ -10,6 +10,7 @@ from typing import Any
 
 from gateway.bench.client import Target
 from gateway.bench.report import build_report
+from gateway.bench.routing.oracle import OracleResult, hit_rate_of_oracle, vllm_emulator_oracle
 from gateway.bench.routing.stack import (
     PREFIX_POLICIES,
     SIM_MODEL,
@@ -33,7 +34,7 @@ from gateway.bench.runner import (
     host_cpu_times,
     run_sync,
 )
-from gateway.bench.workload import WorkloadConfig, build_workload
+from gateway.bench.workload import BenchRequest, WorkloadConfig, build_workload
 
 
 @dataclass
@@ -85,9 +86,25 @@ def prefix_fleet(policy: str, cfg: PrefixConfig, ports: Sequence[int]) -> list[d
             for i, port in enumerate(ports)]
 
 
-def summarize_prefix(doc: dict[str, Any], reference: str = "round-robin") -> dict[str, Any]:
+def emulated_oracle(requests: Sequence[BenchRequest], cfg: PrefixConfig) -> OracleResult:
+    """The oracle (see ``oracle.py``) over the emulated vLLM caches: prompts tokenized as the emulators do."""
+    from gateway.sim.engines.vllm import BLOCK_SIZE
+    from gateway.sim.template import render_chat
+    from gateway.sim.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer()
+    prompts = [tokenizer.encode(render_chat(r.body["messages"])) for r in requests]
+    kv = kv_capacity_for(cfg.groups, cfg.system_len, cfg.cache_share, cfg.question_len, cfg.output_len)
+    return vllm_emulator_oracle(prompts, [r.output_len for r in requests], cfg.backends, kv, BLOCK_SIZE)
+
+
+def summarize_prefix(doc: dict[str, Any], reference: str = "round-robin",
+                     oracle: OracleResult | None = None) -> dict[str, Any]:
     summaries = {name: policy_summary(t) for name, t in doc["targets"].items()}
     out: dict[str, Any] = {"policies": summaries}
+    if oracle is not None:
+        hit_rate_of_oracle(summaries, oracle)
+        out["oracle"] = oracle.as_dict()
     if reference in summaries:
         out["against"] = against(summaries, reference)
         out["reference"] = reference
@@ -105,9 +122,11 @@ def run_prefix(cfg: PrefixConfig, log: Log = print) -> dict[str, Any]:
     stack = Stack(workdir, log, cfg.scrape_interval, cfg.profiles)
     kv = kv_capacity_for(cfg.groups, cfg.system_len, cfg.cache_share, cfg.question_len, cfg.output_len)
     total = prefix_set_tokens(cfg.groups, cfg.system_len)
+    best = emulated_oracle(requests, cfg)
     log(f"prefix: {len(requests)} requests x {len(cfg.policies)} policies; {cfg.groups} groups of "
         f"~{cfg.system_len + SYSTEM_OVERHEAD_TOKENS}-token prefixes (set ~{total:,} tokens); "
-        f"{cfg.backends} vLLM-like backends per policy, cache {kv:,} tokens each")
+        f"{cfg.backends} vLLM-like backends per policy, cache {kv:,} tokens each; oracle hit rate "
+        f"{100 * (best.hit_rate or 0):.1f}% (unlimited caches: {100 * (best.bound_hit_rate or 0):.1f}%)")
     try:
         targets = []
         for policy in cfg.policies:
@@ -130,8 +149,8 @@ def run_prefix(cfg: PrefixConfig, log: Log = print) -> dict[str, Any]:
     bench = build_report(result, config, include_requests=cfg.include_requests)
     doc: dict[str, Any] = {"schema": "gateway-bench-routing/1", "benchmark": "prefix",
                            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "config": config,
-                           "host_busy_share": busy, "wall_s": elapsed, **summarize_prefix(bench), "bench": bench,
-                           **phase_note(result)}
+                           "host_busy_share": busy, "wall_s": elapsed, **summarize_prefix(bench, oracle=best),
+                           "bench": bench, **phase_note(result)}
     return doc
 
 
@@ -169,7 +188,16 @@ def plot_policies(doc: dict[str, Any], path: Path, title: str) -> Path:
     ax.legend()
     ax.grid(alpha=0.3, axis="y")
     ax = axes[1][0]
-    ax.bar(list(xs), [100 * (pol[n]["cache_hit_rate"] or 0) for n in names], color="tab:green")
+    bars = ax.bar(list(xs), [100 * (pol[n]["cache_hit_rate"] or 0) for n in names], color="tab:green")
+    oracle = doc.get("oracle") or {}
+    if oracle.get("hit_rate") is not None:
+        ax.axhline(100 * oracle["hit_rate"], color="black", linestyle="--", label="oracle")
+        if oracle.get("bound_hit_rate") is not None:
+            ax.axhline(100 * oracle["bound_hit_rate"], color="grey", linestyle=":", label="unlimited caches")
+        ax.bar_label(bars, [fmt(None if pol[n].get("hit_rate_of_oracle") is None
+                                else 100 * pol[n]["hit_rate_of_oracle"], 0, "%\nof oracle") for n in names],
+                     label_type="center", color="white", fontsize=9)
+        ax.legend(loc="lower right")
     ax.set_xticks(list(xs), names)
     ax.set_ylabel("cache-hit rate (% of prompt tokens)")
     ax.grid(alpha=0.3, axis="y")
@@ -192,18 +220,23 @@ def print_policies(doc: dict[str, Any], title: str) -> None:
     console = rich_console()
     ref = doc.get("reference")
     table = Table(title=title)
-    for col in ("policy", "ok/all", "hit rate", "TTFT p50 ms", "TTFT p90 ms", "E2E p50 ms", "out tok/s",
+    for col in ("policy", "ok/all", "hit rate", "of oracle", "TTFT p50 ms", "TTFT p90 ms", "E2E p50 ms", "out tok/s",
                 f"TTFT p50 x vs {ref}", "TTFT p90 x", "tok/s x", "backends"):
         table.add_column(col, justify="left" if col in ("policy", "backends") else "right")
     for name, s in doc["policies"].items():
         a = doc.get("against", {}).get(name, {})
         table.add_row(name, f"{s['ok']}/{s['requests']}",
                       fmt(None if s["cache_hit_rate"] is None else 100 * s["cache_hit_rate"], 1, "%"),
+                      fmt(s.get("hit_rate_of_oracle"), 2),
                       fmt(s["ttft_ms_p50"]), fmt(s["ttft_ms_p90"]), fmt(s["e2e_ms_p50"]),
                       fmt(s["output_tok_s"], 0), fmt(a.get("ttft_p50_x"), 2), fmt(a.get("ttft_p90_x"), 2),
                       fmt(a.get("throughput_x"), 2),
                       " ".join(f"{b.rsplit('-', 1)[-1]}:{n}" for b, n in s["backends"].items()))
     console.print(table)
+    oracle = doc.get("oracle")
+    if oracle and oracle.get("hit_rate") is not None:
+        console.print(f"oracle hit rate {100 * oracle['hit_rate']:.1f}% ({oracle['model']}; with unlimited caches "
+                      f"{100 * (oracle['bound_hit_rate'] or 0):.1f}%): {oracle['definition']}")
     print_targets(console, doc.get("targets", []))
     if doc.get("host_busy_share") is not None:
         console.print(f"host CPU busy during the run: {100 * doc['host_busy_share']:.0f}%")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -10,6 +11,7 @@ from typing import Any
 from gateway.bench.client import Target
 from gateway.bench.procs import get_json
 from gateway.bench.report import build_report
+from gateway.bench.routing.oracle import OracleResult, llamacpp_oracle
 from gateway.bench.routing.prefix import (
     summarize_prefix,
 )
@@ -27,7 +29,7 @@ from gateway.bench.runner import (
     host_cpu_times,
     run_sync,
 )
-from gateway.bench.workload import WorkloadConfig, build_workload
+from gateway.bench.workload import BenchRequest, WorkloadConfig, build_workload
 
 
 @dataclass
@@ -85,6 +87,9 @@ def run_real_prefix(cfg: RealPrefixConfig, log: Log = print) -> dict[str, Any]:
             targets.append(stack.gateway(policy, ports.take(), backends, policy))
         model_id = _first_model(targets[0].url)
         targets = [Target(t.name, t.url, model_id, pid=t.pid) for t in targets]
+        best = real_oracle(backends[0][2], requests, cfg)
+        log(f"oracle hit rate {100 * (best.hit_rate or 0):.1f}% (unlimited caches: "
+            f"{100 * (best.bound_hit_rate or 0):.1f}%)")
         log("all up; running (interleaved)")
         before = host_cpu_times()
         started = time.perf_counter()
@@ -97,12 +102,40 @@ def run_real_prefix(cfg: RealPrefixConfig, log: Log = print) -> dict[str, Any]:
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()}
     config["model"] = str(model)
     bench = build_report(result, config, include_requests=cfg.include_requests)
-    summary = summarize_prefix(bench)
+    summary = summarize_prefix(bench, oracle=best)
     prompt = [s["prompt_tokens"] / s["ok"] for s in summary["policies"].values() if s["ok"] and s["prompt_tokens"]]
     return {"schema": "gateway-bench-routing/1", "benchmark": "real-prefix",
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "config": config, "host_busy_share": busy,
             "wall_s": elapsed, "mean_prompt_tokens": sum(prompt) / len(prompt) if prompt else None, **summary,
             "bench": bench, **phase_note(result)}
+
+
+def llama_prompt_tokens(url: str, requests: Sequence[BenchRequest]) -> list[list[int]]:
+    """Each request's prompt tokens as the llama-server at ``url`` computes them for a chat completion: its
+    chat template (``/apply-template``), then ``/tokenize`` with special tokens added and parsed."""
+    import httpx
+    import orjson
+
+    seen: dict[bytes, list[int]] = {}
+    out = []
+    with httpx.Client(base_url=url, timeout=60) as client:
+        for r in requests:
+            key = orjson.dumps(r.body["messages"])
+            if key not in seen:
+                applied = client.post("/apply-template", json={"messages": r.body["messages"]})
+                applied.raise_for_status()
+                tokens = client.post("/tokenize", json={"content": applied.json()["prompt"], "add_special": True,
+                                                        "parse_special": True})
+                tokens.raise_for_status()
+                seen[key] = [int(t) for t in tokens.json()["tokens"]]
+            out.append(seen[key])
+    return out
+
+
+def real_oracle(url: str, requests: Sequence[BenchRequest], cfg: RealPrefixConfig) -> OracleResult:
+    """The oracle (see ``oracle.py``) over ``cfg.servers`` llama-servers of ``cfg.slots`` slots each."""
+    return llamacpp_oracle(llama_prompt_tokens(url, requests), [r.output_len for r in requests], cfg.servers,
+                           cfg.slots)
 
 
 def _first_model(url: str) -> str:
