@@ -28,6 +28,9 @@ SPEC = EngineSpec(
     metric_names={"running": "llamacpp:requests_processing", "waiting": "llamacpp:requests_deferred"},
     # GBNF natively (json_schema is compiled to GBNF by the server); no regex; choices as a GBNF alternation
     structured=frozenset({"json_object", "json_schema", "choice", "grammar:gbnf", "tool_call"}),
+    # cpp-httplib closes the connection after a chunked (streamed) response while answering "Keep-Alive:
+    # timeout=5, max=100"; a pooled connection then fails the next request ("Can not write request body")
+    keeps_alive_after_stream=False,
     timings="timings_ms",  # timings.prompt_ms / predicted_ms in every answer and the last streamed chunk
     # a few slots, each decoding at full speed alone; anchored to published figures for a 7B model at ~4 bits
     # on one RTX 4090 (the curve is the engine's scheduling: slots share the GPU)

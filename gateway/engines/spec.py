@@ -57,6 +57,9 @@ class EngineSpec:
     auth: Literal["bearer", "x-api-key"] = "bearer"  # how it takes its API key
     # data plane
     routes: frozenset[str] = OPENAI_ROUTES
+    # False: the server closes its connection after a streamed answer although it announces keep-alive, so
+    # the gateway asks for "Connection: close" on streamed requests instead of pooling a connection it closes
+    keeps_alive_after_stream: bool = True
     retry_statuses: frozenset[int] = RETRY_STATUSES
     # structured-output constraints it honours natively (see gateway.structured.support); grammar:<dialect>
     structured: frozenset[str] = frozenset({"json_object", "json_schema", "tool_call", "strict_tools"})

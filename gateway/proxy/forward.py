@@ -69,6 +69,8 @@ class Forwarder:
         exchange.t_dispatch = time.perf_counter()
         deadline = loop.time() + t.total
         headers = {**backend.request_headers, "X-Request-Id": exchange.request_id}
+        if exchange.stream and not backend.spec.keeps_alive_after_stream:
+            headers["Connection"] = "close"  # it closes anyway: never pool the connection
         if options.upstream_headers:
             headers.update(options.upstream_headers)
         url = backend.url + PATHS[exchange.route]

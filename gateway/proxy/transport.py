@@ -109,7 +109,15 @@ class AiohttpTransport:
     async def post(self, url: str, body: bytes, headers: Mapping[str, str]) -> UpstreamResponse:
         if self._session is None:
             raise RuntimeError("AiohttpTransport.start() has not run")
-        return _AiohttpResponse(await self._session.post(url, data=body, headers=headers))
+        try:
+            return _AiohttpResponse(await self._session.post(url, data=body, headers=headers))
+        except aiohttp.ClientConnectorError:
+            raise  # no connection could be made: nothing was sent
+        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
+            # A pooled keep-alive connection the backend had closed meanwhile: the request never reached it
+            # (the write failed, or the server hung up before reading). Once more; aiohttp has dropped that
+            # connection. A second failure is the backend's.
+            return _AiohttpResponse(await self._session.post(url, data=body, headers=headers))
 
     def map_error(self, exc: BaseException) -> UpstreamError:
         common = map_common(exc)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import json
 import time
 from collections.abc import Iterator
@@ -175,3 +177,26 @@ def test_regex_is_refused_for_llamacpp_which_has_no_regex_constraint(gateway: Se
     with pytest.raises(openai.BadRequestError) as err:
         sdk(gateway).chat.completions.create(model=model_id(gateway), messages=ASK, extra_body={"regex": "[0-9]+"})
     assert err.value.code == "unsupported_constraint"
+
+
+def test_requests_after_a_stream_do_not_meet_the_connection_llama_server_closed(
+        tiny_pair: list[LlamaServer]) -> None:
+    """llama-server closes its connection after every streamed answer while announcing keep-alive; a request
+    sent on that pooled connection in the moment before the close is seen fails. With one backend there is no
+    failover to hide it: every request must succeed, with no retry."""
+    settings = settings_from_mapping({"backends": [{"name": "solo", "engine": "llamacpp", "url": tiny_pair[0].url}],
+                                      "scrape": {"interval": 0.1, "timeout": 2.0}})
+    with serve_in_thread(create_app(settings)) as solo:
+        model = model_id(solo)
+
+        def user(n: int) -> list[int]:
+            with httpx.Client(base_url=solo.url, timeout=60) as client:
+                return [client.post("/v1/chat/completions", json={
+                    "model": model, "messages": ASK, "max_tokens": 1, "stream": (n + i) % 3 != 0}).status_code
+                    for i in range(6)]
+
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            statuses = [s for result in pool.map(user, range(8)) for s in result]
+        retries = [line for line in httpx.get(solo.url + "/metrics").text.splitlines()
+                   if line.startswith("gateway_retries_total{")]
+    assert statuses == [200] * 48 and not retries, (collections.Counter(statuses), retries)
