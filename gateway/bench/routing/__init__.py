@@ -1,5 +1,6 @@
-"""``gateway bench routing {prefix,shape,real-prefix}``: the routing policies measured against each other.
-See ``cli.py`` for what each benchmark does; ``stack.py`` holds what they share."""
+"""``gateway bench routing {prefix,shape,real-prefix,real-shape}``: the routing policies measured against each
+other. See ``cli.py`` for what each benchmark does; ``stack.py`` holds what they share; ``oracle.py`` the best
+placement a policy could reach, for the prefix benchmarks."""
 
 from gateway.bench.routing.cli import build_parser, main
 from gateway.bench.routing.prefix import (
@@ -12,6 +13,7 @@ from gateway.bench.routing.prefix import (
     summarize_prefix,
 )
 from gateway.bench.routing.real_prefix import RealPrefixConfig, run_real_prefix
+from gateway.bench.routing.real_shape import RealShapeConfig, run_real_shape
 from gateway.bench.routing.shape import ShapeConfig, run_shape, shape_level, shape_requests, shape_verdict
 from gateway.bench.routing.stack import (
     against,
@@ -25,8 +27,8 @@ from gateway.bench.routing.stack import (
 )
 
 __all__ = [
-    "PrefixConfig", "RealPrefixConfig", "ShapeConfig", "against", "better", "build_parser", "dump_yaml",
-    "fleet_config", "gateway_config", "kv_capacity_for", "main", "policy_summary", "prefix_fleet",
-    "prefix_set_tokens", "prefix_workload", "run_prefix", "run_real_prefix", "run_shape", "shape_level",
-    "shape_requests", "shape_verdict", "sim_server", "summarize_prefix", "target_check",
+    "PrefixConfig", "RealPrefixConfig", "RealShapeConfig", "ShapeConfig", "against", "better", "build_parser",
+    "dump_yaml", "fleet_config", "gateway_config", "kv_capacity_for", "main", "policy_summary", "prefix_fleet",
+    "prefix_set_tokens", "prefix_workload", "run_prefix", "run_real_prefix", "run_real_shape", "run_shape",
+    "shape_level", "shape_requests", "shape_verdict", "sim_server", "summarize_prefix", "target_check",
 ]
