@@ -36,6 +36,8 @@ from gateway.structured.syntax import (
     ConstraintError,
     ConstraintTooDeep,
     ConstraintTooLarge,
+    automaton_problem,
+    ebnf_as_gbnf,
     first_cycle,
     forget_prepared,
     gbnf_to_ebnf,
@@ -59,8 +61,6 @@ INLINE_COMPILE_COST = 8192  # code points the format checker's re.compile of a s
 INLINE_SCHEMA_DEPTH = 64
 WORKER_RECURSION_LIMIT = 6000  # 200 levels (the most max_nesting allows) need ~1,700 frames; 600 tested
 
-# constrained decoders (xgrammar, llguidance, outlines) build automata: no lookaround, no backreferences
-_NOT_REGULAR = re.compile(r"\(\?<?[=!]|\\[1-9]|\(\?P=")
 # a line starting a rule: a GBNF / EBNF rule starts on a new line (an EBNF one may also follow another on its
 # line: uncounted here, counted by the parser); a Lark rule or terminal always does
 _BNF_RULE = re.compile(r"^[ \t]*[A-Za-z0-9_.-]+[ \t]*(?:\[[^\]\n]*\])?[ \t]*::=", re.MULTILINE)
@@ -82,9 +82,10 @@ def check_regex(pattern: Any, param: str, bounds: Bounds, inline: bool) -> None:
 
 
 def _regex(pattern: str, param: str, max_nesting: int) -> None:
-    _parse_regex(pattern, param, "", max_nesting)
-    if _NOT_REGULAR.search(pattern):
-        raise ConstraintInvalid(f"{param}: lookarounds and backreferences cannot be enforced by any engine", param)
+    problem = automaton_problem(_parse_regex(pattern, param, "", max_nesting))
+    if problem:  # constrained decoders (xgrammar, llguidance, outlines) match with automata
+        raise ConstraintInvalid(f"{param}: {problem} cannot be enforced by any engine (they match with automata)",
+                                param)
 
 
 _inline_regex = lru_cache(maxsize=512)(_regex)
@@ -264,9 +265,10 @@ def _grammar(text: str, dialect: Dialect, param: str, bounds: Bounds) -> Renderi
     try:
         if dialect == "gbnf":  # -> xgrammar EBNF, always faithful (see gateway.structured.syntax.convert)
             renderings.append(("ebnf", gbnf_to_ebnf(text, bounds.max_nesting, bounds.max_rules)))
-        elif dialect == "ebnf":  # -> GBNF when it already is GBNF (xgrammar's EBNF is a superset)
-            validate_grammar(text, "gbnf", bounds.max_nesting, bounds.max_rules)
-            renderings.append(("gbnf", text))
+        elif dialect == "ebnf":  # -> GBNF when llama.cpp reads the same grammar from the text
+            as_gbnf = ebnf_as_gbnf(text, bounds.max_nesting, bounds.max_rules)
+            if as_gbnf is not None:
+                renderings.append(("gbnf", as_gbnf))
     except ConstraintError:
         pass
     return tuple(renderings)

@@ -9,11 +9,11 @@ docstring documents its supported subset. The engine emulators sample from the s
 from __future__ import annotations
 
 from .choice import gbnf_from_choices, regex_from_choices
-from .convert import gbnf_to_ebnf
+from .convert import ebnf_as_gbnf, gbnf_to_ebnf
 from .errors import DEFAULT_MAX_NESTING, ConstraintError, ConstraintTooDeep, ConstraintTooLarge
 from .grammars import GrammarDialect, forget_prepared, parse_grammar, validate_grammar
 from .left_recursion import first_cycle
-from .regex import parse_regex, regex_nesting, validate_regex
+from .regex import automaton_problem, parse_regex, regex_nesting, validate_regex
 
 __all__ = [
     "DEFAULT_MAX_NESTING",
@@ -21,6 +21,8 @@ __all__ = [
     "ConstraintTooDeep",
     "ConstraintTooLarge",
     "GrammarDialect",
+    "automaton_problem",
+    "ebnf_as_gbnf",
     "first_cycle",
     "forget_prepared",
     "gbnf_from_choices",

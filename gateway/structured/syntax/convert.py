@@ -11,11 +11,14 @@ wrong, which rendering from the parsed model avoids:
 
 A grammar that cannot be written faithfully (e.g. one with surrogate code points) raises
 ConstraintError, as does any GBNF grammar llama.cpp itself would reject.
+
+The other way, an xgrammar EBNF text is offered to llama.cpp as it is, and only when llama.cpp reads
+the same grammar from it: ``"\\x41B"`` or ``"a"{0,3000}`` (unbounded for llama.cpp) are not.
 """
 
 from __future__ import annotations
 
-from .errors import DEFAULT_MAX_NESTING
+from .errors import DEFAULT_MAX_NESTING, ConstraintError
 from .grammars import parse_grammar
 from .render import render_grammar
 
@@ -33,3 +36,13 @@ def gbnf_to_ebnf(grammar: str, max_nesting: int = DEFAULT_MAX_NESTING, max_rules
             taken.add(candidate)
             names[name] = candidate
     return render_grammar(parsed, "ebnf", names)
+
+
+def ebnf_as_gbnf(grammar: str, max_nesting: int = DEFAULT_MAX_NESTING, max_rules: int | None = None) -> str | None:
+    """``grammar`` (xgrammar EBNF) itself when llama.cpp reads it as the same grammar, else None."""
+    try:
+        as_gbnf = parse_grammar(grammar, "gbnf", max_nesting, max_rules)
+    except ConstraintError:
+        return None
+    as_ebnf = parse_grammar(grammar, "ebnf", max_nesting, max_rules)
+    return grammar if render_grammar(as_gbnf, "ebnf") == render_grammar(as_ebnf, "ebnf") else None

@@ -74,12 +74,14 @@ def alt(options: list[Expr]) -> Expr:
 
 @dataclass
 class Grammar:
-    """Rules by name, the start rule, and where each rule was defined (line, column)."""
+    """Rules by name, the start rule, where each rule was defined (line, column), and the lookahead assertion
+    a rule ends with (xgrammar EBNF only; a promise about what follows the rule, see grammar_parse.py)."""
 
     rules: dict[str, Expr]
     root: str
     dialect: Dialect
     positions: dict[str, tuple[int, int]] = field(default_factory=dict)
+    lookaheads: dict[str, Expr] = field(default_factory=dict)
 
 
 def refs_in(expr: Expr) -> list[Ref]:

@@ -40,7 +40,7 @@ def check_grammar(grammar: Grammar) -> CostTable:
     derivation (reachable from the root); return the cost table for sampling."""
     if grammar.root not in grammar.rules:
         raise ConstraintError(f"{grammar.dialect} grammar has no '{grammar.root}' rule")
-    for name, body in grammar.rules.items():
+    for name, body in [*grammar.rules.items(), *grammar.lookaheads.items()]:
         for ref in refs_in(body):
             if ref.name not in grammar.rules:
                 raise ConstraintError(

@@ -10,7 +10,7 @@ from .grammar_ast import Grammar
 from .grammar_check import CostTable, check_grammar
 from .grammar_parse import parse_text_grammar
 from .lark import parse_lark
-from .left_recursion import check_no_left_recursion
+from .left_recursion import check_no_growing_left_recursion
 from .regex import forget_regexes
 
 GrammarDialect = Literal["gbnf", "ebnf", "lark"]
@@ -33,7 +33,7 @@ def prepared_grammar(grammar: str, dialect: GrammarDialect, max_nesting: int, ma
         raise ConstraintError(f"unknown grammar dialect {dialect!r} (gbnf, ebnf or lark)")
     table = check_grammar(parsed)
     if dialect == "gbnf":
-        check_no_left_recursion(parsed)
+        check_no_growing_left_recursion(parsed)
     return table
 
 

@@ -11,89 +11,44 @@ LCASE_LETTER, UCASE_LETTER, DIGIT, HEXDIGIT, ESCAPED_STRING, CNAME; ``%ignore`` 
 contain no ignored text).  Templates, ``%declare``, ``%override``, ``%extend`` and other
 imports raise ConstraintError.  The start rule is ``start``.
 
-Bounded like grammar_parse.py: ``( )`` / ``[ ]`` and stacked operators nested deeper than
-``max_nesting`` raise ConstraintTooDeep (a ``/regex/`` counts from where it stands), more than
-``max_rules`` definitions ConstraintTooLarge.
+As in Lark and llguidance, an item takes one repetition operator (``"a"*?`` is an error; write
+``("a"*)?``), and counts are at most 2**31 - 1 (llguidance reads them as 32-bit integers).
+
+Bounded like grammar_parse.py: ``( )`` / ``[ ]`` nested deeper than ``max_nesting`` raise
+ConstraintTooDeep (a ``/regex/`` counts from where it stands), more than ``max_rules`` definitions
+ConstraintTooLarge. Nested past LLGUIDANCE_MAX_NESTING levels but within ``max_nesting``, they raise
+ConstraintError once parsed: llguidance refuses the grammar, so no engine would take it.
 """
 
 from __future__ import annotations
 
 import re
 from functools import lru_cache
-from typing import NoReturn
 
-from . import charset
-from .errors import DEFAULT_MAX_NESTING, ConstraintError, ConstraintTooDeep, ConstraintTooLarge
-from .grammar_ast import Alt, CharClass, Expr, Grammar, LineIndex, Lit, Ref, Repeat, Seq, alt, refs_in, seq
+from .errors import DEFAULT_MAX_NESTING, ConstraintError, ConstraintTooLarge
+from .grammar_ast import Alt, CharClass, Expr, Grammar, Lit, Ref, Repeat, Seq, alt, refs_in, seq
 from .lark_common import COMMON_SOURCE
-from .regex import regex_to_expr
+from .lark_lex import LarkScanner
 
-_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _REPEAT_BRACES = re.compile(r"\{\s*(\d+)\s*(?:(,)\s*(\d*)\s*)?\}")
-_STRING_ESCAPES = {
-    "n": "\n",
-    "t": "\t",
-    "r": "\r",
-    "f": "\f",
-    "v": "\v",
-    "0": "\0",
-    "\\": "\\",
-    '"': '"',
-    "'": "'",
-    "a": "\a",
-    "b": "\b",
-}
-_REGEX_FLAGS = {"i": re.IGNORECASE, "m": re.MULTILINE, "s": re.DOTALL, "x": re.VERBOSE, "u": 0}
+# llguidance (TabbyAPI, vLLM's guidance backend) refuses "( )" / "[ ]" nested deeper, measured with 1.9.1:
+# LLMatcher.validate_grammar says "lark grammar too deeply nested" at 29 levels; /regex/ groups do not count
+LLGUIDANCE_MAX_NESTING = 28
 
 
 def is_terminal(name: str) -> bool:
     return name.lstrip("_").isupper()
 
 
-class _LarkParser:
+class _LarkParser(LarkScanner):
     def __init__(self, text: str, max_nesting: int = DEFAULT_MAX_NESTING, max_rules: int | None = None) -> None:
-        self.text = text
-        self.n = len(text)
-        self.pos = 0
+        super().__init__(text, max_nesting)
         self.rules: dict[str, Expr] = {}
         self.positions: dict[str, tuple[int, int]] = {}
         self.ignores = 0
-        self.lines = LineIndex(text)
-        self.max_nesting = max_nesting
         self.max_rules = max_rules
+        self.past_llguidance: int | None = None  # where brackets first nest deeper than llguidance allows
         self.defined = 0
-
-    def line_col(self, pos: int) -> tuple[int, int]:
-        return self.lines.line_col(pos)
-
-    def fail(self, message: str, pos: int | None = None, error: type[ConstraintError] = ConstraintError) -> NoReturn:
-        line, col = self.line_col(self.pos if pos is None else pos)
-        raise error(f"lark grammar error at line {line}, column {col}: {message}")
-
-    def too_deep(self) -> NoReturn:
-        self.fail(f"nested deeper than {self.max_nesting} levels", error=ConstraintTooDeep)
-
-    def peek(self, offset: int = 0) -> str:
-        at = self.pos + offset
-        return self.text[at] if at < self.n else ""
-
-    def skip(self, newlines: bool) -> None:
-        while self.pos < self.n:
-            ch = self.text[self.pos]
-            if ch in " \t" or (newlines and ch in "\r\n"):
-                self.pos += 1
-            elif ch == "#" or self.text.startswith("//", self.pos):
-                end = self.text.find("\n", self.pos)
-                self.pos = self.n if end < 0 else end
-            else:
-                break
-
-    def name(self) -> str:
-        match = _NAME.match(self.text, self.pos)
-        if not match:
-            self.fail("expected a name")
-        self.pos = match.end()
-        return match.group()
 
     def define(self, name: str, body: Expr, start: int) -> None:
         self.defined += 1
@@ -116,6 +71,9 @@ class _LarkParser:
             if self.pos < self.n and self.peek() not in "\r\n":
                 self.fail(f"unexpected {self.peek()!r}")
             self.skip(True)
+        if self.past_llguidance is not None:  # reported once the gateway's own limit has had its say
+            self.fail(f"'(' and '[' nested deeper than {LLGUIDANCE_MAX_NESTING} levels, which llguidance (the Lark "
+                      "parser of TabbyAPI and of vLLM's guidance backend) refuses", self.past_llguidance)
         self.check_terminals()
         return Grammar(self.rules, "start", "lark", self.positions)
 
@@ -244,50 +202,50 @@ class _LarkParser:
         return seq(items)
 
     def operators(self, atom: Expr, depth: int) -> Expr:
-        stacked = 0
-        while True:
-            self.skip(depth > 0)
-            ch = self.peek()
-            if ch in ("*", "+", "?", "~", "{"):
-                if depth + stacked >= self.max_nesting:  # each stacked operator nests one level
-                    self.too_deep()
-                stacked += 1
-            if ch in ("*", "+", "?"):
-                self.pos += 1
-                atom = Repeat(atom, *{"*": (0, None), "+": (1, None), "?": (0, 1)}[ch])
-            elif ch == "~":
-                self.pos += 1
-                self.skip(False)
-                lo = self.integer()
-                hi: int | None = lo
-                if self.text.startswith("..", self.pos):
-                    self.pos += 2
-                    hi = self.integer()
-                atom = self.bounded(atom, lo, hi)
-            elif ch == "{":
-                match = _REPEAT_BRACES.match(self.text, self.pos)
-                if not match:
-                    self.fail("templates are not supported")
-                self.pos = match.end()
-                lo = int(match.group(1))
-                upper = match.group(3)
-                hi = lo if not match.group(2) else (int(upper) if upper else None)
-                atom = self.bounded(atom, lo, hi)
-            else:
-                return atom
-
-    def bounded(self, atom: Expr, lo: int, hi: int | None) -> Expr:
-        if hi is not None and hi < lo:
-            self.fail(f"repetition upper bound {hi} is below lower bound {lo}")
-        return Repeat(atom, lo, hi)
-
-    def integer(self) -> int:
+        """``atom`` with its repetition operator, if it has one (one at most, as in Lark and llguidance)."""
+        self.skip(depth > 0)
+        ch = self.peek()
+        if ch not in ("*", "+", "?", "~", "{"):
+            return atom
+        if depth >= self.max_nesting:  # the operator nests one level
+            self.too_deep()
         start = self.pos
-        while self.peek().isdigit():
+        if ch in ("*", "+", "?"):
             self.pos += 1
-        if start == self.pos:
-            self.fail("expected an integer")
-        return int(self.text[start : self.pos])
+            atom = Repeat(atom, *{"*": (0, None), "+": (1, None), "?": (0, 1)}[ch])
+        elif ch == "~":
+            self.pos += 1
+            self.skip(False)
+            lo = self.integer()
+            hi: int | None = lo
+            after = self.pos
+            self.skip(False)
+            if self.text.startswith("..", self.pos):
+                self.pos += 2
+                self.skip(False)
+                hi = self.integer()
+            else:
+                self.pos = after
+            atom = self.bounded(atom, lo, hi, start)
+        else:
+            match = _REPEAT_BRACES.match(self.text, self.pos)
+            if not match:
+                self.fail("templates are not supported")
+            self.pos = match.end()
+            lo = self.count(match.group(1), start)
+            upper = match.group(3)
+            hi = lo if not match.group(2) else (self.count(upper, start) if upper else None)
+            atom = self.bounded(atom, lo, hi, start)
+        self.skip(depth > 0)
+        if self.peek() in ("*", "+", "?", "~", "{"):
+            self.fail("one repetition operator per item (Lark and llguidance refuse a second); wrap the item "
+                      "in parentheses")
+        return atom
+
+    def bounded(self, atom: Expr, lo: int, hi: int | None, start: int) -> Expr:
+        if hi is not None and hi < lo:
+            self.fail(f"repetition upper bound {hi} is below lower bound {lo}", start)
+        return Repeat(atom, lo, hi)
 
     def atom(self, depth: int) -> Expr:
         ch = self.peek()
@@ -295,6 +253,8 @@ class _LarkParser:
         if ch in ("(", "["):
             if depth >= self.max_nesting:
                 self.too_deep()
+            if depth >= LLGUIDANCE_MAX_NESTING and self.past_llguidance is None:
+                self.past_llguidance = self.pos
             self.pos += 1
             self.skip(True)
             inner = self.expansions(depth + 1)
@@ -322,70 +282,6 @@ class _LarkParser:
             line, col = self.line_col(start)
             return Ref(name, line, col)
         self.fail(f"unexpected {ch!r}")
-
-    def string(self) -> str:
-        start = self.pos
-        self.pos += 1
-        out: list[str] = []
-        while True:
-            ch = self.peek()
-            if ch in ("", "\n"):
-                self.fail("unterminated string literal", start)
-            self.pos += 1
-            if ch == '"':
-                return "".join(out)
-            if ch != "\\":
-                out.append(ch)
-                continue
-            esc = self.peek()
-            self.pos += 1
-            if esc in _STRING_ESCAPES:
-                out.append(_STRING_ESCAPES[esc])
-            elif esc in ("x", "u", "U"):
-                width = {"x": 2, "u": 4, "U": 8}[esc]
-                digits = self.text[self.pos : self.pos + width]
-                if len(digits) != width or not all(c in "0123456789abcdefABCDEF" for c in digits):
-                    self.fail(f"escape '\\{esc}' needs {width} hex digits", self.pos - 2)
-                value = int(digits, 16)
-                if value > charset.MAX_CODE_POINT:
-                    self.fail("escape past the last Unicode code point", self.pos - 2)
-                out.append(chr(value))
-                self.pos += width
-            else:
-                out.extend(("\\", esc))
-
-    def regex(self, depth: int) -> Expr:
-        start = self.pos
-        self.pos += 1
-        out: list[str] = []
-        while True:
-            ch = self.peek()
-            if ch in ("", "\n"):
-                self.fail("unterminated regular expression", start)
-            self.pos += 1
-            if ch == "/":
-                break
-            if ch == "\\" and self.peek() == "/":
-                out.append("/")
-                self.pos += 1
-            elif ch == "\\":
-                out.extend((ch, self.peek()))
-                self.pos += 1
-            else:
-                out.append(ch)
-        flags = 0
-        while self.peek().isalpha():
-            flag = self.peek()
-            if flag not in _REGEX_FLAGS:
-                self.fail(f"unsupported regex flag '{flag}'")
-            flags |= _REGEX_FLAGS[flag]
-            self.pos += 1
-        try:
-            return regex_to_expr("".join(out), flags, self.max_nesting - depth)
-        except ConstraintError as exc:
-            line, col = self.line_col(start)
-            raise type(exc)(f"lark grammar error at line {line}, column {col}: {exc}") from exc
-
 
 def _rename(expr: Expr, prefix: str) -> Expr:
     if isinstance(expr, Ref):

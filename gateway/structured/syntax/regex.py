@@ -2,10 +2,12 @@
 
 Supported subset (Python ``re`` syntax): literals and escapes, ``.``, character classes with
 ranges, negation and ``\\d \\w \\s \\D \\W \\S``, capturing / non-capturing / named groups,
-alternation, greedy, lazy and possessive quantifiers ``* + ? {m} {m,} {m,n}``, inline flags, and
-the anchors ``^ $ \\A \\Z`` (which only make sense at the ends).  Backreferences, lookarounds,
-conditionals, atomic groups and word boundaries raise ConstraintError, as does a pattern that
-matches nothing.
+alternation, greedy and lazy quantifiers ``* + ? {m} {m,} {m,n}``, inline flags, and the anchors
+``^ $ \\A \\Z`` (which only make sense at the ends).  What constrained decoders cannot enforce,
+because they match with automata (xgrammar, llguidance, outlines), raises ConstraintError
+(:func:`automaton_problem` names it): backreferences, conditionals, lookarounds, word boundaries,
+atomic groups and possessive quantifiers (``a++`` means Python's no-backtracking match; an automaton
+would silently read it as ``a+``).  So does a pattern that matches nothing.
 
 Validation is bounded: groups nested deeper than ``max_nesting`` raise ConstraintTooDeep after a
 linear scan, before Python's recursive regex parser runs; the pattern is parsed but not compiled
@@ -36,6 +38,15 @@ _NON_ASCII: charset.Ranges = ((0x80, charset.MAX_CODE_POINT),)
 _NO_NEWLINE: charset.Ranges = ((0x0A, 0x0A),)
 _GROUPING = re.compile(r"[\\\[()]")  # what the nesting scan stops at
 _CLASS_REST = re.compile(r"\^?\]?(?:\\.|[^\]\\])*\]?", re.DOTALL)  # a class's body after its '['
+_NOT_REGULAR = {  # parse-tree nodes no automaton can enforce
+    "ASSERT": "lookahead and lookbehind assertions (?=...) (?!...) (?<=...) (?<!...)",
+    "ASSERT_NOT": "lookahead and lookbehind assertions (?=...) (?!...) (?<=...) (?<!...)",
+    "GROUPREF": "backreferences",
+    "GROUPREF_EXISTS": "backreference conditionals (?(1)...)",
+    "ATOMIC_GROUP": "atomic groups (?>...)",
+    "POSSESSIVE_REPEAT": "possessive quantifiers (*+ ++ ?+ {m,n}+)",
+}
+_BOUNDARY = "word boundaries \\b \\B"
 
 
 def regex_nesting(pattern: str, limit: int) -> int | None:
@@ -74,6 +85,26 @@ def parse_regex(pattern: str, flags: int = 0, max_nesting: int = DEFAULT_MAX_NES
         raise ConstraintError(f"invalid regex {pattern!r}: {exc}") from exc
     except RecursionError:  # the scan bounds groups; this is a last line, not a path
         raise ConstraintTooDeep(f"regex nested too deeply to parse (limit {max_nesting})") from None
+
+
+def automaton_problem(tree: Any) -> str | None:
+    """What, in a parsed pattern (see :func:`parse_regex`), no automaton-based engine can enforce; None when
+    nothing. Walks the tree with an explicit stack."""
+    todo = [tree]
+    while todo:
+        for op, av in todo.pop():
+            kind = str(op)
+            if kind in _NOT_REGULAR:
+                return _NOT_REGULAR[kind]
+            if kind == "AT" and "BOUNDARY" in str(av):
+                return _BOUNDARY
+            if kind == "SUBPATTERN":
+                todo.append(av[3])
+            elif kind == "BRANCH":
+                todo.extend(av[1])
+            elif kind in ("MAX_REPEAT", "MIN_REPEAT"):
+                todo.append(av[2])
+    return None
 
 
 def _category(name: str, in_negated_class: bool) -> charset.Ranges:
@@ -144,21 +175,19 @@ def _convert(nodes: Any, flags: int) -> Expr:
         elif kind == "SUBPATTERN":
             _group, add_flags, del_flags, sub = av
             items.append(_convert(sub, (flags | add_flags) & ~del_flags))
-        elif kind in ("MAX_REPEAT", "MIN_REPEAT", "POSSESSIVE_REPEAT"):
+        elif kind in ("MAX_REPEAT", "MIN_REPEAT"):
             lo, hi, sub = av
             upper = None if hi == _constants.MAXREPEAT else int(hi)
             items.append(Repeat(_convert(sub, flags), int(lo), upper))
         elif kind == "AT":
             where = str(av)
+            if "BOUNDARY" in where:
+                raise ConstraintError(f"regex {_BOUNDARY} are not supported (engines match with automata)")
             if where not in ("AT_BEGINNING", "AT_BEGINNING_STRING", "AT_END", "AT_END_STRING"):
-                raise ConstraintError(f"unsupported regex anchor {where} (word boundaries are not supported)")
+                raise ConstraintError(f"unsupported regex anchor {where}")
             items.append(Lit(""))
-        elif kind in ("GROUPREF", "GROUPREF_EXISTS"):
-            raise ConstraintError("regex backreferences and conditionals are not supported")
-        elif kind in ("ASSERT", "ASSERT_NOT"):
-            raise ConstraintError("regex lookahead/lookbehind assertions are not supported")
-        elif kind == "ATOMIC_GROUP":
-            raise ConstraintError("regex atomic groups are not supported")
+        elif kind in _NOT_REGULAR:
+            raise ConstraintError(f"regex {_NOT_REGULAR[kind]} are not supported (engines match with automata)")
         else:
             raise ConstraintError(f"unsupported regex construct {kind}")
     return seq(items) if items else Lit("")

@@ -116,10 +116,16 @@ def _take(done: list[str], count: int) -> list[str]:
 
 
 def render_grammar(grammar: Grammar, dialect: TextDialect, names: dict[str, str] | None = None) -> str:
-    """One rule per line, the root first."""
+    """One rule per line, the root first. A lookahead assertion is kept in EBNF; GBNF has no way to write one,
+    and dropping it would be faithful only while it holds (xgrammar prunes tokens with it), so that raises."""
+    if grammar.lookaheads and dialect == "gbnf":
+        raise ConstraintError("a lookahead assertion '(= ...)' cannot be written in GBNF")
     order = [grammar.root] + [n for n in grammar.rules if n != grammar.root]
     lines = []
     for name in order:
         target = (names or {}).get(name, name)
-        lines.append(f"{target} ::= {render_expr(grammar.rules[name], dialect, names)}")
+        line = f"{target} ::= {render_expr(grammar.rules[name], dialect, names)}"
+        if name in grammar.lookaheads:
+            line += f" (={render_expr(grammar.lookaheads[name], dialect, names)})"
+        lines.append(line)
     return "\n".join(lines) + "\n"
