@@ -5,6 +5,7 @@
     gateway bench routing {prefix,shape,real-prefix} [options] [--out DIR]
     gateway bench soak [--requests 100000] [--concurrency 32] [--out DIR]
     gateway bench faults [--scenario NAME ...] [--out DIR]
+    gateway bench constraints [--corpus full|smoke] [--out DIR]
     gateway profile (--backend NAME=URL ... | --config FILE) [--time-scale S] [--out FILE.json]
 """
 
@@ -27,6 +28,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "routing": ("gateway.bench.routing", "the routing policies against each other: prefix, shape, real-prefix"),
     "soak": ("gateway.bench.soak", "many short requests through a gateway process, its memory sampled"),
     "faults": ("gateway.bench.faults", "the gateway under backend and client faults, bounded in time"),
+    "constraints": ("gateway.bench.constraints", "the constraint validators against llguidance and llama.cpp"),
 }
 
 

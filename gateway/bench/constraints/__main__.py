@@ -1,0 +1,3 @@
+from gateway.bench.constraints.cli import main
+
+raise SystemExit(main())
