@@ -3,12 +3,12 @@ comments, names, integers, escapes, string literals and character classes, in ei
 
 from __future__ import annotations
 
-from typing import Literal, NoReturn
+from typing import Literal
 
 from . import charset
-from .errors import ConstraintError, ConstraintTooDeep
+from .cursor import Cursor
 from .gbnf_llama import MAX_COUNT
-from .grammar_ast import CharClass, LineIndex, Lit
+from .grammar_ast import CharClass, Lit
 
 TextDialect = Literal["gbnf", "ebnf"]
 
@@ -34,49 +34,13 @@ _HEX = set("0123456789abcdefABCDEF")
 _EBNF_MAX_COUNT = 10**15  # xgrammar's kMaxIntegerInGrammar
 
 
-class Scanner:
+class Scanner(Cursor):
     """A cursor over grammar text (``pos``), with the reading and error helpers both dialects share."""
 
     def __init__(self, text: str, dialect: TextDialect, max_nesting: int) -> None:
-        self.text = text
-        self.n = len(text)
-        self.pos = 0
+        super().__init__(text, dialect, max_nesting)
         self.dialect = dialect
         self.ebnf = dialect == "ebnf"
-        self.lines = LineIndex(text)
-        self.max_nesting = max_nesting
-
-    # -- positions and errors -------------------------------------------------------------
-    def line_col(self, pos: int) -> tuple[int, int]:
-        return self.lines.line_col(pos)
-
-    def fail(self, message: str, pos: int | None = None, error: type[ConstraintError] = ConstraintError) -> NoReturn:
-        line, col = self.line_col(self.pos if pos is None else pos)
-        raise error(f"{self.dialect} grammar error at line {line}, column {col}: {message}")
-
-    def too_deep(self) -> NoReturn:
-        self.fail(f"nested deeper than {self.max_nesting} levels", error=ConstraintTooDeep)
-
-    def peek(self, offset: int = 0) -> str:
-        at = self.pos + offset
-        return self.text[at] if at < self.n else ""
-
-    def skip(self, newlines: bool) -> None:
-        while self.pos < self.n:
-            ch = self.text[self.pos]
-            if ch in " \t" or (newlines and ch in "\r\n"):
-                self.pos += 1
-            elif ch == "#":
-                end = self.text.find("\n", self.pos)
-                self.pos = self.n if end < 0 else end
-            else:
-                break
-
-    def expect(self, token: str, what: str) -> None:
-        if not self.text.startswith(token, self.pos):
-            found = repr(self.peek()) if self.pos < self.n else "end of input"
-            self.fail(f"expected {what}, found {found}")
-        self.pos += len(token)
 
     # -- names --------------------------------------------------------------------------------
     def name_start(self, ch: str) -> bool:

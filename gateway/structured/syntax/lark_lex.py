@@ -4,11 +4,11 @@
 from __future__ import annotations
 
 import re
-from typing import NoReturn
 
 from . import charset
-from .errors import ConstraintError, ConstraintTooDeep
-from .grammar_ast import Expr, LineIndex
+from .cursor import Cursor
+from .errors import ConstraintError
+from .grammar_ast import Expr
 from .regex import regex_to_expr
 
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -29,40 +29,13 @@ _REGEX_FLAGS = {"i": re.IGNORECASE, "m": re.MULTILINE, "s": re.DOTALL, "x": re.V
 _MAX_COUNT = (1 << 31) - 1
 
 
-class LarkScanner:
+class LarkScanner(Cursor):
     """A cursor over Lark grammar text (``pos``), with the reading and error helpers of its parser."""
 
+    comment_starts = ("#", "//")
+
     def __init__(self, text: str, max_nesting: int) -> None:
-        self.text = text
-        self.n = len(text)
-        self.pos = 0
-        self.lines = LineIndex(text)
-        self.max_nesting = max_nesting
-
-    def line_col(self, pos: int) -> tuple[int, int]:
-        return self.lines.line_col(pos)
-
-    def fail(self, message: str, pos: int | None = None, error: type[ConstraintError] = ConstraintError) -> NoReturn:
-        line, col = self.line_col(self.pos if pos is None else pos)
-        raise error(f"lark grammar error at line {line}, column {col}: {message}")
-
-    def too_deep(self) -> NoReturn:
-        self.fail(f"nested deeper than {self.max_nesting} levels", error=ConstraintTooDeep)
-
-    def peek(self, offset: int = 0) -> str:
-        at = self.pos + offset
-        return self.text[at] if at < self.n else ""
-
-    def skip(self, newlines: bool) -> None:
-        while self.pos < self.n:
-            ch = self.text[self.pos]
-            if ch in " \t" or (newlines and ch in "\r\n"):
-                self.pos += 1
-            elif ch == "#" or self.text.startswith("//", self.pos):
-                end = self.text.find("\n", self.pos)
-                self.pos = self.n if end < 0 else end
-            else:
-                break
+        super().__init__(text, "lark", max_nesting)
 
     def name(self) -> str:
         match = _NAME.match(self.text, self.pos)
