@@ -145,6 +145,10 @@ class BackendSettings(_Strict):
         default=None, description="user:password for HTTP Basic auth to the backend (a reverse proxy in front "
                                   "of the engine); also taken from user:password@ in url")
     max_concurrency: int | None = Field(default=None, gt=0)
+    cache_ram_mib: int | None = Field(
+        default=None, ge=-1, description="llama.cpp: the --cache-ram the server was started with (its default "
+                                         "8192; 0 disables the host-RAM prompt cache, so only its slots hold "
+                                         "prompts and the gateway models them slot by slot)")
 
     @model_validator(mode="before")
     @classmethod
@@ -188,6 +192,11 @@ class BackendSettings(_Strict):
 
     @model_validator(mode="after")
     def _key_source(self) -> BackendSettings:
+        if self.cache_ram_mib is not None:
+            from gateway.engines.registry import ENGINES
+
+            if ENGINES[self.engine].cache != "slots":
+                raise ValueError(f"cache_ram_mib is llama.cpp's --cache-ram; engine {self.engine} has no such option")
         if (self.url is None) == (self.dns is None):
             raise ValueError("set either url or dns (with port)")
         if self.dns is not None and self.port is None:

@@ -31,6 +31,9 @@ SPEC = EngineSpec(
     # cpp-httplib closes the connection after a chunked (streamed) response while answering "Keep-Alive:
     # timeout=5, max=100"; a pooled connection then fails the next request ("Can not write request body")
     keeps_alive_after_stream=False,
+    # each slot keeps its last prompt; evicted ones go to a host-RAM prompt cache unless --cache-ram 0
+    cache="slots",
+    slot_field="id_slot",  # a named slot that is busy defers the request until that slot is free
     timings="timings_ms",  # timings.prompt_ms / predicted_ms in every answer and the last streamed chunk
     # a few slots, each decoding at full speed alone; anchored to published figures for a 7B model at ~4 bits
     # on one RTX 4090 (the curve is the engine's scheduling: slots share the GPU)

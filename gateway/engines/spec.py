@@ -63,6 +63,11 @@ class EngineSpec:
     retry_statuses: frozenset[int] = RETRY_STATUSES
     # structured-output constraints it honours natively (see gateway.structured.support); grammar:<dialect>
     structured: frozenset[str] = frozenset({"json_object", "json_schema", "tool_call", "strict_tools"})
+    # how its prefix cache holds prompts: "blocks" (an LRU of token blocks: vLLM, SGLang's radix tree, ExLlama's
+    # pages) or "slots" (one prompt per slot: llama.cpp without its host-RAM prompt cache, see
+    # gateway/routing/slot_index.py)
+    cache: Literal["blocks", "slots"] = "blocks"
+    slot_field: str | None = None  # the request field that names the slot to run in (caches by slot only)
     stream: StreamQuirks = StreamQuirks()
     timings: TimingSource | None = None
     # routing: its performance shape before anything is measured

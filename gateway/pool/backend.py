@@ -20,6 +20,7 @@ class Backend:
     __slots__ = (
         "_in_flight_at_read",
         "breaker",
+        "cache_ram_mib",
         "capacity",
         "configured_models",
         "detail",
@@ -51,12 +52,14 @@ class Backend:
         stale_after: float = 5.0,
         breaker: BreakerSettings | None = None,
         spec: EngineSpec | None = None,
+        cache_ram_mib: int | None = None,
     ) -> None:
         self.name = name
         self.engine = engine
         # the engine's facts (routes, structured output, retries, stream quirks, shape): a plain
         # OpenAI-compatible server's when not given
         self.spec = spec if spec is not None else EngineSpec(name=engine)
+        self.cache_ram_mib = cache_ram_mib  # llama.cpp's --cache-ram as configured (None: its default)
         self.url = url
         self.configured_models = frozenset(models) if models else None
         # Last known models are kept while a backend is down, so its model is "unavailable" (503), not
@@ -87,6 +90,11 @@ class Backend:
     def routable(self) -> bool:
         """Ready by its last health check and not ejected by its circuit breaker."""
         return self.health is Health.READY and self.breaker.available()
+
+    @property
+    def caches_by_slot(self) -> bool:
+        """Its prefix cache is its slots' last prompts and nothing else (llama.cpp with --cache-ram 0)."""
+        return self.spec.cache == "slots" and self.cache_ram_mib == 0
 
     @property
     def slots(self) -> int | None:

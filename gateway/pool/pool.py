@@ -82,6 +82,7 @@ class Pool:
             stale_after=self._scrape.stale_after,
             breaker=self._breaker,
             spec=adapter.spec,
+            cache_ram_mib=settings.cache_ram_mib,
         )
         backend.request_headers = {"Content-Type": "application/json", **settings.basic_auth_header(),
                                    **adapter.spec.auth_headers(settings.resolved_api_key())}

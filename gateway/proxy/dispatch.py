@@ -145,15 +145,20 @@ class Dispatcher:
             return decision
 
     def _payload(self, request: RouteRequest, backend: Backend) -> bytes:
-        """The body in the backend's dialect (the request's validation made sure it encodes)."""
+        """The body in the backend's dialect (the request's validation made sure it encodes), naming the
+        engine slot routing placed it in, where the engine takes one."""
         body = self._fleet.adapters[backend.name].prepare_body(request.route, dict(request.body),
                                                                  request.constraint)
+        field = backend.spec.slot_field
+        if field is not None and request.engine_slot is not None and request.cached_on is backend:
+            body[field] = request.engine_slot
         return orjson.dumps(body)
 
     async def _attempt(self, exchange: Exchange, request: RouteRequest, backend: Backend, last: bool,
                        headers: Headers, receive: Receive, send: Send) -> None:
         trace = exchange.trace
         check, retry_invalid = self._output_check(request, can_retry=not last)
+        self._pipeline.routed(request, backend)  # (first: routing may place it in an engine slot)
         payload = self._payload(request, backend)
         options = AttemptOptions(
             keep_usage=client_wants_usage(request.body), headers=headers, check=check, retry_invalid=retry_invalid,
@@ -163,7 +168,6 @@ class Dispatcher:
         )
         exchange.backend = backend
         exchange.concurrency = backend.estimated_queue() + 1
-        self._pipeline.routed(request, backend)
         # From begin() on, every path must settle the breaker (record an outcome or release the probe):
         # a half-open breaker whose probe is never settled lets no request through again.
         breaker = backend.breaker

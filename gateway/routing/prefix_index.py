@@ -1,18 +1,22 @@
-"""What each backend's prefix cache probably holds: a per-backend LRU set of chained block hashes.
+"""What each backend's prefix cache probably holds, modelled as the engine caches (``EngineSpec.cache``).
 
-Sized to the backend's cache where the engine says how big it is (``Capacity.cache_tokens``), corrected by
-what the engine reports it really had cached: a request predicted to hit but reported as (mostly) missed
-means the cache evicts sooner than assumed, so that backend's index shrinks; hits as predicted let it grow
-back towards the engine's stated size.
+* ``blocks`` (vLLM, SGLang, TabbyAPI, llama.cpp with its host-RAM prompt cache): a per-backend LRU set of
+  chained block hashes, sized to the backend's cache where the engine says how big it is
+  (``Capacity.cache_tokens``), corrected by what the engine reports it really had cached: a request predicted
+  to hit but reported as (mostly) missed means the cache evicts sooner than assumed, so that backend's index
+  shrinks; hits as predicted let it grow back towards the engine's stated size.
+* ``slots`` (llama.cpp started with ``--cache-ram 0``, stated as ``cache_ram_mib: 0`` in the backend's
+  settings): one prompt per slot, placed as llama.cpp places it (:mod:`gateway.routing.slot_index`).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 
 from gateway.pool.backend import Backend
 from gateway.routing.prompt import BLOCK_BYTES
+from gateway.routing.slot_index import SlotIndex
 
 DEFAULT_CACHE_TOKENS = 100_000  # when the engine does not say
 MIN_BLOCKS = 64
@@ -60,16 +64,24 @@ class BlockIndex:
 
 
 class PrefixIndexes:
-    """One :class:`BlockIndex` per backend, created on first use and sized from the backend's capacity."""
+    """One index per backend, created on first use: a :class:`SlotIndex` where the engine holds one prompt per
+    slot and says how many slots it has, else a :class:`BlockIndex` sized from the backend's capacity."""
 
     def __init__(self, bytes_per_token: float = 4.0) -> None:
-        self._indexes: dict[str, BlockIndex] = {}
+        self._indexes: dict[str, BlockIndex | SlotIndex] = {}
         self.bytes_per_token = bytes_per_token
 
-    def for_backend(self, backend: Backend) -> BlockIndex:
+    def for_backend(self, backend: Backend) -> BlockIndex | SlotIndex:
         index = self._indexes.get(backend.name)
+        slots = backend.capacity.slots if backend.caches_by_slot else None
+        if slots:
+            if not isinstance(index, SlotIndex) or index.epoch != backend.epoch or len(index) != slots:
+                index = self._indexes[backend.name] = SlotIndex(slots, backend.epoch,
+                                                                pin=backend.spec.slot_field is not None)
+            return index
         stated = self._stated_blocks(backend)
-        if index is None or index.epoch != backend.epoch:  # new, or the engine restarted with an empty cache
+        if not isinstance(index, BlockIndex) or index.epoch != backend.epoch:
+            # new, or the engine restarted with an empty cache
             index = self._indexes[backend.name] = BlockIndex(stated, backend.epoch)
         elif index.limit != stated:  # the engine restarted with another size, or told us at last
             index.limit = stated
@@ -83,12 +95,41 @@ class PrefixIndexes:
     def match(self, backend: Backend, blocks: Sequence[bytes]) -> int:
         return self.for_backend(backend).match(blocks)
 
-    def insert(self, backend: Backend, blocks: Sequence[bytes]) -> None:
-        self.for_backend(backend).insert(blocks)
+    def lookup(self, backend: Backend, blocks: Sequence[bytes]) -> tuple[int, bool, bool]:
+        """If the request were sent now: the leading blocks found cached, whether it would first wait for the
+        slot that holds them (slot indexes that pin), and whether it would take an empty slot (evicting
+        nothing)."""
+        index = self.for_backend(backend)
+        if isinstance(index, SlotIndex):
+            placement = index.plan(blocks)
+            slot = placement.slot
+            return (placement.cached, placement.waits and slot is not None,
+                    slot is not None and not placement.waits and not index.contents[slot])
+        return index.match(blocks), False, False
+
+    def assign(self, backend: Backend, blocks: Sequence[bytes], owner: Hashable) -> tuple[int, int | None]:
+        """The request ``owner`` goes to ``backend``: afterwards its cache holds the prompt. Returns the blocks
+        predicted cached there, and the slot to name in the request where the index pins one."""
+        index = self.for_backend(backend)
+        if isinstance(index, SlotIndex):
+            placement = index.assign(blocks, owner)
+            return placement.cached, placement.slot if index.pin else None
+        cached = index.match(blocks)
+        index.insert(blocks)
+        return cached, None
+
+    def release(self, backend: Backend, owner: Hashable) -> None:
+        """The request ``owner`` finished on (or left) ``backend``: a slot it held is idle again."""
+        index = self._indexes.get(backend.name)
+        if isinstance(index, SlotIndex):
+            index.release(owner)
 
     def correct(self, backend: Backend, predicted_blocks: int, reported_cached_tokens: int) -> None:
-        """Reconcile a prediction with what the engine reported for the same request."""
+        """Reconcile a prediction with what the engine reported for the same request (block indexes: their
+        size; a slot index places as the engine does and has no size to learn)."""
         index = self.for_backend(backend)
+        if isinstance(index, SlotIndex):
+            return
         reported_blocks = int(reported_cached_tokens * self.bytes_per_token / BLOCK_BYTES)
         if predicted_blocks >= 4 and reported_blocks < predicted_blocks // 2:
             index.resize(int(index.capacity * 0.8))  # evicted sooner than we thought

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from gateway.pool.backend import Backend
 from gateway.routing.prompt import BLOCK_BYTES, block_hashes, render
 from gateway.structured import Constraint
 
@@ -26,6 +27,8 @@ class RouteRequest:
     # left by plugins for later stages (typed; add a field here for new data passed between plugins):
     estimated_tokens: int | None = None  # fits-context: prompt estimate + max_tokens (its error message)
     predicted_cached_blocks: int | None = None  # prefix learner: blocks predicted cached where it went
+    cached_on: Backend | None = None  # prefix learner: the backend whose cache index holds its placement
+    engine_slot: int | None = None  # prefix learner: the slot of ``cached_on`` to name in the request, if any
 
     @property
     def prompt(self) -> bytes:

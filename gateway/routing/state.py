@@ -29,14 +29,20 @@ class PrefixLearner:
     def routed(self, request: RouteRequest, backend: Backend) -> None:
         if request.route == "embeddings":
             return
-        index = self.indexes.for_backend(backend)
-        request.predicted_cached_blocks = index.match(request.blocks)
-        index.insert(request.blocks)
+        previous = request.cached_on
+        if previous is not None and previous is not backend:  # failover: the attempt there has ended
+            self.indexes.release(previous, id(request))
+        request.predicted_cached_blocks, request.engine_slot = self.indexes.assign(backend, request.blocks,
+                                                                                   id(request))
+        request.cached_on = backend
 
     def observe(self, outcome: Outcome, backend: Backend) -> None:
+        request = outcome.request
+        if request.cached_on is not None:
+            self.indexes.release(request.cached_on, id(request))
+            request.cached_on = None
         if not outcome.ok:
             return
-        request = outcome.request
         if outcome.prompt_tokens:
             self.indexes.learn_bytes_per_token(len(request.prompt), outcome.prompt_tokens)
         predicted = request.predicted_cached_blocks

@@ -200,3 +200,39 @@ def test_requests_after_a_stream_do_not_meet_the_connection_llama_server_closed(
         retries = [line for line in httpx.get(solo.url + "/metrics").text.splitlines()
                    if line.startswith("gateway_retries_total{")]
     assert statuses == [200] * 48 and not retries, (collections.Counter(statuses), retries)
+
+
+def _hit_rate(url: str, model: str, groups: list[str], seed: int, users: int, questions: int) -> float:
+    """Send ``questions`` per group, ``users`` at a time in a shuffled order; the share of prompt tokens the
+    engines report cached."""
+    import random
+
+    jobs = [(g, q) for g in groups for q in range(questions)]
+    random.Random(seed).shuffle(jobs)
+
+    def ask(job: tuple[str, int]) -> tuple[int, int]:
+        group, q = job
+        body = {"model": model, "max_tokens": 1, "messages": [
+            {"role": "system", "content": f"You answer for team {group}. " + f"Rule {group} says little. " * 60},
+            {"role": "user", "content": f"Question {q} for {group}?"}]}
+        reply = httpx.post(url + "/v1/chat/completions", json=body, timeout=60).json()
+        return reply["usage"]["prompt_tokens"], reply["timings"]["cache_n"]
+
+    with concurrent.futures.ThreadPoolExecutor(users) as pool:
+        results = list(pool.map(ask, jobs))
+    return sum(c for _, c in results) / sum(p for p, _ in results)
+
+
+def test_prefix_routing_on_real_slots_beats_round_robin(tiny_pair: list[LlamaServer]) -> None:
+    """Two llama-servers x 2 slots, no host prompt cache: 4 prefixes fit one slot each. The prefix policy,
+    modelling the slots (cache_ram_mib: 0) and naming the slot, must find far more of each prompt cached than
+    round-robin, which spreads every prefix over both servers."""
+    rates = {}
+    for policy, groups in (("round-robin", ["ra", "rb", "rc", "rd"]), ("prefix", ["pa", "pb", "pc", "pd"])):
+        backends = [{"name": f"llama-{i}", "engine": "llamacpp", "url": s.url, "cache_ram_mib": 0}
+                    for i, s in enumerate(tiny_pair)]
+        settings = settings_from_mapping({"backends": backends, "routing": {"policy": policy},
+                                          "scrape": {"interval": 0.1, "timeout": 2.0}})
+        with serve_in_thread(create_app(settings)) as gw:
+            rates[policy] = _hit_rate(gw.url, model_id(gw), groups, seed=7, users=3, questions=8)
+    assert rates["prefix"] > rates["round-robin"] + 0.2, rates

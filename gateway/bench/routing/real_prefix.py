@@ -84,7 +84,8 @@ def run_real_prefix(cfg: RealPrefixConfig, log: Log = print) -> dict[str, Any]:
                 stack.add_stopper(server.stop)
                 server.start(timeout=120)
                 backends.append((f"llama-{i}", "llamacpp", server.url))
-            targets.append(stack.gateway(policy, ports.take(), backends, policy))
+            # the servers run without a host-RAM prompt cache (LlamaServer's default): say so, as an operator would
+            targets.append(stack.gateway(policy, ports.take(), backends, policy, backend_options={"cache_ram_mib": 0}))
         model_id = _first_model(targets[0].url)
         targets = [Target(t.name, t.url, model_id, pid=t.pid) for t in targets]
         best = real_oracle(backends[0][2], requests, cfg)
@@ -102,7 +103,7 @@ def run_real_prefix(cfg: RealPrefixConfig, log: Log = print) -> dict[str, Any]:
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()}
     config["model"] = str(model)
     bench = build_report(result, config, include_requests=cfg.include_requests)
-    summary = summarize_prefix(bench, oracle=best)
+    summary = summarize_prefix(bench, oracle=best, real=True)
     prompt = [s["prompt_tokens"] / s["ok"] for s in summary["policies"].values() if s["ok"] and s["prompt_tokens"]]
     return {"schema": "gateway-bench-routing/1", "benchmark": "real-prefix",
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "config": config, "host_busy_share": busy,

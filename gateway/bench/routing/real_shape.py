@@ -144,7 +144,8 @@ def profile_real_pair(cfg: RealShapeConfig, servers: ServerPairs, log: Log) -> d
     try:
         pairs = []
         for name, engine, url in servers.pair(stack):
-            gw = stack.gateway(f"profile-{name}", servers.ports.take(), [(name, engine, url)], "least-load")
+            gw = stack.gateway(f"profile-{name}", servers.ports.take(), [(name, engine, url)], "least-load",
+                               backend_options={"cache_ram_mib": 0})
             pairs.append((Target(name, gw.url), engine))
         # the engines compute on this machine's CPUs: a busy machine is the engine at work, not a floor
         doc = profile_fleet(pairs, settings, log, saturated_at=None)
@@ -175,7 +176,8 @@ def run_real_shape(cfg: RealShapeConfig, log: Log = print) -> dict[str, Any]:
     levels: dict[str, Any] = {}
     try:
         targets = [stack.gateway(name, ports.take(), servers.pair(stack), policy,
-                                 engine_profile=profile_path if seeding == "profile" else None)
+                                 engine_profile=profile_path if seeding == "profile" else None,
+                                 backend_options={"cache_ram_mib": 0})
                    for name, policy, seeding in seeded]
         log(f"real-shape: targets {', '.join(t.name for t in targets)}; levels {cfg.levels}")
         for level in cfg.levels:

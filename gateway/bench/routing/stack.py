@@ -31,7 +31,7 @@ HOST = "127.0.0.1"
 SYSTEM_OVERHEAD_TOKENS = 16
 PREFIX_POLICIES = ("round-robin", "least-load", "prefix", "default")
 SHAPE_POLICIES = ("least-load", "engine-shape")
-REAL_POLICIES = ("round-robin", "prefix")
+REAL_POLICIES = ("round-robin", "prefix", "default")
 
 Log = Callable[[str], None]
 
@@ -79,13 +79,15 @@ def fleet_config(servers: Sequence[dict[str, Any]], host: str = HOST) -> dict[st
 
 def gateway_config(port: int, backends: Sequence[tuple[str, str, str]], policy: str,
                    scrape_interval: float = 0.2, models: Sequence[str] | None = None,
-                   profiles: dict[str, Any] | None = None, engine_profile: Path | None = None) -> dict[str, Any]:
+                   profiles: dict[str, Any] | None = None, engine_profile: Path | None = None,
+                   backend_options: dict[str, Any] | None = None) -> dict[str, Any]:
     """A ``python -m gateway serve --config`` document: ``backends`` are (name, engine, url); ``profiles``
-    (``routing.profiles``: your own policies, or built-in ones with other plugin parameters) and
-    ``engine_profile`` (``routing.engine_profile``: a ``gateway profile`` file) when given."""
+    (``routing.profiles``: your own policies, or built-in ones with other plugin parameters),
+    ``engine_profile`` (``routing.engine_profile``: a ``gateway profile`` file) and ``backend_options`` (more
+    settings of every backend, e.g. how its servers were started) when given."""
     entries: list[dict[str, Any]] = []
     for name, engine, url in backends:
-        entry: dict[str, Any] = {"name": name, "engine": engine, "url": url}
+        entry: dict[str, Any] = {"name": name, "engine": engine, "url": url, **(backend_options or {})}
         if models:
             entry["models"] = list(models)
         entries.append(entry)
@@ -161,8 +163,10 @@ class Stack:
         return urls
 
     def gateway(self, name: str, port: int, backends: Sequence[tuple[str, str, str]], policy: str,
-                models: Sequence[str] | None = None, engine_profile: Path | None = None) -> Target:
-        doc = gateway_config(port, backends, policy, self.scrape_interval, models, self.profiles, engine_profile)
+                models: Sequence[str] | None = None, engine_profile: Path | None = None,
+                backend_options: dict[str, Any] | None = None) -> Target:
+        doc = gateway_config(port, backends, policy, self.scrape_interval, models, self.profiles, engine_profile,
+                             backend_options)
         path = dump_yaml(doc, self.workdir / f"gateway-{name}.yaml")
         proc = ChildProcess(f"gateway {name}", [sys.executable, "-m", "gateway", "serve", "--config", str(path),
                                                 "--log-level", "warning"], self.workdir / f"gateway-{name}.log")

@@ -14,15 +14,24 @@ class PrefixAffinityScorer:
     Score = the fraction of the prompt's blocks the backend's index holds (see ``prefix_index``). A load
     gate keeps a hot prefix from piling onto one backend: a backend whose queue exceeds the least loaded
     candidate's by more than ``gate_abs`` sequences *and* by more than ``gate_rel`` times gets no affinity
-    credit, so load-aware scorers decide instead (the prefix then spreads to a second backend's cache).
+    credit, so load-aware scorers decide instead (the prefix then spreads to a second backend's cache); so does
+    a backend whose every slot is taken while another candidate has a free one: there the request would wait
+    for a slot, and a few-slot engine's queue is the tail latency a cache hit does not win back. The exception
+    is an engine that caches by slot and takes the slot in the request (llama.cpp): a request may wait for the
+    busy slot that holds its prefix (two waiters at most), for ``wait_credit`` of the credit of an idle one,
+    instead of evicting another prefix from another slot. A request that misses everywhere gets
+    ``empty_credit`` where it would take an empty slot, so prefixes fill the slots before they evict each other.
     """
 
     name = "prefix"
 
-    def __init__(self, state: RoutingState, gate_abs: int = 12, gate_rel: float = 3.0) -> None:
+    def __init__(self, state: RoutingState, gate_abs: int = 12, gate_rel: float = 3.0,
+                 wait_credit: float = 0.5, empty_credit: float = 0.1) -> None:
         self._prefix = state.prefix  # attaches the shared prefix learner
         self._gate_abs = gate_abs
         self._gate_rel = gate_rel
+        self._wait_credit = wait_credit
+        self._empty_credit = empty_credit
 
     def score(self, request: RouteRequest, backends: Sequence[Backend]) -> list[float]:
         blocks = request.blocks
@@ -31,11 +40,17 @@ class PrefixAffinityScorer:
         now = time.monotonic()
         queues = [b.estimated_queue(now) for b in backends]
         lightest = min(queues)
+        full = [b.slots is not None and q >= b.slots for b, q in zip(backends, queues, strict=True)]
+        room_elsewhere = not all(full)
         prefix = self._prefix
         scores = []
-        for backend, queue in zip(backends, queues, strict=True):
-            if queue - lightest > self._gate_abs and queue > self._gate_rel * max(lightest, 1):
+        for backend, queue, no_room in zip(backends, queues, full, strict=True):
+            cached, waits, empty = prefix.lookup(backend, blocks)
+            if (queue - lightest > self._gate_abs and queue > self._gate_rel * max(lightest, 1)) or (
+                    no_room and room_elsewhere and not waits):
                 scores.append(0.0)
-            else:
-                scores.append(prefix.match(backend, blocks) / len(blocks))
+            elif cached:
+                scores.append(cached / len(blocks) * (self._wait_credit if waits else 1.0))
+            else:  # a miss: better into an empty slot than over another prefix
+                scores.append(self._empty_credit if empty else 0.0)
         return scores
