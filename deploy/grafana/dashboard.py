@@ -193,6 +193,12 @@ ROUTING = RowSpec("Routing", (
                      f" / {rate_by('gateway_prompt_tokens_total', BM, 'backend')}", "{{backend}}"),
                Query(f"sum(rate(gateway_cached_tokens_total{{{BM}}}[{RATE}]))"
                      f" / sum(rate(gateway_prompt_tokens_total{{{BM}}}[{RATE}]))", "all")), max=1),
+    PanelSpec("Prefix index: predicted / reported cached tokens", "For requests whose engine reported its "
+              "cached tokens: the prefix index's prediction over the engine's report, by backend. Above 1 the "
+              "index believes the cache holds more than it does (routing chases evicted prefixes); below 1 it "
+              "misses hits.", "short",
+              (Query(f"{rate_by('gateway_prefix_predicted_cached_tokens_total', B, 'backend')}"
+                     f" / {rate_by('gateway_prefix_reported_cached_tokens_total', B, 'backend')}", "{{backend}}"),)),
     PanelSpec("Retries/s", "Requests sent again to another backend, by the backend that failed and why "
               "(connect_failed, invalid_output).", "reqps",
               (Query(rate_by("gateway_retries_total", B, "backend, reason"), "{{backend}} {{reason}}"),)),

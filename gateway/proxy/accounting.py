@@ -7,7 +7,6 @@ import datetime
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
 
 import orjson
 
@@ -105,6 +104,11 @@ def record_metrics(m: GatewayMetrics, exchange: Exchange) -> None:
         completion = exchange.usage_int("completion_tokens")
         child(m.completion_tokens, backend, model).inc(completion)
         child(m.cached_tokens, backend, model).inc(exchange.cached_tokens())
+        reported = exchange.reported_cached_tokens()
+        predicted = exchange.request.predicted_cached_tokens if exchange.request is not None else None
+        if reported is not None and predicted is not None:
+            child(m.prefix_predicted_tokens, backend).inc(predicted)
+            child(m.prefix_reported_tokens, backend).inc(reported)
         if first is not None and last is not None and completion >= 2 and last > first:
             per_token = (last - first) / (completion - 1)
             child(m.time_per_output_token, backend, model).observe(per_token)
@@ -131,12 +135,7 @@ def outcome_of(exchange: Exchange, request: RouteRequest) -> Outcome:
     engine_times = _engine_times(exchange)
     if engine_times is not None:
         ttft, decode = engine_times
-    usage: dict[str, Any] = exchange.usage or {}
-    details = usage.get("prompt_tokens_details")
-    cached = details.get("cached_tokens") if isinstance(details, dict) else None
-    cache_n = (exchange.timings or {}).get("cache_n")
-    if not isinstance(cached, int) and isinstance(cache_n, int):
-        cached = cache_n
+    cached = exchange.reported_cached_tokens()
     return Outcome(
         request=request,
         backend=exchange.backend.name,
@@ -146,5 +145,5 @@ def outcome_of(exchange: Exchange, request: RouteRequest) -> Outcome:
         decode_seconds=decode,
         prompt_tokens=exchange.usage_int("prompt_tokens") or None,
         completion_tokens=exchange.usage_int("completion_tokens") or None,
-        cached_tokens=cached if isinstance(cached, int) else None,
+        cached_tokens=cached,
     )

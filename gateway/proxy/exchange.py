@@ -52,10 +52,15 @@ class Exchange:
         value = (self.usage or {}).get(key)
         return value if isinstance(value, int) else 0
 
-    def cached_tokens(self) -> int:
+    def reported_cached_tokens(self) -> int | None:
+        """Prompt tokens the engine says it served from its cache (OpenAI usage details, or llama.cpp's
+        ``timings.cache_n``); None when it did not say."""
         details = (self.usage or {}).get("prompt_tokens_details")
         cached = details.get("cached_tokens") if isinstance(details, dict) else None
         if isinstance(cached, int):
             return cached
         cache_n = (self.timings or {}).get("cache_n")
-        return cache_n if isinstance(cache_n, int) else 0
+        return cache_n if isinstance(cache_n, int) else None
+
+    def cached_tokens(self) -> int:
+        return self.reported_cached_tokens() or 0

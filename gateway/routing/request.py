@@ -27,6 +27,7 @@ class RouteRequest:
     # left by plugins for later stages (typed; add a field here for new data passed between plugins):
     estimated_tokens: int | None = None  # fits-context: prompt estimate + max_tokens (its error message)
     predicted_cached_blocks: int | None = None  # prefix learner: blocks predicted cached where it went
+    predicted_cached_tokens: int | None = None  # the same in tokens (bytes per token as learned), for metrics
     cached_on: Backend | None = None  # prefix learner: the backend whose cache index holds its placement
     engine_slot: int | None = None  # prefix learner: the slot of ``cached_on`` to name in the request, if any
 

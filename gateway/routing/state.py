@@ -14,6 +14,7 @@ from pathlib import Path
 from gateway.pool.backend import Backend
 from gateway.routing.plugins import Learner
 from gateway.routing.prefix_index import PrefixIndexes
+from gateway.routing.prompt import BLOCK_BYTES
 from gateway.routing.request import Outcome, RouteRequest
 from gateway.routing.shape_model import ShapeProfile, load_profile_file
 
@@ -35,6 +36,8 @@ class PrefixLearner:
         request.predicted_cached_blocks, request.engine_slot = self.indexes.assign(backend, request.blocks,
                                                                                    id(request))
         request.cached_on = backend
+        request.predicted_cached_tokens = int(request.predicted_cached_blocks * BLOCK_BYTES
+                                              / self.indexes.bytes_per_token)
 
     def observe(self, outcome: Outcome, backend: Backend) -> None:
         request = outcome.request

@@ -106,6 +106,16 @@ class GatewayMetrics:
         self.cached_tokens = Counter(
             "gateway_cached_tokens", "Prompt tokens the engine reported as served from its prefix cache.",
             by_model, registry=r)
+        # the prefix index checked against the engine: for requests routing predicted a cache hit for and whose
+        # engine reported its cached tokens, both sums (their ratio is how far the index over- or under-guesses)
+        self.prefix_predicted_tokens = Counter(
+            "gateway_prefix_predicted_cached_tokens",
+            "Prompt tokens the prefix index predicted cached, for requests whose engine reported cached tokens.",
+            ["backend"], registry=r)
+        self.prefix_reported_tokens = Counter(
+            "gateway_prefix_reported_cached_tokens",
+            "Prompt tokens the engine reported cached, for the same requests as "
+            "gateway_prefix_predicted_cached_tokens_total.", ["backend"], registry=r)
         self.routing_decisions = Counter(
             "gateway_routing_decisions",
             "Routing decisions, by chosen backend and the plugin that made the difference.",

@@ -10,6 +10,7 @@ from typing import Any
 import httpx
 import orjson
 import pytest
+from prometheus_client import CollectorRegistry
 
 from gateway.app import create_app
 from gateway.config import BackendSettings, settings_from_mapping
@@ -149,13 +150,14 @@ def test_the_request_names_the_slot_only_where_the_gateway_placed_it(policy: str
     def data_plane(request: MockRequest) -> MockResponse:
         bodies.append(orjson.loads(request.body))
         return MockResponse(body=orjson.dumps({"choices": [{"message": {"content": "ok"}}], "usage": {
-            "prompt_tokens": 10, "completion_tokens": 1, "total_tokens": 11}}))
+            "prompt_tokens": 400, "completion_tokens": 1, "total_tokens": 401}, "timings": {"cache_n": 300}}))
 
     entry: dict[str, Any] = {"name": "llama", "engine": "llamacpp", "url": "http://l:1"}
     if cache_ram_mib is not None:
         entry["cache_ram_mib"] = cache_ram_mib
+    registry = CollectorRegistry()
     app = create_app(settings_from_mapping({"backends": [entry], "routing": {"policy": policy}}),
-                     client_factory=control_plane, transport=MockTransport(data_plane))
+                     client_factory=control_plane, transport=MockTransport(data_plane), registry=registry)
 
     async def scenario() -> None:
         await app.gateway.start()
@@ -171,7 +173,13 @@ def test_the_request_names_the_slot_only_where_the_gateway_placed_it(policy: str
 
     asyncio.run(scenario())
     slots = [body.get("id_slot") for body in bodies]
+    predicted = registry.get_sample_value("gateway_prefix_predicted_cached_tokens_total", {"backend": "llama"})
+    reported = registry.get_sample_value("gateway_prefix_reported_cached_tokens_total", {"backend": "llama"})
     if named:
         assert slots[0] is not None and slots[1] == slots[0], "the second goes back to the slot holding the prefix"
     else:
         assert slots == [None, None]
+    if policy == "prefix":  # the index's prediction beside the engine's report: 0 then most of the prompt
+        assert reported == 600 and predicted is not None and 200 < predicted < 400, predicted
+    else:
+        assert reported is None and predicted is None
