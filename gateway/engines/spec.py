@@ -68,6 +68,7 @@ class EngineSpec:
     # gateway/routing/slot_index.py)
     cache: Literal["blocks", "slots"] = "blocks"
     slot_field: str | None = None  # the request field that names the slot to run in (caches by slot only)
+    cache_page_tokens: int = 1  # "blocks": a prefix is reused in whole pages of this many tokens
     stream: StreamQuirks = StreamQuirks()
     timings: TimingSource | None = None
     # routing: its performance shape before anything is measured

@@ -22,6 +22,7 @@ from gateway.structured.syntax import regex_from_choices
 SPEC = EngineSpec(
     name="tabbyapi",
     auth="x-api-key",
+    cache_page_tokens=256,  # ExLlamaV2/V3 cache pages: a prefix is reused 256 tokens at a time
     # json_schema, regex_pattern, grammar_string (GBNF with ::=, else Lark). It IGNORES response_format
     # json_object, so that becomes json_schema {"type": "object"}. No tool-call enforcement.
     structured=frozenset({"json_object", "json_schema", "regex", "choice", "grammar:gbnf", "grammar:lark"}),

@@ -1,7 +1,8 @@
 """What each backend's prefix cache probably holds, modelled as the engine caches (``EngineSpec.cache``).
 
 * ``blocks`` (vLLM, SGLang, TabbyAPI, llama.cpp with its host-RAM prompt cache): a per-backend LRU set of
-  chained block hashes, sized to the backend's cache where the engine says how big it is
+  chained block hashes, a shared prefix counted in the engine's whole pages (``cache_page_tokens``: vLLM 16,
+  ExLlama 256, SGLang's radix tree 1), sized to the backend's cache where the engine says how big it is
   (``Capacity.cache_tokens``), corrected by what the engine reports it really had cached: a request predicted
   to hit but reported as (mostly) missed means the cache evicts sooner than assumed, so that backend's index
   shrinks; hits as predicted let it grow back towards the engine's stated size.
@@ -93,7 +94,16 @@ class PrefixIndexes:
         return max(MIN_BLOCKS, int(tokens * self.bytes_per_token / BLOCK_BYTES))
 
     def match(self, backend: Backend, blocks: Sequence[bytes]) -> int:
-        return self.for_backend(backend).match(blocks)
+        return self.lookup(backend, blocks)[0]
+
+    def _whole_pages(self, backend: Backend, blocks: int) -> int:
+        """Of ``blocks`` shared leading blocks, those the engine reuses: its cache keeps whole pages of
+        ``cache_page_tokens`` tokens, so a shared prefix counts down to its last whole page."""
+        page = backend.spec.cache_page_tokens
+        if page <= 1 or not blocks:
+            return blocks
+        tokens = blocks * BLOCK_BYTES / self.bytes_per_token
+        return int((tokens // page) * page * self.bytes_per_token / BLOCK_BYTES)
 
     def lookup(self, backend: Backend, blocks: Sequence[bytes]) -> tuple[int, bool, bool]:
         """If the request were sent now: the leading blocks found cached, whether it would first wait for the
@@ -105,7 +115,7 @@ class PrefixIndexes:
             slot = placement.slot
             return (placement.cached, placement.waits and slot is not None,
                     slot is not None and not placement.waits and not index.contents[slot])
-        return index.match(blocks), False, False
+        return self._whole_pages(backend, index.match(blocks)), False, False
 
     def assign(self, backend: Backend, blocks: Sequence[bytes], owner: Hashable) -> tuple[int, int | None]:
         """The request ``owner`` goes to ``backend``: afterwards its cache holds the prompt. Returns the blocks
@@ -114,7 +124,7 @@ class PrefixIndexes:
         if isinstance(index, SlotIndex):
             placement = index.assign(blocks, owner)
             return placement.cached, placement.slot if index.pin else None
-        cached = index.match(blocks)
+        cached = self._whole_pages(backend, index.match(blocks))
         index.insert(blocks)
         return cached, None
 

@@ -183,3 +183,14 @@ def test_the_request_names_the_slot_only_where_the_gateway_placed_it(policy: str
         assert reported == 600 and predicted is not None and 200 < predicted < 400, predicted
     else:
         assert reported is None and predicted is None
+
+
+def test_a_shared_prefix_counts_in_the_engines_whole_pages() -> None:
+    """ExLlama reuses 256-token pages: a 300-token shared prefix is 256 cached tokens there, all of it on
+    SGLang's radix tree (4 bytes a token: 128-byte blocks of 32 tokens)."""
+    indexes = PrefixIndexes(bytes_per_token=4.0)
+    blocks = prompt("g", "q", n=40)  # 40 shared blocks of 32 tokens = 1,280 tokens, then the question
+    for engine, shared, expected in (("tabbyapi", 10, 8), ("tabbyapi", 7, 0), ("sglang", 10, 10), ("vllm", 9, 9)):
+        b = backend(f"{engine}-{shared}", engine=engine, cache_tokens=1_000_000)
+        indexes.assign(b, blocks[:shared], "warm")
+        assert indexes.match(b, blocks) == expected, (engine, shared)
