@@ -19,8 +19,10 @@ from typing import Protocol
 
 
 class PrefixCache(Protocol):
-    def admit(self, seq_id: int, tokens: list[int]) -> int | None:
-        """Cached tokens for this prompt, or None when the sequence cannot start now (no free slot)."""
+    def admit(self, seq_id: int, tokens: list[int], slot: int | None = None) -> int | None:
+        """Cached tokens for this prompt, or None when the sequence cannot start now (no free slot, or the
+        slot it names is busy). ``slot``: the slot the request names (llama.cpp ``id_slot``); other caches
+        ignore it."""
 
     def computed(self, seq_id: int, tokens: list[int]) -> None:
         """The prompt has been prefilled: its prefix becomes reusable."""
@@ -48,7 +50,7 @@ class BlockCache:
             out.append(parent)
         return out
 
-    def admit(self, seq_id: int, tokens: list[int]) -> int | None:
+    def admit(self, seq_id: int, tokens: list[int], slot: int | None = None) -> int | None:
         hits = 0
         for h in self._hashes(tokens[:-1]):
             if h not in self._blocks:
@@ -94,7 +96,7 @@ class RadixCache:
         self._root = _Node(None, -1, 0)
         self._size = 0
 
-    def admit(self, seq_id: int, tokens: list[int]) -> int | None:
+    def admit(self, seq_id: int, tokens: list[int], slot: int | None = None) -> int | None:
         now = next(self._clock)
         node = self._root
         n = 0
@@ -166,19 +168,25 @@ class SlotCache:
         self.similarity = similarity
         self._clock = itertools.count(1)
 
-    def admit(self, seq_id: int, tokens: list[int]) -> int | None:
+    def admit(self, seq_id: int, tokens: list[int], slot: int | None = None) -> int | None:
         busy = set(self.slot_of.values())
-        idle = [i for i in range(len(self.prompts)) if i not in busy]
-        if not idle:
-            return None
-        best, best_lcp = -1, 0
-        for i in idle:
-            lcp = _common_prefix(self.prompts[i], tokens)
-            if lcp > best_lcp:
-                best, best_lcp = i, lcp
-        if best < 0 or best_lcp / max(1, len(tokens)) <= self.similarity:
-            best = min(idle, key=lambda i: self.last_used[i])
-            best_lcp = _common_prefix(self.prompts[best], tokens)
+        if slot is not None and 0 <= slot < len(self.prompts):
+            # a named slot (id_slot): that one or none; llama.cpp defers the request while it is busy
+            if slot in busy:
+                return None
+            best, best_lcp = slot, _common_prefix(self.prompts[slot], tokens)
+        else:
+            idle = [i for i in range(len(self.prompts)) if i not in busy]
+            if not idle:
+                return None
+            best, best_lcp = -1, 0
+            for i in idle:
+                lcp = _common_prefix(self.prompts[i], tokens)
+                if lcp > best_lcp:
+                    best, best_lcp = i, lcp
+            if best < 0 or best_lcp / max(1, len(tokens)) <= self.similarity:
+                best = min(idle, key=lambda i: self.last_used[i])
+                best_lcp = _common_prefix(self.prompts[best], tokens)
         self.slot_of[seq_id] = best
         self.last_used[best] = next(self._clock)
         self.prompts[best] = list(tokens)

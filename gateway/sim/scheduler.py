@@ -42,7 +42,7 @@ class Sequence:
     """One generation: its prompt ids, its planned output pieces, and its progress and timestamps."""
 
     __slots__ = ("cached", "finish_reason", "generated", "id", "output", "output_ids", "prefill_left", "prompt",
-                 "sink", "state", "t_arrival", "t_finish", "t_first", "t_last", "t_scheduled")
+                 "sink", "slot", "state", "t_arrival", "t_finish", "t_first", "t_last", "t_scheduled")
 
     def __init__(self, prompt: list[int], output: list[str], output_ids: list[int], finish_reason: str,
                  sink: Sink) -> None:
@@ -52,6 +52,7 @@ class Sequence:
         self.output_ids = output_ids
         self.finish_reason = finish_reason
         self.sink = sink
+        self.slot: int | None = None  # the engine slot the request names (llama.cpp id_slot), if any
         self.state = "new"  # new -> waiting -> prefill -> decode -> done | aborted
         self.cached = 0
         self.prefill_left = 0
@@ -138,14 +139,18 @@ class Scheduler:
     # -- the step loop ---------------------------------------------------------------------------------------
     def _admit(self, now: float) -> None:
         p = self.profile
-        while self.waiting and len(self.running) < p.max_seqs:
-            seq = self.waiting[0]
+        i = 0
+        while i < len(self.waiting) and len(self.running) < p.max_seqs:
+            seq = self.waiting[i]
             if self.running and self.kv_used + seq.kv_tokens > p.kv_capacity_tokens:
                 break
-            cached = self.cache.admit(seq.id, seq.prompt)
+            cached = self.cache.admit(seq.id, seq.prompt, seq.slot)
             if cached is None:
+                if seq.slot is not None:  # its named slot is busy: deferred, the requests behind it go on
+                    i += 1
+                    continue
                 break
-            self.waiting.popleft()
+            del self.waiting[i]
             seq.cached = cached
             seq.prefill_left = len(seq.prompt) - cached
             seq.state = "prefill"

@@ -93,3 +93,40 @@ def test_cached_tokens_hidden_without_cache_report() -> None:
     with FleetThread([SimSpec(engine="vllm", model="sim-llama-2-7b", time_scale=50, cache_report=False)]) as ft:
         out = chat(ft.fleet.servers[0].url, "q", "vllm")
     assert "prompt_tokens_details" not in out["usage"]
+
+
+def test_slot_cache_honours_a_named_slot_and_waits_while_it_is_busy() -> None:
+    slots = SlotCache(2)
+    a, b = list(range(50)), list(range(100, 150))
+    assert slots.admit(1, a, slot=1) == 0 and slots.slot_of[1] == 1
+    slots.release(1, a)
+    assert slots.admit(2, b, slot=1) == 0 and slots.slot_of[2] == 1, "named: taken even though dissimilar"
+    assert slots.admit(3, b, slot=1) is None, "named and busy: the request waits for it"
+    assert slots.admit(4, b, slot=7) is not None and slots.slot_of[4] == 0, "out of range: any idle slot"
+
+
+def test_a_request_waiting_for_its_named_slot_does_not_hold_up_the_ones_behind_it() -> None:
+    import asyncio
+
+    from gateway.sim.profiles import PROFILES
+    from gateway.sim.scheduler import Scheduler, Sequence
+    from gateway.sim.stats import Latencies, Stats
+
+    class Sink:
+        def __getattr__(self, name: str) -> object:
+            return lambda *args, **kwargs: None
+
+    async def scenario() -> list[str]:
+        cache = SlotCache(2)
+        sched = Scheduler(PROFILES["llamacpp"], cache, 1.0, Stats(), Latencies())
+        running = Sequence(list(range(20)), ["x"] * 50, [1] * 50, "length", Sink())  # type: ignore[arg-type]
+        running.slot = 0
+        pinned = Sequence(list(range(20)), ["x"], [1], "length", Sink())  # type: ignore[arg-type]
+        pinned.slot = 0
+        free = Sequence(list(range(200, 220)), ["x"], [1], "length", Sink())  # type: ignore[arg-type]
+        for seq in (running, pinned, free):
+            sched.submit(seq)
+        sched._admit(sched.now())
+        return [running.state, pinned.state, free.state]
+
+    assert asyncio.run(scenario()) == ["prefill", "waiting", "prefill"]

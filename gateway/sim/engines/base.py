@@ -130,6 +130,10 @@ class Engine:
     def authorized(self, req: Request) -> bool:
         return True
 
+    def requested_slot(self, gen: Gen) -> int | None:
+        """The engine slot the request names, for engines that take one (llama.cpp's ``id_slot``)."""
+        return None
+
     def error_body(self, err: EngineError) -> bytes:
         raise NotImplementedError
 
@@ -268,6 +272,7 @@ async def drive(engine: Engine, gen: Gen, prompt: list[int], resp: Responder,
     plan = gen.plan
     sink: StreamSink | CollectSink = StreamSink(engine, gen, resp, done) if gen.stream else CollectSink(done)
     seq = Sequence(prompt, plan.pieces, plan.ids, plan.finish_reason, sink)
+    seq.slot = engine.requested_slot(gen)
     gen.seq = seq
 
     def on_close() -> None:

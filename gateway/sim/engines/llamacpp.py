@@ -212,6 +212,11 @@ class LlamaCppEngine(OpenAIEngine):
         return {"n_predict": -1, "seed": 4294967295, "temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05,
                 "cache_prompt": True, "stream": False, "n_keep": 0, "n_discard": 0, "ignore_eos": False}
 
+    def requested_slot(self, gen: Gen) -> int | None:
+        """``id_slot`` (-1: any): the request waits for that slot if it is busy (server-context.cpp defers it)."""
+        slot = gen.body.get("id_slot")
+        return slot if isinstance(slot, int) and not isinstance(slot, bool) and slot >= 0 else None
+
     def slot_json(self, i: int) -> dict[str, Any]:
         sched = self.server.scheduler
         seq = next((s for s in sched.running if self.slots.slot_of.get(s.id) == i), None)
