@@ -133,6 +133,3 @@ class SlotIndex:
 
     def release(self, owner: Hashable) -> None:
         self._owners.pop(owner, None)
-
-    def busy(self) -> int:
-        return len(self._occupants())

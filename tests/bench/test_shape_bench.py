@@ -9,7 +9,8 @@ import pytest
 import yaml
 
 from gateway.bench.routing.real_shape import RealShapeConfig, run_real_shape
-from gateway.bench.routing.shape import ShapeConfig, profile_levels, run_shape, seeded_targets, seeding_level
+from gateway.bench.routing.seeding import seeded_targets, seeding_level
+from gateway.bench.routing.shape import ShapeConfig, profile_levels, run_shape
 from gateway.routing.shape_model import load_profile_file
 
 

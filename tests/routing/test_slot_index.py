@@ -67,7 +67,8 @@ def test_a_busy_slot_is_skipped_unless_the_engine_takes_a_named_slot() -> None:
 def test_a_slot_held_by_a_request_the_gateway_never_heard_of_again_frees_itself() -> None:
     index = SlotIndex(1, busy_ttl=0.0)
     index.assign(prompt("a", "1"), "lost")
-    assert index.busy() == 0 and index.match(prompt("a", "2")) == 40
+    placement = index.plan(prompt("a", "2"))
+    assert (placement.slot, placement.cached, placement.waits) == (0, 40, False), "idle again, prefix still there"
 
 
 def test_the_slot_model_is_used_only_where_the_engine_caches_by_slot_and_says_how_many() -> None:

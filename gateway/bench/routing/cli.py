@@ -52,6 +52,7 @@ from gateway.bench.routing.real_prefix import (
     run_real_prefix,
 )
 from gateway.bench.routing.real_shape import RealShapeConfig, plot_real_shape, print_real_shape, run_real_shape
+from gateway.bench.routing.seeding import SEEDINGS
 from gateway.bench.routing.shape import (
     ShapeConfig,
     plot_shape,
@@ -69,6 +70,17 @@ def _levels(text: str) -> list[int]:
 
 def _policies(text: str) -> list[str]:
     return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def _seeding_options(parser: argparse.ArgumentParser, default: str, fleet: str) -> None:
+    parser.add_argument("--seed-from", choices=SEEDINGS, default=default,
+                        help=f"seed the gateways' shape model from a profile {fleet}, or from the engine specs")
+    parser.add_argument("--compare-seeding", action="store_true", help="also run engine-shape seeded the other way")
+
+
+def _seeding(args: argparse.Namespace, common: dict[str, Any]) -> dict[str, Any]:
+    return {"policies": _policies(args.policies), "seed_from": args.seed_from,
+            "compare_seeding": args.compare_seeding, **common}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -116,9 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--input-len", type=int, default=s.input_len)
     b.add_argument("--output-len", type=int, default=s.output_len)
     b.add_argument("--time-scale", type=float, default=s.time_scale)
-    b.add_argument("--seed-from", choices=("profile", "engine-defaults"), default=s.seed_from,
-                   help="seed the gateways' shape model from a profile of this fleet, or from the engine specs")
-    b.add_argument("--compare-seeding", action="store_true", help="also run engine-shape seeded the other way")
+    _seeding_options(b, s.seed_from, "of this fleet")
     b.add_argument("--profile-levels", help="the profile's levels (default: 1, 4, 16, ... and the top level)")
     b.add_argument("--quick", action="store_true", help="a short run: levels 1,4, one round, fast emulators "
                                                         "(the size options above are ignored)")
@@ -135,9 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--output-len", type=int, default=rs.output_len)
     e.add_argument("--model-size", choices=("tiny", "large"), default=rs.model_size)
     e.add_argument("--profile-levels", default=",".join(map(str, rs.profile_levels)))
-    e.add_argument("--seed-from", choices=("profile", "engine-defaults"), default=rs.seed_from,
-                   help="seed engine-shape from a profile of such a pair, or from the llama.cpp engine seed")
-    e.add_argument("--compare-seeding", action="store_true", help="also run engine-shape seeded the other way")
+    _seeding_options(e, rs.seed_from, "of such a pair")
     e.add_argument("--quick", action="store_true", help="tiny model, levels 1,4, one short round (size options "
                                                         "ignored)")
 
@@ -187,8 +195,7 @@ def main(argv: list[str]) -> int:
                             f"{pcfg.backends} vLLM-like backends caching ~{pcfg.cache_share:.0%} of the set each")
         print_policies(doc, "shared prefixes on emulated vLLM-like backends")
     elif name == "shape":
-        seeding = {"policies": _policies(args.policies), "seed_from": args.seed_from,
-                   "compare_seeding": args.compare_seeding, **common}
+        seeding = _seeding(args, common)
         if args.quick:
             scfg = ShapeConfig.quick(**seeding)
         else:
@@ -202,8 +209,7 @@ def main(argv: list[str]) -> int:
         png = plot_shape(doc, out / "shape.png")
         print_shape(doc)
     elif name == "real-shape":
-        seeding = {"policies": _policies(args.policies), "seed_from": args.seed_from,
-                   "compare_seeding": args.compare_seeding, **common}
+        seeding = _seeding(args, common)
         if args.quick:
             tcfg = RealShapeConfig.quick(**seeding)
         else:

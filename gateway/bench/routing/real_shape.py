@@ -25,9 +25,9 @@ from typing import Any
 import httpx
 
 from gateway.bench.client import Target
-from gateway.bench.profile import ProfileSettings, plot_profile, profile_fleet
-from gateway.bench.report import build_report, write_json
-from gateway.bench.routing.shape import levels_the_gateway_uses, print_seeding, seeded_targets, seeding_level
+from gateway.bench.profile import ProfileSettings, profile_fleet
+from gateway.bench.report import build_report
+from gateway.bench.routing.seeding import print_seeding, seed, seeding_level
 from gateway.bench.routing.stack import (
     SHAPE_POLICIES,
     Log,
@@ -161,24 +161,20 @@ def run_real_shape(cfg: RealShapeConfig, log: Log = print) -> dict[str, Any]:
     workdir.mkdir(parents=True, exist_ok=True)
     ports = PortPool(cfg.base_port)
     started = time.perf_counter()
-    seeded = seeded_targets(cfg)
     servers = ServerPairs(cfg, ports)
-    profile_doc: dict[str, Any] | None = None
-    profile_path: Path | None = None
-    used: dict[str, list[int]] = {}
-    if any(seeding == "profile" for _, _, seeding in seeded):
+
+    def measure() -> dict[str, Any]:
         log(f"real-shape: profiling {', '.join(s.name for s in REAL_SHAPES)} at levels {cfg.profile_levels}")
-        profile_doc = profile_real_pair(cfg, servers, log)
-        profile_path = write_json(profile_doc, cfg.out / "real-shape-profile.json")
-        plot_profile(profile_doc, profile_path.with_suffix(".png"))
-        used = levels_the_gateway_uses(profile_path, log)
+        return profile_real_pair(cfg, servers, log)
+
+    seeding = seed(cfg, measure, cfg.out / "real-shape-profile.json", log)
+    seeded = seeding.targets
     stack = Stack(workdir, log, cfg.scrape_interval, cfg.profiles)
     levels: dict[str, Any] = {}
     try:
         targets = [stack.gateway(name, ports.take(), servers.pair(stack), policy,
-                                 engine_profile=profile_path if seeding == "profile" else None,
-                                 backend_options={"cache_ram_mib": 0})
-                   for name, policy, seeding in seeded]
+                                 engine_profile=seeding.profile_for(seeded_as), backend_options={"cache_ram_mib": 0})
+                   for name, policy, seeded_as in seeded]
         log(f"real-shape: targets {', '.join(t.name for t in targets)}; levels {cfg.levels}")
         for level in cfg.levels:
             requests, round_size = real_shape_requests(cfg, level)
@@ -202,10 +198,7 @@ def run_real_shape(cfg: RealShapeConfig, log: Log = print) -> dict[str, Any]:
     return {"schema": "gateway-bench-routing/1", "benchmark": "real-shape",
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "config": config,
             "wall_s": time.perf_counter() - started,
-            "seeding": {"from": cfg.seed_from, "targets": {n: s for n, _, s in seeded},
-                        "profile_path": None if profile_path is None else str(profile_path),
-                        "profile_levels_used": used, "profile": profile_doc},
-            "levels": levels}
+            "seeding": seeding.report(cfg.seed_from), "levels": levels}
 
 
 def plot_real_shape(doc: dict[str, Any], path: Path) -> Path:

@@ -10,16 +10,16 @@ both ways, the other way as a target named ``POLICY@SEEDING``.
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from gateway.bench.client import Target
-from gateway.bench.profile import ProfileSettings, plot_profile, profile_fleet
-from gateway.bench.report import build_report, write_json
+from gateway.bench.profile import ProfileSettings, profile_fleet
+from gateway.bench.report import build_report
+from gateway.bench.routing.seeding import print_seeding, seed, seeding_level
 from gateway.bench.routing.stack import (
     SHAPE_POLICIES,
     SIM_MODEL,
@@ -73,7 +73,6 @@ class ShapeConfig:
 
 
 SHAPE_ENGINES = (("tabby", "tabbyapi"), ("vllm", "vllm"))
-SEEDINGS = ("profile", "engine-defaults")
 
 
 def profile_levels(cfg: ShapeConfig) -> list[int]:
@@ -85,48 +84,6 @@ def profile_levels(cfg: ShapeConfig) -> list[int]:
     while out[-1] * 4 < top:
         out.append(out[-1] * 4)
     return sorted({*out, top})
-
-
-def uses_shape_model(policy: str, profiles: dict[str, Any]) -> bool:
-    """Whether the policy's routing profile scores with ``engine-shape`` (so its seeding matters)."""
-    from gateway.config import ProfileSettings as RoutingProfile
-    from gateway.routing.policies import BUILTIN
-
-    profile = RoutingProfile.model_validate(profiles[policy]) if policy in profiles else BUILTIN.get(policy)
-    return profile is not None and any(s.name == "engine-shape" for s in profile.scorers)
-
-
-def levels_the_gateway_uses(path: Path, log: Log) -> dict[str, list[int]]:
-    """The profile's levels per backend as the gateway loads them (it skips levels measured on a saturated
-    machine); says so when a backend is left with none, as its model then starts from the engine seed."""
-    from gateway.routing.shape_model import load_profile_file
-
-    used = {name: sorted(table) for name, (table, _) in load_profile_file(path).items()}
-    doc = json.loads(path.read_text())
-    for name in doc.get("backends", {}):
-        if not used.get(name):
-            log(f"  note: every level of {name} was measured on a saturated machine; the gateway ignores them "
-                f"and seeds {name} from its engine's defaults")
-    return used
-
-
-class SeedingOptions(Protocol):
-    policies: list[str]
-    seed_from: str
-    compare_seeding: bool
-    profiles: dict[str, Any]
-
-
-def seeded_targets(cfg: SeedingOptions) -> list[tuple[str, str, str]]:
-    """(target name, policy, seeding) per routed target: every policy seeded as ``seed_from`` under its own
-    name; with ``compare_seeding``, each shape-modelling policy also seeded the other way, as POLICY@SEEDING."""
-    if cfg.seed_from not in SEEDINGS:
-        raise ValueError(f"seed_from: {cfg.seed_from!r}; known: {', '.join(SEEDINGS)}")
-    other = next(s for s in SEEDINGS if s != cfg.seed_from)
-    out = [(p, p, cfg.seed_from) for p in cfg.policies]
-    if cfg.compare_seeding:
-        out += [(f"{p}@{other}", p, other) for p in cfg.policies if uses_shape_model(p, cfg.profiles)]
-    return out
 
 
 def profile_shape_fleet(cfg: ShapeConfig, ports: PortPool, log: Log) -> dict[str, Any]:
@@ -177,28 +134,6 @@ def shape_level(doc: dict[str, Any], policies: Sequence[str], alone: Sequence[st
     return out
 
 
-def seeding_level(rows: dict[str, dict[str, Any]], targets: Sequence[tuple[str, str, str]]
-                  ) -> dict[str, dict[str, Any]]:
-    """Per policy run both ways: aggregate output tok/s, TTFT p50/p90 and e2e p90 (ms) under each seeding,
-    and profile against engine-defaults (x better; above 1: seeding from the profile is better)."""
-    out: dict[str, dict[str, Any]] = {}
-    by_policy: dict[str, dict[str, str]] = {}
-    for name, policy, seeding in targets:
-        by_policy.setdefault(policy, {})[seeding] = name
-    for policy, names in by_policy.items():
-        if len(names) < 2 or any(n not in rows for n in names.values()):
-            continue
-        figs = {seeding: {k: rows[name][k] for k in ("output_tok_s", "ttft_ms_p50", "ttft_ms_p90", "e2e_ms_p90")}
-                for seeding, name in names.items()}
-        prof, base = figs["profile"], figs["engine-defaults"]
-        out[policy] = {**figs, "profile_vs_engine_defaults": {
-            "throughput_x": better(base["output_tok_s"], prof["output_tok_s"], lower_is_better=False),
-            "ttft_p50_x": better(base["ttft_ms_p50"], prof["ttft_ms_p50"]),
-            "ttft_p90_x": better(base["ttft_ms_p90"], prof["ttft_ms_p90"]),
-            "e2e_p90_x": better(base["e2e_ms_p90"], prof["e2e_ms_p90"])}}
-    return out
-
-
 def shape_verdict(levels: dict[str, dict[str, Any]], tolerance: float = 0.05) -> list[dict[str, Any]]:
     """The two targets over the ramp: engine-shape p90 at least 1.3x better than least-load (worst level and
     levels >= 8 reported), and never worse than the better engine alone (``tolerance``: run-to-run noise)."""
@@ -233,28 +168,25 @@ def run_shape(cfg: ShapeConfig, log: Log = print) -> dict[str, Any]:
     workdir = cfg.out / "shape"
     workdir.mkdir(parents=True, exist_ok=True)
     ports = PortPool(cfg.base_port)
-    seeded = seeded_targets(cfg)
     started = time.perf_counter()
-    profile_doc: dict[str, Any] | None = None
-    profile_path: Path | None = None
-    used: dict[str, list[int]] = {}
-    if any(seeding == "profile" for _, _, seeding in seeded):
+
+    def measure() -> dict[str, Any]:
         log(f"shape: profiling the fleet at levels {profile_levels(cfg)}")
-        profile_doc = profile_shape_fleet(cfg, ports, log)
-        profile_path = write_json(profile_doc, cfg.out / "shape-profile.json")
-        plot_profile(profile_doc, profile_path.with_suffix(".png"))
-        used = levels_the_gateway_uses(profile_path, log)
+        return profile_shape_fleet(cfg, ports, log)
+
+    seeding = seed(cfg, measure, cfg.out / "shape-profile.json", log)
+    seeded = seeding.targets
     stack = Stack(workdir, log, cfg.scrape_interval, cfg.profiles)
     levels: dict[str, Any] = {}
     alone_names = [f"{label}-alone" for label, _ in SHAPE_ENGINES] if cfg.alone else []
     try:
         targets: list[Target] = []
-        for name, policy, seeding in seeded:
+        for name, policy, seeded_as in seeded:
             servers = [sim_server(label, engine, ports.take(), cfg.time_scale) for label, engine in SHAPE_ENGINES]
             urls = stack.fleet(name, servers)
             backends = [(s["name"], s["engine"], u) for s, u in zip(servers, urls, strict=True)]
             targets.append(stack.gateway(name, ports.take(), backends, policy,
-                                         engine_profile=profile_path if seeding == "profile" else None))
+                                         engine_profile=seeding.profile_for(seeded_as)))
         if cfg.alone:
             servers = [sim_server(label, engine, ports.take(), cfg.time_scale) for label, engine in SHAPE_ENGINES]
             urls = stack.fleet("alone", servers)
@@ -282,10 +214,7 @@ def run_shape(cfg: ShapeConfig, log: Log = print) -> dict[str, Any]:
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()}
     return {"schema": "gateway-bench-routing/1", "benchmark": "shape", "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "config": config, "wall_s": time.perf_counter() - started,
-            "seeding": {"from": cfg.seed_from, "targets": {n: s for n, _, s in seeded},
-                        "profile_path": None if profile_path is None else str(profile_path),
-                        "profile_levels_used": used, "profile": profile_doc},
-            "levels": levels, "targets": shape_verdict(levels)}
+            "seeding": seeding.report(cfg.seed_from), "levels": levels, "targets": shape_verdict(levels)}
 
 
 def plot_shape(doc: dict[str, Any], path: Path) -> Path:
@@ -389,25 +318,3 @@ def print_shape(doc: dict[str, Any]) -> None:
     console.print(mix)
     print_seeding(console, doc)
     print_targets(console, doc["targets"])
-
-
-
-def print_seeding(console: Any, doc: dict[str, Any]) -> None:
-    """Per level, each policy run both ways: seeded from the profile vs from the engine defaults."""
-    from rich.table import Table
-
-    levels = sorted(int(k) for k in doc["levels"])
-    rows = [(lv, policy, fig) for lv in levels for policy, fig in doc["levels"][str(lv)].get("seeding", {}).items()]
-    if not rows:
-        return
-    table = Table(title="seeded from the profile vs from engine defaults (profile / defaults; x: above 1, profile "
-                        "better)")
-    for col in ("users", "policy", "out tok/s", "TTFT p50 ms", "TTFT p90 ms", "tok/s x", "TTFT p50 x",
-                "TTFT p90 x"):
-        table.add_column(col, justify="left" if col == "policy" else "right")
-    for lv, policy, fig in rows:
-        prof, base, x = fig["profile"], fig["engine-defaults"], fig["profile_vs_engine_defaults"]
-        table.add_row(str(lv), policy, *[f"{fmt(prof[k], 0)} / {fmt(base[k], 0)}"
-                                         for k in ("output_tok_s", "ttft_ms_p50", "ttft_ms_p90")],
-                      fmt(x["throughput_x"], 2), fmt(x["ttft_p50_x"], 2), fmt(x["ttft_p90_x"], 2))
-    console.print(table)

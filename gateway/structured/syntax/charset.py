@@ -9,7 +9,6 @@ from functools import lru_cache
 MAX_CODE_POINT = 0x10FFFF
 Ranges = tuple[tuple[int, int], ...]
 
-ALL: Ranges = ((0, MAX_CODE_POINT),)
 
 
 def normalize(ranges: Iterable[tuple[int, int]]) -> Ranges:
