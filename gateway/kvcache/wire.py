@@ -1,0 +1,178 @@
+"""KV-cache events as vLLM and SGLang publish them, decoded.
+
+Both engines publish the same scheme (vLLM ``vllm/distributed/kv_events.py``, SGLang
+``srt/disaggregation/kv_events.py``): a ZMQ PUB message of three frames ``[topic, seq, payload]``, ``seq`` an
+unsigned 64-bit big-endian counter that starts at 0 when the engine process starts, ``payload`` one msgpack
+batch ``[ts, events, dp_rank]`` (vLLM ``data_parallel_rank``, SGLang ``attn_dp_rank``; two elements in old
+vLLM). Each event is either a map tagged by ``"type"`` (vLLM >= 0.24, SGLang >= 0.5.20) or, in older
+releases, an array whose first element is the tag and whose fields follow in declaration order:
+
+* ``BlockStored``: ``block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium, lora_name, ...``
+* ``BlockRemoved``: ``block_hashes, medium, ...``
+* ``AllBlocksCleared``: no fields.
+
+Hashes are opaque: vLLM sends unsigned 64-bit ints (or the raw digest bytes with
+``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``), SGLang signed 64-bit ints. They are only ever compared with other
+hashes of the same engine process. Fields this module does not use are ignored, so later releases that add
+fields still decode. Anything malformed raises :class:`WireError` and the caller drops that batch.
+
+The replay socket (a ROUTER) answers a DEALER's ``[b"", start_seq]`` with one ``[b"", topic, seq, payload]``
+per buffered batch (``[b"", seq, payload]`` before vLLM 0.26 / SGLang 0.5.22), then the end marker whose seq
+is ``b"\\xff" * 8``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+Hash = int | bytes
+END_OF_REPLAY = b"\xff" * 8
+MAX_PAYLOAD_BYTES = 64 * 1024 * 1024  # a batch larger than this is refused (the socket drops it earlier)
+
+
+class WireError(ValueError):
+    """A frame or payload that is not a KV event batch."""
+
+
+@dataclass(frozen=True, slots=True)
+class BlockStored:
+    block_hashes: tuple[Hash, ...]
+    parent: Hash | None  # the block before block_hashes[0]; None: the sequence starts here
+    token_ids: tuple[int, ...]  # all tokens of these blocks, concatenated
+    block_size: int
+    medium: str | None = None  # "GPU" (or None: GPU in old releases), "CPU", "CPU_PINNED", "STORAGE", "DISK"
+    lora_name: str | None = None
+    group_idx: int | None = None  # the KV-cache group of hybrid models
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRemoved:
+    block_hashes: tuple[Hash, ...]
+    medium: str | None = None
+    group_idx: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class AllBlocksCleared:
+    pass
+
+
+Event = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+@dataclass(frozen=True, slots=True)
+class Batch:
+    seq: int
+    ts: float
+    events: tuple[Event, ...]
+    dp_rank: int | None = None
+    skipped: int = 0  # events of a kind this gateway does not index (unknown type, tuple tokens)
+
+
+def decode_seq(frame: bytes) -> int:
+    if len(frame) != 8:
+        raise WireError(f"sequence frame of {len(frame)} bytes, expected 8")
+    return int.from_bytes(frame, "big")
+
+
+def decode_message(frames: Sequence[bytes]) -> Batch:
+    """A live PUB message: ``[topic, seq, payload]``."""
+    if len(frames) != 3:
+        raise WireError(f"{len(frames)} frames, expected 3 (topic, seq, payload)")
+    return decode_batch(decode_seq(frames[1]), frames[2])
+
+
+def decode_replay(frames: Sequence[bytes]) -> Batch | None:
+    """One reply on the replay socket as a DEALER receives it; None for the end marker."""
+    if not frames or frames[0] != b"":
+        raise WireError("replay reply without the empty delimiter frame")
+    body = frames[1:]
+    if len(body) == 3:  # topic, seq, payload (vLLM >= 0.26, SGLang >= 0.5.22)
+        seq_frame, payload = body[1], body[2]
+    elif len(body) == 2:  # seq, payload
+        seq_frame, payload = body[0], body[1]
+    else:
+        raise WireError(f"replay reply of {len(frames)} frames")
+    if seq_frame == END_OF_REPLAY:
+        return None
+    return decode_batch(decode_seq(seq_frame), payload)
+
+
+def decode_batch(seq: int, payload: bytes) -> Batch:
+    if len(payload) > MAX_PAYLOAD_BYTES:
+        raise WireError(f"payload of {len(payload)} bytes")
+    try:
+        raw = msgpack.unpackb(payload, raw=False, strict_map_key=False, use_list=True)
+    except (ValueError, msgpack.UnpackException) as exc:
+        raise WireError(f"not msgpack: {exc}") from None
+    if not isinstance(raw, list) or len(raw) not in (2, 3) or not isinstance(raw[1], list):
+        raise WireError("batch is not [ts, events(, dp_rank)]")
+    ts = raw[0]
+    if not isinstance(ts, int | float):
+        raise WireError("batch timestamp is not a number")
+    dp_rank = raw[2] if len(raw) == 3 and isinstance(raw[2], int) else None
+    events: list[Event] = []
+    skipped = 0
+    for item in raw[1]:
+        event = _event(item)
+        if event is None:
+            skipped += 1
+        else:
+            events.append(event)
+    return Batch(seq=seq, ts=float(ts), events=tuple(events), dp_rank=dp_rank, skipped=skipped)
+
+
+_STORED_ORDER = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name")
+_REMOVED_ORDER = ("block_hashes", "medium")
+
+
+def _fields(item: Any) -> tuple[str, dict[str, Any]] | None:
+    """(type, fields by name) of a map- or array-encoded event."""
+    if isinstance(item, dict):
+        kind = item.get("type")
+        return (kind, item) if isinstance(kind, str) else None
+    if isinstance(item, list) and item and isinstance(item[0], str):
+        kind = item[0]
+        order = _STORED_ORDER if kind == "BlockStored" else _REMOVED_ORDER if kind == "BlockRemoved" else ()
+        return kind, dict(zip(order, item[1:], strict=False))
+    raise WireError(f"event is a {type(item).__name__}, not a map or array")
+
+
+def _hashes(value: Any) -> tuple[Hash, ...]:
+    if not isinstance(value, list) or not all(isinstance(h, int | bytes) for h in value):
+        raise WireError("block_hashes is not a list of ints or bytes")
+    return tuple(value)
+
+
+def _event(item: Any) -> Event | None:
+    parsed = _fields(item)
+    if parsed is None:
+        raise WireError("event without a type")
+    kind, f = parsed
+    group = f.get("group_idx")
+    group = group if isinstance(group, int) else None
+    medium = f.get("medium")
+    medium = medium if isinstance(medium, str) else None
+    if kind == "BlockStored":
+        hashes = _hashes(f.get("block_hashes"))
+        parent = f.get("parent_block_hash")
+        if parent is not None and not isinstance(parent, int | bytes):
+            raise WireError("parent_block_hash is not an int, bytes or nil")
+        tokens = f.get("token_ids")
+        block_size = f.get("block_size")
+        if not isinstance(tokens, list) or not isinstance(block_size, int) or block_size < 1:
+            raise WireError("BlockStored without token_ids or block_size")
+        if not all(type(t) is int for t in tokens):
+            return None  # EAGLE bigram keys (tuples): not plain token ids
+        lora = f.get("lora_name")
+        return BlockStored(hashes, parent, tuple(tokens), block_size, medium, lora if isinstance(lora, str) else None,
+                           group)
+    if kind == "BlockRemoved":
+        return BlockRemoved(_hashes(f.get("block_hashes")), medium, group)
+    if kind == "AllBlocksCleared":
+        return AllBlocksCleared()
+    return None

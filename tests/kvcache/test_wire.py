@@ -1,0 +1,109 @@
+"""KV event batches decoded from bytes built to each engine's documented schema (vLLM 0.33 and older, SGLang
+0.5.23 and older): see gateway/kvcache/wire.py for the sources."""
+
+from __future__ import annotations
+
+import struct
+
+import msgpack
+import pytest
+
+from gateway.kvcache.wire import (
+    END_OF_REPLAY,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    WireError,
+    decode_batch,
+    decode_message,
+    decode_replay,
+)
+
+
+def _str(s: str) -> bytes:
+    assert len(s) < 32
+    return bytes([0xA0 | len(s)]) + s.encode()
+
+
+def test_vllm_033_map_events_from_hand_built_bytes() -> None:
+    """Bytes written out by hand from msgspec's encoding of KVEventBatch (array_like) holding a tagged
+    BlockStored map: an unsigned 64-bit hash above 2**63 (0xcf), nil parent, 4 tokens, block_size 4."""
+    stored = (b"\x89" + _str("type") + _str("BlockStored")
+              + _str("block_hashes") + b"\x91\xcf" + (2**64 - 5).to_bytes(8, "big")
+              + _str("parent_block_hash") + b"\xc0"
+              + _str("token_ids") + b"\x94\x01\x02\x03\x04"
+              + _str("block_size") + b"\x04"
+              + _str("lora_id") + b"\xc0"
+              + _str("medium") + _str("GPU")
+              + _str("lora_name") + b"\xc0"
+              + _str("group_idx") + b"\x00")
+    payload = b"\x93\xcb" + struct.pack(">d", 1.5) + b"\x91" + stored + b"\x00"
+    batch = decode_message([b"kv@pod@m", (7).to_bytes(8, "big"), payload])
+    assert batch.seq == 7 and batch.ts == 1.5 and batch.dp_rank == 0
+    assert batch.events == (BlockStored((2**64 - 5,), None, (1, 2, 3, 4), 4, "GPU", None, 0),)
+
+
+def test_vllm_023_array_events() -> None:
+    """vLLM before 0.24: events are arrays, tag first, fields in declaration order (extra trailing fields)."""
+    payload = msgpack.packb([2.0, [["BlockStored", [11, 12], 10, list(range(8)), 4, None, "GPU", None, None, 0],
+                                   ["BlockRemoved", [11], "GPU", 0], ["AllBlocksCleared"]]])
+    batch = decode_batch(3, payload)
+    assert batch.dp_rank is None  # two-element batch of old vLLM
+    assert batch.events == (BlockStored((11, 12), 10, tuple(range(8)), 4, "GPU"),
+                            BlockRemoved((11,), "GPU"), AllBlocksCleared())
+
+
+def test_sglang_0523_signed_hashes_and_extra_fields() -> None:
+    """SGLang: signed int64 hashes (0xd3), attn_dp_rank third, cache_salt/session_id fields, medium CPU_PINNED."""
+    stored = {"type": "BlockStored", "block_hashes": [-3, 2**62], "parent_block_hash": -(2**63),
+              "token_ids": [5, 6], "block_size": 1, "lora_id": None, "medium": "CPU_PINNED", "cache_salt": None,
+              "session_id": None, "lora_name": None}
+    payload = msgpack.packb([0.5, [stored, {"type": "BlockRemoved", "block_hashes": [-3], "medium": "GPU"}], 1])
+    assert b"\xd3" in payload  # msgpack's int64: what SGLang's negative hashes look like
+    batch = decode_batch(0, payload)
+    assert batch.dp_rank == 1
+    assert batch.events[0] == BlockStored((-3, 2**62), -(2**63), (5, 6), 1, "CPU_PINNED")
+    assert batch.events[1] == BlockRemoved((-3,), "GPU")
+
+
+def test_bytes_hashes_unknown_types_and_tuple_tokens_are_kept_or_skipped() -> None:
+    """VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0 sends digests as bytes; unknown event types and EAGLE bigram
+    tokens are counted as skipped, not errors."""
+    events = [{"type": "BlockStored", "block_hashes": [b"\x01" * 32], "parent_block_hash": None,
+               "token_ids": [1, 2], "block_size": 2, "lora_id": None, "medium": "GPU", "lora_name": "ad"},
+              {"type": "SomethingNew", "x": 1},
+              {"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None, "token_ids": [[1, 2]],
+               "block_size": 1, "lora_id": None, "medium": "GPU"}]
+    batch = decode_batch(0, msgpack.packb([0.0, events, 0]))
+    assert batch.events == (BlockStored((b"\x01" * 32,), None, (1, 2), 2, "GPU", "ad"),)
+    assert batch.skipped == 2
+
+
+@pytest.mark.parametrize("payload", [
+    b"\xc1", msgpack.packb({"ts": 1}), msgpack.packb([1.0]), msgpack.packb(["x", [], 0]),
+    msgpack.packb([1.0, [{"type": "BlockStored", "block_hashes": "nope"}], 0]),
+    msgpack.packb([1.0, [{"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None,
+                          "token_ids": [1], "block_size": 0}], 0]),
+    msgpack.packb([1.0, [42], 0]),
+])
+def test_malformed_payloads_raise_wire_error(payload: bytes) -> None:
+    with pytest.raises(WireError):
+        decode_batch(0, payload)
+
+
+def test_frames() -> None:
+    with pytest.raises(WireError):
+        decode_message([b"", b"\x00" * 8])
+    with pytest.raises(WireError):
+        decode_message([b"", b"\x00" * 4, msgpack.packb([0.0, [], 0])])
+
+
+def test_replay_frames_with_and_without_topic_and_the_end_marker() -> None:
+    payload = msgpack.packb([1.0, [{"type": "AllBlocksCleared"}], 0])
+    new = decode_replay([b"", b"topic", (5).to_bytes(8, "big"), payload])  # vLLM >= 0.26, SGLang >= 0.5.22
+    old = decode_replay([b"", (5).to_bytes(8, "big"), payload])
+    assert new == old and new is not None and new.seq == 5 and new.events == (AllBlocksCleared(),)
+    assert decode_replay([b"", b"", END_OF_REPLAY, b""]) is None
+    assert decode_replay([b"", END_OF_REPLAY, b""]) is None
+    with pytest.raises(WireError):
+        decode_replay([b"x", (5).to_bytes(8, "big"), payload])
