@@ -1,0 +1,340 @@
+"""One subscriber per engine that publishes KV events: it keeps that engine's :class:`EventIndex` whole, or
+says it is not.
+
+The stream is trusted only while it is known complete. Sequence numbers say when it is not:
+
+* a batch after a hole (``seq`` ahead of the next expected): the missed batches are asked for on the replay
+  socket and applied in order; if the engine no longer buffers them (or has no replay socket), the index is
+  cleared and counted *partial* for ``history_seconds`` while new events rebuild it;
+* a batch behind (``seq`` already seen, with another timestamp): the engine restarted and numbers from 0
+  again, and its cache is empty: the index is cleared and rebuilt from the new process's history (replayed
+  from seq 0 when the engine still buffers it);
+* the backend came back up (its health epoch moved): the same, since a restart may have published nothing
+  yet; a backend that only flapped replays its whole buffered history and loses nothing;
+* silence: requests that must make the engine store new blocks were sent ``silence_seconds`` ago and no
+  batch has come since (a dead publisher, or a subscription the network dropped).
+
+On start the subscriber replays from seq 0 too, so a gateway (re)started next to a running engine learns what
+it already holds, as far as the engine's replay buffer reaches (vLLM and SGLang keep 10,000 batches).
+
+While a stream is not live, routing falls back to the approximate index for that backend alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Literal
+
+import zmq
+import zmq.asyncio
+
+from gateway.kvcache.index import EventIndex
+from gateway.kvcache.wire import Batch, WireError, decode_message, decode_replay
+from gateway.pool.backend import Backend
+
+log = logging.getLogger("gateway.kvcache")
+
+State = Literal["connecting", "live", "partial", "silent", "resyncing"]
+RECENT_SEQS = 4096  # applied batches remembered (seq -> ts) to tell a duplicate from a restart
+RCVHWM = 100_000  # as the engines' own PUB high-water mark
+
+
+@dataclass(frozen=True, slots=True)
+class StreamSettings:
+    endpoint: str  # tcp://host:port of the engine's PUB socket
+    replay_endpoint: str | None = None  # its ROUTER replay socket
+    topic: str = ""
+    block_size: int | None = None  # None: as the first event says
+    silence_seconds: float = 10.0
+    history_seconds: float = 60.0
+    replay_timeout: float = 2.0
+
+
+@dataclass(slots=True)
+class StreamCounters:
+    batches: int = 0
+    events: int = 0
+    skipped_events: int = 0
+    decode_errors: int = 0
+    gaps: int = 0
+    replays: dict[str, int] = field(default_factory=lambda: {"complete": 0, "partial": 0, "failed": 0})
+    resets: dict[str, int] = field(default_factory=lambda: {"restart": 0, "epoch": 0, "history_lost": 0,
+                                                             "cleared": 0})
+
+
+class EventStream:
+    """The subscriber of one backend. ``live()`` says whether routing may trust ``index`` now."""
+
+    def __init__(self, backend: Backend, settings: StreamSettings, context: zmq.asyncio.Context) -> None:
+        self.backend = backend
+        self.settings = settings
+        self.index = EventIndex(settings.block_size)
+        self.counters = StreamCounters()
+        self.state: State = "connecting"
+        self._context = context
+        self._next_seq = 0
+        self._recent: OrderedDict[int, float] = OrderedDict()  # seq -> ts of applied batches
+        self._epoch = backend.epoch
+        self._partial_until = 0.0
+        self._expecting_since: float | None = None  # a request that must store new blocks was sent
+        self.last_batch_at: float | None = None
+        self._dealer: zmq.asyncio.Socket | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    # -- read by routing ------------------------------------------------------------------------------------------
+    def live(self, now: float | None = None) -> bool:
+        if self.state not in ("live", "partial", "silent"):
+            return False
+        if self.backend.epoch != self._epoch:
+            return False  # came back up: the session loop resyncs
+        now = time.monotonic() if now is None else now
+        if self.state == "partial":
+            if now < self._partial_until:
+                return False
+            self.state = "live"
+        expecting = self._expecting_since
+        if expecting is not None and now - expecting > self.settings.silence_seconds:
+            self.state = "silent"
+            return False
+        return True
+
+    def expect_blocks(self, now: float | None = None) -> None:
+        """A request was sent that will make the engine store blocks it does not hold: events are due."""
+        if self._expecting_since is None:
+            self._expecting_since = time.monotonic() if now is None else now
+
+    # -- lifecycle ------------------------------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name=f"kv-events:{self.backend.name}")
+
+    async def stop(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._close_dealer()
+
+    async def _run(self) -> None:
+        backoff = 0.5
+        while True:
+            try:
+                await self._session()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # a socket error: start over (the index is rebuilt from a replay)
+                log.warning("kv events from %s: %s", self.backend.name, exc)
+                self.state = "connecting"
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 10.0)
+            else:
+                backoff = 0.5
+
+    async def _session(self) -> None:
+        sub = self._context.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.RCVHWM, RCVHWM)
+        sub.setsockopt(zmq.MAXMSGSIZE, 64 * 1024 * 1024)
+        sub.setsockopt(zmq.SUBSCRIBE, self.settings.topic.encode())
+        try:
+            sub.connect(self.settings.endpoint)
+            await asyncio.sleep(0.05)  # let the subscription reach the publisher before asking for history
+            await self._resync(None)
+            while True:
+                if self.backend.epoch != self._epoch:
+                    await self._resync("epoch")
+                if not await sub.poll(500):
+                    continue
+                frames = await sub.recv_multipart()
+                await self._on_message(frames)
+        finally:
+            sub.close(0)
+
+    # -- the stream -----------------------------------------------------------------------------------------------
+    async def _on_message(self, frames: list[bytes]) -> None:
+        try:
+            batch = decode_message(frames)
+        except WireError as exc:
+            self.counters.decode_errors += 1
+            log.debug("kv events from %s: undecodable message: %s", self.backend.name, exc)
+            return
+        seq = batch.seq
+        if seq == self._next_seq or self._next_seq < 0:  # (< 0: no history to continue, this one starts it)
+            self._apply(batch)
+        elif seq > self._next_seq:
+            self.counters.gaps += 1
+            await self._fill_gap(batch)
+        elif self._recent.get(seq) == batch.ts:
+            return  # already applied (it came by replay too)
+        else:  # numbered again from the start: the engine restarted
+            self._reset("restart")
+            if seq == 0:
+                self._apply(batch)
+            else:
+                await self._replay_from_zero()
+
+    async def _fill_gap(self, batch: Batch) -> None:
+        missed = await self._replay(self._next_seq)
+        if missed is not None:
+            for replayed in missed:
+                if replayed.seq == self._next_seq:
+                    self._apply(replayed)
+        if self._next_seq == batch.seq:
+            self.counters.replays["complete"] += 1
+            self._apply(batch)
+            return
+        if self._next_seq > batch.seq:  # the replay reached past it
+            self.counters.replays["complete"] += 1
+            return
+        self.counters.replays["failed" if missed is None else "partial"] += 1
+        self._reset("history_lost")
+        self._lost_history()
+        self._apply(batch)
+
+    async def _resync(self, reason: Literal["epoch"] | None) -> None:
+        """Rebuild the index from the engine's replay buffer (start, or the backend came back up)."""
+        self.state = "resyncing"
+        self._epoch = self.backend.epoch
+        if reason is not None:
+            self._reset(reason)
+        await self._replay_from_zero()
+
+    async def _replay_from_zero(self) -> None:
+        self.index.clear()
+        self._next_seq = 0
+        batches = await self._replay(0)
+        if batches is None:  # no replay socket or no answer: what came before is unknown
+            self.counters.replays["failed"] += 1 if self.settings.replay_endpoint else 0
+            self._lost_history()
+            self._next_seq = -1  # the first live batch starts the stream, whatever its number
+            self.state = "partial"
+            return
+        if batches and batches[0].seq != 0:
+            self.counters.replays["partial"] += 1
+            self._lost_history()
+            self._next_seq = batches[0].seq
+        else:
+            self.counters.replays["complete"] += 1
+            self.state = "live"
+        for batch in batches:
+            if batch.seq == self._next_seq:
+                self._apply(batch)
+
+    def _apply(self, batch: Batch) -> None:
+        self.index.apply(batch)
+        self._next_seq = batch.seq + 1
+        recent = self._recent
+        recent[batch.seq] = batch.ts
+        if len(recent) > RECENT_SEQS:
+            recent.popitem(last=False)
+        c = self.counters
+        c.batches += 1
+        c.events += len(batch.events)
+        c.skipped_events += batch.skipped
+        self.last_batch_at = time.monotonic()
+        self._expecting_since = None
+        if self.state == "silent":
+            self.state = "live"
+
+    def _reset(self, reason: str) -> None:
+        self.counters.resets[reason] = self.counters.resets.get(reason, 0) + 1
+        self.index.clear()
+        self._recent.clear()
+        self._expecting_since = None
+
+    def _lost_history(self) -> None:
+        self.state = "partial"
+        self._partial_until = time.monotonic() + self.settings.history_seconds
+
+    # -- replay ---------------------------------------------------------------------------------------------------
+    async def _replay(self, start: int) -> list[Batch] | None:
+        """Every batch the engine still buffers from ``start`` on, in order; None when it cannot say."""
+        endpoint = self.settings.replay_endpoint
+        if endpoint is None:
+            return None
+        if self._dealer is None:
+            self._dealer = self._context.socket(zmq.DEALER)
+            self._dealer.setsockopt(zmq.LINGER, 0)
+            self._dealer.setsockopt(zmq.MAXMSGSIZE, 64 * 1024 * 1024)
+            self._dealer.connect(endpoint)
+        dealer = self._dealer
+        await dealer.send_multipart([b"", max(0, start).to_bytes(8, "big")])
+        batches: list[Batch] = []
+        deadline = time.monotonic() + self.settings.replay_timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not await dealer.poll(int(left * 1000) + 1):
+                self._close_dealer()  # a late answer must not be read as the next one's
+                return None
+            try:
+                batch = decode_replay(await dealer.recv_multipart())
+            except WireError:
+                self.counters.decode_errors += 1
+                continue
+            if batch is None:
+                return batches
+            batches.append(batch)
+            deadline = time.monotonic() + self.settings.replay_timeout  # a long history keeps coming
+
+    def _close_dealer(self) -> None:
+        if self._dealer is not None:
+            self._dealer.close(0)
+            self._dealer = None
+
+
+class EventHub:
+    """The event streams of every backend configured with ``kv_events``. Routing asks ``live_index``."""
+
+    def __init__(self) -> None:
+        self._context: zmq.asyncio.Context | None = None
+        self.streams: dict[str, EventStream] = {}
+        self._stopping: set[asyncio.Task[None]] = set()
+
+    def live_index(self, backend: Backend, now: float | None = None) -> EventStream | None:
+        stream = self.streams.get(backend.name)
+        if stream is None or stream.backend is not backend or not stream.live(now):
+            return None
+        return stream
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.streams)
+
+    def sync(self, wanted: Iterable[tuple[Backend, StreamSettings]]) -> None:
+        """Subscribe to each (backend, settings) not yet followed; stop following backends no longer listed."""
+        wanted = list(wanted)
+        names = {b.name for b, _ in wanted}
+        for name in [n for n in self.streams if n not in names]:
+            self._retire(self.streams.pop(name))
+        for backend, settings in wanted:
+            old = self.streams.get(backend.name)
+            if old is not None and old.backend is backend and old.settings == settings:
+                continue
+            if old is not None:
+                self._retire(old)
+            if self._context is None:
+                self._context = zmq.asyncio.Context()
+            stream = self.streams[backend.name] = EventStream(backend, settings, self._context)
+            stream.start()
+
+    def _retire(self, stream: EventStream) -> None:
+        task = asyncio.get_running_loop().create_task(stream.stop())
+        self._stopping.add(task)
+        task.add_done_callback(self._stopping.discard)
+
+    async def stop(self) -> None:
+        streams, self.streams = list(self.streams.values()), {}
+        for stream in streams:
+            await stream.stop()
+        if self._stopping:
+            await asyncio.gather(*self._stopping, return_exceptions=True)
+        if self._context is not None:
+            self._context.term()
+            self._context = None

@@ -1,0 +1,231 @@
+"""The subscriber against a publisher speaking the engines' scheme over real ZMQ sockets on loopback: history
+replayed on start, gaps filled by replay, a lost history and a restart reset the index, silence and a health
+epoch change take the stream out of routing."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+
+import msgpack
+import zmq
+import zmq.asyncio
+
+from gateway.engines.registry import ENGINES
+from gateway.kvcache.index import request_keys
+from gateway.kvcache.subscriber import EventHub, EventStream, StreamSettings
+from gateway.pool.backend import Backend
+from gateway.pool.state import Health, Probe
+
+TOKENS = list(range(64))
+
+
+def stored(hashes: list[int], parent: int | None, tokens: list[int]) -> dict[str, object]:
+    return {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent, "token_ids": tokens,
+            "block_size": 16, "lora_id": None, "medium": "GPU", "lora_name": None}
+
+
+class Publisher:
+    """PUB + ROUTER replay with a bounded buffer, numbering batches from 0 (a restart numbers again)."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, buffer_steps: int = 100, replay: bool = True) -> None:
+        self.pub = ctx.socket(zmq.PUB)
+        self.pub.setsockopt(zmq.LINGER, 0)
+        self.pub.bind("tcp://127.0.0.1:*")
+        self.endpoint = self.pub.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.router: zmq.asyncio.Socket | None = None
+        self.replay_endpoint: str | None = None
+        if replay:
+            self.router = ctx.socket(zmq.ROUTER)
+            self.router.setsockopt(zmq.LINGER, 0)
+            self.router.bind("tcp://127.0.0.1:*")
+            self.replay_endpoint = self.router.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.buffer: list[tuple[int, bytes]] = []
+        self.buffer_steps = buffer_steps
+        self.seq = 0
+        self._task = asyncio.get_running_loop().create_task(self._serve()) if replay else None
+
+    async def publish(self, *events: dict[str, object], send: bool = True) -> None:
+        payload = msgpack.packb([time.time() + self.seq * 1e-6, list(events), 0])
+        seq = self.seq
+        self.seq += 1
+        self.buffer = ([*self.buffer, (seq, payload)])[-self.buffer_steps:]
+        if send:
+            await self.pub.send_multipart([b"", seq.to_bytes(8, "big"), payload])
+
+    def restart(self) -> None:
+        self.seq = 0
+        self.buffer = []
+
+    async def _serve(self) -> None:
+        assert self.router is not None
+        while True:
+            frames = await self.router.recv_multipart()
+            if len(frames) != 3:
+                continue
+            ident, start = frames[0], int.from_bytes(frames[2], "big")
+            for seq, payload in self.buffer:
+                if seq >= start:
+                    await self.router.send_multipart([ident, b"", b"", seq.to_bytes(8, "big"), payload])
+            await self.router.send_multipart([ident, b"", b"", b"\xff" * 8, b""])
+
+    def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+        self.pub.close(0)
+        if self.router is not None:
+            self.router.close(0)
+
+
+def make_backend() -> Backend:
+    backend = Backend("v", "vllm", "http://127.0.0.1:1", spec=ENGINES["vllm"])
+    backend.record_probe(Probe(Health.READY))
+    return backend
+
+
+def held(stream: EventStream, tokens: list[int] = TOKENS) -> int:
+    return int(stream.index.match(request_keys(tokens, 16)) * 16)
+
+
+async def until(check: Callable[[], bool], within: float = 3.0) -> None:
+    deadline = time.monotonic() + within
+    while not check():
+        assert time.monotonic() < deadline, "condition not reached"
+        await asyncio.sleep(0.01)
+
+
+def run(scenario: Callable[[zmq.asyncio.Context, Publisher, EventHub], Awaitable[None]], **publisher: object) -> None:
+    async def main() -> None:
+        ctx = zmq.asyncio.Context()
+        pub = Publisher(ctx, **publisher)  # type: ignore[arg-type]
+        hub = EventHub()
+        try:
+            await scenario(ctx, pub, hub)
+        finally:
+            await hub.stop()
+            pub.close()
+            ctx.term()
+
+    asyncio.run(asyncio.wait_for(main(), 20))
+
+
+def subscribe(hub: EventHub, pub: Publisher, backend: Backend, **settings: float) -> EventStream:
+    hub.sync([(backend, StreamSettings(pub.endpoint, pub.replay_endpoint, **settings))])  # type: ignore[arg-type]
+    return hub.streams[backend.name]
+
+
+def test_history_is_replayed_on_start_and_live_batches_follow() -> None:
+    async def scenario(ctx: zmq.asyncio.Context, pub: Publisher, hub: EventHub) -> None:
+        await pub.publish(stored([1, 2], None, TOKENS[:32]))  # before the gateway subscribed
+        backend = make_backend()
+        stream = subscribe(hub, pub, backend)
+        await until(lambda: stream.state == "live")
+        assert held(stream) == 32 and hub.live_index(backend) is stream
+        await pub.publish(stored([3, 4], 2, TOKENS[32:]))
+        await until(lambda: held(stream) == 64)
+        assert stream.counters.replays["complete"] == 1 and stream.counters.gaps == 0
+
+    run(scenario)
+
+
+def test_a_gap_is_filled_by_replay() -> None:
+    async def scenario(ctx: zmq.asyncio.Context, pub: Publisher, hub: EventHub) -> None:
+        stream = subscribe(hub, pub, make_backend())
+        await until(lambda: stream.state == "live")
+        await pub.publish(stored([1], None, TOKENS[:16]))
+        await pub.publish(stored([2], 1, TOKENS[16:32]), send=False)  # lost on the way
+        await pub.publish(stored([3], 2, TOKENS[32:48]))
+        await until(lambda: held(stream) == 48)
+        assert stream.counters.gaps == 1 and stream.counters.replays["complete"] == 2  # start + the gap
+        assert stream.live()
+
+    run(scenario)
+
+
+def test_a_gap_beyond_the_replay_buffer_resets_and_waits_out_the_history_window() -> None:
+    async def scenario(ctx: zmq.asyncio.Context, pub: Publisher, hub: EventHub) -> None:
+        stream = subscribe(hub, pub, make_backend(), history_seconds=0.3)
+        await until(lambda: stream.state == "live")
+        await pub.publish(stored([1], None, TOKENS[:16]))
+        for _ in range(3):  # the buffer keeps 2: the first missed batch is gone
+            await pub.publish({"type": "AllBlocksCleared"}, send=False)
+        await pub.publish(stored([9], None, TOKENS[:16]))
+        await until(lambda: stream.counters.resets["history_lost"] == 1)
+        assert not stream.live() and stream.counters.replays["partial"] == 1
+        assert held(stream) == 16  # rebuilt from what came after
+        await asyncio.sleep(0.35)
+        assert stream.live()
+
+    run(scenario, buffer_steps=2)
+
+
+def test_a_restarted_engine_numbering_from_zero_clears_the_index() -> None:
+    async def scenario(ctx: zmq.asyncio.Context, pub: Publisher, hub: EventHub) -> None:
+        stream = subscribe(hub, pub, make_backend())
+        await until(lambda: stream.state == "live")
+        await pub.publish(stored([1, 2], None, TOKENS[:32]))
+        await pub.publish(stored([3], 2, TOKENS[32:48]))
+        await until(lambda: held(stream) == 48)
+        pub.restart()
+        await pub.publish(stored([7], None, TOKENS[:16]))
+        await until(lambda: stream.counters.resets["restart"] == 1)
+        assert held(stream) == 16 and stream.live()
+
+    run(scenario)
+
+
+def test_silence_after_requests_that_must_store_blocks_takes_the_stream_out() -> None:
+    async def scenario(ctx: zmq.asyncio.Context, pub: Publisher, hub: EventHub) -> None:
+        stream = subscribe(hub, pub, make_backend(), silence_seconds=0.2)
+        await until(lambda: stream.state == "live")
+        stream.expect_blocks()
+        assert stream.live()
+        await asyncio.sleep(0.25)
+        assert not stream.live() and stream.state == "silent"
+        await pub.publish(stored([1], None, TOKENS[:16]))
+        await until(lambda: stream.live())
+
+    run(scenario)
+
+
+def test_a_backend_coming_back_up_resyncs_from_the_replay_buffer() -> None:
+    async def scenario(ctx: zmq.asyncio.Context, pub: Publisher, hub: EventHub) -> None:
+        backend = make_backend()
+        stream = subscribe(hub, pub, backend)
+        await until(lambda: stream.state == "live")
+        await pub.publish(stored([1, 2], None, TOKENS[:32]))
+        await until(lambda: held(stream) == 32)
+        backend.record_probe(Probe(Health.DOWN))
+        backend.record_probe(Probe(Health.READY))  # epoch moves: not trusted until resynced
+        assert not stream.live()
+        await until(lambda: stream.counters.resets["epoch"] == 1 and stream.live())
+        assert held(stream) == 32  # it only flapped: the replay restored everything
+
+    run(scenario)
+
+
+def test_without_a_replay_socket_the_first_batch_starts_a_partial_stream() -> None:
+    async def scenario(ctx: zmq.asyncio.Context, pub: Publisher, hub: EventHub) -> None:
+        stream = subscribe(hub, pub, make_backend(), history_seconds=0.2)
+        await until(lambda: stream.state == "partial")
+        await asyncio.sleep(0.1)
+        await pub.publish(stored([1], None, TOKENS[:16]))
+        await until(lambda: held(stream) == 16)
+        assert not stream.live()
+        await asyncio.sleep(0.2)
+        assert stream.live()
+
+    run(scenario, replay=False)
+
+
+def test_undecodable_messages_are_counted_and_skipped() -> None:
+    async def scenario(ctx: zmq.asyncio.Context, pub: Publisher, hub: EventHub) -> None:
+        stream = subscribe(hub, pub, make_backend())
+        await until(lambda: stream.state == "live")
+        await pub.pub.send_multipart([b"", (0).to_bytes(8, "big"), b"\xc1"])
+        await pub.publish(stored([1], None, TOKENS[:16]))
+        await until(lambda: held(stream) == 16)
+        assert stream.counters.decode_errors == 1
+
+    run(scenario)
