@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 
 from fastapi import FastAPI
 from opentelemetry.sdk.trace import TracerProvider
@@ -17,8 +19,11 @@ from gateway.api.proxy_endpoint import EndpointSettings, ProxyEndpoint, request_
 from gateway.api.routes import CLIENT, build_router
 from gateway.asgi import Message, Receive, Scope, Send, header, send_body
 from gateway.auth import KeyScope, KeyStore
-from gateway.config import AuthSettings, Settings
+from gateway.config import AuthSettings, ConfigError, Settings
 from gateway.errors import GatewayError
+from gateway.kvcache.subscriber import EventHub, StreamSettings
+from gateway.kvcache.tokenizer import PromptTokenizer, TokenizerError
+from gateway.pool.backend import Backend
 from gateway.pool.discovery import Resolver
 from gateway.pool.pool import ClientFactory, Pool
 from gateway.proxy.accounting import Accounting
@@ -49,7 +54,9 @@ class Gateway:
     ) -> None:
         self.settings = settings
         self.tracing = Tracing(tracer_provider if tracer_provider is not None else provider_from_environment())
-        self.pipeline = build_pipeline(settings.routing, RoutingState(settings.routing.engine_profile))
+        self.kv_events = EventHub()
+        self.pipeline = build_pipeline(settings.routing, RoutingState(
+            settings.routing.engine_profile, events=self.kv_events, tokenizers=load_tokenizers(settings)))
         self.pool = Pool(settings.backends, settings.scrape, client_factory, discovery=settings.discovery,
                          resolver=resolver, breaker=settings.breaker)
         self.transport: Transport = transport if transport is not None else AiohttpTransport(settings.timeouts)
@@ -58,6 +65,8 @@ class Gateway:
         self.validation_workers = ValidationWorkers(settings.limits)
         self.metrics = GatewayMetrics(registry)
         self.metrics.watch_pool(self.pool)
+        self.metrics.watch_kv_events(self.kv_events)
+        self._kv_task: asyncio.Task[None] | None = None
         self.dispatcher = Dispatcher(self.pool, self.pipeline, self.admission,
                                      Forwarder(self.transport, settings.timeouts), self.metrics, settings.retries,
                                      settings.structured_output)
@@ -72,12 +81,50 @@ class Gateway:
     async def start(self) -> None:
         await self.transport.start()
         await self.pool.start()
+        if any(b.kv_events is not None for b in self.settings.backends):
+            self.kv_events.sync(self._event_streams())
+            if any(b.dns is not None and b.kv_events is not None for b in self.settings.backends):
+                self._kv_task = asyncio.create_task(self._follow_replicas(), name="kv-events-replicas")
+
+    def _event_streams(self) -> Iterator[tuple[Backend, StreamSettings]]:
+        for backend in self.pool:
+            kv = self.pool.settings_of(backend).kv_events
+            if kv is not None:
+                endpoint, replay = kv.addresses(backend.url)
+                yield backend, StreamSettings(endpoint, replay, kv.topic, kv.block_size, kv.silence_seconds,
+                                              kv.history_seconds)
+
+    async def _follow_replicas(self) -> None:
+        """Replicas found by DNS come and go: subscribe to new ones, drop the gone."""
+        while True:
+            await asyncio.sleep(self.settings.discovery.interval)
+            self.kv_events.sync(self._event_streams())
 
     async def stop(self) -> None:
+        if self._kv_task is not None:
+            self._kv_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._kv_task
+        await self.kv_events.stop()
         await self.pool.stop()
         await self.transport.close()
         await self.validation_workers.close()
         self.tracing.shutdown()
+
+
+def load_tokenizers(settings: Settings) -> dict[str, PromptTokenizer]:
+    """``routing.tokenizers``: each model's tokenizer and chat template, loaded once."""
+    loaded: dict[Path, PromptTokenizer] = {}
+    out: dict[str, PromptTokenizer] = {}
+    for model, directory in settings.routing.tokenizers.items():
+        if directory not in loaded:
+            try:
+                loaded[directory] = PromptTokenizer.from_dir(directory,
+                                                             max_chars=settings.routing.tokenize_max_chars)
+            except TokenizerError as exc:
+                raise ConfigError(f"routing.tokenizers: {exc}") from None
+        out[model] = loaded[directory]
+    return out
 
 
 def create_app(

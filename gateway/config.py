@@ -127,6 +127,45 @@ class AuthSettings(_Strict):
         description="tokens_per_minute: completion tokens reserved on admission for a request without max_tokens")
 
 
+class KvEventsSettings(_Strict):
+    """Where a vLLM or SGLang server publishes its KV-cache events (``--kv-events-config``): its ``endpoint``
+    and ``replay_endpoint`` with the host this gateway reaches it at (``tcp://10.0.0.5:5557``), or only the
+    ports, the host then being the backend's own (what a DNS group of replicas needs)."""
+
+    endpoint: str | None = Field(default=None, description="tcp://host:port of the engine's PUB socket")
+    port: int | None = Field(default=None, ge=1, le=65535, description="the PUB port on the backend's host")
+    replay_endpoint: str | None = Field(default=None, description="tcp://host:port of its replay socket")
+    replay_port: int | None = Field(default=None, ge=1, le=65535, description="the replay port on the backend's host")
+    topic: str = Field(default="", description="the topic the engine publishes under (a prefix match)")
+    block_size: int | None = Field(default=None, gt=0, description="tokens per block; default: as events say")
+    silence_seconds: float = Field(
+        default=10.0, gt=0, description="no event this long after a request that must store new blocks: the "
+                                        "stream is presumed dead and routing falls back to the approximate index")
+    history_seconds: float = Field(
+        default=60.0, ge=0, description="after events were lost beyond the engine's replay buffer, the index is "
+                                        "rebuilt from new events for this long before routing trusts it")
+
+    @model_validator(mode="after")
+    def _one_address(self) -> KvEventsSettings:
+        if (self.endpoint is None) == (self.port is None):
+            raise ValueError("set either endpoint or port")
+        if self.replay_endpoint is not None and self.replay_port is not None:
+            raise ValueError("set replay_endpoint or replay_port, not both")
+        for name in ("endpoint", "replay_endpoint"):
+            value = getattr(self, name)
+            if value is not None and not (value.startswith(("tcp://", "ipc://")) and "*" not in value):
+                raise ValueError(f"{name} must be tcp://host:port (or ipc://path), the address to connect to")
+        return self
+
+    def addresses(self, backend_url: str) -> tuple[str, str | None]:
+        """The PUB and replay addresses to connect to for a backend at ``backend_url``."""
+        host = urlsplit(backend_url).hostname or "127.0.0.1"
+        host = f"[{host}]" if ":" in host else host
+        endpoint = self.endpoint or f"tcp://{host}:{self.port}"
+        replay = self.replay_endpoint or (f"tcp://{host}:{self.replay_port}" if self.replay_port else None)
+        return endpoint, replay
+
+
 class BackendSettings(_Strict):
     """One backend, or with ``dns`` a group of replicas: every address the name resolves to (a Kubernetes
     headless Service) becomes a backend ``<name>-<address>`` at ``scheme://address:port``, re-resolved every
@@ -149,6 +188,8 @@ class BackendSettings(_Strict):
         default=None, ge=-1, description="llama.cpp: the --cache-ram the server was started with (its default "
                                          "8192; 0 disables the host-RAM prompt cache, so only its slots hold "
                                          "prompts and the gateway models them slot by slot)")
+    kv_events: KvEventsSettings | None = Field(
+        default=None, description="vLLM, SGLang: follow the engine's KV-cache events (precise prefix routing)")
 
     @model_validator(mode="before")
     @classmethod
@@ -197,6 +238,11 @@ class BackendSettings(_Strict):
 
             if ENGINES[self.engine].cache != "slots":
                 raise ValueError(f"cache_ram_mib is llama.cpp's --cache-ram; engine {self.engine} has no such option")
+        if self.kv_events is not None:
+            from gateway.engines.registry import ENGINES
+
+            if not ENGINES[self.engine].kv_events:
+                raise ValueError(f"kv_events: engine {self.engine} publishes no KV-cache events")
         if (self.url is None) == (self.dns is None):
             raise ValueError("set either url or dns (with port)")
         if self.dns is not None and self.port is None:
@@ -261,6 +307,20 @@ class RoutingSettings(_Strict):
     profiles: dict[str, ProfileSettings] = Field(default_factory=dict)
     session_header: str = Field(default="x-session-id", description="request header naming a session")
     engine_profile: Path | None = Field(default=None, description="profile file written by `gateway profile`")
+    tokenizers: dict[str, Path] = Field(
+        default_factory=dict, description="model id -> its Hugging Face tokenizer directory (tokenizer.json, "
+                                          "tokenizer_config.json): the prompt as the engine's token ids, for the "
+                                          "precise-prefix scorer on backends with kv_events")
+    tokenize_max_chars: int = Field(default=64 * 1024, ge=1024,
+                                    description="route on at most this many characters of a prompt's text")
+
+    @field_validator("tokenizers")
+    @classmethod
+    def _tokenizer_dirs(cls, value: dict[str, Path]) -> dict[str, Path]:
+        for model, directory in value.items():
+            if not (directory / "tokenizer.json").is_file():
+                raise ValueError(f"{model}: {directory} has no tokenizer.json")
+        return value
 
 
 class TimeoutSettings(_Strict):

@@ -194,11 +194,13 @@ ROUTING = RowSpec("Routing", (
                Query(f"sum(rate(gateway_cached_tokens_total{{{BM}}}[{RATE}]))"
                      f" / sum(rate(gateway_prompt_tokens_total{{{BM}}}[{RATE}]))", "all")), max=1),
     PanelSpec("Prefix index: predicted / reported cached tokens", "For requests whose engine reported its "
-              "cached tokens: the prefix index's prediction over the engine's report, by backend. Above 1 the "
-              "index believes the cache holds more than it does (routing chases evicted prefixes); below 1 it "
-              "misses hits.", "short",
-              (Query(f"{rate_by('gateway_prefix_predicted_cached_tokens_total', B, 'backend')}"
-                     f" / {rate_by('gateway_prefix_reported_cached_tokens_total', B, 'backend')}", "{{backend}}"),)),
+              "cached tokens: the prefix index's prediction over the engine's report, by backend and index "
+              "(events: the engine's KV events; approximate: what was routed there). Above 1 the index believes "
+              "the cache holds more than it does (routing chases evicted prefixes); below 1 it misses hits.",
+              "short",
+              (Query(f"{rate_by('gateway_prefix_predicted_cached_tokens_total', B, 'backend, index')}"
+                     f" / {rate_by('gateway_prefix_reported_cached_tokens_total', B, 'backend, index')}",
+                     "{{backend}} {{index}}"),)),
     PanelSpec("Retries/s", "Requests sent again to another backend, by the backend that failed and why "
               "(connect_failed, invalid_output).", "reqps",
               (Query(rate_by("gateway_retries_total", B, "backend, reason"), "{{backend}} {{reason}}"),)),
@@ -215,7 +217,29 @@ ROUTING = RowSpec("Routing", (
                         legend_prefix="{{plugin}} ")),
 ))
 
-ROWS = (TRAFFIC, LATENCY, THROUGHPUT, BACKENDS, ROUTING)
+KV_EVENTS = RowSpec("KV events (vLLM, SGLang)", (
+    PanelSpec("KV events/s", "Events received from each engine's KV-event stream (stored, removed, cleared "
+              "blocks), and batches that were not event batches.", "short",
+              (Query(rate_by("gateway_kv_events_total", B, "backend"), "{{backend}}"),
+               Query(rate_by("gateway_kv_event_batches_total", B, "backend"), "{{backend}} batches"),
+               Query(rate_by("gateway_kv_event_decode_errors_total", B, "backend"), "{{backend}} undecodable"))),
+    PanelSpec("Event stream live", "1 while routing trusts the backend's events; 0 while it falls back to the "
+              "approximate index (no stream yet, silent, or rebuilding after lost events).", "short",
+              (Query(f"max by (backend) (gateway_kv_events_live{{{B}}})", "{{backend}}"),), max=1),
+    PanelSpec("Event index size", "Engine blocks each backend's event index holds.", "short",
+              (Query(f"max by (backend) (gateway_kv_event_index_blocks{{{B}}})", "{{backend}}"),)),
+    PanelSpec("Gaps, replays and resets/s", "Holes in an engine's sequence numbers, replays asked for them (by "
+              "result), index resets (restart, epoch, history_lost), and stored blocks dropped because their "
+              "parent was never seen.", "short",
+              (Query(rate_by("gateway_kv_event_gaps_total", B, "backend"), "{{backend}} gaps"),
+               Query(rate_by("gateway_kv_event_replays_total", B, "backend, result"), "{{backend}} replay {{result}}"),
+               Query(rate_by("gateway_kv_event_index_resets_total", B, "backend, reason"),
+                     "{{backend}} reset {{reason}}"),
+               Query(rate_by("gateway_kv_event_orphan_blocks_total", B, "backend"), "{{backend}} orphans")),
+              width=24),
+))
+
+ROWS = (TRAFFIC, LATENCY, THROUGHPUT, BACKENDS, ROUTING, KV_EVENTS)
 
 
 def _target(query: Query, ref: str) -> prometheus.Dataquery:

@@ -26,6 +26,7 @@ SPEC = EngineSpec(
     health_path="/v1/models",  # /health runs a one-token generation by default
     loading_status=503,  # warming up
     cache_page_tokens=1,  # the radix tree reuses any prefix, token by token (--page-size 1, its default)
+    kv_events=True,  # --kv-events-config
     # /metrics only with --enable-metrics; running and waiting come from /v1/loads (see read_load)
     metric_names={"queue_histogram": "sglang:queue_time_seconds"},
     # json_schema as a JSON string, regex, ebnf (xgrammar); choices as a regex alternation

@@ -69,6 +69,7 @@ class EngineSpec:
     cache: Literal["blocks", "slots"] = "blocks"
     slot_field: str | None = None  # the request field that names the slot to run in (caches by slot only)
     cache_page_tokens: int = 1  # "blocks": a prefix is reused in whole pages of this many tokens
+    kv_events: bool = False  # publishes its KV-cache events (ZMQ + msgpack; see gateway.kvcache.wire)
     stream: StreamQuirks = StreamQuirks()
     timings: TimingSource | None = None
     # routing: its performance shape before anything is measured

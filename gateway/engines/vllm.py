@@ -25,8 +25,9 @@ SPEC = EngineSpec(
         "kv_usage": "vllm:kv_cache_usage_perc",
         "queue_histogram": "vllm:request_queue_time_seconds",
     },
-    default_slots=256,
-    cache_page_tokens=16,  # --block-size's default  # vLLM's default max_num_seqs, which it does not publish
+    default_slots=256,  # vLLM's default max_num_seqs, which it does not publish
+    cache_page_tokens=16,  # --block-size's default
+    kv_events=True,  # --kv-events-config
     # structured_outputs (xgrammar): JSON, regex, choice, EBNF and Lark grammars. Never the removed guided_*
     # fields, which vLLM ignores with a 200.
     structured=frozenset({"json_object", "json_schema", "regex", "choice", "grammar:ebnf", "grammar:lark",

@@ -114,6 +114,10 @@ class Pool:
     def get(self, name: str) -> Backend:
         return self._by_name[name]
 
+    def settings_of(self, backend: Backend) -> BackendSettings:
+        """The configuration the backend was built from (a DNS replica's: its group's, with its address)."""
+        return self._settings[backend.name]
+
     def models(self) -> list[str]:
         """Models served by at least one routable backend."""
         return sorted({m for b in self.backends if b.routable for m in b.models})

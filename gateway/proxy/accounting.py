@@ -105,10 +105,15 @@ def record_metrics(m: GatewayMetrics, exchange: Exchange) -> None:
         child(m.completion_tokens, backend, model).inc(completion)
         child(m.cached_tokens, backend, model).inc(exchange.cached_tokens())
         reported = exchange.reported_cached_tokens()
-        predicted = exchange.request.predicted_cached_tokens if exchange.request is not None else None
-        if reported is not None and predicted is not None:
-            child(m.prefix_predicted_tokens, backend).inc(predicted)
-            child(m.prefix_reported_tokens, backend).inc(reported)
+        request = exchange.request
+        if reported is not None and request is not None:
+            # the engine's own events where they predicted it, else the approximate index
+            if request.events_cached_tokens is not None:
+                child(m.prefix_predicted_tokens, backend, "events").inc(request.events_cached_tokens)
+                child(m.prefix_reported_tokens, backend, "events").inc(reported)
+            elif request.predicted_cached_tokens is not None:
+                child(m.prefix_predicted_tokens, backend, "approximate").inc(request.predicted_cached_tokens)
+                child(m.prefix_reported_tokens, backend, "approximate").inc(reported)
         if first is not None and last is not None and completion >= 2 and last > first:
             per_token = (last - first) / (completion - 1)
             child(m.time_per_output_token, backend, model).observe(per_token)

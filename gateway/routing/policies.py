@@ -21,12 +21,14 @@ BUILTIN: dict[str, ProfileSettings] = {
     "round-robin": ProfileSettings(picker="round-robin"),
     "least-load": ProfileSettings(scorers=_scorers(("least-load", 1.0))),
     "prefix": ProfileSettings(scorers=_scorers(("prefix", 3.0), ("least-load", 1.0))),
+    # the engines' KV events where a backend publishes them (and the model has a tokenizer), else as "prefix"
+    "precise-prefix": ProfileSettings(scorers=_scorers(("precise-prefix", 3.0), ("least-load", 1.0))),
     "session": ProfileSettings(scorers=_scorers(("session", 10.0), ("least-load", 1.0))),
     "engine-shape": ProfileSettings(scorers=_scorers(("engine-shape", 1.0))),
     "consistent-prefix": ProfileSettings(picker="consistent-hash"),
-    # sessions stick; shared prefixes go where they are cached; otherwise the engine predicted to finish
-    # first, nudged towards the less loaded
-    "default": ProfileSettings(scorers=_scorers(("session", 4.0), ("prefix", 3.0), ("engine-shape", 2.0),
+    # sessions stick; shared prefixes go where they are cached (as the engines' events say, where they publish
+    # them); otherwise the engine predicted to finish first, nudged towards the less loaded
+    "default": ProfileSettings(scorers=_scorers(("session", 4.0), ("precise-prefix", 3.0), ("engine-shape", 2.0),
                                                 ("least-load", 1.0))),
 }
 

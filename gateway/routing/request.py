@@ -30,6 +30,10 @@ class RouteRequest:
     predicted_cached_tokens: int | None = None  # the same in tokens (bytes per token as learned), for metrics
     cached_on: Backend | None = None  # prefix learner: the backend whose cache index holds its placement
     engine_slot: int | None = None  # prefix learner: the slot of ``cached_on`` to name in the request, if any
+    token_ids: list[int] | None = None  # precise-prefix: the prompt as the model's token ids (if tokenized)
+    tokenized: bool = False  # precise-prefix: tokenizing was tried (token_ids None: no tokenizer, or refused)
+    chunk_keys: dict[int, list[bytes]] | None = None  # precise-prefix: own keys of token_ids, per chunk size
+    events_cached_tokens: int | None = None  # precise-prefix: tokens the engine's events say it holds there
 
     @property
     def prompt(self) -> bytes:

@@ -9,7 +9,9 @@ session table, the engine-shape models) keeps that state itself and has the same
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
 
 from gateway.pool.backend import Backend
 from gateway.routing.plugins import Learner
@@ -17,6 +19,24 @@ from gateway.routing.prefix_index import PrefixIndexes
 from gateway.routing.prompt import BLOCK_BYTES
 from gateway.routing.request import Outcome, RouteRequest
 from gateway.routing.shape_model import ShapeProfile, load_profile_file
+
+if TYPE_CHECKING:
+    from gateway.kvcache.index import EventIndex
+    from gateway.kvcache.tokenizer import PromptTokenizer
+
+
+class EventStreamView(Protocol):
+    """What routing reads of one engine's KV-event subscriber (:mod:`gateway.kvcache.subscriber`)."""
+
+    @property
+    def index(self) -> EventIndex: ...
+
+    def expect_blocks(self, now: float | None = None) -> None: ...
+
+
+class EventIndexes(Protocol):
+    def live_index(self, backend: Backend, now: float | None = None) -> EventStreamView | None:
+        """The backend's event stream while it is complete and current, else None."""
 
 
 class PrefixLearner:
@@ -56,8 +76,12 @@ class PrefixLearner:
 class RoutingState:
     """What the plugins of one gateway share. ``learners`` lists the attached shared learners."""
 
-    def __init__(self, profile_file: Path | None = None) -> None:
+    def __init__(self, profile_file: Path | None = None, *, events: EventIndexes | None = None,
+                 tokenizers: Mapping[str, PromptTokenizer] | None = None) -> None:
         self.learners: list[Learner] = []
+        # engines' KV events (backends configured with kv_events) and the models' tokenizers, for precise-prefix
+        self.events = events
+        self.tokenizers: Mapping[str, PromptTokenizer] = tokenizers or {}
         self._prefix: PrefixLearner | None = None
         # measured speed curves per backend name (``gateway profile``), for plugins that model engine shape
         self.profile: dict[str, ShapeProfile] = load_profile_file(profile_file) if profile_file else {}

@@ -27,6 +27,7 @@ from prometheus_client.registry import Collector
 from gateway.pool.state import Health
 
 if TYPE_CHECKING:
+    from gateway.kvcache.subscriber import EventHub
     from gateway.pool.pool import Pool
 
 # LLM latencies: time to first token from 10 ms to 60 s, inter-token from 1 ms to 1 s, requests to 15 min.
@@ -110,12 +111,13 @@ class GatewayMetrics:
         # engine reported its cached tokens, both sums (their ratio is how far the index over- or under-guesses)
         self.prefix_predicted_tokens = Counter(
             "gateway_prefix_predicted_cached_tokens",
-            "Prompt tokens the prefix index predicted cached, for requests whose engine reported cached tokens.",
-            ["backend"], registry=r)
+            "Prompt tokens the prefix index predicted cached, for requests whose engine reported cached tokens; "
+            "index=events: from the engine's KV events, index=approximate: from what was routed there.",
+            ["backend", "index"], registry=r)
         self.prefix_reported_tokens = Counter(
             "gateway_prefix_reported_cached_tokens",
             "Prompt tokens the engine reported cached, for the same requests as "
-            "gateway_prefix_predicted_cached_tokens_total.", ["backend"], registry=r)
+            "gateway_prefix_predicted_cached_tokens_total.", ["backend", "index"], registry=r)
         self.routing_decisions = Counter(
             "gateway_routing_decisions",
             "Routing decisions, by chosen backend and the plugin that made the difference.",
@@ -153,6 +155,9 @@ class GatewayMetrics:
     def watch_pool(self, pool: Pool) -> None:
         self.queue_wait.pool = pool
         self.registry.register(PoolCollector(pool))
+
+    def watch_kv_events(self, hub: EventHub) -> None:
+        self.registry.register(KvEventsCollector(hub))
 
 
 class QueueWaitCollector(Collector):
@@ -245,3 +250,47 @@ class PoolCollector(Collector):
         for model in sorted(self._pool.known_models()):
             model_ready.add_metric([model], 1.0 if model in servable else 0.0)
         yield from (up, ready, model_ready, in_flight, running, waiting, kv, slots, age, errors)
+
+
+class KvEventsCollector(Collector):
+    """The engines' KV-event streams (backends with ``kv_events``), read at scrape time."""
+
+    def __init__(self, hub: EventHub) -> None:
+        self._hub = hub
+
+    def collect(self) -> Iterator[Metric]:
+        b = ["backend"]
+        batches = CounterMetricFamily("gateway_kv_event_batches", "KV-event batches applied to the index.", labels=b)
+        events = CounterMetricFamily("gateway_kv_events", "KV events received (applied batches).", labels=b)
+        gaps = CounterMetricFamily("gateway_kv_event_gaps",
+                                   "Holes in the engine's sequence numbers (events missed live).", labels=b)
+        replays = CounterMetricFamily(
+            "gateway_kv_event_replays", "Replays asked of the engine, by result: complete, partial (its buffer no "
+                                        "longer reached back), failed (no answer).", labels=["backend", "result"])
+        resets = CounterMetricFamily(
+            "gateway_kv_event_index_resets", "Index cleared: restart (sequence numbers began again), epoch (the "
+                                             "backend came back up), history_lost (a hole no replay could fill).",
+            labels=["backend", "reason"])
+        errors = CounterMetricFamily("gateway_kv_event_decode_errors", "Messages that were not KV event batches.",
+                                     labels=b)
+        orphans = CounterMetricFamily(
+            "gateway_kv_event_orphan_blocks", "Stored-block events dropped: their parent block was never announced.",
+            labels=b)
+        blocks = GaugeMetricFamily("gateway_kv_event_index_blocks", "Engine blocks the event index holds.", labels=b)
+        live = GaugeMetricFamily(
+            "gateway_kv_events_live", "1 while the backend's event stream is complete and current (routing uses it); "
+                                      "0 while it falls back to the approximate index.", labels=b)
+        for name, stream in sorted(self._hub.streams.items()):
+            c = stream.counters
+            batches.add_metric([name], float(c.batches))
+            events.add_metric([name], float(c.events))
+            gaps.add_metric([name], float(c.gaps))
+            errors.add_metric([name], float(c.decode_errors))
+            orphans.add_metric([name], float(stream.index.orphans))
+            for result, count in c.replays.items():
+                replays.add_metric([name, result], float(count))
+            for reason, count in c.resets.items():
+                resets.add_metric([name, reason], float(count))
+            blocks.add_metric([name], float(len(stream.index)))
+            live.add_metric([name], 1.0 if stream.live() else 0.0)
+        yield from (batches, events, gaps, replays, resets, errors, orphans, blocks, live)

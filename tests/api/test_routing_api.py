@@ -39,10 +39,10 @@ def test_decisions_are_explained_in_headers_and_counted(quad: Running) -> None:
     headers = ask(quad, "short", "hi")
     assert headers["x-gateway-policy"] == "default"
     reason = headers["x-gateway-route-reason"]
-    assert reason.split(":")[0] in {"session", "prefix", "engine-shape", "least-load", "tie"}
+    assert reason.split(":")[0] in {"session", "precise-prefix", "engine-shape", "least-load", "tie"}
     metrics = httpx.get(quad.url + "/metrics").text
     assert f'gateway_routing_decisions_total{{backend="{headers["x-gateway-backend"]}"' in metrics
-    assert 'gateway_routing_plugin_seconds_count{plugin="prefix"}' in metrics
+    assert 'gateway_routing_plugin_seconds_count{plugin="precise-prefix"}' in metrics
 
 
 def test_shared_prefix_finds_the_engine_that_cached_it(quad: Running) -> None:
@@ -50,7 +50,7 @@ def test_shared_prefix_finds_the_engine_that_cached_it(quad: Running) -> None:
     for i in range(1, 6):
         headers = ask(quad, SYSTEM, f"question {i}")
         assert headers["x-gateway-backend"] == first
-        assert headers["x-gateway-route-reason"].startswith("prefix")
+        assert headers["x-gateway-route-reason"].startswith("precise-prefix")
     # the emulated vLLM really served the shared part from its prefix cache
     server = quad.server(first)
     assert server.stats.cached_tokens > 5 * 300

@@ -166,7 +166,8 @@ def test_profiles_from_yaml_with_parameters_and_clear_errors() -> None:
     assert [(s.name, w) for s, w in pipeline.scorers] == [("prefix", 2.0), ("least-load", 1.0)]
     assert pipeline.picker.name == "consistent-hash"
     for profile, message in [
-        ({"scorers": [{"name": "prefx"}]}, "unknown scorer 'prefx'; known: engine-shape, least-load, prefix"),
+        ({"scorers": [{"name": "prefx"}]},
+         "unknown scorer 'prefx'; known: engine-shape, least-load, precise-prefix, prefix"),
         ({"scorers": [{"name": "prefix", "gate": 3}]}, "scorer 'prefix'"),
         ({"filters": ["healthy", "fast"]}, "unknown filter 'fast'"),
         ({"picker": "best"}, "unknown picker 'best'"),

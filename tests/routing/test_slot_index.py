@@ -174,8 +174,9 @@ def test_the_request_names_the_slot_only_where_the_gateway_placed_it(policy: str
 
     asyncio.run(scenario())
     slots = [body.get("id_slot") for body in bodies]
-    predicted = registry.get_sample_value("gateway_prefix_predicted_cached_tokens_total", {"backend": "llama"})
-    reported = registry.get_sample_value("gateway_prefix_reported_cached_tokens_total", {"backend": "llama"})
+    labels = {"backend": "llama", "index": "approximate"}
+    predicted = registry.get_sample_value("gateway_prefix_predicted_cached_tokens_total", labels)
+    reported = registry.get_sample_value("gateway_prefix_reported_cached_tokens_total", labels)
     if named:
         assert slots[0] is not None and slots[1] == slots[0], "the second goes back to the slot holding the prefix"
     else:

@@ -19,7 +19,7 @@ GRAFANA = ROOT / "deploy" / "grafana"
 DASHBOARD_JSON = GRAFANA / "dashboards" / "gateway.json"
 RULES = ROOT / "deploy" / "prometheus" / "rules" / "gateway-rules.yml"
 METRICS_SOURCE = ROOT / "gateway" / "telemetry" / "metrics.py"
-ROWS = ["Traffic", "Latency", "Throughput", "Backends", "Routing"]
+ROWS = ["Traffic", "Latency", "Throughput", "Backends", "Routing", "KV events (vLLM, SGLang)"]
 
 # a metric name, not part of a recording rule's level:name:operation
 METRIC_NAME = re.compile(r"(?<![\w:])(gateway_\w+)(?![\w:])")

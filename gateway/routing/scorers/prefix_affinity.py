@@ -33,21 +33,26 @@ class PrefixAffinityScorer:
         self._wait_credit = wait_credit
         self._empty_credit = empty_credit
 
-    def score(self, request: RouteRequest, backends: Sequence[Backend]) -> list[float]:
-        blocks = request.blocks
-        if not blocks:
-            return [0.0] * len(backends)
-        now = time.monotonic()
+    def gated(self, backends: Sequence[Backend], now: float) -> tuple[list[bool], list[bool]]:
+        """Per backend: whether its queue is too long for affinity credit, and whether every slot of it is
+        taken while another candidate has a free one (the slot-pinning exception is the caller's)."""
         queues = [b.estimated_queue(now) for b in backends]
         lightest = min(queues)
         full = [b.slots is not None and q >= b.slots for b, q in zip(backends, queues, strict=True)]
         room_elsewhere = not all(full)
+        long_queue = [q - lightest > self._gate_abs and q > self._gate_rel * max(lightest, 1) for q in queues]
+        return long_queue, [f and room_elsewhere for f in full]
+
+    def score(self, request: RouteRequest, backends: Sequence[Backend]) -> list[float]:
+        blocks = request.blocks
+        if not blocks:
+            return [0.0] * len(backends)
+        long_queue, no_room = self.gated(backends, time.monotonic())
         prefix = self._prefix
         scores = []
-        for backend, queue, no_room in zip(backends, queues, full, strict=True):
+        for backend, too_long, full in zip(backends, long_queue, no_room, strict=True):
             cached, waits, empty = prefix.lookup(backend, blocks)
-            if (queue - lightest > self._gate_abs and queue > self._gate_rel * max(lightest, 1)) or (
-                    no_room and room_elsewhere and not waits):
+            if too_long or (full and not waits):
                 scores.append(0.0)
             elif cached:
                 scores.append(cached / len(blocks) * (self._wait_credit if waits else 1.0))

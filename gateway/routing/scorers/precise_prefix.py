@@ -1,0 +1,102 @@
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+from gateway.kvcache.index import MIN_CHUNK_TOKENS, request_keys
+from gateway.pool.backend import Backend
+from gateway.routing.request import RouteRequest
+from gateway.routing.scorers.prefix_affinity import PrefixAffinityScorer
+from gateway.routing.state import EventStreamView, RoutingState
+
+
+class PrecisePrefixScorer:
+    """Prefers the backend whose prefix cache holds the longest part of this prompt, as the engine's own KV
+    events say (vLLM and SGLang with ``kv_events`` configured), for backends whose event stream is live;
+    every other backend (llama.cpp and TabbyAPI, which publish none, or a stream that is missing, silent or
+    rebuilding) is scored by the approximate ``prefix`` scorer. The prompt is tokenized with the model's
+    tokenizer (``routing.tokenizers``); a model without one is scored approximately everywhere.
+
+    Score = the fraction of the prompt's tokens held, in the engine's own reuse unit (whole blocks); the
+    same load gate as ``prefix`` (a long queue, or no free slot while another candidate has one, gets no
+    credit), so a hot prefix still spreads. A prompt just sent to a backend counts as held there for
+    ``speculate_seconds`` (or until its events arrive), so the requests sharing it that arrive during its
+    prefill follow it.
+    """
+
+    name = "precise-prefix"
+
+    def __init__(self, state: RoutingState, gate_abs: int = 12, gate_rel: float = 3.0,
+                 wait_credit: float = 0.5, empty_credit: float = 0.1, speculate_seconds: float = 5.0) -> None:
+        self._approx = PrefixAffinityScorer(state, gate_abs, gate_rel, wait_credit, empty_credit)
+        self._state = state
+        self._speculate_seconds = speculate_seconds
+        self._default_chunk = MIN_CHUNK_TOKENS  # before an engine's first event says its block size
+
+    def _tokens(self, request: RouteRequest) -> list[int] | None:
+        if not request.tokenized:
+            request.tokenized = True
+            tokenizer = self._state.tokenizers.get(request.model)
+            if tokenizer is not None:
+                if request.route == "chat":
+                    request.token_ids = tokenizer.chat(request.body)
+                elif request.route == "completions":
+                    request.token_ids = tokenizer.completion(request.body.get("prompt"))
+        return request.token_ids
+
+    @staticmethod
+    def _keys(request: RouteRequest, tokens: list[int], chunk: int) -> list[bytes]:
+        keys = request.chunk_keys if request.chunk_keys is not None else {}
+        request.chunk_keys = keys
+        if chunk not in keys:
+            keys[chunk] = request_keys(tokens, chunk)
+        return keys[chunk]
+
+    def _held_tokens(self, request: RouteRequest, tokens: list[int], stream: EventStreamView, now: float) -> int:
+        chunk = stream.index.chunk or self._default_chunk
+        return int(stream.index.match(self._keys(request, tokens, chunk), now) * chunk)
+
+    def score(self, request: RouteRequest, backends: Sequence[Backend]) -> list[float]:
+        events = self._state.events
+        if events is None or request.route == "embeddings":
+            return self._approx.score(request, backends)
+        now = time.monotonic()
+        streams = [events.live_index(b, now) for b in backends]
+        if not any(streams):
+            return self._approx.score(request, backends)
+        tokens = self._tokens(request)
+        if not tokens:
+            return self._approx.score(request, backends)
+        approx = self._approx.score(request, backends) if not all(streams) else None
+        long_queue, no_room = self._approx.gated(backends, now)
+        scores = []
+        for i, stream in enumerate(streams):
+            if stream is None:
+                assert approx is not None
+                scores.append(approx[i])
+            elif long_queue[i] or no_room[i]:
+                scores.append(0.0)
+            else:
+                scores.append(self._held_tokens(request, tokens, stream, now) / len(tokens))
+        return scores
+
+    def routed(self, request: RouteRequest, backend: Backend) -> None:
+        """Record what the events predict for the backend chosen, and tell its stream that events are due when
+        the engine must store blocks it does not hold."""
+        events = self._state.events
+        request.events_cached_tokens = None
+        if events is None or not request.tokenized or not request.token_ids:
+            return
+        stream = events.live_index(backend)
+        if stream is None:
+            return
+        tokens = request.token_ids
+        index = stream.index
+        chunk = index.chunk or self._default_chunk
+        keys = self._keys(request, tokens, chunk)
+        announced = int(index.match(keys) * chunk)  # what the engine itself said, for the metrics
+        request.events_cached_tokens = announced
+        now = time.monotonic()
+        if announced + chunk <= len(tokens):
+            stream.expect_blocks(now)
+            index.speculate(keys, now + self._speculate_seconds)
