@@ -66,6 +66,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--load-seconds", type=float, default=0.0)
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a profile parameter")
+    s.add_argument("--tokenizer", type=Path, help="a Hugging Face tokenizer directory (chat template + tokenizer)")
+    s.add_argument("--kv-events", metavar="ENDPOINT", help="vLLM/SGLang: publish KV events here (tcp://host:port)")
+    s.add_argument("--kv-replay", metavar="ENDPOINT", help="and serve replays here")
+    t = sub.add_parser("tokenizer", help="write the generated tokenizer directory (a small byte-level BPE)")
+    t.add_argument("--out", type=Path, required=True, help="directory to write it under")
     f = sub.add_parser("fleet", help="several emulated servers in one process")
     g = f.add_mutually_exclusive_group()
     g.add_argument("--config", type=Path, help="fleet YAML")
@@ -91,8 +96,9 @@ async def _serve(specs: list[SimSpec]) -> None:
     await fleet.start()
     for server in fleet.servers:
         spec = server.spec
+        events = f" kv_events={server.kv_events_endpoint}" if server.kv_events_endpoint else ""
         print(f"EMULATED {spec.engine} engine (not a real model server): {server.url} model={spec.model} "
-              f"name={spec.name} profile={spec.profile} time_scale={spec.time_scale}", flush=True)
+              f"name={spec.name} profile={spec.profile} time_scale={spec.time_scale}{events}", flush=True)
     try:
         await stop.wait()
     finally:
@@ -105,11 +111,23 @@ def main(argv: list[str] | None = None) -> int:
         from gateway.sim.bench import run_bench
 
         return run_bench(args.streams, args.tokens, args.step_ms, args.port)
+    if args.cmd == "tokenizer":
+        from gateway.sim.tokenizer_files import ensure_tokenizer
+
+        print(ensure_tokenizer(args.out))
+        return 0
     if args.cmd == "serve":
-        specs = [SimSpec(engine=args.engine, model=args.model, host=args.host, port=args.port, name=args.name,
-                         profile=args.profile, api_key=args.api_key, time_scale=args.time_scale,
-                         metrics=not args.no_metrics, cache_report=not args.no_cache_report,
-                         load_seconds=args.load_seconds, seed=args.seed, overrides=_parse_set(args.set))]
+        kv = None
+        if args.kv_events:
+            kv = {"endpoint": args.kv_events, **({"replay_endpoint": args.kv_replay} if args.kv_replay else {})}
+        try:
+            specs = [SimSpec(engine=args.engine, model=args.model, host=args.host, port=args.port, name=args.name,
+                             profile=args.profile, api_key=args.api_key, time_scale=args.time_scale,
+                             metrics=not args.no_metrics, cache_report=not args.no_cache_report,
+                             load_seconds=args.load_seconds, seed=args.seed, overrides=_parse_set(args.set),
+                             kv_events=kv, tokenizer=str(args.tokenizer) if args.tokenizer else None)]
+        except ValueError as exc:
+            raise SystemExit(f"gateway sim serve: {exc}") from None
     elif args.config is not None:
         specs = load_fleet_yaml(args.config)
     else:

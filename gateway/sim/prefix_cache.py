@@ -7,7 +7,9 @@
   similarity (> ``similarity``) else least recently used; it also limits concurrency to the slot count.
 
 All return the number of cached prompt tokens on admission, never the whole prompt (the last token is always
-computed, as in the engines).
+computed, as in the engines). A block or radix cache given ``events`` (a
+:class:`~gateway.sim.kv_events.KvEventPublisher`) reports the blocks it stores, evicts and clears, as vLLM and
+SGLang publish them.
 """
 
 from __future__ import annotations
@@ -15,7 +17,16 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import OrderedDict
+from collections.abc import Sequence
 from typing import Protocol
+
+
+class CacheEvents(Protocol):
+    def stored(self, hashes: Sequence[int], parent: int | None, tokens: Sequence[int], block_size: int) -> None: ...
+
+    def removed(self, hashes: Sequence[int]) -> None: ...
+
+    def cleared(self) -> None: ...
 
 
 class PrefixCache(Protocol):
@@ -36,10 +47,14 @@ class PrefixCache(Protocol):
 
 
 class BlockCache:
-    def __init__(self, block_size: int, capacity_tokens: int) -> None:
+    """vLLM's block pool as far as prefix caching goes. A request's blocks are touched and released tail first,
+    as vLLM frees a finished request's blocks in reverse order, so a chain's tail is evicted before its head."""
+
+    def __init__(self, block_size: int, capacity_tokens: int, events: CacheEvents | None = None) -> None:
         self.block_size = block_size
         self.capacity_blocks = max(1, capacity_tokens // block_size)
         self._blocks: OrderedDict[int, None] = OrderedDict()
+        self.events = events
 
     def _hashes(self, tokens: list[int]) -> list[int]:
         bs = self.block_size
@@ -55,8 +70,10 @@ class BlockCache:
         for h in self._hashes(tokens[:-1]):
             if h not in self._blocks:
                 break
-            self._blocks.move_to_end(h)
             hits += 1
+        hashes = self._hashes(tokens[:-1])[:hits]
+        for h in reversed(hashes):
+            self._blocks.move_to_end(h)
         return hits * self.block_size
 
     def computed(self, seq_id: int, tokens: list[int]) -> None:
@@ -66,32 +83,63 @@ class BlockCache:
         self._insert(tokens)
 
     def _insert(self, tokens: list[int]) -> None:
-        for h in self._hashes(tokens):
-            self._blocks[h] = None
-            self._blocks.move_to_end(h)
-        while len(self._blocks) > self.capacity_blocks:
-            self._blocks.popitem(last=False)
+        hashes = self._hashes(tokens)
+        blocks = self._blocks
+        new = [i for i, h in enumerate(hashes) if h not in blocks]
+        for h in reversed(hashes):
+            blocks[h] = None
+            blocks.move_to_end(h)
+        if self.events is not None and new:
+            self._report_stored(tokens, hashes, new)
+        evicted = []
+        while len(blocks) > self.capacity_blocks:
+            evicted.append(blocks.popitem(last=False)[0])
+        if self.events is not None and evicted:
+            self.events.removed(evicted)
+
+    def _report_stored(self, tokens: list[int], hashes: list[int], new: list[int]) -> None:
+        """One BlockStored per run of consecutive new blocks, its parent the block before the run."""
+        assert self.events is not None
+        bs = self.block_size
+        start = new[0]
+        for k, i in enumerate(new):
+            last = k + 1 == len(new) or new[k + 1] != i + 1
+            if last:
+                self.events.stored(hashes[start : i + 1], hashes[start - 1] if start else None,
+                                   tokens[start * bs : (i + 1) * bs], bs)
+                if k + 1 < len(new):
+                    start = new[k + 1]
 
     def flush(self) -> None:
         self._blocks.clear()
+        if self.events is not None:
+            self.events.cleared()
 
     def cached_tokens(self) -> int:
         return len(self._blocks) * self.block_size
 
 
 class _Node:
-    __slots__ = ("children", "last", "parent", "token")
+    __slots__ = ("children", "last", "page_hash", "parent", "token")
 
     def __init__(self, parent: _Node | None, token: int, last: int) -> None:
         self.children: dict[int, _Node] = {}
         self.parent = parent
         self.token = token
         self.last = last
+        self.page_hash: int | None = None  # set on the node that completes a page
 
 
 class RadixCache:
-    def __init__(self, capacity_tokens: int) -> None:
+    """SGLang's radix cache: a token trie holding whole pages of ``page_size`` tokens (SGLang's default page is
+    one token), reused in whole pages, least recently used leaves evicted first. Each page is hashed in a chain
+    over its parent page, for the events: one BlockStored per insert covering its new pages, one BlockRemoved
+    per eviction round."""
+
+    def __init__(self, capacity_tokens: int, page_size: int = 1, events: CacheEvents | None = None) -> None:
         self.capacity = capacity_tokens
+        self.page_size = max(1, page_size)
+        self.events = events
         self._clock = itertools.count(1)
         self._root = _Node(None, -1, 0)
         self._size = 0
@@ -107,7 +155,7 @@ class RadixCache:
             child.last = now
             node = child
             n += 1
-        return n
+        return n // self.page_size * self.page_size
 
     def computed(self, seq_id: int, tokens: list[int]) -> None:
         self._insert(tokens)
@@ -116,9 +164,15 @@ class RadixCache:
         self._insert(tokens)
 
     def _insert(self, tokens: list[int]) -> None:
+        page = self.page_size
+        tokens = tokens[: len(tokens) // page * page]
         now = next(self._clock)
         node = self._root
-        for t in tokens:
+        parent_hash: int | None = None
+        stored_parent: int | None = None
+        stored: list[int] = []
+        first_stored = 0
+        for i, t in enumerate(tokens):
             child = node.children.get(t)
             if child is None:
                 child = _Node(node, t, now)
@@ -127,6 +181,15 @@ class RadixCache:
             else:
                 child.last = now
             node = child
+            if i % page == page - 1:
+                if child.page_hash is None:  # a page new to the cache
+                    child.page_hash = hash((parent_hash or 0, tuple(tokens[i - page + 1 : i + 1])))
+                    if not stored:
+                        stored_parent, first_stored = parent_hash, i - page + 1
+                    stored.append(child.page_hash)
+                parent_hash = child.page_hash
+        if self.events is not None and stored:
+            self.events.stored(stored, stored_parent, tokens[first_stored : first_stored + len(stored) * page], page)
         if self._size > self.capacity:
             self._evict(self._size - int(self.capacity * 0.9))
 
@@ -140,19 +203,26 @@ class RadixCache:
             elif node is not self._root:
                 heap.append((node.last, id(node), node))
         heapq.heapify(heap)
+        removed: list[int] = []
         while count > 0 and heap:
             _, _, leaf = heapq.heappop(heap)
             parent = leaf.parent
             assert parent is not None
             del parent.children[leaf.token]
+            if leaf.page_hash is not None:
+                removed.append(leaf.page_hash)
             self._size -= 1
             count -= 1
             if parent is not self._root and not parent.children:
                 heapq.heappush(heap, (parent.last, id(parent), parent))
+        if self.events is not None and removed:
+            self.events.removed(removed)
 
     def flush(self) -> None:
         self._root = _Node(None, -1, 0)
         self._size = 0
+        if self.events is not None:
+            self.events.cleared()
 
     def cached_tokens(self) -> int:
         return self._size

@@ -13,7 +13,9 @@ import orjson
 from gateway.sim.engines import make_engine
 from gateway.sim.engines.base import Engine, EngineError
 from gateway.sim.faults import Faults
+from gateway.sim.hf_tokenizer import HFTokenizer
 from gateway.sim.http import Connection, Request, Responder
+from gateway.sim.kv_events import KvEventPublisher
 from gateway.sim.scheduler import Scheduler
 from gateway.sim.spec import SimSpec
 from gateway.sim.stats import Latencies, RecordedRequest, Stats, recorder
@@ -34,6 +36,10 @@ class SimServer:
         self.profile = spec.resolved_profile()
         self.port = spec.port
         self.tokenizer = Tokenizer()
+        # a real tokenizer and chat template, when the spec names one (prompt token ids as vLLM/SGLang make them)
+        self.hf: HFTokenizer | None = HFTokenizer.from_dir(spec.tokenizer) if spec.tokenizer else None
+        self.kv_events: KvEventPublisher | None = None
+        self._kv_addresses: tuple[str, str | None] | None = None  # bound on first start, kept across restarts
         self.faults = Faults(_crash=self.crash)
         self.stats = Stats()
         self.lat = Latencies()
@@ -68,6 +74,7 @@ class SimServer:
         for f in fields(Stats):
             setattr(self.stats, f.name, f.default)
         self.lat = Latencies()
+        self._start_kv_events()
         self.engine = make_engine(self)
         self._scheduler = Scheduler(self.profile, self.engine.make_cache(self.profile), self.spec.time_scale,
                                     self.stats, self.lat)
@@ -85,6 +92,29 @@ class SimServer:
             await self._listen(sock)
         else:
             self._listen_task = asyncio.create_task(self._listen_later(sock, listen_after))
+
+    def _start_kv_events(self) -> None:
+        """A fresh publisher per process start (sequence numbers from 0), on the addresses first bound."""
+        kv = self.spec.kv_events
+        if kv is None:
+            return
+        if self._kv_addresses is None:
+            endpoint, replay = kv.get("endpoint", "tcp://127.0.0.1:*"), kv.get("replay_endpoint")
+        else:
+            endpoint, replay = self._kv_addresses
+        assert self.spec.engine in ("vllm", "sglang")
+        self.kv_events = KvEventPublisher(self.spec.engine, endpoint, replay, kv.get("topic", ""),
+                                          kv.get("buffer_steps", 10_000))
+        self._kv_addresses = (self.kv_events.endpoint, self.kv_events.replay_endpoint)
+        self.kv_events.start()
+
+    @property
+    def kv_events_endpoint(self) -> str | None:
+        return self._kv_addresses[0] if self._kv_addresses else None
+
+    @property
+    def kv_replay_endpoint(self) -> str | None:
+        return self._kv_addresses[1] if self._kv_addresses else None
 
     async def _listen_later(self, sock: socket.socket, delay: float) -> None:
         try:
@@ -115,6 +145,9 @@ class SimServer:
             conn.abort()
         if self._scheduler is not None:
             await self._scheduler.stop()
+        if self.kv_events is not None:
+            self.kv_events.close()
+            self.kv_events = None
         if self._server is not None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._server.wait_closed(), 2.0)

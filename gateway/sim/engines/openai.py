@@ -46,6 +46,11 @@ class OpenAIEngine(Engine):
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise EngineError(400, "'messages' must be a non-empty list", param="messages")
+        hf = self.server.hf
+        if hf is not None:  # the model's own chat template and tokenizer, as vLLM and SGLang render them
+            prompt = hf.render(messages, body.get("tools"))
+            await self.generate(resp, body, "chat", prompt, ids=hf.encode(prompt, add_special_tokens=False))
+            return
         prompt = render_chat(messages, body.get("tools"))
         await self.generate(resp, body, "chat", prompt)
 
@@ -57,13 +62,15 @@ class OpenAIEngine(Engine):
             prompt = "".join(str(p) for p in prompt)
         if not isinstance(prompt, str):
             raise EngineError(400, "'prompt' must be a string", param="prompt")
-        await self.generate(resp, body, "completion", prompt)
+        hf = self.server.hf
+        await self.generate(resp, body, "completion", prompt, ids=hf.encode(prompt) if hf is not None else None)
 
     async def generate(self, resp: Responder, body: dict[str, Any], kind: str, prompt: str,
                        max_tokens: int | None = None, constraint: Constraint | None = None,
-                       stream: bool | None = None) -> None:
+                       stream: bool | None = None, ids: list[int] | None = None) -> None:
         server = self.server
-        ids = server.tokenizer.encode(prompt)
+        if ids is None:
+            ids = server.tokenizer.encode(prompt)
         if max_tokens is None:
             max_tokens = self.max_tokens(body)
         if constraint is None:

@@ -38,7 +38,8 @@ class SglangEngine(OpenAIEngine):
     unauthorized_body = b'{"error":"Unauthorized"}'
 
     def make_cache(self, profile: Profile) -> PrefixCache:
-        self.radix = RadixCache(profile.kv_capacity_tokens)
+        kv = self.spec.kv_events or {}
+        self.radix = RadixCache(profile.kv_capacity_tokens, kv.get("page_size", 1), self.server.kv_events)
         return self.radix
 
     def routes(self) -> dict[tuple[str, str], Handler]:
@@ -212,9 +213,21 @@ class SglangEngine(OpenAIEngine):
             "max_running_requests": p.max_seqs, "max_total_tokens": p.kv_capacity_tokens,
             "chunked_prefill_size": p.prefill_chunk_tokens, "enable_metrics": self.spec.metrics,
             "enable_cache_report": self.spec.cache_report, "api_key": None, "port": self.server.port,
-            "version": VERSION, "status": "ready",
+            "version": VERSION, "status": "ready", **self._kv_events_info(),
             "internal_states": [{"max_total_num_tokens": p.kv_capacity_tokens, "last_gen_throughput": 0.0,
                                  "load": len(self.server.scheduler.running)}]})
+
+    def _kv_events_info(self) -> dict[str, Any]:
+        """SGLang 0.5.23 advertises its publisher (``runtime_context.py``): ports, topic, block size."""
+        kv = self.spec.kv_events
+        endpoint = self.server.kv_events_endpoint
+        if kv is None or endpoint is None:
+            return {}
+        host, _, port = endpoint.removeprefix("tcp://").rpartition(":")
+        replay = self.server.kv_replay_endpoint
+        return {"kv_events": {"publisher": "zmq", "endpoint_host": host, "endpoint_port_base": int(port),
+                              "topic": kv.get("topic", ""), "block_size": kv.get("page_size", 1), "dp_size": 1,
+                              "replay_endpoint_port_base": int(replay.rpartition(":")[2]) if replay else None}}
 
     async def flush_cache(self, req: Request, resp: Responder) -> None:
         sched = self.server.scheduler

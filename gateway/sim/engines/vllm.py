@@ -54,7 +54,7 @@ class VllmEngine(OpenAIEngine):
     unauthorized_body = b'{"error":"Unauthorized"}'
 
     def make_cache(self, profile: Profile) -> PrefixCache:
-        return BlockCache(BLOCK_SIZE, profile.kv_capacity_tokens)
+        return BlockCache(BLOCK_SIZE, profile.kv_capacity_tokens, self.server.kv_events)
 
     def routes(self) -> dict[tuple[str, str], Handler]:
         return {
@@ -136,9 +136,15 @@ class VllmEngine(OpenAIEngine):
     async def tokenize(self, req: Request, resp: Responder) -> None:
         body = self.parse_json(req)
         self.check_model(body)
-        tok = self.server.tokenizer
+        tok, hf = self.server.tokenizer, self.server.hf
         if "messages" in body:
-            ids = tok.encode(render_chat(body["messages"], body.get("tools")))
+            if hf is not None:  # vLLM: add_special_tokens defaults to False for chat (the template writes them)
+                ids = hf.encode(hf.render(body["messages"], body.get("tools")),
+                                bool(body.get("add_special_tokens", False)))
+            else:
+                ids = tok.encode(render_chat(body["messages"], body.get("tools")))
+        elif hf is not None:
+            ids = hf.encode(str(body.get("prompt", "")), bool(body.get("add_special_tokens", True)))
         else:
             ids = tok.encode(str(body.get("prompt", "")), add_bos=bool(body.get("add_special_tokens", True)))
         self.send_json(resp, {"count": len(ids), "max_model_len": self.server.profile.context_length,
