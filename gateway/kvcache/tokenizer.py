@@ -6,7 +6,8 @@ vLLM and SGLang render chat requests with transformers' ``apply_chat_template``:
 filter that keeps non-ASCII, ``raise_exception`` and ``strftime_now`` globals, the tokenizer's special tokens
 as variables, ``add_generation_prompt=True``, and then tokenize the text *without* adding special tokens (the
 template writes them); completion prompts are tokenized *with* them. Message content given as parts is joined
-with newlines, as vLLM does for templates that take string content. A mismatch (a template feature rendered
+with newlines, as vLLM does for templates that take string content; an assistant's tool-call arguments are
+parsed from their JSON and tools dumped as vLLM's models dump them. A mismatch (a template feature rendered
 differently) costs routing quality only: the request still goes to a healthy backend.
 
 Cost is bounded: at most ``max_chars`` characters of message content are rendered (a longer prompt is routed
@@ -17,6 +18,7 @@ kv-events``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 from collections import OrderedDict
@@ -78,6 +80,70 @@ def _template_source(directory: Path, config: Mapping[str, Any]) -> str | None:
     return template if isinstance(template, str) else None
 
 
+def _content(content: Any) -> Any:
+    """vLLM's "string" content format: text parts joined with newlines; no content: an empty string."""
+    if content is None:
+        return ""
+    if isinstance(content, list):
+        return "\n".join(str(p["text"]) for p in content if isinstance(p, Mapping)
+                         and p.get("type", "text") in ("text", "input_text") and "text" in p)
+    return content
+
+
+def _tool_calls(calls: list[Any]) -> list[Any]:
+    """An assistant's tool calls with their arguments parsed from JSON (empty: ``{}``), as vLLM passes them."""
+    out = []
+    for call in calls:
+        if isinstance(call, Mapping) and isinstance(call.get("function"), Mapping):
+            function = dict(call["function"])
+            arguments = function.get("arguments")
+            if not arguments:
+                function["arguments"] = {}
+            elif isinstance(arguments, str):
+                with contextlib.suppress(ValueError):  # not JSON: vLLM refuses the request; kept as it is
+                    function["arguments"] = json.loads(arguments)
+            call = {**call, "function": function}
+        out.append(call)
+    return out
+
+
+def _message(raw: Any) -> dict[str, Any] | None:
+    """One message as vLLM's chat preprocessing leaves it: role, content as text, an assistant's tool calls,
+    a tool result's call id, a name."""
+    if not isinstance(raw, Mapping):
+        return None
+    role = raw.get("role")
+    message: dict[str, Any] = {"role": role, "content": _content(raw.get("content"))}
+    calls = raw.get("tool_calls")
+    if role == "assistant" and isinstance(calls, list) and calls:
+        message["tool_calls"] = _tool_calls(calls)
+    if role == "tool" and "tool_call_id" in raw:
+        message["tool_call_id"] = raw["tool_call_id"]
+    if isinstance(raw.get("name"), str):
+        message["name"] = raw["name"]
+    return message
+
+
+def _tools(tools: Any) -> list[Any] | None:
+    """Tools as vLLM's pydantic models dump them: type, then function name, description, parameters (absent
+    ones as null), other fields after."""
+    if not isinstance(tools, list):
+        return None
+    out = []
+    for tool in tools:
+        if not isinstance(tool, Mapping) or not isinstance(tool.get("function"), Mapping):
+            out.append(tool)
+            continue
+        function = tool["function"]
+        out.append({"type": tool.get("type", "function"),
+                    "function": {"name": function.get("name"), "description": function.get("description"),
+                                 "parameters": function.get("parameters"),
+                                 **{k: v for k, v in function.items()
+                                    if k not in ("name", "description", "parameters")}},
+                    **{k: v for k, v in tool.items() if k not in ("type", "function")}})
+    return out
+
+
 class PromptTokenizer:
     """One model's chat template and tokenizer. ``chat`` and ``completion`` return the prompt's token ids, or
     None when the template refuses the request (the caller then routes without them)."""
@@ -137,9 +203,10 @@ class PromptTokenizer:
         messages, truncated = self._bounded(messages)
         kwargs = body.get("chat_template_kwargs")
         extra = {k: v for k, v in kwargs.items() if isinstance(k, str)} if isinstance(kwargs, dict) else {}
+        generation = body.get("add_generation_prompt", True) is not False and not truncated
         try:
             text = self._template.render(**{**extra, **self._special, "messages": messages,
-                                            "tools": body.get("tools"), "add_generation_prompt": not truncated})
+                                            "tools": _tools(body.get("tools")), "add_generation_prompt": generation})
         except Exception:  # the template refused (raise_exception) or broke on unexpected input
             return None
         ids = self._encode_segments(text)
@@ -153,20 +220,18 @@ class PromptTokenizer:
         return ids[:-MIN_TAIL] if truncated else ids
 
     def _bounded(self, messages: list[Any]) -> tuple[list[dict[str, Any]], bool]:
-        """The messages as the template sees them (parts joined), cut to ``max_chars`` of content."""
+        """The messages as vLLM hands them to the template (:func:`_message`), cut to ``max_chars`` of
+        content."""
         budget = self.max_chars
         out: list[dict[str, Any]] = []
-        for message in messages:
-            if not isinstance(message, dict):
+        for raw in messages:
+            message = _message(raw)
+            if message is None:
                 continue
-            content = message.get("content")
-            if isinstance(content, list):
-                content = "\n".join(str(p.get("text", "")) for p in content
-                                    if isinstance(p, dict) and p.get("type") in ("text", "input_text", None))
-                message = {**message, "content": content}
+            content = message["content"]
             size = len(content) if isinstance(content, str) else 0
             if size > budget:
-                out.append({**message, "content": content[:budget] if isinstance(content, str) else content})
+                out.append({**message, "content": content[:budget]})
                 return out, True
             budget -= size
             out.append(message)

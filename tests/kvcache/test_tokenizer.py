@@ -22,7 +22,8 @@ def test_chat_renders_like_transformers_and_tokenizes_without_added_specials(mod
                                                       {"type": "text", "text": "fox"}]}],
             "tools": [{"type": "function", "function": {"name": "wörld"}}]}
     rendered = ("<s><|im_start|>system\nthe lazy dog<|im_end|>\n<|im_start|>user\nquick\nfox<|im_end|>\n"
-                '<|im_start|>tools\n[{"type": "function", "function": {"name": "wörld"}}]<|im_end|>\n'
+                '<|im_start|>tools\n[{"type": "function", "function": {"name": "wörld", "description": null, '
+                '"parameters": null}}]<|im_end|>\n'
                 "<|im_start|>assistant\n")
     assert tok.chat(body) == whole(model_dir, rendered)
 
