@@ -67,10 +67,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a profile parameter")
     s.add_argument("--tokenizer", type=Path, help="a Hugging Face tokenizer directory (chat template + tokenizer)")
-    s.add_argument("--kv-events", metavar="ENDPOINT", help="vLLM/SGLang: publish KV events here (tcp://host:port)")
-    s.add_argument("--kv-replay", metavar="ENDPOINT", help="and serve replays here")
+    s.add_argument("--kv-events", metavar="ENDPOINT",
+                   help="vLLM/SGLang: publish KV events here (tcp://host:port; tcp://127.0.0.1:* an ephemeral port)")
+    s.add_argument("--kv-replay", metavar="ENDPOINT", help="and serve replays here (default: an ephemeral port)")
+    s.add_argument("--kv-topic", default="", help="the events' topic")
     t = sub.add_parser("tokenizer", help="write the generated tokenizer directory (a small byte-level BPE)")
-    t.add_argument("--out", type=Path, required=True, help="directory to write it under")
+    t.add_argument("--out", type=Path, required=True, help="the directory to write (if missing or outdated)")
     f = sub.add_parser("fleet", help="several emulated servers in one process")
     g = f.add_mutually_exclusive_group()
     g.add_argument("--config", type=Path, help="fleet YAML")
@@ -96,7 +98,9 @@ async def _serve(specs: list[SimSpec]) -> None:
     await fleet.start()
     for server in fleet.servers:
         spec = server.spec
-        events = f" kv_events={server.kv_events_endpoint}" if server.kv_events_endpoint else ""
+        events = ""
+        if server.kv_events_endpoint:
+            events = f" kv_events={server.kv_events_endpoint} kv_replay={server.kv_replay_endpoint}"
         print(f"EMULATED {spec.engine} engine (not a real model server): {server.url} model={spec.model} "
               f"name={spec.name} profile={spec.profile} time_scale={spec.time_scale}{events}", flush=True)
     try:
@@ -119,7 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "serve":
         kv = None
         if args.kv_events:
-            kv = {"endpoint": args.kv_events, **({"replay_endpoint": args.kv_replay} if args.kv_replay else {})}
+            kv = {"endpoint": args.kv_events, "topic": args.kv_topic,
+                  **({"replay_endpoint": args.kv_replay} if args.kv_replay else {})}
         try:
             specs = [SimSpec(engine=args.engine, model=args.model, host=args.host, port=args.port, name=args.name,
                              profile=args.profile, api_key=args.api_key, time_scale=args.time_scale,

@@ -2,20 +2,24 @@
 
 * :class:`BlockCache`: full fixed-size blocks, each hash chained over its parent, LRU eviction. vLLM uses
   16-token blocks; ExLlamaV2/V3 (TabbyAPI) 256-token pages. Only whole blocks are reused.
-* :class:`RadixCache`: SGLang's RadixAttention, token-granular (one trie node per token), LRU eviction of leaves.
+* :class:`RadixCache`: SGLang's RadixAttention: a radix tree of pages (``page_size`` tokens, SGLang's default
+  one), nodes split where prompts diverge, least recently used leaf nodes evicted first.
 * :class:`SlotCache`: llama.cpp, one cached prompt per slot; an idle slot is chosen by longest-common-prefix
   similarity (> ``similarity``) else least recently used; it also limits concurrency to the slot count.
 
 All return the number of cached prompt tokens on admission, never the whole prompt (the last token is always
-computed, as in the engines). A block or radix cache given ``events`` (a
-:class:`~gateway.sim.kv_events.KvEventPublisher`) reports the blocks it stores, evicts and clears, as vLLM and
-SGLang publish them.
+computed, as in the engines). A block or radix cache given ``events`` (a :class:`CacheEvents`, in practice a
+:class:`~gateway.sim.kv_events.KvEventPublisher`) reports the blocks it stores, evicts and clears, with the
+engine's own block hashes: vLLM's unsigned 64-bit (the low 8 bytes of a SHA-256 chain), SGLang's signed 64-bit
+(the first 8 bytes of its SHA-256 page chain). Without ``events`` nothing is hashed but what matching needs.
 """
 
 from __future__ import annotations
 
+import hashlib
 import heapq
 import itertools
+import struct
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Protocol
@@ -46,9 +50,23 @@ class PrefixCache(Protocol):
     def cached_tokens(self) -> int: ...
 
 
+def _token_bytes(tokens: Sequence[int]) -> bytes:
+    """Token ids as the engines hash them: 4 bytes each, little-endian, unsigned."""
+    try:
+        return struct.pack(f"<{len(tokens)}I", *tokens)
+    except struct.error:  # ids outside uint32 (only from raw input_ids): wrapped, as a uint32 array would
+        return b"".join((t & 0xFFFFFFFF).to_bytes(4, "little") for t in tokens)
+
+
 class BlockCache:
-    """vLLM's block pool as far as prefix caching goes. A request's blocks are touched and released tail first,
-    as vLLM frees a finished request's blocks in reverse order, so a chain's tail is evicted before its head."""
+    """vLLM's block pool as far as prefix caching goes: full blocks, each keyed by a hash chained over its
+    parent's, least recently used first out. A request's blocks are touched and released tail first, as vLLM
+    frees a finished request's blocks in reverse order, so a chain's tail is evicted before its head (never a
+    head before its tail, which would leave blocks no prompt can reach).
+
+    With ``events``: block hashes are vLLM's (``sha256(parent digest + tokens)``, its low 8 bytes as an
+    unsigned int); one BlockStored per run of new blocks (parent: the block before the run), one BlockRemoved per
+    evicted block, AllBlocksCleared on flush."""
 
     def __init__(self, block_size: int, capacity_tokens: int, events: CacheEvents | None = None) -> None:
         self.block_size = block_size
@@ -56,25 +74,41 @@ class BlockCache:
         self._blocks: OrderedDict[int, None] = OrderedDict()
         self.events = events
 
-    def _hashes(self, tokens: list[int]) -> list[int]:
+    def _hashes(self, tokens: Sequence[int]) -> list[int]:
+        """The hashes of ``tokens``' full blocks, in order."""
         bs = self.block_size
         out: list[int] = []
-        parent = 0
+        if self.events is None:
+            parent = 0
+            for start in range(0, len(tokens) - bs + 1, bs):
+                parent = hash((parent, tuple(tokens[start : start + bs])))
+                out.append(parent)
+            return out
+        digest = b""
         for start in range(0, len(tokens) - bs + 1, bs):
-            parent = hash((parent, tuple(tokens[start : start + bs])))
-            out.append(parent)
+            digest = hashlib.sha256(digest + _token_bytes(tokens[start : start + bs])).digest()
+            out.append(int.from_bytes(digest[-8:], "big"))
         return out
 
-    def admit(self, seq_id: int, tokens: list[int], slot: int | None = None) -> int | None:
-        hits = 0
-        for h in self._hashes(tokens[:-1]):
+    def held(self, tokens: Sequence[int]) -> int:
+        """How many leading tokens of ``tokens`` the cache holds, in whole blocks (nothing is touched)."""
+        n = 0
+        for h in self._hashes(tokens):
             if h not in self._blocks:
                 break
-            hits += 1
-        hashes = self._hashes(tokens[:-1])[:hits]
-        for h in reversed(hashes):
-            self._blocks.move_to_end(h)
-        return hits * self.block_size
+            n += 1
+        return n * self.block_size
+
+    def admit(self, seq_id: int, tokens: list[int], slot: int | None = None) -> int | None:
+        blocks = self._blocks
+        hits: list[int] = []
+        for h in self._hashes(tokens[:-1]):
+            if h not in blocks:
+                break
+            hits.append(h)
+        for h in reversed(hits):
+            blocks.move_to_end(h)
+        return len(hits) * self.block_size
 
     def computed(self, seq_id: int, tokens: list[int]) -> None:
         self._insert(tokens)
@@ -85,17 +119,17 @@ class BlockCache:
     def _insert(self, tokens: list[int]) -> None:
         hashes = self._hashes(tokens)
         blocks = self._blocks
-        new = [i for i, h in enumerate(hashes) if h not in blocks]
+        events = self.events
+        new = [i for i, h in enumerate(hashes) if h not in blocks] if events is not None else []
         for h in reversed(hashes):
             blocks[h] = None
             blocks.move_to_end(h)
-        if self.events is not None and new:
+        if new:
             self._report_stored(tokens, hashes, new)
-        evicted = []
         while len(blocks) > self.capacity_blocks:
-            evicted.append(blocks.popitem(last=False)[0])
-        if self.events is not None and evicted:
-            self.events.removed(evicted)
+            evicted = blocks.popitem(last=False)[0]
+            if events is not None:
+                events.removed([evicted])
 
     def _report_stored(self, tokens: list[int], hashes: list[int], new: list[int]) -> None:
         """One BlockStored per run of consecutive new blocks, its parent the block before the run."""
@@ -103,12 +137,12 @@ class BlockCache:
         bs = self.block_size
         start = new[0]
         for k, i in enumerate(new):
-            last = k + 1 == len(new) or new[k + 1] != i + 1
-            if last:
-                self.events.stored(hashes[start : i + 1], hashes[start - 1] if start else None,
-                                   tokens[start * bs : (i + 1) * bs], bs)
-                if k + 1 < len(new):
-                    start = new[k + 1]
+            if k + 1 < len(new) and new[k + 1] == i + 1:
+                continue
+            self.events.stored(hashes[start : i + 1], hashes[start - 1] if start else None,
+                               tokens[start * bs : (i + 1) * bs], bs)
+            if k + 1 < len(new):
+                start = new[k + 1]
 
     def flush(self) -> None:
         self._blocks.clear()
@@ -120,42 +154,112 @@ class BlockCache:
 
 
 class _Node:
-    __slots__ = ("children", "last", "page_hash", "parent", "token")
+    """A radix tree node: ``key`` is a run of whole pages; ``digests`` their SGLang page hashes (events only)."""
 
-    def __init__(self, parent: _Node | None, token: int, last: int) -> None:
-        self.children: dict[int, _Node] = {}
+    __slots__ = ("children", "digests", "key", "last", "parent")
+
+    def __init__(self, parent: _Node | None, key: list[int], last: int) -> None:
+        self.children: dict[object, _Node] = {}
         self.parent = parent
-        self.token = token
+        self.key = key
         self.last = last
-        self.page_hash: int | None = None  # set on the node that completes a page
+        self.digests: list[bytes] | None = None
+
+
+def _int64(digest: bytes) -> int:
+    """SGLang's ``hash_str_to_int64``: the digest's first 8 bytes as a signed big-endian int."""
+    return int.from_bytes(digest[:8], "big", signed=True)
 
 
 class RadixCache:
-    """SGLang's radix cache: a token trie holding whole pages of ``page_size`` tokens (SGLang's default page is
-    one token), reused in whole pages, least recently used leaves evicted first. Each page is hashed in a chain
-    over its parent page, for the events: one BlockStored per insert covering its new pages, one BlockRemoved
-    per eviction round."""
+    """SGLang's radix cache: a radix tree of whole pages of ``page_size`` tokens (SGLang's default page is one
+    token), reused in whole pages; a node is split where a prompt leaves it (on match and on insert); least
+    recently used leaf nodes are evicted first, whole, until enough tokens are free.
+
+    With ``events``: each page is hashed as SGLang does (``sha256(parent page digest + tokens as uint32 LE)``,
+    chained from the root; the event hash is the digest's first 8 bytes as a signed int64). A new node is one
+    BlockStored of all its pages (parent: the last page of its parent node, None under the root); an evicted node
+    is one BlockRemoved of all its pages; flush is AllBlocksCleared."""
 
     def __init__(self, capacity_tokens: int, page_size: int = 1, events: CacheEvents | None = None) -> None:
         self.capacity = capacity_tokens
         self.page_size = max(1, page_size)
         self.events = events
         self._clock = itertools.count(1)
-        self._root = _Node(None, -1, 0)
+        self._root = _Node(None, [], 0)
         self._size = 0
 
+    def _child_key(self, tokens: Sequence[int], pos: int) -> object:
+        return tokens[pos] if self.page_size == 1 else tuple(tokens[pos : pos + self.page_size])
+
+    def _match(self, key: list[int], tokens: Sequence[int], pos: int) -> int:
+        """How many leading tokens of ``key`` equal ``tokens[pos:]``, in whole pages."""
+        n = len(key)
+        if tokens[pos : pos + n] == key:
+            return n
+        page = self.page_size
+        limit = min(n, len(tokens) - pos)
+        i = 0
+        if page == 1:
+            while i < limit and key[i] == tokens[pos + i]:
+                i += 1
+            return i
+        while i + page <= limit and key[i : i + page] == tokens[pos + i : pos + i + page]:
+            i += page
+        return i
+
+    def _aligned(self, tokens: Sequence[int]) -> int:
+        return len(tokens) // self.page_size * self.page_size
+
+    def held(self, tokens: Sequence[int]) -> int:
+        """How many leading tokens of ``tokens`` the cache holds, in whole pages (nothing is touched)."""
+        end = self._aligned(tokens)
+        tokens = tokens[:end]
+        node, pos = self._root, 0
+        while pos < end:
+            child = node.children.get(self._child_key(tokens, pos))
+            if child is None:
+                break
+            m = self._match(child.key, tokens, pos)
+            pos += m
+            if m < len(child.key):
+                break
+            node = child
+        return pos
+
     def admit(self, seq_id: int, tokens: list[int], slot: int | None = None) -> int | None:
-        now = next(self._clock)
-        node = self._root
-        n = 0
-        for t in tokens[:-1]:
-            child = node.children.get(t)
+        return self._walk(tokens[: self._aligned(tokens[:-1])], next(self._clock))[1]
+
+    def _walk(self, tokens: list[int], now: int) -> tuple[_Node, int]:
+        """Follow ``tokens`` down the tree, touching each node passed and splitting the one left midway; the
+        deepest node reached and how many tokens matched."""
+        node, pos = self._root, 0
+        while pos < len(tokens):
+            child = node.children.get(self._child_key(tokens, pos))
             if child is None:
                 break
             child.last = now
+            m = self._match(child.key, tokens, pos)
+            pos += m
+            if m < len(child.key):
+                node = self._split(child, m)
+                break
             node = child
-            n += 1
-        return n // self.page_size * self.page_size
+        return node, pos
+
+    def _split(self, child: _Node, at: int) -> _Node:
+        """``child`` becomes ``upper`` (its first ``at`` tokens) -> ``child`` (the rest); returns ``upper``."""
+        parent = child.parent
+        assert parent is not None
+        upper = _Node(parent, child.key[:at], child.last)
+        parent.children[self._child_key(child.key, 0)] = upper
+        child.key = child.key[at:]
+        child.parent = upper
+        upper.children[self._child_key(child.key, 0)] = child
+        if child.digests is not None:
+            pages = at // self.page_size
+            upper.digests, child.digests = child.digests[:pages], child.digests[pages:]
+        return upper
 
     def computed(self, seq_id: int, tokens: list[int]) -> None:
         self._insert(tokens)
@@ -164,34 +268,30 @@ class RadixCache:
         self._insert(tokens)
 
     def _insert(self, tokens: list[int]) -> None:
-        page = self.page_size
-        tokens = tokens[: len(tokens) // page * page]
+        tokens = tokens[: self._aligned(tokens)]
         now = next(self._clock)
-        node = self._root
-        parent_hash: int | None = None
-        stored_parent: int | None = None
-        stored: list[int] = []
-        first_stored = 0
-        for i, t in enumerate(tokens):
-            child = node.children.get(t)
-            if child is None:
-                child = _Node(node, t, now)
-                node.children[t] = child
-                self._size += 1
-            else:
-                child.last = now
-            node = child
-            if i % page == page - 1:
-                if child.page_hash is None:  # a page new to the cache
-                    child.page_hash = hash((parent_hash or 0, tuple(tokens[i - page + 1 : i + 1])))
-                    if not stored:
-                        stored_parent, first_stored = parent_hash, i - page + 1
-                    stored.append(child.page_hash)
-                parent_hash = child.page_hash
-        if self.events is not None and stored:
-            self.events.stored(stored, stored_parent, tokens[first_stored : first_stored + len(stored) * page], page)
+        node, pos = self._walk(tokens, now)
+        if pos < len(tokens):
+            leaf = _Node(node, tokens[pos:], now)
+            node.children[self._child_key(leaf.key, 0)] = leaf
+            self._size += len(leaf.key)
+            if self.events is not None:
+                self._report_stored(leaf)
         if self._size > self.capacity:
             self._evict(self._size - int(self.capacity * 0.9))
+
+    def _report_stored(self, leaf: _Node) -> None:
+        assert self.events is not None and leaf.parent is not None
+        parent = leaf.parent
+        prior = parent.digests[-1] if parent.digests else b""
+        page = self.page_size
+        digests = []
+        for start in range(0, len(leaf.key), page):
+            prior = hashlib.sha256(prior + _token_bytes(leaf.key[start : start + page])).digest()
+            digests.append(prior)
+        leaf.digests = digests
+        self.events.stored([_int64(d) for d in digests], _int64(parent.digests[-1]) if parent.digests else None,
+                           leaf.key, page)
 
     def _evict(self, count: int) -> None:
         heap: list[tuple[int, int, _Node]] = []
@@ -203,23 +303,21 @@ class RadixCache:
             elif node is not self._root:
                 heap.append((node.last, id(node), node))
         heapq.heapify(heap)
-        removed: list[int] = []
-        while count > 0 and heap:
+        evicted = 0
+        while evicted < count and heap:
             _, _, leaf = heapq.heappop(heap)
             parent = leaf.parent
             assert parent is not None
-            del parent.children[leaf.token]
-            if leaf.page_hash is not None:
-                removed.append(leaf.page_hash)
-            self._size -= 1
-            count -= 1
+            del parent.children[self._child_key(leaf.key, 0)]
+            evicted += len(leaf.key)
+            self._size -= len(leaf.key)
+            if self.events is not None and leaf.digests:
+                self.events.removed([_int64(d) for d in leaf.digests])
             if parent is not self._root and not parent.children:
                 heapq.heappush(heap, (parent.last, id(parent), parent))
-        if self.events is not None and removed:
-            self.events.removed(removed)
 
     def flush(self) -> None:
-        self._root = _Node(None, -1, 0)
+        self._root = _Node(None, [], 0)
         self._size = 0
         if self.events is not None:
             self.events.cleared()

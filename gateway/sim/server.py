@@ -6,20 +6,24 @@ import asyncio
 import contextlib
 import socket
 from dataclasses import fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
 from gateway.sim.engines import make_engine
 from gateway.sim.engines.base import Engine, EngineError
 from gateway.sim.faults import Faults
-from gateway.sim.hf_tokenizer import HFTokenizer
 from gateway.sim.http import Connection, Request, Responder
-from gateway.sim.kv_events import KvEventPublisher
 from gateway.sim.scheduler import Scheduler
 from gateway.sim.spec import SimSpec
 from gateway.sim.stats import Latencies, RecordedRequest, Stats, recorder
 from gateway.sim.tokenizer import Tokenizer
+
+if TYPE_CHECKING:  # imported when a spec asks for them (tokenizers, jinja2, zmq)
+    from gateway.sim.hf_tokenizer import HFTokenizer
+    from gateway.sim.kv_events import KvEventPublisher
+
+KV_DEFAULT_ENDPOINT = "tcp://127.0.0.1:*"
 
 
 class SimServer:
@@ -29,6 +33,10 @@ class SimServer:
     killed process: the listener and every connection close, and the next ``start()`` is a fresh process
     (empty caches, queues and counters) on the same port. ``faults`` is live; ``received`` holds recent
     requests (method, path, headers, parsed JSON body); ``stats`` counts what happened.
+
+    With ``spec.kv_events`` each start creates ``kv_events`` (a :class:`~gateway.sim.kv_events.KvEventPublisher`,
+    numbering from 0) on the addresses the first start bound (``kv_events_endpoint``, ``kv_replay_endpoint``);
+    ``kv_events.drop_next`` (or ``kv_events_drop_next`` in ``POST /sim/faults``) withholds coming batches.
     """
 
     def __init__(self, spec: SimSpec) -> None:
@@ -37,8 +45,12 @@ class SimServer:
         self.port = spec.port
         self.tokenizer = Tokenizer()
         # a real tokenizer and chat template, when the spec names one (prompt token ids as vLLM/SGLang make them)
-        self.hf: HFTokenizer | None = HFTokenizer.from_dir(spec.tokenizer) if spec.tokenizer else None
-        self.kv_events: KvEventPublisher | None = None
+        self.hf: HFTokenizer | None = None
+        if spec.tokenizer:
+            from gateway.sim.hf_tokenizer import HFTokenizer
+
+            self.hf = HFTokenizer.from_dir(spec.tokenizer, "sglang" if spec.engine == "sglang" else "vllm")
+        self.kv_events: KvEventPublisher | None = None  # this process's publisher (a new one per start)
         self._kv_addresses: tuple[str, str | None] | None = None  # bound on first start, kept across restarts
         self.faults = Faults(_crash=self.crash)
         self.stats = Stats()
@@ -74,15 +86,19 @@ class SimServer:
         for f in fields(Stats):
             setattr(self.stats, f.name, f.default)
         self.lat = Latencies()
-        self._start_kv_events()
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((self.spec.host, self.port))
+            self._start_kv_events()
+        except BaseException:
+            sock.close()
+            raise
+        self.port = sock.getsockname()[1]
         self.engine = make_engine(self)
         self._scheduler = Scheduler(self.profile, self.engine.make_cache(self.profile), self.spec.time_scale,
                                     self.stats, self.lat)
         self._scheduler.start()
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((self.spec.host, self.port))
-        self.port = sock.getsockname()[1]
         load = self.spec.load_seconds / self.spec.time_scale
         self._started_at = loop.time()
         self._ready_at = self._started_at + load
@@ -99,21 +115,27 @@ class SimServer:
         if kv is None:
             return
         if self._kv_addresses is None:
-            endpoint, replay = kv.get("endpoint", "tcp://127.0.0.1:*"), kv.get("replay_endpoint")
+            endpoint = kv.get("endpoint", KV_DEFAULT_ENDPOINT)
+            replay = kv.get("replay_endpoint", KV_DEFAULT_ENDPOINT)
         else:
             endpoint, replay = self._kv_addresses
+        from gateway.sim.kv_events import DEFAULT_BUFFER_STEPS, KvEventPublisher
+
         assert self.spec.engine in ("vllm", "sglang")
         self.kv_events = KvEventPublisher(self.spec.engine, endpoint, replay, kv.get("topic", ""),
-                                          kv.get("buffer_steps", 10_000))
+                                          kv.get("buffer_steps", DEFAULT_BUFFER_STEPS))
         self._kv_addresses = (self.kv_events.endpoint, self.kv_events.replay_endpoint)
         self.kv_events.start()
 
     @property
     def kv_events_endpoint(self) -> str | None:
+        """The PUB address bound (``tcp://127.0.0.1:PORT``), once started with ``kv_events``; kept across
+        restarts."""
         return self._kv_addresses[0] if self._kv_addresses else None
 
     @property
     def kv_replay_endpoint(self) -> str | None:
+        """The ROUTER replay address bound (None when ``kv_events`` sets ``replay_endpoint: null``)."""
         return self._kv_addresses[1] if self._kv_addresses else None
 
     async def _listen_later(self, sock: socket.socket, delay: float) -> None:
@@ -146,7 +168,7 @@ class SimServer:
         if self._scheduler is not None:
             await self._scheduler.stop()
         if self.kv_events is not None:
-            self.kv_events.close()
+            await self.kv_events.close()
             self.kv_events = None
         if self._server is not None:
             with contextlib.suppress(Exception):
@@ -236,7 +258,12 @@ class SimServer:
                 if not isinstance(changes, dict):
                     raise ValueError("body must be a JSON object")
                 crash = bool(changes.pop("crash", False))
+                drop = changes.pop("kv_events_drop_next", None)
+                if drop is not None and (not isinstance(drop, int) or drop < 0 or self.kv_events is None):
+                    raise ValueError("kv_events_drop_next: a count >= 0, on a server publishing KV events")
                 self.faults.update(changes)
+                if drop is not None and self.kv_events is not None:
+                    self.kv_events.drop_next = drop
             except ValueError as exc:  # orjson.JSONDecodeError is a ValueError
                 resp.send(400, orjson.dumps({"error": str(exc)}))
                 return

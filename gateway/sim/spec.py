@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 from gateway.sim.profiles import DEFAULT_PROFILE, PROFILES, Profile
 
 EngineName = Literal["llamacpp", "vllm", "sglang", "tabbyapi"]
 ENGINES: tuple[EngineName, ...] = ("llamacpp", "vllm", "sglang", "tabbyapi")
+KV_EVENTS_KEYS = frozenset({"endpoint", "replay_endpoint", "topic", "buffer_steps", "page_size"})
 
 
 @dataclass
@@ -18,11 +20,16 @@ class SimSpec:
     ``time_scale`` > 1 runs faster: every simulated duration is divided by it. ``overrides`` replaces any
     :class:`~gateway.sim.profiles.Profile` field (``max_seqs``, ``prefill_tok_s``, ``decode_base_s``,
     ``decode_growth``, ``knee``, ``knee_growth``, ``kv_capacity_tokens``, ``context_length``, ...).
-    ``load_seconds`` is a slow start, in simulated seconds. ``kv_events`` (vLLM and SGLang) publishes the
-    prefix cache's events as the engine does: ``endpoint`` (default ``tcp://127.0.0.1:*``, an ephemeral port
-    kept across restarts), ``replay_endpoint`` (none by default), ``topic``, ``buffer_steps`` (10000), and for
-    SGLang ``page_size`` (1). ``tokenizer`` is a Hugging Face tokenizer directory: prompts are rendered with its
-    chat template and tokenized with it (else the emulators' own word tokenizer and Llama-2 layout).
+    ``load_seconds`` is a slow start, in simulated seconds.
+
+    ``kv_events`` (vLLM and SGLang only) publishes the prefix cache's KV events in the engine's wire format
+    (:mod:`gateway.sim.kv_events`): ``endpoint`` (default ``tcp://127.0.0.1:*``, an ephemeral port),
+    ``replay_endpoint`` (the same default; ``None``: no replay socket), ``topic`` (``""``), ``buffer_steps``
+    (batches kept for replay, 10000) and, for SGLang, ``page_size`` (1). Ports bound once are kept across
+    restarts (``SimServer.kv_events_endpoint``, ``kv_replay_endpoint``). ``tokenizer`` is a Hugging Face tokenizer
+    directory (``tokenizer.json``, ``tokenizer_config.json``): any engine then renders chat prompts with its chat
+    template and counts, caches and publishes the model's token ids (else the emulators' own word tokenizer and
+    Llama 2 layout).
     """
 
     engine: EngineName
@@ -54,11 +61,28 @@ class SimSpec:
             self.name = f"sim-{self.engine}"
         self.resolved_profile()  # validate overrides early
         if self.kv_events is not None:
-            if self.engine not in ("vllm", "sglang"):
-                raise ValueError(f"kv_events: engine {self.engine} publishes no KV-cache events")
-            unknown = set(self.kv_events) - {"endpoint", "replay_endpoint", "topic", "buffer_steps", "page_size"}
-            if unknown:
-                raise ValueError(f"kv_events: unknown keys {sorted(unknown)}")
+            self._check_kv_events(self.kv_events)
+        if self.tokenizer is not None and not (Path(self.tokenizer) / "tokenizer.json").is_file():
+            raise ValueError(f"tokenizer: no tokenizer.json in {self.tokenizer}")
+
+    def _check_kv_events(self, kv: dict[str, Any]) -> None:
+        if self.engine not in ("vllm", "sglang"):
+            raise ValueError(f"kv_events: engine {self.engine} publishes no KV-cache events (vllm and sglang do)")
+        if not isinstance(kv, dict):
+            raise ValueError("kv_events must be a mapping")
+        unknown = set(kv) - KV_EVENTS_KEYS
+        if unknown:
+            raise ValueError(f"kv_events: unknown keys {sorted(unknown)}; known: {sorted(KV_EVENTS_KEYS)}")
+        if not isinstance(kv.get("endpoint", ""), str) or not isinstance(kv.get("topic", ""), str):
+            raise ValueError("kv_events: endpoint and topic must be strings")
+        if not isinstance(kv.get("replay_endpoint", ""), str | None):
+            raise ValueError("kv_events: replay_endpoint must be a string or null")
+        for key in ("buffer_steps", "page_size"):
+            value = kv.get(key, 1)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"kv_events: {key} must be an integer >= 1")
+        if "page_size" in kv and self.engine != "sglang":
+            raise ValueError("kv_events: page_size is SGLang's (vLLM's blocks are 16 tokens)")
 
     def resolved_profile(self) -> Profile:
         assert self.profile is not None

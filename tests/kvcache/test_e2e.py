@@ -18,7 +18,6 @@ from gateway.config import settings_from_mapping
 from gateway.kvcache.index import request_keys
 from gateway.kvcache.tokenizer import PromptTokenizer
 from gateway.sim import FleetThread, SimServer, SimSpec
-from gateway.sim.engines.vllm import BLOCK_SIZE
 from gateway.sim.tokenizer_files import ensure_tokenizer
 from tests.conftest import serve_in_thread
 
@@ -132,22 +131,10 @@ def test_the_event_index_matches_the_engines_cache_through_evictions(engine: str
 
 
 def truth(server: SimServer, tokens: list[int], chunk: int) -> int:
-    """The leading tokens the emulated engine's cache holds, in whole chunks of the gateway's own keys."""
-    cache = server.scheduler.cache
-    if server.spec.engine == "vllm":
-        held = 0
-        for h in cache._hashes(tokens):  # type: ignore[attr-defined]
-            if h not in cache._blocks:  # type: ignore[attr-defined]
-                break
-            held += BLOCK_SIZE
-        return held // chunk * chunk
-    node, n = cache._root, 0  # type: ignore[attr-defined]
-    for t in tokens:
-        node = node.children.get(t)
-        if node is None:
-            break
-        n += 1
-    return n // chunk * chunk
+    """The leading tokens the emulated engine's cache holds (without touching it), in whole chunks of the
+    gateway's own keys."""
+    held: int = server.scheduler.cache.held(tokens)  # type: ignore[attr-defined]
+    return held // chunk * chunk
 
 
 @pytest.fixture(scope="module")

@@ -17,8 +17,8 @@ configurations, where the caches together hold every prefix) the oracle is the o
 
   - :class:`BlockLRU`: the emulated vLLM (``gateway.sim.prefix_cache.BlockCache``): full 16-token blocks,
     each hash chained over its parent; a prompt reuses its leading cached blocks of ``prompt[:-1]``; its
-    prompt's blocks are inserted once computed, prompt + output blocks at the end; least recently used blocks
-    go first; ``kv_capacity_tokens // 16`` blocks.
+    prompt's blocks are inserted once computed, prompt + output blocks at the end, each time tail first;
+    least recently used blocks go first; ``kv_capacity_tokens // 16`` blocks.
   - :class:`LlamaSlots`: llama.cpp's server (``get_available_slot`` in ``tools/server/server-context.cpp``,
     llama-cpp-python 0.3.36): one cached token sequence per slot and no host-memory prompt cache
     (``--cache-ram 0``, as the benchmark starts it). An idle, non-empty slot whose longest common prefix with
@@ -147,7 +147,9 @@ class CacheModel(Protocol):
 
 
 class BlockLRU:
-    """The emulated vLLM's block cache (``gateway.sim.prefix_cache.BlockCache``), one request at a time."""
+    """The emulated vLLM's block cache (``gateway.sim.prefix_cache.BlockCache``), one request at a time: a
+    request's blocks are touched and inserted tail first, so a chain's head is evicted last (vLLM frees a
+    finished request's blocks in reverse order)."""
 
     def __init__(self, capacity_tokens: int, block_size: int = 16) -> None:
         self.block_size = block_size
@@ -185,14 +187,14 @@ class BlockLRU:
 
     def place(self, t: int, future: Future) -> int:
         cached = self.hit(t, future)
-        for h in future.hashes(t, self.block_size, whole=False)[: cached // self.block_size]:
+        for h in reversed(future.hashes(t, self.block_size, whole=False)[: cached // self.block_size]):
             self._blocks.move_to_end(h)
         self._insert(block_hashes(future.prompts[t], self.block_size))  # computed
         self._insert(future.hashes(t, self.block_size, whole=True))  # released
         return cached
 
     def _insert(self, hashes: Sequence[int]) -> None:
-        for h in hashes:
+        for h in reversed(hashes):
             self._blocks[h] = None
             self._blocks.move_to_end(h)
         while len(self._blocks) > self.capacity:

@@ -9,13 +9,16 @@ from __future__ import annotations
 import hashlib
 import math
 import struct
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gateway.sim.engines.base import _MARK, Engine, EngineError, Event, Gen, drive, new_id
-from gateway.sim.generation import Constraint, plan_output, request_rng
+from gateway.sim.generation import Constraint, Plan, plan_output, request_rng
 from gateway.sim.http import Request, Responder
 from gateway.sim.scheduler import ContextTooLong
 from gateway.sim.template import content_text, render_chat
+
+if TYPE_CHECKING:
+    from gateway.sim.hf_tokenizer import HFTokenizer
 
 EMBED_DIM = 256
 
@@ -48,11 +51,20 @@ class OpenAIEngine(Engine):
             raise EngineError(400, "'messages' must be a non-empty list", param="messages")
         hf = self.server.hf
         if hf is not None:  # the model's own chat template and tokenizer, as vLLM and SGLang render them
-            prompt = hf.render(messages, body.get("tools"))
-            await self.generate(resp, body, "chat", prompt, ids=hf.encode(prompt, add_special_tokens=False))
+            prompt = self.render_hf(body)
+            ids = hf.encode(prompt, add_special_tokens=bool(body.get("add_special_tokens", False)))
+            await self.generate(resp, body, "chat", prompt, ids=ids)
             return
         prompt = render_chat(messages, body.get("tools"))
         await self.generate(resp, body, "chat", prompt)
+
+    def render_hf(self, body: dict[str, Any]) -> str:
+        """A chat request's prompt through the model's chat template; a request it refuses is a 400, as in vLLM."""
+        assert self.server.hf is not None
+        try:
+            return self.server.hf.render_request(body)
+        except Exception as exc:  # jinja2.TemplateError (raise_exception), or a template broken by the input
+            raise EngineError(400, f"Chat template error: {exc}") from exc
 
     async def completions(self, req: Request, resp: Responder) -> None:
         body = self.parse_json(req)
@@ -63,11 +75,14 @@ class OpenAIEngine(Engine):
         if not isinstance(prompt, str):
             raise EngineError(400, "'prompt' must be a string", param="prompt")
         hf = self.server.hf
-        await self.generate(resp, body, "completion", prompt, ids=hf.encode(prompt) if hf is not None else None)
+        ids = hf.encode(prompt, add_special_tokens=bool(body.get("add_special_tokens", True))) if hf else None
+        await self.generate(resp, body, "completion", prompt, ids=ids)
 
     async def generate(self, resp: Responder, body: dict[str, Any], kind: str, prompt: str,
                        max_tokens: int | None = None, constraint: Constraint | None = None,
                        stream: bool | None = None, ids: list[int] | None = None) -> None:
+        """``ids``: the prompt's token ids when the caller has them (the model's tokenizer), else the emulator's
+        tokenizer encodes ``prompt``."""
         server = self.server
         if ids is None:
             ids = server.tokenizer.encode(prompt)
@@ -75,11 +90,8 @@ class OpenAIEngine(Engine):
             max_tokens = self.max_tokens(body)
         if constraint is None:
             constraint = self.constraint(body)
-        rng = request_rng(self.spec.seed, ids, server.stats.requests)
-        p = server.profile
         try:
-            plan = plan_output(server.tokenizer, rng, max_tokens, (p.natural_min_tokens, p.natural_max_tokens),
-                               constraint, bool(body.get("ignore_eos")))
+            plan = self.plan(ids, max_tokens, constraint, bool(body.get("ignore_eos")))
         except ValueError as exc:  # ConstraintError is a ValueError
             raise self.constraint_error(exc) from exc
         try:
@@ -92,6 +104,16 @@ class OpenAIEngine(Engine):
                   include_usage=bool(isinstance(opts, dict) and opts.get("include_usage")),
                   plan=plan, prompt_len=len(ids), scale=self.spec.time_scale, body=body)
         await drive(self, gen, ids, resp)
+
+    def plan(self, ids: list[int], max_tokens: int | None, constraint: Constraint | None = None,
+             ignore_eos: bool = False) -> Plan:
+        """What the model says to prompt ``ids``. Raises ValueError for a constraint it cannot satisfy."""
+        server = self.server
+        p = server.profile
+        rng = request_rng(self.spec.seed, ids, server.stats.requests)
+        plan = plan_output(server.tokenizer, rng, max_tokens, (p.natural_min_tokens, p.natural_max_tokens),
+                           constraint, ignore_eos)
+        return plan if server.hf is None else model_tokens(server.hf, plan, max_tokens, extend=constraint is None)
 
     def constraint_error(self, exc: ValueError) -> EngineError:
         return EngineError(400, f"Invalid structured output constraint: {exc}")
@@ -171,3 +193,25 @@ def embed(text: str) -> list[float]:
     vals = [v / 2**31 - 1.0 for v in struct.unpack(f"<{EMBED_DIM}I", raw[: EMBED_DIM * 4])]
     norm = math.sqrt(sum(v * v for v in vals)) or 1.0
     return [v / norm for v in vals]
+
+
+def model_tokens(hf: HFTokenizer, plan: Plan, max_tokens: int | None, extend: bool = True) -> Plan:
+    """The planned text as the model's tokens: one piece per token of ``hf`` (so completion counts, timing and
+    the ids cached after the sequence are the model's). A length-limited plan is cut to ``max_tokens`` tokens,
+    and free text (``extend``) also lengthened with its own words to exactly that; a plan that ends with EOS
+    keeps its text."""
+    text = plan.text
+    pieces, ids = hf.pieces(text)
+    finish = plan.finish_reason
+    if extend and finish == "length" and max_tokens is not None and 0 < len(ids) < max_tokens:
+        words = [p.strip() for p in plan.pieces if p.strip()] or ["the"]
+        i = 0
+        while len(ids) < max_tokens:
+            text += "".join(" " + words[(i + k) % len(words)] for k in range(max_tokens - len(ids)))
+            i += max_tokens
+            pieces, ids = hf.pieces(text)
+    if max_tokens is not None and len(ids) > max_tokens:
+        pieces, ids, finish = pieces[:max_tokens], ids[:max_tokens], "length"
+    if not ids:  # an empty answer is still one sampled token: EOS
+        pieces, ids = [""], [hf.eos_id if hf.eos_id is not None else 0]
+    return Plan(pieces, ids, finish)

@@ -15,7 +15,7 @@ from typing import Any
 import orjson
 
 from gateway.sim.engines.base import EngineError, Event, Gen, Handler, drive, new_id
-from gateway.sim.engines.openai import OpenAIEngine
+from gateway.sim.engines.openai import OpenAIEngine, model_tokens
 from gateway.sim.engines.vllm import openai_constraint
 from gateway.sim.generation import Constraint, plan_output, request_rng
 from gateway.sim.http import Request, Responder
@@ -152,18 +152,16 @@ class SglangEngine(OpenAIEngine):
     async def native_generate(self, req: Request, resp: Responder) -> None:
         body = self.parse_json(req)
         sp = body.get("sampling_params") or {}
+        hf = self.server.hf
         if "input_ids" in body:
             ids = [int(i) for i in body["input_ids"]]
         elif isinstance(body.get("text"), str):
-            ids = self.server.tokenizer.encode(body["text"])
+            ids = hf.encode(body["text"]) if hf is not None else self.server.tokenizer.encode(body["text"])
         else:
             raise EngineError(400, "Either text or input_ids should be provided.")
         mt = sp.get("max_new_tokens", 128)
-        p = self.server.profile
         try:
-            plan = plan_output(self.server.tokenizer, request_rng(self.spec.seed, ids, self.server.stats.requests),
-                               mt, (p.natural_min_tokens, p.natural_max_tokens), self.constraint(sp),
-                               bool(sp.get("ignore_eos")))
+            plan = self.plan(ids, mt, self.constraint(sp), bool(sp.get("ignore_eos")))
         except ValueError as exc:
             raise self.constraint_error(exc) from exc
         gen = Gen(id=new_id(""), model=self.model, kind="native", stream=bool(body.get("stream")),
@@ -179,9 +177,13 @@ class SglangEngine(OpenAIEngine):
         await self.health_generate(req, resp)
 
     async def health_generate(self, req: Request, resp: Responder) -> None:
-        """Runs one real (emulated) one-token generation through the scheduler, as SGLang does by default."""
-        ids = self.server.tokenizer.encode("health")
+        """Runs one real (emulated) one-token generation through the scheduler, as SGLang does by default (its
+        prompt, with a real tokenizer, is SGLang's ``input_ids=[0]``)."""
+        hf = self.server.hf
+        ids = [0] if hf is not None else self.server.tokenizer.encode("health")
         plan = plan_output(self.server.tokenizer, request_rng(0, ids), 1, (1, 1))
+        if hf is not None:
+            plan = model_tokens(hf, plan, 1)
         gen = Gen(id=new_id("HEALTH_CHECK_"), model=self.model, kind="native", stream=False, include_usage=False,
                   plan=plan, prompt_len=len(ids), scale=self.spec.time_scale, body={})
         await drive(self, gen, ids, resp, full=lambda g: None)
@@ -218,16 +220,16 @@ class SglangEngine(OpenAIEngine):
                                  "load": len(self.server.scheduler.running)}]})
 
     def _kv_events_info(self) -> dict[str, Any]:
-        """SGLang 0.5.23 advertises its publisher (``runtime_context.py``): ports, topic, block size."""
+        """SGLang 0.5.23 advertises its publisher in ``/server_info``: host, ports, topic, block (page) size."""
         kv = self.spec.kv_events
         endpoint = self.server.kv_events_endpoint
         if kv is None or endpoint is None:
             return {}
-        host, _, port = endpoint.removeprefix("tcp://").rpartition(":")
+        host, port = _host_port(endpoint)
         replay = self.server.kv_replay_endpoint
-        return {"kv_events": {"publisher": "zmq", "endpoint_host": host, "endpoint_port_base": int(port),
+        return {"kv_events": {"publisher": "zmq", "endpoint_host": host, "endpoint_port_base": port,
                               "topic": kv.get("topic", ""), "block_size": kv.get("page_size", 1), "dp_size": 1,
-                              "replay_endpoint_port_base": int(replay.rpartition(":")[2]) if replay else None}}
+                              "replay_endpoint_port_base": _host_port(replay)[1] if replay else None}}
 
     async def flush_cache(self, req: Request, resp: Responder) -> None:
         sched = self.server.scheduler
@@ -245,12 +247,24 @@ class SglangEngine(OpenAIEngine):
     async def tokenize(self, req: Request, resp: Responder) -> None:
         body = self.parse_json(req)
         prompt = body.get("prompt", "")
-        ids = self.server.tokenizer.encode(render_chat(prompt) if isinstance(prompt, list) else str(prompt))
+        hf = self.server.hf
+        if hf is not None:  # SGLang: add_special_tokens defaults to True; a list of prompts is a batch
+            special = bool(body.get("add_special_tokens", True))
+            if isinstance(prompt, list):
+                batch = [hf.encode(str(p), special) for p in prompt]
+                self.send_json(resp, {"tokens": batch, "count": [len(t) for t in batch],
+                                      "max_model_len": self.server.profile.context_length})
+                return
+            ids = hf.encode(str(prompt), special)
+        else:
+            ids = self.server.tokenizer.encode(render_chat(prompt) if isinstance(prompt, list) else str(prompt))
         self.send_json(resp, {"tokens": ids, "count": len(ids), "max_model_len": self.server.profile.context_length})
 
     async def detokenize(self, req: Request, resp: Responder) -> None:
         body = self.parse_json(req)
-        self.send_json(resp, {"text": self.server.tokenizer.decode(list(body.get("tokens") or []))})
+        tokens = [int(t) for t in body.get("tokens") or []]
+        hf = self.server.hf
+        self.send_json(resp, {"text": hf.decode(tokens) if hf is not None else self.server.tokenizer.decode(tokens)})
 
     async def metrics(self, req: Request, resp: Responder) -> None:
         st, lat, e = self.server.stats, self.server.lat, Exposition({"model_name": self.model})
@@ -272,3 +286,9 @@ class SglangEngine(OpenAIEngine):
         resp.send(200, e.render(), "text/plain; version=0.0.4; charset=utf-8")
 
 
+
+
+def _host_port(endpoint: str) -> tuple[str, int | None]:
+    """``tcp://127.0.0.1:5557`` -> (``127.0.0.1``, 5557); an endpoint without a TCP port -> (endpoint, None)."""
+    host, sep, port = endpoint.removeprefix("tcp://").rpartition(":")
+    return (host, int(port)) if sep and port.isdigit() else (endpoint, None)

@@ -63,6 +63,7 @@ class VllmEngine(OpenAIEngine):
             ("GET", "/health"): self.empty, ("GET", "/ping"): self.empty, ("POST", "/ping"): self.empty,
             ("GET", "/version"): self.version, ("GET", "/load"): self.load, ("GET", "/metrics"): self.metrics,
             ("POST", "/tokenize"): self.tokenize, ("POST", "/detokenize"): self.detokenize,
+            ("POST", "/reset_prefix_cache"): self.reset_prefix_cache,
         }
 
     def authorized(self, req: Request) -> bool:
@@ -134,13 +135,14 @@ class VllmEngine(OpenAIEngine):
                             "organization": "*", "group": None, "is_blocking": False}]}]})
 
     async def tokenize(self, req: Request, resp: Responder) -> None:
+        """vLLM's ``/tokenize``: ``messages`` rendered with the chat template (``add_special_tokens`` default
+        False: the template writes BOS), or ``prompt`` (default True)."""
         body = self.parse_json(req)
         self.check_model(body)
         tok, hf = self.server.tokenizer, self.server.hf
         if "messages" in body:
-            if hf is not None:  # vLLM: add_special_tokens defaults to False for chat (the template writes them)
-                ids = hf.encode(hf.render(body["messages"], body.get("tools")),
-                                bool(body.get("add_special_tokens", False)))
+            if hf is not None:
+                ids = hf.encode(self.render_hf(body), bool(body.get("add_special_tokens", False)))
             else:
                 ids = tok.encode(render_chat(body["messages"], body.get("tools")))
         elif hf is not None:
@@ -153,7 +155,18 @@ class VllmEngine(OpenAIEngine):
     async def detokenize(self, req: Request, resp: Responder) -> None:
         body = self.parse_json(req)
         self.check_model(body)
-        self.send_json(resp, {"prompt": self.server.tokenizer.decode(list(body.get("tokens") or []))})
+        tokens = [int(t) for t in body.get("tokens") or []]
+        hf = self.server.hf
+        text = hf.decode(tokens) if hf is not None else self.server.tokenizer.decode(tokens)
+        self.send_json(resp, {"prompt": text})
+
+    async def reset_prefix_cache(self, req: Request, resp: Responder) -> None:
+        """``POST /reset_prefix_cache`` (vLLM serves it with ``VLLM_SERVER_DEV_MODE=1``): empties the prefix
+        cache (AllBlocksCleared) unless requests are running, as vLLM refuses while blocks are in use."""
+        sched = self.server.scheduler
+        if not sched.running and not sched.waiting:
+            sched.cache.flush()
+        resp.send(200, b"")
 
     async def metrics(self, req: Request, resp: Responder) -> None:
         s, lat, sched, p = self.server.stats, self.server.lat, self.server.scheduler, self.server.profile
