@@ -22,17 +22,25 @@ from gateway.bench.workload import BenchRequest
 
 @dataclass(frozen=True)
 class Target:
-    """An OpenAI-compatible endpoint. ``url`` with or without ``/v1``; ``model`` None: the first one listed."""
+    """An OpenAI-compatible endpoint. ``url`` with or without ``/v1``; ``model`` None: the first one listed.
+    ``replicas``: several equivalent endpoints (gateway replicas) that requests take in turn, as behind a
+    round-robin load balancer; ``url`` is then the first of them."""
 
     name: str
     url: str
     model: str | None = None
     api_key: str | None = None
     pid: int | None = None  # a local server process whose CPU time is sampled per phase, when known
+    replicas: tuple[str, ...] = ()
+    _turn: list[int] = field(default_factory=lambda: [0], compare=False, repr=False)
 
     @property
     def base(self) -> str:
-        url = self.url.rstrip("/")
+        url = self.url
+        if self.replicas:
+            url = self.replicas[self._turn[0] % len(self.replicas)]
+            self._turn[0] += 1
+        url = url.rstrip("/")
         return url[:-3] if url.endswith("/v1") else url
 
 

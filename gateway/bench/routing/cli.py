@@ -1,4 +1,4 @@
-"""``gateway bench routing {prefix,shape,real-prefix,real-shape}``: the routing policies measured against each other.
+"""``gateway bench routing {prefix,shape,real-prefix,real-shape,kv-events}``: routing policies measured.
 
 Every benchmark starts what it needs as separate processes on loopback (emulated fleets with
 ``python -m gateway.sim fleet --config FILE``, real ``llama-server`` processes, and one gateway per policy with
@@ -26,6 +26,10 @@ and the processes' logs under ``reports/routing/NAME/``) and prints a table.
 * ``real-shape``: engine-shape vs least-load on two real ``llama-server`` processes of different shapes (1 slot
   x 2 threads, 4 slots x 1 thread) per policy, seeded from a profile of such a pair, over 1, 2, 4, 8 users:
   aggregate tokens/s, TTFT p50/p90, requests per backend.
+* ``kv-events``: precise-prefix (the engines' KV events) vs prefix (the gateway's guess) vs round-robin and
+  the oracle on 4 emulated vLLM servers publishing their events and tokenizing with a generated tokenizer
+  file; an eviction-heavy Zipf workload and the uniform one; two replicas' agreement; the tokenizer's cost
+  (see ``kv_events.py``).
 
 A ratio "x better" is reference / this for latencies and this / reference for throughput and hit rate, so
 above 1 is always better.
@@ -41,6 +45,7 @@ from typing import Any
 import yaml
 
 from gateway.bench.report import write_json
+from gateway.bench.routing.kv_events import KvEventsConfig, plot_kv_events, print_kv_events, run_kv_events
 from gateway.bench.routing.prefix import (
     PrefixConfig,
     plot_policies,
@@ -165,6 +170,22 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--count", type=int)
     c.add_argument("--concurrency", type=int, default=r.concurrency)
     c.add_argument("--round-size", type=int, default=r.round_size)
+
+    k = sub.add_parser("kv-events", parents=[common], help="(e) precise (KV events) vs approximate prefix routing",
+                       description="round-robin vs prefix (the gateway's guess) vs precise-prefix (the engines' KV "
+                                   "events) against the oracle, on 4 emulated vLLM servers publishing their events: "
+                                   "an eviction-heavy Zipf workload and the uniform one; then two replicas on the "
+                                   "same events.")
+    kd = KvEventsConfig()
+    k.add_argument("--policies", default=",".join(kd.policies))
+    k.add_argument("--workloads", default=",".join(kd.workloads), help="eviction, uniform")
+    k.add_argument("--backends", type=int, default=kd.backends)
+    k.add_argument("--concurrency", type=int, default=kd.concurrency)
+    k.add_argument("--count", type=int, default=kd.eviction_count, help="requests of the eviction workload")
+    k.add_argument("--time-scale", type=float, default=kd.time_scale)
+    k.add_argument("--no-replicas", action="store_true", help="skip the two-replica agreement run")
+    k.add_argument("--replica-count", type=int, default=kd.replica_count)
+    k.add_argument("--tokenizer", type=Path, help="a tokenizer directory (default: the generated one)")
     return p
 
 
@@ -181,7 +202,17 @@ def main(argv: list[str]) -> int:
     if args.base_port:
         common["base_port"] = args.base_port
     name = args.bench
-    if name == "prefix":
+    if name == "kv-events":
+        kcfg = KvEventsConfig(policies=_policies(args.policies), workloads=_policies(args.workloads),
+                              backends=args.backends, concurrency=args.concurrency, time_scale=args.time_scale,
+                              eviction_count=args.count, replicas=not args.no_replicas,
+                              replica_count=args.replica_count, tokenizer=args.tokenizer,
+                              include_requests=not args.no_requests, **common)
+        doc = run_kv_events(kcfg)
+        json_path = write_json(doc, out / "kv-events.json")
+        png = plot_kv_events(doc, out / "kv-events.png")
+        print_kv_events(doc)
+    elif name == "prefix":
         pcfg = PrefixConfig(policies=_policies(args.policies), backends=args.backends, groups=args.groups,
                             prompts_per_group=args.prompts_per_group, system_len=args.system_len,
                             question_len=args.question_len, output_len=args.output_len,

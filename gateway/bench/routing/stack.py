@@ -167,12 +167,16 @@ class Stack:
                 backend_options: dict[str, Any] | None = None) -> Target:
         doc = gateway_config(port, backends, policy, self.scrape_interval, models, self.profiles, engine_profile,
                              backend_options)
+        return self.gateway_from_doc(name, port, doc, len(backends))
+
+    def gateway_from_doc(self, name: str, port: int, doc: dict[str, Any], backends: int) -> Target:
+        """A gateway on ``port`` with the configuration ``doc``, once it sees its ``backends`` ready."""
         path = dump_yaml(doc, self.workdir / f"gateway-{name}.yaml")
         proc = ChildProcess(f"gateway {name}", [sys.executable, "-m", "gateway", "serve", "--config", str(path),
                                                 "--log-level", "warning"], self.workdir / f"gateway-{name}.log")
         self._add(proc)
         url = f"http://{HOST}:{port}"
-        wait_gateway(url, len(backends), proc)
+        wait_gateway(url, backends, proc)
         return Target(name, url, pid=proc.pid)
 
     def _add(self, proc: ChildProcess) -> None:
