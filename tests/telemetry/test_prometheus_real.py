@@ -30,6 +30,7 @@ from gateway.app import create_app
 from gateway.config import settings_from_mapping
 from gateway.sim import FleetThread, SimSpec
 from gateway.sim.spec import ENGINES
+from gateway.sim.tokenizer_files import ensure_tokenizer
 from tests.conftest import free_port, serve_in_thread
 from tests.telemetry.test_dashboard import DASHBOARD_JSON, ROOT, RULES, dashboard, load_script
 
@@ -159,11 +160,15 @@ def drive(url: str, until: float) -> None:
             pass  # the errors are part of the load
 
 
-def test_every_dashboard_panel_returns_data_from_a_real_prometheus(prometheus_factory: Any) -> None:
+def test_every_dashboard_panel_returns_data_from_a_real_prometheus(prometheus_factory: Any, tmp_path: Path) -> None:
     started = time.monotonic()
     preview = load_script("preview")
     board = dashboard()
-    specs = [SimSpec(engine=e, model=f"m-{e}", name=f"sim-{e}", time_scale=TIME_SCALE) for e in ENGINES]
+    tokenizer = ensure_tokenizer(tmp_path)
+    # the vLLM server publishes its KV events (the KV events row), tokenizing with the generated tokenizer
+    kv = {"vllm": {"kv_events": {"replay_endpoint": "tcp://127.0.0.1:*"}, "tokenizer": str(tokenizer)}}
+    specs = [SimSpec(engine=e, model=f"m-{e}", name=f"sim-{e}", time_scale=TIME_SCALE, **kv.get(e, {}))
+             for e in ENGINES]
     # a TabbyAPI server configured as vLLM ignores vLLM's structured_outputs: its answers fail their schema
     specs += [SimSpec(engine="tabbyapi", model="shared", name="wrong", time_scale=TIME_SCALE),
               SimSpec(engine="vllm", model="shared", name="right", time_scale=TIME_SCALE),
@@ -171,9 +176,13 @@ def test_every_dashboard_panel_returns_data_from_a_real_prometheus(prometheus_fa
     with FleetThread(specs) as fleet:
         servers = fleet.fleet.servers
         engine_of = {"wrong": "vllm"}
+        events = {s.spec.name: {"kv_events": {"endpoint": s.kv_events_endpoint,
+                                              "replay_endpoint": s.kv_replay_endpoint}}
+                  for s in servers if s.kv_events_endpoint}
         settings = settings_from_mapping({
             "backends": [{"name": s.spec.name, "engine": engine_of.get(str(s.spec.name), s.spec.engine),
-                          "url": s.url} for s in servers],
+                          "url": s.url, **events.get(s.spec.name, {})} for s in servers],
+            "routing": {"tokenizers": {"m-vllm": str(tokenizer)}},
             "scrape": {"interval": 0.25, "timeout": 1.0},
             "structured_output": {"validate_outputs": "retry"},
         })

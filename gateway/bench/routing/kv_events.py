@@ -325,8 +325,10 @@ def plot_kv_events(doc: dict[str, Any], path: Path) -> Path:
             ax.legend(loc="lower right")
         ax.set_xticks(list(xs), names)
         ax.set_ylabel("cache-hit rate (% of prompt tokens)")
-        ax.set_title(f"{name}: {result['config']['groups']} groups ({result['config']['popularity']}), caches "
-                     f"{result['config']['kv_capacity_tokens'] / result['config']['prefix_set_tokens']:.0%} of the set")
+        c = result["config"]
+        gateways = f", {c['gateway_replicas']} gateway replicas" if c.get("gateway_replicas", 1) > 1 else ""
+        ax.set_title(f"{name}: {c['groups']} groups ({c['popularity']}), caches "
+                     f"{c['kv_capacity_tokens'] / c['prefix_set_tokens']:.0%} of the set{gateways}")
         ax.grid(alpha=0.3, axis="y")
         ax = axes[row][1]
         width = 0.4
