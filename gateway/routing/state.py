@@ -35,6 +35,10 @@ class EventStreamView(Protocol):
 
 
 class EventIndexes(Protocol):
+    @property
+    def enabled(self) -> bool:
+        """Some backend's events are followed at all."""
+
     def live_index(self, backend: Backend, now: float | None = None) -> EventStreamView | None:
         """The backend's event stream while it is complete and current, else None."""
 

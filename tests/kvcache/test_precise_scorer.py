@@ -33,6 +33,10 @@ class Hub:
         self.views: dict[str, View] = {}
         self.down: set[str] = set()
 
+    @property
+    def enabled(self) -> bool:
+        return bool(self.views)
+
     def live_index(self, b: Backend, now: float | None = None) -> View | None:
         return None if b.name in self.down else self.views.get(b.name)
 

@@ -58,7 +58,7 @@ class PrecisePrefixScorer:
 
     def score(self, request: RouteRequest, backends: Sequence[Backend]) -> list[float]:
         events = self._state.events
-        if events is None or request.route == "embeddings":
+        if events is None or not events.enabled or request.route == "embeddings":
             return self._approx.score(request, backends)
         now = time.monotonic()
         streams = [events.live_index(b, now) for b in backends]
@@ -85,7 +85,7 @@ class PrecisePrefixScorer:
         the engine must store blocks it does not hold."""
         events = self._state.events
         request.events_cached_tokens = None
-        if events is None or not request.tokenized or not request.token_ids:
+        if events is None or not events.enabled or not request.tokenized or not request.token_ids:
             return
         stream = events.live_index(backend)
         if stream is None:
