@@ -1,9 +1,11 @@
-"""``gateway bench overhead``: what the gateway adds to a stream, against the backend directly and against the
-Rust SGLang model gateway (PyPI ``sglang-router``) in front of the same backend, in the same run.
+"""``gateway bench overhead``: what the gateway adds to a stream, against the backend directly and against a
+Rust router in front of the same backend, in the same run: SMG (Shepherd Model Gateway, PyPI ``smg``, the
+SGLang router's successor) when installed, else the SGLang model gateway (PyPI ``sglang-router``).
 
 Processes (all on this machine): the raw backend (:mod:`gateway.bench.rawbackend`: 16 tokens 5 ms apart,
 almost no CPU per token), the gateway as users run it (``python -m gateway serve --config FILE``), the
-Rust router (``python -m sglang_router.launch_router --worker-urls URL``) when installed, and the load
+Rust router (``python -m smg.launch_router`` or ``python -m sglang_router.launch_router``, ``--worker-urls URL
+--policy round_robin``) when installed, and the load
 generator (this process: aiohttp on uvloop). At each concurrency level (closed loop; default 1, 16, 64, 256)
 the targets are interleaved round by round. Measured at the client: added TTFT p50/p99 and added mean
 inter-chunk gap against direct, streamed chunks/s; from /proc: the gateway's (and router's) CPU time per
@@ -54,6 +56,7 @@ class OverheadConfig:
     hold: int = 1000
     hold_seconds: float = 3.0
     rust: bool = True
+    reference: str = "auto"  # the Rust router: "smg", "sglang-router", or "auto" (smg when installed)
     py_spy_seconds: float = 0.0
     py_spy_concurrency: int = 64
     tracing: bool = False
@@ -274,6 +277,19 @@ def plot_overhead(doc: dict[str, Any], path: Path) -> Path:
     return path
 
 
+REFERENCES = {"smg": "smg.launch_router", "sglang-router": "sglang_router.launch_router"}
+
+
+def rust_reference(py: str, wanted: str) -> tuple[str, str] | None:
+    """(name, module) of the Rust router to measure against: ``wanted``, or with "auto" SMG when installed,
+    else sglang-router; None when it is not installed."""
+    bindir = Path(py).parent
+    for name in (["smg", "sglang-router"] if wanted == "auto" else [wanted]):
+        if shutil.which(name) is not None or (bindir / name).exists():
+            return name, REFERENCES[name]
+    return None
+
+
 def run_overhead(cfg: OverheadConfig, log: Any = print) -> dict[str, Any]:
     cfg.out.mkdir(parents=True, exist_ok=True)
     py = sys.executable
@@ -290,14 +306,15 @@ def run_overhead(cfg: OverheadConfig, log: Any = print) -> dict[str, Any]:
                                        "--log-level", "warning"], cfg.out / "gateway.log")
     traced, sink, sink_url = _traced_gateway(cfg, backend_url) if cfg.tracing else (None, None, "")
     router: ChildProcess | None = None
-    if cfg.rust:
-        if shutil.which("sglang-router") is None and not (Path(py).parent / "sglang-router").exists():
-            log("sglang-router is not installed (pip install sglang-router): running without the Rust reference")
-        else:
-            router = ChildProcess("sglang router", [py, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
-                                                    "--port", str(router_port), "--worker-urls", backend_url,
-                                                    "--policy", "round_robin", "--log-level", "warn"],
-                                  cfg.out / "router.log")
+    reference = rust_reference(py, cfg.reference) if cfg.rust else None
+    if cfg.rust and reference is None:
+        log(f"no Rust router installed (pip install smg, or sglang-router) for --reference {cfg.reference}: "
+            "running without the Rust reference")
+    if reference is not None:
+        name, module = reference
+        router = ChildProcess(name, [py, "-m", module, "--host", "127.0.0.1", "--port", str(router_port),
+                                     "--worker-urls", backend_url, "--policy", "round_robin", "--log-level", "warn"],
+                              cfg.out / "router.log")
     probe = b'{"model":"%s","messages":[{"role":"user","content":"hi"}],"max_tokens":2}' % MODEL.encode()
     try:
         backend.start().wait_http(backend_url + "/health")
@@ -312,7 +329,7 @@ def run_overhead(cfg: OverheadConfig, log: Any = print) -> dict[str, Any]:
         if router is not None:
             router.start().wait_http(f"http://127.0.0.1:{router_port}/v1/chat/completions", method="POST",
                                      body=probe)
-            targets.append(Target("sglang-router", f"http://127.0.0.1:{router_port}", MODEL, pid=router.pid))
+            targets.append(Target(router.name, f"http://127.0.0.1:{router_port}", MODEL, pid=router.pid))
         log(f"targets: {', '.join(t.name for t in targets)}; levels {cfg.levels}, {cfg.rounds} rounds")
         doc: dict[str, Any] = {"schema": "gateway-bench-overhead/1", "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                                "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()}}
@@ -407,7 +424,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--gap-ms", type=float, default=5.0)
     p.add_argument("--hold", type=int, default=1000, help="streams held at once at the end (0: skip)")
     p.add_argument("--hold-seconds", type=float, default=3.0)
-    p.add_argument("--no-rust", action="store_true", help="without the Rust sglang-router reference")
+    p.add_argument("--no-rust", action="store_true", help="without the Rust router reference")
+    p.add_argument("--reference", choices=["auto", *REFERENCES], default="auto",
+                   help="the Rust router to measure against (auto: smg when installed, else sglang-router)")
     p.add_argument("--py-spy", type=float, default=0.0, metavar="SECONDS", help="profile the gateway under load")
     p.add_argument("--py-spy-concurrency", type=int, default=64)
     p.add_argument("--tracing", action="store_true",
@@ -418,7 +437,8 @@ def main(argv: list[str]) -> int:
     a = p.parse_args(argv)
     cfg = OverheadConfig(levels=[int(x) for x in a.levels.split(",") if x], rounds=a.rounds, min_round=a.min_round,
                          tokens=a.tokens, gap_ms=a.gap_ms, hold=a.hold, hold_seconds=a.hold_seconds,
-                         rust=not a.no_rust, py_spy_seconds=a.py_spy, py_spy_concurrency=a.py_spy_concurrency,
+                         rust=not a.no_rust, reference=a.reference, py_spy_seconds=a.py_spy,
+                         py_spy_concurrency=a.py_spy_concurrency,
                          tracing=a.tracing, base_port=a.base_port, out=a.out)
     doc = run_overhead(cfg)
     print_overhead(doc)
