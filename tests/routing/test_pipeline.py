@@ -93,3 +93,24 @@ def test_max_score_breaks_ties_by_in_flight_then_spreads_them() -> None:
 def test_unknown_policy_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match=r"unknown policy 'fastest'.*least-load"):
         build_pipeline("fastest")
+
+
+def test_ties_are_broken_alike_by_every_replica_and_spread_over_prompts() -> None:
+    """Two pickers (two gateway replicas) given the same tied request pick the same backend; different
+    prompts spread over the tied backends; fewer in flight still comes first."""
+    from gateway.routing.pickers.max_score import MaxScorePicker
+    from gateway.routing.state import RoutingState
+    from tests.routing.helpers import backend, chat
+
+    bs = [backend(n) for n in "abcd"]
+    a, b = MaxScorePicker(RoutingState()), MaxScorePicker(RoutingState())
+    firsts = set()
+    for i in range(40):
+        req = chat(f"system prompt number {i}", "hi")
+        pick = a.pick(req, bs, [0.5] * 4)[0]
+        assert b.pick(chat(f"system prompt number {i}", "hi"), bs, [0.5] * 4)[0] is pick
+        firsts.add(pick.name)
+    assert len(firsts) == 4
+    for other in (bs[0], bs[2], bs[3]):
+        other.in_flight = 1  # b has fewer in flight than the others: wins every tie
+    assert a.pick(chat("x", "y"), bs, [0.5] * 4)[0] is bs[1]

@@ -8,7 +8,7 @@ from gateway.pool.backend import Backend
 from gateway.routing.request import RouteRequest
 from gateway.routing.state import RoutingState
 
-OPENING_BLOCKS = 8  # prompt blocks of 128 bytes: the opening a tie is broken on
+OPENING_BYTES = 1024  # of the rendered prompt: the opening a tie is broken on
 
 
 def _rendezvous(opening: bytes, name: str) -> float:
@@ -18,10 +18,10 @@ def _rendezvous(opening: bytes, name: str) -> float:
 
 class MaxScorePicker:
     """Highest score first; ties go to the backend with fewer of our requests in flight, then by rendezvous
-    hashing of the prompt's opening (about its first kilobyte) with the backend's name: equal idle backends
-    share a burst of different prompts instead of the first one in the list taking it all, a prompt opening
-    goes to the same backend each time (where it may be cached), and several gateway replicas break the tie
-    alike. A request without a prompt (embeddings) breaks it at random."""
+    hashing of the prompt's opening (its first kilobyte) with the backend's name: equal idle backends share a
+    burst of different prompts instead of the first one in the list taking it all, a prompt opening goes to
+    the same backend each time (where it may be cached), and several gateway replicas break the tie alike.
+    A request without a prompt (embeddings) breaks it at random. Nothing is hashed when nothing ties."""
 
     name = "max-score"
 
@@ -29,11 +29,12 @@ class MaxScorePicker:
         self._rng = rng or random.Random()
 
     def pick(self, request: RouteRequest, backends: Sequence[Backend], scores: Sequence[float]) -> list[Backend]:
-        blocks = request.blocks if request.route != "embeddings" else []
-        opening = blocks[min(len(blocks), OPENING_BLOCKS) - 1] if blocks else None
-        keyed = [
-            (-score, backend.in_flight, _rendezvous(opening, backend.name) if opening else self._rng.random(), index)
-            for index, (backend, score) in enumerate(zip(backends, scores, strict=True))
-        ]
+        keyed = [(-score, backend.in_flight, 0.0, index)
+                 for index, (backend, score) in enumerate(zip(backends, scores, strict=True))]
+        if len({k[:2] for k in keyed}) < len(keyed):  # a tie somewhere: break it
+            prompt = request.prompt[:OPENING_BYTES] if request.route != "embeddings" else b""
+            opening = request.model.encode() + b"\0" + prompt
+            keyed = [(s, f, _rendezvous(opening, backends[i].name) if prompt else self._rng.random(), i)
+                     for s, f, _, i in keyed]
         keyed.sort()
         return [backends[item[3]] for item in keyed]
