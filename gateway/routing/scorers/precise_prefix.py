@@ -67,8 +67,9 @@ class PrecisePrefixScorer:
         tokens = self._tokens(request)
         if not tokens:
             return self._approx.score(request, backends)
-        approx = self._approx.score(request, backends) if not all(streams) else None
-        long_queue, no_room = self._approx.gated(backends, now)
+        gate = self._approx.gated(backends, now)
+        approx = self._approx.score(request, backends, gate) if not all(streams) else None
+        long_queue, no_room = gate
         scores = []
         for i, stream in enumerate(streams):
             if stream is None:

@@ -43,11 +43,13 @@ class PrefixAffinityScorer:
         long_queue = [q - lightest > self._gate_abs and q > self._gate_rel * max(lightest, 1) for q in queues]
         return long_queue, [f and room_elsewhere for f in full]
 
-    def score(self, request: RouteRequest, backends: Sequence[Backend]) -> list[float]:
+    def score(self, request: RouteRequest, backends: Sequence[Backend],
+              gate: tuple[list[bool], list[bool]] | None = None) -> list[float]:
+        """``gate``: :meth:`gated` for these backends, when the caller has it already."""
         blocks = request.blocks
         if not blocks:
             return [0.0] * len(backends)
-        long_queue, no_room = self.gated(backends, time.monotonic())
+        long_queue, no_room = gate if gate is not None else self.gated(backends, time.monotonic())
         prefix = self._prefix
         scores = []
         for backend, too_long, full in zip(backends, long_queue, no_room, strict=True):
