@@ -106,9 +106,9 @@ def test_ties_are_broken_alike_by_every_replica_and_spread_over_prompts() -> Non
     a, b = MaxScorePicker(RoutingState()), MaxScorePicker(RoutingState())
     firsts = set()
     for i in range(40):
-        req = chat(f"system prompt number {i}", "hi")
+        req = chat(f"system prompt number {i}" + " of some length" * 10, "hi")
         pick = a.pick(req, bs, [0.5] * 4)[0]
-        assert b.pick(chat(f"system prompt number {i}", "hi"), bs, [0.5] * 4)[0] is pick
+        assert b.pick(chat(f"system prompt number {i}" + " of some length" * 10, "hi"), bs, [0.5] * 4)[0] is pick
         firsts.add(pick.name)
     assert len(firsts) == 4
     for other in (bs[0], bs[2], bs[3]):

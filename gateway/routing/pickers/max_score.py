@@ -5,6 +5,7 @@ import random
 from collections.abc import Sequence
 
 from gateway.pool.backend import Backend
+from gateway.routing.prompt import BLOCK_BYTES
 from gateway.routing.request import RouteRequest
 from gateway.routing.state import RoutingState
 
@@ -21,7 +22,8 @@ class MaxScorePicker:
     hashing of the prompt's opening (its first kilobyte) with the backend's name: equal idle backends share a
     burst of different prompts instead of the first one in the list taking it all, a prompt opening goes to
     the same backend each time (where it may be cached), and several gateway replicas break the tie alike.
-    A request without a prompt (embeddings) breaks it at random. Nothing is hashed when nothing ties."""
+    A prompt shorter than one prefix block (128 bytes), which no engine caches usefully, or none at all
+    (embeddings), breaks it at random. Nothing is hashed when nothing ties."""
 
     name = "max-score"
 
@@ -33,8 +35,9 @@ class MaxScorePicker:
                  for index, (backend, score) in enumerate(zip(backends, scores, strict=True))]
         if len({k[:2] for k in keyed}) < len(keyed):  # a tie somewhere: break it
             prompt = request.prompt[:OPENING_BYTES] if request.route != "embeddings" else b""
+            cacheable = len(prompt) >= BLOCK_BYTES  # shorter: no cache to aim at, so spread at random
             opening = request.model.encode() + b"\0" + prompt
-            keyed = [(s, f, _rendezvous(opening, backends[i].name) if prompt else self._rng.random(), i)
+            keyed = [(s, f, _rendezvous(opening, backends[i].name) if cacheable else self._rng.random(), i)
                      for s, f, _, i in keyed]
         keyed.sort()
         return [backends[item[3]] for item in keyed]
