@@ -30,7 +30,8 @@ from gateway.proxy.accounting import Accounting
 from gateway.proxy.admission import Admission
 from gateway.proxy.dispatch import Dispatcher
 from gateway.proxy.forward import PATHS, Forwarder
-from gateway.proxy.transport import AiohttpTransport, Transport
+from gateway.proxy.h1 import H1Transport
+from gateway.proxy.transport import Transport
 from gateway.routing.policies import build_pipeline
 from gateway.routing.state import RoutingState
 from gateway.structured.offload import ValidationWorkers
@@ -59,7 +60,7 @@ class Gateway:
             settings.routing.engine_profile, events=self.kv_events, tokenizers=load_tokenizers(settings)))
         self.pool = Pool(settings.backends, settings.scrape, client_factory, discovery=settings.discovery,
                          resolver=resolver, breaker=settings.breaker)
-        self.transport: Transport = transport if transport is not None else AiohttpTransport(settings.timeouts)
+        self.transport: Transport = transport if transport is not None else H1Transport(settings.timeouts)
         self.admission = Admission(settings.admission)
         self.keys = KeyStore(settings.auth)
         self.validation_workers = ValidationWorkers(settings.limits)

@@ -3,13 +3,38 @@
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, MutableMapping
-from typing import Any
+from typing import Any, Protocol
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 Headers = list[tuple[bytes, bytes]]
+
+# scope["state"] key of the server's ClientWriter for the request, where the server offers one
+BODY_WRITER = "gateway.body_writer"
+
+
+class ClientWriter(Protocol):
+    """Writes body chunks of a response started with ``send`` straight to the client's connection, from any
+    callback (no coroutine step per chunk); the response is still ended with ``send``. Offered by the
+    gateway's own server protocol (``gateway.server_protocol.BodyWriter``)."""
+
+    def write(self, body: bytes) -> bool:
+        """One chunk; False when the client is gone (nothing written)."""
+        ...
+
+    @property
+    def paused(self) -> bool:
+        """The client's buffer is full: produce nothing more until ``when_writable`` calls back."""
+        ...
+
+    def when_writable(self, callback: Callable[[], None]) -> None: ...
+
+    def when_disconnected(self, callback: Callable[[], None] | None) -> None:
+        """Call ``callback`` when the client's connection is lost (at once if it is already); None: no longer."""
+        ...
+
 
 JSON = b"application/json"
 EVENT_STREAM = b"text/event-stream"

@@ -5,6 +5,12 @@ the event loop gets round to running the ASGI app: under a burst the app task of
 twelve starts ~10 ms after it arrived on our 2-core machines, and that wait is latency the client sees.
 The stamp travels in ``scope["state"]["gateway.arrival"]`` (``time.perf_counter()``).
 
+The streamed body's fast path: ``scope["state"]["gateway.body_writer"]`` is a :class:`BodyWriter`, which
+writes chunks of a response already started through ASGI ``send`` straight to the connection's transport
+(the same chunked framing ``send`` writes), from any callback and without a coroutine step per chunk, with
+uvicorn's flow control exposed (``paused``, ``when_writable``). The end of the response still goes through
+``send``. An app that never uses it is served exactly as before.
+
 The limits (:class:`ServerLimits`) exist because httptools and uvicorn set none of their own:
 
 * httptools accepts a request head of any size, at a cost that grows with the square of its length (one
@@ -30,9 +36,47 @@ from uvicorn.config import Config
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 from uvicorn.server import ServerState
 
+from gateway.asgi import BODY_WRITER
 from gateway.errors import error_body, error_type_for
 
 ARRIVAL = "gateway.arrival"
+
+
+class BodyWriter:
+    """Writes body chunks of one started, chunked response directly to the client's transport."""
+
+    __slots__ = ("_cycle", "_protocol")
+
+    def __init__(self, protocol: StampedHttpToolsProtocol, cycle: Any) -> None:
+        self._protocol = protocol
+        self._cycle = cycle
+
+    def write(self, body: bytes) -> bool:
+        """Send ``body`` as one chunk; False (nothing written) when the client is gone. The response must have
+        been started by ``send`` without a content-length, and not ended."""
+        cycle = self._cycle
+        if cycle.disconnected:
+            return False
+        if not cycle.response_started or cycle.response_complete or not cycle.chunked_encoding:
+            raise RuntimeError("BodyWriter.write needs a started, unfinished, chunked response")
+        if body:
+            self._protocol.transport.write(b"%x\r\n%s\r\n" % (len(body), body))
+        return True
+
+    @property
+    def paused(self) -> bool:
+        """The client reads slower than we write: stop producing until ``when_writable``."""
+        return bool(self._protocol.flow.write_paused) and not self._cycle.disconnected
+
+    def when_writable(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` once the transport drains (or the connection is lost)."""
+        self._protocol.on_writable = callback
+
+    def when_disconnected(self, callback: Callable[[], None] | None) -> None:
+        """Call ``callback`` when the client's connection is lost (at once if it is already); None: no longer."""
+        self._protocol.on_lost = callback
+        if callback is not None and self._cycle.disconnected:
+            self._protocol.loop.call_soon(self._protocol._lost)
 
 
 @dataclass(frozen=True)
@@ -68,6 +112,8 @@ class StampedHttpToolsProtocol(HttpToolsProtocol):
         self._body_pending = False  # head complete, body not yet
         self._body_seen = 0.0  # loop time of the last body piece
         self._body_timer: TimerHandle | None = None
+        self.on_writable: Callable[[], None] | None = None  # a BodyWriter's waiter (see when_writable)
+        self.on_lost: Callable[[], None] | None = None  # a BodyWriter's watcher (see when_disconnected)
 
     # -- connection ---------------------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -84,6 +130,22 @@ class StampedHttpToolsProtocol(HttpToolsProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_timers()
         super().connection_lost(exc)
+        self._writable()
+        self._lost()
+
+    def _lost(self) -> None:
+        callback, self.on_lost = self.on_lost, None
+        if callback is not None:
+            callback()
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        self._writable()
+
+    def _writable(self) -> None:
+        callback, self.on_writable = self.on_writable, None
+        if callback is not None:
+            callback()
 
     def data_received(self, data: bytes) -> None:
         if not self._in_head:
@@ -125,6 +187,9 @@ class StampedHttpToolsProtocol(HttpToolsProtocol):
         self._body_pending = True
         self._body_seen = self.loop.time()
         super().on_headers_complete()
+        cycle = self.cycle
+        if cycle is not None and cycle.scope is self.scope:  # (not after an upgrade)
+            self.scope["state"][BODY_WRITER] = BodyWriter(self, cycle)
 
     def on_body(self, body: bytes) -> None:
         self._body_seen = self.loop.time()

@@ -7,16 +7,16 @@ added latency of a raw path (../shared/PERFORMANCE.md).
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from random import getrandbits
 from typing import Any
 
 from prometheus_client import Gauge
 
 from gateway.api.validation import parse_request, validate_heavy
-from gateway.asgi import Headers, Receive, Scope, Send, header, send_body
+from gateway.asgi import BODY_WRITER, Headers, Receive, Scope, Send, header, send_body
 from gateway.auth import ANONYMOUS, Client, KeyStore
 from gateway.config import LimitSettings, Settings
 from gateway.errors import GatewayError
@@ -38,7 +38,7 @@ def request_id(scope: Scope) -> str:
     given = header(scope, b"x-request-id")
     if given and len(given) <= 128 and given.isascii() and given.decode().isprintable():
         return given.decode()
-    return os.urandom(12).hex()
+    return f"{getrandbits(96):024x}"  # unique enough for a request id, without a system call
 
 
 async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
@@ -147,7 +147,7 @@ class ProxyEndpoint:
                 exchange.reserved_tokens = KeyStore.admit(exchange.client, request.model,
                                                           self._reservation(request, exchange.client))
             await self._dispatcher.dispatch(exchange, request, exchange.client.name if exchange.client else ANONYMOUS,
-                                         receive, send)
+                                            receive, send, state.get(BODY_WRITER) if state else None)
         except GatewayError as exc:
             exchange.status = exc.status
             if exchange.outcome == "pending":

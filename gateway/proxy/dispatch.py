@@ -19,7 +19,7 @@ from typing import Any, Protocol
 import orjson
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, stop_after_delay, wait_none
 
-from gateway.asgi import Headers, Receive, Send
+from gateway.asgi import ClientWriter, Headers, Receive, Send
 from gateway.config import RetrySettings, StructuredOutputSettings
 from gateway.engines.base import EngineAdapter
 from gateway.engines.registry import ENGINES
@@ -83,7 +83,7 @@ class Dispatcher:
         self._metrics.child(self._metrics.invalid_outputs, backend.name, backend.engine, action).inc()
 
     async def dispatch(self, exchange: Exchange, request: RouteRequest, key: str, receive: Receive,
-                       send: Send) -> None:
+                       send: Send, writer: ClientWriter | None = None) -> None:
         decision = await self._route(exchange, request, key)
         exchange.model = request.model
         exchange.route_reason = decision.reason
@@ -98,19 +98,33 @@ class Dispatcher:
         candidates = iter(decision.ranked)
         remaining = len(decision.ranked)
         started = time.monotonic()
+
+        async def attempt(number: int) -> None:
+            nonlocal remaining
+            backend = next(candidates)
+            remaining -= 1
+            last = (remaining == 0 or number >= settings.max_attempts
+                    or time.monotonic() - started >= settings.max_seconds)
+            await self._attempt(exchange, request, backend, last, headers, receive, send, writer)
+
+        # The first attempt goes without the retry machinery (most succeed, and it showed in profiles); when it
+        # fails over, tenacity runs the rest within what is left of the attempts and of the time.
+        try:
+            await attempt(1)
+            return
+        except _Retry as exc:
+            failed = exc
+        elapsed = time.monotonic() - started
+        if settings.max_attempts <= 1 or elapsed >= settings.max_seconds:
+            raise failed.final from None
         retrying = AsyncRetrying(
-            stop=stop_after_attempt(settings.max_attempts) | stop_after_delay(settings.max_seconds),
+            stop=stop_after_attempt(settings.max_attempts - 1) | stop_after_delay(settings.max_seconds - elapsed),
             retry=retry_if_exception_type(_Retry), wait=wait_none(), reraise=True,
         )
         try:
-            async for attempt in retrying:
-                with attempt:
-                    number = attempt.retry_state.attempt_number
-                    backend = next(candidates)
-                    remaining -= 1
-                    last = (remaining == 0 or number >= settings.max_attempts
-                            or time.monotonic() - started >= settings.max_seconds)
-                    await self._attempt(exchange, request, backend, last, headers, receive, send)
+            async for trial in retrying:
+                with trial:
+                    await attempt(1 + trial.retry_state.attempt_number)
         except _Retry as exc:  # stopped by time between attempts
             raise exc.final from None
 
@@ -155,14 +169,14 @@ class Dispatcher:
         return orjson.dumps(body)
 
     async def _attempt(self, exchange: Exchange, request: RouteRequest, backend: Backend, last: bool,
-                       headers: Headers, receive: Receive, send: Send) -> None:
+                       headers: Headers, receive: Receive, send: Send, writer: ClientWriter | None) -> None:
         trace = exchange.trace
         check, retry_invalid = self._output_check(request, can_retry=not last)
         self._pipeline.routed(request, backend)  # (first: routing may place it in an engine slot)
         payload = self._payload(request, backend)
         options = AttemptOptions(
             keep_usage=client_wants_usage(request.body), headers=headers, check=check, retry_invalid=retry_invalid,
-            retry_statuses=frozenset() if last else backend.spec.retry_statuses,
+            retry_statuses=frozenset() if last else backend.spec.retry_statuses, writer=writer,
             upstream_headers=(trace.upstream_start(backend.name, backend.engine, backend.url, PATHS[request.route])
                               if trace is not None else None),
         )
@@ -243,21 +257,30 @@ class Dispatcher:
     async def _forward_until_disconnect(self, exchange: Exchange, backend: Backend, payload: bytes,
                                         options: AttemptOptions, receive: Receive, send: Send) -> None:
         """Forward while watching the client: when it disconnects, cancel the upstream request at once
-        (uvicorn's ``send`` silently drops writes to a gone client, so nothing else would notice)."""
+        (uvicorn's ``send`` silently drops writes to a gone client, so nothing else would notice). The server's
+        writer says so from its protocol callback where there is one; else a task waits on ``receive``."""
         task = asyncio.current_task()
         assert task is not None
         state = {"finished": False, "gone": False}
+
+        def gone() -> None:
+            if not state["finished"]:
+                state["gone"] = True
+                task.cancel()
 
         async def watch() -> None:
             while True:
                 message = await receive()
                 if message["type"] == "http.disconnect":
                     break
-            if not state["finished"]:
-                state["gone"] = True
-                task.cancel()
+            gone()
 
-        watcher = asyncio.create_task(watch())
+        writer = options.writer
+        watcher: asyncio.Task[None] | None = None
+        if writer is not None:
+            writer.when_disconnected(gone)
+        else:
+            watcher = asyncio.create_task(watch())
         try:
             await self._forwarder.forward(exchange, backend, payload, send, options)
             state["finished"] = True
@@ -269,7 +292,10 @@ class Dispatcher:
                 exchange.outcome = "disconnected"
         finally:
             state["finished"] = True
-            watcher.cancel()
+            if watcher is not None:
+                watcher.cancel()
+            if writer is not None:
+                writer.when_disconnected(None)
 
     def _output_check(self, request: RouteRequest, can_retry: bool) -> tuple[Callable[[bytes], str | None] | None,
                                                                              bool]:

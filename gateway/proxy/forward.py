@@ -18,13 +18,13 @@ from typing import Any
 
 import orjson
 
-from gateway.asgi import EVENT_STREAM, Headers, Send, send_body
+from gateway.asgi import EVENT_STREAM, ClientWriter, Headers, Send, send_body
 from gateway.config import TimeoutSettings
 from gateway.errors import error_body, normalise_upstream_error
 from gateway.pool.backend import Backend
 from gateway.proxy.exchange import Exchange
 from gateway.proxy.sse import InvalidStream, SSERelay, text_events_in
-from gateway.proxy.transport import Transport
+from gateway.proxy.transport import BodySink, Transport, UpstreamResponse
 from gateway.proxy.upstream import UpstreamError
 
 PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions", "embeddings": "/v1/embeddings"}
@@ -54,6 +54,7 @@ class AttemptOptions:
     check: Callable[[bytes], str | None] | None = None  # structured-output check of a non-streamed answer
     retry_invalid: bool = False  # raise InvalidOutput instead of marking a failing answer
     retry_statuses: frozenset[int] = frozenset()  # raise RetryableStatus for these instead of answering
+    writer: ClientWriter | None = None  # the server's direct writer to the client, where it offers one
 
 
 class Forwarder:
@@ -79,7 +80,7 @@ class Forwarder:
             (b"x-gateway-backend", backend.name.encode()),
             *options.headers,
         ]
-        started = False
+        stream: _Stream | None = None
         try:
             async with asyncio.timeout_at(min(loop.time() + t.first_byte, deadline)) as timer:
                 response = await self._transport.post(url, payload, headers)
@@ -116,34 +117,12 @@ class Forwarder:
                         await send_body(send, 200, raw, client_headers)
                         return
                     relay = SSERelay(options.keep_usage, backend.secrets.scrub, backend.spec.stream)
-                    idle, slack = t.idle, t.idle * 1.25
-                    async for data in response.chunks():
-                        seen = relay.events
-                        out = relay.feed(data)
-                        if relay.events != seen:
-                            # Only data events move the deadline: until the first one the first-byte timeout
-                            # holds, and a backend sending nothing but ": ping" comments is cut like a silent
-                            # one. The idle deadline moves only when less than `idle` is left, to 1.25 x idle
-                            # ahead: a stall is cut between idle and 1.25 x idle after it began, for one timer
-                            # move per quarter-idle instead of one per chunk (it showed in profiles).
-                            now = loop.time()
-                            when = timer.when()
-                            if seen == 0 or (when is not None and when - now < idle):
-                                timer.reschedule(min(now + slack, deadline))
-                        if not out:
-                            continue
-                        texts = text_events_in(out)
-                        if texts:
-                            exchange.saw_text(texts, time.perf_counter())
-                        if not started:
-                            await _start_stream(send, exchange, client_headers)
-                            started = True
-                        await send({"type": "http.response.body", "body": out, "more_body": True})
-                        if relay.done:
-                            # the client has its whole answer, [DONE] included, and may hang up before the
-                            # upstream closes: account the request now, or its usage would be lost with it
-                            exchange.usage, exchange.timings = relay.usage, relay.timings
-                            exchange.outcome = "upstream_error" if relay.error is not None else "success"
+                    stream = _Stream(exchange, relay, timer, loop, t.idle, deadline)
+                    stream_to = getattr(response, "stream_to", None)
+                    if options.writer is not None and stream_to is not None:
+                        await _relay_direct(stream, response, stream_to, options.writer, send, client_headers)
+                    else:
+                        await _relay_awaiting(stream, response, send, client_headers)
                     tail = relay.flush()
                     texts = text_events_in(tail)
                     if texts:
@@ -155,23 +134,25 @@ class Forwarder:
         except Exception as exc:  # map_error re-raises what is not an upstream failure
             error = (UpstreamError(f"the backend's stream is malformed: {exc}") if isinstance(exc, InvalidStream)
                      else self._transport.map_error(exc)).redacted(backend.secrets)
-            if not started:
+            if stream is None or not stream.started:
                 raise error from None
             exchange.outcome = error.code
             await self._end_with_error(send, f"backend {backend.name}: {error}", error)
             return
+        assert stream is not None
+        relay = stream.relay
         exchange.usage = relay.usage
         exchange.timings = relay.timings
         if not relay.done and relay.error is None:
             # the backend closed the stream without finishing it: the answer is cut short
             error = UpstreamError("the backend ended the stream before it was complete")
-            if not started:
+            if not stream.started:
                 raise error
             exchange.outcome = "upstream_failed"
             await send({"type": "http.response.body", "body": tail, "more_body": True})
             await self._end_with_error(send, f"backend {backend.name}: {error}", error)
             return
-        if not started:
+        if not stream.started:
             await _start_stream(send, exchange, client_headers)
         exchange.outcome = "upstream_error" if relay.error is not None else "success"
         if not relay.done:  # a stream that ended on an error event: clients get their [DONE] all the same
@@ -210,3 +191,144 @@ async def _start_stream(send: Send, exchange: Exchange, client_headers: Headers)
             "headers": [(b"content-type", EVENT_STREAM), (b"cache-control", b"no-cache"), *client_headers],
         }
     )
+
+
+class _Stream:
+    """One upstream event stream on its way to the client: each piece checked by the relay, the idle deadline
+    moved, generated text timed. The same for both relays below."""
+
+    __slots__ = ("deadline", "exchange", "idle", "loop", "relay", "slack", "started", "timer")
+
+    def __init__(self, exchange: Exchange, relay: SSERelay, timer: asyncio.Timeout,
+                 loop: asyncio.AbstractEventLoop, idle: float, deadline: float) -> None:
+        self.exchange = exchange
+        self.relay = relay
+        self.timer = timer
+        self.loop = loop
+        self.idle = idle
+        self.slack = idle * 1.25
+        self.deadline = deadline
+        self.started = False  # the client's response has started: failures can no longer fail over
+
+    def feed(self, data: bytes) -> bytes:
+        """What to send the client for ``data`` (often everything, unchanged; ``b""`` until an event ends)."""
+        relay = self.relay
+        seen = relay.events
+        out = relay.feed(data)
+        if relay.events != seen:
+            # Only data events move the deadline: until the first one the first-byte timeout holds, and a
+            # backend sending nothing but ": ping" comments is cut like a silent one. The idle deadline moves
+            # only when less than `idle` is left, to 1.25 x idle ahead: a stall is cut between idle and 1.25 x
+            # idle after it began, for one timer move per quarter-idle instead of one per chunk.
+            now = self.loop.time()
+            when = self.timer.when()
+            if seen == 0 or (when is not None and when - now < self.idle):
+                self.timer.reschedule(min(now + self.slack, self.deadline))
+        if out:
+            texts = text_events_in(out)
+            if texts:
+                self.exchange.saw_text(texts, time.perf_counter())
+        return out
+
+    def sent(self) -> None:
+        """After each piece reached the client: once it has its whole answer, [DONE] included, it may hang up
+        before the upstream closes, so the request is accounted now, or its usage would be lost with it."""
+        relay = self.relay
+        if relay.done:
+            exchange = self.exchange
+            exchange.usage, exchange.timings = relay.usage, relay.timings
+            exchange.outcome = "upstream_error" if relay.error is not None else "success"
+
+
+async def _relay_awaiting(stream: _Stream, response: UpstreamResponse, send: Send, client_headers: Headers) -> None:
+    """Relay through ASGI ``send``, a coroutine step per upstream piece (any transport, any ASGI server)."""
+    async for data in response.chunks():
+        out = stream.feed(data)
+        if not out:
+            continue
+        if not stream.started:
+            await _start_stream(send, stream.exchange, client_headers)
+            stream.started = True
+        await send({"type": "http.response.body", "body": out, "more_body": True})
+        stream.sent()
+
+
+async def _relay_direct(stream: _Stream, response: UpstreamResponse, stream_to: Callable[[BodySink], None],
+                        writer: ClientWriter, send: Send, client_headers: Headers) -> None:
+    """Relay from the upstream's protocol callbacks straight to the client's transport: no coroutine step
+    per piece. The coroutine only starts the response (with the first output, so a failure before it can
+    still fail over) and waits for the end; flow control pauses the upstream while the client's buffer is full.
+    """
+    sink = _DirectSink(stream, response, writer)
+    stream_to(sink)
+    await sink.wait()
+    if sink.held:
+        await _start_stream(send, stream.exchange, client_headers)
+        stream.started = True
+        while sink.held:  # (nothing arrives meanwhile: the upstream is paused while output is held)
+            out = b"".join(sink.held)
+            sink.held.clear()
+            await send({"type": "http.response.body", "body": out, "more_body": True})
+            stream.sent()
+        sink.go_live()
+        while not sink.ended:
+            await sink.wait()
+    if sink.error is not None:
+        raise sink.error
+
+
+class _DirectSink:
+    """The upstream body's sink on the direct path. Until the response has started, output is held (and the
+    upstream paused) for the coroutine to start it with; then each output is written to the client as it
+    comes."""
+
+    __slots__ = ("_live", "_wake", "ended", "error", "held", "response", "stream", "writer")
+
+    def __init__(self, stream: _Stream, response: UpstreamResponse, writer: ClientWriter) -> None:
+        self.stream = stream
+        self.response = response
+        self.writer = writer
+        self.held: list[bytes] = []
+        self.ended = False
+        self.error: BaseException | None = None
+        self._live = False
+        self._wake: asyncio.Future[None] = stream.loop.create_future()
+
+    def data(self, chunk: bytes) -> None:
+        out = self.stream.feed(chunk)  # (InvalidStream ends the response with it: see BodySink)
+        if not out:
+            return
+        if not self._live:
+            self.held.append(out)
+            self.response.pause_reading()
+            self._set()
+            return
+        writer = self.writer
+        if writer.write(out):
+            self.stream.sent()
+            if writer.paused:
+                self.response.pause_reading()
+                writer.when_writable(self._resume)
+        # else: the client is gone; the watcher cancels the request
+
+    def end(self, error: BaseException | None) -> None:
+        self.ended = True
+        self.error = error
+        self._set()
+
+    def go_live(self) -> None:
+        self._live = True
+        if not self.ended:
+            self.response.resume_reading()
+
+    def _resume(self) -> None:
+        if not self.ended:
+            self.response.resume_reading()
+
+    def _set(self) -> None:
+        if not self._wake.done():
+            self._wake.set_result(None)
+
+    async def wait(self) -> None:
+        await self._wake
+        self._wake = self.stream.loop.create_future()

@@ -24,6 +24,17 @@ from gateway.config import TimeoutSettings
 from gateway.proxy.upstream import UpstreamError
 
 
+class BodySink(Protocol):
+    """Where a streamed body goes as it arrives, for a response that can hand it over (``stream_to``): ``data``
+    for each piece, then ``end`` once (None when the body is complete, else the error that cut it). Called from
+    the event loop's protocol callbacks: it must not block, and an exception it raises from ``data`` ends the
+    response with that error."""
+
+    def data(self, chunk: bytes) -> None: ...
+
+    def end(self, error: BaseException | None) -> None: ...
+
+
 class UpstreamResponse(Protocol):
     """A backend's answer. ``read`` or ``chunks`` consume the body (once); ``release`` must always be called."""
 
@@ -35,6 +46,12 @@ class UpstreamResponse(Protocol):
     def chunks(self) -> AsyncIterator[bytes]: ...
 
     def release(self) -> None: ...
+
+    # A response may also offer ``stream_to(sink: BodySink)`` (then ``pause_reading``/``resume_reading``
+    # apply flow control): the body then bypasses ``chunks`` (see ``gateway.proxy.h1``).
+    def pause_reading(self) -> None: ...
+
+    def resume_reading(self) -> None: ...
 
 
 class Transport(Protocol):
@@ -77,6 +94,12 @@ class _AiohttpResponse:
 
     def release(self) -> None:
         self._response.release()
+
+    def pause_reading(self) -> None:
+        pass
+
+    def resume_reading(self) -> None:
+        pass
 
 
 class AiohttpTransport:
@@ -167,6 +190,12 @@ class MockResponse:
 
     def release(self) -> None:
         self.released = True
+
+    def pause_reading(self) -> None:
+        pass
+
+    def resume_reading(self) -> None:
+        pass
 
 
 async def _collect(chunks: AsyncIterator[bytes]) -> list[bytes]:
