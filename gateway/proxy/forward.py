@@ -81,8 +81,9 @@ class Forwarder:
             *options.headers,
         ]
         stream: _Stream | None = None
+        clock = _Clock(loop, min(loop.time() + t.first_byte, deadline), t.idle, deadline)
         try:
-            async with asyncio.timeout_at(min(loop.time() + t.first_byte, deadline)) as timer:
+            try:
                 response = await self._transport.post(url, payload, headers)
                 try:
                     exchange.status = response.status
@@ -117,7 +118,7 @@ class Forwarder:
                         await send_body(send, 200, raw, client_headers)
                         return
                     relay = SSERelay(options.keep_usage, backend.secrets.scrub, backend.spec.stream)
-                    stream = _Stream(exchange, relay, timer, loop, t.idle, deadline)
+                    stream = _Stream(exchange, relay, clock)
                     stream_to = getattr(response, "stream_to", None)
                     if options.writer is not None and stream_to is not None:
                         await _relay_direct(stream, response, stream_to, options.writer, send, client_headers)
@@ -129,6 +130,12 @@ class Forwarder:
                         exchange.saw_text(texts, time.perf_counter())
                 finally:
                     response.release()
+            except asyncio.CancelledError:
+                if clock.expired():
+                    raise TimeoutError from None
+                raise
+            finally:
+                clock.cancel()
         except (InvalidOutput, RetryableStatus):
             raise
         except Exception as exc:  # map_error re-raises what is not an upstream failure
@@ -193,21 +200,56 @@ async def _start_stream(send: Send, exchange: Exchange, client_headers: Headers)
     )
 
 
+class _Clock:
+    """An attempt's deadlines, kept lazily: until the first data event, the first-byte deadline; after each, the
+    idle deadline from it; always the total deadline. One timer per attempt, re-armed only when it fires
+    before its deadline (at most every ``idle``; each event only notes its time), where ``asyncio.timeout``
+    would move its timer per event or per few. A stall is cut ``idle`` after it began.
+    On expiry the task is cancelled; the attempt turns that cancellation into ``TimeoutError``."""
+
+    __slots__ = ("_cancelling", "_expired", "_handle", "_task", "deadline", "first", "idle", "last", "loop")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, first: float, idle: float, deadline: float) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self.loop = loop
+        self._task = task
+        self._cancelling = task.cancelling()
+        self._expired = False
+        self.first = first
+        self.idle = idle
+        self.deadline = deadline
+        self.last: float | None = None  # loop time of the latest data event
+        # (never later than idle from now: a stall right after the first event is then cut on time)
+        self._handle = loop.call_at(min(first, loop.time() + idle), self._check)
+
+    def _check(self) -> None:
+        now = self.loop.time()
+        due = self.first if self.last is None else min(self.last + self.idle, self.deadline)
+        if now >= due:
+            self._expired = True
+            self._task.cancel()
+        else:
+            self._handle = self.loop.call_at(min(due, now + self.idle), self._check)
+
+    def expired(self) -> bool:
+        """Whether the cancellation being handled is this clock's (then it is taken back)."""
+        return self._expired and self._task.uncancel() <= self._cancelling
+
+    def cancel(self) -> None:
+        self._handle.cancel()
+
+
 class _Stream:
-    """One upstream event stream on its way to the client: each piece checked by the relay, the idle deadline
-    moved, generated text timed. The same for both relays below."""
+    """One upstream event stream on its way to the client: each piece checked by the relay, the clock told of
+    data events, generated text timed. The same for both relays below."""
 
-    __slots__ = ("deadline", "exchange", "idle", "loop", "relay", "slack", "started", "timer")
+    __slots__ = ("clock", "exchange", "relay", "started")
 
-    def __init__(self, exchange: Exchange, relay: SSERelay, timer: asyncio.Timeout,
-                 loop: asyncio.AbstractEventLoop, idle: float, deadline: float) -> None:
+    def __init__(self, exchange: Exchange, relay: SSERelay, clock: _Clock) -> None:
         self.exchange = exchange
         self.relay = relay
-        self.timer = timer
-        self.loop = loop
-        self.idle = idle
-        self.slack = idle * 1.25
-        self.deadline = deadline
+        self.clock = clock
         self.started = False  # the client's response has started: failures can no longer fail over
 
     def feed(self, data: bytes) -> bytes:
@@ -216,14 +258,9 @@ class _Stream:
         seen = relay.events
         out = relay.feed(data)
         if relay.events != seen:
-            # Only data events move the deadline: until the first one the first-byte timeout holds, and a
-            # backend sending nothing but ": ping" comments is cut like a silent one. The idle deadline moves
-            # only when less than `idle` is left, to 1.25 x idle ahead: a stall is cut between idle and 1.25 x
-            # idle after it began, for one timer move per quarter-idle instead of one per chunk.
-            now = self.loop.time()
-            when = self.timer.when()
-            if seen == 0 or (when is not None and when - now < self.idle):
-                self.timer.reschedule(min(now + self.slack, self.deadline))
+            # Only data events count: until the first one the first-byte deadline holds, and a backend sending
+            # nothing but ": ping" comments is cut like a silent one.
+            self.clock.last = self.clock.loop.time()
         if out:
             texts = text_events_in(out)
             if texts:
@@ -292,7 +329,7 @@ class _DirectSink:
         self.ended = False
         self.error: BaseException | None = None
         self._live = False
-        self._wake: asyncio.Future[None] = stream.loop.create_future()
+        self._wake: asyncio.Future[None] = stream.clock.loop.create_future()
 
     def data(self, chunk: bytes) -> None:
         out = self.stream.feed(chunk)  # (InvalidStream ends the response with it: see BodySink)
@@ -331,4 +368,4 @@ class _DirectSink:
 
     async def wait(self) -> None:
         await self._wake
-        self._wake = self.stream.loop.create_future()
+        self._wake = self.stream.clock.loop.create_future()

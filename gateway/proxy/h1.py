@@ -30,12 +30,14 @@ from urllib.parse import urlsplit
 import httptools
 
 from gateway.config import TimeoutSettings
-from gateway.proxy.transport import BodySink
+from gateway.proxy.transport import BodySink, map_common
 from gateway.proxy.upstream import UpstreamError
 
 # buffered body bytes at which reading from the backend pauses when nothing consumes them yet
 _HIGH_WATER = 1 << 20
-KEEPALIVE_SECONDS = 4.0  # below the 5 s idle timeout of uvicorn and llama.cpp's server (see AiohttpTransport)
+# below the 5 s idle timeout of uvicorn (vLLM, SGLang, TabbyAPI) and llama.cpp's server, so the pool never reuses
+# a connection the backend is closing
+KEEPALIVE_SECONDS = 4.0
 DNS_TTL_SECONDS = 10.0
 
 
@@ -458,10 +460,9 @@ class H1Transport:
         return conn
 
     def map_error(self, exc: BaseException) -> UpstreamError:
-        if isinstance(exc, UpstreamError):
-            return exc
-        if isinstance(exc, TimeoutError | asyncio.TimeoutError):
-            return UpstreamError("timed out", timeout=True)
+        common = map_common(exc)
+        if common is not None:
+            return common
         if isinstance(exc, ssl.SSLError | OSError):
             return UpstreamError(f"{type(exc).__name__}: {exc}")
         raise exc

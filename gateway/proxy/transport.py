@@ -1,11 +1,9 @@
 """The seam under forwarding: one POST to a backend, answered with a status, headers and a body read whole or
 as it arrives.
 
-:class:`AiohttpTransport` carries real requests. aiohttp, not httpx, is the data-plane client: on our machines
-httpx's connection pool added ~10x the latency of aiohttp at 64 concurrent streams (see the commit that
-introduced aiohttp for the figures); httpx stays on the control plane (health, load, models), where it is on
-no request's path. Its exceptions become :class:`~gateway.proxy.upstream.UpstreamError` in one place,
-:meth:`AiohttpTransport.map_error`.
+:class:`~gateway.proxy.h1.H1Transport` carries real requests (HTTP/1.1 on asyncio protocols; its responses
+can hand their body to a :class:`BodySink` as it arrives). httpx stays on the control plane (health, load,
+models), where it is on no request's path: its pool added ~10x the latency under concurrency.
 
 :class:`MockTransport` answers from a function, as httpx's ``MockTransport`` does, so forwarding and failover
 are unit-tested without sockets.
@@ -18,9 +16,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mappin
 from dataclasses import dataclass, field
 from typing import Protocol
 
-import aiohttp
-
-from gateway.config import TimeoutSettings
 from gateway.proxy.upstream import UpstreamError
 
 
@@ -75,86 +70,6 @@ def map_common(exc: BaseException) -> UpstreamError | None:
     if isinstance(exc, TimeoutError | asyncio.TimeoutError):
         return UpstreamError("timed out", timeout=True)
     return None
-
-
-# --- aiohttp ------------------------------------------------------------------------------------------------
-class _AiohttpResponse:
-    __slots__ = ("_response", "headers", "status")
-
-    def __init__(self, response: aiohttp.ClientResponse) -> None:
-        self._response = response
-        self.status = response.status
-        self.headers: Mapping[str, str] = response.headers
-
-    async def read(self) -> bytes:
-        return await self._response.read()
-
-    def chunks(self) -> AsyncIterator[bytes]:
-        return self._response.content.iter_any()
-
-    def release(self) -> None:
-        self._response.release()
-
-    def pause_reading(self) -> None:
-        pass
-
-    def resume_reading(self) -> None:
-        pass
-
-
-class AiohttpTransport:
-    """Owns the aiohttp session: one pool of keep-alive connections for all backends."""
-
-    def __init__(self, timeouts: TimeoutSettings) -> None:
-        self._timeouts = timeouts
-        self._session: aiohttp.ClientSession | None = None
-
-    async def start(self) -> None:
-        connector = aiohttp.TCPConnector(
-            limit=0,  # admission control is the gateway's job, not the pool's
-            # below the 5 s idle timeout of uvicorn (vLLM, SGLang, TabbyAPI) and llama.cpp's server, so the
-            # pool never reuses a connection the backend is closing (a 502 "server disconnected" otherwise)
-            keepalive_timeout=4,
-            ttl_dns_cache=10,
-        )
-        self._session = aiohttp.ClientSession(
-            connector=connector,
-            timeout=aiohttp.ClientTimeout(total=None, connect=None, sock_connect=self._timeouts.connect),
-            auto_decompress=False,
-            skip_auto_headers=("User-Agent", "Accept-Encoding"),
-        )
-
-    async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
-
-    async def post(self, url: str, body: bytes, headers: Mapping[str, str]) -> UpstreamResponse:
-        if self._session is None:
-            raise RuntimeError("AiohttpTransport.start() has not run")
-        try:
-            return _AiohttpResponse(await self._session.post(url, data=body, headers=headers))
-        except aiohttp.ClientConnectorError:
-            raise  # no connection could be made: nothing was sent
-        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
-            # A pooled keep-alive connection the backend had closed meanwhile: the request never reached it
-            # (the write failed, or the server hung up before reading). Once more; aiohttp has dropped that
-            # connection. A second failure is the backend's.
-            return _AiohttpResponse(await self._session.post(url, data=body, headers=headers))
-
-    def map_error(self, exc: BaseException) -> UpstreamError:
-        common = map_common(exc)
-        if common is not None:
-            return common
-        if isinstance(exc, aiohttp.ClientConnectorError):
-            return UpstreamError(f"cannot connect: {exc.os_error.strerror or exc}", connect=True)
-        if isinstance(exc, aiohttp.ServerDisconnectedError):
-            return UpstreamError("the backend closed the connection")
-        if isinstance(exc, aiohttp.ClientPayloadError):
-            return UpstreamError("the backend's response was cut off")
-        if isinstance(exc, aiohttp.ClientError | OSError):
-            return UpstreamError(f"{type(exc).__name__}: {exc}")
-        raise exc
 
 
 # --- for tests ------------------------------------------------------------------------------------------------
