@@ -3,24 +3,45 @@ Rust router in front of the same backend, in the same run: SMG (Shepherd Model G
 SGLang router's successor) when installed, else the SGLang model gateway (PyPI ``sglang-router``).
 
 Processes (all on this machine): the raw backend (:mod:`gateway.bench.rawbackend`: 16 tokens 5 ms apart,
-almost no CPU per token), the gateway as users run it (``python -m gateway serve --config FILE``), the
-Rust router (``python -m smg.launch_router`` or ``python -m sglang_router.launch_router``, ``--worker-urls URL
---policy round_robin``) when installed, and the load
-generator (this process: aiohttp on uvloop). At each concurrency level (closed loop; default 1, 16, 64, 256)
-the targets are interleaved round by round. Measured at the client: added TTFT p50/p99 and added mean
-inter-chunk gap against direct, streamed chunks/s; from /proc: the gateway's (and router's) CPU time per
-request and per chunk. Then ``hold`` streams (default 1,000) are opened at once through each proxy and held
-for a few seconds; the backend reports how many it had open at once. Optionally py-spy samples the gateway
-under load (``--py-spy SECONDS``) and the report ranks its hottest functions.
+almost no CPU per token), the gateway as users run it (``python -m gateway serve --config FILE``, routing policy
+``default``), the Rust router (``python -m smg.launch_router`` or ``python -m sglang_router.launch_router``,
+``--worker-urls URL --policy round_robin``) when installed, and the load generator (this process: aiohttp on
+uvloop). Targets are always interleaved (the order rotated from round to round or level to level). Phases:
+
+1. Latency levels (closed loop; default 1, 16, 64, 256 streams, a short prompt): added TTFT p50/p99 and added
+   inter-chunk gap p50/p99/mean against direct, streamed chunks/s, CPU per request and per chunk from /proc
+   (total CPU / requests and total CPU / chunks: each includes the other's costs), and per level the gateway's
+   added TTFT over the Rust router's (``vs_reference``).
+2. Cost (``--no-cost`` skips): a closed loop at ``--cost-concurrency`` (16) of requests with distinct ~2,000-token
+   prompts (8,000 characters of seeded pseudo-words), run twice per target, with max_tokens A and B
+   (``--cost-tokens 4,64``; the raw backend streams max_tokens chunks). From each target's /proc CPU and the chunk
+   counts of both runs it solves ``cpu = requests * R + chunks * C``: R the CPU per request excluding chunks
+   (routing to the response's end), C the CPU per streamed chunk. /proc counts CPU in ticks (10 ms): each
+   per-phase reading is off by up to a tick, so the worst-case error of R and C is reported with them; a run
+   needs about a second of CPU for R to be within ~10 us.
+3. Saturation (``--no-saturation`` skips): long, fast streams (``--saturation-tokens`` 32, ``--saturation-gap-ms``
+   1) at rising concurrency (``--saturation-levels`` 256,512,1024): chunks/s at the client and, from /proc over
+   each phase, the CPU (cores) of the proxy, the backend, the client and the whole machine. The highest chunks/s
+   per target, whether the proxy was saturated (at least 0.9 core) or what else limited it (``limit``: proxy,
+   machine, client, backend or none), and the capacity the cost phase implies, 1e6 / C chunks/s per core.
+4. Hold: ``hold`` streams (default 1,000) opened at once through each target and held for a few seconds; the
+   backend reports how many it had open at once. Optionally py-spy samples the gateway under load
+   (``--py-spy SECONDS``) and the report ranks its hottest functions.
 
 ``--tracing`` adds a second gateway process with OpenTelemetry tracing on (``OTEL_EXPORTER_OTLP_ENDPOINT``
 pointing at a loopback OTLP/HTTP sink in its own process that answers 200 and discards every export; never a
-remote collector), interleaved with the others at the same levels, and reports what tracing adds per request:
+remote collector), interleaved with the others in every phase, and reports what tracing adds per request:
 TTFT p50/p99 and end-to-end p50 against the untraced gateway (microseconds, and the gateway's added TTFT over
 direct with tracing / without) and CPU per request from /proc. The untraced gateway then runs with
 ``OTEL_SDK_DISABLED=true``, so an ``OTEL_*`` variable in the caller's environment cannot turn it on.
 
-Writes ``overhead.json`` and ``overhead.png`` (and the processes' logs) under ``--out`` (``reports/overhead``).
+``--repeat N`` runs it all N times (fresh processes each time) and writes ``overhead-1.json`` ... ``overhead-N.json``
+and the summary ``overhead.json``: every figure the median of the runs' (ratios: the median of each run's
+ratio), the runs themselves under ``runs``, and ``targets``: each issue target (gateway CPU per chunk <= 25 us
+and per request <= 150 us, >= 40,000 chunks/s from one process, added TTFT p50 within 1.5x / 1.5x / 2x / 3x of
+the Rust router's at 1 / 16 / 64 / 256 streams, the held streams all complete) with its value and whether it was
+met. ``overhead.png`` draws the summary (and ``overhead-N.png`` each run when N > 1); the processes' logs are
+under ``--out`` (``reports/overhead``; ``run-N/`` when N > 1).
 """
 
 from __future__ import annotations
@@ -28,7 +49,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import math
+import os
+import random
 import shutil
+import statistics
+import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -39,11 +64,20 @@ from gateway.bench.client import Target
 from gateway.bench.procs import ChildProcess, get_json
 from gateway.bench.pyspy import start_record, top_frames
 from gateway.bench.report import build_report, write_json
-from gateway.bench.runner import Arrival, run, run_sync
+from gateway.bench.runner import Arrival, RunResult, cpu_seconds, host_busy_share, host_cpu_times, run, run_sync
 from gateway.bench.workload import BenchRequest
 
 MODEL = "bench-model"
 TRACED = "gateway+tracing"
+SCHEMA = "gateway-bench-overhead/2"
+TICK_S = 1 / os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 0.01  # /proc's CPU time unit
+SATURATED_CORES = 0.9  # a process using this much of a core (or more) is taken as CPU-bound
+# the issue's targets: gateway CPU per streamed chunk and per request (cost phase), chunks/s from one process,
+# the gateway's added TTFT p50 over the Rust router's per level (at most this many times), the held streams
+CPU_US_PER_CHUNK_TARGET = 25.0
+CPU_US_PER_REQUEST_TARGET = 150.0
+CHUNKS_PER_S_TARGET = 40_000.0
+TTFT_X_TARGETS = {1: 1.5, 16: 1.5, 64: 2.0, 256: 3.0}
 
 
 @dataclass
@@ -62,6 +96,19 @@ class OverheadConfig:
     tracing: bool = False
     base_port: int = 18500
     out: Path = Path("reports/overhead")
+    repeat: int = 1
+    # cost phase: two runs per target (max_tokens A and B) of ~2,000-token prompts; 0 requests skips it
+    cost_requests: int = 2000  # per target per run
+    cost_concurrency: int = 16
+    cost_tokens: tuple[int, int] = (4, 64)
+    cost_gap_ms: float = 2.0
+    cost_rounds: int = 2
+    cost_prompt_chars: int = 8000
+    # saturation phase: long fast streams at rising concurrency; no levels skips it
+    saturation_levels: list[int] = field(default_factory=lambda: [256, 512, 1024])
+    saturation_requests: int = 1024  # per target per level, at least (and at least 2x the level)
+    saturation_tokens: int = 32
+    saturation_gap_ms: float = 1.0
 
 
 def requests_for(n: int, tokens: int, extra: dict[str, Any] | None = None) -> list[BenchRequest]:
@@ -70,11 +117,49 @@ def requests_for(n: int, tokens: int, extra: dict[str, Any] | None = None) -> li
     return [BenchRequest(index=i, body=body, prompt_words=3, output_len=tokens) for i in range(n)]
 
 
-def gateway_yaml(backend_url: str, port: int) -> str:
+def gateway_yaml(backend_url: str, port: int, policy: str = "default") -> str:
+    """The gateway under test: one ``openai`` backend, the routing policy users run unless they choose one."""
     return (f"server:\n  host: 127.0.0.1\n  port: {port}\n"
             f"backends:\n  - name: raw\n    engine: openai\n    url: {backend_url}\n"
             f"    models: [{MODEL}]\n    max_concurrency: 4096\n"
-            "routing:\n  policy: least-load\n")
+            f"routing:\n  policy: {policy}\n")
+
+
+_SYLLABLES = tuple(c + v for c in "bdfghklmnprstvz" for v in "aeiou")
+
+
+def _vocabulary(size: int = 2048, seed: int = 7) -> tuple[str, ...]:
+    rng = random.Random(seed)
+    words: set[str] = set()
+    while len(words) < size:
+        words.add("".join(rng.choice(_SYLLABLES) for _ in range(rng.choice((1, 2, 2, 3, 3, 4)))))
+    return tuple(sorted(words))
+
+
+VOCABULARY = _vocabulary()
+
+
+def prompt_text(seed: int, chars: int = 8000) -> str:
+    """A deterministic prompt of ``chars`` characters (less the tail of a word at most) of pseudo-words drawn
+    from a 2,048-word vocabulary: about ``chars / 4`` tokens at ~4 characters per token. Each seed its own text."""
+    if chars <= 0:
+        return ""
+    rng = random.Random(seed)
+    text = " ".join(rng.choices(VOCABULARY, k=chars // 3 + 2))
+    cut = text.rfind(" ", 0, chars + 1)
+    return text[: cut if cut > 0 else chars]
+
+
+def cost_requests_for(n: int, tokens: int, chars: int, seed: int, gap_ms: float | None = None) -> list[BenchRequest]:
+    """``n`` requests with distinct long prompts (seeds ``seed`` ... ``seed + n - 1``) and ``tokens`` max_tokens."""
+    out = []
+    for i in range(n):
+        body: dict[str, Any] = {"messages": [{"role": "user", "content": prompt_text(seed + i, chars)}],
+                                "max_tokens": tokens}
+        if gap_ms is not None:
+            body["bench_gap_ms"] = gap_ms
+        out.append(BenchRequest(index=i, body=body, prompt_words=chars // 6, output_len=tokens))
+    return out
 
 
 def level_row(doc: dict[str, Any], direct: str) -> dict[str, Any]:
@@ -87,7 +172,8 @@ def level_row(doc: dict[str, Any], direct: str) -> dict[str, Any]:
             "ok": t["ok"], "requests": t["requests"], "errors": t["errors"],
             "ttfb_ms_p50": _ms(m["ttfb_s"]["p50"]), "ttft_ms_p50": _ms(m["ttft_s"]["p50"]),
             "ttft_ms_p99": _ms(m["ttft_s"]["p99"]), "e2e_ms_p50": _ms(m.get("e2e_s", {}).get("p50")),
-            "itl_ms_mean": _ms(m["itl_s"]["mean"]), "itl_ms_p99": _ms(m["itl_s"]["p99"]),
+            "itl_ms_p50": _ms(m["itl_s"].get("p50")), "itl_ms_mean": _ms(m["itl_s"]["mean"]),
+            "itl_ms_p99": _ms(m["itl_s"]["p99"]),
             "chunks_per_s": t["chunks_per_s"], "cpu_ms_per_request": t["cpu_ms_per_request"],
             "cpu_us_per_chunk": t["cpu_us_per_chunk"],
         }
@@ -95,8 +181,28 @@ def level_row(doc: dict[str, Any], direct: str) -> dict[str, Any]:
             rm = ref["metrics"]
             row["added_ttft_ms_p50"] = _diff(m["ttft_s"]["p50"], rm["ttft_s"]["p50"])
             row["added_ttft_ms_p99"] = _diff(m["ttft_s"]["p99"], rm["ttft_s"]["p99"])
+            row["added_itl_ms_p50"] = _diff(m["itl_s"].get("p50"), rm["itl_s"].get("p50"))
+            row["added_itl_ms_p99"] = _diff(m["itl_s"]["p99"], rm["itl_s"]["p99"])
             row["added_itl_ms_mean"] = _diff(m["itl_s"]["mean"], rm["itl_s"]["mean"])
         out[name] = row
+    return out
+
+
+def vs_reference(levels: dict[str, Any], reference: str | None, skip: tuple[str, ...] = ("direct",)) -> dict[str, Any]:
+    """Per level, each proxy's added TTFT (p50, p99) over the reference's, in this run: ``{"reference": NAME,
+    "levels": {LEVEL: {NAME: {"added_ttft_p50_x", "added_ttft_p99_x"}}}}``; a ratio is null where the
+    reference added nothing (or less)."""
+    out: dict[str, Any] = {"reference": reference, "levels": {}}
+    if reference is None:
+        return out
+    for level, rows in levels.items():
+        ref = rows.get(reference)
+        if ref is None:
+            continue
+        out["levels"][level] = {
+            name: {"added_ttft_p50_x": _ratio(row.get("added_ttft_ms_p50"), ref.get("added_ttft_ms_p50")),
+                   "added_ttft_p99_x": _ratio(row.get("added_ttft_ms_p99"), ref.get("added_ttft_ms_p99"))}
+            for name, row in rows.items() if name != reference and name not in skip}
     return out
 
 
@@ -171,19 +277,313 @@ async def _hold(targets: list[Target], backend_url: str, cfg: OverheadConfig) ->
     return out
 
 
-def _traced_gateway(cfg: OverheadConfig, backend_url: str) -> tuple[ChildProcess, ChildProcess, str]:
+@dataclass(frozen=True)
+class CostRun:
+    """One target's totals over one run of the cost phase (all its rounds)."""
+
+    requests: int
+    chunks: int
+    cpu_s: float | None
+    cpu_error_s: float = 0.0  # the most the CPU figure can be off: a /proc tick per reading
+
+
+COST_NONE: dict[str, float | None] = {"cpu_us_per_request": None, "cpu_us_per_chunk": None,
+                                      "cpu_us_per_request_error": None, "cpu_us_per_chunk_error": None}
+
+
+def solve_cost(a: CostRun, b: CostRun) -> dict[str, float | None]:
+    """Solve ``cpu = requests * R + chunks * C`` from two runs that stream different numbers of chunks per
+    request: R the CPU per request excluding its chunks, C the CPU per chunk (microseconds), and the worst-case
+    error of each from the runs' ``cpu_error_s``. All None when the runs cannot separate the two (no CPU figure,
+    no requests, or as many chunks per request in both)."""
+    if a.cpu_s is None or b.cpu_s is None or a.requests <= 0 or b.requests <= 0:
+        return dict(COST_NONE)
+    det = a.requests * b.chunks - b.requests * a.chunks
+    scale = a.requests * b.chunks + b.requests * a.chunks
+    if det == 0 or abs(det) <= 1e-9 * scale:
+        return dict(COST_NONE)
+    r = (a.cpu_s * b.chunks - b.cpu_s * a.chunks) / det
+    c = (a.requests * b.cpu_s - b.requests * a.cpu_s) / det
+    dr = (abs(b.chunks) * a.cpu_error_s + abs(a.chunks) * b.cpu_error_s) / abs(det)
+    dc = (a.requests * b.cpu_error_s + b.requests * a.cpu_error_s) / abs(det)
+    return {"cpu_us_per_request": 1e6 * r, "cpu_us_per_chunk": 1e6 * c,
+            "cpu_us_per_request_error": 1e6 * dr, "cpu_us_per_chunk_error": 1e6 * dc}
+
+
+def _rotated(targets: list[Target], k: int) -> list[Target]:
+    k %= len(targets)
+    return targets[k:] + targets[:k]
+
+
+async def _cost(targets: list[Target], cfg: OverheadConfig, log: Any) -> dict[str, Any]:
+    """Two runs per target, max_tokens A and B, of requests with distinct long prompts; interleaved: in each
+    round A then B (B then A in odd rounds), every target in turn, the order rotated by one each round."""
+    tok_a, tok_b = cfg.cost_tokens
+    rounds = max(1, min(cfg.cost_rounds, cfg.cost_requests))
+    arrival = Arrival(concurrency=cfg.cost_concurrency)
+    sizes = [len(r) for r in _split(cfg.cost_requests, rounds)]
+    acc = {t.name: {tok: {"requests": 0, "ok": 0, "chunks": 0, "cpu_s": 0.0, "wall_s": 0.0, "readings": 0,
+                          "cpu_known": True} for tok in (tok_a, tok_b)} for t in targets}
+    started = time.perf_counter()
+    # warm-up (not recorded): every target's connections and code paths, with prompts of their own
+    warm = cost_requests_for(cfg.cost_concurrency, tok_a, cfg.cost_prompt_chars, 10**9, cfg.cost_gap_ms)
+    await run(targets, warm, arrival, request_timeout=120)
+    seed = 0
+    for r, n in enumerate(sizes):
+        for tokens in ((tok_a, tok_b) if r % 2 == 0 else (tok_b, tok_a)):
+            reqs = cost_requests_for(n, tokens, cfg.cost_prompt_chars, seed, cfg.cost_gap_ms)
+            seed += n
+            result = await run(_rotated(targets, r), reqs, arrival, request_timeout=120)
+            for phase in result.phases:
+                a = acc[phase.target][tokens]
+                a["requests"] += phase.requests
+                a["chunks"] += phase.chunks
+                a["wall_s"] += phase.wall
+                a["readings"] += 1
+                if phase.cpu_s is None:
+                    a["cpu_known"] = False
+                else:
+                    a["cpu_s"] += phase.cpu_s
+            for name, rs in result.results.items():
+                acc[name][tokens]["ok"] += sum(1 for x in rs if x.ok)
+    out: dict[str, Any] = {}
+    for t in targets:
+        runs: dict[str, Any] = {}
+        fits: list[CostRun] = []
+        for tok in (tok_a, tok_b):
+            a = acc[t.name][tok]
+            cpu = a["cpu_s"] if a["cpu_known"] else None
+            runs[f"max_tokens_{tok}"] = {
+                "max_tokens": tok, "requests": a["requests"], "ok": a["ok"], "chunks": a["chunks"],
+                "chunks_per_request": a["chunks"] / a["requests"] if a["requests"] else None,
+                "cpu_s": cpu, "wall_s": a["wall_s"], "readings": a["readings"],
+                "cpu_us_per_request": 1e6 * cpu / a["requests"] if cpu is not None and a["requests"] else None,
+                "cpu_us_per_chunk": 1e6 * cpu / a["chunks"] if cpu is not None and a["chunks"] else None}
+            fits.append(CostRun(int(a["requests"]), int(a["chunks"]), cpu, a["readings"] * TICK_S))
+        fit = solve_cost(fits[0], fits[1])
+        c = fit["cpu_us_per_chunk"]
+        out[t.name] = {**fit, "capacity_chunks_per_s": 1e6 / c if c is not None and c > 0 else None, "runs": runs}
+        log(f"  cost {t.name}: {_f(fit['cpu_us_per_request'], 0)} +- {_f(fit['cpu_us_per_request_error'], 0)} us "
+            f"per request, {_f(c, 1)} +- {_f(fit['cpu_us_per_chunk_error'], 1)} us per chunk (CPU "
+            + " / ".join(_f(r["cpu_s"], 2) + " s" for r in runs.values()) + ")")
+    log(f"  cost phase: {time.perf_counter() - started:5.1f} s")
+    return {"config": {"concurrency": cfg.cost_concurrency, "max_tokens": [tok_a, tok_b],
+                       "requests": cfg.cost_requests, "rounds": rounds, "gap_ms": cfg.cost_gap_ms,
+                       "prompt_chars": cfg.cost_prompt_chars, "prompt_tokens_approx": cfg.cost_prompt_chars // 4,
+                       "tick_s": TICK_S, "model": "cpu_s = requests * R + chunks * C"},
+            "targets": out}
+
+
+def _split(n: int, parts: int) -> list[range]:
+    base, extra = divmod(n, parts)
+    out, start = [], 0
+    for i in range(parts):
+        size = base + (1 if i < extra else 0)
+        out.append(range(start, start + size))
+        start += size
+    return out
+
+
+def _f(v: float | None, d: int) -> str:
+    return "-" if v is None else f"{v:,.{d}f}"
+
+
+def _cpu(pid: int | None) -> float | None:
+    if not pid:
+        return None
+    try:
+        return cpu_seconds(pid)
+    except OSError:
+        return None
+
+
+def saturation_limit(proxy_cores: float | None, backend_cores: float | None, client_cores: float | None,
+                     host_busy: float | None) -> str:
+    """What limited a saturation phase: ``proxy`` (its process used at least 0.9 core: saturated),
+    ``machine`` (every core at least 90% busy: client, backend and proxy share them), ``client``, ``backend``,
+    or ``none`` (nothing ran out: the offered load was below every capacity)."""
+    def at(v: float | None, limit: float) -> bool:
+        return v is not None and v >= limit
+
+    if at(proxy_cores, SATURATED_CORES):
+        return "proxy"
+    if at(host_busy, 0.9):
+        return "machine"
+    if at(client_cores, SATURATED_CORES):
+        return "client"
+    if at(backend_cores, SATURATED_CORES):
+        return "backend"
+    return "none"
+
+
+def _saturation_row(result: RunResult, name: str, wall: float, before: tuple[Any, ...],
+                    after: tuple[Any, ...]) -> dict[str, Any]:
+    rs = result.results[name]
+
+    def cores(i: int) -> float | None:
+        return None if before[i] is None or after[i] is None or wall <= 0 else (after[i] - before[i]) / wall
+
+    chunks = sum(r.chunks for r in rs)
+    busy = host_busy_share(before[3], after[3])
+    row: dict[str, Any] = {"requests": len(rs), "ok": sum(1 for r in rs if r.ok), "chunks": chunks, "wall_s": wall,
+           "chunks_per_s": chunks / wall if wall > 0 else None, "proxy_cores": cores(0), "backend_cores": cores(1),
+           "client_cores": cores(2), "host_busy": busy,
+           "host_busy_cores": None if busy is None else busy * (os.cpu_count() or 1)}
+    row["limit"] = saturation_limit(row["proxy_cores"], row["backend_cores"], row["client_cores"], busy)
+    return row
+
+
+async def _saturate(targets: list[Target], backend_pid: int, cfg: OverheadConfig, log: Any) -> dict[str, Any]:
+    """Per level (rising concurrency), each target in turn (the order rotated by one per level) streams
+    ``max(saturation_requests, 2 * level)`` requests of ``saturation_tokens`` chunks ``saturation_gap_ms``
+    apart; chunks/s at the client, and CPU (cores) of the proxy, backend, client and machine over the phase."""
+    levels: dict[str, Any] = {}
+    me = os.getpid()
+    for i, level in enumerate(cfg.saturation_levels):
+        n = max(cfg.saturation_requests, 2 * level)
+        reqs = requests_for(n, cfg.saturation_tokens, {"bench_gap_ms": cfg.saturation_gap_ms})
+        rows: dict[str, Any] = {}
+        for t in _rotated(targets, i):
+            before = (_cpu(t.pid), _cpu(backend_pid), _cpu(me), host_cpu_times())
+            t0 = time.perf_counter()
+            result = await run([t], reqs, Arrival(concurrency=level), request_timeout=120)
+            wall = time.perf_counter() - t0
+            after = (_cpu(t.pid), _cpu(backend_pid), _cpu(me), host_cpu_times())
+            rows[t.name] = _saturation_row(result, t.name, wall, before, after)
+        levels[str(level)] = {t.name: rows[t.name] for t in targets}
+        log(f"  saturation {level:>5} streams: " + "  ".join(
+            f"{name}: {_f(r['chunks_per_s'], 0)} chunks/s ({_f(r['proxy_cores'], 2)} cores, {r['limit']})"
+            for name, r in levels[str(level)].items()))
+    return {"config": {"levels": list(cfg.saturation_levels), "requests": cfg.saturation_requests,
+                       "max_tokens": cfg.saturation_tokens, "gap_ms": cfg.saturation_gap_ms,
+                       "cores": os.cpu_count(), "saturated_at_cores": SATURATED_CORES},
+            "levels": levels}
+
+
+def saturation_summary(levels: dict[str, Any], capacity: dict[str, float | None]) -> dict[str, Any]:
+    """Per target: its highest chunks/s over the levels, where, the proxy's cores and the limit there, whether it
+    was saturated, and the cost phase's capacity (1e6 / C: chunks/s one fully used core carries)."""
+    out: dict[str, Any] = {}
+    names = list(dict.fromkeys(n for rows in levels.values() for n in rows))
+    for name in names:
+        best_level, best = None, None
+        for level, rows in levels.items():
+            row = rows.get(name)
+            if row is not None and row.get("chunks_per_s") is not None and (
+                    best is None or row["chunks_per_s"] > best["chunks_per_s"]):
+                best_level, best = level, row
+        out[name] = {"max_chunks_per_s": None if best is None else best["chunks_per_s"],
+                     "at_level": None if best_level is None else int(best_level),
+                     "proxy_cores": None if best is None else best.get("proxy_cores"),
+                     "limit": None if best is None else best.get("limit"),
+                     "saturated": bool(best is not None and (best.get("proxy_cores") or 0) >= SATURATED_CORES),
+                     "capacity_chunks_per_s": capacity.get(name)}
+    return out
+
+
+def _target(value: float | None, target: float, op: str, unit: str, what: str, **extra: Any) -> dict[str, Any]:
+    met = None if value is None else (value <= target if op == "<=" else value >= target)
+    return {"what": what, "value": value, "target": target, "op": op, "unit": unit, "met": met, **extra}
+
+
+def evaluate_targets(doc: dict[str, Any], gateway: str = "gateway") -> dict[str, Any]:
+    """The issue's targets for ``gateway`` (against the Rust router, where the run had one): value, target,
+    and met (true/false; null where the run has no figure). From a run's figures or from the medians."""
+    ref = (doc.get("vs_reference") or {}).get("reference")
+    cost = (doc.get("cost") or {}).get("targets") or {}
+    g, r = cost.get(gateway) or {}, (cost.get(ref) or {}) if ref else {}
+    out: dict[str, Any] = {
+        "cpu_us_per_chunk": _target(g.get("cpu_us_per_chunk"), CPU_US_PER_CHUNK_TARGET, "<=", "us",
+                                    "gateway CPU per streamed chunk (cost phase, /proc)",
+                                    error=g.get("cpu_us_per_chunk_error"), reference=r.get("cpu_us_per_chunk")),
+        "cpu_us_per_request": _target(g.get("cpu_us_per_request"), CPU_US_PER_REQUEST_TARGET, "<=", "us",
+                                      "gateway CPU per request, routing to response end, excluding chunks "
+                                      "(cost phase, /proc)", error=g.get("cpu_us_per_request_error"),
+                                      reference=r.get("cpu_us_per_request")),
+    }
+    sat = (doc.get("saturation") or {}).get("targets") or {}
+    gs, rs = sat.get(gateway) or {}, (sat.get(ref) or {}) if ref else {}
+    out["chunks_per_s"] = _target(gs.get("max_chunks_per_s"), CHUNKS_PER_S_TARGET, ">=", "chunks/s",
+                                  "chunks/s one gateway process streams (saturation phase, at the client)",
+                                  saturated=gs.get("saturated"), limit=gs.get("limit"),
+                                  capacity_chunks_per_s=gs.get("capacity_chunks_per_s"),
+                                  reference=rs.get("max_chunks_per_s"))
+    ratios = (doc.get("vs_reference") or {}).get("levels") or {}
+    for level, limit in TTFT_X_TARGETS.items():
+        if str(level) not in (doc.get("levels") or {}):
+            continue
+        row = (ratios.get(str(level)) or {}).get(gateway) or {}
+        out[f"added_ttft_p50_x_at_{level}"] = _target(
+            row.get("added_ttft_p50_x"), limit, "<=", "x",
+            f"gateway's added TTFT p50 over {ref or 'the Rust router'}'s at {level} streams (one run's ratio)")
+    hold = (doc.get("hold") or {}).get(gateway)
+    if hold is not None:
+        want = (doc.get("config") or {}).get("hold") or hold.get("streams")
+        out["hold_complete"] = _target(hold.get("complete"), want, ">=", "streams",
+                                       f"{want} concurrent streams through the gateway complete")
+    return out
+
+
+def median_of(values: list[Any]) -> Any:
+    """The median of several runs' figures, recursively: numbers the median of those present (ints stay ints
+    where the median is whole), booleans the majority, dicts key by key; anything else (strings, lists) the first
+    run's."""
+    present = [v for v in values if v is not None]
+    if not present:
+        return None
+    if all(isinstance(v, dict) for v in present):
+        keys = list(dict.fromkeys(k for v in present for k in v))
+        return {k: median_of([v.get(k) for v in present]) for k in keys}
+    if all(isinstance(v, bool) for v in present):
+        return 2 * sum(present) > len(present)
+    if all(v == present[0] and type(v) is type(present[0]) for v in present):
+        return present[0]  # the same in every run (a setting, a count): as it was
+    if all(isinstance(v, int | float) and not isinstance(v, bool) for v in present):
+        finite = [v for v in present if not (isinstance(v, float) and math.isnan(v))]
+        if not finite:
+            return None
+        median = statistics.median(finite)
+        return int(median) if all(isinstance(v, int) for v in finite) and median == int(median) else median
+    return present[0]
+
+
+SUMMARY_KEYS = ("levels", "max_chunks_per_s", "vs_reference", "cost", "saturation", "hold", "tracing")
+
+
+def summarize_runs(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The summary of ``docs`` (one per run): each figure the median of the runs' (a ratio: of each run's
+    ratio), ``targets`` evaluated on the medians with each run's value under ``runs``, the runs under ``runs``."""
+    if not docs:
+        raise ValueError("no runs")
+    out: dict[str, Any] = {"schema": SCHEMA, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                           "config": docs[0].get("config", {}), "repeat": len(docs),
+                           "summary": f"median of {len(docs)} run{'s' if len(docs) > 1 else ''}"}
+    for key in SUMMARY_KEYS:
+        if any(key in d for d in docs):
+            out[key] = median_of([d.get(key) for d in docs])
+    spy = next((d["py_spy"] for d in reversed(docs) if "py_spy" in d), None)
+    if spy is not None:
+        out["py_spy"] = spy
+    out["targets"] = evaluate_targets(out)
+    for key, entry in out["targets"].items():
+        entry["runs"] = [((d.get("targets") or {}).get(key) or {}).get("value") for d in docs]
+    out["runs"] = docs
+    return out
+
+
+def _traced_gateway(cfg: OverheadConfig, backend_url: str, logs: Path) -> tuple[ChildProcess, ChildProcess, str]:
     """The gateway again, on ``base_port + 3``, with tracing exported to an OTLP sink on ``base_port + 4``."""
     py = sys.executable
     port, sink_port = cfg.base_port + 3, cfg.base_port + 4
     sink_url = f"http://127.0.0.1:{sink_port}"
     code = f"from gateway.bench.overhead import otlp_sink; otlp_sink({sink_port})"
-    sink = ChildProcess("otlp sink", [py, "-c", code], cfg.out / "otlp-sink.log")
-    config_file = cfg.out / "gateway-tracing.yaml"
+    sink = ChildProcess("otlp sink", [py, "-c", code], logs / "otlp-sink.log")
+    config_file = logs / "gateway-tracing.yaml"
     config_file.write_text(gateway_yaml(backend_url, port))
     env = ["env", "OTEL_SDK_DISABLED=false", "OTEL_TRACES_EXPORTER=otlp", f"OTEL_EXPORTER_OTLP_ENDPOINT={sink_url}",
            f"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT={sink_url}/v1/traces", "OTEL_SERVICE_NAME=llm-gateway-bench"]
     traced = ChildProcess(TRACED, [*env, py, "-m", "gateway", "serve", "--config", str(config_file),
-                                   "--log-level", "warning"], cfg.out / "gateway-tracing.log")
+                                   "--log-level", "warning"], logs / "gateway-tracing.log")
     return traced, sink, sink_url
 
 
@@ -224,8 +624,8 @@ def otlp_sink(port: int) -> None:
     asyncio.run(serve())
 
 
-async def _profile_gateway(target: Target, cfg: OverheadConfig) -> dict[str, Any]:
-    out_file = cfg.out / "gateway-pyspy.txt"
+async def _profile_gateway(target: Target, cfg: OverheadConfig, logs: Path) -> dict[str, Any]:
+    out_file = logs / "gateway-pyspy.txt"
     assert target.pid is not None
     proc = start_record(target.pid, cfg.py_spy_seconds, out_file)
     if proc is None:
@@ -246,35 +646,130 @@ async def _profile_gateway(target: Target, cfg: OverheadConfig) -> dict[str, Any
 
 
 def plot_overhead(doc: dict[str, Any], path: Path) -> Path:
+    """Every figure of a run (or of the summary: the medians): added TTFT p50/p99 and the gateway's ratio to the
+    Rust router's per level, added gaps, chunks/s and CPU per chunk per level; the cost phase's CPU per request and
+    per chunk with the targets; chunks/s and proxy CPU at saturation; the held streams; the targets."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    levels = sorted(int(k) for k in doc["levels"])
-    names = list(next(iter(doc["levels"].values())))
-    fig, axes = plt.subplots(2, 2, figsize=(12, 8))
-    panels = [("added_ttft_ms_p50", "added TTFT p50 (ms)"), ("added_ttft_ms_p99", "added TTFT p99 (ms)"),
-              ("chunks_per_s", "streamed chunks/s"), ("cpu_us_per_chunk", "proxy CPU per chunk (us)")]
-    for ax, (key, label) in zip(axes.flat, panels, strict=True):
+    fig, axes = plt.subplots(3, 4, figsize=(22, 13))
+    ax_iter = iter(axes.flat)
+    levels_doc = doc.get("levels") or {}
+    levels = sorted(int(k) for k in levels_doc)
+    names = list(dict.fromkeys(n for rows in levels_doc.values() for n in rows))
+    sat = (doc.get("saturation") or {}).get("levels") or {}
+    cost = (doc.get("cost") or {}).get("targets") or {}
+    every = dict.fromkeys([*names, *(n for rows in sat.values() for n in rows), *cost, *(doc.get("hold") or {})])
+    color = {name: f"C{i % 10}" for i, name in enumerate(every)}
+
+    def per_level(ax: Any, keys: list[tuple[str, str]], label: str, skip_direct: bool = True) -> None:
         for name in names:
-            ys = [doc["levels"][str(lv)][name].get(key) for lv in levels]
-            pts = [(lv, y) for lv, y in zip(levels, ys, strict=True) if y is not None and math.isfinite(y)]
-            if pts:
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(levels, [str(lv) for lv in levels])
-        ax.set_xlabel("concurrent streams")
+            if skip_direct and name == "direct":
+                continue
+            for key, style in keys:
+                ys = [(levels_doc[str(lv)].get(name) or {}).get(key) for lv in levels]
+                pts = [(lv, y) for lv, y in zip(levels, ys, strict=True) if y is not None and math.isfinite(y)]
+                if pts:
+                    suffix = f" ({key.rsplit('_', 1)[-1]})" if len(keys) > 1 else ""
+                    ax.plot([p[0] for p in pts], [p[1] for p in pts], style, marker="o", label=name + suffix,
+                            color=color[name])
+        _level_axis(ax, levels, label)
+
+    per_level(next(ax_iter), [("added_ttft_ms_p50", "-")], "added TTFT p50 (ms)")
+    per_level(next(ax_iter), [("added_ttft_ms_p99", "-")], "added TTFT p99 (ms)")
+    ax = next(ax_iter)
+    vs = doc.get("vs_reference") or {}
+    ratio_levels = vs.get("levels") or {}
+    for name in dict.fromkeys(n for rows in ratio_levels.values() for n in rows):
+        pts = [(int(lv), rows[name]["added_ttft_p50_x"]) for lv, rows in ratio_levels.items()
+               if name in rows and rows[name].get("added_ttft_p50_x") is not None]
+        if pts:
+            pts.sort()
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name, color=color.get(name))
+    tl = [(lv, x) for lv, x in TTFT_X_TARGETS.items() if lv in levels]
+    if tl:
+        ax.plot([p[0] for p in tl], [p[1] for p in tl], "k--", marker="_", label="target")
+    _level_axis(ax, levels, f"added TTFT p50 / {vs.get('reference') or 'reference'}'s (x)")
+    per_level(next(ax_iter), [("added_itl_ms_mean", "-"), ("added_itl_ms_p50", ":"), ("added_itl_ms_p99", "--")],
+              "added inter-chunk gap (ms)")
+    per_level(next(ax_iter), [("chunks_per_s", "-")], "streamed chunks/s", skip_direct=False)
+    per_level(next(ax_iter), [("cpu_us_per_chunk", "-")], "CPU / chunks (us, incl. per-request)")
+    for key, label, target in (("cpu_us_per_request", "CPU per request, excl. chunks (us)", CPU_US_PER_REQUEST_TARGET),
+                               ("cpu_us_per_chunk", "CPU per chunk (us)", CPU_US_PER_CHUNK_TARGET)):
+        ax = next(ax_iter)
+        tnames = [n for n, v in cost.items() if v.get(key) is not None]
+        if tnames:
+            errs = [cost[n].get(f"{key}_error") or 0.0 for n in tnames]
+            ax.bar(tnames, [cost[n][key] for n in tnames], yerr=errs, capsize=4, color=[color[n] for n in tnames])
+            ax.axhline(target, color="r", linestyle="--", label=f"target {target:g} us")
+            ax.legend()
+        cc = (doc.get("cost") or {}).get("config") or {}
+        ax.set_title(f"cost phase: {cc.get('prompt_chars', '?')}-char prompts, max_tokens {cc.get('max_tokens')}, "
+                     f"{cc.get('concurrency')} streams", fontsize=9)
         ax.set_ylabel(label)
-        ax.grid(alpha=0.3)
+        ax.grid(alpha=0.3, axis="y")
+    sat_levels = sorted(int(k) for k in sat)
+    sat_names = list(dict.fromkeys(n for rows in sat.values() for n in rows))
+    for key, label, line in (("chunks_per_s", "chunks/s at saturation (client)", CHUNKS_PER_S_TARGET),
+                             ("proxy_cores", "proxy CPU at saturation (cores)", 1.0)):
+        ax = next(ax_iter)
+        for name in sat_names:
+            pts = [(lv, (sat[str(lv)].get(name) or {}).get(key)) for lv in sat_levels]
+            pts = [p for p in pts if p[1] is not None]
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name, color=color[name])
+        if sat_levels:
+            ax.axhline(line, color="r", linestyle="--", label="target" if key == "chunks_per_s" else "one core")
+        _level_axis(ax, sat_levels, label)
+    ax = next(ax_iter)
+    hold = doc.get("hold") or {}
+    if hold:
+        hn = list(hold)
+        ax.bar(hn, [hold[n].get("complete") or 0 for n in hn], color="tab:green", label="complete")
+        ax.bar(hn, [(hold[n].get("streams") or 0) - (hold[n].get("complete") or 0) for n in hn],
+               bottom=[hold[n].get("complete") or 0 for n in hn], color="tab:red", label="failed")
         ax.legend()
-    fig.suptitle(f"proxy overhead: {doc['config']['tokens']} tokens {doc['config']['gap_ms']} ms apart, "
-                 "raw asyncio backend")
+    ax.set_ylabel(f"held streams ({(doc.get('config') or {}).get('hold')} at once)")
+    ax.grid(alpha=0.3, axis="y")
+    ax = next(ax_iter)
+    ax.axis("off")
+    lines = ["issue targets (gateway)" + (f", {doc['summary']}" if doc.get("summary") else "")]
+    for key, t in (doc.get("targets") or {}).items():
+        met = {True: "met", False: "MISSED", None: "-"}[t.get("met")]
+        lines.append(f"{key}: {_fmt_value(t.get('value'))} {t.get('op')} {t.get('target'):,g} {t.get('unit')}: {met}")
+    ax.text(0, 1, "\n".join(lines), va="top", family="monospace", fontsize=9)
+    for rest in ax_iter:
+        rest.axis("off")
+    cfg = doc.get("config") or {}
+    fig.suptitle(f"proxy overhead: {cfg.get('tokens')} tokens {cfg.get('gap_ms')} ms apart, raw asyncio backend"
+                 + (f"; {doc['summary']}" if doc.get("summary") else ""))
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=90)
     plt.close(fig)
     return path
+
+
+def _fmt_value(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:,.2f}" if abs(v) < 100 else f"{v:,.0f}"
+    return str(v)
+
+
+def _level_axis(ax: Any, levels: list[int], label: str) -> None:
+    if levels:
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(levels, [str(lv) for lv in levels])
+    ax.set_xlabel("concurrent streams")
+    ax.set_ylabel(label)
+    ax.grid(alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8)
+
 
 
 REFERENCES = {"smg": "smg.launch_router", "sglang-router": "sglang_router.launch_router"}
@@ -290,21 +785,23 @@ def rust_reference(py: str, wanted: str) -> tuple[str, str] | None:
     return None
 
 
-def run_overhead(cfg: OverheadConfig, log: Any = print) -> dict[str, Any]:
-    cfg.out.mkdir(parents=True, exist_ok=True)
+def run_once(cfg: OverheadConfig, log: Any = print, logs: Path | None = None) -> dict[str, Any]:
+    """One run of every phase with fresh processes; their logs (and configuration files) under ``logs``."""
+    logs = logs or cfg.out
+    logs.mkdir(parents=True, exist_ok=True)
     py = sys.executable
     backend_port, gateway_port, router_port = cfg.base_port, cfg.base_port + 1, cfg.base_port + 2
     backend_url = f"http://127.0.0.1:{backend_port}"
     backend = ChildProcess("raw backend", [py, "-m", "gateway.bench.rawbackend", "--port", str(backend_port),
                                            "--tokens", str(cfg.tokens), "--gap-ms", str(cfg.gap_ms),
-                                           "--model", MODEL], cfg.out / "backend.log")
-    config_file = cfg.out / "gateway.yaml"
+                                           "--model", MODEL], logs / "backend.log")
+    config_file = logs / "gateway.yaml"
     config_file.write_text(gateway_yaml(backend_url, gateway_port))
     # with --tracing, the untraced gateway is made sure to be untraced whatever OTEL_* the caller has set
     untraced_env = ["env", "OTEL_SDK_DISABLED=true"] if cfg.tracing else []
     gateway = ChildProcess("gateway", [*untraced_env, py, "-m", "gateway", "serve", "--config", str(config_file),
-                                       "--log-level", "warning"], cfg.out / "gateway.log")
-    traced, sink, sink_url = _traced_gateway(cfg, backend_url) if cfg.tracing else (None, None, "")
+                                       "--log-level", "warning"], logs / "gateway.log")
+    traced, sink, sink_url = _traced_gateway(cfg, backend_url, logs) if cfg.tracing else (None, None, "")
     router: ChildProcess | None = None
     reference = rust_reference(py, cfg.reference) if cfg.rust else None
     if cfg.rust and reference is None:
@@ -313,9 +810,13 @@ def run_overhead(cfg: OverheadConfig, log: Any = print) -> dict[str, Any]:
     if reference is not None:
         name, module = reference
         router = ChildProcess(name, [py, "-m", module, "--host", "127.0.0.1", "--port", str(router_port),
-                                     "--worker-urls", backend_url, "--policy", "round_robin", "--log-level", "warn"],
-                              cfg.out / "router.log")
+                                     "--worker-urls", backend_url, "--policy", "round_robin", "--log-level", "warn",
+                                     # its metrics on base + 5, not on the default 0.0.0.0:29000 that another
+                                     # router (another run of this benchmark) may hold
+                                     "--prometheus-host", "127.0.0.1", "--prometheus-port", str(cfg.base_port + 5)],
+                              logs / "router.log")
     probe = b'{"model":"%s","messages":[{"role":"user","content":"hi"}],"max_tokens":2}' % MODEL.encode()
+    started = time.perf_counter()
     try:
         backend.start().wait_http(backend_url + "/health")
         gateway.start().wait_http(f"http://127.0.0.1:{gateway_port}/v1/chat/completions", method="POST", body=probe)
@@ -331,57 +832,155 @@ def run_overhead(cfg: OverheadConfig, log: Any = print) -> dict[str, Any]:
                                      body=probe)
             targets.append(Target(router.name, f"http://127.0.0.1:{router_port}", MODEL, pid=router.pid))
         log(f"targets: {', '.join(t.name for t in targets)}; levels {cfg.levels}, {cfg.rounds} rounds")
-        doc: dict[str, Any] = {"schema": "gateway-bench-overhead/1", "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        doc: dict[str, Any] = {"schema": SCHEMA, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                                "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()}}
         doc["levels"] = run_sync(_measure(targets, cfg, log))
         max_cps = {t.name: max((r[t.name]["chunks_per_s"] or 0) for r in doc["levels"].values()) for t in targets}
         doc["max_chunks_per_s"] = max_cps
+        doc["vs_reference"] = vs_reference(doc["levels"], router.name if router is not None else None)
+        if cfg.cost_requests > 0:
+            log(f"cost: {cfg.cost_requests} requests per target with {cfg.cost_prompt_chars}-character prompts, "
+                f"max_tokens {cfg.cost_tokens[0]} and {cfg.cost_tokens[1]}, {cfg.cost_concurrency} streams")
+            doc["cost"] = run_sync(_cost(targets, cfg, log))
+        if cfg.saturation_levels:
+            log(f"saturation: {cfg.saturation_tokens} chunks {cfg.saturation_gap_ms} ms apart at "
+                f"{cfg.saturation_levels} streams")
+            doc["saturation"] = run_sync(_saturate(targets, backend.pid, cfg, log))
+            capacity = {n: v.get("capacity_chunks_per_s") for n, v in (doc.get("cost") or {}).get("targets",
+                                                                                                  {}).items()}
+            doc["saturation"]["targets"] = saturation_summary(doc["saturation"]["levels"], capacity)
         if cfg.hold:
             log(f"holding {cfg.hold} streams for ~{cfg.hold_seconds:.0f} s through each target")
             doc["hold"] = run_sync(_hold(targets, backend_url, cfg))
         if cfg.py_spy_seconds > 0:
             log(f"py-spy on the gateway for {cfg.py_spy_seconds:.0f} s at {cfg.py_spy_concurrency} streams")
-            doc["py_spy"] = run_sync(_profile_gateway(targets[1], cfg))
+            doc["py_spy"] = run_sync(_profile_gateway(targets[1], cfg, logs))
         if traced is not None:
             doc["tracing"] = {"exporter": "OTLP/HTTP (protobuf) to a loopback sink that discards",
                               "levels": tracing_cost(doc["levels"]), "sink": get_json(sink_url + "/stats")}
     finally:
-        for proc in (router, traced, sink, gateway, backend):
+        if router is not None:
+            _stop_soon(router, 1.0)  # SMG drains for 5 s on SIGTERM; nothing of it is measured any more
+        for proc in (traced, sink, gateway, backend):
             if proc is not None:
                 proc.stop()
-    write_json(doc, cfg.out / "overhead.json")
-    plot_overhead(doc, cfg.out / "overhead.png")
+    doc["wall_s"] = time.perf_counter() - started
+    doc["targets"] = evaluate_targets(doc)
     return doc
+
+
+def _stop_soon(child: ChildProcess, grace: float) -> None:
+    """SIGTERM, then SIGKILL after ``grace`` seconds (by the child's own pid)."""
+    proc = child.proc
+    if proc is None or proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=5)
+
+
+def run_overhead(cfg: OverheadConfig, log: Any = print) -> dict[str, Any]:
+    """``cfg.repeat`` runs (fresh processes each); writes ``overhead-N.json`` per run and the summary
+    ``overhead.json`` (medians, the runs under ``runs``) and ``overhead.png``; returns the summary."""
+    cfg.out.mkdir(parents=True, exist_ok=True)
+    docs = []
+    for i in range(1, max(1, cfg.repeat) + 1):
+        if cfg.repeat > 1:
+            log(f"run {i} of {cfg.repeat}")
+        doc = run_once(cfg, log, cfg.out / f"run-{i}" if cfg.repeat > 1 else cfg.out)
+        doc["run"] = i
+        write_json(doc, cfg.out / f"overhead-{i}.json")
+        if cfg.repeat > 1:
+            plot_overhead(doc, cfg.out / f"overhead-{i}.png")
+        docs.append(doc)
+    summary = summarize_runs(docs)
+    write_json(summary, cfg.out / "overhead.json")
+    plot_overhead(summary, cfg.out / "overhead.png")
+    return summary
 
 
 def print_overhead(doc: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    console = Console(width=None if sys.stdout.isatty() else 160)
-    table = Table(title="added by each proxy, against the backend directly (ms; CPU from /proc)")
+    console = Console(width=None if sys.stdout.isatty() else 200)
+    of = f" ({doc['summary']})" if doc.get("summary") else ""
+    table = Table(title=f"added by each proxy, against the backend directly (ms; CPU from /proc){of}")
     for col in ("streams", "target", "ok", "TTFT p50", "TTFT p99", "added TTFT p50", "added TTFT p99",
-                "added gap mean", "chunks/s", "CPU ms/req", "CPU us/chunk"):
+                "x ref p50", "added gap p50", "added gap p99", "added gap mean", "chunks/s", "CPU ms/req",
+                "CPU us/chunk"):
         table.add_column(col, justify="right")
 
     def f(v: Any, d: int = 2) -> str:
         return "-" if v is None else f"{v:,.{d}f}"
 
+    ratios = (doc.get("vs_reference") or {}).get("levels") or {}
     for level, rows in doc["levels"].items():
         for name, r in rows.items():
-            table.add_row(level, name, f"{r['ok']}/{r['requests']}", f(r["ttft_ms_p50"]), f(r["ttft_ms_p99"]),
-                          f(r.get("added_ttft_ms_p50")), f(r.get("added_ttft_ms_p99")),
+            x = ((ratios.get(level) or {}).get(name) or {}).get("added_ttft_p50_x")
+            table.add_row(level, name, f"{f(r['ok'], 0)}/{f(r['requests'], 0)}", f(r["ttft_ms_p50"]),
+                          f(r["ttft_ms_p99"]), f(r.get("added_ttft_ms_p50")), f(r.get("added_ttft_ms_p99")), f(x),
+                          f(r.get("added_itl_ms_p50"), 3), f(r.get("added_itl_ms_p99"), 3),
                           f(r.get("added_itl_ms_mean"), 3), f(r["chunks_per_s"], 0),
                           f(r["cpu_ms_per_request"] if name != "direct" else None, 3),
                           f(r["cpu_us_per_chunk"] if name != "direct" else None, 1))
     console.print(table)
+    cost = doc.get("cost")
+    if cost:
+        cc = cost["config"]
+        t = Table(title=f"cost phase: cpu = requests x R + chunks x C, solved from two runs (max_tokens "
+                        f"{cc['max_tokens'][0]} and {cc['max_tokens'][1]}; {cc['prompt_chars']}-character prompts, "
+                        f"{cc['concurrency']} streams; /proc ticks of {1000 * cc['tick_s']:g} ms){of}")
+        for col in ("target", "R us/request", "+-", "C us/chunk", "+-", "1e6/C chunks/s",
+                    *(f"max_tokens {k}: req, chunks, CPU s" for k in cc["max_tokens"])):
+            t.add_column(col, justify="right")
+        for name, c in cost["targets"].items():
+            runs = [c["runs"].get(f"max_tokens_{k}") or {} for k in cc["max_tokens"]]
+            t.add_row(name, f(c["cpu_us_per_request"], 0), f(c["cpu_us_per_request_error"], 0),
+                      f(c["cpu_us_per_chunk"], 1), f(c["cpu_us_per_chunk_error"], 1),
+                      f(c["capacity_chunks_per_s"], 0),
+                      *(f"{f(r.get('requests'), 0)}, {f(r.get('chunks'), 0)}, {f(r.get('cpu_s'), 2)}" for r in runs))
+        console.print(t)
+    sat = doc.get("saturation")
+    if sat:
+        sc = sat["config"]
+        t = Table(title=f"saturation: {sc['max_tokens']} chunks {sc['gap_ms']} ms apart; CPU in cores from /proc "
+                        f"({sc['cores']} cores in all){of}")
+        for col in ("streams", "target", "ok", "chunks/s", "proxy cores", "backend cores", "client cores",
+                    "machine busy", "limit"):
+            t.add_column(col, justify="right")
+        for level, rows in sat["levels"].items():
+            for name, r in rows.items():
+                t.add_row(level, name, f"{f(r['ok'], 0)}/{f(r['requests'], 0)}", f(r["chunks_per_s"], 0),
+                          f(r["proxy_cores"]), f(r["backend_cores"]), f(r["client_cores"]),
+                          f(None if r["host_busy"] is None else 100 * r["host_busy"], 0) + "%", str(r["limit"]))
+        console.print(t)
+        for name, s in (sat.get("targets") or {}).items():
+            console.print(f"saturation {name}: at most {f(s['max_chunks_per_s'], 0)} chunks/s (at {s['at_level']} "
+                          f"streams, {f(s['proxy_cores'])} cores, limit {s['limit']}"
+                          f"{', saturated' if s['saturated'] else ''}); 1e6/C: {f(s['capacity_chunks_per_s'], 0)}")
     if "hold" in doc:
         for name, h in doc["hold"].items():
-            console.print(f"hold {name}: {h['complete']}/{h['streams']} complete, backend peak open "
-                          f"{h['backend_peak_open']}" + (f"; e.g. {h['error_samples'][0]}" if h["error_samples"]
-                                                         else ""))
+            console.print(f"hold {name}: {f(h['complete'], 0)}/{f(h['streams'], 0)} complete, backend peak open "
+                          f"{f(h['backend_peak_open'], 0)}" + (f"; e.g. {h['error_samples'][0]}"
+                                                               if h.get("error_samples") else ""))
     if "tracing" in doc:
         print_tracing(console, doc["tracing"])
+    if doc.get("targets"):
+        t = Table(title=f"issue targets, gateway{of}")
+        for col in ("target", "what", "value", "want", "met", "runs"):
+            t.add_column(col, justify="right" if col not in ("target", "what") else "left")
+        for key, e in doc["targets"].items():
+            met = {True: "[green]met[/green]", False: "[red]missed[/red]", None: "-"}[e["met"]]
+            value = _fmt_value(e["value"]) + (f" +- {_fmt_value(e['error'])}" if e.get("error") is not None else "")
+            if e.get("reference") is not None:
+                value += f" (ref {_fmt_value(e['reference'])})"
+            t.add_row(key, e["what"], value, f"{e['op']} {e['target']:,g} {e['unit']}", met,
+                      ", ".join(_fmt_value(v) for v in e.get("runs") or []))
+        console.print(t)
     spy = doc.get("py_spy")
     if spy and "top_self" in spy:
         t = Table(title=f"gateway hot path (py-spy, {spy['concurrency']} streams): top self time")
@@ -415,6 +1014,10 @@ def print_tracing(console: Any, tracing: dict[str, Any]) -> None:
         console.print(f"OTLP sink received {sink.get('exports')} exports ({sink.get('bytes', 0):,} bytes)")
 
 
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="gateway bench overhead", description=__doc__.split("\n\n")[0])
     p.add_argument("--levels", default="1,16,64,256", help="concurrency levels (default 1,16,64,256)")
@@ -432,15 +1035,43 @@ def main(argv: list[str]) -> int:
     p.add_argument("--tracing", action="store_true",
                    help="also a gateway with OpenTelemetry tracing on, exporting to a loopback OTLP sink that "
                         "discards (ports base+3 and base+4); reports what tracing adds per request")
-    p.add_argument("--base-port", type=int, default=18500, help="backend, gateway, router on 3 consecutive ports")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="run everything N times (fresh processes each); overhead.json holds the medians")
+    g = p.add_argument_group("cost phase (CPU per request and per chunk, solved from two runs)")
+    g.add_argument("--cost-requests", type=int, default=2000, help="requests per target per run (0: skip)")
+    g.add_argument("--no-cost", action="store_true", help="skip the cost phase")
+    g.add_argument("--cost-concurrency", type=int, default=16)
+    g.add_argument("--cost-tokens", default="4,64", help="max_tokens of the two runs, A,B (default 4,64)")
+    g.add_argument("--cost-gap-ms", type=float, default=2.0, help="between chunks (default 2)")
+    g.add_argument("--cost-rounds", type=int, default=2, help="interleaved rounds per run (default 2)")
+    g.add_argument("--cost-prompt-chars", type=int, default=8000, help="prompt length (default 8000: ~2,000 tokens)")
+    g = p.add_argument_group("saturation phase (chunks/s one process streams)")
+    g.add_argument("--saturation-levels", default="256,512,1024", help="concurrency levels ('' or 0: skip)")
+    g.add_argument("--no-saturation", action="store_true", help="skip the saturation phase")
+    g.add_argument("--saturation-requests", type=int, default=1024,
+                   help="requests per target per level, at least (and at least 2x the level)")
+    g.add_argument("--saturation-tokens", type=int, default=32)
+    g.add_argument("--saturation-gap-ms", type=float, default=1.0)
+    p.add_argument("--base-port", type=int, default=18500,
+                   help="backend, gateway, router on 3 consecutive ports; +3, +4 with --tracing; +5 the router's "
+                        "metrics")
     p.add_argument("--out", type=Path, default=Path("reports/overhead"))
     a = p.parse_args(argv)
-    cfg = OverheadConfig(levels=[int(x) for x in a.levels.split(",") if x], rounds=a.rounds, min_round=a.min_round,
+    cost_tokens = _ints(a.cost_tokens)
+    if len(cost_tokens) != 2 or cost_tokens[0] == cost_tokens[1] or min(cost_tokens) < 1:
+        p.error("--cost-tokens: two different max_tokens, A,B")
+    cfg = OverheadConfig(levels=_ints(a.levels), rounds=a.rounds, min_round=a.min_round,
                          tokens=a.tokens, gap_ms=a.gap_ms, hold=a.hold, hold_seconds=a.hold_seconds,
                          rust=not a.no_rust, reference=a.reference, py_spy_seconds=a.py_spy,
                          py_spy_concurrency=a.py_spy_concurrency,
-                         tracing=a.tracing, base_port=a.base_port, out=a.out)
+                         tracing=a.tracing, base_port=a.base_port, out=a.out, repeat=max(1, a.repeat),
+                         cost_requests=0 if a.no_cost else max(0, a.cost_requests),
+                         cost_concurrency=a.cost_concurrency, cost_tokens=(cost_tokens[0], cost_tokens[1]),
+                         cost_gap_ms=a.cost_gap_ms, cost_rounds=a.cost_rounds, cost_prompt_chars=a.cost_prompt_chars,
+                         saturation_levels=[] if a.no_saturation else [x for x in _ints(a.saturation_levels) if x > 0],
+                         saturation_requests=a.saturation_requests, saturation_tokens=a.saturation_tokens,
+                         saturation_gap_ms=a.saturation_gap_ms)
     doc = run_overhead(cfg)
     print_overhead(doc)
-    print(f"wrote {cfg.out / 'overhead.json'} and {cfg.out / 'overhead.png'}")
+    print(f"wrote {cfg.out / 'overhead.json'} (and overhead-1.json ...) and {cfg.out / 'overhead.png'}")
     return 0

@@ -1,13 +1,35 @@
-"""The overhead benchmark's parts: its backend's protocol, the gateway configuration it writes, its table rows."""
+"""The overhead benchmark's parts: its backend's protocol, the gateway configuration it writes, its table rows, the
+cost phase's solve, the saturation verdicts, the issue targets, the median of runs; and a tiny real run."""
 
 from __future__ import annotations
 
+import json
+import time
+from pathlib import Path
+from typing import Any
+
 import httpx
+import pytest
 import yaml
 
-from gateway.bench.overhead import gateway_yaml, level_row
+from gateway.bench.overhead import (
+    CostRun,
+    OverheadConfig,
+    evaluate_targets,
+    gateway_yaml,
+    level_row,
+    median_of,
+    prompt_text,
+    run_overhead,
+    saturation_limit,
+    saturation_summary,
+    solve_cost,
+    summarize_runs,
+    vs_reference,
+)
 from gateway.config import settings_from_mapping
 from tests.bench.conftest import RawBackendThread
+from tests.conftest import free_port_block
 
 
 def test_raw_backend_streams_usage_only_when_asked_and_answers_plain_requests(raw_backend: RawBackendThread) -> None:
@@ -24,18 +46,219 @@ def test_raw_backend_streams_usage_only_when_asked_and_answers_plain_requests(ra
     assert httpx.post(raw_backend.url + "/v1/chat/completions", content=b"{").status_code == 400
 
 
-def test_gateway_config_is_valid() -> None:
+def test_gateway_config_is_valid_and_runs_the_default_policy() -> None:
     settings = settings_from_mapping(yaml.safe_load(gateway_yaml("http://127.0.0.1:1", 2)))
     assert settings.backends[0].engine == "openai" and settings.server.port == 2
+    assert settings.backends[0].max_concurrency == 4096
+    assert settings.routing.policy == "default"
 
 
 def test_level_row_adds_against_direct() -> None:
     def target(ttft: float, itl: float) -> dict[str, object]:
-        m = {"ttfb_s": {"p50": ttft}, "ttft_s": {"p50": ttft, "p99": 2 * ttft}, "itl_s": {"mean": itl, "p99": itl}}
+        m = {"ttfb_s": {"p50": ttft}, "ttft_s": {"p50": ttft, "p99": 2 * ttft},
+             "itl_s": {"mean": itl, "p50": itl, "p99": 3 * itl}}
         return {"ok": 1, "requests": 1, "errors": 0, "metrics": m, "chunks_per_s": 10.0,
                 "cpu_ms_per_request": 1.0, "cpu_us_per_chunk": 2.0}
 
     row = level_row({"targets": {"direct": target(0.001, 0.005), "gw": target(0.003, 0.0051)}}, "direct")
-    assert "added_ttft_ms_p50" not in row["direct"]
+    assert "added_ttft_ms_p50" not in row["direct"] and "added_itl_ms_p50" not in row["direct"]
     assert abs(row["gw"]["added_ttft_ms_p50"] - 2.0) < 1e-9 and abs(row["gw"]["added_ttft_ms_p99"] - 4.0) < 1e-9
-    assert abs(row["gw"]["added_itl_ms_mean"] - 0.1) < 1e-9
+    assert abs(row["gw"]["added_itl_ms_mean"] - 0.1) < 1e-9 and abs(row["gw"]["added_itl_ms_p50"] - 0.1) < 1e-9
+    assert abs(row["gw"]["added_itl_ms_p99"] - 0.3) < 1e-9 and abs(row["gw"]["itl_ms_p50"] - 5.1) < 1e-9
+
+
+def test_vs_reference_is_each_proxys_added_ttft_over_the_references() -> None:
+    levels = {"1": {"direct": {"added_ttft_ms_p50": None},
+                    "gateway": {"added_ttft_ms_p50": 3.0, "added_ttft_ms_p99": 8.0},
+                    "smg": {"added_ttft_ms_p50": 2.0, "added_ttft_ms_p99": 0.0}}}
+    out = vs_reference(levels, "smg")
+    assert out["reference"] == "smg" and list(out["levels"]["1"]) == ["gateway"]
+    assert out["levels"]["1"]["gateway"]["added_ttft_p50_x"] == pytest.approx(1.5)
+    assert out["levels"]["1"]["gateway"]["added_ttft_p99_x"] is None  # the reference added nothing
+    assert vs_reference(levels, None) == {"reference": None, "levels": {}}
+
+
+def test_solve_cost_recovers_per_request_and_per_chunk_cpu() -> None:
+    r, c = 120e-6, 18e-6  # seconds per request, per chunk
+
+    def run(requests: int, chunks: int) -> CostRun:
+        return CostRun(requests, chunks, requests * r + chunks * c, cpu_error_s=0.02)
+
+    fit = solve_cost(run(2000, 8000), run(2000, 128_000))
+    assert fit["cpu_us_per_request"] == pytest.approx(120.0) and fit["cpu_us_per_chunk"] == pytest.approx(18.0)
+    # worst case of a 20 ms error in each run's CPU: (128,000 + 8,000) * 0.02 / det, (2000 + 2000) * 0.02 / det
+    det = 2000 * 128_000 - 2000 * 8000
+    assert fit["cpu_us_per_request_error"] == pytest.approx(1e6 * 136_000 * 0.02 / det)
+    assert fit["cpu_us_per_chunk_error"] == pytest.approx(1e6 * 4000 * 0.02 / det)
+    # runs of different sizes, and the order of the runs does not matter
+    swapped = solve_cost(run(900, 57_600), run(1500, 6000))
+    assert swapped["cpu_us_per_request"] == pytest.approx(120.0) and swapped["cpu_us_per_chunk"] == pytest.approx(18.0)
+
+
+@pytest.mark.parametrize(("a", "b"), [
+    (CostRun(100, 400, 0.1), CostRun(200, 800, 0.2)),  # as many chunks per request in both: nothing to separate
+    (CostRun(100, 400, None), CostRun(100, 6400, 0.5)),  # no CPU figure
+    (CostRun(0, 0, 0.0), CostRun(100, 6400, 0.5)),  # no requests
+    (CostRun(100, 0, 0.1), CostRun(100, 0, 0.1)),  # no chunks at all
+])
+def test_solve_cost_degenerate_input_gives_no_figures(a: CostRun, b: CostRun) -> None:
+    assert set(solve_cost(a, b).values()) == {None}
+
+
+def test_prompt_text_is_about_two_thousand_tokens_of_varied_words_and_deterministic() -> None:
+    text = prompt_text(3)
+    assert 7900 <= len(text) <= 8000 and text == prompt_text(3) and text != prompt_text(4)
+    words = text.split(" ")
+    assert len(set(words)) > 500 and max(words.count(w) for w in set(words)) < 20
+    assert all(w.isalpha() for w in words)
+    assert 1900 <= len(text) / 4 <= 2000  # ~4 characters per token
+    assert len(prompt_text(0, 100)) <= 100 and prompt_text(0, 0) == ""
+
+
+def test_saturation_limit_says_what_ran_out() -> None:
+    assert saturation_limit(0.95, 0.3, 0.8, 0.99) == "proxy"
+    assert saturation_limit(0.7, 0.3, 0.8, 0.95) == "machine"
+    assert saturation_limit(0.5, 0.2, 0.93, 0.8) == "client"
+    assert saturation_limit(0.5, 0.92, 0.5, 0.8) == "backend"
+    assert saturation_limit(0.5, 0.2, 0.5, 0.6) == "none"
+    assert saturation_limit(None, None, None, None) == "none"
+
+
+def test_saturation_summary_takes_each_targets_best_level() -> None:
+    def row(cps: float, cores: float, limit: str) -> dict[str, Any]:
+        return {"chunks_per_s": cps, "proxy_cores": cores, "limit": limit}
+
+    levels = {"256": {"gateway": row(20_000, 0.8, "machine"), "smg": row(30_000, 0.5, "machine")},
+              "512": {"gateway": row(24_000, 0.97, "proxy"), "smg": row(29_000, 0.6, "machine")}}
+    out = saturation_summary(levels, {"gateway": 25_000.0})
+    assert out["gateway"] == {"max_chunks_per_s": 24_000, "at_level": 512, "proxy_cores": 0.97, "limit": "proxy",
+                              "saturated": True, "capacity_chunks_per_s": 25_000.0}
+    assert out["smg"]["at_level"] == 256 and out["smg"]["saturated"] is False
+    assert out["smg"]["capacity_chunks_per_s"] is None
+
+
+def _run_doc(ttft_x: dict[str, float | None], chunk_us: float, request_us: float, cps: float,
+             complete: int) -> dict[str, Any]:
+    return {
+        "config": {"hold": 1000},
+        "levels": {lv: {"gateway": {"added_ttft_ms_p50": 1.0}} for lv in ("1", "16", "64", "256", "512")},
+        "vs_reference": {"reference": "smg", "levels": {lv: {"gateway": {"added_ttft_p50_x": x}}
+                                                        for lv, x in ttft_x.items()}},
+        "cost": {"targets": {"gateway": {"cpu_us_per_chunk": chunk_us, "cpu_us_per_request": request_us,
+                                         "cpu_us_per_chunk_error": 0.5, "cpu_us_per_request_error": 10.0},
+                             "smg": {"cpu_us_per_chunk": 15.0, "cpu_us_per_request": 100.0}}},
+        "saturation": {"targets": {"gateway": {"max_chunks_per_s": cps, "saturated": True, "limit": "proxy",
+                                               "capacity_chunks_per_s": cps * 1.1}}},
+        "hold": {"gateway": {"streams": 1000, "complete": complete}},
+    }
+
+
+def test_evaluate_targets_against_the_issue() -> None:
+    doc = _run_doc({"1": 1.4, "16": 1.6, "64": 2.0, "256": None}, 24.0, 151.0, 40_000.0, 999)
+    t = evaluate_targets(doc)
+    assert set(t) == {"cpu_us_per_chunk", "cpu_us_per_request", "chunks_per_s", "added_ttft_p50_x_at_1",
+                      "added_ttft_p50_x_at_16", "added_ttft_p50_x_at_64", "added_ttft_p50_x_at_256", "hold_complete"}
+    assert t["cpu_us_per_chunk"]["met"] is True and t["cpu_us_per_chunk"]["reference"] == 15.0
+    assert t["cpu_us_per_request"]["met"] is False and t["cpu_us_per_request"]["target"] == 150.0
+    assert t["chunks_per_s"]["met"] is True and t["chunks_per_s"]["saturated"] is True  # >= 40,000
+    assert t["added_ttft_p50_x_at_1"]["met"] is True and t["added_ttft_p50_x_at_16"]["met"] is False
+    assert t["added_ttft_p50_x_at_64"]["met"] is True  # 2x allowed at 64 streams
+    assert t["added_ttft_p50_x_at_256"]["value"] is None and t["added_ttft_p50_x_at_256"]["met"] is None
+    assert t["hold_complete"]["met"] is False and t["hold_complete"]["target"] == 1000
+    # a run without the cost and saturation phases, without a reference, at other levels
+    bare = evaluate_targets({"config": {"hold": 0}, "levels": {"2": {}}, "vs_reference": {"reference": None}})
+    assert {k: v["met"] for k, v in bare.items()} == {"cpu_us_per_chunk": None, "cpu_us_per_request": None,
+                                                       "chunks_per_s": None}
+
+
+def test_median_of_runs() -> None:
+    assert median_of([3, None, 1, 2]) == 2 and median_of([1.0, 4.0]) == 2.5 and median_of([None, None]) is None
+    assert median_of([True, True, False]) is True and median_of([True, False]) is False
+    assert median_of(["proxy", "machine"]) == "proxy" and median_of([[1], [2]]) == [1]
+    assert median_of([8, 8]) == 8 and isinstance(median_of([8, 8]), int) and median_of([2, 4]) == 3
+    assert isinstance(median_of([2, 4]), int) and median_of([2, 5]) == 3.5
+    assert median_of([{"a": 1, "b": {"c": 10}}, {"a": 3, "b": {"c": 30}, "d": 7}, {"a": 2, "b": None}]) == {
+        "a": 2, "b": {"c": 20}, "d": 7}
+
+
+def test_summary_is_the_median_of_runs_with_every_run_kept() -> None:
+    runs = [_run_doc({"1": x, "16": 2.0}, chunk, 140.0, cps, 1000)
+            for x, chunk, cps in ((1.6, 30.0, 39_000.0), (1.4, 20.0, 41_000.0), (1.45, 22.0, 45_000.0))]
+    for i, doc in enumerate(runs):
+        doc["targets"] = evaluate_targets(doc)
+        doc["run"] = i + 1
+    summary = summarize_runs(runs)
+    assert summary["repeat"] == 3 and summary["runs"] == runs
+    assert summary["cost"]["targets"]["gateway"]["cpu_us_per_chunk"] == 22.0
+    assert summary["vs_reference"]["levels"]["1"]["gateway"]["added_ttft_p50_x"] == 1.45  # median of the ratios
+    t = summary["targets"]
+    assert t["added_ttft_p50_x_at_1"]["value"] == 1.45 and t["added_ttft_p50_x_at_1"]["met"] is True
+    assert t["added_ttft_p50_x_at_1"]["runs"] == [1.6, 1.4, 1.45]
+    assert t["cpu_us_per_chunk"]["met"] is True and t["cpu_us_per_chunk"]["runs"] == [30.0, 20.0, 22.0]
+    assert t["chunks_per_s"]["value"] == 41_000.0 and t["chunks_per_s"]["met"] is True
+    assert t["hold_complete"]["met"] is True
+    with pytest.raises(ValueError):
+        summarize_runs([])
+
+
+def test_repeat_writes_each_run_and_the_summary(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import gateway.bench.overhead as overhead
+
+    calls: list[Path | None] = []
+
+    def fake_run(cfg: OverheadConfig, log: Any = None, logs: Path | None = None) -> dict[str, Any]:
+        calls.append(logs)
+        doc = _run_doc({"1": 1.0 + len(calls) / 10}, 20.0, 100.0, 50_000.0, 1000)
+        doc["targets"] = evaluate_targets(doc)
+        return doc
+
+    plots: list[str] = []
+    monkeypatch.setattr(overhead, "run_once", fake_run)
+    monkeypatch.setattr(overhead, "plot_overhead", lambda doc, path: plots.append(path.name))
+    summary = run_overhead(OverheadConfig(out=tmp_path, repeat=3), log=lambda *_: None)
+    assert calls == [tmp_path / f"run-{i}" for i in (1, 2, 3)]
+    assert plots == ["overhead-1.png", "overhead-2.png", "overhead-3.png", "overhead.png"]
+    assert [json.loads((tmp_path / f"overhead-{i}.json").read_text())["run"] for i in (1, 2, 3)] == [1, 2, 3]
+    on_disk = json.loads((tmp_path / "overhead.json").read_text())
+    assert on_disk["summary"] == summary["summary"] == "median of 3 runs"
+    assert on_disk["targets"]["added_ttft_p50_x_at_1"]["value"] == pytest.approx(1.2)
+    assert on_disk["targets"]["added_ttft_p50_x_at_1"]["runs"] == pytest.approx([1.1, 1.2, 1.3])
+
+
+def test_a_tiny_real_run_measures_every_phase(tmp_path: Path) -> None:
+    """The whole machinery end to end, at tiny sizes (a few seconds): the gateway (and the Rust router when
+    installed), every phase; the figures are noise, the layout is what is checked."""
+    cfg = OverheadConfig(levels=[2], rounds=1, min_round=4, tokens=4, gap_ms=1.0, hold=20, hold_seconds=0.2,
+                         cost_requests=16, cost_concurrency=4, cost_tokens=(1, 4), cost_rounds=1,
+                         cost_prompt_chars=2000, saturation_levels=[8], saturation_requests=16, saturation_tokens=4,
+                         base_port=free_port_block(6), out=tmp_path)
+    started = time.monotonic()
+    summary = run_overhead(cfg, log=lambda *_: None)
+    assert time.monotonic() - started < 60
+    on_disk = json.loads((tmp_path / "overhead.json").read_text())
+    assert on_disk["repeat"] == 1 and len(on_disk["runs"]) == 1 and summary["summary"] == "median of 1 run"
+    run = json.loads((tmp_path / "overhead-1.json").read_text())
+    assert run["run"] == 1 and (tmp_path / "gateway.log").exists()
+    assert (tmp_path / "overhead.png").stat().st_size > 10_000
+    names = set(on_disk["levels"]["2"])
+    assert {"direct", "gateway"} <= names
+    gw = on_disk["levels"]["2"]["gateway"]
+    for key in ("added_ttft_ms_p50", "added_ttft_ms_p99", "added_itl_ms_p50", "added_itl_ms_p99",
+                "added_itl_ms_mean", "chunks_per_s"):
+        assert key in gw
+    assert gw["ok"] == gw["requests"] == 4
+    cost = on_disk["cost"]["targets"]
+    assert set(cost) == names
+    assert cost["gateway"]["runs"]["max_tokens_1"]["chunks"] == 16 and cost["gateway"]["runs"]["max_tokens_4"][
+        "chunks"] == 64
+    assert cost["gateway"]["runs"]["max_tokens_4"]["cpu_s"] is not None
+    sat = on_disk["saturation"]
+    assert sat["levels"]["8"]["gateway"]["ok"] == 16 and sat["levels"]["8"]["gateway"]["chunks"] == 64
+    assert sat["targets"]["gateway"]["at_level"] == 8 and sat["targets"]["gateway"]["limit"] in (
+        "proxy", "machine", "client", "backend", "none")
+    assert on_disk["hold"]["gateway"]["complete"] == 20
+    targets = on_disk["targets"]
+    assert {"cpu_us_per_chunk", "cpu_us_per_request", "chunks_per_s", "hold_complete"} <= set(targets)
+    assert targets["hold_complete"]["met"] is True and targets["hold_complete"]["runs"] == [20]
+    ref = on_disk["vs_reference"]["reference"]
+    assert (ref is None) == (len(names) == 2)
