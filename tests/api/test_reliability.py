@@ -33,9 +33,10 @@ def running(specs: list[SimSpec], **extra: Any) -> Iterator[Running]:
 
 @pytest.fixture
 def pair_rr() -> Iterator[Running]:
+    # a cooldown well above the time the ejection test takes to send its dozen requests on a loaded machine
     specs = [SimSpec(engine="vllm", model="m", name=f"v{i}", time_scale=TIME_SCALE) for i in range(2)]
     yield from running(specs, routing={"policy": "round-robin"},
-                       breaker={"consecutive_failures": 3, "cooldown_seconds": 0.4})
+                       breaker={"consecutive_failures": 3, "cooldown_seconds": 1.5})
 
 
 def sdk(r: Running, key: str = "x") -> openai.OpenAI:
@@ -80,7 +81,7 @@ def test_a_failing_backend_is_ejected_then_probed_back(pair_rr: Running) -> None
     ready = httpx.get(pair_rr.url + "/ready").json()
     assert ready["backends"]["v0"]["health"] == "ready", "its /health still passes: the breaker decides"
     bad.faults.update({"error_rate": 0.0})
-    time.sleep(0.5)  # past the cooldown: the next request routed there is the probe
+    time.sleep(1.6)  # past the cooldown: the next request routed there is the probe
     served = {sdk(pair_rr).chat.completions.with_raw_response.create(
         model="m", messages=ASK, max_tokens=2).headers["x-gateway-backend"] for _ in range(6)}
     assert served == {"v0", "v1"}
