@@ -61,6 +61,9 @@ class Pipeline:
             timings[flt.name] = clock() - start
             if not candidates:
                 raise NoRoute(flt.name, request)
+        if len(candidates) == 1:  # nothing to choose: no scorer runs (their routed hooks still do)
+            return Decision(ranked=[candidates[0]], policy=self.policy, reason="only-candidate",
+                            detail="only one eligible backend", timings=timings)
         per_scorer: list[list[float]] = []
         totals = [0.0] * len(candidates)
         weight_sum = sum(w for _, w in self.scorers) or 1.0

@@ -60,8 +60,9 @@ class BlockIndex:
 
     def _evict(self) -> None:
         held = self._blocks
-        while len(held) > self.capacity:
-            held.popitem(last=False)
+        pop = held.popitem
+        for _ in range(len(held) - self.capacity):
+            pop(last=False)
 
 
 class PrefixIndexes:

@@ -86,12 +86,14 @@ class PrecisePrefixScorer:
         the engine must store blocks it does not hold."""
         events = self._state.events
         request.events_cached_tokens = None
-        if events is None or not events.enabled or not request.tokenized or not request.token_ids:
+        if events is None or not events.enabled or request.route == "embeddings":
             return
         stream = events.live_index(backend)
         if stream is None:
             return
-        tokens = request.token_ids
+        tokens = self._tokens(request)  # (tokenized already, unless it was the only candidate: not scored)
+        if not tokens:
+            return
         index = stream.index
         chunk = index.chunk or self._default_chunk
         keys = self._keys(request, tokens, chunk)
