@@ -60,6 +60,9 @@ class LimitSettings(_Strict):
     max_grammar_rules: int = Field(default=2000, gt=0, description="most rules in a GBNF, EBNF or Lark grammar")
     validation_timeout: float = Field(default=2.0, gt=0,
                                       description="seconds a constraint's validation may take off the event loop")
+    validation_queue_timeout: float = Field(
+        default=15.0, gt=0, description="seconds a constraint may wait for a free validation worker (a burst of "
+                                        "large constraints queues; past this the request gets a 503 to retry)")
 
 
 class RetrySettings(_Strict):

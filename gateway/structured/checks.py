@@ -296,8 +296,16 @@ class Verdict:
 
 
 def prepare_worker() -> None:
-    """Worker-process set-up: room for the deepest schema max_nesting allows (jsonschema recurses)."""
+    """Worker-process set-up: room for the deepest schema max_nesting allows (jsonschema recurses), and one
+    small check of each kind, so that what the first check would build lazily (jsonschema's metaschema
+    validator and format checker, the regex and grammar parsers' tables: ~50 ms) is built before the worker
+    says it is ready and not against a client's deadline."""
     sys.setrecursionlimit(max(sys.getrecursionlimit(), WORKER_RECURSION_LIMIT))
+    bounds = Bounds(max_nesting=16, max_bytes=4096, max_rules=16)
+    schema = b'{"type":"object","properties":{"a":{"type":"string","pattern":"^[a-z]+$"}},"required":["a"]}'
+    run_check("json_schema", schema, "gbnf", "warm-up", bounds)
+    run_check("regex", "[a-z]+(,[0-9]{1,3})?", "gbnf", "warm-up", bounds)
+    run_check("grammar", 'root ::= "a" [b-c]* ("," [0-9]+)?', "gbnf", "warm-up", bounds)
 
 
 def run_check(kind: str, payload: Any, dialect: Dialect, param: str, bounds: Bounds) -> Verdict:

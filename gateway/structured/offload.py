@@ -5,7 +5,9 @@ of the server's threads nor re-runs its main script) started on first use; it ru
 talks JSON lines over its standard input and output, so the event loop only writes and reads a pipe and
 never shares the GIL with validation. A check still running at the deadline is the client's 400 (a
 constraint too complex to validate in ``limits.validation_timeout`` seconds), and its worker is killed (a
-thread could not be) and replaced; a request that waited the whole deadline for a free worker gets a 503.
+thread could not be) and replaced. Waiting for a free worker has its own, longer bound
+(``limits.validation_queue_timeout``: a burst of large constraints on a one-worker machine queues, and each
+still gets its verdict); a request that waited all of it gets a 503 to retry.
 Verdicts are memoised by content: a client sending the same large schema with every request pays once.
 """
 
@@ -97,6 +99,7 @@ class ValidationWorkers:
     def __init__(self, limits: LimitSettings, workers: int | None = None) -> None:
         self._bounds = Bounds.of(limits)
         self._timeout = limits.validation_timeout
+        self._queue_timeout = limits.validation_queue_timeout
         self._count = workers or max(1, min(4, (os.cpu_count() or 2) // 2))
         self._workers: list[_Worker | None] = [None] * self._count
         self._free: asyncio.Queue[int] | None = None  # made in the event loop, on first use
@@ -131,10 +134,10 @@ class ValidationWorkers:
             for slot in range(self._count):
                 self._free.put_nowait(slot)
         try:
-            slot = await asyncio.wait_for(self._free.get(), self._timeout)
+            slot = await asyncio.wait_for(self._free.get(), self._queue_timeout)
         except TimeoutError:
-            raise ValidationBusy(f"every constraint-validation worker stayed busy for {self._timeout:g} s; "
-                                 "retry shortly") from None
+            raise ValidationBusy(f"every constraint-validation worker stayed busy for {self._queue_timeout:g} s "
+                                 "(limits.validation_queue_timeout); retry shortly") from None
         try:
             worker = self._workers[slot]
             if worker is None:  # its start is no part of any client's deadline

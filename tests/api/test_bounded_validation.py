@@ -176,13 +176,16 @@ def test_constraints_too_big_for_the_event_loop_are_validated_in_a_worker(engine
 def test_a_constraint_that_cannot_be_validated_before_the_deadline_is_a_400(no_tracebacks: None) -> None:
     specs = [SimSpec(engine="vllm", model="m", name="vllm", time_scale=TIME_SCALE)]
     with FleetThread(specs) as fleet:
-        app = create_app(gateway_settings(fleet.fleet.servers, limits={"validation_timeout": 0.05}))
+        # a worker warms up before it says it is ready, so the small schema's check below takes ~10 ms: 0.2 s
+        # leaves it room on a loaded machine, and the big one needs several times that
+        limits = {"validation_timeout": 0.2, "max_constraint_bytes": 512 * 1024}
+        app = create_app(gateway_settings(fleet.fleet.servers, limits=limits))
         with serve_in_thread(app) as gw:
             running = Running(fleet, gw, app)
-            # ~100 KB, valid: jsonschema needs about 0.2 s for it
+            # ~300 KB, valid: jsonschema needs about 1 s for it
             big = {"type": "object", "properties": {f"field_{i}": {"type": "string", "maxLength": 20,
                                                                    "description": "some words"}
-                                                    for i in range(1200)}}
+                                                    for i in range(3600)}}
             err = refused(running, model="m", response_format={"type": "json_schema",
                                                               "json_schema": {"name": "big", "schema": big}})
             assert err.code == "constraint_too_complex" and "limits.validation_timeout" in err.message
