@@ -13,8 +13,6 @@ import atexit
 import contextlib
 import itertools
 import logging
-import logging.handlers
-import queue
 import sys
 
 from gateway.config import ConfigError, load_settings
@@ -96,16 +94,16 @@ def main(argv: list[str] | None = None) -> int:
     # one line per health/load scrape is noise; the pool logs state changes itself
     logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
     # The access log: bare JSON lines on standard output, apart from the diagnostic log on standard error.
-    # Written by a thread: a slow stdout (a full pipe to a log collector) must never block the event loop
-    # that carries every stream.
+    # Written by a thread, in batches: a slow stdout (a full pipe to a log collector) must never block the
+    # event loop that carries every stream. With this handler alone on the logger, accounting hands its lines
+    # to the writer without the logging machinery; what is left is written at exit.
+    from gateway.proxy.accounting import AccessLogHandler, AccessLogWriter
+
     access = logging.getLogger("gateway.access")
-    access_handler = logging.StreamHandler(sys.stdout)
-    access_handler.setFormatter(logging.Formatter("%(message)s"))
-    lines: queue.SimpleQueue[logging.LogRecord] = queue.SimpleQueue()
-    access.addHandler(logging.handlers.QueueHandler(lines))
+    writer = AccessLogWriter(sys.stdout)
+    access.addHandler(AccessLogHandler(writer))
     access.setLevel(logging.INFO)
     access.propagate = False
-    writer = logging.handlers.QueueListener(lines, access_handler)
     writer.start()
     atexit.register(writer.stop)
     # without a configuration, the emulated fleet: tooling, which only this composition root may reach

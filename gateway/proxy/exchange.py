@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from bisect import bisect_left
+from dataclasses import dataclass
 from typing import Any
 
 from gateway.auth import Client
 from gateway.pool.backend import Backend
 from gateway.routing.request import RouteRequest
+from gateway.telemetry.metrics import ITL_BUCKETS
 from gateway.telemetry.tracing import RequestTrace
+
+_ITL_SLOTS = len(ITL_BUCKETS) + 1  # the inter-token histogram's buckets, +Inf last
 
 
 @dataclass(slots=True)
@@ -28,8 +32,12 @@ class Exchange:
     t_first_text: float | None = None  # first event carrying generated text forwarded (streams)
     t_last_text: float | None = None
     text_events: int = 0
-    gaps: list[float] = field(default_factory=list)  # between forwarded blocks carrying text
-    zero_gaps: int = 0  # further text events that arrived in the same block (no gap seen by the client)
+    # Gaps between forwarded blocks carrying text, already sorted into the inter-token latency histogram's
+    # buckets (``ITL_BUCKETS``, +Inf last) and summed, for the metrics to add in one go at the end; a block
+    # carrying several text events adds zero gaps for the others (no gap seen by the client). None until the
+    # first text.
+    gap_counts: list[int] | None = None
+    gap_sum: float = 0.0
     t_end: float | None = None
     usage: dict[str, Any] | None = None
     timings: dict[str, Any] | None = None  # llama.cpp per-request timings
@@ -40,11 +48,18 @@ class Exchange:
     reserved_tokens: int = 0  # taken from the key's tokens per minute on admission, settled at the end
 
     def saw_text(self, events: int, now: float) -> None:
-        if self.t_last_text is None:
+        """A forwarded block carried ``events`` events with generated text, at ``now`` (perf_counter)."""
+        last = self.t_last_text
+        if last is None:
             self.t_first_text = now
+            counts = self.gap_counts = [0] * _ITL_SLOTS
         else:
-            self.gaps.append(now - self.t_last_text)
-        self.zero_gaps += events - 1
+            gap = now - last
+            counts = self.gap_counts  # type: ignore[assignment]  # set with the first text
+            counts[bisect_left(ITL_BUCKETS, gap)] += 1  # the first bucket whose bound is >= the gap (``le``)
+            self.gap_sum += gap
+        if events > 1:
+            counts[0] += events - 1
         self.t_last_text = now
         self.text_events += events
 

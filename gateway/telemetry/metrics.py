@@ -65,6 +65,26 @@ class Buckets:
         return out
 
 
+def observe_bucketed(histogram: Histogram, counts: Sequence[int], total: float) -> None:
+    """Add values already sorted into a histogram child's buckets, in one go: ``counts[i]`` values in bucket
+    ``i`` (upper bounds ``histogram._upper_bounds``, +Inf last; a value goes in the first bucket whose bound it
+    does not exceed, as ``Histogram.observe`` puts it: ``bisect.bisect_left(bounds, value)``), ``total`` their
+    sum. The exposition (``_bucket``, ``_count`` and ``_sum`` series) is the same as observing each value, for one
+    locked add per non-empty bucket instead of a pass over the bounds and two locked adds per value.
+
+    prometheus_client has no public API for this: it adds to the child's ``_buckets`` (one value per bucket,
+    not cumulative: the exposition accumulates them) and ``_sum``, as ``observe`` does.
+    tests/telemetry/test_bucketed.py checks the exposition against ``observe``, so a change of those internals
+    in a new prometheus_client shows there."""
+    buckets = histogram._buckets
+    if len(counts) != len(buckets):
+        raise ValueError(f"{len(counts)} counts for a histogram of {len(buckets)} buckets")
+    for bucket, n in zip(buckets, counts, strict=True):
+        if n:
+            bucket.inc(n)
+    histogram._sum.inc(total)
+
+
 # why the server refused or cut a client connection (gateway.server_protocol)
 REFUSAL_CODES = ("request_headers_too_large", "header_timeout", "idle_timeout", "body_timeout",
                  "too_many_connections", "invalid_http_request")
@@ -123,7 +143,7 @@ class GatewayMetrics:
             "Routing decisions, by chosen backend and the plugin that made the difference.",
             ["backend", "reason"], registry=r)
         self.routing_plugin_seconds = Histogram(
-            "gateway_routing_plugin_seconds", "Time each routing plugin took per request.", ["plugin"],
+            "gateway_routing_plugin_seconds", "Time each routing plugin took (one decision in 8).", ["plugin"],
             buckets=PLUGIN_BUCKETS, registry=r)
         self.retries = Counter(
             "gateway_retries", "Requests sent again to another backend, by the backend that failed and why.",
@@ -142,6 +162,7 @@ class GatewayMetrics:
         self.queue_wait = QueueWaitCollector()
         r.register(self.queue_wait)
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
+        self._by_labels: dict[tuple[str, ...], _Children] = {}
 
     def child(self, metric: Any, *labels: str) -> Any:
         """``metric.labels(*labels)``, cached: label values are bounded, and ``labels()`` takes a lock and
@@ -152,12 +173,35 @@ class GatewayMetrics:
             found = self._children[key] = metric.labels(*labels)
         return found
 
+    def children(self, *labels: str) -> dict[Any, Any]:
+        """Metric -> its child for these label values (``m.children(backend, model)[m.completion_tokens]``),
+        each made on first use, all cached: one lookup for the several series a finished request touches with
+        the same labels, where ``child`` costs one each."""
+        found = self._by_labels.get(labels)
+        if found is None:
+            found = self._by_labels[labels] = _Children(labels)
+        return found
+
     def watch_pool(self, pool: Pool) -> None:
         self.queue_wait.pool = pool
         self.registry.register(PoolCollector(pool))
 
     def watch_kv_events(self, hub: EventHub) -> None:
         self.registry.register(KvEventsCollector(hub))
+
+
+class _Children(dict[Any, Any]):
+    """Metric -> its child for one tuple of label values, made on first use (a series appears once used)."""
+
+    __slots__ = ("labels",)
+
+    def __init__(self, labels: tuple[str, ...]) -> None:
+        super().__init__()
+        self.labels = labels
+
+    def __missing__(self, metric: Any) -> Any:
+        child = self[metric] = metric.labels(*self.labels)
+        return child
 
 
 class QueueWaitCollector(Collector):

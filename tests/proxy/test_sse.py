@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import orjson
@@ -102,25 +103,90 @@ def test_unterminated_last_event_is_completed_on_flush() -> None:
 
 @pytest.mark.parametrize("garbage", [
     b"<html>502 Bad Gateway</html>\n\n",
-    b"data: {not json}\n\n",
     b'data: ["a list"]\n\n',
+    b"data: [1,2]\n\n",
+    b'data: "x"\n\n',
+    b"data: 42\n\n",
+    b"data:\n\n",
     b"hello world\n\n",
+    b"event: message\n\n",  # no data
     b"data: {\"choices\":[{\"delta\"\n\n",  # a JSON line cut short
+    b'data: {"id":"x","choices":[{"delta":{"content":"hel\n\n',
+    b'data: {"choices":[],"usage":{"prompt_tokens":1,}}\n\n',  # an event that matters is parsed in full
+    b'data: {"error": {"message": "boom"}\n\n',
 ])
 def test_malformed_events_are_refused_not_relayed(garbage: bytes) -> None:
     from gateway.proxy.sse import InvalidStream
 
+    for cut in (False, True):  # arriving alone, and in one read with the event before it
+        relay = SSERelay(keep_usage=False)
+        with pytest.raises(InvalidStream):
+            if cut:
+                relay.feed(chunk("ok") + garbage)
+            else:
+                assert relay.feed(chunk("ok")) == chunk("ok")
+                relay.feed(garbage)
+
+
+def test_an_object_shaped_event_is_relayed_without_being_parsed() -> None:
+    """Only the framing of ordinary chunks is checked (data that starts with ``{`` and ends with ``}``): one
+    that is not JSON inside is relayed as it came, not refused. Parsing every event cost more than the rest of
+    the relay; the events the gateway acts on (usage, timings, errors) are still parsed in full."""
+    odd = b"data: {not json}\n\n"
     relay = SSERelay(keep_usage=False)
-    assert relay.feed(chunk("ok")) == chunk("ok")
-    with pytest.raises(InvalidStream):
-        relay.feed(garbage)
+    assert relay.feed(chunk("ok") + odd) == chunk("ok") + odd
+    assert relay.feed(odd) == odd
+    assert relay.events == 3 and relay.usage is None
 
 
-def test_a_json_line_cut_at_the_end_of_the_stream_is_refused_on_flush() -> None:
+def test_only_the_events_that_matter_are_parsed(monkeypatch: pytest.MonkeyPatch) -> None:
+    parsed: list[bytes] = []
+    loads = orjson.loads
+
+    def counting(data: bytes) -> object:
+        parsed.append(data)
+        return loads(data)
+
+    monkeypatch.setattr(orjson, "loads", counting)
+    sglang_chunk = chunk("x").replace(b"]}\n\n", b'],"usage":null}\n\n')  # SGLang says usage: null every time
+    events = [chunk("Hel"), sglang_chunk, chunk(None, "stop"), USAGE_CHUNK, DONE]
+    stream = b"".join(events)
+    by_event = list(itertools.accumulate(len(e) for e in events))[:-1]
+    for cuts in ([], by_event, [len(chunk("Hel")) + 1]):  # in one read, an event a read, cut mid-event
+        parsed.clear()
+        out, relay = relay_all(stream, keep_usage=True, cuts=cuts)
+        assert out == stream
+        assert parsed == [USAGE_CHUNK[6:-2]] and relay.usage == USAGE
+
+
+@pytest.mark.parametrize("event", [
+    b'data: {"choices": [], "usage": {"prompt_tokens": 11, "completion_tokens": 3}}\n\n',
+    b'data: {"choices":[],"usage" :\t{"prompt_tokens":11,"completion_tokens":3}}\n\n',
+    b'data:{"choices":[],"usage":{"prompt_tokens":11,"completion_tokens":3}}  \n\n',
+    b'event: chunk\ndata: {"choices":[],"usage":{"prompt_tokens":11,"completion_tokens":3}}\n\n',
+])
+def test_usage_is_found_however_the_event_is_written(event: bytes) -> None:
+    for keep in (True, False):
+        out, relay = relay_all(chunk("x") + event + DONE, keep_usage=keep, cuts=[])
+        assert relay.usage == {"prompt_tokens": 11, "completion_tokens": 3}
+        assert out == (chunk("x") + event + DONE if keep else chunk("x") + DONE)
+
+
+def test_multi_line_events_and_comments_pass_unchanged() -> None:
+    stream = b": ping\n\nevent: message\nid: 7\ndata: {\"choices\":[]}\n\nretry: 5\ndata: [DONE]\n\n"
+    out, relay = relay_all(stream, keep_usage=False, cuts=[])
+    assert out == stream and relay.done and relay.events == 2
+
+
+@pytest.mark.parametrize("cut", [b'data: {"choices":[{"del', b'data: {"choices":[{"delta":{}}',
+                                 b"data: {not json}"])
+def test_a_json_line_cut_at_the_end_of_the_stream_is_refused_on_flush(cut: bytes) -> None:
+    """An event the upstream left without its closing blank line is where a cut connection shows: it is
+    parsed in full, even when it happens to end with ``}``."""
     from gateway.proxy.sse import InvalidStream
 
     relay = SSERelay(keep_usage=False)
-    relay.feed(chunk("ok") + b'data: {"choices":[{"del')
+    relay.feed(chunk("ok") + cut)
     with pytest.raises(InvalidStream):
         relay.flush()
 

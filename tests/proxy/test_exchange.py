@@ -1,0 +1,63 @@
+"""Inter-token gaps are sorted into the histogram's buckets as they come; the metrics add them in one go."""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+
+from prometheus_client import generate_latest
+
+from gateway.engines.registry import ENGINES
+from gateway.pool.backend import Backend
+from gateway.proxy.accounting import record_metrics
+from gateway.proxy.exchange import Exchange
+from gateway.telemetry.metrics import ITL_BUCKETS, GatewayMetrics
+
+
+def itl_lines(m: GatewayMetrics) -> list[str]:
+    return [line for line in generate_latest(m.registry).decode().splitlines()
+            if line.startswith("gateway_inter_token_latency_seconds")]
+
+
+def test_gaps_are_bucketed_and_summed_as_they_arrive() -> None:
+    ex = Exchange(request_id="r", route="chat", t_start=0.0)
+    assert ex.gap_counts is None
+    ex.saw_text(2, 10.0)  # the first block: two text events, one zero gap
+    assert ex.t_first_text == 10.0 and ex.gap_counts is not None and ex.gap_counts[0] == 1
+    ex.saw_text(1, 10.5)
+    ex.saw_text(3, 12.0)  # a gap beyond the last bound, and two zero gaps
+    assert ex.gap_counts[0] == 3
+    assert ex.gap_counts[bisect.bisect_left(ITL_BUCKETS, 0.5)] == 1
+    assert ex.gap_counts[-1] == 1  # +Inf
+    assert sum(ex.gap_counts) == 5 and ex.gap_sum == 2.0
+    assert ex.text_events == 6 and ex.t_last_text == 12.0
+
+
+def test_the_metrics_equal_observing_each_gap() -> None:
+    backend = Backend("b", "vllm", "http://b:8000", spec=ENGINES["vllm"])
+    times = [1.0, 1.001, 1.003, 1.0035, 1.0535, 1.0535, 1.2, 2.7, 2.71]
+    ex = Exchange(request_id="r", route="chat", t_start=0.5, model="m", stream=True, backend=backend, status=200,
+                  outcome="success", t_dispatch=0.6, t_end=3.0)
+    ex.saw_text(2, times[0])
+    for t in times[1:]:
+        ex.saw_text(1, t)
+    m = GatewayMetrics()
+    record_metrics(m, ex)
+
+    expected = GatewayMetrics()
+    itl = expected.inter_token_latency.labels("b", "m")
+    itl.observe(0.0)
+    for a, b in itertools.pairwise(times):
+        itl.observe(b - a)
+    assert itl_lines(m) == itl_lines(expected)
+    assert any(line.endswith(f" {float(len(times))}") for line in itl_lines(m) if "_count" in line)
+
+
+def test_a_single_text_event_makes_no_inter_token_series() -> None:
+    backend = Backend("b", "vllm", "http://b:8000", spec=ENGINES["vllm"])
+    ex = Exchange(request_id="r", route="chat", t_start=0.5, model="m", stream=True, backend=backend, status=200,
+                  outcome="success", t_end=3.0)
+    ex.saw_text(1, 1.0)
+    m = GatewayMetrics()
+    record_metrics(m, ex)
+    assert not [line for line in itl_lines(m) if "{" in line]
