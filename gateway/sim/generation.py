@@ -35,6 +35,7 @@ class Plan:
     pieces: list[str]
     ids: list[int]
     finish_reason: str  # "stop" | "length"
+    reasoning: int = 0  # the first ``reasoning`` pieces are reasoning, the rest the answer
 
     @property
     def text(self) -> str:

@@ -30,6 +30,11 @@ class SimSpec:
     directory (``tokenizer.json``, ``tokenizer_config.json``): any engine then renders chat prompts with its chat
     template and counts, caches and publishes the model's token ids (else the emulators' own word tokenizer and
     Llama 2 layout).
+
+    Agent features (:mod:`gateway.sim.agent`): ``reasoning`` marks a reasoning model, whose chat answers start with
+    reasoning text in the engine's own field (vLLM ``reasoning``; SGLang, llama.cpp and TabbyAPI
+    ``reasoning_content``); ``tool_call_rate`` is the share of ``tool_choice: "auto"`` chat requests with tools
+    that the model answers with a tool call (deterministic for a given ``seed`` and prompt).
     """
 
     engine: EngineName
@@ -47,12 +52,16 @@ class SimSpec:
     overrides: dict[str, Any] = field(default_factory=dict)
     kv_events: dict[str, Any] | None = None
     tokenizer: str | None = None
+    reasoning: bool = False
+    tool_call_rate: float = 0.0
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
             raise ValueError(f"unknown engine {self.engine!r}; one of {ENGINES}")
         if self.time_scale <= 0:
             raise ValueError("time_scale must be > 0")
+        if not 0.0 <= self.tool_call_rate <= 1.0:
+            raise ValueError("tool_call_rate must be between 0 and 1")
         if self.profile is None:
             self.profile = DEFAULT_PROFILE[self.engine]
         if self.profile not in PROFILES:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
+from gateway.sim.agent import ToolPick
 from gateway.sim.generation import Plan
 from gateway.sim.http import Request, Responder
 from gateway.sim.prefix_cache import PrefixCache
@@ -57,6 +58,9 @@ class Gen:
     body: dict[str, Any]
     created: int = field(default_factory=lambda: int(time.time()))
     seq: Sequence | None = None
+    tool: ToolPick | None = None  # the answer is this tool call; its arguments are the planned pieces
+    tool_id: str = ""
+    tool_finish: str = "tool_calls"  # finish_reason of a tool call that stopped on its own
 
     @property
     def completion_tokens(self) -> int:
@@ -68,11 +72,21 @@ class Gen:
 
     @property
     def finish_reason(self) -> str:
-        return self.seq.finish_reason if self.seq else "stop"
+        reason = self.seq.finish_reason if self.seq else "stop"
+        return self.tool_finish if self.tool is not None and reason == "stop" else reason
+
+    @property
+    def reasoning_tokens(self) -> int:
+        return min(self.plan.reasoning, self.completion_tokens)
+
+    @property
+    def reasoning_text(self) -> str:
+        return "".join(self.plan.pieces[: self.reasoning_tokens])
 
     @property
     def text(self) -> str:
-        return "".join(self.plan.pieces[: self.completion_tokens])
+        """The answer (tool call arguments for a tool call), without the reasoning."""
+        return "".join(self.plan.pieces[self.plan.reasoning: self.completion_tokens])
 
     def prompt_seconds(self) -> float:
         s = self.seq
@@ -148,9 +162,18 @@ class Engine:
         """Answer while the model loads (only reached by engines whose HTTP server is up then)."""
         self.send_error(resp, EngineError(503, "Loading model", "unavailable"))
 
-    def token_chunk(self, gen: Gen) -> dict[str, Any]:
-        """A chunk carrying one token, with ``_MARK`` where the token's text goes."""
+    def token_chunk(self, gen: Gen) -> dict[str, Any] | None:
+        """A chunk carrying one answer token, with ``_MARK`` where the token's text goes; None: tokens of this
+        answer are not streamed one by one (TabbyAPI's tool calls)."""
         raise NotImplementedError
+
+    def reasoning_chunk(self, gen: Gen) -> dict[str, Any]:
+        """A chunk carrying one reasoning token, with ``_MARK`` where its text goes (reasoning models only)."""
+        raise NotImplementedError
+
+    def answer_start_events(self, gen: Gen) -> list[Event]:
+        """Events sent once, just before the first answer token (a tool call's id and name)."""
+        return []
 
     def head_events(self, gen: Gen) -> list[Event]:
         return []
@@ -203,7 +226,8 @@ class Engine:
 class StreamSink:
     """Scheduler sink for a streamed response: writes each token's event as it is produced."""
 
-    __slots__ = ("done", "drop_after", "dynamic", "engine", "err_after", "gen", "head", "resp", "tail")
+    __slots__ = ("done", "drop_after", "dynamic", "engine", "err_after", "gen", "head", "n_reason", "r_head",
+                 "r_tail", "resp", "silent", "start", "tail")
 
     def __init__(self, engine: Engine, gen: Gen, resp: Responder, done: asyncio.Future[None]) -> None:
         self.engine = engine
@@ -212,22 +236,34 @@ class StreamSink:
         self.done = done
         le = engine.line_end
         self.dynamic = gen.kind == "native" and type(engine).dynamic_token is not Engine.dynamic_token
-        h, t = template(engine.token_chunk(gen)) if not self.dynamic else (b"", b"")
+        chunk = engine.token_chunk(gen) if not self.dynamic else None
+        self.silent = chunk is None and not self.dynamic
+        h, t = template(chunk) if chunk is not None else (b"", b"")
         self.head = b"data: " + h
         self.tail = t + le + le
+        self.n_reason = gen.plan.reasoning
+        h, t = template(engine.reasoning_chunk(gen)) if self.n_reason else (b"", b"")
+        self.r_head = b"data: " + h
+        self.r_tail = t + le + le
+        self.start = engine.events(engine.answer_start_events(gen)) if gen.kind == "chat" else b""
         faults = engine.server.faults
         self.drop_after = faults.drop_mid_stream_after_tokens
         self.err_after = faults.error_mid_stream_after_tokens
 
     def on_token(self, seq: Sequence) -> None:
         resp = self.resp
+        n = seq.generated
         if self.dynamic:
             payload = self.engine.dynamic_token(self.gen, seq)
             if payload is not None:
                 resp.chunk(self.engine.event(payload))
+        elif n <= self.n_reason:
+            resp.chunk(self.r_head + orjson.dumps(seq.output[n - 1]) + self.r_tail)
         else:
-            resp.chunk(self.head + orjson.dumps(seq.output[seq.generated - 1]) + self.tail)
-        n = seq.generated
+            if n == self.n_reason + 1 and self.start:
+                resp.chunk(self.start)
+            if not self.silent:
+                resp.chunk(self.head + orjson.dumps(seq.output[n - 1]) + self.tail)
         if self.drop_after is not None and n >= self.drop_after and n < len(seq.output):
             resp.abort()
         elif self.err_after is not None and n >= self.err_after and n < len(seq.output):

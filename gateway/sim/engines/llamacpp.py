@@ -9,6 +9,8 @@ ignored; ``json_schema`` and ``grammar`` together are refused.
 
 from __future__ import annotations
 
+import secrets
+import string
 import time
 from typing import Any
 
@@ -46,6 +48,7 @@ class LlamaCppEngine(OpenAIEngine):
     listen_after_load_fraction = 0.0  # HTTP is up at once and answers 503 while loading
     generation_paths = frozenset({"/v1/chat/completions", "/chat/completions", "/v1/completions", "/completions",
                                   "/completion"})
+    reasoning_key = "reasoning_content"  # --reasoning-format auto / deepseek (the default)
 
     def make_cache(self, profile: Profile) -> PrefixCache:
         self.slots = SlotCache(profile.max_seqs)
@@ -146,7 +149,25 @@ class LlamaCppEngine(OpenAIEngine):
             return {"finish_reason": finish, "index": 0, "delta": {} if finish else {"content": text}}
         return {"text": text or "", "index": 0, "logprobs": None, "finish_reason": finish}
 
-    def token_chunk(self, gen: Gen) -> dict[str, Any]:
+    # -- agent shapes (common_chat_msg_diff_to_json_oaicompat: only the fields that changed) --------------------
+    def delta_chunk(self, gen: Gen, delta: dict[str, Any]) -> dict[str, Any]:
+        return {"choices": [{"finish_reason": None, "index": 0, "delta": delta}], **self.chunk_base(gen)}
+
+    def new_tool_id(self) -> str:  # gen_tool_call_id(): 32 random alphanumerics
+        return "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(32))
+
+    def chat_message(self, gen: Gen) -> dict[str, Any]:
+        msg: dict[str, Any] = {"role": "assistant", "content": gen.text}
+        if gen.reasoning_text:
+            msg["reasoning_content"] = gen.reasoning_text
+        if gen.tool is not None:
+            msg["content"] = None
+            msg["tool_calls"] = self.tool_calls(gen)
+        return msg
+
+    def token_chunk(self, gen: Gen) -> dict[str, Any] | None:
+        if gen.tool is not None:
+            return self.delta_chunk(gen, self.tool_args_delta(_MARK))
         if gen.kind == "native":
             return {"index": 0, "content": _MARK, "tokens": [], "stop": False, "id_slot": -1,
                     "tokens_predicted": 0, "tokens_evaluated": gen.prompt_len}
@@ -173,7 +194,7 @@ class LlamaCppEngine(OpenAIEngine):
             return self.native_final(gen, gen.text)
         if gen.kind == "chat":
             choice: dict[str, Any] = {"finish_reason": gen.finish_reason, "index": 0,
-                                      "message": {"role": "assistant", "content": gen.text}}
+                                      "message": self.chat_message(gen)}
         else:
             choice = {"text": gen.text, "index": 0, "logprobs": None, "finish_reason": gen.finish_reason}
         base = self.chunk_base(gen)

@@ -11,6 +11,7 @@ import math
 import struct
 from typing import TYPE_CHECKING, Any
 
+from gateway.sim.agent import ToolPick, pick_tool, reasoning_words, thinking_enabled
 from gateway.sim.engines.base import _MARK, Engine, EngineError, Event, Gen, drive, new_id
 from gateway.sim.generation import Constraint, Plan, plan_output, request_rng
 from gateway.sim.http import Request, Responder
@@ -24,6 +25,9 @@ EMBED_DIM = 256
 
 
 class OpenAIEngine(Engine):
+    reasoning_key = "reasoning"  # the message / delta field of a reasoning model's thinking
+    tool_id_prefix = "chatcmpl-tool-"
+
     # -- request hooks -----------------------------------------------------------------------------------------
     def constraint(self, body: dict[str, Any]) -> Constraint | None:
         return None
@@ -88,10 +92,13 @@ class OpenAIEngine(Engine):
             ids = server.tokenizer.encode(prompt)
         if max_tokens is None:
             max_tokens = self.max_tokens(body)
+        tool, reasoning = self.agent(body, ids) if kind == "chat" else (None, False)
+        if tool is not None:
+            constraint = Constraint("json", tool.schema)
         if constraint is None:
             constraint = self.constraint(body)
         try:
-            plan = self.plan(ids, max_tokens, constraint, bool(body.get("ignore_eos")))
+            plan = self.plan(ids, max_tokens, constraint, bool(body.get("ignore_eos")), reasoning=reasoning)
         except ValueError as exc:  # ConstraintError is a ValueError
             raise self.constraint_error(exc) from exc
         try:
@@ -103,17 +110,49 @@ class OpenAIEngine(Engine):
                   stream=bool(body.get("stream")) if stream is None else stream,
                   include_usage=bool(isinstance(opts, dict) and opts.get("include_usage")),
                   plan=plan, prompt_len=len(ids), scale=self.spec.time_scale, body=body)
+        if tool is not None:
+            gen.tool, gen.tool_id = tool, self.new_tool_id()
+            gen.tool_finish = self.tool_finish(tool)
         await drive(self, gen, ids, resp)
 
+    def agent(self, body: dict[str, Any], ids: list[int]) -> tuple[ToolPick | None, bool]:
+        """The chat request's tool call (if any) and whether the model reasons first."""
+        rng = request_rng(self.spec.seed, ids, -1 - self.server.stats.requests)  # its own stream: text unchanged
+        try:
+            tool = pick_tool(body, self.spec.tool_call_rate, rng)
+        except ValueError as exc:
+            raise EngineError(400, str(exc), param="tool_choice") from exc
+        return tool, self.spec.reasoning and thinking_enabled(body)
+
+    def tool_finish(self, tool: ToolPick) -> str:
+        return "tool_calls"
+
+    def new_tool_id(self) -> str:
+        return new_id(self.tool_id_prefix)
+
     def plan(self, ids: list[int], max_tokens: int | None, constraint: Constraint | None = None,
-             ignore_eos: bool = False) -> Plan:
-        """What the model says to prompt ``ids``. Raises ValueError for a constraint it cannot satisfy."""
+             ignore_eos: bool = False, reasoning: bool = False) -> Plan:
+        """What the model says to prompt ``ids``: reasoning words first when ``reasoning``, then the answer; both
+        count against ``max_tokens``. Raises ValueError for a constraint it cannot satisfy."""
         server = self.server
         p = server.profile
         rng = request_rng(self.spec.seed, ids, server.stats.requests)
+        think = Plan([], [], "stop")
+        if reasoning:
+            words = reasoning_words(rng)
+            think = Plan(words, [server.tokenizer.piece_id(w) for w in words], "stop")
+            if server.hf is not None:
+                think = model_tokens(server.hf, think, None, extend=False)
+            if max_tokens is not None and max_tokens <= len(think.ids):
+                return Plan(think.pieces[:max_tokens], think.ids[:max_tokens], "length", reasoning=max_tokens)
+            max_tokens = None if max_tokens is None else max_tokens - len(think.ids)
         plan = plan_output(server.tokenizer, rng, max_tokens, (p.natural_min_tokens, p.natural_max_tokens),
                            constraint, ignore_eos)
-        return plan if server.hf is None else model_tokens(server.hf, plan, max_tokens, extend=constraint is None)
+        if server.hf is not None:
+            plan = model_tokens(server.hf, plan, max_tokens, extend=constraint is None)
+        if not think.ids:
+            return plan
+        return Plan(think.pieces + plan.pieces, think.ids + plan.ids, plan.finish_reason, reasoning=len(think.ids))
 
     def constraint_error(self, exc: ValueError) -> EngineError:
         return EngineError(400, f"Invalid structured output constraint: {exc}")
@@ -140,7 +179,42 @@ class OpenAIEngine(Engine):
                              "completion_tokens": gen.completion_tokens}
         if self.spec.cache_report:
             u["prompt_tokens_details"] = {"cached_tokens": gen.cached}
+        if self.spec.reasoning:  # vLLM reports it whenever a reasoning parser is configured
+            u["completion_tokens_details"] = {"reasoning_tokens": gen.reasoning_tokens}
         return u
+
+    # -- agent shapes: reasoning and tool call deltas, the non-streamed tool call -----------------------------
+    def delta_chunk(self, gen: Gen, delta: dict[str, Any]) -> dict[str, Any]:
+        """A streamed chat chunk carrying ``delta`` (no finish reason)."""
+        return {**self.chunk_base(gen), "choices": [{"index": 0, "delta": delta, "logprobs": None,
+                                                     "finish_reason": None}]}
+
+    def reasoning_chunk(self, gen: Gen) -> dict[str, Any]:
+        return self.delta_chunk(gen, {self.reasoning_key: _MARK})
+
+    def tool_start_delta(self, gen: Gen) -> dict[str, Any]:
+        assert gen.tool is not None
+        return {"tool_calls": [{"id": gen.tool_id, "type": "function", "index": 0,
+                                "function": {"name": gen.tool.name, "arguments": ""}}]}
+
+    def tool_args_delta(self, text: str) -> dict[str, Any]:
+        return {"tool_calls": [{"index": 0, "function": {"arguments": text}}]}
+
+    def answer_start_events(self, gen: Gen) -> list[Event]:
+        return [self.delta_chunk(gen, self.tool_start_delta(gen))] if gen.tool is not None else []
+
+    def tool_calls(self, gen: Gen) -> list[dict[str, Any]]:
+        """The non-streamed message's ``tool_calls``."""
+        assert gen.tool is not None
+        return [{"id": gen.tool_id, "type": "function", "function": {"name": gen.tool.name, "arguments": gen.text}}]
+
+    def chat_message(self, gen: Gen) -> dict[str, Any]:
+        """vLLM's: forced tool calls have content ``""``, ``tool_calls`` is left out when empty."""
+        msg: dict[str, Any] = {"role": "assistant", "content": gen.text, "reasoning": gen.reasoning_text or None}
+        if gen.tool is not None:
+            msg["content"] = "" if gen.tool.forced else None
+            msg["tool_calls"] = self.tool_calls(gen)
+        return msg
 
     def chunk_base(self, gen: Gen) -> dict[str, Any]:
         obj = "chat.completion.chunk" if gen.kind == "chat" else "text_completion"
@@ -153,7 +227,9 @@ class OpenAIEngine(Engine):
                     **({"stop_reason": None} if finish else {})}
         return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish, "stop_reason": None}
 
-    def token_chunk(self, gen: Gen) -> dict[str, Any]:
+    def token_chunk(self, gen: Gen) -> dict[str, Any] | None:
+        if gen.tool is not None:
+            return self.delta_chunk(gen, self.tool_args_delta(_MARK))
         return {**self.chunk_base(gen), "choices": [self.token_choice(gen, _MARK, None)]}
 
     def head_events(self, gen: Gen) -> list[Event]:
@@ -171,8 +247,7 @@ class OpenAIEngine(Engine):
 
     def full_response(self, gen: Gen) -> dict[str, Any]:
         if gen.kind == "chat":
-            choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": gen.text,
-                                                              "tool_calls": []},
+            choice: dict[str, Any] = {"index": 0, "message": self.chat_message(gen),
                                       "logprobs": None, "finish_reason": gen.finish_reason, "stop_reason": None}
             obj = "chat.completion"
         else:

@@ -36,6 +36,8 @@ class SglangEngine(OpenAIEngine):
     listen_after_load_fraction = 0.5
     generation_paths = frozenset({"/v1/chat/completions", "/v1/completions", "/generate"})
     unauthorized_body = b'{"error":"Unauthorized"}'
+    reasoning_key = "reasoning_content"
+    tool_id_prefix = "call_"
 
     def make_cache(self, profile: Profile) -> PrefixCache:
         kv = self.spec.kv_events or {}
@@ -91,9 +93,37 @@ class SglangEngine(OpenAIEngine):
 
     # -- shapes: SGLang's chunks carry explicit nulls and ``matched_stop`` -------------------------------------
     def usage(self, gen: Gen) -> dict[str, Any]:
+        n = gen.reasoning_tokens
         return {"prompt_tokens": gen.prompt_len, "total_tokens": gen.prompt_len + gen.completion_tokens,
                 "completion_tokens": gen.completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": gen.cached} if self.spec.cache_report else None}
+                "prompt_tokens_details": {"cached_tokens": gen.cached} if self.spec.cache_report else None,
+                "reasoning_tokens": n, "completion_tokens_details": {"reasoning_tokens": n} if n else None}
+
+    # every DeltaMessage field is sent, null when unset; tool call fragments carry null id and name
+    def delta_chunk(self, gen: Gen, delta: dict[str, Any]) -> dict[str, Any]:
+        full = {"role": None, "content": None, "reasoning_content": None, "tool_calls": None, **delta}
+        return {**self.chunk_base(gen), "choices": [{"index": 0, "delta": full, "logprobs": None,
+                                                     "finish_reason": None, "matched_stop": None}], "usage": None}
+
+    def tool_start_delta(self, gen: Gen) -> dict[str, Any]:
+        assert gen.tool is not None
+        return {"tool_calls": [{"id": gen.tool_id, "index": 0, "type": "function",
+                                "function": {"name": gen.tool.name, "arguments": ""}}]}
+
+    def tool_args_delta(self, text: str) -> dict[str, Any]:
+        return {"tool_calls": [{"id": None, "index": 0, "type": "function",
+                                "function": {"name": None, "arguments": text}}]}
+
+    def tool_calls(self, gen: Gen) -> list[dict[str, Any]]:
+        return [{**call, "index": 0} for call in super().tool_calls(gen)]
+
+    def chat_message(self, gen: Gen) -> dict[str, Any]:
+        msg: dict[str, Any] = {"role": "assistant", "content": gen.text,
+                               "reasoning_content": gen.reasoning_text or None}
+        if gen.tool is not None:
+            msg["content"] = None
+            msg["tool_calls"] = self.tool_calls(gen)
+        return msg
 
     def token_choice(self, gen: Gen, text: str, finish: str | None) -> dict[str, Any]:
         matched = 2 if finish == "stop" else None
@@ -102,8 +132,9 @@ class SglangEngine(OpenAIEngine):
             return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish, "matched_stop": matched}
         return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish, "matched_stop": matched}
 
-    def token_chunk(self, gen: Gen) -> dict[str, Any]:
-        return {**super().token_chunk(gen), "usage": None}
+    def token_chunk(self, gen: Gen) -> dict[str, Any] | None:
+        chunk = super().token_chunk(gen)
+        return chunk if chunk is None or gen.tool is not None else {**chunk, "usage": None}
 
     def head_events(self, gen: Gen) -> list[Event]:
         if gen.kind != "chat":

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from typing import Any
 
 import orjson
@@ -36,6 +37,8 @@ class TabbyEngine(OpenAIEngine):
     owned_by = "tabbyAPI"
     generation_paths = frozenset({"/v1/chat/completions", "/v1/completions"})
     unauthorized_body = b'{"detail":"Invalid API key"}'
+    reasoning_key = "reasoning_content"  # with the model's ``reasoning: true`` (config.yml)
+    tool_id_prefix = "call_"
 
     def make_cache(self, profile: Profile) -> PrefixCache:
         return BlockCache(PAGE_SIZE, profile.kv_capacity_tokens)
@@ -117,9 +120,21 @@ class TabbyEngine(OpenAIEngine):
             return {"index": 0, "delta": {"content": text} if text else {}, "finish_reason": finish}
         return {"index": 0, "finish_reason": finish, "logprobs": None, "text": text}
 
-    def token_chunk(self, gen: Gen) -> dict[str, Any]:
+    def token_chunk(self, gen: Gen) -> dict[str, Any] | None:
+        if gen.tool is not None:
+            return None  # tool call text is collected and parsed at the end of the stream
         return {**self.chunk_base(gen), "choices": [self.token_choice(gen, "\x00PIECE\x00", None)],
                 "model": gen.model}
+
+    def new_tool_id(self) -> str:
+        return "call_" + uuid.uuid4().hex[:24]
+
+    def delta_chunk(self, gen: Gen, delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
+        return {**self.chunk_base(gen), "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+                "model": gen.model}
+
+    def answer_start_events(self, gen: Gen) -> list[Event]:
+        return []
 
     def head_events(self, gen: Gen) -> list[Event]:
         return []
@@ -128,13 +143,25 @@ class TabbyEngine(OpenAIEngine):
         last = {**self.chunk_base(gen), "choices": [self.token_choice(gen, "", gen.finish_reason)], "model": gen.model}
         if gen.include_usage:  # the finish chunk is folded into the usage chunk, which keeps a choice
             last["usage"] = self.usage(gen)
-        return [last, b"[DONE]"]
+        if gen.tool is None or not gen.text:
+            return [last, b"[DONE]"]
+        calls = [{**c, "index": 0} for c in self.tool_calls(gen)]
+        tool = self.delta_chunk(gen, {"tool_calls": calls}, None if gen.include_usage else gen.finish_reason)
+        return [tool, last, b"[DONE]"] if gen.include_usage else [tool, b"[DONE]"]
+
+    def tool_calls(self, gen: Gen) -> list[dict[str, Any]]:
+        assert gen.tool is not None
+        return [{"id": gen.tool_id, "function": {"name": gen.tool.name, "arguments": gen.text},
+                 "type": "function", "index": 0}]
 
     def full_response(self, gen: Gen) -> dict[str, Any]:
         if gen.kind == "chat":
             choice: dict[str, Any] = {"index": 0, "finish_reason": gen.finish_reason, "stop_str": None,
-                                      "message": {"role": "assistant", "content": gen.text,
-                                                  "reasoning_content": None, "tool_calls": None},
+                                      "message": {"role": "assistant",
+                                                  "content": gen.text if gen.text.strip() and not gen.tool else None,
+                                                  "reasoning_content": gen.reasoning_text or None,
+                                                  "tool_calls": self.tool_calls(gen) if gen.tool else None,
+                                                  "tool_call_id": None},
                                       "logprobs": None}
             obj = "chat.completion"
         else:

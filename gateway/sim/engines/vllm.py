@@ -14,6 +14,7 @@ from typing import Any
 
 import orjson
 
+from gateway.sim.agent import ToolPick
 from gateway.sim.engines.base import EngineError, Handler
 from gateway.sim.engines.openai import OpenAIEngine
 from gateway.sim.generation import Constraint
@@ -65,6 +66,9 @@ class VllmEngine(OpenAIEngine):
             ("POST", "/tokenize"): self.tokenize, ("POST", "/detokenize"): self.detokenize,
             ("POST", "/reset_prefix_cache"): self.reset_prefix_cache,
         }
+
+    def tool_finish(self, tool: ToolPick) -> str:
+        return "stop" if tool.named else "tool_calls"  # resolve_finish_reason: a forced named tool reports "stop"
 
     def authorized(self, req: Request) -> bool:
         key = self.spec.api_key
