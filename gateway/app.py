@@ -14,9 +14,11 @@ from prometheus_client import CollectorRegistry
 
 from gateway import __version__
 from gateway.api import errors
+from gateway.api.agent_apis import AgentApi, messages_api, responses_api
 from gateway.api.openapi import install_openapi
 from gateway.api.proxy_endpoint import EndpointSettings, ProxyEndpoint, request_id
 from gateway.api.routes import CLIENT, build_router
+from gateway.api.translate.responses import ResponseStore
 from gateway.asgi import Message, Receive, Scope, Send, header, send_body
 from gateway.auth import KeyScope, KeyStore
 from gateway.config import AuthSettings, ConfigError, Settings
@@ -72,12 +74,21 @@ class Gateway:
                                      Forwarder(self.transport, settings.timeouts), self.metrics, settings.retries,
                                      settings.structured_output)
         self.accounting = Accounting(self.metrics, self.pipeline.observe, settings.access_log.enabled)
+        responses = settings.responses
+        self.responses = ResponseStore(responses.store_entries, responses.store_bytes, responses.store_ttl_seconds)
         self.started_at = int(time.time())
 
-    def endpoint(self, route: str) -> ProxyEndpoint:
+    def endpoint(self, route: str, api: AgentApi | None = None) -> ProxyEndpoint:
         return ProxyEndpoint(route, EndpointSettings.of(self.settings), keys=self.keys,
                              workers=self.validation_workers, dispatcher=self.dispatcher, tracing=self.tracing,
-                             in_flight=self.metrics.in_flight, finish=self.accounting)
+                             in_flight=self.metrics.in_flight, finish=self.accounting, api=api)
+
+    def endpoints(self) -> dict[str, ProxyEndpoint]:
+        """The generation routes, by path: the OpenAI ones, and the agent APIs translated to chat."""
+        hot = {path: self.endpoint(route) for route, path in PATHS.items()}
+        for path, api in (("/v1/messages", messages_api()), ("/v1/responses", responses_api(self.responses))):
+            hot[path] = self.endpoint(api.name, api)
+        return hot
 
     async def start(self) -> None:
         await self.transport.start()
@@ -157,8 +168,7 @@ def create_app(
     errors.install(app)
     install_openapi(app)
     app.include_router(build_router(gateway.pool, gateway.metrics.registry, gateway.started_at))
-    hot = {path: gateway.endpoint(route) for route, path in PATHS.items()}
-    return GatewayApp(app, gateway, hot, gateway.keys, settings.auth)
+    return GatewayApp(app, gateway, gateway.endpoints(), gateway.keys, settings.auth)
 
 
 class GatewayApp:

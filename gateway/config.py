@@ -65,6 +65,15 @@ class LimitSettings(_Strict):
                                         "large constraints queues; past this the request gets a 503 to retry)")
 
 
+class ResponsesSettings(_Strict):
+    """``/v1/responses``: the gateway keeps recent responses itself, so ``previous_response_id`` continues a
+    conversation on whichever backend routing picks next. Bounded in entries and bytes; entries expire."""
+
+    store_entries: int = Field(default=10_000, ge=0, description="most responses kept (0: none kept)")
+    store_bytes: int = Field(default=256 * 1024 * 1024, ge=0, description="most bytes kept (conversations as JSON)")
+    store_ttl_seconds: float = Field(default=3600.0, gt=0, description="a response is forgotten after this long")
+
+
 class RetrySettings(_Strict):
     """Failover before any byte reached the client: connection errors, first-byte timeouts and the engine's
     retryable statuses go to the next-ranked backend."""
@@ -383,6 +392,7 @@ class Settings(BaseSettings):
     structured_output: StructuredOutputSettings = StructuredOutputSettings()
     access_log: AccessLogSettings = AccessLogSettings()
     limits: LimitSettings = LimitSettings()
+    responses: ResponsesSettings = ResponsesSettings()
     retries: RetrySettings = RetrySettings()
     breaker: BreakerSettings = BreakerSettings()
     admission: AdmissionSettings = AdmissionSettings()

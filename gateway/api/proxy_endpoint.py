@@ -15,6 +15,7 @@ from typing import Any
 
 from prometheus_client import Gauge
 
+from gateway.api.agent_apis import AgentApi
 from gateway.api.validation import parse_request, validate_heavy
 from gateway.asgi import BODY_WRITER, Headers, Receive, Scope, Send, header, send_body
 from gateway.auth import ANONYMOUS, Client, KeyStore
@@ -98,12 +99,16 @@ class EndpointSettings:
 
 
 class ProxyEndpoint:
-    """One generation route. ``finish`` is called once per request, after its last byte (accounting)."""
+    """One generation route. ``finish`` is called once per request, after its last byte (accounting).
+
+    With ``api`` (an agent API: Responses, Messages) the request is translated to a chat completions request
+    on arrival and the answer back on its way out; ``route`` is then the API's name, for the metrics."""
 
     def __init__(self, route: str, settings: EndpointSettings, *, keys: KeyStore, workers: ValidationWorkers,
                  dispatcher: Dispatcher, tracing: Tracing, in_flight: Gauge,
-                 finish: Callable[[Exchange], None]) -> None:
+                 finish: Callable[[Exchange], None], api: AgentApi | None = None) -> None:
         self._route = route
+        self._api = api
         self._settings = settings
         self._keys = keys
         self._workers = workers
@@ -129,13 +134,18 @@ class ProxyEndpoint:
         if self._tracing.enabled:
             exchange.trace = RequestTrace(self._tracing, self._route, scope["headers"])
         headers: Headers = [(b"x-request-id", exchange.request_id.encode())]
+        translation = self._api.new() if self._api is not None else None
+        if translation is not None:
+            send = translation.wrap(send)
         try:
             if scope["method"] != "POST":
                 raise GatewayError(405, f"{scope['path']} only accepts POST", code="method_not_allowed",
                                    headers={"allow": "POST"})
             exchange.client = self._keys.authenticate(header(scope, b"authorization"), header(scope, b"x-api-key"))
             raw = await read_body(scope, receive, settings.max_body_bytes)
-            request = parse_request(self._route, raw, settings.limits)
+            if translation is not None:
+                raw = translation.to_chat(raw)
+            request = parse_request("chat" if translation is not None else self._route, raw, settings.limits)
             await validate_heavy(request, self._workers)  # large constraints: off the event loop
             session = header(scope, settings.session_header)
             request.session_key = session.decode("latin-1") if session else _user_session(request.body)
@@ -147,7 +157,8 @@ class ProxyEndpoint:
                 exchange.reserved_tokens = KeyStore.admit(exchange.client, request.model,
                                                           self._reservation(request, exchange.client))
             await self._dispatcher.dispatch(exchange, request, exchange.client.name if exchange.client else ANONYMOUS,
-                                            receive, send, state.get(BODY_WRITER) if state else None)
+                                            receive, send,
+                                            state.get(BODY_WRITER) if state and translation is None else None)
         except GatewayError as exc:
             exchange.status = exc.status
             if exchange.outcome == "pending":

@@ -74,7 +74,7 @@ class Forwarder:
             headers["Connection"] = "close"  # it closes anyway: never pool the connection
         if options.upstream_headers:
             headers.update(options.upstream_headers)
-        url = backend.url + PATHS[exchange.route]
+        url = backend.url + PATHS[exchange.request.route if exchange.request is not None else exchange.route]
         client_headers: Headers = [
             (b"x-request-id", exchange.request_id.encode()),
             (b"x-gateway-backend", backend.name.encode()),

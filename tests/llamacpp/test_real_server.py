@@ -236,3 +236,33 @@ def test_prefix_routing_on_real_slots_beats_round_robin(tiny_pair: list[LlamaSer
         with serve_in_thread(create_app(settings)) as gw:
             rates[policy] = _hit_rate(gw.url, model_id(gw), groups, seed=7, users=3, questions=8)
     assert rates["prefix"] > rates["round-robin"] + 0.2, rates
+
+
+def test_agent_apis_with_the_official_sdks_on_real_servers(gateway: ServerThread) -> None:
+    """Anthropic Messages and OpenAI Responses through the gateway to real llama-servers (translated to chat
+    completions), streamed and not, and a Responses text.format JSON schema the real server enforces."""
+    import anthropic
+
+    model = model_id(gateway)
+    claude = anthropic.Anthropic(base_url=gateway.url, api_key="x", max_retries=0)
+    message = claude.messages.create(model=model, max_tokens=8, system="Be brief.", messages=ASK)
+    assert message.content[-1].type == "text" and message.usage.output_tokens <= 8
+    assert message.usage.input_tokens > 5 and message.stop_reason in ("end_turn", "max_tokens")
+    with claude.messages.stream(model=model, max_tokens=8, messages=ASK) as stream:
+        text = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert final.content[-1].type == "text" and final.content[-1].text == text
+    assert 0 < final.usage.output_tokens <= 8 and final.usage.input_tokens > 5
+    responses = sdk(gateway)
+    reply = responses.responses.create(model=model, input="Tell me about the gateway.", max_output_tokens=8)
+    assert reply.usage is not None and 0 < reply.usage.output_tokens <= 8
+    events = list(responses.responses.create(model=model, input="Tell me about the gateway.", stream=True,
+                                             max_output_tokens=8))
+    assert events[0].type == "response.created" and events[-1].type in ("response.completed", "response.incomplete")
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == events[-1].response.output_text
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}}, "required": ["name"],
+              "additionalProperties": False}
+    shaped = responses.responses.create(model=model, input="A name.", max_output_tokens=60, text={
+        "format": {"type": "json_schema", "name": "n", "schema": schema, "strict": True}})
+    assert shaped.status == "completed"  # maxLength 12 leaves the grammar room to close the object in 60 tokens
+    jsonschema.validate(json.loads(shaped.output_text), schema)

@@ -1,0 +1,222 @@
+"""The agent APIs (OpenAI Responses, Anthropic Messages) served over the chat completions path.
+
+A request on one of these routes is translated to a chat completions request (``gateway.api.translate``) and
+then goes through exactly what a chat request goes through: validation, structured-output translation,
+routing (on the chat rendering, so the same conversation shares its prefix whichever API carried it),
+failover, the stream relay and its measurements (time to first token counts the first generated token of
+any kind, before translation). Only the answer is translated back, by wrapping the ASGI ``send`` the
+endpoint answers through: status, error bodies (in Anthropic's own shape on ``/v1/messages``), the JSON
+answer, and every stream event.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import orjson
+
+from gateway.api.translate.messages import (
+    MessagesStream,
+    anthropic_error_from_openai,
+    chat_to_message,
+    messages_to_chat,
+)
+from gateway.api.translate.responses import (
+    ResponsesStream,
+    ResponseStore,
+    chat_to_response,
+    input_messages,
+    new_response_id,
+    output_messages,
+    responses_to_chat,
+)
+from gateway.asgi import Message, Send
+from gateway.errors import GatewayError
+
+_JSON = b"application/json"
+
+
+def _body(raw: bytes) -> dict[str, Any]:
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise GatewayError(400, f"We could not parse the JSON body of your request: {exc}",
+                           code="invalid_request") from None
+    if not isinstance(body, dict):
+        raise GatewayError(400, "The request body must be a JSON object", code="invalid_request")
+    return body
+
+
+class Translation:
+    """One request's translation: the chat body it became, and the answer's way back."""
+
+    def to_chat(self, raw: bytes) -> bytes:
+        raise NotImplementedError
+
+    def error(self, status: int, body: bytes) -> bytes:
+        """An error body (OpenAI's shape) in this API's shape."""
+        return body
+
+    def answer(self, chat: dict[str, Any]) -> dict[str, Any]:
+        """A non-streamed chat completion in this API's shape."""
+        raise NotImplementedError
+
+    def stream(self) -> Any:
+        """A stream translator: ``feed(sse) -> bytes``, ``close(error=None) -> bytes``."""
+        raise NotImplementedError
+
+    def finished(self, stream: Any) -> None:
+        """After a stream translator closed (the Responses store keeps the answer)."""
+
+    def wrap(self, send: Send) -> Send:
+        return _TranslatingSend(self, send)
+
+
+class _TranslatingSend:
+    """The endpoint's ``send``, translating what it sends: the response start is held until the first body
+    piece says what follows (an error, a JSON answer or a stream)."""
+
+    __slots__ = ("_buffer", "_send", "_start", "_stream", "_translation")
+
+    def __init__(self, translation: Translation, send: Send) -> None:
+        self._translation = translation
+        self._send = send
+        self._start: Message | None = None
+        self._buffer: list[bytes] = []
+        self._stream: Any = None
+
+    async def __call__(self, message: Message) -> None:
+        kind = message["type"]
+        if kind == "http.response.start":
+            self._start = message
+            return
+        if kind != "http.response.body":
+            await self._send(message)
+            return
+        start = self._start
+        if start is not None and self._stream is None:
+            content_type = dict(start.get("headers", [])).get(b"content-type", b"")
+            if start["status"] == 200 and content_type.startswith(b"text/event-stream"):
+                self._stream = self._translation.stream()
+                self._start = None
+                await self._send(start)
+        body: bytes = message.get("body", b"")
+        more = bool(message.get("more_body", False))
+        stream = self._stream
+        if stream is not None:
+            out = stream.feed(body) if body else b""
+            if not more:
+                out += stream.close()
+                self._translation.finished(stream)
+            if out or not more:
+                await self._send({"type": "http.response.body", "body": out, "more_body": more})
+            return
+        self._buffer.append(body)
+        if more:
+            return
+        raw = b"".join(self._buffer)
+        self._buffer.clear()
+        assert start is not None, "a body before its response start"
+        status = start["status"]
+        if status == 200:
+            try:
+                doc = orjson.loads(raw)
+            except orjson.JSONDecodeError:
+                doc = None
+            if not isinstance(doc, dict):
+                status, raw = 502, self._translation.error(502, GatewayError(
+                    502, "the backend's answer is not a JSON object", code="upstream_failed").body())
+            else:
+                raw = orjson.dumps(self._translation.answer(doc))
+        else:
+            raw = self._translation.error(status, raw)
+        headers = [(k, v) for k, v in start.get("headers", []) if k not in (b"content-length", b"content-type")]
+        await self._send({"type": "http.response.start", "status": status,
+                          "headers": [(b"content-type", _JSON), (b"content-length", str(len(raw)).encode()),
+                                      *headers]})
+        await self._send({"type": "http.response.body", "body": raw, "more_body": False})
+
+
+class _Messages(Translation):
+    def __init__(self) -> None:
+        self._model = ""
+        self._stops: list[str] | None = None
+
+    def to_chat(self, raw: bytes) -> bytes:
+        body = _body(raw)
+        chat = messages_to_chat(body)
+        self._model = str(body.get("model", ""))
+        stops = body.get("stop_sequences")
+        self._stops = stops if isinstance(stops, list) else None
+        return orjson.dumps(chat)
+
+    def error(self, status: int, body: bytes) -> bytes:
+        return anthropic_error_from_openai(status, body)
+
+    def answer(self, chat: dict[str, Any]) -> dict[str, Any]:
+        return chat_to_message(chat, self._model)
+
+    def stream(self) -> MessagesStream:
+        return MessagesStream(self._model, self._stops)
+
+
+class _Responses(Translation):
+    def __init__(self, store: ResponseStore) -> None:
+        self._store = store
+        self._request: dict[str, Any] = {}
+        self._conversation: list[dict[str, Any]] = []
+        self._id = new_response_id()
+
+    def to_chat(self, raw: bytes) -> bytes:
+        body = _body(raw)
+        previous = body.get("previous_response_id")
+        history: list[dict[str, Any]] | None = None
+        if previous is not None:
+            if not isinstance(previous, str) or not previous:
+                raise GatewayError(400, "'previous_response_id' must be a non-empty string",
+                                   param="previous_response_id", code="invalid_value")
+            history = self._store.get(previous)
+            if history is None:
+                raise GatewayError(404, f"Previous response with id '{previous}' not found.",
+                                   type="invalid_request_error", param="previous_response_id",
+                                   code="previous_response_not_found")
+        chat = responses_to_chat(body, history)
+        self._request = body
+        if body.get("store", True) is not False:
+            self._conversation = [*(history or []), *input_messages(body)]
+        return orjson.dumps(chat)
+
+    def _keep(self, response: dict[str, Any] | None) -> None:
+        if response is not None and self._request.get("store", True) is not False:
+            self._store.put(self._id, [*self._conversation, *output_messages(response)])
+
+    def answer(self, chat: dict[str, Any]) -> dict[str, Any]:
+        response = chat_to_response(chat, self._request, self._id)
+        self._keep(response)
+        return response
+
+    def stream(self) -> ResponsesStream:
+        return ResponsesStream(self._request, self._id)
+
+    def finished(self, stream: Any) -> None:
+        response = stream.response
+        if isinstance(response, dict) and response.get("status") in ("completed", "incomplete"):
+            self._keep(response)
+
+
+class AgentApi:
+    """One agent API route: its name (the route label in metrics, logs and traces) and a :class:`Translation`
+    per request."""
+
+    def __init__(self, name: str, new: Callable[[], Translation]) -> None:
+        self.name = name
+        self.new = new
+
+
+def messages_api() -> AgentApi:
+    return AgentApi("messages", _Messages)
+
+
+def responses_api(store: ResponseStore) -> AgentApi:
+    return AgentApi("responses", lambda: _Responses(store))

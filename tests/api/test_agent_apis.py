@@ -1,0 +1,195 @@
+"""The agent APIs through the gateway with the unmodified official SDKs (``anthropic`` messages, ``openai``
+responses), on each emulated engine, translated to chat completions; the same measurements as chat."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import anthropic
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from gateway.api.translate.messages import messages_to_chat
+from gateway.api.translate.responses import responses_to_chat
+from gateway.routing.prompt import BLOCK_BYTES
+from gateway.routing.request import RouteRequest
+from tests.api.conftest import ENGINES, Running
+
+WEATHER_ANTHROPIC = {"name": "get_weather", "description": "The weather in a city",
+                     "input_schema": {"type": "object", "properties": {"city": {"type": "string"}},
+                                      "required": ["city"]}}
+WEATHER_OPENAI = {"type": "function", "name": "get_weather", "description": "The weather in a city",
+                  "parameters": WEATHER_ANTHROPIC["input_schema"]}
+
+
+def claude(running: Running) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=running.url, api_key="client-key", max_retries=0)
+
+
+def oai(running: Running) -> openai.OpenAI:
+    return openai.OpenAI(base_url=running.url + "/v1", api_key="client-key", max_retries=0)
+
+
+def samples(running: Running, name: str, **labels: str) -> float:
+    total = 0.0
+    for family in text_string_to_metric_families(httpx.get(running.url + "/metrics").text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                total += sample.value
+    return total
+
+
+# --- Anthropic Messages ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("engine", ENGINES)
+def test_messages_create_and_stream_on_every_engine(engines: Running, engine: str) -> None:
+    c = claude(engines)
+    model = f"m-{engine}"
+    before = samples(engines, "gateway_time_to_first_token_seconds_count", model=model)
+    requests = samples(engines, "gateway_requests_total", route="messages", model=model)
+    message = c.messages.create(model=f"m-{engine}", max_tokens=32, system="You are terse.",
+                                messages=[{"role": "user", "content": "Say something."}])
+    assert message.type == "message" and message.role == "assistant"
+    assert message.content and message.content[-1].type == "text" and message.content[-1].text
+    assert message.stop_reason in ("end_turn", "max_tokens")
+    assert message.usage.input_tokens > 0 and message.usage.output_tokens > 0
+    with c.messages.stream(model=f"m-{engine}", max_tokens=32,
+                           messages=[{"role": "user", "content": "Say something else."}]) as stream:
+        text = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert text and final.content[-1].type == "text" and final.content[-1].text == text
+    assert final.usage.output_tokens > 0
+    # the stream's first generated token was timed like a chat stream's; requests counted under their route
+    assert samples(engines, "gateway_time_to_first_token_seconds_count", model=model) == before + 1
+    assert samples(engines, "gateway_requests_total", route="messages", model=model) == requests + 2
+
+
+FORCING = [e for e in ENGINES if e != "tabbyapi"]  # TabbyAPI does not force a tool call: the gateway refuses
+
+
+def test_a_forced_tool_call_on_an_engine_that_cannot_force_one_is_refused_in_each_apis_shape(
+        engines: Running) -> None:
+    with pytest.raises(anthropic.BadRequestError) as refused:
+        claude(engines).messages.create(model="m-tabbyapi", max_tokens=64, tools=[WEATHER_ANTHROPIC],
+                                        tool_choice={"type": "tool", "name": "get_weather"},
+                                        messages=[{"role": "user", "content": "Weather?"}])
+    assert refused.value.body["type"] == "error" and "tool_choice" in refused.value.body["error"]["message"]
+    with pytest.raises(openai.BadRequestError) as also:
+        oai(engines).responses.create(model="m-tabbyapi", input="Weather?", tools=[WEATHER_OPENAI],
+                                      tool_choice="required")
+    assert also.value.code is not None and "tool_choice" in also.value.message
+
+
+@pytest.mark.parametrize("engine", FORCING)
+def test_a_messages_tool_use_round_trip(engines: Running, engine: str) -> None:
+    c = claude(engines)
+    asked: list[Any] = [{"role": "user", "content": "What is the weather in Oslo?"}]
+    first = c.messages.create(model=f"m-{engine}", max_tokens=64, tools=[WEATHER_ANTHROPIC],
+                              tool_choice={"type": "tool", "name": "get_weather"}, messages=asked)
+    assert first.stop_reason == "tool_use"
+    use = next(b for b in first.content if b.type == "tool_use")
+    assert use.name == "get_weather" and isinstance(use.input, dict) and "city" in use.input
+    answer = c.messages.create(model=f"m-{engine}", max_tokens=32, tools=[WEATHER_ANTHROPIC], messages=[
+        *asked, {"role": "assistant", "content": [b.model_dump() for b in first.content]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "Sunny, 21 C"}]}])
+    assert answer.content and answer.content[-1].type in ("text", "tool_use")
+    # the engine saw the round trip as chat: the call, then the tool's answer under the call's id
+    sent = [r for r in engines.server(f"sim-{engine}").received if r.path == "/v1/chat/completions"][-1].body
+    assert sent["messages"][-1] == {"role": "tool", "tool_call_id": use.id, "content": "Sunny, 21 C"}
+    assert sent["messages"][-2]["tool_calls"][0]["function"]["name"] == "get_weather"
+
+
+def test_messages_errors_come_in_anthropics_shape(engines: Running) -> None:
+    with pytest.raises(anthropic.BadRequestError) as bad:
+        claude(engines).messages.create(model="m-vllm", max_tokens=0,
+                                        messages=[{"role": "user", "content": "Hi"}])
+    assert bad.value.body["type"] == "error" and bad.value.body["error"]["type"] == "invalid_request_error"
+    with pytest.raises(anthropic.NotFoundError) as missing:
+        claude(engines).messages.create(model="no-such-model", max_tokens=8,
+                                        messages=[{"role": "user", "content": "Hi"}])
+    assert missing.value.body["error"]["type"] == "not_found_error"
+    raw = httpx.post(engines.url + "/v1/messages", content=b"{not json", headers={"x-api-key": "k"})
+    assert raw.status_code == 400 and raw.json()["type"] == "error"
+
+
+# --- OpenAI Responses --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("engine", ENGINES)
+def test_responses_create_stream_and_continue_on_every_engine(engines: Running, engine: str) -> None:
+    c = oai(engines)
+    first = c.responses.create(model=f"m-{engine}", instructions="You are terse.", input="Say something.",
+                               max_output_tokens=32)
+    assert first.status in ("completed", "incomplete") and first.output_text
+    assert first.usage is not None and first.usage.input_tokens > 0 and first.usage.output_tokens > 0
+    events = list(c.responses.create(model=f"m-{engine}", input="Say more.", max_output_tokens=32, stream=True,
+                                     previous_response_id=first.id))
+    kinds = [e.type for e in events]
+    assert kinds[0] == "response.created" and kinds[-1] in ("response.completed", "response.incomplete")
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert deltas and deltas == events[-1].response.output_text
+    # the engine was sent the whole conversation: the first turn (from the gateway's store; its instructions
+    # are not carried over, as OpenAI does not), then this one
+    sent = [r for r in engines.server(f"sim-{engine}").received if r.path == "/v1/chat/completions"][-1].body
+    assert [m["role"] for m in sent["messages"]] == ["user", "assistant", "user"]
+    assert sent["messages"][1]["content"] == first.output_text
+
+
+@pytest.mark.parametrize("engine", FORCING)
+def test_a_responses_function_call_round_trip(engines: Running, engine: str) -> None:
+    c = oai(engines)
+    first = c.responses.create(model=f"m-{engine}", input="What is the weather in Oslo?", tools=[WEATHER_OPENAI],
+                               tool_choice={"type": "function", "name": "get_weather"}, max_output_tokens=64)
+    call = next(item for item in first.output if item.type == "function_call")
+    assert call.name == "get_weather" and "city" in json.loads(call.arguments)
+    answer = c.responses.create(model=f"m-{engine}", previous_response_id=first.id, tools=[WEATHER_OPENAI],
+                                input=[{"type": "function_call_output", "call_id": call.call_id,
+                                        "output": "Sunny, 21 C"}], max_output_tokens=32)
+    assert answer.output
+    sent = [r for r in engines.server(f"sim-{engine}").received if r.path == "/v1/chat/completions"][-1].body
+    assert sent["messages"][-1] == {"role": "tool", "tool_call_id": call.call_id, "content": "Sunny, 21 C"}
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_responses_text_format_json_schema_is_enforced_on_every_engine(engines: Running, engine: str) -> None:
+    schema = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+              "required": ["city", "days"], "additionalProperties": False}
+    reply = oai(engines).responses.create(model=f"m-{engine}", input="A trip.", max_output_tokens=200,
+                                          text={"format": {"type": "json_schema", "name": "trip", "schema": schema,
+                                                           "strict": True}})
+    doc = json.loads(reply.output_text)
+    assert set(doc) == {"city", "days"} and isinstance(doc["days"], int)
+
+
+def test_an_unknown_previous_response_is_404_in_openais_shape(engines: Running) -> None:
+    with pytest.raises(openai.NotFoundError) as missing:
+        oai(engines).responses.create(model="m-vllm", input="Hi", previous_response_id="resp_nope")
+    assert missing.value.body["param"] == "previous_response_id"  # type: ignore[index]
+
+
+# --- one conversation, three APIs, one prefix --------------------------------------------------------------
+def test_routing_sees_the_same_conversation_whichever_api_carried_it() -> None:
+    system = "You are a careful assistant. " * 20  # several prefix blocks long
+    turns = ["What is the capital of France?", "Paris.", "And of Italy?"]
+    chat = {"model": "m", "max_tokens": 16, "messages": [
+        {"role": "system", "content": system}, {"role": "user", "content": turns[0]},
+        {"role": "assistant", "content": turns[1]}, {"role": "user", "content": turns[2]}]}
+    messages = messages_to_chat({"model": "m", "max_tokens": 16, "system": system, "messages": [
+        {"role": "user", "content": turns[0]}, {"role": "assistant", "content": turns[1]},
+        {"role": "user", "content": [{"type": "text", "text": turns[2]}]}]})
+    responses = responses_to_chat({"model": "m", "max_output_tokens": 16, "instructions": system, "input": [
+        {"role": "user", "content": turns[0]}, {"role": "assistant", "content": turns[1]},
+        {"role": "user", "content": [{"type": "input_text", "text": turns[2]}]}]})
+
+    def blocks(body: dict[str, Any]) -> list[bytes]:
+        return RouteRequest(route="chat", model="m", stream=False, max_tokens=16, body=body).blocks
+
+    reference = blocks(chat)
+    assert len(reference) >= len(system) // BLOCK_BYTES >= 4
+    for other in (messages, responses):
+        shared = 0
+        for mine, theirs in zip(reference, blocks(other), strict=False):
+            if mine != theirs:
+                break
+            shared += 1
+        assert shared >= len(system) // BLOCK_BYTES  # the whole system prompt at least, whichever API
