@@ -16,6 +16,7 @@ from typing import Any
 
 import orjson
 
+from gateway.api.native_apis import MESSAGES, RESPONSES, StreamTap, chat_usage
 from gateway.api.translate.messages import (
     MessagesStream,
     anthropic_error_from_openai,
@@ -33,6 +34,10 @@ from gateway.api.translate.responses import (
 )
 from gateway.asgi import Message, Send
 from gateway.errors import GatewayError
+from gateway.pool.backend import Backend
+from gateway.proxy.exchange import Exchange
+from gateway.proxy.forward import NativeApi
+from gateway.routing.request import RouteRequest
 
 _JSON = b"application/json"
 
@@ -49,10 +54,41 @@ def _body(raw: bytes) -> dict[str, Any]:
 
 
 class Translation:
-    """One request's translation: the chat body it became, and the answer's way back."""
+    """One request's translation: the chat body it became, and the answer's way back; or, per attempt, the
+    client's own request passed through to an engine that serves the API (:meth:`native`)."""
+
+    api = ""  # "messages" | "responses"
+    native_api: NativeApi
+    exchange: Exchange | None = None
+    route_request: RouteRequest | None = None
+    passthrough = False  # this attempt sends the client's own request (set by ``native``)
+    _tap: StreamTap | None = None
 
     def to_chat(self, raw: bytes) -> bytes:
         raise NotImplementedError
+
+    def native_body(self) -> dict[str, Any] | None:
+        """The request to pass through, or None when this one must be translated."""
+        raise NotImplementedError
+
+    def native(self, backend: Backend) -> tuple[bytes, NativeApi] | None:
+        """Per attempt: the client's request and its API, when ``backend`` serves the API itself and nothing in
+        the request needs the gateway (a structured-output or forced-tool constraint is enforced and checked
+        on the chat path); else None, and the attempt sends the chat translation."""
+        self.passthrough = False
+        request = self.route_request
+        if self.api not in backend.spec.native_apis or request is None or request.constraint is not None:
+            return None
+        body = self.native_body()
+        if body is None:
+            return None
+        self.passthrough = True
+        return orjson.dumps(body), self.native_api
+
+    def passed(self, usage: Any, response: dict[str, Any] | None) -> None:
+        """A passed-through answer's usage (the API's own names) and, on Responses, the whole response."""
+        if self.exchange is not None:
+            self.exchange.usage = chat_usage(self.api, usage)
 
     def error(self, status: int, body: bytes) -> bytes:
         """An error body (OpenAI's shape) in this API's shape."""
@@ -95,15 +131,22 @@ class _TranslatingSend:
             await self._send(message)
             return
         start = self._start
+        translation = self._translation
         if start is not None and self._stream is None:
             content_type = dict(start.get("headers", [])).get(b"content-type", b"")
             if start["status"] == 200 and content_type.startswith(b"text/event-stream"):
-                self._stream = self._translation.stream()
+                self._stream = StreamTap(translation.api) if translation.passthrough else translation.stream()
                 self._start = None
                 await self._send(start)
         body: bytes = message.get("body", b"")
         more = bool(message.get("more_body", False))
         stream = self._stream
+        if isinstance(stream, StreamTap):  # the engine's own stream, relayed as it came
+            stream.feed(body)
+            if not more:
+                translation.passed(stream.usage, stream.response)
+            await self._send(message)
+            return
         if stream is not None:
             out = stream.feed(body) if body else b""
             if not more:
@@ -125,12 +168,14 @@ class _TranslatingSend:
             except orjson.JSONDecodeError:
                 doc = None
             if not isinstance(doc, dict):
-                status, raw = 502, self._translation.error(502, GatewayError(
+                status, raw = 502, translation.error(502, GatewayError(
                     502, "the backend's answer is not a JSON object", code="upstream_failed").body())
+            elif translation.passthrough:
+                translation.passed(doc.get("usage"), doc)
             else:
-                raw = orjson.dumps(self._translation.answer(doc))
+                raw = orjson.dumps(translation.answer(doc))
         else:
-            raw = self._translation.error(status, raw)
+            raw = translation.error(status, raw)
         headers = [(k, v) for k, v in start.get("headers", []) if k not in (b"content-length", b"content-type")]
         await self._send({"type": "http.response.start", "status": status,
                           "headers": [(b"content-type", _JSON), (b"content-length", str(len(raw)).encode()),
@@ -139,12 +184,19 @@ class _TranslatingSend:
 
 
 class _Messages(Translation):
+    api = "messages"
+    native_api = MESSAGES
+
     def __init__(self) -> None:
         self._model = ""
         self._stops: list[str] | None = None
+        self._body: dict[str, Any] = {}
+
+    def native_body(self) -> dict[str, Any] | None:
+        return self._body
 
     def to_chat(self, raw: bytes) -> bytes:
-        body = _body(raw)
+        body = self._body = _body(raw)
         chat = messages_to_chat(body)
         self._model = str(body.get("model", ""))
         stops = body.get("stop_sequences")
@@ -162,6 +214,9 @@ class _Messages(Translation):
 
 
 class _Responses(Translation):
+    api = "responses"
+    native_api = RESPONSES
+
     def __init__(self, store: ResponseStore) -> None:
         self._store = store
         self._request: dict[str, Any] = {}
@@ -187,9 +242,24 @@ class _Responses(Translation):
             self._conversation = [*(history or []), *input_messages(body)]
         return orjson.dumps(chat)
 
+    def native_body(self) -> dict[str, Any] | None:
+        """The request as the client sent it, when it continues no stored response (the conversation is kept
+        in chat form, so a continuation is translated); the engine is told not to keep its own copy."""
+        if self._request.get("previous_response_id") is not None:
+            return None
+        return {**self._request, "store": False}
+
+    def passed(self, usage: Any, response: dict[str, Any] | None) -> None:
+        super().passed(usage, response)
+        if response is not None and response.get("status") in ("completed", "incomplete"):
+            self._keep(response)
+
     def _keep(self, response: dict[str, Any] | None) -> None:
         if response is not None and self._request.get("store", True) is not False:
-            self._store.put(self._id, [*self._conversation, *output_messages(response)])
+            # under the id the client was given (an engine's own, when it was passed through)
+            rid = response.get("id")
+            self._store.put(rid if isinstance(rid, str) and rid else self._id,
+                            [*self._conversation, *output_messages(response)])
 
     def answer(self, chat: dict[str, Any]) -> dict[str, Any]:
         response = chat_to_response(chat, self._request, self._id)

@@ -136,6 +136,7 @@ class ProxyEndpoint:
         headers: Headers = [(b"x-request-id", exchange.request_id.encode())]
         translation = self._api.new() if self._api is not None else None
         if translation is not None:
+            translation.exchange = exchange
             send = translation.wrap(send)
         try:
             if scope["method"] != "POST":
@@ -146,6 +147,9 @@ class ProxyEndpoint:
             if translation is not None:
                 raw = translation.to_chat(raw)
             request = parse_request("chat" if translation is not None else self._route, raw, settings.limits)
+            if translation is not None:
+                translation.route_request = request
+                request.agent = translation
             await validate_heavy(request, self._workers)  # large constraints: off the event loop
             session = header(scope, settings.session_header)
             request.session_key = session.decode("latin-1") if session else _user_session(request.body)

@@ -30,6 +30,9 @@ SPEC = EngineSpec(
     kv_events=True,  # --kv-events-config
     # structured_outputs (xgrammar): JSON, regex, choice, EBNF and Lark grammars. Never the removed guided_*
     # fields, which vLLM ignores with a 200.
+    # /v1/responses and /v1/messages, served by the engine itself (0.33: vllm/entrypoints/openai/responses/
+    # api_router.py, vllm/entrypoints/anthropic/api_router.py)
+    native_apis=frozenset({"responses", "messages"}),
     structured=frozenset({"json_object", "json_schema", "regex", "choice", "grammar:ebnf", "grammar:lark",
                           "tool_call"}),
     # continuous batching: barely slower per token at 64 sequences than alone

@@ -27,7 +27,7 @@ from gateway.errors import GatewayError, normalise_upstream_error
 from gateway.pool.backend import Backend
 from gateway.proxy.admission import Admission, QueueFull, QueueTimeout
 from gateway.proxy.exchange import Exchange
-from gateway.proxy.forward import PATHS, AttemptOptions, Forwarder, InvalidOutput, RetryableStatus
+from gateway.proxy.forward import PATHS, AttemptOptions, Forwarder, InvalidOutput, NativeApi, RetryableStatus
 from gateway.proxy.upstream import UpstreamError
 from gateway.routing.pipeline import Decision, NoRoute, Pipeline
 from gateway.routing.request import RouteRequest
@@ -180,11 +180,22 @@ class Dispatcher:
         trace = exchange.trace
         check, retry_invalid = self._output_check(request, can_retry=not last)
         self._pipeline.routed(request, backend)  # (first: routing may place it in an engine slot)
-        payload = self._payload(request, backend)
+        # an agent API request goes as the client sent it to an engine that serves that API itself
+        native: NativeApi | None = None
+        passed = request.agent.native(backend) if request.agent is not None else None
+        if passed is not None:
+            payload, native = passed
+            check, retry_invalid = None, False  # (the checks read chat answers; nothing is constrained here)
+        else:
+            payload = self._payload(request, backend)
+        path = native.path if native is not None else PATHS[request.route]
+        if request.agent is not None:  # which way this agent API request went
+            headers = [*headers, (b"x-gateway-agent-api", b"native" if native is not None else b"translated")]
         options = AttemptOptions(
-            keep_usage=client_wants_usage(request.body), headers=headers, check=check, retry_invalid=retry_invalid,
-            retry_statuses=frozenset() if last else backend.spec.retry_statuses, writer=writer,
-            upstream_headers=(trace.upstream_start(backend.name, backend.engine, backend.url, PATHS[request.route])
+            keep_usage=native is not None or client_wants_usage(request.body), headers=headers, check=check,
+            retry_invalid=retry_invalid, retry_statuses=frozenset() if last else backend.spec.retry_statuses,
+            writer=writer, native=native,
+            upstream_headers=(trace.upstream_start(backend.name, backend.engine, backend.url, path)
                               if trace is not None else None),
         )
         exchange.backend = backend

@@ -11,6 +11,7 @@ upstream's headers: until then a failure can still become a clean HTTP error.
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -44,6 +45,17 @@ class RetryableStatus(Exception):
         self.body = body
 
 
+@dataclass(frozen=True, slots=True)
+class NativeApi:
+    """An agent API (Responses, Messages) passed through to an engine that serves it: its path, and how its
+    own event stream shows generated output, ends, and carries an error the gateway must report."""
+
+    path: str
+    generated: Callable[[bytes], int]  # how many events of a block carry generated output
+    end: re.Pattern[bytes]  # the stream's last event (these streams have no [DONE])
+    error_event: Callable[[str, str, str | None], bytes]  # (message, type, code) -> a whole SSE event
+
+
 @dataclass(slots=True)
 class AttemptOptions:
     """How to forward one attempt."""
@@ -55,6 +67,7 @@ class AttemptOptions:
     retry_invalid: bool = False  # raise InvalidOutput instead of marking a failing answer
     retry_statuses: frozenset[int] = frozenset()  # raise RetryableStatus for these instead of answering
     writer: ClientWriter | None = None  # the server's direct writer to the client, where it offers one
+    native: NativeApi | None = None  # the client's agent API, sent as it came to an engine that serves it
 
 
 class Forwarder:
@@ -74,7 +87,9 @@ class Forwarder:
             headers["Connection"] = "close"  # it closes anyway: never pool the connection
         if options.upstream_headers:
             headers.update(options.upstream_headers)
-        url = backend.url + PATHS[exchange.request.route if exchange.request is not None else exchange.route]
+        native = options.native
+        url = backend.url + (native.path if native is not None else
+                             PATHS[exchange.request.route if exchange.request is not None else exchange.route])
         client_headers: Headers = [
             (b"x-request-id", exchange.request_id.encode()),
             (b"x-gateway-backend", backend.name.encode()),
@@ -117,15 +132,17 @@ class Forwarder:
                         exchange.responded = True
                         await send_body(send, 200, raw, client_headers)
                         return
-                    relay = SSERelay(options.keep_usage, backend.secrets.scrub, backend.spec.stream)
-                    stream = _Stream(exchange, relay, clock)
+                    relay = SSERelay(options.keep_usage, backend.secrets.scrub, backend.spec.stream,
+                                     native.end if native is not None else None)
+                    stream = _Stream(exchange, relay, clock,
+                                     native.generated if native is not None else text_events_in)
                     stream_to = getattr(response, "stream_to", None)
                     if options.writer is not None and stream_to is not None:
                         await _relay_direct(stream, response, stream_to, options.writer, send, client_headers)
                     else:
                         await _relay_awaiting(stream, response, send, client_headers)
                     tail = relay.flush()
-                    texts = text_events_in(tail)
+                    texts = stream.count(tail)
                     if texts:
                         exchange.saw_text(texts, time.perf_counter())
                 finally:
@@ -144,7 +161,7 @@ class Forwarder:
             if stream is None or not stream.started:
                 raise error from None
             exchange.outcome = error.code
-            await self._end_with_error(send, f"backend {backend.name}: {error}", error)
+            await self._end_with_error(send, f"backend {backend.name}: {error}", error, native)
             return
         assert stream is not None
         relay = stream.relay
@@ -157,12 +174,12 @@ class Forwarder:
                 raise error
             exchange.outcome = "upstream_failed"
             await send({"type": "http.response.body", "body": tail, "more_body": True})
-            await self._end_with_error(send, f"backend {backend.name}: {error}", error)
+            await self._end_with_error(send, f"backend {backend.name}: {error}", error, native)
             return
         if not stream.started:
             await _start_stream(send, exchange, client_headers)
         exchange.outcome = "upstream_error" if relay.error is not None else "success"
-        if not relay.done:  # a stream that ended on an error event: clients get their [DONE] all the same
+        if not relay.done and native is None:  # ended on an error event: clients get their [DONE] all the same
             tail += b"data: [DONE]\n\n"
         await send({"type": "http.response.body", "body": tail, "more_body": False})
 
@@ -182,10 +199,13 @@ class Forwarder:
         return True
 
     @staticmethod
-    async def _end_with_error(send: Send, message: str, error: UpstreamError) -> None:
-        body = error_body(message, "timeout_error" if error.timeout else "api_error", None, error.code)
-        await send({"type": "http.response.body", "body": b"data: " + body + b"\n\ndata: [DONE]\n\n",
-                    "more_body": False})
+    async def _end_with_error(send: Send, message: str, error: UpstreamError, native: NativeApi | None = None) -> None:
+        kind = "timeout_error" if error.timeout else "api_error"
+        if native is not None:  # in the API's own shape (its streams have no [DONE])
+            event = native.error_event(message, kind, error.code)
+        else:
+            event = b"data: " + error_body(message, kind, None, error.code) + b"\n\ndata: [DONE]\n\n"
+        await send({"type": "http.response.body", "body": event, "more_body": False})
 
 
 
@@ -244,12 +264,14 @@ class _Stream:
     """One upstream event stream on its way to the client: each piece checked by the relay, the clock told of
     data events, generated text timed. The same for both relays below."""
 
-    __slots__ = ("clock", "exchange", "relay", "started")
+    __slots__ = ("clock", "count", "exchange", "relay", "started")
 
-    def __init__(self, exchange: Exchange, relay: SSERelay, clock: _Clock) -> None:
+    def __init__(self, exchange: Exchange, relay: SSERelay, clock: _Clock,
+                 count: Callable[[bytes], int] = text_events_in) -> None:
         self.exchange = exchange
         self.relay = relay
         self.clock = clock
+        self.count = count  # how many events of a block carry generated output
         self.started = False  # the client's response has started: failures can no longer fail over
 
     def feed(self, data: bytes) -> bytes:
@@ -262,7 +284,7 @@ class _Stream:
             # nothing but ": ping" comments is cut like a silent one.
             self.clock.last = self.clock.loop.time()
         if out:
-            texts = text_events_in(out)
+            texts = self.count(out)
             if texts:
                 self.exchange.saw_text(texts, time.perf_counter())
         return out

@@ -108,12 +108,13 @@ def _parse(payload: bytes) -> dict[str, Any]:
 class SSERelay:
     """Feed it upstream bytes; it returns what to send to the client (possibly ``b""``)."""
 
-    __slots__ = ("_buf", "_crlf", "_redact", "_split_usage", "done", "error", "events", "keep_usage", "timings",
-                 "usage")
+    __slots__ = ("_buf", "_crlf", "_end", "_redact", "_split_usage", "done", "error", "events", "keep_usage",
+                 "timings", "usage")
 
     def __init__(self, keep_usage: bool, redact: Callable[[str], str] | None = None,
-                 quirks: StreamQuirks = ALL_QUIRKS) -> None:
+                 quirks: StreamQuirks = ALL_QUIRKS, end: re.Pattern[bytes] | None = None) -> None:
         self.keep_usage = keep_usage
+        self._end = end  # an agent API's own last event (its streams have no [DONE]); None: OpenAI's [DONE]
         self._crlf = quirks.crlf
         self._split_usage = quirks.usage_with_choices
         self._redact = redact  # applied to the upstream's error events (they may name its address or key)
@@ -121,7 +122,7 @@ class SSERelay:
         self.usage: dict[str, Any] | None = None
         self.timings: dict[str, Any] | None = None
         self.error: str | None = None  # message of an error event the upstream sent mid-stream
-        self.done = False  # saw data: [DONE]
+        self.done = False  # saw data: [DONE] (or the ``end`` event)
         self.events = 0  # data events seen (comments are not counted)
 
     def feed(self, data: bytes) -> bytes:
@@ -134,6 +135,8 @@ class SSERelay:
             # one whole one-line event, nothing left over: the common case (one event per upstream read),
             # with the fewest steps
             self.events += 1
+            if self._end is not None and self._end.search(data) is not None:
+                self.done = True
             if _MATTERS.search(data) is None:
                 return data
             new = self._act(data[6:-2])
@@ -187,9 +190,13 @@ class SSERelay:
         """Check one data event: None when it passes unchanged, else the events to send instead."""
         self.events += 1
         if event.startswith(b"data: {") and event.endswith(b"}") and event.find(b"\n") < 0:  # the usual form
+            if self._end is not None and self._end.search(event) is not None:
+                self.done = True
             return None if _MATTERS.search(event) is None else self._act(event[6:])
         payload = _payload(event)
         if payload.startswith(b"{") and payload.endswith(b"}"):
+            if self._end is not None and self._end.search(payload) is not None:
+                self.done = True
             return None if _MATTERS.search(payload) is None else self._act(payload)
         if payload == b"[DONE]":
             self.done = True

@@ -34,6 +34,9 @@ class RouteRequest:
     tokenized: bool = False  # precise-prefix: tokenizing was tried (token_ids None: no tokenizer, or refused)
     chunk_keys: dict[int, list[bytes]] | None = None  # precise-prefix: own keys of token_ids, per chunk size
     events_cached_tokens: int | None = None  # precise-prefix: tokens the engine's events say it holds there
+    # an agent API request (Responses, Messages) translated to this chat request: it decides, per backend,
+    # whether to pass the client's own request through instead (gateway.api.agent_apis.Translation.native)
+    agent: Any = None
 
     @property
     def prompt(self) -> bytes:

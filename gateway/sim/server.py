@@ -205,7 +205,7 @@ class SimServer:
         if self.loading:
             engine.loading(req, resp)
             return
-        handler = engine.routes().get((req.method, req.path))
+        handler = engine.routes().get((req.method, req.path)) or engine.match_route(req.method, req.path)
         if handler is None:
             known = any(path == req.path for _, path in engine.routes())
             status = 405 if known else 404

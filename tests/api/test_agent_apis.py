@@ -33,6 +33,14 @@ def oai(running: Running) -> openai.OpenAI:
     return openai.OpenAI(base_url=running.url + "/v1", api_key="client-key", max_retries=0)
 
 
+GENERATION = ("/v1/chat/completions", "/v1/messages", "/v1/responses")
+
+
+def last_generation(running: Running, engine: str) -> Any:
+    """The last generation request the engine received (health checks and scrapes come in between)."""
+    return [r for r in running.server(f"sim-{engine}").received if r.path in GENERATION][-1]
+
+
 def samples(running: Running, name: str, **labels: str) -> float:
     total = 0.0
     for family in text_string_to_metric_families(httpx.get(running.url + "/metrics").text):
@@ -95,10 +103,38 @@ def test_a_messages_tool_use_round_trip(engines: Running, engine: str) -> None:
         *asked, {"role": "assistant", "content": [b.model_dump() for b in first.content]},
         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "Sunny, 21 C"}]}])
     assert answer.content and answer.content[-1].type in ("text", "tool_use")
-    # the engine saw the round trip as chat: the call, then the tool's answer under the call's id
-    sent = [r for r in engines.server(f"sim-{engine}").received if r.path == "/v1/chat/completions"][-1].body
-    assert sent["messages"][-1] == {"role": "tool", "tool_call_id": use.id, "content": "Sunny, 21 C"}
-    assert sent["messages"][-2]["tool_calls"][0]["function"]["name"] == "get_weather"
+    # the forced call took the chat path (the gateway enforces the constraint): the engine was asked for it
+    forced = [r for r in engines.server(f"sim-{engine}").received if r.path == "/v1/chat/completions"][-1].body
+    assert forced["tool_choice"] == {"type": "function", "function": {"name": "get_weather"}}
+    # the answer, unconstrained, went as the client sent it to an engine that serves /v1/messages
+    sent = last_generation(engines, engine)
+    assert sent.path == "/v1/messages"
+    assert sent.body["messages"][-1]["content"] == [
+        {"type": "tool_result", "tool_use_id": use.id, "content": "Sunny, 21 C"}]
+
+
+NATIVE = {"llamacpp": "native", "vllm": "native", "sglang": "native", "tabbyapi": "translated"}
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_an_engine_that_serves_an_agent_api_gets_the_request_as_sent_the_others_chat(engines: Running,
+                                                                                    engine: str) -> None:
+    ask = {"model": f"m-{engine}", "max_tokens": 16, "messages": [{"role": "user", "content": "Hello"}]}
+    reply = httpx.post(engines.url + "/v1/messages", json=ask, headers={"x-api-key": "k"})
+    assert reply.status_code == 200 and reply.headers["x-gateway-agent-api"] == NATIVE[engine]
+    assert reply.json()["type"] == "message"
+    if NATIVE[engine] == "native":
+        assert last_generation(engines, engine).path == "/v1/messages"
+        assert last_generation(engines, engine).body == ask
+    else:
+        assert last_generation(engines, engine).path == "/v1/chat/completions"
+    reply = httpx.post(engines.url + "/v1/responses", json={"model": f"m-{engine}", "input": "Hi",
+                                                            "max_output_tokens": 16})
+    assert reply.status_code == 200 and reply.headers["x-gateway-agent-api"] == NATIVE[engine]
+    assert reply.json()["object"] == "response"
+    if NATIVE[engine] == "native":  # the engine is told not to keep a copy: the gateway keeps the conversation
+        sent = last_generation(engines, engine)
+        assert sent.path == "/v1/responses" and sent.body["store"] is False
 
 
 def test_messages_errors_come_in_anthropics_shape(engines: Running) -> None:

@@ -239,13 +239,16 @@ def test_prefix_routing_on_real_slots_beats_round_robin(tiny_pair: list[LlamaSer
 
 
 def test_agent_apis_with_the_official_sdks_on_real_servers(gateway: ServerThread) -> None:
-    """Anthropic Messages and OpenAI Responses through the gateway to real llama-servers (translated to chat
-    completions), streamed and not, and a Responses text.format JSON schema the real server enforces."""
+    """Anthropic Messages and OpenAI Responses through the gateway to real llama-servers (which serve both
+    routes: passed through), streamed and not; a continuation from the gateway's store and a Responses
+    text.format JSON schema the real server enforces (both translated to chat completions)."""
     import anthropic
 
     model = model_id(gateway)
     claude = anthropic.Anthropic(base_url=gateway.url, api_key="x", max_retries=0)
-    message = claude.messages.create(model=model, max_tokens=8, system="Be brief.", messages=ASK)
+    raw = claude.messages.with_raw_response.create(model=model, max_tokens=8, system="Be brief.", messages=ASK)
+    assert raw.headers["x-gateway-agent-api"] == "native"  # llama-server serves /v1/messages itself
+    message = raw.parse()
     assert message.content[-1].type == "text" and message.usage.output_tokens <= 8
     assert message.usage.input_tokens > 5 and message.stop_reason in ("end_turn", "max_tokens")
     with claude.messages.stream(model=model, max_tokens=8, messages=ASK) as stream:
@@ -254,15 +257,25 @@ def test_agent_apis_with_the_official_sdks_on_real_servers(gateway: ServerThread
     assert final.content[-1].type == "text" and final.content[-1].text == text
     assert 0 < final.usage.output_tokens <= 8 and final.usage.input_tokens > 5
     responses = sdk(gateway)
-    reply = responses.responses.create(model=model, input="Tell me about the gateway.", max_output_tokens=8)
+    passed = responses.responses.with_raw_response.create(model=model, input="Tell me about the gateway.",
+                                                          max_output_tokens=8)
+    assert passed.headers["x-gateway-agent-api"] == "native"
+    reply = passed.parse()
     assert reply.usage is not None and 0 < reply.usage.output_tokens <= 8
+    # a continuation comes from the gateway's store (kept under the engine's own response id), translated
+    more = responses.responses.with_raw_response.create(model=model, input="And more?", max_output_tokens=8,
+                                                        previous_response_id=reply.id)
+    assert more.headers["x-gateway-agent-api"] == "translated" and more.parse().output_text
     events = list(responses.responses.create(model=model, input="Tell me about the gateway.", stream=True,
                                              max_output_tokens=8))
     assert events[0].type == "response.created" and events[-1].type in ("response.completed", "response.incomplete")
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == events[-1].response.output_text
     schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}}, "required": ["name"],
               "additionalProperties": False}
-    shaped = responses.responses.create(model=model, input="A name.", max_output_tokens=60, text={
-        "format": {"type": "json_schema", "name": "n", "schema": schema, "strict": True}})
+    shaped_raw = responses.responses.with_raw_response.create(model=model, input="A name.", max_output_tokens=60,
+                                                              text={"format": {"type": "json_schema", "name": "n",
+                                                                               "schema": schema, "strict": True}})
+    assert shaped_raw.headers["x-gateway-agent-api"] == "translated"  # constraints take the chat path
+    shaped = shaped_raw.parse()
     assert shaped.status == "completed"  # maxLength 12 leaves the grammar room to close the object in 60 tokens
     jsonschema.validate(json.loads(shaped.output_text), schema)

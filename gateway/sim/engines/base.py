@@ -141,6 +141,10 @@ class Engine:
     def routes(self) -> dict[tuple[str, str], Handler]:
         raise NotImplementedError
 
+    def match_route(self, method: str, path: str) -> Handler | None:
+        """A route with a parameter in its path (``GET /v1/responses/{id}``); None: not served."""
+        return None
+
     def authorized(self, req: Request) -> bool:
         return True
 

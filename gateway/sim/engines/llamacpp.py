@@ -16,6 +16,7 @@ from typing import Any
 
 import orjson
 
+from gateway.sim.agent_routes import AgentSpec
 from gateway.sim.engines.base import _MARK, EngineError, Event, Gen, Handler, drive, new_id
 from gateway.sim.engines.openai import OpenAIEngine
 from gateway.sim.generation import Constraint, plan_output, request_rng
@@ -47,7 +48,9 @@ class LlamaCppEngine(OpenAIEngine):
     owned_by = "llamacpp"
     listen_after_load_fraction = 0.0  # HTTP is up at once and answers 503 while loading
     generation_paths = frozenset({"/v1/chat/completions", "/chat/completions", "/v1/completions", "/completions",
-                                  "/completion"})
+                                  "/completion", "/v1/responses", "/v1/messages"})
+    # server-context.cpp: /v1/responses (+ /input_tokens), /v1/messages (+ /count_tokens); no stored responses
+    agent_spec = AgentSpec(responses="llamacpp", messages="llamacpp", count_tokens=True, input_tokens=True)
     reasoning_key = "reasoning_content"  # --reasoning-format auto / deepseek (the default)
 
     def make_cache(self, profile: Profile) -> PrefixCache:
@@ -67,6 +70,7 @@ class LlamaCppEngine(OpenAIEngine):
             r[("POST", path)] = self.chat
         for path in ("/v1/completions", "/completions"):
             r[("POST", path)] = self.completions
+        r.update(self.agent_routes())
         return r
 
     # -- auth and errors -----------------------------------------------------------------------------------

@@ -9,10 +9,12 @@ from __future__ import annotations
 import hashlib
 import math
 import struct
+from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 from gateway.sim.agent import ToolPick, pick_tool, reasoning_words, thinking_enabled
-from gateway.sim.engines.base import _MARK, Engine, EngineError, Event, Gen, drive, new_id
+from gateway.sim.agent_routes import AgentRoutes, AgentSpec
+from gateway.sim.engines.base import _MARK, Engine, EngineError, Event, Gen, Handler, drive, new_id
 from gateway.sim.generation import Constraint, Plan, plan_output, request_rng
 from gateway.sim.http import Request, Responder
 from gateway.sim.scheduler import ContextTooLong
@@ -27,6 +29,20 @@ EMBED_DIM = 256
 class OpenAIEngine(Engine):
     reasoning_key = "reasoning"  # the message / delta field of a reasoning model's thinking
     tool_id_prefix = "chatcmpl-tool-"
+    agent_spec: AgentSpec | None = None  # the agent routes (Responses, Messages) the engine serves natively
+
+    # -- agent routes ------------------------------------------------------------------------------------------
+    @cached_property
+    def agent_api(self) -> AgentRoutes | None:
+        if self.agent_spec is None:
+            return None
+        return AgentRoutes(self, self.agent_spec)
+
+    def agent_routes(self) -> dict[tuple[str, str], Handler]:
+        return self.agent_api.routes() if self.agent_api is not None else {}
+
+    def match_route(self, method: str, path: str) -> Handler | None:
+        return self.agent_api.match(method, path) if self.agent_api is not None else None
 
     # -- request hooks -----------------------------------------------------------------------------------------
     def constraint(self, body: dict[str, Any]) -> Constraint | None:

@@ -14,6 +14,7 @@ from typing import Any
 
 import orjson
 
+from gateway.sim.agent_routes import AgentSpec
 from gateway.sim.engines.base import EngineError, Event, Gen, Handler, drive, new_id
 from gateway.sim.engines.openai import OpenAIEngine, model_tokens
 from gateway.sim.engines.vllm import openai_constraint
@@ -34,7 +35,10 @@ class SglangEngine(OpenAIEngine):
     name = "sglang"
     owned_by = "sglang"
     listen_after_load_fraction = 0.5
-    generation_paths = frozenset({"/v1/chat/completions", "/v1/completions", "/generate"})
+    generation_paths = frozenset({"/v1/chat/completions", "/v1/completions", "/generate", "/v1/responses",
+                                  "/v1/messages"})
+    # http_server.py: /v1/responses (+ GET /v1/responses/{id}), /v1/messages, /v1/messages/count_tokens
+    agent_spec = AgentSpec(responses="openai", messages="vllm", count_tokens=True, store=256)
     unauthorized_body = b'{"error":"Unauthorized"}'
     reasoning_key = "reasoning_content"
     tool_id_prefix = "call_"
@@ -57,6 +61,7 @@ class SglangEngine(OpenAIEngine):
         }
         if self.spec.metrics:
             r[("GET", "/metrics")] = self.metrics
+        r.update(self.agent_routes())
         return r
 
     def authorized(self, req: Request) -> bool:

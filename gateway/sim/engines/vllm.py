@@ -15,6 +15,7 @@ from typing import Any
 import orjson
 
 from gateway.sim.agent import ToolPick
+from gateway.sim.agent_routes import AgentSpec
 from gateway.sim.engines.base import EngineError, Handler
 from gateway.sim.engines.openai import OpenAIEngine
 from gateway.sim.generation import Constraint
@@ -51,7 +52,10 @@ def openai_constraint(body: dict[str, Any]) -> Constraint | None:
 class VllmEngine(OpenAIEngine):
     name = "vllm"
     owned_by = "vllm"
-    generation_paths = frozenset({"/v1/chat/completions", "/v1/completions"})
+    generation_paths = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages"})
+    # openai/responses/api_router.py (GET /v1/responses/{id} needs VLLM_ENABLE_RESPONSES_API_STORE=1 there),
+    # anthropic/api_router.py (/v1/messages, /v1/messages/count_tokens)
+    agent_spec = AgentSpec(responses="openai", messages="vllm", count_tokens=True, store=256)
     unauthorized_body = b'{"error":"Unauthorized"}'
 
     def make_cache(self, profile: Profile) -> PrefixCache:
@@ -64,7 +68,7 @@ class VllmEngine(OpenAIEngine):
             ("GET", "/health"): self.empty, ("GET", "/ping"): self.empty, ("POST", "/ping"): self.empty,
             ("GET", "/version"): self.version, ("GET", "/load"): self.load, ("GET", "/metrics"): self.metrics,
             ("POST", "/tokenize"): self.tokenize, ("POST", "/detokenize"): self.detokenize,
-            ("POST", "/reset_prefix_cache"): self.reset_prefix_cache,
+            ("POST", "/reset_prefix_cache"): self.reset_prefix_cache, **self.agent_routes(),
         }
 
     def tool_finish(self, tool: ToolPick) -> str:

@@ -1,0 +1,117 @@
+"""The agent APIs passed through to engines that serve them: how each API's own stream is measured and ended,
+how a failure the gateway must report looks in it, and what its usage says in chat terms (for accounting).
+
+An engine whose ``EngineSpec.native_apis`` names the API gets the client's request as it came (the gateway's
+own fields taken out); the answer goes back byte for byte. Time to first token counts the first event that
+carries generated output of any kind, as on chat streams.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import orjson
+
+from gateway.api.translate.messages import anthropic_error
+from gateway.proxy.forward import NativeApi
+
+# Anthropic: every content_block_delta carries one of these; message_stop is the last event
+_MESSAGES_DELTA = re.compile(rb'"type"\s*:\s*"(?:text_delta|thinking_delta|input_json_delta)"')
+_MESSAGES_END = re.compile(rb'"type"\s*:\s*"message_stop"')
+# Responses: the delta events of text, reasoning and function-call arguments; the three terminal events
+_RESPONSES_DELTA = re.compile(
+    rb'"type"\s*:\s*"response\.(?:output_text|reasoning_text|reasoning_summary_text|function_call_arguments)'
+    rb'\.delta"')
+_RESPONSES_END = re.compile(rb'"type"\s*:\s*"response\.(?:completed|incomplete|failed)"')
+_STATUS_BY_KIND = {"timeout_error": 504, "api_error": 502}
+
+
+def _count(pattern: re.Pattern[bytes]) -> Any:
+    def count(block: bytes) -> int:
+        return len(pattern.findall(block))
+    return count
+
+
+def _messages_error(message: str, kind: str, code: str | None) -> bytes:
+    return b"event: error\ndata: " + anthropic_error(_STATUS_BY_KIND.get(kind, 502), message) + b"\n\n"
+
+
+def _responses_error(message: str, kind: str, code: str | None) -> bytes:
+    event = {"type": "error", "code": code or kind, "message": message, "param": None, "sequence_number": 0}
+    return b"event: error\ndata: " + orjson.dumps(event) + b"\n\n"
+
+
+MESSAGES = NativeApi("/v1/messages", _count(_MESSAGES_DELTA), _MESSAGES_END, _messages_error)
+RESPONSES = NativeApi("/v1/responses", _count(_RESPONSES_DELTA), _RESPONSES_END, _responses_error)
+
+
+def _int(value: Any) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
+def chat_usage(api: str, usage: Any) -> dict[str, Any] | None:
+    """An agent API's usage in chat completions' names (what accounting reads). Anthropic's input tokens
+    exclude those read from (or written to) the cache; OpenAI's include them."""
+    if not isinstance(usage, dict):
+        return None
+    if api == "messages":
+        cached = _int(usage.get("cache_read_input_tokens"))
+        prompt = _int(usage.get("input_tokens")) + cached + _int(usage.get("cache_creation_input_tokens"))
+    else:
+        details = usage.get("input_tokens_details")
+        cached = _int(details.get("cached_tokens")) if isinstance(details, dict) else 0
+        prompt = _int(usage.get("input_tokens"))
+    completion = _int(usage.get("output_tokens"))
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def _events(block: bytes) -> list[dict[str, Any]]:
+    """The JSON data of each event in a block of whole events (the relay checked their framing)."""
+    out = []
+    for event in block.split(b"\n\n"):
+        for line in event.split(b"\n"):
+            if line.startswith(b"data:"):
+                try:
+                    doc = orjson.loads(line[5:])
+                except orjson.JSONDecodeError:
+                    continue
+                if isinstance(doc, dict):
+                    out.append(doc)
+    return out
+
+
+class StreamTap:
+    """Reads what an agent API's own stream says about usage (and, on Responses, the whole response at its
+    end) on its way to the client; parses only the few events that can say it."""
+
+    def __init__(self, api: str) -> None:
+        self.api = api
+        self.usage: dict[str, Any] = {}
+        self.response: dict[str, Any] | None = None
+
+    def feed(self, block: bytes) -> None:
+        if self.api == "messages":
+            if block.find(b"message_start") < 0 and block.find(b"message_delta") < 0:
+                return
+            for doc in _events(block):
+                kind = doc.get("type")
+                if kind == "message_start" and isinstance(doc.get("message"), dict):
+                    usage = doc["message"].get("usage")
+                elif kind == "message_delta":
+                    usage = doc.get("usage")
+                else:
+                    continue
+                if isinstance(usage, dict):
+                    self.usage.update({k: v for k, v in usage.items() if v is not None})
+            return
+        if block.find(b"response.completed") < 0 and block.find(b"response.incomplete") < 0:
+            return
+        for doc in _events(block):
+            if doc.get("type") in ("response.completed", "response.incomplete") and isinstance(
+                    doc.get("response"), dict):
+                self.response = doc["response"]
+                usage = self.response.get("usage")
+                if isinstance(usage, dict):
+                    self.usage = usage
