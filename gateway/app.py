@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry
 
 from gateway import __version__
 from gateway.api import errors
-from gateway.api.agent_apis import AgentApi, messages_api, responses_api
+from gateway.api.agent_apis import AgentApi, count_tokens_api, messages_api, responses_api
 from gateway.api.openapi import install_openapi
 from gateway.api.proxy_endpoint import EndpointSettings, ProxyEndpoint, request_id
 from gateway.api.routes import CLIENT, build_router
@@ -86,7 +86,8 @@ class Gateway:
     def endpoints(self) -> dict[str, ProxyEndpoint]:
         """The generation routes, by path: the OpenAI ones, and the agent APIs translated to chat."""
         hot = {path: self.endpoint(route) for route, path in PATHS.items()}
-        for path, api in (("/v1/messages", messages_api()), ("/v1/responses", responses_api(self.responses))):
+        for path, api in (("/v1/messages", messages_api()), ("/v1/messages/count_tokens", count_tokens_api()),
+                          ("/v1/responses", responses_api(self.responses))):
             hot[path] = self.endpoint(api.name, api)
         return hot
 

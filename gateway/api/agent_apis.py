@@ -16,11 +16,12 @@ from typing import Any
 
 import orjson
 
-from gateway.api.native_apis import MESSAGES, RESPONSES, StreamTap, chat_usage
+from gateway.api.native_apis import COUNT_TOKENS, MESSAGES, RESPONSES, StreamTap, chat_usage
 from gateway.api.translate.messages import (
     MessagesStream,
     anthropic_error_from_openai,
     chat_to_message,
+    count_tokens_chat,
     messages_to_chat,
 )
 from gateway.api.translate.responses import (
@@ -33,6 +34,7 @@ from gateway.api.translate.responses import (
     responses_to_chat,
 )
 from gateway.asgi import Message, Send
+from gateway.engines.spec import EngineSpec
 from gateway.errors import GatewayError
 from gateway.pool.backend import Backend
 from gateway.proxy.exchange import Exchange
@@ -66,6 +68,10 @@ class Translation:
 
     def to_chat(self, raw: bytes) -> bytes:
         raise NotImplementedError
+
+    def servable(self, spec: EngineSpec) -> bool:
+        """Whether an engine can serve this request at all (routing keeps only those that can)."""
+        return True
 
     def native_body(self) -> dict[str, Any] | None:
         """The request to pass through, or None when this one must be translated."""
@@ -213,6 +219,32 @@ class _Messages(Translation):
         return MessagesStream(self._model, self._stops)
 
 
+class _CountTokens(_Messages):
+    """``/v1/messages/count_tokens``: only an engine that serves it can count with the model's own tokenizer
+    and template, so it is passed through, and a model no such engine serves is refused (no estimate)."""
+
+    api = "count_tokens"
+    native_api = COUNT_TOKENS
+
+    def to_chat(self, raw: bytes) -> bytes:
+        body = self._body = _body(raw)
+        self._model = str(body.get("model", ""))
+        chat = count_tokens_chat(body)
+        chat["max_tokens"] = 1  # (the chat translation only serves routing and limits here)
+        return orjson.dumps(chat)
+
+    def servable(self, spec: EngineSpec) -> bool:
+        return self.api in spec.native_apis
+
+    def native(self, backend: Backend) -> tuple[bytes, NativeApi] | None:
+        self.passthrough = True
+        return orjson.dumps(self._body), self.native_api
+
+    def passed(self, usage: Any, response: dict[str, Any] | None) -> None:
+        if self.exchange is not None:  # a count generates nothing and reads no cache
+            self.exchange.usage = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
+
+
 class _Responses(Translation):
     api = "responses"
     native_api = RESPONSES
@@ -286,6 +318,10 @@ class AgentApi:
 
 def messages_api() -> AgentApi:
     return AgentApi("messages", _Messages)
+
+
+def count_tokens_api() -> AgentApi:
+    return AgentApi("count_tokens", _CountTokens)
 
 
 def responses_api(store: ResponseStore) -> AgentApi:

@@ -43,6 +43,7 @@ def _responses_error(message: str, kind: str, code: str | None) -> bytes:
 
 
 MESSAGES = NativeApi("/v1/messages", _count(_MESSAGES_DELTA), _MESSAGES_END, _messages_error)
+COUNT_TOKENS = NativeApi("/v1/messages/count_tokens", _count(_MESSAGES_DELTA), _MESSAGES_END, _messages_error)
 RESPONSES = NativeApi("/v1/responses", _count(_RESPONSES_DELTA), _RESPONSES_END, _responses_error)
 
 

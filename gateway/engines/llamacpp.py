@@ -32,7 +32,7 @@ SPEC = EngineSpec(
     # timeout=5, max=100"; a pooled connection then fails the next request ("Can not write request body")
     keeps_alive_after_stream=False,
     # /v1/responses and /v1/messages (llama-cpp-python 0.3.36's vendored server, tools/server/server.cpp)
-    native_apis=frozenset({"responses", "messages"}),
+    native_apis=frozenset({"responses", "messages", "count_tokens"}),
     # each slot keeps its last prompt; evicted ones go to a host-RAM prompt cache unless --cache-ram 0
     cache="slots",
     slot_field="id_slot",  # a named slot that is busy defers the request until that slot is free

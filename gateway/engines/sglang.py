@@ -31,7 +31,7 @@ SPEC = EngineSpec(
     metric_names={"queue_histogram": "sglang:queue_time_seconds"},
     # json_schema as a JSON string, regex, ebnf (xgrammar); choices as a regex alternation
     # /v1/responses and /v1/messages, served by the engine itself: python/sglang/srt/entrypoints/http_server.py (0.5.23)
-    native_apis=frozenset({"responses", "messages"}),
+    native_apis=frozenset({"responses", "messages", "count_tokens"}),
     structured=frozenset({"json_object", "json_schema", "regex", "choice", "grammar:ebnf", "tool_call"}),
     # continuous batching, like vLLM
     shape=ShapeSeed(tok_s=178.0, growth=0.011, prefill_tok_s=10_000.0),

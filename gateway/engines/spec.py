@@ -57,8 +57,9 @@ class EngineSpec:
     auth: Literal["bearer", "x-api-key"] = "bearer"  # how it takes its API key
     # data plane
     routes: frozenset[str] = OPENAI_ROUTES
-    # agent APIs it serves itself ("responses": /v1/responses, "messages": /v1/messages), passed through to
-    # it as the client sent them; for the other engines the gateway translates them to chat completions
+    # agent APIs it serves itself ("responses": /v1/responses, "messages": /v1/messages, "count_tokens":
+    # /v1/messages/count_tokens), passed through to it as the client sent them; for the other engines the
+    # gateway translates them to chat completions (count_tokens: refused, there is no translation)
     native_apis: frozenset[str] = frozenset()
     # False: the server closes its connection after a streamed answer although it announces keep-alive, so
     # the gateway asks for "Connection: close" on streamed requests instead of pooling a connection it closes

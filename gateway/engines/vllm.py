@@ -32,7 +32,7 @@ SPEC = EngineSpec(
     # fields, which vLLM ignores with a 200.
     # /v1/responses and /v1/messages, served by the engine itself (0.33: vllm/entrypoints/openai/responses/
     # api_router.py, vllm/entrypoints/anthropic/api_router.py)
-    native_apis=frozenset({"responses", "messages"}),
+    native_apis=frozenset({"responses", "messages", "count_tokens"}),
     structured=frozenset({"json_object", "json_schema", "regex", "choice", "grammar:ebnf", "grammar:lark",
                           "tool_call"}),
     # continuous batching: barely slower per token at 64 sequences than alone

@@ -349,6 +349,11 @@ class Dispatcher:
         if exc.stage == "below-max-concurrency":
             return GatewayError(429, f"every backend serving '{model}' is at its max_concurrency; retry shortly",
                                 code="backends_at_capacity", headers={"retry-after": "1"})
+        agent = exc.request.agent
+        if exc.stage == "serves-model" and agent is not None and any(model in b.models for b in backends):
+            able = sorted(name for name, spec in ENGINES.items() if agent.servable(spec))
+            return GatewayError(400, f"no backend serving '{model}' serves this route ({agent.api}); engines "
+                                     f"that do: {', '.join(able) or 'none'}", code="unsupported_route")
         if exc.stage == "serves-model":
             return GatewayError(404, f"The model '{model}' does not exist or is not served by any backend",
                                 type="invalid_request_error", param="model", code="model_not_found")

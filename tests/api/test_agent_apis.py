@@ -4,6 +4,7 @@ responses), on each emulated engine, translated to chat completions; the same me
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from typing import Any
 
 import anthropic
@@ -14,9 +15,12 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.api.translate.messages import messages_to_chat
 from gateway.api.translate.responses import responses_to_chat
+from gateway.app import create_app
 from gateway.routing.prompt import BLOCK_BYTES
 from gateway.routing.request import RouteRequest
-from tests.api.conftest import ENGINES, Running
+from gateway.sim import FleetThread, SimSpec
+from tests.api.conftest import ENGINES, TIME_SCALE, Running, gateway_settings
+from tests.conftest import serve_in_thread
 
 WEATHER_ANTHROPIC = {"name": "get_weather", "description": "The weather in a city",
                      "input_schema": {"type": "object", "properties": {"city": {"type": "string"}},
@@ -33,7 +37,7 @@ def oai(running: Running) -> openai.OpenAI:
     return openai.OpenAI(base_url=running.url + "/v1", api_key="client-key", max_retries=0)
 
 
-GENERATION = ("/v1/chat/completions", "/v1/messages", "/v1/responses")
+GENERATION = ("/v1/chat/completions", "/v1/messages", "/v1/responses", "/v1/messages/count_tokens")
 
 
 def last_generation(running: Running, engine: str) -> Any:
@@ -111,6 +115,23 @@ def test_a_messages_tool_use_round_trip(engines: Running, engine: str) -> None:
     assert sent.path == "/v1/messages"
     assert sent.body["messages"][-1]["content"] == [
         {"type": "tool_result", "tool_use_id": use.id, "content": "Sunny, 21 C"}]
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_count_tokens_is_the_engines_own_count_or_refused_where_no_engine_counts(engines: Running,
+                                                                               engine: str) -> None:
+    c = claude(engines)
+    asked: list[Any] = [{"role": "user", "content": "How many tokens is this?"}]
+    if NATIVE[engine] == "translated":  # TabbyAPI has no count_tokens route, and a guess is not a count
+        with pytest.raises(anthropic.BadRequestError) as refused:
+            c.messages.count_tokens(model=f"m-{engine}", messages=asked, system="Be brief.")
+        assert refused.value.body["type"] == "error" and "count_tokens" in refused.value.body["error"]["message"]
+        return
+    counted = c.messages.count_tokens(model=f"m-{engine}", messages=asked, system="Be brief.")
+    assert last_generation(engines, engine).path == "/v1/messages/count_tokens"  # the engine counted
+    message = c.messages.create(model=f"m-{engine}", max_tokens=4, messages=asked, system="Be brief.")
+    assert counted.input_tokens > 0
+    assert counted.input_tokens == message.usage.input_tokens + (message.usage.cache_read_input_tokens or 0)
 
 
 NATIVE = {"llamacpp": "native", "vllm": "native", "sglang": "native", "tabbyapi": "translated"}
@@ -229,3 +250,57 @@ def test_routing_sees_the_same_conversation_whichever_api_carried_it() -> None:
                 break
             shared += 1
         assert shared >= len(system) // BLOCK_BYTES  # the whole system prompt at least, whichever API
+
+
+# --- reasoning and tool calls, measured, on both paths -------------------------------------------------------
+@pytest.fixture(scope="module")
+def thinkers() -> Iterator[Running]:
+    """Reasoning models that call tools when they may: TabbyAPI (translated) and vLLM (native)."""
+    specs = [SimSpec(engine=e, model=f"think-{e}", name=f"sim-{e}", time_scale=TIME_SCALE, reasoning=True,
+                     tool_call_rate=1.0) for e in ("tabbyapi", "vllm")]
+    with FleetThread(specs) as fleet:
+        app = create_app(gateway_settings(fleet.fleet.servers))
+        with serve_in_thread(app) as gateway:
+            yield Running(fleet, gateway, app)
+
+
+@pytest.mark.parametrize("engine", ["tabbyapi", "vllm"])
+def test_reasoning_then_text_streams_as_thinking_and_its_first_token_is_timed(thinkers: Running,
+                                                                             engine: str) -> None:
+    model = f"think-{engine}"
+    before = samples(thinkers, "gateway_time_to_first_token_seconds_count", model=model)
+    with claude(thinkers).messages.stream(model=model, max_tokens=80,
+                                          messages=[{"role": "user", "content": "Think, then say hi."}]) as stream:
+        final = stream.get_final_message()
+    kinds = [b.type for b in final.content]
+    assert kinds[0] == "thinking" and final.content[0].thinking  # type: ignore[union-attr]
+    assert samples(thinkers, "gateway_time_to_first_token_seconds_count", model=model) == before + 1
+    events = list(oai(thinkers).responses.create(model=model, input="Think, then say hi.", max_output_tokens=80,
+                                                 stream=True))
+    done = events[-1].response  # type: ignore[union-attr]
+    assert done.output[0].type == "reasoning"
+    assert samples(thinkers, "gateway_time_to_first_token_seconds_count", model=model) == before + 2
+
+
+@pytest.mark.parametrize("engine", ["tabbyapi", "vllm"])
+def test_a_tool_call_only_stream_is_timed_and_round_trips(thinkers: Running, engine: str) -> None:
+    """tool_choice auto (no constraint): the model calls the tool on its own, on both paths; the stream carries
+    reasoning and tool-call arguments only, and its first token is timed all the same."""
+    model = f"think-{engine}"
+    before = samples(thinkers, "gateway_time_to_first_token_seconds_count", model=model)
+    asked: list[Any] = [{"role": "user", "content": "What is the weather in Oslo?"}]
+    with claude(thinkers).messages.stream(model=model, max_tokens=120, tools=[WEATHER_ANTHROPIC],
+                                          messages=asked) as stream:
+        first = stream.get_final_message()
+    assert first.stop_reason == "tool_use"
+    use = next(b for b in first.content if b.type == "tool_use")
+    assert "city" in use.input  # type: ignore[operator]
+    assert samples(thinkers, "gateway_time_to_first_token_seconds_count", model=model) == before + 1
+    answer = claude(thinkers).messages.create(model=model, max_tokens=64, tools=[WEATHER_ANTHROPIC], messages=[
+        *asked, {"role": "assistant", "content": [b.model_dump() for b in first.content]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "Sunny"}]}])
+    assert answer.content
+    reply = oai(thinkers).responses.create(model=model, input="Weather in Oslo?", tools=[WEATHER_OPENAI],
+                                           max_output_tokens=120)
+    call = next(item for item in reply.output if item.type == "function_call")
+    assert call.name == "get_weather" and "city" in json.loads(call.arguments)

@@ -249,6 +249,8 @@ def test_agent_apis_with_the_official_sdks_on_real_servers(gateway: ServerThread
     raw = claude.messages.with_raw_response.create(model=model, max_tokens=8, system="Be brief.", messages=ASK)
     assert raw.headers["x-gateway-agent-api"] == "native"  # llama-server serves /v1/messages itself
     message = raw.parse()
+    counted = claude.messages.count_tokens(model=model, system="Be brief.", messages=ASK)  # llama-server's own
+    assert counted.input_tokens == message.usage.input_tokens + (message.usage.cache_read_input_tokens or 0)
     assert message.content[-1].type == "text" and message.usage.output_tokens <= 8
     assert message.usage.input_tokens > 5 and message.stop_reason in ("end_turn", "max_tokens")
     with claude.messages.stream(model=model, max_tokens=8, messages=ASK) as stream:

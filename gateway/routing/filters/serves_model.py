@@ -17,4 +17,6 @@ class ServesModelFilter:
         pass
 
     def filter(self, request: RouteRequest, backends: Sequence[Backend]) -> list[Backend]:
-        return [b for b in backends if request.model in b.models and request.route in b.spec.routes]
+        agent = request.agent  # an agent API request some engines cannot serve at all (count_tokens)
+        return [b for b in backends if request.model in b.models and request.route in b.spec.routes
+                and (agent is None or agent.servable(b.spec))]
