@@ -64,8 +64,12 @@ def chat_usage(api: str, usage: Any) -> dict[str, Any] | None:
         cached = _int(details.get("cached_tokens")) if isinstance(details, dict) else 0
         prompt = _int(usage.get("input_tokens"))
     completion = _int(usage.get("output_tokens"))
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached}}
+    out: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": completion,
+                           "total_tokens": prompt + completion, "prompt_tokens_details": {"cached_tokens": cached}}
+    details = usage.get("output_tokens_details")
+    if isinstance(details, dict) and _int(details.get("reasoning_tokens")):
+        out["completion_tokens_details"] = {"reasoning_tokens": _int(details["reasoning_tokens"])}
+    return out
 
 
 def _events(block: bytes) -> list[dict[str, Any]]:

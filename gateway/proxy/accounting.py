@@ -212,6 +212,9 @@ def record_metrics(m: GatewayMetrics, exchange: Exchange) -> None:
         series[m.prompt_tokens].inc(exchange.usage_int("prompt_tokens"))
         completion = exchange.usage_int("completion_tokens")
         series[m.completion_tokens].inc(completion)
+        reasoning = exchange.reasoning_tokens()
+        if reasoning:
+            series[m.reasoning_tokens].inc(reasoning)
         series[m.cached_tokens].inc(exchange.cached_tokens())
         reported = exchange.reported_cached_tokens()
         request = exchange.request

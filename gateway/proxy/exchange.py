@@ -77,5 +77,14 @@ class Exchange:
         cache_n = (self.timings or {}).get("cache_n")
         return cache_n if isinstance(cache_n, int) else None
 
+    def reasoning_tokens(self) -> int:
+        """Completion tokens spent reasoning, where the engine says (0 where it does not)."""
+        usage = self.usage
+        if not usage:
+            return 0
+        details = usage.get("completion_tokens_details")
+        value = details.get("reasoning_tokens") if isinstance(details, dict) else usage.get("reasoning_tokens")
+        return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
+
     def cached_tokens(self) -> int:
         return self.reported_cached_tokens() or 0

@@ -124,6 +124,10 @@ class GatewayMetrics:
                                      registry=r)
         self.completion_tokens = Counter("gateway_completion_tokens", "Completion tokens, from upstream usage.",
                                          by_model, registry=r)
+        self.reasoning_tokens = Counter(
+            "gateway_reasoning_tokens", "Completion tokens spent on reasoning, where the engine reports them "
+            "(usage.completion_tokens_details.reasoning_tokens; SGLang's usage.reasoning_tokens).", by_model,
+            registry=r)
         self.cached_tokens = Counter(
             "gateway_cached_tokens", "Prompt tokens the engine reported as served from its prefix cache.",
             by_model, registry=r)

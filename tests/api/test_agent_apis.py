@@ -280,6 +280,8 @@ def test_reasoning_then_text_streams_as_thinking_and_its_first_token_is_timed(th
     done = events[-1].response  # type: ignore[union-attr]
     assert done.output[0].type == "reasoning"
     assert samples(thinkers, "gateway_time_to_first_token_seconds_count", model=model) == before + 2
+    if engine == "vllm":  # vLLM reports its reasoning tokens (TabbyAPI does not): counted apart
+        assert samples(thinkers, "gateway_reasoning_tokens_total", model=model) > 0
 
 
 @pytest.mark.parametrize("engine", ["tabbyapi", "vllm"])
