@@ -148,8 +148,10 @@ THROUGHPUT = RowSpec("Throughput", (
     PanelSpec("Per-request decode speed p50 by backend", "Median per-request output tokens/s, by backend.",
               "short", quantiles("gateway_output_tokens_per_second", BM, by="backend", qs=(0.5,),
                                  legend_prefix="{{backend}} ")),
-    PanelSpec("Output tokens/s by model", "Completion tokens per second, by model.", "short",
-              (Query(rate_by("gateway_completion_tokens_total", BM, "model"), "{{model}}"),), stack=True),
+    PanelSpec("Output tokens/s by model", "Completion tokens per second, by model; of them, reasoning tokens "
+              "where the engine reports them (dashed).", "short",
+              (Query(rate_by("gateway_completion_tokens_total", BM, "model"), "{{model}}"),
+               Query(rate_by("gateway_reasoning_tokens_total", BM, "model"), "{{model}} reasoning"))),
 ))
 
 BACKENDS = RowSpec("Backends", (
