@@ -167,8 +167,9 @@ def test_every_dashboard_panel_returns_data_from_a_real_prometheus(prometheus_fa
     tokenizer = ensure_tokenizer(tmp_path)
     # the vLLM server publishes its KV events (the KV events row), tokenizing with the generated tokenizer
     kv = {"vllm": {"kv_events": {"replay_endpoint": "tcp://127.0.0.1:*"}, "tokenizer": str(tokenizer)}}
-    specs = [SimSpec(engine=e, model=f"m-{e}", name=f"sim-{e}", time_scale=TIME_SCALE, **kv.get(e, {}))
-             for e in ENGINES]
+    # the vLLM model reasons first (and reports its reasoning tokens), for the reasoning-tokens query
+    specs = [SimSpec(engine=e, model=f"m-{e}", name=f"sim-{e}", time_scale=TIME_SCALE, reasoning=e == "vllm",
+                     **kv.get(e, {})) for e in ENGINES]
     # a TabbyAPI server configured as vLLM ignores vLLM's structured_outputs: its answers fail their schema
     specs += [SimSpec(engine="tabbyapi", model="shared", name="wrong", time_scale=TIME_SCALE),
               SimSpec(engine="vllm", model="shared", name="right", time_scale=TIME_SCALE),
