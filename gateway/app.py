@@ -29,16 +29,18 @@ from gateway.pool.backend import Backend
 from gateway.pool.discovery import Resolver
 from gateway.pool.pool import ClientFactory, Pool
 from gateway.proxy.accounting import Accounting
-from gateway.proxy.admission import Admission
+from gateway.proxy.admission import Admission, Priorities
 from gateway.proxy.dispatch import Dispatcher
-from gateway.proxy.forward import PATHS, Forwarder
+from gateway.proxy.forward import ALIASES, PATHS, Forwarder
 from gateway.proxy.h1 import H1Transport
 from gateway.proxy.transport import Transport
 from gateway.routing.policies import build_pipeline
 from gateway.routing.state import RoutingState
+from gateway.state.shared import SharedState, key_place_of
 from gateway.structured.offload import ValidationWorkers
 from gateway.telemetry.metrics import GatewayMetrics
 from gateway.telemetry.tracing import Tracing, provider_from_environment
+from gateway.workers import Siblings, WorkerIdentity
 
 
 class Gateway:
@@ -54,46 +56,80 @@ class Gateway:
         resolver: Resolver | None = None,
         tracer_provider: TracerProvider | None = None,
         transport: Transport | None = None,
+        worker: WorkerIdentity | None = None,
     ) -> None:
         self.settings = settings
         self.tracing = Tracing(tracer_provider if tracer_provider is not None else provider_from_environment())
         self.kv_events = EventHub()
-        self.pipeline = build_pipeline(settings.routing, RoutingState(
-            settings.routing.engine_profile, events=self.kv_events, tokenizers=load_tokenizers(settings)))
+        # limits and routing state shared with the other processes and replicas, when a store is configured
+        self.shared = SharedState(settings.state) if settings.state.url is not None else None
+        routing_state = RoutingState(settings.routing.engine_profile, events=self.kv_events,
+                                     tokenizers=load_tokenizers(settings))
+        if self.shared is not None:
+            routing_state.peers = self.shared
+        self.pipeline = build_pipeline(settings.routing, routing_state)
+        # one of several workers (server.workers): all but the first take the first one's backend readings
+        self.siblings: Siblings | None = None
+        several = worker is not None and worker.count > 1
+        follow = several and worker is not None and worker.index != 0
+
+        async def leader() -> bytes | None:
+            return await self.siblings.leader_snapshot() if self.siblings is not None else None
+
         self.pool = Pool(settings.backends, settings.scrape, client_factory, discovery=settings.discovery,
-                         resolver=resolver, breaker=settings.breaker)
+                         resolver=resolver, breaker=settings.breaker, leader=leader if follow else None)
         self.transport: Transport = transport if transport is not None else H1Transport(settings.timeouts)
-        self.admission = Admission(settings.admission)
+        # (its periodic look for slots no release announced: with shared state, at the heartbeat)
+        self.admission = Admission(settings.admission, kick_seconds=settings.state.heartbeat_seconds
+                                   if settings.state.url else 1.0)
         self.keys = KeyStore(settings.auth)
         self.validation_workers = ValidationWorkers(settings.limits)
         self.metrics = GatewayMetrics(registry)
         self.metrics.watch_pool(self.pool)
         self.metrics.watch_kv_events(self.kv_events)
+        if several and worker is not None:
+            self.siblings = Siblings(worker, self.metrics.registry, self.pool)
         self._kv_task: asyncio.Task[None] | None = None
         self.dispatcher = Dispatcher(self.pool, self.pipeline, self.admission,
                                      Forwarder(self.transport, settings.timeouts), self.metrics, settings.retries,
-                                     settings.structured_output)
+                                     settings.structured_output, shared=self.shared,
+                                     priorities=Priorities(settings.admission, settings.auth.keys))
+        self.metrics.flow.admission = self.admission
+        if self.shared is not None:
+            pool, admission = self.pool, self.admission
+            # (and every capped key's in-flight places, counted like a backend's slots)
+            capped = {key_place_of(k.name) for k in settings.auth.keys if k.max_in_flight}
+            self.shared.slotted = lambda: {b.name for b in pool if b.max_concurrency} | capped
+            self.shared.on_freed(lambda name: admission.freed(b for b in pool if name in ("*", b.name)))
+            self.metrics.watch_state(self.shared)
         self.accounting = Accounting(self.metrics, self.pipeline.observe, settings.access_log.enabled)
         responses = settings.responses
-        self.responses = ResponseStore(responses.store_entries, responses.store_bytes, responses.store_ttl_seconds)
+        self.responses = ResponseStore(responses.store_entries, responses.store_bytes, responses.store_ttl_seconds,
+                                       shared=self.shared)
         self.started_at = int(time.time())
 
     def endpoint(self, route: str, api: AgentApi | None = None) -> ProxyEndpoint:
         return ProxyEndpoint(route, EndpointSettings.of(self.settings), keys=self.keys,
                              workers=self.validation_workers, dispatcher=self.dispatcher, tracing=self.tracing,
-                             in_flight=self.metrics.in_flight, finish=self.accounting, api=api)
+                             live=self.metrics.live, finish=self.accounting, api=api, shared=self.shared)
 
     def endpoints(self) -> dict[str, ProxyEndpoint]:
         """The generation routes, by path: the OpenAI ones, and the agent APIs translated to chat."""
         hot = {path: self.endpoint(route) for route, path in PATHS.items()}
+        for path, route in ALIASES.items():
+            hot[path] = hot[PATHS[route]]
         for path, api in (("/v1/messages", messages_api()), ("/v1/messages/count_tokens", count_tokens_api()),
                           ("/v1/responses", responses_api(self.responses))):
             hot[path] = self.endpoint(api.name, api)
         return hot
 
     async def start(self) -> None:
+        if self.siblings is not None:
+            await self.siblings.start()
         await self.transport.start()
         await self.pool.start()
+        if self.shared is not None:
+            await self.shared.start()
         if any(b.kv_events is not None for b in self.settings.backends):
             self.kv_events.sync(self._event_streams())
             if any(b.dns is not None and b.kv_events is not None for b in self.settings.backends):
@@ -119,9 +155,13 @@ class Gateway:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._kv_task
         await self.kv_events.stop()
+        if self.shared is not None:
+            await self.shared.stop()
         await self.pool.stop()
         await self.transport.close()
         await self.validation_workers.close()
+        if self.siblings is not None:
+            await self.siblings.stop()
         self.tracing.shutdown()
 
 
@@ -148,9 +188,10 @@ def create_app(
     resolver: Resolver | None = None,
     tracer_provider: TracerProvider | None = None,
     transport: Transport | None = None,
+    worker: WorkerIdentity | None = None,
 ) -> GatewayApp:
     gateway = Gateway(settings, client_factory=client_factory, registry=registry, resolver=resolver,
-                      tracer_provider=tracer_provider, transport=transport)
+                      tracer_provider=tracer_provider, transport=transport, worker=worker)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -168,7 +209,9 @@ def create_app(
                   redoc_url="/redoc" if docs else None, redirect_slashes=False)
     errors.install(app)
     install_openapi(app)
-    app.include_router(build_router(gateway.pool, gateway.metrics.registry, gateway.started_at))
+    siblings = gateway.siblings
+    app.include_router(build_router(gateway.pool, gateway.metrics.registry, gateway.started_at,
+                                    exposition=siblings.metrics if siblings is not None else None))
     return GatewayApp(app, gateway, gateway.endpoints(), gateway.keys, settings.auth)
 
 

@@ -10,9 +10,9 @@ admitted while the bucket is positive and takes its reservation at once (its pro
 bytes, plus ``max_tokens`` or ``auth.reserve_tokens``), so one large request may take the bucket below zero
 and hold the next ones back until it refills, and a burst of concurrent requests cannot all pass on one
 positive reading. At the end the difference to the real prompt + completion tokens is given back (or
-charged); a stream cut before its usage chunk is charged what was streamed. Each gateway replica keeps its
-own buckets: behind N replicas a key gets up to N times its limits, so divide the limits by the replica
-count (or pin keys to replicas).
+charged); a stream cut before its usage chunk is charged what was streamed. Each gateway process keeps its
+own buckets, unless ``state.url`` names a shared store: then the buckets live there (:mod:`gateway.state`),
+one set for every process and replica, and are checked after routing together with a backend's slot.
 """
 
 from __future__ import annotations
@@ -68,6 +68,7 @@ class Client:
     settings: ApiKeySettings
     requests: TokenBucket | None
     tokens: TokenBucket | None
+    in_flight: int = 0  # requests of this key in flight in this process (kept while max_in_flight is set)
 
     def allows(self, model: str) -> bool:
         return any(fnmatch.fnmatchcase(model, pattern) for pattern in self.settings.models)
@@ -119,12 +120,45 @@ class KeyStore:
         return found
 
     @staticmethod
-    def admit(client: Client, model: str, reserve: int = 0) -> int:
-        """Model permission and the request and token budgets, on arrival. Raises 403 / 429. Returns the
-        tokens reserved (``reserve`` when the key has a token limit, else 0); settle them with :meth:`settle`."""
+    def check_model(client: Client, model: str) -> None:
+        """Raises 403 when the key may not use ``model``."""
         if not client.allows(model):
             raise GatewayError(403, f"The API key '{client.name}' may not use model '{model}'",
                                param="model", code="model_not_allowed")
+
+    @staticmethod
+    def rate_limited(client_name: str, what: str, wait: float) -> GatewayError:
+        return GatewayError(429, f"Rate limit reached for {what} per minute on key '{client_name}'; retry in "
+                                 f"{wait:.1f} s", code=f"rate_limit_{what}",
+                            headers={"retry-after": str(max(1, math.ceil(wait)))})
+
+    @staticmethod
+    def too_many(client_name: str, cap: int) -> GatewayError:
+        return GatewayError(429, f"Too many requests in flight on key '{client_name}' (max_in_flight {cap}); "
+                                 "retry when one has finished", code="concurrency_limit",
+                            headers={"retry-after": "1"})
+
+    @staticmethod
+    def hold(client: Client) -> bool:
+        """One of the key's ``max_in_flight`` places, in this process (a gateway without shared state): True
+        when taken (give it back with :meth:`release`), False when the key has no cap. Raises 429."""
+        cap = client.settings.max_in_flight
+        if cap is None:
+            return False
+        if client.in_flight >= cap:
+            raise KeyStore.too_many(client.name, cap)
+        client.in_flight += 1
+        return True
+
+    @staticmethod
+    def release(client: Client) -> None:
+        client.in_flight = max(0, client.in_flight - 1)
+
+    @staticmethod
+    def admit(client: Client, model: str, reserve: int = 0) -> int:
+        """Model permission and the request and token budgets, on arrival. Raises 403 / 429. Returns the
+        tokens reserved (``reserve`` when the key has a token limit, else 0); settle them with :meth:`settle`."""
+        KeyStore.check_model(client, model)
         now = time.monotonic()
         # a request takes one from its bucket; the token bucket is only checked here (0 taken) and charged the
         # reservation below, once every check passed
@@ -133,9 +167,7 @@ class KeyStore:
                 continue
             wait = bucket.take(amount, now)
             if wait > 0:
-                raise GatewayError(429, f"Rate limit reached for {what} per minute on key '{client.name}'; "
-                                        f"retry in {wait:.1f} s", code=f"rate_limit_{what}",
-                                   headers={"retry-after": str(max(1, math.ceil(wait)))})
+                raise KeyStore.rate_limited(client.name, what, wait)
         if client.tokens is None or reserve <= 0:
             return 0
         client.tokens.charge(reserve, now)

@@ -46,12 +46,28 @@ class ServerSettings(_Strict):
         description="client connections at most (more are refused at once); default: what the descriptor "
                     "limit leaves after headroom for upstream connections and health checks")
     docs: bool = Field(default=False, description="serve /docs and /redoc (their pages load scripts from a CDN)")
+    workers: int | Literal["auto"] = Field(
+        default=1, description="processes serving the port (SO_REUSEPORT), or auto: one per CPU this process may "
+                               "use; more than one needs state.url (limits, slots and sessions live there)")
+
+    def worker_count(self) -> int:
+        if self.workers == "auto":
+            return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+        return self.workers
+
+    @field_validator("workers")
+    @classmethod
+    def _workers(cls, value: int | str) -> int | str:
+        if isinstance(value, int) and not 1 <= value <= 256:
+            raise ValueError("workers: between 1 and 256, or auto")
+        return value
 
 
 class LimitSettings(_Strict):
     """Per-request limits; beyond them a 400 naming the field."""
 
     max_messages: int = Field(default=4096, gt=0)
+    max_documents: int = Field(default=1024, gt=0, description="most documents in one rerank request")
     max_tokens: int = Field(default=131072, gt=0, description="largest max_tokens / max_completion_tokens accepted")
     max_nesting: int = Field(default=64, ge=4, le=200,
                              description="deepest nesting of a JSON schema, regex group or grammar expression")
@@ -93,11 +109,84 @@ class BreakerSettings(_Strict):
     max_cooldown_seconds: float = Field(default=120.0, gt=0)
 
 
+PRIORITY_RANGE = 1000  # priorities are integers in [-1000, 1000]; higher goes first
+Priority = int | str  # an integer, or the name of a band
+
+
+class BandSettings(_Strict):
+    priority: int = Field(ge=-PRIORITY_RANGE, le=PRIORITY_RANGE)
+    max_wait_seconds: float | None = Field(
+        default=None, ge=0, description="its requests' default deadline in the queue (default: admission's)")
+    max_saturation: float | None = Field(
+        default=None, gt=0, le=1,
+        description="its requests are admitted only while the model's slots in use, over all its ready "
+                    "backends' slots, are below this share: the rest stays free for higher bands (None: up to "
+                    "every slot)")
+
+
+def _default_bands() -> dict[str, BandSettings]:
+    return {"critical": BandSettings(priority=100), "standard": BandSettings(priority=0),
+            "sheddable": BandSettings(priority=-100, max_saturation=0.9)}
+
+
 class AdmissionSettings(_Strict):
-    """When every eligible backend is at its max_concurrency, requests wait here, fairly across API keys."""
+    """When every eligible backend of a model is at its max_concurrency, requests wait here: by priority,
+    then in weighted fair shares between API keys (docs/flow-control.md)."""
 
     queue_size: int = Field(default=1024, ge=0, description="waiting requests at most; beyond them 429")
-    max_wait_seconds: float = Field(default=30.0, ge=0)
+    max_wait_seconds: float = Field(default=30.0, ge=0, description="the longest any request waits for a slot")
+    bands: dict[str, BandSettings] = Field(
+        default_factory=_default_bands,
+        description="named priorities: a key's priority or the x-gateway-priority header may name one; metrics "
+                    "label a request with the band at or below its priority")
+    default_priority: Priority = Field(default="standard", description="for keys that set none, and anonymous "
+                                                                       "traffic")
+    shed_on_predicted_wait: bool = Field(
+        default=True, description="refuse at once (429, Retry-After) a request whose predicted wait exceeds its "
+                                  "deadline, instead of holding it until the deadline passes")
+
+    @field_validator("bands")
+    @classmethod
+    def _bands(cls, bands: dict[str, BandSettings]) -> dict[str, BandSettings]:
+        if not bands:
+            raise ValueError("at least one band")
+        for name in bands:
+            if not re.fullmatch(r"[a-z][a-z0-9_-]{0,31}", name):
+                raise ValueError(f"band name {name!r}: lowercase letters, digits, '-' and '_', 32 at most")
+        values = [b.priority for b in bands.values()]
+        if len(set(values)) != len(values):
+            raise ValueError("two bands with one priority")
+        return dict(sorted(bands.items(), key=lambda item: -item[1].priority))
+
+    @model_validator(mode="after")
+    def _default_known(self) -> AdmissionSettings:
+        self.priority_of(self.default_priority, "default_priority")
+        return self
+
+    def priority_of(self, value: Priority, what: str = "priority") -> int:
+        """``value`` (an integer or a band's name) as an integer priority; ValueError names ``what``."""
+        if isinstance(value, str):
+            band = self.bands.get(value)
+            if band is None:
+                raise ValueError(f"{what}: {value!r} is no band (bands: {', '.join(self.bands)})")
+            return band.priority
+        if not -PRIORITY_RANGE <= value <= PRIORITY_RANGE:
+            raise ValueError(f"{what}: {value} is outside [-{PRIORITY_RANGE}, {PRIORITY_RANGE}]")
+        return value
+
+    def band_of(self, priority: int) -> str:
+        """The band a priority falls in: the highest band at or below it, else the lowest band."""
+        for name, band in self.bands.items():  # (highest first)
+            if band.priority <= priority:
+                return name
+        return next(reversed(self.bands))
+
+    def max_saturation_of(self, priority: int) -> float | None:
+        return self.bands[self.band_of(priority)].max_saturation
+
+    def max_wait_of(self, priority: int) -> float:
+        band = self.bands[self.band_of(priority)]
+        return band.max_wait_seconds if band.max_wait_seconds is not None else self.max_wait_seconds
 
 
 class ApiKeySettings(_Strict):
@@ -108,9 +197,20 @@ class ApiKeySettings(_Strict):
     models: list[str] = Field(default_factory=lambda: ["*"], description="allowed models (shell patterns)")
     requests_per_minute: int | None = Field(default=None, gt=0)
     tokens_per_minute: int | None = Field(default=None, gt=0)
+    max_in_flight: int | None = Field(
+        default=None, gt=0, description="requests of this key in flight at once (with state.url: across every "
+                                        "worker and replica); past it 429 concurrency_limit at once")
     scopes: list[Scope] = Field(
         default_factory=lambda: list[Scope](["inference"]),
         description="inference: the /v1 API; metrics: /metrics when auth.protect_metrics is on")
+    priority: Priority | None = Field(
+        default=None, description="its requests' priority: an integer (higher first) or a band's name "
+                                  "(default: admission.default_priority)")
+    max_priority: Priority | None = Field(
+        default=None, description="the highest priority its x-gateway-priority header may ask for (default: "
+                                  "its own priority, so the header can only lower it)")
+    weight: float = Field(default=1.0, gt=0, le=1000,
+                          description="its share among keys of one priority when a model's backends are full")
 
     @model_validator(mode="after")
     def _one_source(self) -> ApiKeySettings:
@@ -202,6 +302,12 @@ class BackendSettings(_Strict):
                                          "prompts and the gateway models them slot by slot)")
     kv_events: KvEventsSettings | None = Field(
         default=None, description="vLLM, SGLang: follow the engine's KV-cache events (precise prefix routing)")
+    priority_scheduling: bool | Literal["lower-first", "higher-first"] = Field(
+        default=False,
+        description="vLLM, SGLang: the engine runs with priority scheduling (vLLM --scheduling-policy priority, "
+                    "SGLang --enable-priority-scheduling), so each request carries its gateway priority in the "
+                    "engine's 'priority' field; true: the engine's default order (vLLM lower values first, SGLang "
+                    "higher first), or say which (SGLang with --schedule-low-priority-values-first: lower-first)")
 
     @model_validator(mode="before")
     @classmethod
@@ -243,8 +349,23 @@ class BackendSettings(_Strict):
             raise ValueError("has no host")
         return value.rstrip("/")
 
+    def priority_order(self) -> Literal["lower-first", "higher-first"] | None:
+        """How the engine orders its queue by the ``priority`` field (None: the gateway sends none)."""
+        if self.priority_scheduling is False:
+            return None
+        if self.priority_scheduling is True:
+            from gateway.engines.registry import ENGINES
+
+            return ENGINES[self.engine].priority_order
+        return self.priority_scheduling
+
     @model_validator(mode="after")
     def _key_source(self) -> BackendSettings:
+        if self.priority_scheduling is not False:
+            from gateway.engines.registry import ENGINES
+
+            if ENGINES[self.engine].priority_order is None:
+                raise ValueError(f"priority_scheduling: engine {self.engine} does not schedule by a request priority")
         if self.cache_ram_mib is not None:
             from gateway.engines.registry import ENGINES
 
@@ -371,6 +492,23 @@ class StructuredOutputSettings(_Strict):
         return self.models.get(model, self.validate_outputs)
 
 
+class StateSettings(_Strict):
+    """Where several gateway processes and replicas share their limits and routing state: a Redis (or Valkey)
+    server. Without ``url`` each process keeps its own."""
+
+    url: str | None = Field(default=None, pattern=r"^(redis|rediss|unix)://",
+                            description="redis://host:6379/0, rediss:// (TLS) or unix:///path.sock")
+    prefix: str = Field(default="gateway:", min_length=1, description="prefix of every key (gateways sharing a Redis)")
+    on_failure: Literal["open", "closed"] = Field(
+        default="open", description="while Redis cannot be reached, limited keys pass (open) or get 503 (closed)")
+    timeout_ms: float = Field(default=250.0, gt=0,
+                              description="one Redis operation at most: past it the request's limits fail as "
+                                          "on_failure says (a heartbeat past it takes the state down)")
+    heartbeat_seconds: float = Field(default=1.0, gt=0, description="how often a replica renews its presence")
+    replica_ttl_seconds: float = Field(
+        default=10.0, gt=0, description="a replica silent this long is gone: its slots are freed for the others")
+
+
 class AccessLogSettings(_Strict):
     """One JSON line per request on standard output (request id, model, backend, status, TTFT, tokens,
     duration); never a prompt, an answer or a key."""
@@ -397,6 +535,7 @@ class Settings(BaseSettings):
     breaker: BreakerSettings = BreakerSettings()
     admission: AdmissionSettings = AdmissionSettings()
     auth: AuthSettings = AuthSettings()
+    state: StateSettings = StateSettings()
 
     @classmethod
     def settings_customise_sources(
@@ -409,6 +548,30 @@ class Settings(BaseSettings):
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         # The YAML document arrives as init kwargs; the environment overrides it.
         return (env_settings, init_settings)
+
+    @model_validator(mode="after")
+    def _workers_share_state(self) -> Settings:
+        if self.server.workers != 1 and self.server.worker_count() > 1:
+            if self.state.url is None:
+                raise ValueError(
+                    "server.workers: more than one worker needs state.url (a Redis or Valkey server): each worker "
+                    "is a process of its own, and rate limits, max_concurrency slots, sessions and stored "
+                    "responses kept in one process's memory would hold per worker, not per gateway")
+            if self.server.port == 0:
+                raise ValueError("server.workers: more than one worker needs a fixed server.port (0 would give "
+                                 "each worker a port of its own)")
+        return self
+
+    @model_validator(mode="after")
+    def _key_priorities(self) -> Settings:
+        for key in self.auth.keys:
+            own = self.admission.priority_of(key.priority if key.priority is not None
+                                             else self.admission.default_priority, f"auth.keys ({key.name}).priority")
+            if key.max_priority is not None:
+                ceiling = self.admission.priority_of(key.max_priority, f"auth.keys ({key.name}).max_priority")
+                if ceiling < own:
+                    raise ValueError(f"auth.keys ({key.name}).max_priority is below its priority")
+        return self
 
     @model_validator(mode="after")
     def _unique_names(self) -> Settings:

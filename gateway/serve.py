@@ -1,17 +1,40 @@
 """Run the gateway under uvicorn (uvloop + httptools): configured by a file, or in front of an emulated fleet
-that the command line started (``gateway.sim.embedded``; the gateway never imports the emulators)."""
+that the command line started (``gateway.sim.embedded``; the gateway never imports the emulators).
+
+With ``server.workers`` above one, this process becomes the workers' supervisor: it starts each worker as a
+process of its own (spawned, so that none inherits another's event loop or threads), and every worker listens
+on the same port through a socket of its own with ``SO_REUSEPORT``, the kernel spreading new connections over
+them. The supervisor restarts a worker that dies, and on SIGINT or SIGTERM asks every worker to shut down
+gracefully (each lets its streams finish for ``server.shutdown_timeout``), kills what is left after that, and
+exits. A worker whose supervisor is gone shuts itself down.
+"""
 
 from __future__ import annotations
 
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import shutil
 import signal
+import socket
+import tempfile
+import threading
+import time
 from collections.abc import Mapping, Sequence
+from multiprocessing.process import BaseProcess
 
 import uvicorn
 
 from gateway.app import create_app
-from gateway.config import Settings, load_settings, settings_from_mapping
+from gateway.config import ConfigError, Settings, load_settings, settings_from_mapping
 from gateway.routing.policies import check_settings
 from gateway.server_limits import raise_nofile_limit, uvicorn_config
+from gateway.workers import WorkerIdentity
+
+log = logging.getLogger("gateway.serve")
+
+RESTARTS_PER_MINUTE = 5  # per worker; past that the supervisor gives up (a worker that cannot start)
 
 
 def _stop(signum: int, frame: object) -> None:
@@ -19,6 +42,9 @@ def _stop(signum: int, frame: object) -> None:
 
 
 def _run(settings: Settings, log_level: str) -> None:
+    count = settings.server.worker_count()
+    if count > 1:
+        raise SystemExit(supervise(settings, log_level, count))
     # uvicorn shuts down gracefully on SIGINT/SIGTERM and then re-raises the signal to the handlers that were
     # installed before it. Make those end the process by unwinding, so that every ``finally`` runs (the
     # embedded fleet's child process is stopped) and the exit status is 0.
@@ -27,6 +53,108 @@ def _run(settings: Settings, log_level: str) -> None:
     raise_nofile_limit()  # before the connection cap is worked out from it
     config = uvicorn_config(create_app(settings), settings.server, log_level=log_level)
     uvicorn.Server(config).run()
+
+
+def reuseport_socket(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host:port`` that other processes may bind too (``SO_REUSEPORT``), not listening
+    yet: the event loop's server listens on it once the app has started, so that the kernel hands a starting
+    (or restarting) worker no connection before its backends are probed."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    sock.set_inheritable(True)
+    return sock
+
+
+def _orphan_watch(parent: int) -> None:
+    """End this worker (gracefully, as SIGTERM does) once its supervisor is gone."""
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _worker(settings: Settings, identity: WorkerIdentity, log_level: str, parent: int) -> None:
+    signal.signal(signal.SIGINT, _stop)
+    signal.signal(signal.SIGTERM, _stop)
+    threading.Thread(target=_orphan_watch, args=(parent,), name="orphan-watch", daemon=True).start()
+    raise_nofile_limit()
+    app = create_app(settings, worker=identity)
+    config = uvicorn_config(app, settings.server, log_level=log_level)
+    sock = reuseport_socket(settings.server.host, settings.server.port)
+    uvicorn.Server(config).run(sockets=[sock])
+
+
+def supervise(settings: Settings, log_level: str, count: int) -> int:
+    """Run ``count`` workers until SIGINT or SIGTERM; the exit status (1: a worker kept failing to start)."""
+    logging.basicConfig(level=log_level.upper(), format="%(levelname)s:     %(message)s")
+    try:  # the port, checked once here rather than by every worker failing alike
+        reuseport_socket(settings.server.host, settings.server.port).close()
+    except OSError as exc:
+        raise ConfigError(f"server: cannot listen on {settings.server.host}:{settings.server.port}: "
+                          f"{exc.strerror}") from None
+    run_dir = tempfile.mkdtemp(prefix="gateway-workers-")  # mode 0700: only this user reaches the sockets
+    ctx = multiprocessing.get_context("spawn")
+    parent = os.getpid()
+    stopping = threading.Event()
+
+    def stop(signum: int, frame: object) -> None:
+        stopping.set()
+
+    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, stop)
+
+    def start(index: int) -> BaseProcess:
+        identity = WorkerIdentity(index, count, run_dir)
+        proc = ctx.Process(target=_worker, args=(settings, identity, log_level, parent), name=f"worker-{index}")
+        proc.start()
+        return proc
+
+    procs = {i: start(i) for i in range(count)}
+    restarts: dict[int, list[float]] = {i: [] for i in range(count)}
+    status = 0
+    log.info("gateway: %d workers on %s:%d (pids %s)", count, settings.server.host, settings.server.port,
+             " ".join(str(p.pid) for p in procs.values()))
+    try:
+        while not stopping.is_set():
+            sentinels = {p.sentinel: i for i, p in procs.items()}
+            for sentinel in multiprocessing.connection.wait(list(sentinels), timeout=0.5):
+                index = sentinels[sentinel]  # type: ignore[index]
+                proc = procs[index]
+                proc.join()
+                if stopping.is_set():
+                    break
+                now = time.monotonic()
+                recent = [t for t in restarts[index] if now - t < 60.0] + [now]
+                restarts[index] = recent
+                if len(recent) > RESTARTS_PER_MINUTE:
+                    log.error("worker %d exited with status %s %d times within a minute: stopping the gateway",
+                              index, proc.exitcode, len(recent))
+                    status = 1
+                    stopping.set()
+                    break
+                log.warning("worker %d (pid %s) exited with status %s: starting it again", index, proc.pid,
+                            proc.exitcode)
+                procs[index] = start(index)
+    finally:
+        _stop_all(list(procs.values()), settings.server.shutdown_timeout + 10.0)
+        shutil.rmtree(run_dir, ignore_errors=True)
+    return status
+
+
+def _stop_all(procs: list[BaseProcess], grace: float) -> None:
+    """SIGTERM to every worker (each shuts down gracefully), SIGKILL to those still there after ``grace``."""
+    for proc in procs:
+        if proc.is_alive():
+            proc.terminate()
+    deadline = time.monotonic() + grace
+    for proc in procs:
+        proc.join(max(0.0, deadline - time.monotonic()))
+        if proc.is_alive():
+            log.error("worker %s did not stop within %.0f s: killing it", proc.name, grace)
+            proc.kill()
+            proc.join()
 
 
 def serve(config_path: str | None, *, host: str | None, port: int | None, log_level: str,

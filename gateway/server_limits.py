@@ -87,6 +87,10 @@ def uvicorn_config(app: Any, server: ServerSettings, *, log_level: str = "info",
         http=StampedHttpToolsProtocol,
         lifespan="on",
         access_log=False,
+        # Nothing of the gateway reads the client's address, so rewriting it from X-Forwarded-For (uvicorn's
+        # default middleware, run for every request) serves nothing; nor does announcing "server: uvicorn".
+        proxy_headers=False,
+        server_header=False,
         log_level=log_level,
         # uvicorn annotates it int, but only ever hands it to loop.call_later
         timeout_keep_alive=server.keepalive_timeout,

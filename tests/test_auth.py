@@ -6,8 +6,8 @@ import hashlib
 
 import pytest
 
-from gateway.auth import KeyStore, TokenBucket
-from gateway.config import settings_from_mapping
+from gateway.auth import Client, KeyStore, TokenBucket
+from gateway.config import ApiKeySettings, settings_from_mapping
 from gateway.errors import GatewayError
 
 
@@ -61,3 +61,16 @@ def test_key_settings_are_validated() -> None:
         settings_from_mapping({"auth": {"keys": [{"name": "x"}]}})
     with pytest.raises(ConfigError, match="key_sha256"):
         settings_from_mapping({"auth": {"keys": [{"name": "x", "key_sha256": "not-hex"}]}})
+
+
+def test_max_in_flight_places_are_taken_and_given_back() -> None:
+    key = ApiKeySettings(name="c", key_sha256="0" * 64, max_in_flight=2)
+    client = Client("c", key, None, None)
+    assert KeyStore.hold(client) and KeyStore.hold(client)
+    with pytest.raises(GatewayError) as refused:
+        KeyStore.hold(client)
+    assert refused.value.status == 429 and refused.value.code == "concurrency_limit"
+    assert refused.value.headers["retry-after"] == "1"
+    KeyStore.release(client)
+    assert KeyStore.hold(client)
+    assert not KeyStore.hold(Client("u", ApiKeySettings(name="u", key_sha256="1" * 64), None, None))  # no cap

@@ -36,7 +36,10 @@ from gateway.sim import FleetThread, SimSpec
 from tests.conftest import ServerThread, free_port_block, serve_in_thread
 
 HEADER_LIMIT = 64 * 1024
-HEADER_TIMEOUT = 1.5
+# long enough that a refusal delayed by one TCP retransmission (1 s: a client's handshake completes while the
+# gateway's accept queue overflows under a 3,000-connection flood on a busy machine; seen in CI) is still told
+# apart from a connection held for the whole timeout
+HEADER_TIMEOUT = 3.0
 BODY_TIMEOUT = 1.0
 KEEPALIVE = 1.0
 CAP = 1000
@@ -268,9 +271,14 @@ def test_idle_connections_past_the_cap_are_refused_at_once_and_the_rest_time_out
     assert prober.most_connections <= CAP
     body = got[refused[0]].partition(b"\r\n\r\n")[2]
     assert is_error_envelope(orjson.loads(body)), body
-    # a refusal comes at once (all were in by the time the last socket had opened, well within the header
-    # timeout); an idle connection lives for the header timeout, not much longer
-    assert max(closed[s] for s in refused) - all_open < HEADER_TIMEOUT * 0.6
+    # a refusal comes at once, an idle connection lives for the header timeout. The refusals are read by this
+    # test's own loop, in the same process as the gateway's thread, and a connection the gateway could not
+    # accept in time is retransmitted a second later, so when each was seen depends on how busy the machine
+    # is: most were seen well within the timeout after the last socket opened, and none was held for a whole
+    # timeout after that (which is what a refusal that waited for the timeout would show)
+    refusals_seen = sorted(closed[s] - all_open for s in refused)
+    assert statistics.median(refusals_seen) < HEADER_TIMEOUT * 0.5, refusals_seen[::100]
+    assert refusals_seen[-1] < HEADER_TIMEOUT * 0.9, refusals_seen[-20:]
     idle_lives = [closed[s] - opened[s] for s in timed_out]
     assert min(idle_lives) > HEADER_TIMEOUT * 0.9 and max(idle_lives) < HEADER_TIMEOUT + 5, idle_lives
     # the others were served throughout, and the backend never looked down

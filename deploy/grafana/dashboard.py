@@ -241,7 +241,22 @@ KV_EVENTS = RowSpec("KV events (vLLM, SGLang)", (
               width=24),
 ))
 
-ROWS = (TRAFFIC, LATENCY, THROUGHPUT, BACKENDS, ROUTING, KV_EVENTS)
+STATE = RowSpec("Shared state (Redis)", (
+    PanelSpec("Shared state up", "1 while each gateway process reaches its shared state (state.url); 0 while it "
+              "runs on local state (limits fail open or closed as configured).", "short",
+              (Query("min by (instance) (gateway_state_up)", "{{instance}}"),), max=1),
+    PanelSpec("Shared-state errors/s", "Failed Redis operations, by operation (admit, acquire, settle, heartbeat, "
+              "subscribe, publish, get_response, put_response).", "short",
+              (Query(f"sum by (operation) (rate(gateway_state_errors_total[{RATE}]))", "{{operation}}"),)),
+    PanelSpec("Limits unchecked and settlements waiting", "Requests of rate-limited keys passed unchecked while "
+              "Redis was down (on_failure: open), settlements dropped, and settlements waiting to be sent.",
+              "short",
+              (Query(f"sum(rate(gateway_state_fail_open_total[{RATE}]))", "passed unchecked/s"),
+               Query(f"sum(rate(gateway_state_settlements_dropped_total[{RATE}]))", "dropped/s"),
+               Query("sum(gateway_state_settlements_pending)", "waiting"))),
+))
+
+ROWS = (TRAFFIC, LATENCY, THROUGHPUT, BACKENDS, ROUTING, KV_EVENTS, STATE)
 
 
 def _target(query: Query, ref: str) -> prometheus.Dataquery:

@@ -69,6 +69,10 @@ class Translation:
     def to_chat(self, raw: bytes) -> bytes:
         raise NotImplementedError
 
+    async def load(self, raw: bytes) -> bytes:
+        """``to_chat``, with whatever it needs fetched first (a stored conversation)."""
+        return self.to_chat(raw)
+
     def servable(self, spec: EngineSpec) -> bool:
         """Whether an engine can serve this request at all (routing keeps only those that can)."""
         return True
@@ -255,7 +259,7 @@ class _Responses(Translation):
         self._conversation: list[dict[str, Any]] = []
         self._id = new_response_id()
 
-    def to_chat(self, raw: bytes) -> bytes:
+    async def load(self, raw: bytes) -> bytes:
         body = _body(raw)
         previous = body.get("previous_response_id")
         history: list[dict[str, Any]] | None = None
@@ -263,11 +267,24 @@ class _Responses(Translation):
             if not isinstance(previous, str) or not previous:
                 raise GatewayError(400, "'previous_response_id' must be a non-empty string",
                                    param="previous_response_id", code="invalid_value")
-            history = self._store.get(previous)
+            history = await self._store.fetch(previous)
             if history is None:
                 raise GatewayError(404, f"Previous response with id '{previous}' not found.",
                                    type="invalid_request_error", param="previous_response_id",
                                    code="previous_response_not_found")
+        return self._translate(body, history)
+
+    def to_chat(self, raw: bytes) -> bytes:
+        body = _body(raw)
+        previous = body.get("previous_response_id")
+        history = self._store.get(previous) if isinstance(previous, str) and previous else None
+        if previous is not None and history is None:
+            raise GatewayError(404, f"Previous response with id '{previous}' not found.",
+                               type="invalid_request_error", param="previous_response_id",
+                               code="previous_response_not_found")
+        return self._translate(body, history)
+
+    def _translate(self, body: dict[str, Any], history: list[dict[str, Any]] | None) -> bytes:
         chat = responses_to_chat(body, history)
         self._request = body
         if body.get("store", True) is not False:

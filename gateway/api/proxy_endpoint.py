@@ -13,8 +13,6 @@ from dataclasses import dataclass
 from random import getrandbits
 from typing import Any
 
-from prometheus_client import Gauge
-
 from gateway.api.agent_apis import AgentApi
 from gateway.api.validation import parse_request, validate_heavy
 from gateway.asgi import BODY_WRITER, Headers, Receive, Scope, Send, header, send_body
@@ -25,7 +23,9 @@ from gateway.proxy.dispatch import Dispatcher
 from gateway.proxy.exchange import Exchange
 from gateway.routing.request import RouteRequest
 from gateway.server_protocol import ARRIVAL
+from gateway.state.shared import Budget, SharedState
 from gateway.structured.offload import ValidationWorkers
+from gateway.telemetry.request_metrics import RequestMetrics
 from gateway.telemetry.tracing import RequestTrace, Tracing
 
 log = logging.getLogger("gateway.proxy")
@@ -105,16 +105,18 @@ class ProxyEndpoint:
     on arrival and the answer back on its way out; ``route`` is then the API's name, for the metrics."""
 
     def __init__(self, route: str, settings: EndpointSettings, *, keys: KeyStore, workers: ValidationWorkers,
-                 dispatcher: Dispatcher, tracing: Tracing, in_flight: Gauge,
-                 finish: Callable[[Exchange], None], api: AgentApi | None = None) -> None:
+                 dispatcher: Dispatcher, tracing: Tracing, live: RequestMetrics,
+                 finish: Callable[[Exchange], None], api: AgentApi | None = None,
+                 shared: SharedState | None = None) -> None:
         self._route = route
+        self._shared = shared  # with it, a key's limits are admitted after routing (see Dispatcher)
         self._api = api
         self._settings = settings
         self._keys = keys
         self._workers = workers
         self._dispatcher = dispatcher
         self._tracing = tracing
-        self._in_flight = in_flight
+        self._live = live  # (its in_flight count)
         self._finish = finish
 
     def _reservation(self, request: RouteRequest, client: Client) -> int:
@@ -129,8 +131,8 @@ class ProxyEndpoint:
         arrival = state.get(ARRIVAL) if state else None
         exchange = Exchange(request_id=request_id(scope), route=self._route,
                             t_start=arrival if arrival is not None else time.perf_counter())
-        in_flight = self._in_flight
-        in_flight.inc()
+        live = self._live
+        live.in_flight += 1
         if self._tracing.enabled:
             exchange.trace = RequestTrace(self._tracing, self._route, scope["headers"])
         headers: Headers = [(b"x-request-id", exchange.request_id.encode())]
@@ -145,7 +147,7 @@ class ProxyEndpoint:
             exchange.client = self._keys.authenticate(header(scope, b"authorization"), header(scope, b"x-api-key"))
             raw = await read_body(scope, receive, settings.max_body_bytes)
             if translation is not None:
-                raw = translation.to_chat(raw)
+                raw = await translation.load(raw)
             request = parse_request("chat" if translation is not None else self._route, raw, settings.limits)
             if translation is not None:
                 translation.route_request = request
@@ -157,9 +159,24 @@ class ProxyEndpoint:
             exchange.request = request
             if exchange.trace is not None:
                 exchange.trace.request(request.route, request.model, request.max_tokens, request.stream)
-            if exchange.client is not None:
-                exchange.reserved_tokens = KeyStore.admit(exchange.client, request.model,
-                                                          self._reservation(request, exchange.client))
+            client = exchange.client
+            exchange.placement = self._dispatcher.priorities.place(
+                client.name if client is not None else None, header(scope, b"x-gateway-priority"),
+                header(scope, b"x-gateway-deadline-ms"))
+            if client is not None:
+                if self._shared is None:
+                    KeyStore.check_model(client, request.model)
+                    if KeyStore.hold(client):  # (first: a refusal here charges no budget)
+                        exchange.key_place = "local"
+                    exchange.reserved_tokens = KeyStore.admit(client, request.model,
+                                                              self._reservation(request, client))
+                else:
+                    KeyStore.check_model(client, request.model)
+                    limits = client.settings
+                    if limits.requests_per_minute or limits.tokens_per_minute or limits.max_in_flight:
+                        exchange.budget = Budget(client.name, limits.requests_per_minute, limits.tokens_per_minute,
+                                                 limits.max_in_flight)
+                        exchange.reserve = self._reservation(request, client)
             await self._dispatcher.dispatch(exchange, request, exchange.client.name if exchange.client else ANONYMOUS,
                                             receive, send,
                                             state.get(BODY_WRITER) if state and translation is None else None)
@@ -184,9 +201,16 @@ class ProxyEndpoint:
                 await send_body(send, 500, error.body(), headers)
         finally:
             exchange.t_end = time.perf_counter()
-            in_flight.dec()
-            if exchange.client is not None and exchange.client.tokens is not None:
+            live.in_flight -= 1
+            if exchange.budget is not None and self._shared is not None:
+                # (admitted through the shared store: settle there, the key's in-flight place with it)
+                if exchange.reserved_tokens or exchange.key_place == "shared":
+                    self._shared.settle(exchange.budget, _tokens_used(exchange) - exchange.reserved_tokens, None,
+                                        key_place=exchange.key_place == "shared")
+            elif exchange.client is not None and exchange.client.tokens is not None:
                 KeyStore.settle(exchange.client, exchange.reserved_tokens, _tokens_used(exchange))
+            if exchange.key_place == "local" and exchange.client is not None:
+                KeyStore.release(exchange.client)
             if exchange.trace is not None:
                 ttft = exchange.t_first_text - exchange.t_start if exchange.t_first_text is not None else None
                 exchange.trace.finish(exchange.status, exchange.outcome, exchange.usage, ttft)

@@ -7,6 +7,7 @@ gateway is open).
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import orjson
@@ -37,8 +38,10 @@ def _model_card(model: str, created: int) -> dict[str, Any]:
     return {"id": model, "object": "model", "created": created, "owned_by": "llm-gateway"}
 
 
-def build_router(pool: Pool, registry: CollectorRegistry, created: int) -> APIRouter:
-    """The routes, over the pool they report on, the registry they expose and the models' creation time."""
+def build_router(pool: Pool, registry: CollectorRegistry, created: int, *,
+                 exposition: Callable[[], Awaitable[bytes]] | None = None) -> APIRouter:
+    """The routes, over the pool they report on, the registry they expose and the models' creation time.
+    ``exposition``: what /metrics serves instead of the registry's own (every worker's figures, added up)."""
     router = APIRouter()
 
     @router.get("/v1/models")
@@ -90,6 +93,7 @@ def build_router(pool: Pool, registry: CollectorRegistry, created: int) -> APIRo
 
     @router.get("/metrics")
     async def metrics() -> Response:
-        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+        body = generate_latest(registry) if exposition is None else await exposition()
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     return router

@@ -11,7 +11,7 @@ import orjson
 
 from gateway.config import LimitSettings
 from gateway.errors import GatewayError
-from gateway.routing.request import RouteRequest
+from gateway.routing.request import POOLING_ROUTES, RouteRequest
 from gateway.structured import Constraint, ConstraintInvalid, extract
 from gateway.structured.offload import ValidationBusy, ValidationWorkers
 
@@ -65,6 +65,24 @@ def _check_input(value: Any) -> None:
     raise _bad("'input' must be a string or a non-empty array", "input")
 
 
+def _check_rerank(body: dict[str, Any], limits: LimitSettings) -> None:
+    query = body.get("query")
+    if not isinstance(query, str) or not query:
+        raise _bad("'query' is required and must be a non-empty string", "query")
+    documents = body.get("documents")
+    if not isinstance(documents, list) or not documents:
+        raise _bad("'documents' must be a non-empty array of strings (or of objects with a 'text' string)",
+                   "documents")
+    if len(documents) > limits.max_documents:
+        raise _bad(f"'documents' has {len(documents)} entries; this gateway accepts at most "
+                   f"{limits.max_documents}", "documents")
+    for i, document in enumerate(documents):
+        if not isinstance(document, str) and not (isinstance(document, dict)
+                                                  and isinstance(document.get("text"), str)):
+            raise _bad(f"documents[{i}] must be a string or an object with a 'text' string", f"documents[{i}]")
+    _positive_int(body, "top_n")
+
+
 def parse_request(route: str, raw: bytes, limits: LimitSettings | None = None) -> RouteRequest:
     try:
         body = orjson.loads(raw)
@@ -77,7 +95,7 @@ def parse_request(route: str, raw: bytes, limits: LimitSettings | None = None) -
         # the gateway re-encodes it (prompt keys, the upstream request). ~0.1 us for a small body.
         orjson.dumps(body)
     except orjson.JSONEncodeError as exc:
-        if route != "embeddings":
+        if route not in POOLING_ROUTES:
             _constraint(body, limits)  # a constraint nested too deep is refused as such, naming its field
         raise _bad(f"The request body cannot be accepted: {exc} (it nests deeper than {_MAX_DEPTH} levels)",
                    None) from None
@@ -92,6 +110,8 @@ def parse_request(route: str, raw: bytes, limits: LimitSettings | None = None) -
                        f"{limits.max_messages}", "messages")
     elif route == "completions":
         _check_prompt(body.get("prompt"))
+    elif route == "rerank":
+        _check_rerank(body, limits)
     else:
         _check_input(body.get("input"))
     stream = body.get("stream", False)
@@ -99,8 +119,8 @@ def parse_request(route: str, raw: bytes, limits: LimitSettings | None = None) -
         stream = False
     if not isinstance(stream, bool):
         raise _bad("'stream' must be a boolean", "stream")
-    if route == "embeddings" and stream:
-        raise _bad("embeddings cannot be streamed", "stream")
+    if route in POOLING_ROUTES and stream:
+        raise _bad(f"{route} cannot be streamed", "stream")
     options = body.get("stream_options")
     if options is not None:
         if not stream:
@@ -115,7 +135,7 @@ def parse_request(route: str, raw: bytes, limits: LimitSettings | None = None) -
     if max_tokens is not None and max_tokens > limits.max_tokens:
         field = "max_completion_tokens" if max_completion_tokens is not None else "max_tokens"
         raise _bad(f"'{field}' is {max_tokens}; this gateway accepts at most {limits.max_tokens}", field)
-    constraint = _constraint(body, limits) if route != "embeddings" else None
+    constraint = _constraint(body, limits) if route not in POOLING_ROUTES else None
     return RouteRequest(route=route, model=model, stream=stream, max_tokens=max_tokens, body=body,
                         constraint=constraint)
 

@@ -6,6 +6,7 @@
     gateway bench soak [--requests 100000] [--concurrency 32] [--out DIR]
     gateway bench faults [--scenario NAME ...] [--out DIR]
     gateway bench constraints [--corpus full|smoke] [--out DIR]
+    gateway bench fairness [--backends 2] [--slots 16] [--seconds 20] [--out DIR]
     gateway profile (--backend NAME=URL ... | --config FILE) [--time-scale S] [--out FILE.json]
 """
 
@@ -29,6 +30,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "soak": ("gateway.bench.soak", "many short requests through a gateway process, its memory sampled"),
     "faults": ("gateway.bench.faults", "the gateway under backend and client faults, bounded in time"),
     "constraints": ("gateway.bench.constraints", "the constraint validators against llguidance and llama.cpp"),
+    "fairness": ("gateway.bench.fairness", "flow control under contention: noisy neighbour, priorities, weights"),
 }
 
 

@@ -31,6 +31,9 @@ class Target:
     model: str | None = None
     api_key: str | None = None
     pid: int | None = None  # a local server process whose CPU time is sampled per phase, when known
+    # the API its requests speak: "chat" (/v1/chat/completions) or "messages" (Anthropic's /v1/messages, the
+    # chat request's messages and max_tokens in Anthropic's shape)
+    api: str = "chat"
     replicas: tuple[str, ...] = ()
     _turn: list[int] = field(default_factory=lambda: [0], compare=False, repr=False)
 
@@ -138,11 +141,43 @@ class SSEEvents:
         return out
 
 
-def request_body(req: BenchRequest, model: str, stream: bool = True) -> bytes:
+def request_body(req: BenchRequest, model: str, stream: bool = True, api: str = "chat") -> bytes:
     body = {**req.body, "model": model, "stream": stream}
+    if api == "messages":  # (a system message becomes Anthropic's top-level system)
+        system = [m["content"] for m in body["messages"] if m.get("role") == "system"]
+        body["messages"] = [m for m in body["messages"] if m.get("role") != "system"]
+        if system:
+            body["system"] = "\n".join(system)
+        body.setdefault("max_tokens", 256)
+        return orjson.dumps(body)
     if stream:
         body["stream_options"] = {"include_usage": True}
     return orjson.dumps(body)
+
+
+def anthropic_event(result: RequestResult, doc: Any) -> bool:
+    """Note what an Anthropic Messages stream event says (usage, an error); whether it carries generated output
+    (a text, thinking or tool-input delta)."""
+    if not isinstance(doc, dict):
+        return False
+    kind = doc.get("type")
+    if kind == "content_block_delta":
+        delta = doc.get("delta")
+        return isinstance(delta, dict) and bool(delta.get("text") or delta.get("thinking")
+                                                or delta.get("partial_json"))
+    if kind == "message_start":
+        message = doc.get("message")
+        usage = message.get("usage") if isinstance(message, dict) else None
+        if isinstance(usage, dict) and isinstance(usage.get("input_tokens"), int):
+            result.prompt_tokens = usage["input_tokens"]
+    elif kind == "message_delta":
+        usage = doc.get("usage")
+        if isinstance(usage, dict) and isinstance(usage.get("output_tokens"), int):
+            result.output_tokens = usage["output_tokens"]
+    elif kind == "error":
+        err = doc.get("error")
+        result.error = str(err.get("message") if isinstance(err, dict) else err)
+    return False
 
 
 def apply_usage(result: RequestResult, usage: Any) -> None:
@@ -163,13 +198,15 @@ async def send_streaming(session: aiohttp.ClientSession, target: Target, model: 
     headers = {"Content-Type": "application/json"}
     if target.api_key:
         headers["Authorization"] = f"Bearer {target.api_key}"
-    payload = request_body(req, model)
+    messages = target.api == "messages"
+    payload = request_body(req, model, api=target.api)
     result.structured = req.structured
     t0 = time.perf_counter()
     last = t0
     usage_seen = False
     try:
-        async with session.post(target.base + "/v1/chat/completions", data=payload, headers=headers,
+        async with session.post(target.base + ("/v1/messages" if messages else "/v1/chat/completions"),
+                                data=payload, headers=headers,
                                 timeout=aiohttp.ClientTimeout(total=request_timeout)) as resp:
             result.ttfb = time.perf_counter() - t0
             result.status = resp.status
@@ -189,19 +226,24 @@ async def send_streaming(session: aiohttp.ClientSession, target: Target, model: 
                         doc = orjson.loads(payload_)
                     except orjson.JSONDecodeError:
                         continue
-                    if isinstance(doc, dict) and "error" in doc and not doc.get("choices"):
-                        err = doc["error"]
-                        result.error = str(err.get("message") if isinstance(err, dict) else err)
-                    if has_content(doc):
+                    if messages:
+                        content = anthropic_event(result, doc)
+                        usage_seen = usage_seen or (isinstance(doc, dict) and doc.get("type") == "message_delta")
+                    else:
+                        if isinstance(doc, dict) and "error" in doc and not doc.get("choices"):
+                            err = doc["error"]
+                            result.error = str(err.get("message") if isinstance(err, dict) else err)
+                        content = has_content(doc)
+                        if isinstance(doc, dict) and isinstance(doc.get("usage"), dict):
+                            usage_seen = True
+                            apply_usage(result, doc["usage"])
+                    if content:
                         if result.chunks == 0:
                             result.ttft = now - t0
                         else:
                             result.itl.append(now - last)
                         last = now
                         result.chunks += 1
-                    if isinstance(doc, dict) and isinstance(doc.get("usage"), dict):
-                        usage_seen = True
-                        apply_usage(result, doc["usage"])
     except (aiohttp.ClientError, TimeoutError, OSError) as exc:
         result.error = f"{type(exc).__name__}: {exc}"
     result.e2e = time.perf_counter() - t0

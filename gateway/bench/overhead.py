@@ -56,6 +56,7 @@ import statistics
 import subprocess
 import sys
 import time
+import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -65,6 +66,15 @@ from gateway.bench.procs import ChildProcess, get_json
 from gateway.bench.pyspy import start_record, top_frames
 from gateway.bench.report import build_report, write_json
 from gateway.bench.runner import Arrival, RunResult, cpu_seconds, host_busy_share, host_cpu_times, run, run_sync
+from gateway.bench.state_cost import (
+    STATEFUL,
+    redis_available,
+    redis_child,
+    stateful_gateway,
+    workers_gateway,
+    workers_name,
+)
+from gateway.bench.translation_cost import measure_translation
 from gateway.bench.workload import BenchRequest
 
 MODEL = "bench-model"
@@ -94,6 +104,8 @@ class OverheadConfig:
     py_spy_seconds: float = 0.0
     py_spy_concurrency: int = 64
     tracing: bool = False
+    state: bool = False  # also a gateway with shared state in a loopback redis-server (gateway.bench.state_cost)
+    workers: int = 1  # above 1: also a gateway of that many worker processes sharing that redis-server
     base_port: int = 18500
     out: Path = Path("reports/overhead")
     repeat: int = 1
@@ -109,6 +121,8 @@ class OverheadConfig:
     saturation_requests: int = 1024  # per target per level, at least (and at least 2x the level)
     saturation_tokens: int = 32
     saturation_gap_ms: float = 1.0
+    # translation phase: a translated /v1/messages stream against a native chat stream at this many streams
+    translation_level: int = 16  # 0 skips it
 
 
 def requests_for(n: int, tokens: int, extra: dict[str, Any] | None = None) -> list[BenchRequest]:
@@ -417,7 +431,9 @@ def saturation_limit(proxy_cores: float | None, backend_cores: float | None, cli
 
 
 def _saturation_row(result: RunResult, name: str, wall: float, before: tuple[Any, ...],
-                    after: tuple[Any, ...]) -> dict[str, Any]:
+                    after: tuple[Any, ...], processes: int = 1) -> dict[str, Any]:
+    """``processes``: how many processes the proxy's CPU reading adds up (a supervisor's workers): it is
+    saturated when each of them uses most of a core."""
     rs = result.results[name]
 
     def cores(i: int) -> float | None:
@@ -429,7 +445,9 @@ def _saturation_row(result: RunResult, name: str, wall: float, before: tuple[Any
            "chunks_per_s": chunks / wall if wall > 0 else None, "proxy_cores": cores(0), "backend_cores": cores(1),
            "client_cores": cores(2), "host_busy": busy,
            "host_busy_cores": None if busy is None else busy * (os.cpu_count() or 1)}
-    row["limit"] = saturation_limit(row["proxy_cores"], row["backend_cores"], row["client_cores"], busy)
+    proxy = row["proxy_cores"]
+    row["limit"] = saturation_limit(None if proxy is None else proxy / processes, row["backend_cores"],
+                                    row["client_cores"], busy)
     return row
 
 
@@ -449,7 +467,8 @@ async def _saturate(targets: list[Target], backend_pid: int, cfg: OverheadConfig
             result = await run([t], reqs, Arrival(concurrency=level), request_timeout=120)
             wall = time.perf_counter() - t0
             after = (_cpu(t.pid), _cpu(backend_pid), _cpu(me), host_cpu_times())
-            rows[t.name] = _saturation_row(result, t.name, wall, before, after)
+            rows[t.name] = _saturation_row(result, t.name, wall, before, after,
+                                           cfg.workers if t.name == workers_name(cfg.workers) else 1)
         levels[str(level)] = {t.name: rows[t.name] for t in targets}
         log(f"  saturation {level:>5} streams: " + "  ".join(
             f"{name}: {_f(r['chunks_per_s'], 0)} chunks/s ({_f(r['proxy_cores'], 2)} cores, {r['limit']})"
@@ -547,7 +566,8 @@ def median_of(values: list[Any]) -> Any:
     return present[0]
 
 
-SUMMARY_KEYS = ("levels", "max_chunks_per_s", "vs_reference", "cost", "saturation", "hold", "tracing")
+SUMMARY_KEYS = ("levels", "max_chunks_per_s", "vs_reference", "translation", "cost", "saturation", "hold",
+                "tracing", "state", "workers")
 
 
 def summarize_runs(docs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -739,6 +759,13 @@ def plot_overhead(doc: dict[str, Any], path: Path) -> Path:
     for key, t in (doc.get("targets") or {}).items():
         met = {True: "met", False: "MISSED", None: "-"}[t.get("met")]
         lines.append(f"{key}: {_fmt_value(t.get('value'))} {t.get('op')} {t.get('target'):,g} {t.get('unit')}: {met}")
+    tr = doc.get("translation")
+    if tr:
+        lines += ["", f"agent-API translation at {tr.get('concurrency')} streams, added TTFT p50:",
+                  f"  native chat {_fmt_value(tr.get('native_added_ttft_ms_p50'))} ms, translated /v1/messages "
+                  f"{_fmt_value(tr.get('translated_added_ttft_ms_p50'))} ms",
+                  f"  translation adds {_fmt_value(tr.get('translation_ms_p50'))} ms "
+                  f"({_fmt_value(tr.get('translated_over_native_x'))}x)"]
     ax.text(0, 1, "\n".join(lines), va="top", family="monospace", fontsize=9)
     for rest in ax_iter:
         rest.axis("off")
@@ -802,6 +829,22 @@ def run_once(cfg: OverheadConfig, log: Any = print, logs: Path | None = None) ->
     gateway = ChildProcess("gateway", [*untraced_env, py, "-m", "gateway", "serve", "--config", str(config_file),
                                        "--log-level", "warning"], logs / "gateway.log")
     traced, sink, sink_url = _traced_gateway(cfg, backend_url, logs) if cfg.tracing else (None, None, "")
+    redis = stateful = None
+    stateful_url = ""
+    if cfg.state:
+        if not redis_available():
+            raise RuntimeError("--state needs redis-server (Debian: apt-get install redis-server)")
+        redis, stateful, stateful_url = stateful_gateway(cfg.base_port, gateway_yaml(backend_url, cfg.base_port + 7),
+                                                         logs, py)
+    several: ChildProcess | None = None
+    several_url = ""
+    if cfg.workers > 1:
+        if not redis_available():
+            raise RuntimeError("--workers needs redis-server (Debian: apt-get install redis-server)")
+        if redis is None:
+            redis = redis_child(cfg.base_port + 6, logs)
+        several, several_url = workers_gateway(cfg.base_port, gateway_yaml(backend_url, cfg.base_port + 8), logs, py,
+                                               cfg.workers)
     router: ChildProcess | None = None
     reference = rust_reference(py, cfg.reference) if cfg.rust else None
     if cfg.rust and reference is None:
@@ -827,6 +870,16 @@ def run_once(cfg: OverheadConfig, log: Any = print, logs: Path | None = None) ->
             traced_url = f"http://127.0.0.1:{cfg.base_port + 3}"
             traced.start().wait_http(traced_url + "/v1/chat/completions", method="POST", body=probe)
             targets.append(Target(TRACED, traced_url, MODEL, pid=traced.pid))
+        if redis is not None:
+            redis.start()
+        if stateful is not None:
+            stateful.start().wait_http(stateful_url + "/v1/chat/completions", method="POST", body=probe)
+            targets.append(Target(STATEFUL, stateful_url, MODEL, pid=stateful.pid))
+        if several is not None:
+            several.start().wait_http(several_url + "/v1/chat/completions", method="POST", body=probe)
+            _wait_workers(several_url, cfg.workers)
+            # (its pid is the supervisor's: its CPU readings add up the workers under it)
+            targets.append(Target(several.name, several_url, MODEL, pid=several.pid))
         if router is not None:
             router.start().wait_http(f"http://127.0.0.1:{router_port}/v1/chat/completions", method="POST",
                                      body=probe)
@@ -838,6 +891,11 @@ def run_once(cfg: OverheadConfig, log: Any = print, logs: Path | None = None) ->
         max_cps = {t.name: max((r[t.name]["chunks_per_s"] or 0) for r in doc["levels"].values()) for t in targets}
         doc["max_chunks_per_s"] = max_cps
         doc["vs_reference"] = vs_reference(doc["levels"], router.name if router is not None else None)
+        if cfg.translation_level > 0:
+            level = cfg.translation_level
+            per_round = max(cfg.min_round, 2 * level)
+            doc["translation"] = run_sync(measure_translation(targets[0], targets[1], requests_for(
+                per_round * cfg.rounds, cfg.tokens), level, per_round, log))
         if cfg.cost_requests > 0:
             log(f"cost: {cfg.cost_requests} requests per target with {cfg.cost_prompt_chars}-character prompts, "
                 f"max_tokens {cfg.cost_tokens[0]} and {cfg.cost_tokens[1]}, {cfg.cost_concurrency} streams")
@@ -855,18 +913,45 @@ def run_once(cfg: OverheadConfig, log: Any = print, logs: Path | None = None) ->
         if cfg.py_spy_seconds > 0:
             log(f"py-spy on the gateway for {cfg.py_spy_seconds:.0f} s at {cfg.py_spy_concurrency} streams")
             doc["py_spy"] = run_sync(_profile_gateway(targets[1], cfg, logs))
+        if stateful is not None:
+            # (tracing_cost compares any two gateways' rows: here with shared state against without)
+            doc["state"] = {"store": "redis-server on loopback; every request takes and gives back a slot",
+                            "levels": tracing_cost(doc["levels"], "gateway", STATEFUL)}
+        if several is not None:
+            baseline = STATEFUL if stateful is not None else "gateway"
+            sat = (doc.get("saturation") or {}).get("levels") or {}
+            doc["workers"] = {
+                "count": cfg.workers, "against": baseline, "cores": os.cpu_count(),
+                "levels": tracing_cost(doc["levels"], baseline, several.name),
+                "saturation": {level: {name: {k: rows[name].get(k) for k in ("chunks_per_s", "proxy_cores", "limit")}
+                                       for name in (baseline, several.name) if name in rows}
+                               for level, rows in sat.items()}}
         if traced is not None:
             doc["tracing"] = {"exporter": "OTLP/HTTP (protobuf) to a loopback sink that discards",
                               "levels": tracing_cost(doc["levels"]), "sink": get_json(sink_url + "/stats")}
     finally:
         if router is not None:
             _stop_soon(router, 1.0)  # SMG drains for 5 s on SIGTERM; nothing of it is measured any more
-        for proc in (traced, sink, gateway, backend):
+        for proc in (traced, sink, several, stateful, redis, gateway, backend):
             if proc is not None:
                 proc.stop()
     doc["wall_s"] = time.perf_counter() - started
     doc["targets"] = evaluate_targets(doc)
     return doc
+
+
+def _wait_workers(url: str, count: int, timeout: float = 30.0) -> None:
+    """Until the gateway's /metrics adds up ``count`` workers (each has started and answers its siblings)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url + "/metrics", timeout=5) as resp:
+                if f"gateway_workers {float(count)}" in resp.read().decode():
+                    return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"{url}: not all of its {count} workers answered within {timeout:.0f} s")
 
 
 def _stop_soon(child: ChildProcess, grace: float) -> None:
@@ -967,8 +1052,31 @@ def print_overhead(doc: dict[str, Any]) -> None:
             console.print(f"hold {name}: {f(h['complete'], 0)}/{f(h['streams'], 0)} complete, backend peak open "
                           f"{f(h['backend_peak_open'], 0)}" + (f"; e.g. {h['error_samples'][0]}"
                                                                if h.get("error_samples") else ""))
+    tr = doc.get("translation")
+    if tr:
+        console.print(f"translation at {tr['concurrency']} streams: the gateway's added TTFT p50 "
+                      f"{f(tr['native_added_ttft_ms_p50'])} ms for chat, "
+                      f"{f(tr['translated_added_ttft_ms_p50'])} ms for a translated /v1/messages stream: "
+                      f"translation adds {f(tr['translation_ms_p50'])} ms "
+                      f"({f(tr['translated_over_native_x'])}x); p99 {f(tr['native_added_ttft_ms_p99'])} / "
+                      f"{f(tr['translated_added_ttft_ms_p99'])} ms")
     if "tracing" in doc:
         print_tracing(console, doc["tracing"])
+    if "state" in doc:
+        for level, r in doc["state"]["levels"].items():
+            console.print(f"shared state at {level} streams adds: TTFT p50 {f(r['ttft_us_p50'], 0)} us, p99 "
+                          f"{f(r['ttft_us_p99'], 0)} us, end to end p50 {f(r['e2e_us_p50'], 0)} us, CPU "
+                          f"{f(r['cpu_us_per_request'], 0)} us per request")
+    if "workers" in doc:
+        w = doc["workers"]
+        for level, r in w["levels"].items():
+            console.print(f"{w['count']} workers at {level} streams, against {w['against']}: TTFT p50 "
+                          f"{f(r['ttft_us_p50'], 0)} us, p99 {f(r['ttft_us_p99'], 0)} us, CPU "
+                          f"{f(r['cpu_us_per_request'], 0)} us per request")
+        for level, rows in w["saturation"].items():
+            console.print(f"saturation at {level} streams: " + ", ".join(
+                f"{name} {f(r['chunks_per_s'], 0)} chunks/s on {f(r['proxy_cores'], 2)} cores ({r['limit']})"
+                for name, r in rows.items()))
     if doc.get("targets"):
         t = Table(title=f"issue targets, gateway{of}")
         for col in ("target", "what", "value", "want", "met", "runs"):
@@ -1035,6 +1143,12 @@ def main(argv: list[str]) -> int:
     p.add_argument("--tracing", action="store_true",
                    help="also a gateway with OpenTelemetry tracing on, exporting to a loopback OTLP sink that "
                         "discards (ports base+3 and base+4); reports what tracing adds per request")
+    p.add_argument("--state", action="store_true",
+                   help="also a gateway with its limits and slots in a loopback redis-server (ports base+6 and "
+                        "base+7); reports what shared state adds per request")
+    p.add_argument("--workers", type=int, default=1, metavar="N",
+                   help="also a gateway of N worker processes (server.workers) sharing a loopback redis-server "
+                        "(ports base+6 and base+8); reports what they change per level and at saturation")
     p.add_argument("--repeat", type=int, default=1,
                    help="run everything N times (fresh processes each); overhead.json holds the medians")
     g = p.add_argument_group("cost phase (CPU per request and per chunk, solved from two runs)")
@@ -1045,6 +1159,9 @@ def main(argv: list[str]) -> int:
     g.add_argument("--cost-gap-ms", type=float, default=2.0, help="between chunks (default 2)")
     g.add_argument("--cost-rounds", type=int, default=2, help="interleaved rounds per run (default 2)")
     g.add_argument("--cost-prompt-chars", type=int, default=8000, help="prompt length (default 8000: ~2,000 tokens)")
+    p.add_argument("--translation-level", type=int, default=16,
+                   help="streams of the translation phase: a translated /v1/messages stream against a native "
+                        "chat stream through the gateway (0: skip)")
     g = p.add_argument_group("saturation phase (chunks/s one process streams)")
     g.add_argument("--saturation-levels", default="256,512,1024", help="concurrency levels ('' or 0: skip)")
     g.add_argument("--no-saturation", action="store_true", help="skip the saturation phase")
@@ -1064,13 +1181,14 @@ def main(argv: list[str]) -> int:
                          tokens=a.tokens, gap_ms=a.gap_ms, hold=a.hold, hold_seconds=a.hold_seconds,
                          rust=not a.no_rust, reference=a.reference, py_spy_seconds=a.py_spy,
                          py_spy_concurrency=a.py_spy_concurrency,
-                         tracing=a.tracing, base_port=a.base_port, out=a.out, repeat=max(1, a.repeat),
+                         tracing=a.tracing, state=a.state, workers=max(1, a.workers), base_port=a.base_port, out=a.out,
+                         repeat=max(1, a.repeat),
                          cost_requests=0 if a.no_cost else max(0, a.cost_requests),
                          cost_concurrency=a.cost_concurrency, cost_tokens=(cost_tokens[0], cost_tokens[1]),
                          cost_gap_ms=a.cost_gap_ms, cost_rounds=a.cost_rounds, cost_prompt_chars=a.cost_prompt_chars,
                          saturation_levels=[] if a.no_saturation else [x for x in _ints(a.saturation_levels) if x > 0],
                          saturation_requests=a.saturation_requests, saturation_tokens=a.saturation_tokens,
-                         saturation_gap_ms=a.saturation_gap_ms)
+                         saturation_gap_ms=a.saturation_gap_ms, translation_level=max(0, a.translation_level))
     doc = run_overhead(cfg)
     print_overhead(doc)
     print(f"wrote {cfg.out / 'overhead.json'} (and overhead-1.json ...) and {cfg.out / 'overhead.png'}")

@@ -10,7 +10,7 @@ lives here, so engine quirks never leak into the proxy.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, ClassVar
 
 import httpx
@@ -100,7 +100,19 @@ class EngineAdapter:
                 body.pop(name, None)
             body.pop("response_format", None)
             body.update(self.constraint_fields(constraint))
+        if route == "rerank":
+            # Jina's document objects ({"text": ...}), which validation accepts, as the plain strings every
+            # engine's rerank takes (llama.cpp and SGLang take nothing else)
+            documents = body.get("documents")
+            if isinstance(documents, list) and any(isinstance(d, dict) for d in documents):
+                body["documents"] = [d["text"] if isinstance(d, dict) else d for d in documents]
         return body
+
+    def rewrite_answer(self, route: str, model: str) -> Callable[[bytes], bytes] | None:
+        """How to turn this engine's non-streamed answer on ``route`` (for ``model``) into the shape the gateway
+        serves, where the two differ (None: they do not, and the answer passes byte for byte). The function
+        raises ValueError on an answer it cannot read."""
+        return None
 
     def constraint_fields(self, constraint: Constraint) -> dict[str, Any]:
         """The request fields that carry ``constraint`` in this engine's dialect (OpenAI's, here)."""

@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 import httpx
 
 from gateway.engines.base import BackendError, EngineAdapter, as_int, get, get_json, native_grammar, parse_metrics
-from gateway.engines.spec import EngineSpec
+from gateway.engines.spec import RERANK_ROUTES, EngineSpec
 from gateway.pool.state import Capacity, LoadRecord, ShapeSeed
 from gateway.structured import Constraint
 from gateway.structured.syntax import gbnf_from_choices
@@ -30,6 +30,7 @@ SPEC = EngineSpec(
     structured=frozenset({"json_object", "json_schema", "choice", "grammar:gbnf", "tool_call"}),
     # cpp-httplib closes the connection after a chunked (streamed) response while answering "Keep-Alive:
     # timeout=5, max=100"; a pooled connection then fails the next request ("Can not write request body")
+    routes=RERANK_ROUTES,
     keeps_alive_after_stream=False,
     # /v1/responses and /v1/messages (llama-cpp-python 0.3.36's vendored server, tools/server/server.cpp)
     native_apis=frozenset({"responses", "messages", "count_tokens"}),

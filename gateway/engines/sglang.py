@@ -9,13 +9,14 @@ same document, ``max_model_len`` from ``/v1/models``.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import httpx
 import orjson
 
 from gateway.engines.base import BackendError, EngineAdapter, get, get_json, native_grammar, parse_histogram
-from gateway.engines.spec import EngineSpec
+from gateway.engines.spec import RERANK_ROUTES, EngineSpec
 from gateway.engines.vllm import max_model_len
 from gateway.pool.state import Capacity, LoadRecord, ShapeSeed
 from gateway.structured import Constraint
@@ -27,7 +28,11 @@ SPEC = EngineSpec(
     loading_status=503,  # warming up
     cache_page_tokens=1,  # the radix tree reuses any prefix, token by token (--page-size 1, its default)
     kv_events=True,  # --kv-events-config
+    # "priority" with --enable-priority-scheduling: higher first unless --schedule-low-priority-values-first;
+    # ignored without it (server_args.py: abort_on_priority_when_disabled defaults to False)
+    priority_order="higher-first",
     # /metrics only with --enable-metrics; running and waiting come from /v1/loads (see read_load)
+    routes=RERANK_ROUTES,
     metric_names={"queue_histogram": "sglang:queue_time_seconds"},
     # json_schema as a JSON string, regex, ebnf (xgrammar); choices as a regex alternation
     # /v1/responses and /v1/messages, served by the engine itself: python/sglang/srt/entrypoints/http_server.py (0.5.23)
@@ -52,6 +57,9 @@ class SGLangAdapter(EngineAdapter):
         if kind == "grammar":
             return {"ebnf": native_grammar(constraint, ("ebnf",))}
         return super().constraint_fields(constraint)
+
+    def rewrite_answer(self, route: str, model: str) -> Callable[[bytes], bytes] | None:
+        return (lambda raw: rerank_answer(raw, model)) if route == "rerank" else None
 
     def __init__(self) -> None:
         self._metrics_enabled = True  # learned: without --enable-metrics /metrics is not served
@@ -94,3 +102,27 @@ async def _loads(client: httpx.AsyncClient) -> list[dict[str, Any]]:
 def _sum(loads: list[dict[str, Any]], key: str) -> int | None:
     values = [item[key] for item in loads if isinstance(item.get(key), int)]
     return sum(values) if values else None
+
+
+def rerank_answer(raw: bytes, model: str) -> bytes:
+    """SGLang's rerank answer, a bare list of ``{score, document, index, meta_info}`` best first
+    (``serving_rerank.py``), in the shape vLLM and llama.cpp answer and rerank clients read (Jina's and
+    Cohere's): ``{id, model, object, usage, results: [{index, relevance_score, document: {text}}]}``."""
+    items = orjson.loads(raw)
+    if not isinstance(items, list) or not all(isinstance(i, dict) for i in items):
+        raise ValueError("SGLang's rerank answer is not a list of results")
+    results: list[dict[str, Any]] = []
+    tokens = 0
+    rid = ""
+    for item in items:
+        result: dict[str, Any] = {"index": item.get("index"), "relevance_score": item.get("score")}
+        if isinstance(item.get("document"), str):
+            result["document"] = {"text": item["document"]}
+        results.append(result)
+        meta = item.get("meta_info")
+        if isinstance(meta, dict):
+            counted = meta.get("prompt_tokens")
+            tokens += counted if isinstance(counted, int) else 0
+            rid = rid or str(meta.get("id") or "")
+    return orjson.dumps({"id": rid or "rerank", "model": model, "object": "list",
+                         "usage": {"prompt_tokens": tokens, "total_tokens": tokens}, "results": results})

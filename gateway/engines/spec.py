@@ -19,6 +19,8 @@ from gateway.pool.state import NEUTRAL_SHAPE, ShapeSeed
 
 # the OpenAI routes the gateway serves; an engine lists those it serves (routing skips it for the others)
 OPENAI_ROUTES: frozenset[str] = frozenset({"chat", "completions", "embeddings"})
+# ... and those with a rerank endpoint (/v1/rerank: llama.cpp with a reranking model, vLLM, SGLang)
+RERANK_ROUTES: frozenset[str] = OPENAI_ROUTES | {"rerank"}
 
 # statuses worth sending to another backend (nothing was generated): back-pressure and server errors
 RETRY_STATUSES: frozenset[int] = frozenset({429, 500, 502, 503, 504})
@@ -74,6 +76,9 @@ class EngineSpec:
     slot_field: str | None = None  # the request field that names the slot to run in (caches by slot only)
     cache_page_tokens: int = 1  # "blocks": a prefix is reused in whole pages of this many tokens
     kv_events: bool = False  # publishes its KV-cache events (ZMQ + msgpack; see gateway.kvcache.wire)
+    # with priority scheduling on, the request field "priority" orders its queue, this way by default (None:
+    # the engine has no such field)
+    priority_order: Literal["lower-first", "higher-first"] | None = None
     stream: StreamQuirks = StreamQuirks()
     timings: TimingSource | None = None
     # routing: its performance shape before anything is measured

@@ -13,7 +13,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.engines.base import EngineAdapter, get, get_json, native_grammar
-from gateway.engines.spec import EngineSpec
+from gateway.engines.spec import RERANK_ROUTES, EngineSpec
 from gateway.pool.state import Capacity, ShapeSeed
 from gateway.structured import Constraint
 
@@ -27,7 +27,11 @@ SPEC = EngineSpec(
     },
     default_slots=256,  # vLLM's default max_num_seqs, which it does not publish
     cache_page_tokens=16,  # --block-size's default
+    routes=RERANK_ROUTES,
     kv_events=True,  # --kv-events-config
+    # "priority" (lower first) with --scheduling-policy priority; any other value than 0 without it is a 400
+    # ("Got priority 1 but Priority scheduling is not enabled.", vllm/v1/engine/processor.py)
+    priority_order="lower-first",
     # structured_outputs (xgrammar): JSON, regex, choice, EBNF and Lark grammars. Never the removed guided_*
     # fields, which vLLM ignores with a 200.
     # /v1/responses and /v1/messages, served by the engine itself (0.33: vllm/entrypoints/openai/responses/

@@ -34,6 +34,7 @@ from typing import Literal
 import zmq
 import zmq.asyncio
 
+from gateway.kvcache.contexts import close_context, open_context
 from gateway.kvcache.index import EventIndex
 from gateway.kvcache.wire import Batch, WireError, decode_message, decode_replay
 from gateway.pool.backend import Backend
@@ -320,7 +321,7 @@ class EventHub:
             if old is not None:
                 self._retire(old)
             if self._context is None:
-                self._context = zmq.asyncio.Context()
+                self._context = open_context(zmq.asyncio.Context)  # (never left to the collector: see contexts)
             stream = self.streams[backend.name] = EventStream(backend, settings, self._context)
             stream.start()
 
@@ -336,5 +337,5 @@ class EventHub:
         if self._stopping:
             await asyncio.gather(*self._stopping, return_exceptions=True)
         if self._context is not None:
-            self._context.term()
+            close_context(self._context)
             self._context = None

@@ -30,9 +30,11 @@ class Backend:
         "in_flight",
         "load",
         "marked_down",
+        "marked_down_at",
         "max_concurrency",
         "models",
         "name",
+        "priority_order",
         "request_headers",
         "scrape_errors",
         "secrets",
@@ -53,6 +55,7 @@ class Backend:
         breaker: BreakerSettings | None = None,
         spec: EngineSpec | None = None,
         cache_ram_mib: int | None = None,
+        priority_order: str | None = None,
     ) -> None:
         self.name = name
         self.engine = engine
@@ -60,6 +63,9 @@ class Backend:
         # OpenAI-compatible server's when not given
         self.spec = spec if spec is not None else EngineSpec(name=engine)
         self.cache_ram_mib = cache_ram_mib  # llama.cpp's --cache-ram as configured (None: its default)
+        # its engine schedules by the request's "priority" field, this way ("lower-first", "higher-first"), or
+        # None: the gateway's priority stays in the gateway
+        self.priority_order = priority_order
         self.url = url
         self.configured_models = frozenset(models) if models else None
         # Last known models are kept while a backend is down, so its model is "unavailable" (503), not
@@ -79,6 +85,7 @@ class Backend:
         # its address and credentials, kept out of every message passed to a client
         self.secrets = Redactor(name, url)
         self.marked_down = 0  # times the proxy took it out of rotation (a probe begun before that is stale)
+        self.marked_down_at = 0.0  # time.monotonic() of the last time
         self.breaker = Breaker(breaker or BreakerSettings())
         # bumped each time the backend comes (back) up: a restarted engine has empty caches
         self.epoch = 0
@@ -140,3 +147,4 @@ class Backend:
         self.detail = reason
         self.load = None
         self.marked_down += 1
+        self.marked_down_at = time.monotonic()

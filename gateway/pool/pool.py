@@ -5,9 +5,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Iterator
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Any
 
 import httpx
+import orjson
 
 from gateway.config import BackendSettings, BreakerSettings, DiscoverySettings, ScrapeSettings
 from gateway.engines.base import BackendError, EngineAdapter
@@ -15,11 +18,13 @@ from gateway.engines.registry import create_adapter
 from gateway.errors import Redactor
 from gateway.pool.backend import Backend
 from gateway.pool.discovery import Resolver, replica_settings, system_resolver
-from gateway.pool.state import Health, Probe
+from gateway.pool.state import Capacity, Health, LoadRecord, Probe
 
 log = logging.getLogger("gateway.pool")
 
 ClientFactory = Callable[[BackendSettings, EngineAdapter], httpx.AsyncClient]
+# a follower's way to the pool snapshot of the worker that scrapes for the whole pod (None: no answer)
+Leader = Callable[[], Awaitable[bytes | None]]
 
 
 def default_client_factory(scrape: ScrapeSettings) -> ClientFactory:
@@ -49,8 +54,14 @@ class Pool:
         discovery: DiscoverySettings | None = None,
         resolver: Resolver | None = None,
         breaker: BreakerSettings | None = None,
+        leader: Leader | None = None,
     ) -> None:
         self._scrape = scrape
+        # a worker of several (server.workers) that is not the first takes the first one's readings instead of
+        # scraping every engine itself: one set of scrapes per pod, whatever the number of workers
+        self._leader = leader
+        self._following = False
+        self._probed_at: dict[str, float] = {}
         self._breaker = breaker or BreakerSettings()
         self._discovery = discovery or DiscoverySettings()
         self._resolver = resolver or system_resolver
@@ -83,6 +94,7 @@ class Pool:
             breaker=self._breaker,
             spec=adapter.spec,
             cache_ram_mib=settings.cache_ram_mib,
+            priority_order=settings.priority_order(),
         )
         backend.request_headers = {"Content-Type": "application/json", **settings.basic_auth_header(),
                                    **adapter.spec.auth_headers(settings.resolved_api_key())}
@@ -134,8 +146,11 @@ class Pool:
             self._open(backend)
         if self.backends:
             await asyncio.gather(*(self.scrape_once(b) for b in self.backends))
-        for backend in self.backends:
-            self._start_loop(backend)
+        if self._leader is not None:
+            self._tasks["(leader)"] = asyncio.create_task(self._follow_loop(), name="follow-leader")
+        else:
+            for backend in self.backends:
+                self._start_loop(backend)
         if self._groups:
             self._discovery_task = asyncio.create_task(self._discovery_loop(), name="dns-discovery")
 
@@ -183,7 +198,8 @@ class Pool:
                 if self._running and self._tasks:  # after start: bring it in like the others
                     self._open(backend)
                     await self.scrape_once(backend)
-                    self._start_loop(backend)
+                    if self._leader is None:
+                        self._start_loop(backend)
 
     async def _discovery_loop(self) -> None:
         while True:
@@ -194,6 +210,74 @@ class Pool:
         while True:
             await asyncio.sleep(self._scrape.interval)
             await self.scrape_once(backend)
+
+    async def _follow_loop(self) -> None:
+        """A follower's loop: every scrape interval, the leader's readings; while the leader has none to give
+        (restarting, or its readings are stale), this worker scrapes for itself."""
+        assert self._leader is not None
+        while True:
+            await asyncio.sleep(self._scrape.interval)
+            answer = await self._leader()
+            if answer is not None and self.apply_snapshot(answer):
+                if self._following is False:
+                    log.debug("following the first worker's backend readings")
+                self._following = True
+                continue
+            if self._following:
+                log.warning("the first worker has no fresh backend readings: this worker scrapes for itself")
+            self._following = False
+            await asyncio.gather(*(self.scrape_once(b) for b in list(self.backends)))
+
+    def snapshot(self) -> dict[str, Any]:
+        """What this pool last read of every backend, for the other workers of the pod (JSON-ready; each
+        backend's ``probed_at`` and load ``read_at`` are ``time.monotonic()``, which every process of one machine
+        shares)."""
+        backends: dict[str, Any] = {}
+        for b in self.backends:
+            load = b.load
+            backends[b.name] = {
+                "health": b.health.value, "detail": b.detail, "models": sorted(b.models),
+                "capacity": [b.capacity.slots, b.capacity.context_length, b.capacity.cache_tokens],
+                "load": None if load is None else [load.running, load.waiting, load.kv_usage, load.read_at,
+                                                   load.queue_histogram],
+                "probed_at": self._probed_at.get(b.name), "scrape_errors": b.scrape_errors,
+            }
+        return {"backends": backends}
+
+    def apply_snapshot(self, raw: bytes) -> bool:
+        """Take another worker's readings (see :meth:`snapshot`) for the backends this pool knows; False when
+        they are unusable: malformed, or not one of them fresher than ``stale_after``."""
+        try:
+            snap = orjson.loads(raw)
+            entries = snap["backends"]
+            now = time.monotonic()
+            fresh = 0
+            for name, entry in entries.items():
+                backend = self._by_name.get(name)
+                probed_at = entry["probed_at"]
+                if backend is None or probed_at is None or now - probed_at > self._scrape.stale_after:
+                    continue
+                fresh += 1
+                if probed_at <= self._probed_at.get(name, 0.0) or probed_at < backend.marked_down_at:
+                    continue  # nothing newer, or this worker saw it fail after that reading
+                self._probed_at[name] = probed_at
+                if backend.configured_models is None:
+                    backend.models = frozenset(entry["models"])
+                backend.capacity = Capacity(*entry["capacity"])
+                backend.scrape_errors = entry["scrape_errors"]
+                load = entry["load"]
+                if load is None:
+                    backend.record_load(None)
+                elif backend.load is None or backend.load.read_at != load[3]:
+                    histogram = load[4]
+                    if histogram is not None:
+                        histogram = (tuple((le, count) for le, count in histogram[0]), histogram[1], histogram[2])
+                    backend.record_load(LoadRecord(load[0], load[1], load[2], load[3], histogram))
+                self._transition(backend, Probe(Health(entry["health"]), entry["detail"]), quiet=True)
+        except (orjson.JSONDecodeError, KeyError, TypeError, ValueError, IndexError) as exc:
+            log.warning("the first worker's backend readings are unusable: %s", exc)
+            return False
+        return fresh > 0 or not self.backends
 
     async def scrape_once(self, backend: Backend) -> None:
         """Probe one backend; when ready, refresh its models (on recovery and every few cycles), its capacity
@@ -209,6 +293,7 @@ class Pool:
             probe = Probe(Health.DOWN, str(exc) or "health check timed out")
         if backend.marked_down != marks:
             return  # the proxy saw it fail while this probe was out: the probe's answer is older news
+        self._probed_at[backend.name] = time.monotonic()
         if probe.health is not Health.READY:
             self._transition(backend, probe)
             backend.record_load(None)
@@ -236,10 +321,11 @@ class Pool:
         self._transition(backend, probe)
 
     @staticmethod
-    def _transition(backend: Backend, probe: Probe) -> None:
+    def _transition(backend: Backend, probe: Probe, *, quiet: bool = False) -> None:
         before = backend.health
         backend.record_probe(probe)
         if before is not probe.health:
-            level = logging.INFO if probe.health is Health.READY else logging.WARNING
+            # a follower's transitions are the leader's, which logged them already
+            level = logging.DEBUG if quiet else logging.INFO if probe.health is Health.READY else logging.WARNING
             log.log(level, "backend %s (%s) is %s%s", backend.name, backend.engine, probe.health.value,
                     f": {probe.detail}" if probe.detail else "")

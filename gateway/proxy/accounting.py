@@ -23,7 +23,7 @@ import orjson
 from gateway.pool.backend import Backend
 from gateway.proxy.exchange import Exchange
 from gateway.routing.request import Outcome, RouteRequest
-from gateway.telemetry.metrics import UNKNOWN, GatewayMetrics, observe_bucketed
+from gateway.telemetry.metrics import UNKNOWN, GatewayMetrics
 
 access_log = logging.getLogger("gateway.access")
 log = logging.getLogger(__name__)
@@ -190,46 +190,44 @@ def access_record(exchange: Exchange) -> bytes:
 
 
 def record_metrics(m: GatewayMetrics, exchange: Exchange) -> None:
-    child = m.child
+    live = m.live
     backend = exchange.backend.name if exchange.backend else UNKNOWN
     model = exchange.model if exchange.model is not None else UNKNOWN
     status_class = f"{exchange.status // 100}xx" if exchange.status else "none"
-    child(m.requests, exchange.route, model, backend, status_class, exchange.outcome).inc()
+    live.count_request(exchange.route, model, backend, status_class, exchange.outcome)
     if exchange.backend is None:
         return
     end = exchange.t_end or time.perf_counter()
-    child(m.request_duration, exchange.route, backend, model).observe(end - exchange.t_start)
+    live.duration(exchange.route, backend, model).observe(end - exchange.t_start)
     if exchange.t_dispatch is not None:
         m.queue_wait.observe(backend, "gateway", exchange.t_dispatch - exchange.t_start)
     first, last = exchange.t_first_text, exchange.t_last_text
-    series = m.children(backend, model)  # the by-model series below, one lookup
+    series = live.model(backend, model)
     if first is not None:
-        series[m.time_to_first_token].observe(first - exchange.t_start)
+        series.ttft.observe(first - exchange.t_start)
         counts = exchange.gap_counts
         if counts is not None and any(counts):
-            observe_bucketed(series[m.inter_token_latency], counts, exchange.gap_sum)
-    if exchange.usage:
-        series[m.prompt_tokens].inc(exchange.usage_int("prompt_tokens"))
+            series.itl.add(counts, exchange.gap_sum)
+    usage = exchange.usage
+    if usage:
+        series.usage_seen = True
+        series.prompt_tokens += exchange.usage_int("prompt_tokens")
         completion = exchange.usage_int("completion_tokens")
-        series[m.completion_tokens].inc(completion)
-        reasoning = exchange.reasoning_tokens()
-        if reasoning:
-            series[m.reasoning_tokens].inc(reasoning)
-        series[m.cached_tokens].inc(exchange.cached_tokens())
+        series.completion_tokens += completion
+        series.reasoning_tokens += exchange.reasoning_tokens()
         reported = exchange.reported_cached_tokens()
+        series.cached_tokens += reported or 0
         request = exchange.request
         if reported is not None and request is not None:
             # the engine's own events where they predicted it, else the approximate index
             if request.events_cached_tokens is not None:
-                child(m.prefix_predicted_tokens, backend, "events").inc(request.events_cached_tokens)
-                child(m.prefix_reported_tokens, backend, "events").inc(reported)
+                live.prefix_tokens(backend, "events", request.events_cached_tokens, reported)
             elif request.predicted_cached_tokens is not None:
-                child(m.prefix_predicted_tokens, backend, "approximate").inc(request.predicted_cached_tokens)
-                child(m.prefix_reported_tokens, backend, "approximate").inc(reported)
+                live.prefix_tokens(backend, "approximate", request.predicted_cached_tokens, reported)
         if first is not None and last is not None and completion >= 2 and last > first:
             per_token = (last - first) / (completion - 1)
-            series[m.time_per_output_token].observe(per_token)
-            series[m.output_tokens_per_second].observe(1.0 / per_token)
+            series.tpot.observe(per_token)
+            series.tps.observe(1.0 / per_token)
     engine_times = _engine_times(exchange)
     if engine_times is not None and exchange.t_dispatch is not None and exchange.outcome == "success":
         prompt_s, generate_s = engine_times

@@ -1,77 +1,524 @@
-"""Admission control: when every eligible backend is at its ``max_concurrency``, a request waits here for a
-slot, up to ``max_wait_seconds``, in a queue of at most ``queue_size`` requests.
+"""Admission control: when every eligible backend of a model is at its ``max_concurrency``, requests wait
+here for a slot, in priority order and, within a priority, in fair shares between API keys.
 
-Fair across API keys: each key has its own FIFO, and a freed slot goes to the keys in turn, so one key
-sending a flood does not starve the others. A slot freed on a backend wakes the next waiter whose model that
-backend serves; the waiter then routes again (another request may have been quicker: it waits again, at the
-head of its key's queue).
+The rules (docs/flow-control.md says them for operators):
+
+* **Priority first.** A request's priority is an integer (higher goes first; the named bands ``critical``,
+  ``standard`` and ``sheddable`` are 100, 0 and -100 by default). A freed slot goes to the highest priority
+  waiting for it. Lower priorities progress whenever the higher ones leave a slot unclaimed: nothing waits
+  behind an empty band, and a band that cannot be served in time is told so at once (below) rather than
+  held until its deadline.
+* **Fair shares within a priority.** Each model's waiters at one priority form a start-time fair queue over
+  API keys (anonymous traffic is one key): a request's tag is ``max(virtual time, its key's last finish)``,
+  its key's finish moves on by ``1 / weight``, and the smallest tag goes next. Two saturating keys of weights
+  3 and 1 are admitted 3:1; a key that floods cannot push a light key's request behind its backlog, since
+  the light key's next tag is the queue's current virtual time.
+* **No barging.** A request that arrives while requests of its priority or above wait for its model queues
+  behind them instead of taking the slot they were woken for.
+* **Shedding on predicted wait.** A request's predicted wait is the requests served before it divided by
+  the model's observed completion rate. Past its deadline (``x-gateway-deadline-ms``, else its band's
+  ``max_wait_seconds``) it is refused at once with ``Retry-After`` = that prediction, and so is a waiting
+  request that higher-priority arrivals have pushed past its deadline (the lowest priority is looked at
+  first). With the queue full, an arrival displaces the newest waiter of a lower priority, if any.
+
+A woken waiter routes again; if another request was quicker it waits again with its original tag (ahead of
+its key's later requests). Waiting is in slices: a waiter looks again after ``slice`` seconds even when no
+release woke it (a backend that came up frees slots no release announces).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import math
 import time
-from collections import OrderedDict, deque
+from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from gateway.config import AdmissionSettings
+from gateway.config import AdmissionSettings, ApiKeySettings
+from gateway.errors import GatewayError
 from gateway.pool.backend import Backend
 
+RATE_WINDOW_SECONDS = 30.0  # completions older than this no longer count toward a model's service rate
+RATE_MIN_COMPLETIONS = 4  # fewer recent completions: the rate is unknown and nothing is shed on a guess
 
-class QueueFull(Exception):
-    pass
+
+MAX_DEADLINE_MS = 3_600_000
 
 
-class QueueTimeout(Exception):
-    pass
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """What admission needs of a request: its priority, its key's weight and how long it may wait."""
+
+    priority: int
+    band: str
+    weight: float
+    max_wait: float
+    max_saturation: float | None = None  # its band's: admitted only below this share of the model's slots
+
+
+class Priorities:
+    """A request's :class:`Placement`, from its key's settings and its ``x-gateway-priority`` and
+    ``x-gateway-deadline-ms`` headers. A key's priority is its own or admission's default; the header may ask
+    for any priority up to the key's ``max_priority`` (default: its own: the header can only lower it).
+    Anonymous traffic is one tenant at the default priority. The deadline shortens the wait, never lengthens
+    it past the band's ``max_wait_seconds``."""
+
+    def __init__(self, settings: AdmissionSettings, keys: Iterable[ApiKeySettings]) -> None:
+        self.settings = settings
+        default = settings.priority_of(settings.default_priority)
+        self._anonymous = (default, default, 1.0)
+        self._keys: dict[str, tuple[int, int, float]] = {}
+        for key in keys:
+            own = settings.priority_of(key.priority) if key.priority is not None else default
+            ceiling = settings.priority_of(key.max_priority) if key.max_priority is not None else own
+            self._keys[key.name] = (own, ceiling, key.weight)
+        self._plain = {name: self._placement(own, weight, None) for name, (own, _, weight) in self._keys.items()}
+        self._plain_anonymous = self._placement(default, 1.0, None)
+
+    def _placement(self, priority: int, weight: float, deadline: float | None) -> Placement:
+        max_wait = self.settings.max_wait_of(priority)
+        if deadline is not None:
+            max_wait = min(max_wait, deadline)
+        return Placement(priority, self.settings.band_of(priority), weight, max_wait,
+                         self.settings.max_saturation_of(priority))
+
+    def place(self, key: str | None, priority_header: bytes | None, deadline_header: bytes | None) -> Placement:
+        if priority_header is None and deadline_header is None:  # (the common case: nothing to parse)
+            plain = self._plain.get(key) if key is not None else None
+            return plain if plain is not None else self._plain_anonymous
+        own, ceiling, weight = self._keys.get(key, self._anonymous) if key is not None else self._anonymous
+        priority = own
+        if priority_header is not None:
+            text = priority_header.decode("latin-1").strip()
+            try:
+                priority = self.settings.priority_of(int(text) if _is_int(text) else text, "x-gateway-priority")
+            except ValueError as exc:
+                raise GatewayError(400, str(exc),
+                                   code="invalid_priority", param="x-gateway-priority") from None
+            if priority > ceiling:
+                raise GatewayError(403, f"x-gateway-priority: this key may ask for priority {ceiling} at most "
+                                        f"(asked {priority})", code="priority_not_allowed",
+                                   param="x-gateway-priority")
+        deadline = None
+        if deadline_header is not None:
+            text = deadline_header.decode("latin-1").strip()
+            if not text.isdigit() or not 0 < int(text) <= MAX_DEADLINE_MS:
+                raise GatewayError(400, f"x-gateway-deadline-ms: a whole number of milliseconds in "
+                                        f"[1, {MAX_DEADLINE_MS}], not {text[:40]!r}", code="invalid_deadline",
+                                   param="x-gateway-deadline-ms")
+            deadline = int(text) / 1000.0
+        return self._placement(priority, weight, deadline)
+
+
+def _is_int(text: str) -> bool:
+    return text.lstrip("+-").isdigit() and len(text) <= 8
+
+
+class Refused(Exception):
+    """The request leaves the queue unserved. ``reason``: ``queue_full`` (no place, none lower to displace),
+    ``displaced`` (a higher priority took its place), ``deadline`` (the predicted wait exceeds what it may
+    wait), ``timeout`` (it waited its whole deadline). ``predicted``: the predicted wait, seconds, if known."""
+
+    def __init__(self, reason: str, predicted: float | None, ahead: int) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.predicted = predicted
+        self.ahead = ahead
 
 
 @dataclass(eq=False)
-class _Waiter:
+class Ticket:
+    """One request's place in admission, kept across its routing attempts."""
+
     model: str
     key: str
-    woken: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    priority: int
+    weight: float
+    deadline: float  # time.monotonic() after which it may no longer be admitted
+    arrived: float = field(default_factory=time.monotonic)
+    tag: float | None = None  # its start tag once it has queued
+    state: str = "new"  # new -> queued -> woken (-> queued ...) -> done
+    woken: asyncio.Future[None] | None = None
+    refused: Refused | None = None  # set when it is shed or displaced while it waits
+    waited: bool = False  # it queued at least once
+    max_saturation: float | None = None  # admitted only while its model's slots in use are below this share
+
+
+class _Level:
+    """One model's waiters at one priority: a start-time fair queue over keys."""
+
+    __slots__ = ("finish", "keys", "vtime")
+
+    def __init__(self) -> None:
+        self.vtime = 0.0
+        self.keys: dict[str, deque[Ticket]] = {}
+        self.finish: dict[str, float] = {}  # key -> the finish tag of its last queued request
+
+    def __len__(self) -> int:
+        return sum(len(q) for q in self.keys.values())
+
+    def push(self, ticket: Ticket) -> None:
+        queue = self.keys.get(ticket.key)
+        if queue is None:
+            queue = self.keys[ticket.key] = deque()
+        if ticket.tag is None:  # a new waiter
+            start = max(self.vtime, self.finish.get(ticket.key, 0.0))
+            ticket.tag = start
+            self.finish[ticket.key] = start + 1.0 / ticket.weight
+            queue.append(ticket)
+        else:  # woken, and beaten to the slot: back where its tag says (the front, as a rule)
+            position = 0
+            while position < len(queue) and (queue[position].tag or 0.0) <= ticket.tag:
+                position += 1
+            queue.insert(position, ticket)
+            self.finish[ticket.key] = max(self.finish.get(ticket.key, 0.0), ticket.tag + 1.0 / ticket.weight)
+
+    def head(self) -> Ticket | None:
+        best: Ticket | None = None
+        for queue in self.keys.values():
+            first = queue[0]
+            if best is None or (first.tag or 0.0) < (best.tag or 0.0):
+                best = first
+        return best
+
+    def pop(self) -> Ticket | None:
+        best = self.head()
+        if best is not None:
+            self.remove(best)
+            self.vtime = max(self.vtime, best.tag or 0.0)
+        return best
+
+    def remove(self, ticket: Ticket) -> None:
+        queue = self.keys[ticket.key]
+        queue.remove(ticket)
+        if not queue:
+            del self.keys[ticket.key]
+            if self.finish.get(ticket.key, 0.0) <= self.vtime:
+                self.finish.pop(ticket.key, None)
+
+    def ahead_of(self, ticket: Ticket) -> int:
+        """Waiters of this level served before ``ticket`` (by tag), in O(keys): along a key's queue the tags
+        step by ``1 / weight`` from its head's (a requeued waiter aside), so the count below a tag is read off
+        the head's tag and the weight."""
+        tag = ticket.tag or 0.0
+        count = 0
+        for key, queue in self.keys.items():
+            if key == ticket.key:
+                count += len(queue) - 1 if queue[-1] is ticket else queue.index(ticket)
+                continue
+            head = queue[0]
+            first = head.tag or 0.0
+            if first <= tag:
+                count += min(len(queue), int((tag - first) * head.weight) + 1)
+        return count
+
+    def last(self) -> Ticket | None:
+        """The waiter served last (the largest tag)."""
+        worst: Ticket | None = None
+        for queue in self.keys.values():
+            tail = queue[-1]
+            if worst is None or (tail.tag or 0.0) >= (worst.tag or 0.0):
+                worst = tail
+        return worst
+
+
+class _Model:
+    """One model's queue: its priority levels, its woken-but-not-yet-routed waiters and its service rate.
+    (Kept for the process's life: only models that routed a request have one.)"""
+
+    __slots__ = ("active", "completions", "levels", "woken")
+
+    def __init__(self) -> None:
+        self.levels: dict[int, _Level] = {}
+        self.woken: list[Ticket] = []  # woken, still routing: a slot was freed for each
+        self.completions: deque[float] = deque(maxlen=256)
+        self.active = 0  # admitted through this admission and not yet finished
+
+    def priorities(self) -> list[int]:
+        return sorted(self.levels, reverse=True)
+
+    def queued(self) -> int:
+        return sum(len(level) for level in self.levels.values())
+
+    def rate(self, now: float) -> float | None:
+        """Completions per second over the last RATE_WINDOW_SECONDS (None: too few to say). Measured up to
+        ``now``, so a model whose requests stopped finishing sees its rate fall."""
+        times = self.completions
+        while times and now - times[0] > RATE_WINDOW_SECONDS:
+            times.popleft()
+        if len(times) < RATE_MIN_COMPLETIONS:
+            return None
+        span = now - times[0]
+        return len(times) / span if span > 0 else None
 
 
 class Admission:
-    def __init__(self, settings: AdmissionSettings) -> None:
+    def __init__(self, settings: AdmissionSettings, kick_seconds: float = 1.0) -> None:
         self.settings = settings
-        self._queues: OrderedDict[str, deque[_Waiter]] = OrderedDict()  # key -> its waiters; order = turns
-        self.waiting = 0
+        self.kick_seconds = kick_seconds
+        self._kicker: asyncio.Task[None] | None = None
+        self._models: dict[str, _Model] = {}
+        self.waiting = 0  # queued across models (woken ones not counted)
+        # slots freed so far (here or, with shared state, anywhere): a request that found every backend full
+        # while this moved should look again at once, since the wake-up it would wait for has already passed
+        self.generation = 0
 
-    async def wait(self, model: str, key: str, deadline: float) -> None:
-        """Wait until a slot may be free for ``model`` (then route again), or raise QueueFull/QueueTimeout.
-        ``deadline`` is a time.monotonic() value."""
-        if self.waiting >= self.settings.queue_size:
-            raise QueueFull
-        waiter = _Waiter(model, key)
-        queue = self._queues.get(key)
-        if queue is None:
-            queue = self._queues[key] = deque()
-        queue.append(waiter)
-        self.waiting += 1
-        try:
-            await asyncio.wait_for(asyncio.shield(waiter.woken), max(0.0, deadline - time.monotonic()))
-        except TimeoutError:
-            raise QueueTimeout from None
-        finally:
-            self.waiting -= 1
-            if not waiter.woken.done():
-                waiter.woken.cancel()
-            if waiter in queue:
-                queue.remove(waiter)
-            if not queue and self._queues.get(key) is queue:
-                del self._queues[key]
+    # -- a request's life -------------------------------------------------------------------------------------
+    def ticket(self, model: str, key: str, placement: Placement) -> Ticket:
+        return Ticket(model, key, placement.priority, placement.weight, time.monotonic() + placement.max_wait,
+                      max_saturation=placement.max_saturation)
+
+    def should_queue(self, ticket: Ticket) -> bool:
+        """Requests of ``ticket``'s priority or above wait (or were just woken) for its model: it goes behind
+        them rather than taking the slot they are owed."""
+        state = self._models.get(ticket.model)
+        if state is None:
+            return False
+        if any(w.priority >= ticket.priority for w in state.woken):
+            return True
+        return any(p >= ticket.priority and state.levels[p].keys for p in state.levels)
+
+    def admitted(self, ticket: Ticket) -> None:
+        """The request got its backend: it leaves the queue and counts as active until :meth:`released`. One
+        that found its slot on its own (no release woke it: a backend came up, or another replica freed it)
+        wakes the next waiter too, which looks for another such slot."""
+        own = ticket.state == "queued"
+        self._leave(ticket)
+        state = self._model(ticket.model)
+        state.active += 1
+        if own and self.waiting:
+            self._wake_in(state)
+
+    def is_next(self, ticket: Ticket) -> bool:
+        """``ticket`` is the waiter its model's next freed slot goes to."""
+        state = self._models.get(ticket.model)
+        if state is None or ticket.state != "queued":
+            return False
+        for priority in state.priorities():
+            head = state.levels[priority].head()
+            if head is not None:
+                return head is ticket
+        return False
+
+    def abandon(self, ticket: Ticket) -> None:
+        """The request leaves without a backend (refused, failed, client gone)."""
+        self._leave(ticket)
+
+    async def wait(self, ticket: Ticket) -> None:
+        """Queue ``ticket`` (or keep its place) until it is woken: a slot may be free for its model (the caller
+        routes again). Raises :class:`Refused` when it cannot be served within its deadline, or was
+        displaced."""
+        if ticket.refused is not None:  # (shed or displaced while it was routing)
+            raise ticket.refused
+        now = time.monotonic()
+        if now >= ticket.deadline:
+            raise self._refuse(ticket, "timeout", now)
+        state = self._model(ticket.model)
+        if ticket.state != "queued":
+            if ticket.state == "woken":
+                state.woken.remove(ticket)
+            elif self.waiting >= self.settings.queue_size and not self._displace(ticket, now):
+                raise self._refuse(ticket, "queue_full", now)
+            level = state.levels.get(ticket.priority)
+            if level is None:
+                level = state.levels[ticket.priority] = _Level()
+            level.push(ticket)
+            ticket.state = "queued"
+            ticket.waited = True
+            self.waiting += 1
+            if self.settings.shed_on_predicted_wait:
+                predicted, ahead = self._predict(state, ticket, now)
+                if predicted is not None and predicted > ticket.deadline - now:
+                    self._dequeue(ticket)
+                    raise Refused("deadline", predicted, ahead)
+                self._shed_lower(state, ticket.priority, now)
+        loop = asyncio.get_running_loop()
+        if self._kicker is None or self._kicker.done():
+            self._kicker = loop.create_task(self._kick())
+        ticket.woken = loop.create_future()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(ticket.woken), max(0.0, ticket.deadline - now))
+        if ticket.refused is not None:
+            raise ticket.refused
+        if ticket.state == "queued":  # (its deadline passed)
+            raise self._refuse(ticket, "timeout", time.monotonic())
+
+    async def _kick(self) -> None:
+        """While requests wait: every ``kick_seconds``, wake each model's first waiter even though no release
+        announced a slot (a backend that came up, or a free-slot message lost with a Redis connection); if it
+        finds one, its admission wakes the next (see :meth:`admitted`). One timer per admission, not one per
+        waiter."""
+        while self.waiting:
+            await asyncio.sleep(self.kick_seconds)
+            for state in list(self._models.values()):
+                if not state.woken and any(level.keys for level in state.levels.values()):
+                    self._wake_in(state)
+
+    def finished(self, ticket: Ticket) -> None:
+        """An admitted request ended (answered or not): it no longer counts as active, and its end counts
+        toward its model's service rate."""
+        self._model(ticket.model).active -= 1
+        self.completed(ticket.model)
+
+    def completed(self, model: str, at: float | None = None) -> None:
+        """A request of ``model`` ended at ``at`` (time.monotonic(), default now): its service rate."""
+        self._model(model).completions.append(time.monotonic() if at is None else at)
 
     def released(self, backend: Backend) -> None:
-        """A request on ``backend`` finished: wake the next waiter (keys in turn) whose model it serves."""
-        if not self.waiting:
+        """An attempt on ``backend`` ended: wake the best waiter whose model ``backend`` serves."""
+        self.generation += 1
+        if self.waiting:
+            self._wake(backend)
+
+    def freed(self, backends: Iterable[Backend]) -> None:
+        """A slot was freed in the shared state on one of ``backends`` (by any replica): a waiter may route
+        again."""
+        self.generation += 1
+        for backend in backends:
+            if not self.waiting:
+                return
+            self._wake(backend)
+
+    # -- what operators and autoscalers read ---------------------------------------------------------------
+    def depth(self) -> dict[tuple[str, int], int]:
+        """Queued requests by (model, priority)."""
+        return {(model, p): len(level) for model, state in self._models.items()
+                for p, level in state.levels.items() if level.keys}
+
+    def active(self, model: str) -> int:
+        state = self._models.get(model)
+        return state.active if state is not None else 0
+
+    def queued(self, model: str) -> int:
+        state = self._models.get(model)
+        return state.queued() if state is not None else 0
+
+    def models(self) -> list[str]:
+        return list(self._models)
+
+    def service_rate(self, model: str) -> float | None:
+        state = self._models.get(model)
+        return state.rate(time.monotonic()) if state is not None else None
+
+    # -- inside -------------------------------------------------------------------------------------------
+    def _model(self, model: str) -> _Model:
+        state = self._models.get(model)
+        if state is None:
+            state = self._models[model] = _Model()
+        return state
+
+    def _wake(self, backend: Backend) -> None:
+        best: tuple[int, float] | None = None
+        chosen: _Model | None = None
+        for model, state in self._models.items():
+            if model not in backend.models:
+                continue
+            for priority in state.priorities():
+                head = state.levels[priority].head()
+                if head is None:
+                    continue
+                rank = (priority, -head.arrived)
+                if best is None or rank > best:
+                    best, chosen = rank, state
+                break  # (the first level with waiters is this model's best)
+        if chosen is not None:
+            self._wake_in(chosen)
+
+    def _wake_in(self, state: _Model) -> None:
+        """Wake ``state``'s next waiter: the head of its highest level with waiters."""
+        for priority in state.priorities():
+            level = state.levels[priority]
+            if level.keys:
+                break
+        else:
             return
-        for key in list(self._queues):
-            queue = self._queues[key]
-            for waiter in queue:
-                if waiter.model in backend.models and not waiter.woken.done():
-                    queue.remove(waiter)
-                    waiter.woken.set_result(None)
-                    self._queues.move_to_end(key)  # this key had its turn
-                    return
+        ticket = level.pop()
+        assert ticket is not None
+        self._drop_empty(state, ticket.priority)
+        self.waiting -= 1
+        ticket.state = "woken"
+        state.woken.append(ticket)
+        if ticket.woken is not None and not ticket.woken.done():
+            ticket.woken.set_result(None)
+
+    def _predict(self, state: _Model, ticket: Ticket, now: float) -> tuple[float | None, int]:
+        """(predicted wait in seconds or None, requests served before ``ticket``)."""
+        ahead = sum(1 for w in state.woken if w.priority >= ticket.priority)
+        for priority, above in state.levels.items():
+            if priority > ticket.priority:
+                ahead += len(above)
+        own = state.levels.get(ticket.priority)
+        if own is not None and ticket.state == "queued":
+            ahead += own.ahead_of(ticket)
+        rate = state.rate(now)
+        return ((ahead + 1) / rate if rate else None), ahead
+
+    def _shed_lower(self, state: _Model, priority: int, now: float) -> None:
+        """An arrival at ``priority`` pushed every lower waiter back by one: refuse, lowest priority first,
+        those that can no longer be served within their deadlines."""
+        for lower in sorted(p for p in state.levels if p < priority):
+            while True:
+                level = state.levels.get(lower)
+                last = level.last() if level is not None else None
+                if last is None:
+                    break
+                predicted, ahead = self._predict(state, last, now)
+                if predicted is None or predicted <= last.deadline - now:
+                    break
+                self._dequeue(last)
+                self._notify(last, Refused("deadline", predicted, ahead))
+
+    def _displace(self, ticket: Ticket, now: float) -> bool:
+        """The queue is full: take the place of the newest waiter of the lowest priority below ``ticket``'s."""
+        for candidate in sorted(self._models.values(), key=lambda s: min(s.levels, default=0)):
+            lower = [p for p in candidate.levels if p < ticket.priority and candidate.levels[p].keys]
+            if not lower:
+                continue
+            victim = candidate.levels[min(lower)].last()
+            assert victim is not None
+            predicted, ahead = self._predict(candidate, victim, now)
+            self._dequeue(victim)
+            self._notify(victim, Refused("displaced", predicted, ahead))
+            return True
+        return False
+
+    def _dequeue(self, ticket: Ticket) -> None:
+        state = self._models[ticket.model]
+        state.levels[ticket.priority].remove(ticket)
+        self._drop_empty(state, ticket.priority)
+        self.waiting -= 1
+        ticket.state = "new"
+
+    def _drop_empty(self, state: _Model, priority: int) -> None:
+        level = state.levels.get(priority)
+        if level is not None and not level.keys and not level.finish:
+            del state.levels[priority]
+
+    def _notify(self, ticket: Ticket, refused: Refused) -> None:
+        ticket.refused = refused
+        ticket.state = "done"
+        if ticket.woken is not None and not ticket.woken.done():
+            ticket.woken.set_result(None)
+
+    def _refuse(self, ticket: Ticket, reason: str, now: float) -> Refused:
+        state = self._models.get(ticket.model)
+        predicted, ahead = self._predict(state, ticket, now) if state is not None else (None, 0)
+        self._leave(ticket)
+        return Refused(reason, predicted, ahead)
+
+    def _leave(self, ticket: Ticket) -> None:
+        state = self._models.get(ticket.model)
+        if ticket.state == "queued":
+            self._dequeue(ticket)
+        elif ticket.state == "woken" and state is not None:
+            state.woken.remove(ticket)
+        ticket.state = "done"
+        if ticket.woken is not None and not ticket.woken.done():
+            ticket.woken.cancel()
+
+
+def retry_after(refused: Refused) -> int:
+    """Whole seconds for ``Retry-After``: the predicted wait, at least 1."""
+    return max(1, math.ceil(refused.predicted)) if refused.predicted is not None else 1

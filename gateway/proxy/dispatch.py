@@ -20,17 +20,19 @@ import orjson
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, stop_after_delay, wait_none
 
 from gateway.asgi import ClientWriter, Headers, Receive, Send
+from gateway.auth import KeyStore
 from gateway.config import RetrySettings, StructuredOutputSettings
 from gateway.engines.base import EngineAdapter
 from gateway.engines.registry import ENGINES
 from gateway.errors import GatewayError, normalise_upstream_error
 from gateway.pool.backend import Backend
-from gateway.proxy.admission import Admission, QueueFull, QueueTimeout
+from gateway.proxy.admission import Admission, Priorities, Refused, Ticket, retry_after
 from gateway.proxy.exchange import Exchange
 from gateway.proxy.forward import PATHS, AttemptOptions, Forwarder, InvalidOutput, NativeApi, RetryableStatus
 from gateway.proxy.upstream import UpstreamError
 from gateway.routing.pipeline import Decision, NoRoute, Pipeline
 from gateway.routing.request import RouteRequest
+from gateway.state.shared import SharedState, Slotted, StateUnavailable
 from gateway.structured import can_honour
 from gateway.structured.check import CHECKABLE, output_problem
 from gateway.telemetry.metrics import GatewayMetrics
@@ -66,7 +68,9 @@ class _Retry(Exception):
 
 class Dispatcher:
     def __init__(self, fleet: Fleet, pipeline: Pipeline, admission: Admission, forwarder: Forwarder,
-                 metrics: GatewayMetrics, retries: RetrySettings, structured_output: StructuredOutputSettings) -> None:
+                 metrics: GatewayMetrics, retries: RetrySettings, structured_output: StructuredOutputSettings,
+                 shared: SharedState | None = None, priorities: Priorities | None = None) -> None:
+        self._shared = shared
         self._fleet = fleet
         self._pipeline = pipeline
         self._admission = admission
@@ -75,23 +79,42 @@ class Dispatcher:
         self._retries = retries
         self._structured_output = structured_output
         self._decisions = 0
+        self.priorities = priorities or Priorities(admission.settings, ())
 
     def _observe_decision(self, decision: Decision) -> None:
-        m, child = self._metrics, self._metrics.child
-        child(m.routing_decisions, decision.ranked[0].name, decision.reason).inc()
+        live = self._metrics.live
+        live.count_decision(decision.ranked[0].name, decision.reason)
         # Plugin times are sampled: a dozen histogram observations per request showed in profiles, and one
         # request in PLUGIN_SAMPLE (the first included) gives the same quantiles.
         self._decisions += 1
         if self._decisions % PLUGIN_SAMPLE == 1:
             for plugin, seconds in decision.timings.items():
-                child(m.routing_plugin_seconds, plugin).observe(seconds)
+                live.plugin_time(plugin, seconds)
 
     def _observe_invalid_output(self, backend: Backend, action: str) -> None:
         self._metrics.child(self._metrics.invalid_outputs, backend.name, backend.engine, action).inc()
 
     async def dispatch(self, exchange: Exchange, request: RouteRequest, key: str, receive: Receive,
                        send: Send, writer: ClientWriter | None = None) -> None:
-        decision = await self._route(exchange, request, key)
+        admission = self._admission
+        placement = exchange.placement = exchange.placement or self.priorities.place(None, None, None)
+        ticket = admission.ticket(request.model, key, placement)
+        try:
+            decision = await self._route(exchange, request, ticket)
+        except BaseException:
+            admission.abandon(ticket)
+            if ticket.refused is not None:
+                self._metrics.flow.refused(request.model, placement.band, key, ticket.refused.reason)
+            raise
+        admission.admitted(ticket)
+        self._metrics.flow.admitted(request.model, placement.band, key, time.monotonic() - ticket.arrived)
+        try:
+            await self._send(exchange, request, decision, receive, send, writer)
+        finally:
+            admission.finished(ticket)
+
+    async def _send(self, exchange: Exchange, request: RouteRequest, decision: Decision, receive: Receive,
+                    send: Send, writer: ClientWriter | None) -> None:
         exchange.model = request.model
         exchange.route_reason = decision.reason
         self._observe_decision(decision)
@@ -135,12 +158,17 @@ class Dispatcher:
         except _Retry as exc:  # stopped by time between attempts
             raise exc.final from None
 
-    async def _route(self, exchange: Exchange, request: RouteRequest, key: str) -> Decision:
+    async def _route(self, exchange: Exchange, request: RouteRequest, ticket: Ticket) -> Decision:
         trace = exchange.trace
         admission = self._admission
         pipeline = self._pipeline
-        deadline = time.monotonic() + admission.settings.max_wait_seconds
+        shared = self._shared is not None
+        if admission.should_queue(ticket):  # others of its priority or above wait for this model: behind them
+            await self._wait_slice(request, ticket)
         while True:
+            if ticket.max_saturation is not None and self._saturated(request.model, ticket.max_saturation):
+                await self._wait_slice(request, ticket)  # (the slots above its band's share are kept free)
+                continue
             if trace is not None:
                 trace.route_start()
             try:
@@ -148,35 +176,145 @@ class Dispatcher:
             except NoRoute as exc:
                 if trace is not None:
                     trace.route_end(pipeline.policy, f"none: {exc.stage}", "no eligible backend", None)
-                if exc.stage != "below-max-concurrency" or admission.settings.max_wait_seconds <= 0:
+                if exc.stage != "below-max-concurrency" or ticket.deadline <= ticket.arrived:
                     raise self.no_route(exc) from None
-                try:
-                    await admission.wait(request.model, key, deadline)
-                except QueueFull:
-                    raise GatewayError(429, f"every backend serving '{request.model}' is at its max_concurrency "
-                                            "and the gateway's queue is full; retry shortly",
-                                       code="queue_full", headers={"retry-after": "1"}) from None
-                except QueueTimeout:
-                    raise GatewayError(429, f"no backend serving '{request.model}' had a free slot within "
-                                            f"{admission.settings.max_wait_seconds:g} s; retry shortly",
-                                       code="queue_timeout", headers={"retry-after": "1"}) from None
+                await self._wait_slice(request, ticket)
                 continue
             if trace is not None:
                 trace.route_end(decision.policy, decision.reason, decision.detail, decision.ranked[0].name)
+            if not shared:
+                return decision
+            generation = admission.generation
+            admitted = await self._admit_shared(exchange, decision)
+            if admitted is None:
+                # the shared state did not answer: route again now, as a gateway on its own would (the await
+                # let other requests take this replica's slots meanwhile), and go
+                shared = False
+                continue
+            if not admitted:
+                # another replica took the last slots: wait like any request that found every backend full
+                if ticket.deadline <= ticket.arrived:
+                    raise GatewayError(429, f"every backend serving '{request.model}' is at its max_concurrency; "
+                                            "retry shortly", code="backends_at_capacity", headers={"retry-after": "1"})
+                if admission.generation == generation:  # (else a slot was freed meanwhile: look again now)
+                    await self._wait_slice(request, ticket)
+                continue
             return decision
 
-    def _payload(self, request: RouteRequest, backend: Backend) -> bytes:
+    def _saturated(self, model: str, share: float) -> bool:
+        """This gateway's requests of ``model`` fill at least ``share`` of its ready backends' slots (False
+        when a backend's slots are unknown: nothing to measure against)."""
+        slots = 0
+        for backend in self._fleet.backends:
+            if model in backend.models and backend.routable:
+                if backend.slots is None:
+                    return False
+                slots += backend.slots
+        return slots > 0 and self._admission.active(model) >= share * slots
+
+    async def _wait_slice(self, request: RouteRequest, ticket: Ticket) -> None:
+        """Wait until woken for a free slot (a release, or admission's periodic look: see Admission._kick).
+        Refusals become 429s with the predicted wait as ``Retry-After``."""
+        try:
+            await self._admission.wait(ticket)
+        except Refused as refused:
+            ticket.refused = refused  # (for the metrics)
+            raise self.refusal(request.model, ticket, refused) from None
+
+    def refusal(self, model: str, ticket: Ticket, refused: Refused) -> GatewayError:
+        headers = {"retry-after": str(retry_after(refused))}
+        predicted = (f"the predicted wait ({refused.predicted:.1f} s, {refused.ahead} requests ahead)"
+                     if refused.predicted is not None else "the wait")
+        allowed = ticket.deadline - ticket.arrived
+        if refused.reason == "queue_full":
+            return GatewayError(429, f"every backend serving '{model}' is at its max_concurrency and the gateway's "
+                                     "queue is full; retry shortly", code="queue_full", headers=headers)
+        if refused.reason == "displaced":
+            return GatewayError(429, f"every backend serving '{model}' is at its max_concurrency and the queue is "
+                                     "full: a request of higher priority took this one's place; retry shortly",
+                                code="queue_full", headers=headers)
+        if refused.reason == "deadline":
+            return GatewayError(429, f"every backend serving '{model}' is busy: {predicted} exceeds what this "
+                                     f"request may wait ({allowed:g} s); retry later", code="queue_deadline",
+                                headers=headers)
+        return GatewayError(429, f"no backend serving '{model}' had a free slot within {allowed:g} s; retry shortly",
+                            code="queue_timeout", headers=headers)
+
+    async def _admit_shared(self, exchange: Exchange, decision: Decision) -> bool | None:
+        """With shared state: the key's budget and a slot on the best-ranked backend that has one, in one round
+        trip (none when neither is limited); that backend goes first. False: every ranked backend with a
+        ``max_concurrency`` is full (nothing was taken). None: the shared state did not answer; limits fail as
+        configured, and the caller routes again on local state (each replica keeps to the ``max_concurrency``
+        on its own)."""
+        shared = self._shared
+        assert shared is not None
+        budget = exchange.budget
+        candidates = [Slotted(b.name, b.max_concurrency) for b in decision.ranked]
+        if not shared.needed(budget, candidates):
+            return True
+        try:
+            if not shared.up:
+                raise StateUnavailable("down")
+            admitted = await shared.admit(budget, exchange.reserve, candidates)
+        except StateUnavailable:
+            if budget is not None and (budget.requests_per_minute or budget.tokens_per_minute
+                                       or budget.max_in_flight):
+                if shared.settings.on_failure == "closed":
+                    raise GatewayError(503, "the gateway's shared limits cannot be checked now (its Redis does not "
+                                            "answer); retry shortly", code="limits_unavailable",
+                                       headers={"retry-after": "1"}) from None
+                shared.fail_open += 1
+            return None
+        if admitted.limited is not None:
+            assert budget is not None
+            if admitted.limited == "in_flight":
+                raise KeyStore.too_many(budget.key, budget.max_in_flight or 0)
+            raise KeyStore.rate_limited(budget.key, admitted.limited, admitted.retry_after)
+        if admitted.key_place:
+            exchange.key_place = "shared"
+        if admitted.full:
+            return False
+        if admitted.chosen:
+            ranked = decision.ranked
+            ranked.insert(0, ranked.pop(admitted.chosen))
+        if budget is not None and budget.tokens_per_minute:
+            exchange.reserved_tokens = exchange.reserve
+        exchange.shared_slot = decision.ranked[0].name if admitted.slot else None
+        return True
+
+    def _payload(self, request: RouteRequest, backend: Backend, priority: int) -> bytes:
         """The body in the backend's dialect (the request's validation made sure it encodes), naming the
-        engine slot routing placed it in, where the engine takes one."""
+        engine slot routing placed it in, where the engine takes one, and carrying the request's priority
+        to an engine that schedules by it (the gateway's, whatever the client wrote there)."""
         body = self._fleet.adapters[backend.name].prepare_body(request.route, dict(request.body),
                                                                  request.constraint)
         field = backend.spec.slot_field
         if field is not None and request.engine_slot is not None and request.cached_on is backend:
             body[field] = request.engine_slot
+        order = backend.priority_order
+        if order is not None:
+            body["priority"] = -priority if order == "lower-first" else priority
         return orjson.dumps(body)
 
     async def _attempt(self, exchange: Exchange, request: RouteRequest, backend: Backend, last: bool,
                        headers: Headers, receive: Receive, send: Send, writer: ClientWriter | None) -> None:
+        shared = self._shared
+        if (shared is not None and backend.max_concurrency and exchange.shared_slot != backend.name
+                and shared.up):
+            # a failover attempt on another backend with a max_concurrency: its own slot first
+            try:
+                taken = await shared.acquire(Slotted(backend.name, backend.max_concurrency))
+            except StateUnavailable:
+                taken = True  # (as a replica on its own: the filter kept it below its max_concurrency)
+            else:
+                if taken:
+                    exchange.shared_slot = backend.name
+            if not taken:
+                full = GatewayError(429, f"every backend serving '{request.model}' is at its max_concurrency; "
+                                         "retry shortly", code="backends_at_capacity", headers={"retry-after": "1"})
+                if last:
+                    raise full
+                raise self._retry(exchange, backend, "full", full)
         trace = exchange.trace
         check, retry_invalid = self._output_check(request, can_retry=not last)
         self._pipeline.routed(request, backend)  # (first: routing may place it in an engine slot)
@@ -187,7 +325,7 @@ class Dispatcher:
             payload, native = passed
             check, retry_invalid = None, False  # (the checks read chat answers; nothing is constrained here)
         else:
-            payload = self._payload(request, backend)
+            payload = self._payload(request, backend, exchange.placement.priority if exchange.placement else 0)
         path = native.path if native is not None else PATHS[request.route]
         if request.agent is not None:  # which way this agent API request went
             headers = [*headers, (b"x-gateway-agent-api", b"native" if native is not None else b"translated")]
@@ -195,6 +333,8 @@ class Dispatcher:
             keep_usage=native is not None or client_wants_usage(request.body), headers=headers, check=check,
             retry_invalid=retry_invalid, retry_statuses=frozenset() if last else backend.spec.retry_statuses,
             writer=writer, native=native,
+            rewrite=self._fleet.adapters[backend.name].rewrite_answer(request.route, request.model)
+            if native is None else None,
             upstream_headers=(trace.upstream_start(backend.name, backend.engine, backend.url, path)
                               if trace is not None else None),
         )
@@ -254,6 +394,9 @@ class Dispatcher:
             raise self._retry(exchange, backend, "attempt_failed", final) from None
         finally:
             backend.in_flight -= 1
+            if exchange.shared_slot == backend.name and shared is not None:
+                exchange.shared_slot = None
+                shared.settle(None, 0, backend.name)
             self._admission.released(backend)
             if not settled:
                 if exchange.outcome == "disconnected" or exchange.outcome == "pending":
@@ -349,11 +492,14 @@ class Dispatcher:
         if exc.stage == "below-max-concurrency":
             return GatewayError(429, f"every backend serving '{model}' is at its max_concurrency; retry shortly",
                                 code="backends_at_capacity", headers={"retry-after": "1"})
-        agent = exc.request.agent
-        if exc.stage == "serves-model" and agent is not None and any(model in b.models for b in backends):
-            able = sorted(name for name, spec in ENGINES.items() if agent.servable(spec))
-            return GatewayError(400, f"no backend serving '{model}' serves this route ({agent.api}); engines "
-                                     f"that do: {', '.join(able) or 'none'}", code="unsupported_route")
+        if exc.stage == "serves-model" and any(model in b.models for b in backends):
+            # the model is served, by engines that do not serve this route (rerank, count_tokens)
+            agent, route = exc.request.agent, exc.request.route
+            able = sorted(name for name, spec in ENGINES.items()
+                          if route in spec.routes and (agent is None or agent.servable(spec)))
+            return GatewayError(400, f"no backend serving '{model}' serves this route "
+                                     f"({agent.api if agent is not None else route}); engines that do: "
+                                     f"{', '.join(able) or 'none'}", code="unsupported_route")
         if exc.stage == "serves-model":
             return GatewayError(404, f"The model '{model}' does not exist or is not served by any backend",
                                 type="invalid_request_error", param="model", code="model_not_found")

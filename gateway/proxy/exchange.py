@@ -8,8 +8,10 @@ from typing import Any
 
 from gateway.auth import Client
 from gateway.pool.backend import Backend
+from gateway.proxy.admission import Placement
 from gateway.routing.request import RouteRequest
-from gateway.telemetry.metrics import ITL_BUCKETS
+from gateway.state.shared import Budget
+from gateway.telemetry.request_metrics import ITL_BUCKETS
 from gateway.telemetry.tracing import RequestTrace
 
 _ITL_SLOTS = len(ITL_BUCKETS) + 1  # the inter-token histogram's buckets, +Inf last
@@ -46,6 +48,13 @@ class Exchange:
     route_reason: str | None = None
     client: Client | None = None  # the gateway API key it came with, when keys are configured
     reserved_tokens: int = 0  # taken from the key's tokens per minute on admission, settled at the end
+    # with shared state: the key's budget and the tokens to reserve, admitted after routing in one round trip
+    # (gateway.state), and the backend whose shared slot this request holds
+    budget: Budget | None = None
+    reserve: int = 0
+    shared_slot: str | None = None
+    key_place: str | None = None  # where it holds one of its key's max_in_flight places: "local" or "shared"
+    placement: Placement | None = None  # its priority, weight and longest wait in admission (default: anonymous)
 
     def saw_text(self, events: int, now: float) -> None:
         """A forwarded block carried ``events`` events with generated text, at ``now`` (perf_counter)."""

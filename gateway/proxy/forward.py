@@ -28,7 +28,10 @@ from gateway.proxy.sse import InvalidStream, SSERelay, text_events_in
 from gateway.proxy.transport import BodySink, Transport, UpstreamResponse
 from gateway.proxy.upstream import UpstreamError
 
-PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions", "embeddings": "/v1/embeddings"}
+PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions", "embeddings": "/v1/embeddings",
+         "rerank": "/v1/rerank"}
+# other paths clients use for a route (the engines' own aliases): served as the route, sent on its path
+ALIASES = {"/rerank": "rerank", "/v2/rerank": "rerank", "/v1/reranking": "rerank"}
 
 
 class InvalidOutput(Exception):
@@ -68,6 +71,8 @@ class AttemptOptions:
     retry_statuses: frozenset[int] = frozenset()  # raise RetryableStatus for these instead of answering
     writer: ClientWriter | None = None  # the server's direct writer to the client, where it offers one
     native: NativeApi | None = None  # the client's agent API, sent as it came to an engine that serves it
+    # the engine's non-streamed answer in the shape the gateway serves (EngineAdapter.rewrite_answer)
+    rewrite: Callable[[bytes], bytes] | None = None
 
 
 class Forwarder:
@@ -119,6 +124,12 @@ class Forwarder:
                     content_type = response.headers.get("Content-Type", "")
                     if not exchange.stream or not content_type.startswith("text/event-stream"):
                         raw = await response.read()
+                        if options.rewrite is not None:
+                            try:
+                                raw = options.rewrite(raw)
+                            except ValueError as exc:
+                                raise UpstreamError(f"the backend answered 200 with a body it should not: "
+                                                    f"{exc}: {raw[:80]!r}") from None
                         if not self._account_body(exchange, raw):
                             raise UpstreamError(f"the backend answered 200 with a body that is not a JSON object: "
                                                 f"{raw[:80]!r}")

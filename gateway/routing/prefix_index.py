@@ -12,22 +12,32 @@
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Hashable, Sequence
+from collections import deque
+from collections.abc import Callable, Hashable, Iterable, Sequence
+from itertools import islice, repeat, takewhile
 
 from gateway.pool.backend import Backend
-from gateway.routing.prompt import BLOCK_BYTES
+from gateway.routing.prompt import BLOCK_BYTES, BlockKey
 from gateway.routing.slot_index import SlotIndex
 
 DEFAULT_CACHE_TOKENS = 100_000  # when the engine does not say
 MIN_BLOCKS = 64
 
 
+# runs an iterator to its end in C, keeping nothing
+_consume: Callable[[Iterable[object]], None] = deque[object](maxlen=0).extend
+
+
 class BlockIndex:
+    """An LRU set of block keys, oldest first (a dict keeps insertion order). Every operation is a few C-level
+    calls over the request's keys, with no Python step per block: a request's keys are removed wherever they
+    are and appended again, so they become the most recent in their order, and the oldest keys beyond the
+    capacity are dropped."""
+
     __slots__ = ("_blocks", "capacity", "epoch", "limit")
 
     def __init__(self, capacity: int, epoch: int = 0) -> None:
-        self._blocks: OrderedDict[bytes, None] = OrderedDict()
+        self._blocks: dict[BlockKey, None] = {}
         self.epoch = epoch  # the backend's epoch it describes
         self.capacity = capacity  # current estimate, in blocks
         self.limit = capacity  # what the engine states
@@ -35,23 +45,20 @@ class BlockIndex:
     def __len__(self) -> int:
         return len(self._blocks)
 
-    def match(self, blocks: Sequence[bytes]) -> int:
-        """How many leading blocks are held (chained hashes: the first miss ends the shared prefix)."""
-        held = self._blocks
-        n = 0
-        for block in blocks:
-            if block not in held:
-                break
-            n += 1
-        return n
+    def match(self, blocks: Sequence[BlockKey]) -> int:
+        """How many leading blocks are held (chained keys: the first miss ends the shared prefix)."""
+        return len(list(takewhile(self._blocks.__contains__, blocks)))
 
-    def insert(self, blocks: Sequence[bytes]) -> None:
+    def insert(self, blocks: Sequence[BlockKey], held_leading: int | None = None) -> None:
+        """``blocks`` become the most recent, in order. ``held_leading``: ``match(blocks)``, when the caller
+        has it; only those keys are moved then (a key past the first miss is all but never held: its chain
+        runs through the missing one, and a tail outliving its head is only refreshed when the head is)."""
         held = self._blocks
-        for block in blocks:
-            if block in held:
-                held.move_to_end(block)
-            else:
-                held[block] = None
+        if held_leading is None:
+            _consume(map(held.pop, blocks, repeat(None)))
+        elif held_leading:
+            _consume(map(held.__delitem__, blocks[:held_leading]))
+        held.update(dict.fromkeys(blocks))
         self._evict()
 
     def resize(self, capacity: int) -> None:
@@ -59,10 +66,13 @@ class BlockIndex:
         self._evict()
 
     def _evict(self) -> None:
+        # In batches: a dict keeps the slots of removed keys until it next resizes, and finding the oldest keys
+        # walks over them, so evicting a request's worth at a time cost more than the rest of the index. The
+        # index may hold an eighth over its capacity meanwhile (the capacity is an estimate itself).
         held = self._blocks
-        pop = held.popitem
-        for _ in range(len(held) - self.capacity):
-            pop(last=False)
+        capacity = self.capacity
+        if len(held) > capacity + (capacity >> 3):
+            _consume(map(held.__delitem__, list(islice(held, len(held) - capacity))))
 
 
 class PrefixIndexes:
@@ -94,7 +104,7 @@ class PrefixIndexes:
         tokens = backend.capacity.cache_tokens or DEFAULT_CACHE_TOKENS
         return max(MIN_BLOCKS, int(tokens * self.bytes_per_token / BLOCK_BYTES))
 
-    def match(self, backend: Backend, blocks: Sequence[bytes]) -> int:
+    def match(self, backend: Backend, blocks: Sequence[BlockKey]) -> int:
         return self.lookup(backend, blocks)[0]
 
     def _whole_pages(self, backend: Backend, blocks: int) -> int:
@@ -106,7 +116,7 @@ class PrefixIndexes:
         tokens = blocks * BLOCK_BYTES / self.bytes_per_token
         return int((tokens // page) * page * self.bytes_per_token / BLOCK_BYTES)
 
-    def lookup(self, backend: Backend, blocks: Sequence[bytes]) -> tuple[int, bool, bool]:
+    def lookup(self, backend: Backend, blocks: Sequence[BlockKey]) -> tuple[int, bool, bool]:
         """If the request were sent now: the leading blocks found cached, whether it would first wait for the
         slot that holds them (slot indexes that pin), and whether it would take an empty slot (evicting
         nothing)."""
@@ -118,16 +128,23 @@ class PrefixIndexes:
                     slot is not None and not placement.waits and not index.contents[slot])
         return self._whole_pages(backend, index.match(blocks)), False, False
 
-    def assign(self, backend: Backend, blocks: Sequence[bytes], owner: Hashable) -> tuple[int, int | None]:
+    def assign(self, backend: Backend, blocks: Sequence[BlockKey], owner: Hashable) -> tuple[int, int | None]:
         """The request ``owner`` goes to ``backend``: afterwards its cache holds the prompt. Returns the blocks
         predicted cached there, and the slot to name in the request where the index pins one."""
         index = self.for_backend(backend)
         if isinstance(index, SlotIndex):
             placement = index.assign(blocks, owner)
             return placement.cached, placement.slot if index.pin else None
-        cached = self._whole_pages(backend, index.match(blocks))
-        index.insert(blocks)
-        return cached, None
+        held = index.match(blocks)
+        index.insert(blocks, held)
+        return self._whole_pages(backend, held), None
+
+    def remote_insert(self, backend: str, blocks: Sequence[BlockKey]) -> None:
+        """Another replica routed ``blocks`` to ``backend``: its block index holds them now too (a backend this
+        replica has no block index for yet, or whose index is by slot, is left alone)."""
+        index = self._indexes.get(backend)
+        if isinstance(index, BlockIndex):
+            index.insert(blocks)
 
     def release(self, backend: Backend, owner: Hashable) -> None:
         """The request ``owner`` finished on (or left) ``backend``: a slot it held is idle again."""

@@ -4,18 +4,26 @@ whole prefix up to ``i`` is equal.
 
 No tokenizer is involved: engines cache in tokens (vLLM 16-token blocks, SGLang single tokens, ExLlama
 256-token pages, llama.cpp per slot), but the gateway only needs to know *which* backend holds the longest
-shared prefix, and equal text gives equal tokens. The hash is XXH3 (64 bits), stable across processes and
-machines, so several gateway replicas agree on the same keys (the consistent-hash picker depends on that);
-not a cryptographic hash, and it need not be: a collision only misplaces a request's cache affinity. It is
-4x cheaper than blake2b was here (a 2,000-token prompt's 62 blocks: ~13 us against ~54 us per request).
+shared prefix, and equal text gives equal tokens.
+
+A block's key is the XOR of the XXH3 (64-bit) hashes of every block up to it, each hashed with its position
+as the seed, and of the model: equal keys at block ``i`` mean equal prefixes up to ``i`` (blocks are hashed
+with their position, so reordering blocks changes the key), and all of it runs in C calls, with no Python
+step per block (a 2,000-token prompt's 62 keys: ~5 us, against ~17 us for a chained digest per block). Keys
+are stable across processes and machines, so several gateway replicas agree on them (the consistent-hash
+picker depends on that); not a cryptographic hash, and it need not be: a collision only misplaces a
+request's cache affinity.
 """
 
 from __future__ import annotations
 
+import struct
+from itertools import accumulate
+from operator import itemgetter, xor
 from typing import Any
 
 import orjson
-from xxhash import xxh3_64_digest
+from xxhash import xxh3_64_intdigest
 
 BLOCK_BYTES = 128  # about 32 tokens of English text
 
@@ -50,13 +58,18 @@ def render(route: str, body: dict[str, Any]) -> bytes:
     return b""
 
 
-def block_hashes(model: str, text: bytes, block_bytes: int = BLOCK_BYTES) -> list[bytes]:
-    """Chained hashes of the full blocks of ``text`` (a trailing partial block is not cacheable as a unit),
+BlockKey = int  # a block's key: see the module docstring
+
+_FIRST = itemgetter(0)
+
+
+def block_hashes(model: str, text: bytes, block_bytes: int = BLOCK_BYTES) -> list[BlockKey]:
+    """Chained keys of the full blocks of ``text`` (a trailing partial block is not cacheable as a unit),
     seeded with the model so different models never share keys."""
-    hashes: list[bytes] = []
-    digest = xxh3_64_digest
-    previous = digest(model.encode())
-    for start in range(0, len(text) - block_bytes + 1, block_bytes):
-        previous = digest(previous + text[start : start + block_bytes])
-        hashes.append(previous)
-    return hashes
+    n = len(text) // block_bytes
+    if n == 0:
+        return []
+    blocks = map(_FIRST, struct.iter_unpack(f"{block_bytes}s", memoryview(text)[: n * block_bytes]))
+    keys = list(accumulate(map(xxh3_64_intdigest, blocks, range(n)), xor, initial=xxh3_64_intdigest(model.encode())))
+    del keys[0]  # the model's own hash, the chain's seed
+    return keys

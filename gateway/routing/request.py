@@ -6,16 +6,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.pool.backend import Backend
-from gateway.routing.prompt import BLOCK_BYTES, block_hashes, render
+from gateway.routing.prompt import BLOCK_BYTES, BlockKey, block_hashes, render
 from gateway.structured import Constraint
 
 # tokens to plan for when a request sets no max_tokens
 DEFAULT_MAX_TOKENS = 256
+# routes that run the model over their inputs and generate nothing: no prompt cached, no context to plan
+POOLING_ROUTES = frozenset({"embeddings", "rerank"})
 
 
 @dataclass(slots=True)
 class RouteRequest:
-    route: str  # "chat" | "completions" | "embeddings"
+    route: str  # "chat" | "completions" | "embeddings" | "rerank"
     model: str
     stream: bool
     max_tokens: int | None
@@ -23,7 +25,7 @@ class RouteRequest:
     session_key: str | None = None  # from the session header or the body's "user"
     constraint: Constraint | None = None  # structured-output constraint, in whatever field it came
     _prompt: bytes | None = field(default=None, repr=False)
-    _blocks: list[bytes] | None = field(default=None, repr=False)
+    _blocks: list[BlockKey] | None = field(default=None, repr=False)
     # left by plugins for later stages (typed; add a field here for new data passed between plugins):
     estimated_tokens: int | None = None  # fits-context: prompt estimate + max_tokens (its error message)
     predicted_cached_blocks: int | None = None  # prefix learner: blocks predicted cached where it went
@@ -45,8 +47,8 @@ class RouteRequest:
         return self._prompt
 
     @property
-    def blocks(self) -> list[bytes]:
-        """Chained block hashes of the canonical prompt (computed once, on first use)."""
+    def blocks(self) -> list[BlockKey]:
+        """Chained block keys of the canonical prompt (computed once, on first use)."""
         if self._blocks is None:
             self._blocks = block_hashes(self.model, self.prompt, BLOCK_BYTES)
         return self._blocks

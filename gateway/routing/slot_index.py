@@ -21,10 +21,12 @@ import time
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
+from gateway.routing.prompt import BlockKey
+
 LLAMACPP_SIMILARITY = 0.1  # llama.cpp's default --slot-prompt-similarity
 
 
-def _shared(a: Sequence[bytes], b: Sequence[bytes]) -> int:
+def _shared(a: Sequence[BlockKey], b: Sequence[BlockKey]) -> int:
     n = 0
     for x, y in zip(a, b, strict=False):
         if x != y:
@@ -58,7 +60,7 @@ class SlotIndex:
 
     def __init__(self, slots: int, epoch: int = 0, *, pin: bool = False, similarity: float = LLAMACPP_SIMILARITY,
                  wait_share: float = 0.5, max_waiters: int = 2, busy_ttl: float = 600.0) -> None:
-        self.contents: list[Sequence[bytes]] = [() for _ in range(slots)]
+        self.contents: list[Sequence[BlockKey]] = [() for _ in range(slots)]
         self.last_used = [0] * slots
         self.epoch = epoch
         self.pin = pin
@@ -82,7 +84,7 @@ class SlotIndex:
             counts[slot] = counts.get(slot, 0) + 1
         return counts
 
-    def plan(self, blocks: Sequence[bytes]) -> Placement:
+    def plan(self, blocks: Sequence[BlockKey]) -> Placement:
         """Where the request would go now: the idle slot llama.cpp would choose (the largest shared share above
         ``similarity``, else the least recently used idle slot); or, with ``pin``, a busy slot holding at least
         ``wait_share`` of the prompt and fewer than ``max_waiters`` waiting for it, when no idle slot holds any
@@ -112,11 +114,11 @@ class SlotIndex:
             return Placement(None, 0, True)
         return Placement(oldest, shared[oldest], False)
 
-    def match(self, blocks: Sequence[bytes]) -> int:
+    def match(self, blocks: Sequence[BlockKey]) -> int:
         """Leading blocks of ``blocks`` that would be found cached if the request were sent now."""
         return self.plan(blocks).cached
 
-    def assign(self, blocks: Sequence[bytes], owner: Hashable) -> Placement:
+    def assign(self, blocks: Sequence[BlockKey], owner: Hashable) -> Placement:
         """The request ``owner`` is sent here: the slot it takes now holds its prompt and is busy until
         ``release(owner)``. With every slot busy and nothing to wait for, it waits for whichever slot frees
         first, unknown here: the least recently used stands in."""

@@ -9,15 +9,15 @@ session table, the engine-shape models) keeps that state itself and has the same
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from gateway.pool.backend import Backend
 from gateway.routing.plugins import Learner
 from gateway.routing.prefix_index import PrefixIndexes
 from gateway.routing.prompt import BLOCK_BYTES
-from gateway.routing.request import Outcome, RouteRequest
+from gateway.routing.request import POOLING_ROUTES, Outcome, RouteRequest
 from gateway.routing.shape_model import ShapeProfile, load_profile_file
 
 if TYPE_CHECKING:
@@ -43,16 +43,44 @@ class EventIndexes(Protocol):
         """The backend's event stream while it is complete and current, else None."""
 
 
+class Peers(Protocol):
+    """The other gateway replicas, as routing sees them (``gateway.state.SharedState`` when configured with a
+    shared store): what one learns it publishes, and each applies what the others published to its own
+    tables."""
+
+    def publish(self, topic: str, payload: Any) -> None: ...
+
+    def subscribe(self, topic: str, handler: Callable[[Any], None]) -> None: ...
+
+
+class NoPeers:
+    """One gateway on its own."""
+
+    def publish(self, topic: str, payload: Any) -> None:
+        pass
+
+    def subscribe(self, topic: str, handler: Callable[[Any], None]) -> None:
+        pass
+
+
 class PrefixLearner:
     """Keeps the per-backend prefix indexes up to date: a routed prompt is assumed cached where it went;
     what the engine then reports as cached corrects the index's size, and reported prompt tokens refine the
-    bytes-per-token estimate."""
+    bytes-per-token estimate. With peers, each replica publishes the blocks it routed (``blocks``: backend
+    name and keys) and inserts the others' into the same backend's block index, so replicas agree on what
+    each cache holds (llama.cpp slot indexes, which follow one replica's own placements, stay local)."""
 
-    def __init__(self) -> None:
+    def __init__(self, peers: Peers | None = None) -> None:
         self.indexes = PrefixIndexes()
+        self._peers = peers or NoPeers()
+        self._peers.subscribe("blocks", self._remote)
+
+    def _remote(self, payload: Any) -> None:
+        backend, keys = payload
+        self.indexes.remote_insert(str(backend), keys)
 
     def routed(self, request: RouteRequest, backend: Backend) -> None:
-        if request.route == "embeddings":
+        if request.route in POOLING_ROUTES:
             return
         previous = request.cached_on
         if previous is not None and previous is not backend:  # failover: the attempt there has ended
@@ -62,6 +90,8 @@ class PrefixLearner:
         request.cached_on = backend
         request.predicted_cached_tokens = int(request.predicted_cached_blocks * BLOCK_BYTES
                                               / self.indexes.bytes_per_token)
+        if request.blocks:
+            self._peers.publish("blocks", (backend.name, request.blocks))
 
     def observe(self, outcome: Outcome, backend: Backend) -> None:
         request = outcome.request
@@ -87,6 +117,7 @@ class RoutingState:
         self.events = events
         self.tokenizers: Mapping[str, PromptTokenizer] = tokenizers or {}
         self._prefix: PrefixLearner | None = None
+        self.peers: Peers = NoPeers()  # set before the pipeline is built (gateway.app)
         # measured speed curves per backend name (``gateway profile``), for plugins that model engine shape
         self.profile: dict[str, ShapeProfile] = load_profile_file(profile_file) if profile_file else {}
 
@@ -94,6 +125,6 @@ class RoutingState:
     def prefix(self) -> PrefixIndexes:
         """The prefix indexes; asking for them attaches their learner."""
         if self._prefix is None:
-            self._prefix = PrefixLearner()
+            self._prefix = PrefixLearner(self.peers)
             self.learners.append(self._prefix)
         return self._prefix.indexes

@@ -39,6 +39,8 @@ import msgpack
 import zmq
 import zmq.asyncio
 
+from gateway.kvcache.contexts import close_context, open_context
+
 EngineKind = Literal["vllm", "sglang"]
 END_OF_REPLAY = b"\xff" * 8
 DEFAULT_ENDPOINT = "tcp://127.0.0.1:*"
@@ -64,7 +66,7 @@ class KvEventPublisher:
         self._flush_handle: asyncio.Handle | None = None
         self._closed = False
         self._task: asyncio.Task[None] | None = None
-        self._ctx = zmq.Context()
+        self._ctx = open_context(zmq.Context)  # (never left to the collector: see gateway.kvcache.contexts)
         self._router: zmq.asyncio.Socket | None = None
         try:
             self._pub: zmq.Socket[bytes] = self._ctx.socket(zmq.PUB)
@@ -80,7 +82,7 @@ class KvEventPublisher:
                 self._router.bind(replay_endpoint)
                 self.replay_endpoint = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
         except zmq.ZMQError:
-            self._ctx.destroy(linger=0)
+            close_context(self._ctx)
             raise
 
     # -- lifecycle ---------------------------------------------------------------------------------------------
@@ -103,7 +105,7 @@ class KvEventPublisher:
         self._pub.close(linger=0)
         if self._router is not None:
             self._router.close(linger=0)
-        self._ctx.term()
+        close_context(self._ctx)
 
     # -- what the cache reports --------------------------------------------------------------------------------
     def stored(self, hashes: Sequence[int], parent: int | None, tokens: Sequence[int], block_size: int) -> None:

@@ -42,7 +42,7 @@ class Sequence:
     """One generation: its prompt ids, its planned output pieces, and its progress and timestamps."""
 
     __slots__ = ("cached", "finish_reason", "generated", "id", "output", "output_ids", "prefill_left", "prompt",
-                 "sink", "slot", "state", "t_arrival", "t_finish", "t_first", "t_last", "t_scheduled")
+                 "rank", "sink", "slot", "state", "t_arrival", "t_finish", "t_first", "t_last", "t_scheduled")
 
     def __init__(self, prompt: list[int], output: list[str], output_ids: list[int], finish_reason: str,
                  sink: Sink) -> None:
@@ -53,6 +53,7 @@ class Sequence:
         self.finish_reason = finish_reason
         self.sink = sink
         self.slot: int | None = None  # the engine slot the request names (llama.cpp id_slot), if any
+        self.rank = 0  # waiting order: lower first, arrival order within a rank (priority scheduling)
         self.state = "new"  # new -> waiting -> prefill -> decode -> done | aborted
         self.cached = 0
         self.prefill_left = 0
@@ -103,8 +104,16 @@ class Scheduler:
         seq.id = next(self._ids)
         seq.state = "waiting"
         seq.t_arrival = self.now()
-        self.waiting.append(seq)
+        waiting = self.waiting
+        if not waiting or waiting[-1].rank <= seq.rank:
+            waiting.append(seq)
+        else:  # ahead of every waiting sequence of a higher rank, behind those of its own
+            at = len(waiting)
+            while at > 0 and waiting[at - 1].rank > seq.rank:
+                at -= 1
+            waiting.insert(at, seq)
         self.stats.waiting = len(self.waiting)
+        self.stats.peak_requests = max(self.stats.peak_requests, len(self.waiting) + len(self.running))
         self._wake.set()
 
     def abort(self, seq: Sequence, cancelled: bool = True) -> None:

@@ -35,6 +35,10 @@ class SimSpec:
     reasoning text in the engine's own field (vLLM ``reasoning``; SGLang, llama.cpp and TabbyAPI
     ``reasoning_content``); ``tool_call_rate`` is the share of ``tool_choice: "auto"`` chat requests with tools
     that the model answers with a tool call (deterministic for a given ``seed`` and prompt).
+
+    ``priority_scheduling`` (vLLM and SGLang only) runs the engine as with vLLM's ``--scheduling-policy priority``
+    or SGLang's ``--enable-priority-scheduling``: the request's ``priority`` orders the waiting queue (vLLM: lower
+    first; SGLang: higher first). Without it vLLM refuses a ``priority`` other than 0 (400) and SGLang ignores it.
     """
 
     engine: EngineName
@@ -54,12 +58,15 @@ class SimSpec:
     tokenizer: str | None = None
     reasoning: bool = False
     tool_call_rate: float = 0.0
+    priority_scheduling: bool = False
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
             raise ValueError(f"unknown engine {self.engine!r}; one of {ENGINES}")
         if self.time_scale <= 0:
             raise ValueError("time_scale must be > 0")
+        if self.priority_scheduling and self.engine not in ("vllm", "sglang"):
+            raise ValueError(f"priority_scheduling: {self.engine} does not schedule by priority")
         if not 0.0 <= self.tool_call_rate <= 1.0:
             raise ValueError("tool_call_rate must be between 0 and 1")
         if self.profile is None:

@@ -16,6 +16,7 @@ class Stats:
     requests: int = 0
     active_sequences: int = 0
     waiting: int = 0
+    peak_requests: int = 0  # most generation requests held at once (waiting + running)
     completed: int = 0
     cancelled: int = 0
     errors: int = 0

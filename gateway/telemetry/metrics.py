@@ -1,4 +1,5 @@
-"""Every gateway metric, in one place: ``gateway_`` prefix, base units, bounded labels.
+"""Every gateway metric, in one place: ``gateway_`` prefix, base units, bounded labels. The series every
+request updates are kept apart, as plain numbers exported at scrape time (:mod:`gateway.telemetry.request_metrics`).
 
 Labels are only ever backend and engine names from the configuration, models some backend serves, route
 names, stages and outcome words: never a request id, a user or a prompt. Backend state (health, load,
@@ -16,73 +17,33 @@ Queue wait (``gateway_queue_wait_seconds{backend,stage}``) has two stages:
 
 from __future__ import annotations
 
-import bisect
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
+from prometheus_client import CollectorRegistry, Counter, disable_created_metrics
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from gateway.pool.state import Health
+from gateway.telemetry.flow import FlowMetrics
+from gateway.telemetry.request_metrics import (  # noqa: F401  (the buckets, for those who read them here)
+    DURATION_BUCKETS,
+    ITL_BUCKETS,
+    PLUGIN_BUCKETS,
+    TOKENS_PER_SECOND_BUCKETS,
+    TTFT_BUCKETS,
+    Buckets,
+    RequestMetrics,
+)
 
 if TYPE_CHECKING:
     from gateway.kvcache.subscriber import EventHub
     from gateway.pool.pool import Pool
+    from gateway.state.shared import SharedState
 
-# LLM latencies: time to first token from 10 ms to 60 s, inter-token from 1 ms to 1 s, requests to 15 min.
-TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0)
-ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0)
-DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 900.0)
 QUEUE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-TOKENS_PER_SECOND_BUCKETS = (1, 5, 10, 20, 30, 50, 75, 100, 150, 200, 300, 500, 1000, 2000, 5000)
-PLUGIN_BUCKETS = (1e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 5e-3)
 
 UNKNOWN = "_unknown"  # label value for a model or backend the request never reached
-
-
-class Buckets:
-    """A cumulative histogram kept by hand, for series a collector assembles itself."""
-
-    __slots__ = ("bounds", "count", "counts", "sum")
-
-    def __init__(self, bounds: Sequence[float]) -> None:
-        self.bounds = tuple(bounds)
-        self.counts = [0] * (len(self.bounds) + 1)  # the last one is +Inf
-        self.sum = 0.0
-        self.count = 0
-
-    def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.bounds, value)] += 1
-        self.sum += value
-        self.count += 1
-
-    def cumulative(self) -> list[tuple[str, float]]:
-        out, running = [], 0
-        for bound, n in zip((*self.bounds, float("inf")), self.counts, strict=True):
-            running += n
-            out.append(("+Inf" if bound == float("inf") else repr(float(bound)), float(running)))
-        return out
-
-
-def observe_bucketed(histogram: Histogram, counts: Sequence[int], total: float) -> None:
-    """Add values already sorted into a histogram child's buckets, in one go: ``counts[i]`` values in bucket
-    ``i`` (upper bounds ``histogram._upper_bounds``, +Inf last; a value goes in the first bucket whose bound it
-    does not exceed, as ``Histogram.observe`` puts it: ``bisect.bisect_left(bounds, value)``), ``total`` their
-    sum. The exposition (``_bucket``, ``_count`` and ``_sum`` series) is the same as observing each value, for one
-    locked add per non-empty bucket instead of a pass over the bounds and two locked adds per value.
-
-    prometheus_client has no public API for this: it adds to the child's ``_buckets`` (one value per bucket,
-    not cumulative: the exposition accumulates them) and ``_sum``, as ``observe`` does.
-    tests/telemetry/test_bucketed.py checks the exposition against ``observe``, so a change of those internals
-    in a new prometheus_client shows there."""
-    buckets = histogram._buckets
-    if len(counts) != len(buckets):
-        raise ValueError(f"{len(counts)} counts for a histogram of {len(buckets)} buckets")
-    for bucket, n in zip(buckets, counts, strict=True):
-        if n:
-            bucket.inc(n)
-    histogram._sum.inc(total)
 
 
 # why the server refused or cut a client connection (gateway.server_protocol)
@@ -96,59 +57,9 @@ class GatewayMetrics:
         disable_created_metrics()  # type: ignore[no-untyped-call]
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
-        by_model = ["backend", "model"]
-        self.requests = Counter(
-            "gateway_requests", "Requests answered, by route, model, backend, HTTP status class and outcome.",
-            ["route", "model", "backend", "status_class", "outcome"], registry=r)
-        self.in_flight = Gauge("gateway_requests_in_flight", "Requests the gateway is handling now.", registry=r)
-        self.time_to_first_token = Histogram(
-            "gateway_time_to_first_token_seconds",
-            "From the gateway receiving a streamed request to sending the client its first generated text.",
-            by_model, buckets=TTFT_BUCKETS, registry=r)
-        self.inter_token_latency = Histogram(
-            "gateway_inter_token_latency_seconds",
-            "Gaps between the streamed events carrying generated text, as sent to the client.",
-            by_model, buckets=ITL_BUCKETS, registry=r)
-        self.time_per_output_token = Histogram(
-            "gateway_time_per_output_token_seconds",
-            "Per request: (last token - first token time) / (output tokens - 1).",
-            by_model, buckets=ITL_BUCKETS, registry=r)
-        self.output_tokens_per_second = Histogram(
-            "gateway_output_tokens_per_second",
-            "Per request decode speed: (output tokens - 1) / (last token - first token time).",
-            by_model, buckets=TOKENS_PER_SECOND_BUCKETS, registry=r)
-        self.request_duration = Histogram(
-            "gateway_request_duration_seconds", "From the gateway receiving a request to its last byte sent.",
-            ["route", "backend", "model"], buckets=DURATION_BUCKETS, registry=r)
-        self.prompt_tokens = Counter("gateway_prompt_tokens", "Prompt tokens, from upstream usage.", by_model,
-                                     registry=r)
-        self.completion_tokens = Counter("gateway_completion_tokens", "Completion tokens, from upstream usage.",
-                                         by_model, registry=r)
-        self.reasoning_tokens = Counter(
-            "gateway_reasoning_tokens", "Completion tokens spent on reasoning, where the engine reports them "
-            "(usage.completion_tokens_details.reasoning_tokens; SGLang's usage.reasoning_tokens).", by_model,
-            registry=r)
-        self.cached_tokens = Counter(
-            "gateway_cached_tokens", "Prompt tokens the engine reported as served from its prefix cache.",
-            by_model, registry=r)
-        # the prefix index checked against the engine: for requests routing predicted a cache hit for and whose
-        # engine reported its cached tokens, both sums (their ratio is how far the index over- or under-guesses)
-        self.prefix_predicted_tokens = Counter(
-            "gateway_prefix_predicted_cached_tokens",
-            "Prompt tokens the prefix index predicted cached, for requests whose engine reported cached tokens; "
-            "index=events: from the engine's KV events, index=approximate: from what was routed there.",
-            ["backend", "index"], registry=r)
-        self.prefix_reported_tokens = Counter(
-            "gateway_prefix_reported_cached_tokens",
-            "Prompt tokens the engine reported cached, for the same requests as "
-            "gateway_prefix_predicted_cached_tokens_total.", ["backend", "index"], registry=r)
-        self.routing_decisions = Counter(
-            "gateway_routing_decisions",
-            "Routing decisions, by chosen backend and the plugin that made the difference.",
-            ["backend", "reason"], registry=r)
-        self.routing_plugin_seconds = Histogram(
-            "gateway_routing_plugin_seconds", "Time each routing plugin took (one decision in 8).", ["plugin"],
-            buckets=PLUGIN_BUCKETS, registry=r)
+        # what every request updates: plain numbers, exported at scrape time (see request_metrics)
+        self.live = RequestMetrics()
+        r.register(self.live)
         self.retries = Counter(
             "gateway_retries", "Requests sent again to another backend, by the backend that failed and why.",
             ["backend", "reason"], registry=r)
@@ -165,47 +76,29 @@ class GatewayMetrics:
             self.connections_refused.labels(code)
         self.queue_wait = QueueWaitCollector()
         r.register(self.queue_wait)
+        self.flow = FlowMetrics()  # admissions, refusals, queue depth and saturation (flow control)
+        r.register(self.flow)
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
-        self._by_labels: dict[tuple[str, ...], _Children] = {}
 
     def child(self, metric: Any, *labels: str) -> Any:
         """``metric.labels(*labels)``, cached: label values are bounded, and ``labels()`` takes a lock and
-        builds a tuple each call, which showed in hot-path profiles."""
+        builds a tuple each call."""
         key = (id(metric), labels)
         found = self._children.get(key)
         if found is None:
             found = self._children[key] = metric.labels(*labels)
         return found
 
-    def children(self, *labels: str) -> dict[Any, Any]:
-        """Metric -> its child for these label values (``m.children(backend, model)[m.completion_tokens]``),
-        each made on first use, all cached: one lookup for the several series a finished request touches with
-        the same labels, where ``child`` costs one each."""
-        found = self._by_labels.get(labels)
-        if found is None:
-            found = self._by_labels[labels] = _Children(labels)
-        return found
-
     def watch_pool(self, pool: Pool) -> None:
         self.queue_wait.pool = pool
+        self.flow.pool = pool
         self.registry.register(PoolCollector(pool))
 
     def watch_kv_events(self, hub: EventHub) -> None:
         self.registry.register(KvEventsCollector(hub))
 
-
-class _Children(dict[Any, Any]):
-    """Metric -> its child for one tuple of label values, made on first use (a series appears once used)."""
-
-    __slots__ = ("labels",)
-
-    def __init__(self, labels: tuple[str, ...]) -> None:
-        super().__init__()
-        self.labels = labels
-
-    def __missing__(self, metric: Any) -> Any:
-        child = self[metric] = metric.labels(*self.labels)
-        return child
+    def watch_state(self, shared: SharedState) -> None:
+        self.registry.register(StateCollector(shared))
 
 
 class QueueWaitCollector(Collector):
@@ -342,3 +235,28 @@ class KvEventsCollector(Collector):
             blocks.add_metric([name], float(len(stream.index)))
             live.add_metric([name], 1.0 if stream.live() else 0.0)
         yield from (batches, events, gaps, replays, resets, errors, orphans, blocks, live)
+
+
+class StateCollector(Collector):
+    """The shared state's connection (``state.url``), read at scrape time."""
+
+    def __init__(self, shared: SharedState) -> None:
+        self._shared = shared
+
+    def collect(self) -> Iterator[Metric]:
+        shared = self._shared
+        yield GaugeMetricFamily("gateway_state_up", "1 while the shared state (Redis) answers.",
+                                value=1.0 if shared.up else 0.0)
+        errors = CounterMetricFamily("gateway_state_errors", "Shared-state operations that failed, by operation.",
+                                     labels=["operation"])
+        for operation, count in sorted(shared.errors.items()):
+            errors.add_metric([operation], float(count))
+        yield errors
+        yield CounterMetricFamily(
+            "gateway_state_fail_open", "Requests of rate-limited keys passed unchecked while the shared state was "
+            "down (state.on_failure: open).", value=float(shared.fail_open))
+        yield CounterMetricFamily(
+            "gateway_state_settlements_dropped", "Settlements (tokens used, slots freed) dropped because too many "
+            "waited while the shared state was down.", value=float(shared.dropped))
+        yield GaugeMetricFamily("gateway_state_settlements_pending",
+                                "Settlements waiting for the shared state to answer.", value=float(shared.pending))

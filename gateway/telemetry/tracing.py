@@ -26,7 +26,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 
 log = logging.getLogger("gateway.tracing")
 
-OPERATION = {"chat": "chat", "completions": "text_completion", "embeddings": "embeddings"}
+OPERATION = {"chat": "chat", "completions": "text_completion", "embeddings": "embeddings", "rerank": "rerank"}
 _PROPAGATOR = TraceContextTextMapPropagator()
 
 

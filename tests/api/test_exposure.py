@@ -1,5 +1,6 @@
 """What the gateway exposes beyond the OpenAI API: API docs only when asked for, /metrics only to keys with
-the metrics scope, models only to keys allowed them, and no redirect built from the client's Host header."""
+the metrics scope, models only to keys allowed them, no redirect built from the client's Host header, no server
+software named."""
 
 from __future__ import annotations
 
@@ -120,3 +121,10 @@ def test_api_docs_when_asked_for() -> None:
         for path in ("/docs", "/redoc"):
             page = httpx.get(server.url + path)
             assert page.status_code == 200 and "/openapi.json" in page.text
+
+
+def test_responses_do_not_announce_the_server_software(keyed: Running) -> None:
+    reply = httpx.post(keyed.url + "/v1/chat/completions", headers={"authorization": f"Bearer {APP}"},
+                       json={"model": "m", "messages": ASK, "max_tokens": 2})
+    assert reply.status_code == 200 and "server" not in reply.headers and "date" in reply.headers
+    assert "server" not in httpx.get(keyed.url + "/health").headers

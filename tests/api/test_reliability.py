@@ -110,7 +110,7 @@ def test_requests_wait_for_a_free_slot_and_beyond_the_queue_get_429() -> None:
         assert waited and float(waited[0].split()[-1]) > 0.05
 
 
-KEY_A, KEY_B = "sk-alpha", "sk-beta"
+KEY_A, KEY_B, KEY_C = "sk-alpha", "sk-beta", "sk-gamma"
 
 
 @pytest.fixture(scope="module")
@@ -122,6 +122,7 @@ def keyed() -> Iterator[Running]:
          "requests_per_minute": 5},
         {"name": "beta", "key_sha256": hashlib.sha256(KEY_B.encode()).hexdigest(),
          "scopes": ["inference", "metrics"]},
+        {"name": "gamma", "key_sha256": hashlib.sha256(KEY_C.encode()).hexdigest(), "max_in_flight": 2},
     ], "protect_metrics": True}
     yield from running(specs, auth=auth, limits={"max_messages": 4, "max_tokens": 1000})
 
@@ -139,6 +140,28 @@ def test_keys_are_required_checked_and_never_forwarded(keyed: Running) -> None:
     sent = [q for q in keyed.server("v").received if q.path == "/v1/chat/completions"][-1]
     assert sent.headers["authorization"] == "Bearer backend-secret"
     assert KEY_B not in str(sent.headers) and "backend-secret" not in str(dict(reply.headers))
+
+
+def test_a_keys_max_in_flight_turns_away_the_next_request_until_one_ends(keyed: Running) -> None:
+    async def go() -> tuple[list[int], int, dict[str, Any], int]:
+        headers = {"authorization": f"Bearer {KEY_C}"}
+        body = {"model": "m", "messages": ASK, "max_tokens": 2}
+        async with httpx.AsyncClient(base_url=keyed.url, headers=headers, timeout=30) as client:
+            # two that the backend holds for 0.6 s (its health checks wait as long: below their 1 s timeout)
+            keyed.server("v").faults.update({"added_latency_s": 0.6})
+            try:
+                held = [asyncio.ensure_future(client.post("/v1/chat/completions", json=body)) for _ in range(2)]
+                await asyncio.sleep(0.2)
+                refused = await client.post("/v1/chat/completions", json=body)  # at once: no place left
+                statuses = [r.status_code for r in await asyncio.gather(*held)]
+            finally:
+                keyed.server("v").faults.update({"added_latency_s": 0.0})
+            after = await client.post("/v1/chat/completions", json=body)  # their places are free again
+            return statuses, refused.status_code, refused.json(), after.status_code
+
+    statuses, refused, body, after = asyncio.run(go())
+    assert statuses == [200, 200] and refused == 429 and after == 200
+    assert body["error"]["code"] == "concurrency_limit" and "max_in_flight 2" in body["error"]["message"]
 
 
 def test_per_key_request_budget(keyed: Running) -> None:

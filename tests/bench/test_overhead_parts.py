@@ -27,6 +27,7 @@ from gateway.bench.overhead import (
     summarize_runs,
     vs_reference,
 )
+from gateway.bench.translation_cost import translation_row
 from gateway.config import settings_from_mapping
 from tests.bench.conftest import RawBackendThread
 from tests.conftest import free_port_block
@@ -231,7 +232,8 @@ def test_a_tiny_real_run_measures_every_phase(tmp_path: Path) -> None:
     cfg = OverheadConfig(levels=[2], rounds=1, min_round=4, tokens=4, gap_ms=1.0, hold=20, hold_seconds=0.2,
                          cost_requests=16, cost_concurrency=4, cost_tokens=(1, 4), cost_rounds=1,
                          cost_prompt_chars=2000, saturation_levels=[8], saturation_requests=16, saturation_tokens=4,
-                         base_port=free_port_block(6), out=tmp_path)
+                         translation_level=2, state=True, workers=2, base_port=free_port_block(9),
+                         out=tmp_path)
     started = time.monotonic()
     summary = run_overhead(cfg, log=lambda *_: None)
     assert time.monotonic() - started < 60
@@ -240,7 +242,7 @@ def test_a_tiny_real_run_measures_every_phase(tmp_path: Path) -> None:
     run = json.loads((tmp_path / "overhead-1.json").read_text())
     assert run["run"] == 1 and (tmp_path / "gateway.log").exists()
     assert (tmp_path / "overhead.png").stat().st_size > 10_000
-    names = set(on_disk["levels"]["2"])
+    names = set(on_disk["levels"]["2"]) - {"gateway+redis", "gateway x2"}
     assert {"direct", "gateway"} <= names
     gw = on_disk["levels"]["2"]["gateway"]
     for key in ("added_ttft_ms_p50", "added_ttft_ms_p99", "added_itl_ms_p50", "added_itl_ms_p99",
@@ -248,7 +250,7 @@ def test_a_tiny_real_run_measures_every_phase(tmp_path: Path) -> None:
         assert key in gw
     assert gw["ok"] == gw["requests"] == 4
     cost = on_disk["cost"]["targets"]
-    assert set(cost) == names
+    assert set(cost) == names | {"gateway+redis", "gateway x2"}
     assert cost["gateway"]["runs"]["max_tokens_1"]["chunks"] == 16 and cost["gateway"]["runs"]["max_tokens_4"][
         "chunks"] == 64
     assert cost["gateway"]["runs"]["max_tokens_4"]["cpu_s"] is not None
@@ -257,8 +259,35 @@ def test_a_tiny_real_run_measures_every_phase(tmp_path: Path) -> None:
     assert sat["targets"]["gateway"]["at_level"] == 8 and sat["targets"]["gateway"]["limit"] in (
         "proxy", "machine", "client", "backend", "none")
     assert on_disk["hold"]["gateway"]["complete"] == 20
+    state = on_disk["state"]["levels"]["2"]  # the gateway with its slots in a loopback redis-server
+    assert state["ttft_us_p50"] is not None and state["cpu_us_per_request"] is not None
+    assert on_disk["levels"]["2"]["gateway+redis"]["ok"] == 4
+    workers = on_disk["workers"]  # two worker processes sharing that redis-server, against one process with it
+    assert workers["count"] == 2 and workers["against"] == "gateway+redis"
+    assert workers["levels"]["2"]["ttft_us_p50"] is not None
+    assert workers["saturation"]["8"]["gateway x2"]["chunks_per_s"] > 0
+    assert on_disk["levels"]["2"]["gateway x2"]["ok"] == 4
+    translation = on_disk["translation"]
+    assert translation["concurrency"] == 2
+    assert {t: v["errors"] for t, v in translation["targets"].items()} == {
+        "direct": 0, "gateway": 0, "gateway /v1/messages": 0}
+    assert translation["translated_added_ttft_ms_p50"] is not None and translation["translation_ms_p50"] is not None
     targets = on_disk["targets"]
     assert {"cpu_us_per_chunk", "cpu_us_per_request", "chunks_per_s", "hold_complete"} <= set(targets)
     assert targets["hold_complete"]["met"] is True and targets["hold_complete"]["runs"] == [20]
     ref = on_disk["vs_reference"]["reference"]
     assert (ref is None) == (len(names) == 2)
+
+
+def test_translation_row_is_what_translating_adds_over_the_native_path() -> None:
+    def target(p50: float, p99: float) -> dict[str, Any]:
+        return {"metrics": {"ttft_s": {"p50": p50, "p99": p99}}, "requests": 8, "errors": 0}
+
+    doc = {"targets": {"direct": target(0.010, 0.020), "gateway": target(0.012, 0.025),
+                       "gateway /v1/messages": target(0.013, 0.030)}}
+    row = translation_row(doc, "direct", "gateway", "gateway /v1/messages")
+    assert row["native_added_ttft_ms_p50"] == pytest.approx(2.0)
+    assert row["translated_added_ttft_ms_p50"] == pytest.approx(3.0)
+    assert row["translated_added_ttft_ms_p99"] == pytest.approx(10.0)
+    assert row["translation_ms_p50"] == pytest.approx(1.0) and row["translated_over_native_x"] == pytest.approx(1.5)
+    assert row["targets"]["gateway /v1/messages"]["ttft_ms_p50"] == pytest.approx(13.0)

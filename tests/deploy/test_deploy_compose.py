@@ -101,10 +101,11 @@ def test_compose_file_matches_the_compose_specification(compose: dict[str, Any])
 
 def test_it_matches_with_variables_set_too() -> None:
     env = {"GATEWAY_PORT": "9000", "VLLM_MODEL": "meta-llama/Llama-3.1-8B-Instruct", "VLLM_GPU": "3",
-           "MODELS_DIR": "/srv/models", "LLAMACPP_MODEL": "qwen2.5-7b-q4_k_m.gguf"}
+           "MODELS_DIR": "/srv/models", "LLAMACPP_MODEL": "qwen2.5-7b-q4_k_m.gguf", "GATEWAY_REPLICAS": "3"}
     doc = load_compose(env)
     assert schema_errors(doc) == []
-    assert doc["services"]["gateway"]["ports"] == ["9000:8000"]
+    assert doc["services"]["lb"]["ports"] == ["9000:8000"]
+    assert doc["services"]["gateway"]["deploy"]["replicas"] == "3"
     assert doc["services"]["vllm"]["command"][0] == "meta-llama/Llama-3.1-8B-Instruct"
     assert doc["services"]["llamacpp"]["volumes"] == ["/srv/models:/models:ro"]
 
@@ -141,7 +142,7 @@ def test_start_order_waits_for_healthy_dependencies(services: dict[str, dict[str
 
 def test_profiles_cpu_by_default_gpu_engines_and_an_emulated_fleet(services: dict[str, dict[str, Any]]) -> None:
     by_default = {name for name, s in services.items() if not profiles(s)}
-    assert by_default == {"llamacpp", "gateway", "prometheus", "grafana"}
+    assert by_default == {"llamacpp", "gateway", "redis", "lb", "prometheus", "grafana"}
     assert {name for name, s in services.items() if "gpu" in profiles(s)} == {"vllm", "sglang", "tabbyapi",
                                                                              "gateway-gpu"}
     assert {name for name, s in services.items() if "emulated" in profiles(s)} == {"sim", "gateway-emulated"}
@@ -150,7 +151,7 @@ def test_profiles_cpu_by_default_gpu_engines_and_an_emulated_fleet(services: dic
         assert devices[0]["driver"] == "nvidia" and "gpu" in devices[0]["capabilities"], engine
     # the emulated profile needs no GPU and no model: nothing reserved, nothing mounted but its own config
     for name in ("sim", "gateway-emulated"):
-        assert "deploy" not in services[name], name
+        assert "resources" not in services[name].get("deploy", {}), name
         assert all(v.startswith("./deploy/gateway/") for v in services[name].get("volumes", [])), name
     assert services["sim"]["build"]["target"] == "sim"
 
@@ -180,14 +181,31 @@ def test_each_gateway_waits_for_the_backends_its_config_names(
     check_config(config, capsys)
     settings = load_settings(config)
     assert settings.server.host == "0.0.0.0" and settings.server.port == 8000
-    assert service["ports"] == ["8000:8000"]
+    # replicas behind `lb`, sharing their state in the `redis` service
+    assert "ports" not in service and service["deploy"]["replicas"] == "2"
+    assert settings.state.url == "redis://redis:6379/0" and "redis" in service["depends_on"]
+    assert "--save" in services["redis"]["command"]
     assert settings.backends, config
     for backend in settings.backends:
         assert backend.url is not None, f"{config}: compose backends have fixed addresses"
         url = urlsplit(backend.url)
         assert url.hostname in service["depends_on"], f"{gateway} does not wait for {url.hostname}"
         assert url.port in listening_ports(services[url.hostname]), f"{backend.name}: nothing listens on {url.port}"
-    assert service["networks"]["default"]["aliases"] == ["gateway"], "Prometheus scrapes gateway:8000"
+    assert service["networks"]["default"]["aliases"] == ["gateway"], "lb and Prometheus find the replicas by it"
+
+
+def test_one_port_in_front_of_the_replicas_and_prometheus_scrapes_each(services: dict[str, dict[str, Any]]) -> None:
+    lb = services["lb"]
+    assert lb["ports"] == ["8000:8000"] and lb["image"].startswith("nginx:")
+    source, target, _ = lb["volumes"][0].split(":")
+    assert target == "/etc/nginx/nginx.conf"
+    conf = (ROOT / source).read_text()
+    # resolved again and again through Docker's DNS (every replica's address), streams unbuffered
+    assert "resolver 127.0.0.11" in conf and "set $gateway gateway:8000;" in conf
+    assert "proxy_pass http://$gateway;" in conf and "proxy_buffering off;" in conf
+    prometheus = yaml.safe_load((ROOT / "deploy/prometheus/prometheus.yml").read_text())
+    job = next(j for j in prometheus["scrape_configs"] if j["job_name"] == "gateway")
+    assert job["dns_sd_configs"] == [{"names": ["gateway"], "type": "A", "port": 8000, "refresh_interval": "30s"}]
 
 
 def test_monitoring_reads_the_provisioned_files(services: dict[str, dict[str, Any]]) -> None:

@@ -14,7 +14,7 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
-from deploy_support import DOCKERFILE, GATEWAY_CONFIGS, KUBERNETES, tool
+from deploy_support import DOCKERFILE, GATEWAY_CONFIGS, KUBERNETES, ROOT, tool
 
 from gateway.config import load_settings
 
@@ -109,7 +109,7 @@ def test_manifests_match_the_kubernetes_api(version: str) -> None:
             continue
         assert validation_errors(doc, version) is None, f"{file}: {doc['kind']} {doc['metadata']['name']}"
         checked += 1
-    assert checked >= 11
+    assert checked >= 13
 
 
 def test_strict_validation_catches_mistakes() -> None:
@@ -117,7 +117,7 @@ def test_strict_validation_catches_mistakes() -> None:
     deployment["spec"]["template"]["spec"]["containers"][0]["readinessprobe"] = {"httpGet": {"path": "/ready"}}
     assert "readinessprobe" in (validation_errors(deployment, VERSIONS[-1]) or "")
     hpa = copy.deepcopy(find("HorizontalPodAutoscaler", "llm-gateway"))
-    hpa["spec"]["metrics"][0]["resource"]["target"]["averageUtilization"] = "70%"
+    hpa["spec"]["metrics"][1]["resource"]["target"]["averageUtilization"] = "70%"
     assert validation_errors(hpa, VERSIONS[-1]) is not None
 
 
@@ -171,6 +171,14 @@ def test_the_gateway_deployment() -> None:
     assert hpa["apiVersion"] == "autoscaling/v2"
     assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": "llm-gateway"}
     assert hpa["spec"]["minReplicas"] == deployment["spec"]["replicas"] < hpa["spec"]["maxReplicas"]
+    # on the gateway's own saturation signal, through prometheus-adapter's rule for it, and on CPU
+    pods = next(m["pods"] for m in hpa["spec"]["metrics"] if m["type"] == "Pods")
+    adapter = yaml.safe_load((ROOT / "deploy/prometheus/adapter-rules.yaml").read_text())
+    (rule,) = adapter["rules"]["custom"]
+    assert rule["name"]["as"] == pods["metric"]["name"] == "gateway_requests_in_flight"
+    assert rule["seriesQuery"].startswith(pods["metric"]["name"] + "{")
+    assert "gateway_requests_in_flight" in (ROOT / "gateway/telemetry/request_metrics.py").read_text()
+    assert {m["type"] for m in hpa["spec"]["metrics"]} == {"Pods", "Resource"}
     pdb = find("PodDisruptionBudget", "llm-gateway")
     assert selects(pdb["spec"]["selector"]["matchLabels"], pod["metadata"]["labels"])
     assert pdb["spec"]["maxUnavailable"] < deployment["spec"]["replicas"]
@@ -185,10 +193,27 @@ def test_the_configmap_carries_the_validated_gateway_config() -> None:
         "(kustomize cannot read files outside deploy/kubernetes)")
 
 
+def test_the_replicas_share_one_redis() -> None:
+    settings = load_settings(GATEWAY_CONFIGS / "kubernetes.yaml")
+    namespace = kustomization()["namespace"]
+    assert settings.state.url == f"redis://redis.{namespace}.svc.cluster.local:6379/0"
+    service = find("Service", "redis")
+    (port,) = service["spec"]["ports"]
+    assert port["port"] == 6379
+    redis = find("Deployment", "redis")
+    assert redis["spec"]["replicas"] == 1 and selects(service["spec"]["selector"],
+                                                       redis["spec"]["template"]["metadata"]["labels"])
+    (container,) = redis["spec"]["template"]["spec"]["containers"]
+    assert {"name": port["targetPort"], "containerPort": 6379, "protocol": "TCP"} in container["ports"]
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    assert "--save" in container["args"]  # no persistence: soft state
+
+
 def test_backends_are_found_through_headless_services() -> None:
     """Each DNS backend names a headless Service of this namespace, on the port its Pods listen on."""
     settings = load_settings(GATEWAY_CONFIGS / "kubernetes.yaml")
-    assert settings.routing.policy == "consistent-prefix", "replicas must agree on prefixes without shared state"
+    # replicas agree on prefixes through the placements they share in Redis
+    assert settings.routing.policy == "default" and settings.state.url is not None
     namespace = kustomization()["namespace"]
     deployments = of_kind("Deployment")
     assert len(settings.backends) == 3
@@ -252,3 +277,18 @@ def test_kubectl_kustomize_fails_on_a_broken_base(tmp_path: Path) -> None:
     rendered = subprocess.run([tool("kubectl"), "kustomize", str(tmp_path)], capture_output=True, text=True,
                               timeout=120)
     assert rendered.returncode != 0
+
+
+def test_the_keda_example_scales_a_backend_of_the_base_on_metrics_the_gateway_exports() -> None:
+    scaled = yaml.safe_load((ROOT / "deploy" / "keda" / "vllm.yaml").read_text())
+    assert scaled["kind"] == "ScaledObject" and scaled["apiVersion"] == "keda.sh/v1alpha1"
+    assert scaled["metadata"]["namespace"] == kustomization()["namespace"]
+    target = scaled["spec"]["scaleTargetRef"]
+    backend = next(d for d in yaml.safe_load_all((KUBERNETES / "backends" / "vllm.yaml").read_text())
+                   if d["kind"] == "Deployment")
+    assert (target["kind"], target["name"]) == (backend["kind"], backend["metadata"]["name"])
+    exported = (ROOT / "gateway/telemetry/flow.py").read_text()
+    for trigger in scaled["spec"]["triggers"]:
+        assert trigger["type"] == "prometheus" and float(trigger["metadata"]["threshold"]) > 0
+        names = re.findall(r"\b(gateway_[a-z_]+)\{", trigger["metadata"]["query"])
+        assert names and all(f'"{name}"' in exported for name in names), names

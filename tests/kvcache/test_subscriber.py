@@ -13,6 +13,7 @@ import zmq
 import zmq.asyncio
 
 from gateway.engines.registry import ENGINES
+from gateway.kvcache.contexts import close_context, open_context
 from gateway.kvcache.index import request_keys
 from gateway.kvcache.subscriber import EventHub, EventStream, StreamSettings
 from gateway.pool.backend import Backend
@@ -97,7 +98,7 @@ async def until(check: Callable[[], bool], within: float = 3.0) -> None:
 
 def run(scenario: Callable[[zmq.asyncio.Context, Publisher, EventHub], Awaitable[None]], **publisher: object) -> None:
     async def main() -> None:
-        ctx = zmq.asyncio.Context()
+        ctx = open_context(zmq.asyncio.Context)  # (a socket a failed scenario left open must not hang it)
         pub = Publisher(ctx, **publisher)  # type: ignore[arg-type]
         hub = EventHub()
         try:
@@ -105,7 +106,7 @@ def run(scenario: Callable[[zmq.asyncio.Context, Publisher, EventHub], Awaitable
         finally:
             await hub.stop()
             pub.close()
-            ctx.term()
+            close_context(ctx)
 
     asyncio.run(asyncio.wait_for(main(), 20))
 

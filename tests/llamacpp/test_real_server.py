@@ -281,3 +281,35 @@ def test_agent_apis_with_the_official_sdks_on_real_servers(gateway: ServerThread
     shaped = shaped_raw.parse()
     assert shaped.status == "completed"  # maxLength 12 leaves the grammar room to close the object in 60 tokens
     jsonschema.validate(json.loads(shaped.output_text), schema)
+
+
+def test_rerank_on_a_real_reranking_server_and_the_refusal_of_one_without(llama_binary: Any, tiny_model: Any) -> None:
+    """A llama-server started with --reranking serves /v1/rerank (and its aliases) itself, through the gateway in
+    its own shape; the documents come back ranked by its scores. One started without answers with its own error,
+    passed on in the OpenAI shape."""
+    from tests.llamacpp.conftest import start_servers
+
+    reranker, = start_servers(llama_binary, tiny_model, 1, slots=1, ctx=1024, extra=("--reranking",))
+    plain, = start_servers(llama_binary, tiny_model, 1, slots=1, ctx=1024)
+    try:
+        backends = [{"name": "rerank", "engine": "llamacpp", "url": reranker.url, "models": ["reranker"]},
+                    {"name": "plain", "engine": "llamacpp", "url": plain.url, "models": ["plain"]}]
+        settings = settings_from_mapping({"backends": backends, "scrape": {"interval": 0.1, "timeout": 2.0}})
+        documents = ["cats purr", "the gateway routes requests", "gateway", "a fourth document"]
+        with serve_in_thread(create_app(settings)) as gw:
+            for path in ("/v1/rerank", "/rerank", "/v1/reranking"):
+                reply = httpx.post(gw.url + path, json={"model": "reranker", "query": "the gateway",
+                                                        "documents": [{"text": d} for d in documents], "top_n": 3},
+                                   timeout=30)
+                assert reply.status_code == 200, reply.text
+                doc = reply.json()
+                scores = [r["relevance_score"] for r in doc["results"]]
+                assert len(scores) == 3 and scores == sorted(scores, reverse=True)
+                assert {r["index"] for r in doc["results"]} <= set(range(len(documents)))
+                assert doc["usage"]["total_tokens"] > 0 and reply.headers["x-gateway-backend"] == "rerank"
+            refused = httpx.post(gw.url + "/v1/rerank", json={"model": "plain", "query": "q", "documents": documents},
+                                 timeout=30)
+            assert refused.status_code >= 400 and "rerank" in refused.json()["error"]["message"]
+    finally:
+        reranker.stop()
+        plain.stop()

@@ -100,3 +100,70 @@ async def test_a_server_that_serves_no_model_is_not_routable() -> None:
         assert pool.get("a").health is Health.DOWN and "no model" in pool.get("a").detail
     finally:
         await pool.stop()
+
+
+# -- a follower (server.workers > 1): the first worker's readings instead of its own scrapes -----------------
+def follower(engine: FakeEngine, answers: list[bytes | None], interval: float = 60) -> Pool:
+    settings = BackendSettings(name="a", engine="llamacpp", url="http://a")
+
+    def factory(s: BackendSettings, adapter: EngineAdapter) -> httpx.AsyncClient:
+        return httpx.AsyncClient(transport=httpx.MockTransport(engine.handler), base_url=s.url)
+
+    async def leader() -> bytes | None:
+        return answers.pop(0) if answers else None
+
+    return Pool([settings], ScrapeSettings(interval=interval, stale_after=5), factory, leader=leader)
+
+
+@pytest.mark.anyio
+async def test_a_follower_takes_the_leaders_readings_and_ignores_stale_or_superseded_ones() -> None:
+    import time
+
+    import orjson
+
+    engine = FakeEngine()
+    leader_pool = make_pool(engine)
+    await leader_pool.start()
+    pool = follower(FakeEngine(), [])
+    await pool.start()  # its own first probe, as at a worker's start
+    try:
+        engine.busy = 2
+        await leader_pool.scrape_once(leader_pool.get("a"))
+        fresh = orjson.dumps(leader_pool.snapshot())
+        a = pool.get("a")
+        assert pool.apply_snapshot(fresh)
+        assert a.load is not None and a.load.running == 2 and a.health is Health.READY
+        assert a.models == {"m1"} and a.capacity.slots == 2
+        # the proxy saw it fail after that reading: the same reading does not bring it back
+        a.mark_down("connection refused")
+        assert pool.apply_snapshot(fresh) and a.health is Health.DOWN
+        # a newer reading does
+        await leader_pool.scrape_once(leader_pool.get("a"))
+        assert pool.apply_snapshot(orjson.dumps(leader_pool.snapshot())) and a.health is Health.READY
+        # a reading older than stale_after is no reading: the follower must scrape for itself
+        old = leader_pool.snapshot()
+        old["backends"]["a"]["probed_at"] = time.monotonic() - 6
+        assert not pool.apply_snapshot(orjson.dumps(old))
+        assert not pool.apply_snapshot(b"{not json")
+    finally:
+        await pool.stop()
+        await leader_pool.stop()
+
+
+@pytest.mark.anyio
+async def test_a_follower_whose_leader_has_nothing_to_give_scrapes_for_itself() -> None:
+    import asyncio
+
+    engine = FakeEngine()
+    pool = follower(engine, [None, b"garbage"], interval=0.01)
+    await pool.start()
+    try:
+        a = pool.get("a")
+        engine.busy = 0
+        for _ in range(100):
+            await asyncio.sleep(0.01)
+            if a.load is not None and a.load.running == 0:
+                break
+        assert a.load is not None and a.load.running == 0  # read from the engine itself
+    finally:
+        await pool.stop()

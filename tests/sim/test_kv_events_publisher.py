@@ -17,6 +17,7 @@ import msgpack
 import pytest
 import zmq
 
+from gateway.kvcache.contexts import close_context, open_context
 from gateway.sim import FleetThread, SimServer, SimSpec
 from gateway.sim.hf_tokenizer import HFTokenizer
 from gateway.sim.kv_events import END_OF_REPLAY, KvEventPublisher
@@ -83,7 +84,7 @@ class Subscriber:
 
     def __init__(self, server: SimServer) -> None:
         self.server = server
-        self.ctx = zmq.Context()
+        self.ctx = open_context(zmq.Context)  # (its monitor socket too: see gateway.kvcache.contexts)
         self.sub = self.ctx.socket(zmq.SUB)
         self.sub.setsockopt(zmq.LINGER, 0)
         self.sub.setsockopt(zmq.SUBSCRIBE, TOPIC.encode())
@@ -112,7 +113,7 @@ class Subscriber:
         self.monitor.close(0)
         self.sub.close(0)
         self.dealer.close(0)
-        self.ctx.term()
+        close_context(self.ctx)
 
     def published(self) -> int:
         assert self.server.kv_events is not None
@@ -375,7 +376,18 @@ def test_a_gap_older_than_the_buffer_cannot_be_filled(tokenizer_dir: Path) -> No
 
 # -- the publisher on its own ------------------------------------------------------------------------------------
 def _tasks() -> int:
-    return len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else 0
+    """This process's ZMQ background threads (libzmq names them ``ZMQbg/...``): counting every thread failed
+    when a thread of an earlier test's server ended meanwhile."""
+    if not os.path.isdir("/proc/self/task"):
+        return 0
+    count = 0
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/comm") as comm:
+                count += comm.read().startswith("ZMQbg")
+        except OSError:  # the thread ended meanwhile
+            pass
+    return count
 
 
 def test_one_batch_per_loop_turn_sglang_coalescing_and_a_clean_close() -> None:
@@ -383,17 +395,23 @@ def test_one_batch_per_loop_turn_sglang_coalescing_and_a_clean_close() -> None:
 
     async def scenario() -> list[tuple[int, list[Any]]]:
         pub = KvEventPublisher("sglang", "tcp://127.0.0.1:0", "tcp://127.0.0.1:*", topic=TOPIC, buffer_steps=5)
-        assert pub.endpoint.startswith("tcp://127.0.0.1:") and not pub.endpoint.endswith(":0")
-        pub.start()
-        pub.stored([1, 2], None, [10, 11], 1)
-        pub.stored([3], 2, [12], 1)  # continues the chain: joins the event
-        pub.stored([4], 1, [20], 1)  # a sibling: an event of its own
-        pub.removed([4])
-        await asyncio.sleep(0)
-        pub.cleared()
-        await asyncio.sleep(0)
-        out = [(seq, msgpack.unpackb(payload)) for seq, payload in pub.buffer]
-        await pub.close()
+        try:
+            assert pub.endpoint.startswith("tcp://127.0.0.1:") and not pub.endpoint.endswith(":0")
+            pub.start()
+            deadline = time.monotonic() + 5  # (a new thread names itself ZMQbg once it runs: seen late under load)
+            while _tasks() <= threads:
+                assert time.monotonic() < deadline, "the publisher runs ZMQ threads (so the count below can tell)"
+                await asyncio.sleep(0.01)
+            pub.stored([1, 2], None, [10, 11], 1)
+            pub.stored([3], 2, [12], 1)  # continues the chain: joins the event
+            pub.stored([4], 1, [20], 1)  # a sibling: an event of its own
+            pub.removed([4])
+            await asyncio.sleep(0)
+            pub.cleared()
+            await asyncio.sleep(0)
+            out = [(seq, msgpack.unpackb(payload)) for seq, payload in pub.buffer]
+        finally:
+            await pub.close()  # (also when an assertion fails: nothing left running)
         return out
 
     batches = asyncio.run(scenario())

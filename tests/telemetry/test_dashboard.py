@@ -18,8 +18,13 @@ ROOT = Path(__file__).resolve().parents[2]
 GRAFANA = ROOT / "deploy" / "grafana"
 DASHBOARD_JSON = GRAFANA / "dashboards" / "gateway.json"
 RULES = ROOT / "deploy" / "prometheus" / "rules" / "gateway-rules.yml"
-METRICS_SOURCE = ROOT / "gateway" / "telemetry" / "metrics.py"
-ROWS = ["Traffic", "Latency", "Throughput", "Backends", "Routing", "KV events (vLLM, SGLang)"]
+# where the gateway's metrics are defined: metrics.py, and request_metrics.py for the series every request updates
+METRICS_SOURCES = [ROOT / "gateway" / "telemetry" / "metrics.py", ROOT / "gateway" / "telemetry" / "request_metrics.py"]
+
+
+def metric_source() -> str:
+    return "\n".join(path.read_text() for path in METRICS_SOURCES)
+ROWS = ["Traffic", "Latency", "Throughput", "Backends", "Routing", "KV events (vLLM, SGLang)", "Shared state (Redis)"]
 
 # a metric name, not part of a recording rule's level:name:operation
 METRIC_NAME = re.compile(r"(?<![\w:])(gateway_\w+)(?![\w:])")
@@ -44,7 +49,7 @@ def exported_names() -> set[str]:
     """Every series name the gateway exposes: the names defined in metrics.py, with the suffixes Prometheus
     adds for counters (_total) and histograms (_bucket, _sum, _count)."""
     names: set[str] = set()
-    for name in re.findall(r'"(gateway_\w+)"', METRICS_SOURCE.read_text()):
+    for name in re.findall(r'"(gateway_\w+)"', metric_source()):
         names |= {name, f"{name}_total", f"{name}_bucket", f"{name}_sum", f"{name}_count"}
     return names
 
@@ -88,7 +93,7 @@ def test_template_variables() -> None:
         assert f", {name})" in var["query"]["query"]
     exprs = [t.expr for p in load_script("preview").panels(dashboard()) for t in p.targets]
     unlabelled = ("gateway_routing_plugin_seconds", "gateway_requests_in_flight",  # no backend label
-                  "gateway_connections_refused_total")
+                  "gateway_connections_refused_total", "gateway_state_")
     for expr in exprs:
         assert "$backend" in expr or any(name in expr for name in unlabelled), expr
     assert any("$model" in e for e in exprs)
@@ -105,7 +110,7 @@ def test_every_metric_the_dashboard_and_rules_name_is_exported() -> None:
     assert named, "no metric names found"
     assert named <= exported, f"not exported by the gateway: {sorted(named - exported)}"
     # every family the gateway exports appears on the dashboard
-    families = set(re.findall(r'"(gateway_\w+)"', METRICS_SOURCE.read_text()))
+    families = set(re.findall(r'"(gateway_\w+)"', metric_source()))
     missing = {f for f in families if not any(n.startswith(f) for n in named)}
     assert not missing, f"exported but on no panel or rule: {sorted(missing)}"
 

@@ -10,6 +10,7 @@ series over the load are rendered to reports/dashboard-preview.png.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
 import shutil
@@ -32,6 +33,7 @@ from gateway.sim import FleetThread, SimSpec
 from gateway.sim.spec import ENGINES
 from gateway.sim.tokenizer_files import ensure_tokenizer
 from tests.conftest import free_port, serve_in_thread
+from tests.state.conftest import RedisServer
 from tests.telemetry.test_dashboard import DASHBOARD_JSON, ROOT, RULES, dashboard, load_script
 
 PROMETHEUS_CONFIG = ROOT / "deploy" / "prometheus" / "prometheus.yml"
@@ -174,7 +176,10 @@ def test_every_dashboard_panel_returns_data_from_a_real_prometheus(prometheus_fa
     specs += [SimSpec(engine="tabbyapi", model="shared", name="wrong", time_scale=TIME_SCALE),
               SimSpec(engine="vllm", model="shared", name="right", time_scale=TIME_SCALE),
               SimSpec(engine="sglang", model="m-gone", name="gone", time_scale=TIME_SCALE)]
-    with FleetThread(specs) as fleet:
+    # the gateway keeps its limits in a real Redis (the shared-state row)
+    redis = RedisServer(free_port(), tmp_path).start()
+    with FleetThread(specs) as fleet, contextlib.ExitStack() as cleanup:
+        cleanup.callback(redis.kill)
         servers = fleet.fleet.servers
         engine_of = {"wrong": "vllm"}
         events = {s.spec.name: {"kv_events": {"endpoint": s.kv_events_endpoint,
@@ -186,6 +191,7 @@ def test_every_dashboard_panel_returns_data_from_a_real_prometheus(prometheus_fa
             "routing": {"tokenizers": {"m-vllm": str(tokenizer)}},
             "scrape": {"interval": 0.25, "timeout": 1.0},
             "structured_output": {"validate_outputs": "retry"},
+            "state": {"url": redis.url},
         })
         with serve_in_thread(create_app(settings)) as gateway:
             prom = prometheus_factory([gateway.url.removeprefix("http://")])

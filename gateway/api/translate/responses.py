@@ -36,11 +36,12 @@ import secrets
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import orjson
 
 from gateway.errors import GatewayError
+from gateway.state.shared import StateUnavailable
 
 _PASSTHROUGH = ("top_k", "min_p", "seed", "stop", "presence_penalty", "frequency_penalty", "repetition_penalty")
 _INCLUDABLE = frozenset({
@@ -703,6 +704,14 @@ def _delta_logprob(entry: dict[str, Any]) -> dict[str, Any]:
 
 # ---- store -------------------------------------------------------------------------------------------------
 
+class SharedResponses(Protocol):
+    """Where several replicas keep their responses (``gateway.state.SharedState``)."""
+
+    async def get_response(self, response_id: str) -> list[dict[str, Any]] | None: ...
+
+    def put_response(self, response_id: str, messages: list[dict[str, Any]], ttl_seconds: float) -> None: ...
+
+
 class ResponseStore:
     """Recent responses, for ``previous_response_id``: per response id, the whole conversation as chat
     messages (history + input + output). Bounded in entries and in bytes (the size of the messages' JSON);
@@ -710,7 +719,8 @@ class ResponseStore:
     ``max_bytes`` on its own is not kept."""
 
     def __init__(self, max_entries: int = 10_000, max_bytes: int = 256 * 1024 * 1024, ttl_seconds: float = 3600.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, shared: SharedResponses | None = None) -> None:
+        self._shared = shared  # with shared state: every response is also kept there, for every replica
         self._max_entries = max_entries
         self._max_bytes = max_bytes
         self._ttl = ttl_seconds
@@ -741,6 +751,21 @@ class ResponseStore:
             self._drop(next(iter(self._entries)))
         self._entries[response_id] = (self._clock() + self._ttl, size, list(messages))
         self._bytes += size
+        if self._shared is not None:
+            self._shared.put_response(response_id, messages, self._ttl)
+
+    async def fetch(self, response_id: str) -> list[dict[str, Any]] | None:
+        """``get``, and where this process does not hold it, the shared store (another replica's response).
+        Raises a 503 GatewayError when the shared store cannot answer."""
+        found = self.get(response_id)
+        if found is not None or self._shared is None:
+            return found
+        try:
+            return await self._shared.get_response(response_id)
+        except StateUnavailable as exc:
+            raise GatewayError(503, "stored responses cannot be read now (the gateway's shared state does not "
+                                    "answer); retry shortly", code="state_unavailable",
+                               headers={"retry-after": "1"}) from exc
 
     def get(self, response_id: str) -> list[dict[str, Any]] | None:
         """The conversation up to and including that response; None when unknown or expired."""

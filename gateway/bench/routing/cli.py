@@ -120,6 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--concurrency", type=int, default=d.concurrency)
     a.add_argument("--round-size", type=int, default=d.round_size)
     a.add_argument("--time-scale", type=float, default=d.time_scale)
+    a.add_argument("--replicas", type=int, default=d.replicas, metavar="N",
+                   help="also each prefix-routing policy through N gateway replicas sharing a loopback "
+                        "redis-server; reports their hit rate against one gateway's")
 
     b = sub.add_parser("shape", parents=[common], help="(b) concurrency ramp on ExLlamaV2-like + vLLM-like",
                        description="least-load vs engine-shape, each with its own TabbyAPI-like + vLLM-like pair, "
@@ -218,7 +221,7 @@ def main(argv: list[str]) -> int:
                             question_len=args.question_len, output_len=args.output_len,
                             popularity=args.popularity, count=args.count, cache_share=args.cache_share,
                             concurrency=args.concurrency, round_size=args.round_size, time_scale=args.time_scale,
-                            include_requests=not args.no_requests, **common)
+                            replicas=max(1, args.replicas), include_requests=not args.no_requests, **common)
         doc = run_prefix(pcfg)
         json_path = write_json(doc, out / "prefix.json")
         png = plot_policies(doc, out / "prefix.png",

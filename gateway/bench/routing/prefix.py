@@ -1,4 +1,9 @@
-"""(a) ``gateway bench routing prefix``: shared prefixes on emulated vLLM-like backends."""
+"""(a) ``gateway bench routing prefix``: shared prefixes on emulated vLLM-like backends.
+
+``--replicas N`` adds, for each prefix-routing policy, the same policy through N gateway replicas sharing one
+loopback ``redis-server`` (``state.url``; each policy its own key prefix), with its own fleet, the client
+sending requests to the replicas in turn as a round-robin load balancer would: its cache-hit rate against one
+gateway's (target: at least 0.9 of it) says whether the replicas agree on where each prefix lives."""
 
 from __future__ import annotations
 
@@ -20,6 +25,7 @@ from gateway.bench.routing.stack import (
     Stack,
     against,
     fmt,
+    gateway_config,
     phase_note,
     policy_summary,
     print_targets,
@@ -56,6 +62,7 @@ class PrefixConfig:
     seed: int = 0
     base_port: int = 18700
     profiles: dict[str, Any] = field(default_factory=dict)  # extra routing.profiles for every gateway
+    replicas: int = 1  # above 1: each prefix-routing policy also through that many replicas sharing a Redis
     out: Path = Path("reports/routing")
     include_requests: bool = True
 
@@ -96,6 +103,29 @@ def emulated_oracle(requests: Sequence[BenchRequest], cfg: PrefixConfig) -> Orac
     prompts = [tokenizer.encode(render_chat(r.body["messages"])) for r in requests]
     kv = kv_capacity_for(cfg.groups, cfg.system_len, cfg.cache_share, cfg.question_len, cfg.output_len)
     return vllm_emulator_oracle(prompts, [r.output_len for r in requests], cfg.backends, kv, BLOCK_SIZE)
+
+
+REPLICATED_POLICIES = ("prefix", "default", "consistent-prefix")
+
+
+def replicated_name(policy: str, replicas: int) -> str:
+    return f"{policy} x{replicas}"
+
+
+def replicas_summary(summaries: dict[str, dict[str, Any]], replicas: int) -> dict[str, Any]:
+    """Per policy run both ways: the replicas' cache-hit rate as a share of one gateway's (target >= 0.9)."""
+    out: dict[str, Any] = {}
+    for policy, one in summaries.items():
+        many = summaries.get(replicated_name(policy, replicas))
+        if many is None:
+            continue
+        share = (many["cache_hit_rate"] / one["cache_hit_rate"]
+                 if many["cache_hit_rate"] is not None and one["cache_hit_rate"] else None)
+        out[policy] = {"one_gateway": one["cache_hit_rate"], "replicas": many["cache_hit_rate"],
+                       "share_of_one": share,
+                       "target": target_check(f"{policy}_replicas_hit_rate", share, 0.9,
+                                              f"{policy}: hit rate through {replicas} replicas / one gateway's")}
+    return out
 
 
 def summarize_prefix(doc: dict[str, Any], reference: str = "round-robin",
@@ -150,11 +180,13 @@ def run_prefix(cfg: PrefixConfig, log: Log = print) -> dict[str, Any]:
             servers = prefix_fleet(policy, cfg, [ports.take() for _ in range(cfg.backends)])
             urls = stack.fleet(policy, servers)
             backends = [(s["name"], "vllm", u) for s, u in zip(servers, urls, strict=True)]
-            targets.append(stack.gateway(policy, ports.take(), backends, policy))
+            one = stack.gateway(policy, ports.take(), backends, policy)
+            targets.append(Target(one.name, one.url, SIM_MODEL, pid=one.pid))
+        if cfg.replicas > 1:
+            targets += _replicated(cfg, stack, ports, log)
         log("all up; running (interleaved)")
         before = host_cpu_times()
         started = time.perf_counter()
-        targets = [Target(t.name, t.url, SIM_MODEL, pid=t.pid) for t in targets]
         result = run_sync(run_interleaved(targets, requests, Arrival(concurrency=cfg.concurrency), cfg.round_size,
                                           request_timeout=300))
         elapsed = time.perf_counter() - started
@@ -168,7 +200,55 @@ def run_prefix(cfg: PrefixConfig, log: Log = print) -> dict[str, Any]:
                            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "config": config,
                            "host_busy_share": busy, "wall_s": elapsed, **summarize_prefix(bench, oracle=best),
                            "bench": bench, **phase_note(result)}
+    if cfg.replicas > 1:
+        doc["replicas"] = replicas_summary(doc["policies"], cfg.replicas)
+        doc.setdefault("targets", [])
+        doc["targets"] = [*doc["targets"], *(r["target"] for r in doc["replicas"].values())]
     return doc
+
+
+def _replicated(cfg: PrefixConfig, stack: Stack, ports: PortPool, log: Log) -> list[Target]:
+    """For each prefix-routing policy of the run: its own fleet, and ``cfg.replicas`` gateways sharing one
+    redis-server (started here, once), taking requests in turn."""
+    from gateway.bench.procs import ChildProcess
+    from gateway.bench.state_cost import redis_available
+
+    if not redis_available():
+        raise RuntimeError("--replicas needs redis-server (Debian: apt-get install redis-server)")
+    redis_port = ports.take()
+    redis = ChildProcess("redis", ["redis-server", "--port", str(redis_port), "--bind", "127.0.0.1", "--save", "",
+                                   "--appendonly", "no"], stack.workdir / "redis.log")
+    stack.add(redis)
+    wait_tcp(redis_port)
+    out = []
+    for policy in (p for p in cfg.policies if p in REPLICATED_POLICIES):
+        name = replicated_name(policy, cfg.replicas)
+        servers = prefix_fleet(name, cfg, [ports.take() for _ in range(cfg.backends)])
+        urls = stack.fleet(name.replace(" ", "-"), servers)
+        backends = [(s["name"], "vllm", u) for s, u in zip(servers, urls, strict=True)]
+        replicas = []
+        for r in range(cfg.replicas):
+            port = ports.take()
+            doc = gateway_config(port, backends, policy, stack.scrape_interval, profiles=stack.profiles)
+            doc["state"] = {"url": f"redis://127.0.0.1:{redis_port}/0", "prefix": f"gateway:{policy}:"}
+            replicas.append(stack.gateway_from_doc(f"{policy}-r{r}", port, doc, len(backends)).url)
+        log(f"{name}: {cfg.replicas} replicas sharing redis on {redis_port}")
+        out.append(Target(name, replicas[0], SIM_MODEL, replicas=tuple(replicas)))
+    return out
+
+
+def wait_tcp(port: int, timeout: float = 10.0) -> None:
+    import socket
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"nothing listens on 127.0.0.1:{port} after {timeout:.0f} s") from None
+            time.sleep(0.05)
 
 
 def plot_policies(doc: dict[str, Any], path: Path, title: str) -> Path:

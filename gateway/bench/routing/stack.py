@@ -156,7 +156,7 @@ class Stack:
         path = dump_yaml(fleet_config(servers), self.workdir / f"fleet-{name}.yaml")
         proc = ChildProcess(f"fleet {name}", [sys.executable, "-m", "gateway.sim", "fleet", "--config", str(path)],
                             self.workdir / f"fleet-{name}.log")
-        self._add(proc)
+        self.add(proc)
         urls = [f"http://{HOST}:{s['port']}" for s in servers]
         for url in urls:
             proc.wait_http(url + "/health", timeout=60)
@@ -174,12 +174,13 @@ class Stack:
         path = dump_yaml(doc, self.workdir / f"gateway-{name}.yaml")
         proc = ChildProcess(f"gateway {name}", [sys.executable, "-m", "gateway", "serve", "--config", str(path),
                                                 "--log-level", "warning"], self.workdir / f"gateway-{name}.log")
-        self._add(proc)
+        self.add(proc)
         url = f"http://{HOST}:{port}"
         wait_gateway(url, backends, proc)
         return Target(name, url, pid=proc.pid)
 
-    def _add(self, proc: ChildProcess) -> None:
+    def add(self, proc: ChildProcess) -> None:
+        """Start ``proc``; :meth:`stop` ends it."""
         self.procs.append(proc)
         self.stoppers.append(proc.stop)
         proc.start()

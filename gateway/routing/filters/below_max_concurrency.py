@@ -9,7 +9,9 @@ from gateway.routing.state import RoutingState
 
 class BelowMaxConcurrencyFilter:
     """Keeps backends with fewer of this gateway's requests in flight than their configured
-    ``max_concurrency`` (a backend without one is never full)."""
+    ``max_concurrency`` (a backend without one is never full). With shared state the slot itself is taken
+    atomically after routing, across every replica (``gateway.state``): this filter then only drops what this
+    replica alone already fills."""
 
     name = "below-max-concurrency"
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from gateway.pool.backend import Backend
-from gateway.routing.request import RouteRequest
+from gateway.routing.request import POOLING_ROUTES, RouteRequest
 from gateway.routing.state import RoutingState
 
 
@@ -21,7 +21,7 @@ class FitsContextFilter:
         self._bytes_per_token = bytes_per_token
 
     def filter(self, request: RouteRequest, backends: Sequence[Backend]) -> list[Backend]:
-        if request.route == "embeddings":
+        if request.route in POOLING_ROUTES:
             return list(backends)
         needed = int(len(request.prompt) / self._bytes_per_token) + (request.max_tokens or 1)
         request.estimated_tokens = needed

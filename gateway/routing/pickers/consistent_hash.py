@@ -47,7 +47,7 @@ class ConsistentHashPicker:
     def key(self, request: RouteRequest) -> int:
         blocks = request.blocks
         if blocks:
-            return int.from_bytes(blocks[min(self._key_blocks, len(blocks)) - 1], "big")
+            return blocks[min(self._key_blocks, len(blocks)) - 1]
         return _point(request.model.encode() + b"\0" + request.prompt)
 
     def pick(self, request: RouteRequest, backends: Sequence[Backend], scores: Sequence[float]) -> list[Backend]:

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 from gateway.pool.backend import Backend
 from gateway.routing.prompt import BLOCK_BYTES
-from gateway.routing.request import RouteRequest
+from gateway.routing.request import POOLING_ROUTES, RouteRequest
 from gateway.routing.state import RoutingState
 
 OPENING_BYTES = 1024  # of the rendered prompt: the opening a tie is broken on
@@ -34,7 +34,7 @@ class MaxScorePicker:
         keyed = [(-score, backend.in_flight, 0.0, index)
                  for index, (backend, score) in enumerate(zip(backends, scores, strict=True))]
         if len({k[:2] for k in keyed}) < len(keyed):  # a tie somewhere: break it
-            prompt = request.prompt[:OPENING_BYTES] if request.route != "embeddings" else b""
+            prompt = request.prompt[:OPENING_BYTES] if request.route not in POOLING_ROUTES else b""
             cacheable = len(prompt) >= BLOCK_BYTES  # shorter: no cache to aim at, so spread at random
             opening = request.model.encode() + b"\0" + prompt
             keyed = [(s, f, _rendezvous(opening, backends[i].name) if cacheable else self._rng.random(), i)

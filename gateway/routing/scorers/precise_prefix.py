@@ -5,7 +5,7 @@ from collections.abc import Sequence
 
 from gateway.kvcache.index import MIN_CHUNK_TOKENS, request_keys
 from gateway.pool.backend import Backend
-from gateway.routing.request import RouteRequest
+from gateway.routing.request import POOLING_ROUTES, RouteRequest
 from gateway.routing.scorers.prefix_affinity import PrefixAffinityScorer
 from gateway.routing.state import EventStreamView, RoutingState
 
@@ -58,7 +58,7 @@ class PrecisePrefixScorer:
 
     def score(self, request: RouteRequest, backends: Sequence[Backend]) -> list[float]:
         events = self._state.events
-        if events is None or not events.enabled or request.route == "embeddings":
+        if events is None or not events.enabled or request.route in POOLING_ROUTES:
             return self._approx.score(request, backends)
         now = time.monotonic()
         streams = [events.live_index(b, now) for b in backends]
@@ -86,7 +86,7 @@ class PrecisePrefixScorer:
         the engine must store blocks it does not hold."""
         events = self._state.events
         request.events_cached_tokens = None
-        if events is None or not events.enabled or request.route == "embeddings":
+        if events is None or not events.enabled or request.route in POOLING_ROUTES:
             return
         stream = events.live_index(backend)
         if stream is None:

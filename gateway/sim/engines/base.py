@@ -61,6 +61,7 @@ class Gen:
     tool: ToolPick | None = None  # the answer is this tool call; its arguments are the planned pieces
     tool_id: str = ""
     tool_finish: str = "tool_calls"  # finish_reason of a tool call that stopped on its own
+    rank: int = 0  # its place in the engine's waiting queue: lower runs first (priority scheduling)
 
     @property
     def completion_tokens(self) -> int:
@@ -147,6 +148,11 @@ class Engine:
 
     def authorized(self, req: Request) -> bool:
         return True
+
+    def queue_rank(self, body: dict[str, Any]) -> int:
+        """Where the request waits in the scheduler's queue, lower first (engines with priority scheduling
+        read the request's ``priority``; the others queue in arrival order)."""
+        return 0
 
     def requested_slot(self, gen: Gen) -> int | None:
         """The engine slot the request names, for engines that take one (llama.cpp's ``id_slot``)."""
@@ -313,6 +319,7 @@ async def drive(engine: Engine, gen: Gen, prompt: list[int], resp: Responder,
     sink: StreamSink | CollectSink = StreamSink(engine, gen, resp, done) if gen.stream else CollectSink(done)
     seq = Sequence(prompt, plan.pieces, plan.ids, plan.finish_reason, sink)
     seq.slot = engine.requested_slot(gen)
+    seq.rank = gen.rank
     gen.seq = seq
 
     def on_close() -> None:

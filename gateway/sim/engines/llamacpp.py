@@ -52,6 +52,7 @@ class LlamaCppEngine(OpenAIEngine):
     # server-context.cpp: /v1/responses (+ /input_tokens), /v1/messages (+ /count_tokens); no stored responses
     agent_spec = AgentSpec(responses="llamacpp", messages="llamacpp", count_tokens=True, input_tokens=True)
     reasoning_key = "reasoning_content"  # --reasoning-format auto / deepseek (the default)
+    rerank_shape = "llamacpp"  # server.cpp: /rerank, /reranking, /v1/rerank, /v1/reranking
 
     def make_cache(self, profile: Profile) -> PrefixCache:
         self.slots = SlotCache(profile.max_seqs)
@@ -71,6 +72,7 @@ class LlamaCppEngine(OpenAIEngine):
         for path in ("/v1/completions", "/completions"):
             r[("POST", path)] = self.completions
         r.update(self.agent_routes())
+        r.update(self.rerank_routes())
         return r
 
     # -- auth and errors -----------------------------------------------------------------------------------

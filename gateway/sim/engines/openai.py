@@ -17,6 +17,8 @@ from gateway.sim.agent_routes import AgentRoutes, AgentSpec
 from gateway.sim.engines.base import _MARK, Engine, EngineError, Event, Gen, Handler, drive, new_id
 from gateway.sim.generation import Constraint, Plan, plan_output, request_rng
 from gateway.sim.http import Request, Responder
+from gateway.sim.rerank import PATHS as RERANK_PATHS
+from gateway.sim.rerank import RerankShape, answer, parse, rank
 from gateway.sim.scheduler import ContextTooLong
 from gateway.sim.template import content_text, render_chat
 
@@ -30,6 +32,7 @@ class OpenAIEngine(Engine):
     reasoning_key = "reasoning"  # the message / delta field of a reasoning model's thinking
     tool_id_prefix = "chatcmpl-tool-"
     agent_spec: AgentSpec | None = None  # the agent routes (Responses, Messages) the engine serves natively
+    rerank_shape: RerankShape | None = None  # the engine's rerank routes and answer (None: it has none)
 
     # -- agent routes ------------------------------------------------------------------------------------------
     @cached_property
@@ -40,6 +43,13 @@ class OpenAIEngine(Engine):
 
     def agent_routes(self) -> dict[tuple[str, str], Handler]:
         return self.agent_api.routes() if self.agent_api is not None else {}
+
+    def rerank_routes(self) -> dict[tuple[str, str], Handler]:
+        shape = self.rerank_shape
+        if shape is None:
+            return {}
+        methods = ("POST", "PUT") if shape == "sglang" else ("POST",)  # SGLang: @app.api_route POST and PUT
+        return {(method, path): self.rerank for path in RERANK_PATHS[shape] for method in methods}
 
     def match_route(self, method: str, path: str) -> Handler | None:
         return self.agent_api.match(method, path) if self.agent_api is not None else None
@@ -121,11 +131,12 @@ class OpenAIEngine(Engine):
             server.scheduler.check(len(ids), len(plan.ids) if max_tokens is None else max_tokens)
         except ContextTooLong as exc:
             raise self.context_error(exc, len(ids), max_tokens) from exc
+        rank = self.queue_rank(body)
         opts = body.get("stream_options") or {}
         gen = Gen(id=new_id("chatcmpl-" if kind == "chat" else "cmpl-"), model=self.model, kind=kind,
                   stream=bool(body.get("stream")) if stream is None else stream,
                   include_usage=bool(isinstance(opts, dict) and opts.get("include_usage")),
-                  plan=plan, prompt_len=len(ids), scale=self.spec.time_scale, body=body)
+                  plan=plan, prompt_len=len(ids), scale=self.spec.time_scale, body=body, rank=rank)
         if tool is not None:
             gen.tool, gen.tool_id = tool, self.new_tool_id()
             gen.tool_finish = self.tool_finish(tool)
@@ -188,6 +199,15 @@ class OpenAIEngine(Engine):
             data.append({"object": "embedding", "index": i, "embedding": embed(text)})
         self.send_json(resp, {"object": "list", "data": data, "model": self.model,
                               "usage": {"prompt_tokens": total, "total_tokens": total}})
+
+    async def rerank(self, req: Request, resp: Responder) -> None:
+        assert self.rerank_shape is not None
+        body = self.parse_json(req)
+        self.check_model(body)
+        query, documents, top_n = parse(body)
+        tokenizer = self.server.tokenizer
+        ranked = rank(query, documents, lambda text: len(tokenizer.encode(text)))
+        self.send_json(resp, answer(self.rerank_shape, self.model, body, ranked, top_n))
 
     # -- default shapes (vLLM's) -----------------------------------------------------------------------------
     def usage(self, gen: Gen) -> dict[str, Any]:

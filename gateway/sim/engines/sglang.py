@@ -42,6 +42,7 @@ class SglangEngine(OpenAIEngine):
     unauthorized_body = b'{"error":"Unauthorized"}'
     reasoning_key = "reasoning_content"
     tool_id_prefix = "call_"
+    rerank_shape = "sglang"  # http_server.py: /v1/rerank (POST and PUT), a bare list of results
 
     def make_cache(self, profile: Profile) -> PrefixCache:
         kv = self.spec.kv_events or {}
@@ -62,6 +63,7 @@ class SglangEngine(OpenAIEngine):
         if self.spec.metrics:
             r[("GET", "/metrics")] = self.metrics
         r.update(self.agent_routes())
+        r.update(self.rerank_routes())
         return r
 
     def authorized(self, req: Request) -> bool:
@@ -79,6 +81,16 @@ class SglangEngine(OpenAIEngine):
 
     def stream_error(self, err: EngineError) -> dict[str, Any]:
         return {"error": orjson.loads(self.error_body(err))}
+
+    def queue_rank(self, body: dict[str, Any]) -> int:
+        """``priority`` with --enable-priority-scheduling: higher first (the default order); ignored without it
+        (abort_on_priority_when_disabled is off by default)."""
+        priority = body.get("priority")
+        if priority is None:
+            return 0
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise EngineError(400, "priority: Input should be a valid integer", param="priority")
+        return -priority if self.spec.priority_scheduling else 0
 
     def constraint(self, body: dict[str, Any]) -> Constraint | None:
         found: list[Constraint] = []

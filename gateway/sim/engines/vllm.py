@@ -57,6 +57,7 @@ class VllmEngine(OpenAIEngine):
     # anthropic/api_router.py (/v1/messages, /v1/messages/count_tokens)
     agent_spec = AgentSpec(responses="openai", messages="vllm", count_tokens=True, store=256)
     unauthorized_body = b'{"error":"Unauthorized"}'
+    rerank_shape = "vllm"  # pooling/scoring/api_router.py: /rerank, /v1/rerank, /v2/rerank
 
     def make_cache(self, profile: Profile) -> PrefixCache:
         return BlockCache(BLOCK_SIZE, profile.kv_capacity_tokens, self.server.kv_events)
@@ -69,6 +70,7 @@ class VllmEngine(OpenAIEngine):
             ("GET", "/version"): self.version, ("GET", "/load"): self.load, ("GET", "/metrics"): self.metrics,
             ("POST", "/tokenize"): self.tokenize, ("POST", "/detokenize"): self.detokenize,
             ("POST", "/reset_prefix_cache"): self.reset_prefix_cache, **self.agent_routes(),
+            **self.rerank_routes(),
         }
 
     def tool_finish(self, tool: ToolPick) -> str:
@@ -85,6 +87,16 @@ class VllmEngine(OpenAIEngine):
             return orjson.dumps({"detail": err.message})  # FastAPI's own 404/405
         return orjson.dumps({"error": {"message": err.message, "type": ERROR_TYPES.get(err.status, "BadRequestError"),
                                        "param": err.param, "code": err.status}})
+
+    def queue_rank(self, body: dict[str, Any]) -> int:
+        """``priority``: lower first with --scheduling-policy priority; without it anything but 0 is refused
+        (vllm/v1/engine/processor.py)."""
+        priority = body.get("priority", 0)
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise EngineError(400, "priority: Input should be a valid integer", param="priority")
+        if priority != 0 and not self.spec.priority_scheduling:
+            raise EngineError(400, f"Got priority {priority} but Priority scheduling is not enabled.")
+        return priority
 
     def check_model(self, body: dict[str, Any]) -> None:
         model = body.get("model")

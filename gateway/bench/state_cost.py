@@ -1,0 +1,58 @@
+"""What shared state costs a request: ``gateway bench overhead --state`` adds a gateway whose limits and slots
+live in a loopback ``redis-server`` (Debian's, started here; ports ``base + 6`` and ``base + 7``), interleaved
+with the others in every phase. Its backend has a ``max_concurrency`` (as the plain gateway's), so every
+request takes its slot with one Redis round trip before its first upstream byte and gives it back after its
+last byte. The report gives, per level, what it adds over the same gateway without shared state (TTFT p50/p99
+and end-to-end p50 in microseconds, CPU per request).
+
+``--workers N`` adds a gateway of N worker processes (``server.workers``, on ``base + 8``) sharing that
+redis-server (started for it when ``--state`` is not given): what the processes add or take away at each
+level and at saturation, against the one-process gateway with the same shared state (or, without
+``--state``, against the plain one)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from gateway.bench.procs import ChildProcess
+
+STATEFUL = "gateway+redis"
+
+
+def redis_available() -> bool:
+    return shutil.which("redis-server") is not None
+
+
+def stateful_gateway(base_port: int, gateway_yaml: str, logs: Path, python: str) -> tuple[ChildProcess, ChildProcess,
+                                                                                          str]:
+    """(redis-server, the gateway on ``base_port + 7`` configured with it, the gateway's URL). ``gateway_yaml``:
+    the plain gateway's configuration, for another port; the state section is added here."""
+    redis_port, port = base_port + 6, base_port + 7
+    redis = redis_child(redis_port, logs)
+    config = logs / "gateway-redis.yaml"
+    config.write_text(gateway_yaml + f"state:\n  url: redis://127.0.0.1:{redis_port}/0\n")
+    gateway = ChildProcess(STATEFUL, [python, "-m", "gateway", "serve", "--config", str(config), "--log-level",
+                                      "warning"], logs / "gateway-redis.log")
+    return redis, gateway, f"http://127.0.0.1:{port}"
+
+
+def redis_child(port: int, logs: Path) -> ChildProcess:
+    return ChildProcess("redis", [str(shutil.which("redis-server")), "--port", str(port), "--bind", "127.0.0.1",
+                                  "--save", "", "--appendonly", "no"], logs / "redis.log")
+
+
+def workers_name(count: int) -> str:
+    return f"gateway x{count}"
+
+
+def workers_gateway(base_port: int, gateway_yaml: str, logs: Path, python: str, count: int) -> tuple[ChildProcess, str]:
+    """(the gateway of ``count`` workers on ``base_port + 8``, sharing the redis-server on ``base_port + 6``; its
+    URL). ``gateway_yaml``: the plain gateway's configuration for that port; workers and state are added."""
+    port = base_port + 8
+    config = logs / "gateway-workers.yaml"
+    config.write_text(gateway_yaml.replace("server:\n", f"server:\n  workers: {count}\n", 1)
+                      + f"state:\n  url: redis://127.0.0.1:{base_port + 6}/0\n")
+    gateway = ChildProcess(workers_name(count), [python, "-m", "gateway", "serve", "--config", str(config),
+                                                 "--log-level", "warning"], logs / "gateway-workers.log")
+    return gateway, f"http://127.0.0.1:{port}"

@@ -1,0 +1,5 @@
+"""State shared by several gateway processes and replicas (Redis): see :mod:`gateway.state.shared`."""
+
+from gateway.state.shared import Admitted, Budget, SharedState, Slotted, StateUnavailable
+
+__all__ = ["Admitted", "Budget", "SharedState", "Slotted", "StateUnavailable"]

@@ -1,0 +1,135 @@
+"""The Lua scripts the shared state runs in Redis: each is one atomic step, one round trip.
+
+Token buckets are hashes ``{l: level, t: updated (ms, Redis's clock)}`` refilled continuously at
+``capacity / 60 s``; a bucket untouched for two minutes expires, which is what a full one would be. In-flight
+counts of a backend with a ``max_concurrency`` are a hash per backend, one field per replica (its own count),
+so a replica that dies can be reaped field by field.
+"""
+
+from __future__ import annotations
+
+# ADMIT: rate limits and a slot on the first candidate with one, all or nothing.
+#   KEYS[1] requests bucket, KEYS[2] tokens bucket, KEYS[3] the key's in-flight hash,
+#   KEYS[4..] each candidate's in-flight hash
+#   ARGV[1] replica id, ARGV[2] requests per minute (0: none), ARGV[3] tokens per minute (0: none),
+#   ARGV[4] tokens to reserve, ARGV[5] the key's max_in_flight (0: none),
+#   ARGV[6..] each candidate's max_concurrency (0: no limit, no slot taken)
+# Returns {0, i}: admitted on candidate i (0-based); {1, ms} / {2, ms}: requests / tokens per minute
+# exhausted, retry in ms; {3, 0}: every candidate is full (nothing was taken); {4, 0}: the key has
+# max_in_flight requests in flight (nothing was taken).
+ADMIT = """
+local now_t = redis.call('TIME')
+local now = now_t[1] * 1000 + math.floor(now_t[2] / 1000)
+local function level(key, cap)
+  local b = redis.call('HMGET', key, 'l', 't')
+  local l, t = tonumber(b[1]), tonumber(b[2])
+  if l == nil then return cap end
+  return math.min(cap, l + (now - t) * cap / 60000)
+end
+local rpm, tpm, reserve = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
+local rl, tl
+if rpm > 0 then
+  rl = level(KEYS[1], rpm)
+  if rl < 1 then return {1, math.ceil((1 - rl) * 60000 / rpm)} end
+end
+if tpm > 0 then
+  tl = level(KEYS[2], tpm)
+  if tl <= 0 then return {2, math.ceil((1e-9 - tl) * 60000 / tpm) + 1} end
+end
+local cap = tonumber(ARGV[5])
+if cap > 0 then
+  local held = 0
+  for _, v in ipairs(redis.call('HVALS', KEYS[3])) do held = held + tonumber(v) end
+  if held >= cap then return {4, 0} end
+end
+local chosen = 0
+for i = 4, #KEYS do
+  local limit = tonumber(ARGV[i + 2])
+  if limit == 0 then chosen = i break end
+  local total = 0
+  for _, v in ipairs(redis.call('HVALS', KEYS[i])) do total = total + tonumber(v) end
+  if total < limit then
+    redis.call('HINCRBY', KEYS[i], ARGV[1], 1)
+    chosen = i
+    break
+  end
+end
+if #KEYS > 3 and chosen == 0 then return {3, 0} end
+if cap > 0 then redis.call('HINCRBY', KEYS[3], ARGV[1], 1) end
+if rpm > 0 then
+  redis.call('HSET', KEYS[1], 'l', tostring(rl - 1), 't', now)
+  redis.call('PEXPIRE', KEYS[1], 120000)
+end
+if tpm > 0 then
+  redis.call('HSET', KEYS[2], 'l', tostring(tl - reserve), 't', now)
+  redis.call('PEXPIRE', KEYS[2], 120000)
+end
+if chosen > 0 then return {0, chosen - 4} end
+return {0, 0}
+"""
+
+# ACQUIRE: a slot on one backend (a failover attempt), if it has one free.
+#   KEYS[1] the backend's in-flight hash; ARGV[1] replica id, ARGV[2] its max_concurrency
+# Returns 1 (taken) or 0 (full).
+ACQUIRE = """
+local total = 0
+for _, v in ipairs(redis.call('HVALS', KEYS[1])) do total = total + tonumber(v) end
+if total >= tonumber(ARGV[2]) then return 0 end
+redis.call('HINCRBY', KEYS[1], ARGV[1], 1)
+return 1
+"""
+
+# SETTLE: a finished request's tokens (the difference to what was reserved; negative gives back, never above
+# the capacity) and, if it held one, its slot (announced on the free-slot channel so the replicas' waiters
+# wake). Idempotent: a settlement is applied once whatever the retries (its id is remembered two minutes), so
+# one sent again after a connection broke mid-way is not charged twice.
+#   KEYS[1] tokens bucket, KEYS[2] in-flight hash, KEYS[3] the settlement's id key, KEYS[4] the key's
+#   in-flight hash
+#   ARGV[1] replica id, ARGV[2] tokens per minute (0: none), ARGV[3] tokens used - reserved,
+#   ARGV[4] 1 to release a slot, ARGV[5] the free-slot channel, ARGV[6] its message (backend and replica),
+#   ARGV[7] 1 to release the key's in-flight place
+SETTLE = """
+if not redis.call('SET', KEYS[3], 1, 'NX', 'PX', 120000) then return 0 end
+local tpm, delta = tonumber(ARGV[2]), tonumber(ARGV[3])
+if tpm > 0 and delta ~= 0 then
+  local now_t = redis.call('TIME')
+  local now = now_t[1] * 1000 + math.floor(now_t[2] / 1000)
+  local b = redis.call('HMGET', KEYS[1], 'l', 't')
+  local l, t = tonumber(b[1]), tonumber(b[2])
+  if l == nil then l = tpm else l = math.min(tpm, l + (now - t) * tpm / 60000) end
+  redis.call('HSET', KEYS[1], 'l', tostring(math.min(tpm, l - delta)), 't', now)
+  redis.call('PEXPIRE', KEYS[1], 120000)
+end
+if ARGV[4] == '1' then
+  if redis.call('HINCRBY', KEYS[2], ARGV[1], -1) < 0 then redis.call('HSET', KEYS[2], ARGV[1], 0) end
+  redis.call('PUBLISH', ARGV[5], ARGV[6])
+end
+if ARGV[7] == '1' then
+  if redis.call('HINCRBY', KEYS[4], ARGV[1], -1) < 0 then redis.call('HSET', KEYS[4], ARGV[1], 0) end
+end
+return 1
+"""
+
+# HEARTBEAT: this replica is alive (now, Redis's clock); replicas silent past the TTL are forgotten and their
+# slots freed. With ARGV[4] = 1 its own counts are written as they are (after Redis was unreachable, when
+# some increments or decrements may have been lost).
+#   KEYS[1] replicas sorted set, KEYS[2..] every in-flight hash
+#   ARGV[1] replica id, ARGV[2] TTL ms, ARGV[3] the free-slot channel (a reap announces '*': any backend),
+#   ARGV[4] 1: resync, ARGV[5..] own count per hash
+# Returns {the replicas it reaped, how many replicas are alive}.
+HEARTBEAT = """
+local now_t = redis.call('TIME')
+local now = now_t[1] * 1000 + math.floor(now_t[2] / 1000)
+redis.call('ZADD', KEYS[1], now, ARGV[1])
+local dead = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now - tonumber(ARGV[2]))
+for _, replica in ipairs(dead) do
+  redis.call('ZREM', KEYS[1], replica)
+  for i = 2, #KEYS do
+    if redis.call('HDEL', KEYS[i], replica) > 0 then redis.call('PUBLISH', ARGV[3], '*') end
+  end
+end
+if ARGV[4] == '1' then
+  for i = 2, #KEYS do redis.call('HSET', KEYS[i], ARGV[1], ARGV[i + 3]) end
+end
+return {dead, redis.call('ZCARD', KEYS[1])}
+"""

@@ -1,0 +1,516 @@
+"""Limits and routing state shared by every gateway process and replica, in Redis (or Valkey).
+
+What is shared, and how it stays off the hot path:
+
+* **Admission** (:meth:`SharedState.admit`): a key's requests and tokens per minute and a slot on a backend
+  with a ``max_concurrency``, in one atomic script (:mod:`gateway.state.scripts`) after routing: one round
+  trip before the first upstream byte, and none at all for a request of an unlimited key to backends without a
+  ``max_concurrency``. Settling (the tokens really used, the slot given back) is sent after the response, in
+  the background.
+* **Free slots**: a released slot is announced on a channel; every replica's waiting requests (the admission
+  queue) wake and route again.
+* **Peers** (:meth:`publish`, :meth:`subscribe`): what routing learns (session -> backend, the prompt blocks
+  routed to a backend) is published, batched every few milliseconds, and applied to every other replica's
+  own tables, so routing reads only local memory.
+* **Stored responses** (``/v1/responses`` with ``previous_response_id``): kept in Redis with their TTL.
+
+Redis failing: every operation has a short timeout; the state is then *down* (``gateway_state_up`` 0,
+``gateway_state_errors_total``, a log line per minute at most) until a heartbeat answers again. Meanwhile
+limits pass (``on_failure: open``, counted in ``gateway_state_fail_open_total``) or refuse with 503
+(``closed``), ``max_concurrency`` is enforced by each replica on its own, routing uses local state only, and
+settlements wait in a bounded queue to be sent when Redis is back; a replica then writes its own slot counts
+as they are, since increments or decrements may have been lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable, Coroutine, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import msgpack
+import orjson
+
+from gateway.config import StateSettings
+from gateway.state import scripts
+from gateway.state.autopipeline import AutoPipeline
+from gateway.state.resp import RespConnection
+
+if TYPE_CHECKING:
+    import redis.asyncio as aioredis
+
+log = logging.getLogger("gateway.state")
+
+PUBLISH_INTERVAL = 0.005  # seconds a peer message may wait to be batched with others
+POOL_CONNECTIONS = 16  # connections to Redis per process (besides the subscriber's)
+OPERATIONS = ("admit", "acquire", "settle", "heartbeat", "subscribe", "publish", "get_response", "put_response")
+MAX_PENDING = 10_000  # settlements kept while Redis is down (beyond: the oldest are dropped and counted)
+
+
+class StateUnavailable(Exception):
+    """Redis could not be reached for an operation that needs it."""
+
+
+@dataclass(frozen=True, slots=True)
+class Admitted:
+    """``chosen``: the index of the candidate a slot was taken on (0 when none needed one); ``limited``:
+    "requests" or "tokens" when the key's budget is spent (``retry_after`` seconds), "in_flight" when it has
+    ``max_in_flight`` requests in flight; ``full`` when every
+    candidate with a ``max_concurrency`` is at it (nothing was taken)."""
+
+    chosen: int = 0
+    limited: str | None = None
+    retry_after: float = 0.0
+    full: bool = False
+    slot: bool = False  # a slot was taken (give it back with settle)
+    key_place: bool = False  # one of the key's max_in_flight places was taken (give it back with settle)
+
+
+@dataclass(frozen=True, slots=True)
+class Budget:
+    """What admission checks of a key: its name and limits (None: unlimited)."""
+
+    key: str
+    requests_per_minute: int | None
+    tokens_per_minute: int | None
+    max_in_flight: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Slotted:
+    """A candidate backend as admission sees it: its name and ``max_concurrency`` (None: no slot needed)."""
+
+    name: str
+    max_concurrency: int | None
+
+
+def key_place_of(key: str) -> str:
+    """The in-flight hash name (as a backend's) that counts a key's requests for its ``max_in_flight``."""
+    return f"key:{key}"
+
+
+class SharedState:
+    """One process's connection to the shared state. ``start`` connects and starts the heartbeat and the
+    subscriber; every operation is safe to call while Redis is down (see the module docstring)."""
+
+    def __init__(self, settings: StateSettings, *, replica_id: str | None = None,
+                 client: aioredis.Redis | None = None) -> None:
+        assert settings.url is not None or client is not None
+        self.settings = settings
+        self.replica = replica_id or f"{os.uname().nodename}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self._timeout = settings.timeout_ms / 1000
+        # redis-py is imported here, not with the module: it takes ~150 ms, which a gateway without shared
+        # state need not pay at start
+        import redis.asyncio
+        from redis.asyncio.retry import Retry
+        from redis.backoff import NoBackoff
+        from redis.exceptions import ConnectionError as RedisConnectionError
+        from redis.exceptions import NoScriptError, RedisError
+
+        self._errors: tuple[type[BaseException], ...] = (RedisError, OSError, TimeoutError)
+        self._no_script = NoScriptError
+        # a bounded pool: a burst of requests shares a few connections instead of opening one each (opening one
+        # takes several round trips, which is what timed out under bursts)
+        pool = redis.asyncio.BlockingConnectionPool.from_url(
+            settings.url or "", max_connections=POOL_CONNECTIONS, timeout=self._timeout,
+            socket_timeout=max(1.0, 10 * self._timeout), socket_connect_timeout=max(1.0, 10 * self._timeout),
+            # once again at once on a broken connection (after Redis restarted, each pooled connection fails
+            # on its first use), never on a timeout
+            retry=Retry(NoBackoff(), 1), retry_on_error=[RedisConnectionError], health_check_interval=0)
+        self._redis = client if client is not None else redis.asyncio.Redis(connection_pool=pool)
+        # the admissions' round trips on a connection of their own, packed and parsed by hiredis (resp.py)
+        self._fast = (RespConnection(dict(pool.connection_kwargs), max(1.0, 10 * self._timeout))
+                      if client is None and RespConnection.supports(settings.url or "")
+                      else None)
+        self._pipeline = AutoPipeline(self._redis, self._spawn, self._fast)
+        p = settings.prefix
+        self._freed_channel = f"{p}freed"
+        self._sender = self.replica.encode() + b"\0"  # heads every peer message (own ones are skipped unread)
+        self._peers_channel = f"{p}peers"
+        self._replicas_key = f"{p}replicas"
+        self._shas: dict[str, str] = {}
+        self.up = False
+        self.errors: dict[str, int] = dict.fromkeys(OPERATIONS, 0)  # operation -> failures (all from zero)
+        self.fail_open = 0  # requests passed unlimited because Redis was down
+        self.dropped = 0  # settlements dropped (the queue was full while Redis was down)
+        self._last_log = 0.0
+        self._needs_resync = True
+        self._held: dict[str, int] = {}  # backend -> slots this replica holds (its own truth)
+        self.remote: dict[str, int] = {}  # backend -> slots the other replicas hold, as last read
+        self._pending: deque[tuple[str, list[str], list[Any]]] = deque()  # settlements waiting for Redis
+        self._draining = False
+        self._settlements = 0  # (numbers this replica's settlements: their ids)
+        self.replicas = 1  # replicas alive, as the last heartbeat counted them (this one included)
+        self._outbox: list[tuple[str, Any]] = []
+        self._handlers: dict[str, list[Callable[[Any], None]]] = {}
+        self._on_freed: list[Callable[[str], None]] = []
+        self._tasks: list[asyncio.Task[None]] = []
+        self._flush_scheduled = False
+        # the backends with a max_concurrency (their in-flight is kept here), as the pool has them now
+        self.slotted: Callable[[], set[str]] = set
+        self._background: set[asyncio.Task[None]] = set()  # (referenced until done, as asyncio requires)
+
+    # -- keys ---------------------------------------------------------------------------------------------------
+    def _bucket(self, key: str, kind: str) -> str:
+        return f"{self.settings.prefix}bucket:{kind}:{key}"
+
+    def _inflight(self, backend: str) -> str:
+        return f"{self.settings.prefix}inflight:{backend}"
+
+    # -- lifecycle ----------------------------------------------------------------------------------------------
+    async def start(self) -> None:
+        await self._heartbeat()  # (down is fine: it retries)
+        # the admission scripts, loaded before the first burst of requests (each would load them otherwise)
+        with contextlib.suppress(*self._errors):
+            for name, source in (("admit", scripts.ADMIT), ("acquire", scripts.ACQUIRE)):
+                if name not in self._shas:
+                    self._shas[name] = await asyncio.wait_for(self._redis.script_load(source), self._timeout * 5)
+        self._tasks = [asyncio.create_task(self._heartbeat_loop(), name="state-heartbeat"),
+                       asyncio.create_task(self._subscribe_loop(), name="state-subscriber")]
+
+    async def stop(self) -> None:
+        """Leave (the others need not wait for the TTL to free this replica's slots) and close; bounded in
+        time whatever Redis does."""
+        for task in self._tasks:
+            task.cancel()
+        if self._tasks:
+            await asyncio.wait(self._tasks, timeout=2.0)
+        self._tasks = []
+        with contextlib.suppress(*self._errors):
+            await asyncio.wait_for(self._flush(), 1.0)
+            if self.up:
+                await asyncio.wait_for(self._forget_self(), 1.0)
+        with contextlib.suppress(*self._errors):
+            await asyncio.wait_for(self._redis.aclose(), 1.0)
+        if self._fast is not None:
+            self._fast.close()
+
+    async def _forget_self(self) -> None:
+        pipe = self._redis.pipeline(transaction=False)
+        pipe.zrem(self._replicas_key, self.replica)
+        for backend in self.slotted():
+            pipe.hdel(self._inflight(backend), self.replica)
+        pipe.publish(self._freed_channel, "*")
+        await pipe.execute()
+
+    # -- failures -----------------------------------------------------------------------------------------------
+    def _failed(self, operation: str, exc: BaseException) -> None:
+        """An operation failed. A timeout of one request's operation only fails that request (a slow moment
+        under load is not an outage; the heartbeat decides that); anything else, and a heartbeat timing out,
+        takes the state down until a heartbeat answers."""
+        self.errors[operation] = self.errors.get(operation, 0) + 1
+        if isinstance(exc, TimeoutError) and operation in ("admit", "acquire", "get_response"):
+            return
+        if self.up:
+            self._needs_resync = True
+        self.up = False
+        now = time.monotonic()
+        if now - self._last_log >= 60:
+            self._last_log = now
+            log.warning("shared state (Redis) unavailable (%s: %s: %s); limits fail %s, routing uses local "
+                        "state until it answers again", operation, type(exc).__name__, exc, self.settings.on_failure)
+
+    async def _script(self, name: str, source: str, keys: list[str], args: list[Any]) -> Any:
+        """Run a script, with whatever else is being run now, in one pipeline (:mod:`autopipeline`)."""
+        sha = self._shas.get(name)
+        if sha is None:
+            sha = self._shas[name] = await self._redis.script_load(source)
+        try:
+            return await self._pipeline.call("EVALSHA", sha, len(keys), *keys, *args)
+        except self._no_script:  # Redis restarted (its script cache is empty)
+            self._shas[name] = await self._redis.script_load(source)
+            return await self._pipeline.call("EVALSHA", self._shas[name], len(keys), *keys, *args)
+
+    # -- admission ----------------------------------------------------------------------------------------------
+    def needed(self, budget: Budget | None, candidates: Sequence[Slotted]) -> bool:
+        """Whether admission has anything to check (else it costs no round trip)."""
+        limited = budget is not None and (budget.requests_per_minute or budget.tokens_per_minute
+                                          or budget.max_in_flight)
+        return bool(limited) or any(c.max_concurrency for c in candidates)
+
+    async def admit(self, budget: Budget | None, reserve: int, candidates: Sequence[Slotted]) -> Admitted:
+        """One round trip: the key's budget and a slot on the first candidate that has one (candidates
+        without a ``max_concurrency`` always do). Raises StateUnavailable when Redis cannot answer."""
+        rpm = (budget.requests_per_minute or 0) if budget is not None else 0
+        tpm = (budget.tokens_per_minute or 0) if budget is not None else 0
+        name = budget.key if budget is not None else "_"
+        # the candidates up to (and including) the first that needs no slot: none after it is ever chosen
+        chosen_from: list[Slotted] = []
+        for candidate in candidates:
+            chosen_from.append(candidate)
+            if not candidate.max_concurrency:
+                break
+        if not any(c.max_concurrency for c in chosen_from):
+            chosen_from = []
+        cap = (budget.max_in_flight or 0) if budget is not None else 0
+        keys = [self._bucket(name, "requests"), self._bucket(name, "tokens"), self._inflight(key_place_of(name)),
+                *(self._inflight(c.name) for c in chosen_from)]
+        args = [self.replica, rpm, tpm, reserve if tpm else 0, cap, *(c.max_concurrency or 0 for c in chosen_from)]
+        try:
+            async with asyncio.timeout(self._timeout):  # (not wait_for: it makes a task per call)
+                status, value = await self._script("admit", scripts.ADMIT, keys, args)
+        except self._errors as exc:
+            self._failed("admit", exc)
+            raise StateUnavailable(str(exc)) from None
+        if status == 1 or status == 2:
+            return Admitted(limited="requests" if status == 1 else "tokens", retry_after=int(value) / 1000)
+        if status == 3:
+            return Admitted(full=True)
+        if status == 4:
+            return Admitted(limited="in_flight")
+        if cap:
+            place = key_place_of(name)
+            self._held[place] = self._held.get(place, 0) + 1
+        index = int(value)
+        slot = bool(chosen_from) and bool(chosen_from[index].max_concurrency)
+        if slot:
+            backend = chosen_from[index].name
+            self._held[backend] = self._held.get(backend, 0) + 1
+        return Admitted(chosen=index, slot=slot, key_place=bool(cap))
+
+    async def acquire(self, backend: Slotted) -> bool:
+        """A slot on one backend with a ``max_concurrency`` (a failover attempt). Raises StateUnavailable."""
+        assert backend.max_concurrency
+        try:
+            async with asyncio.timeout(self._timeout):
+                taken = await self._script("acquire", scripts.ACQUIRE, [self._inflight(backend.name)],
+                                           [self.replica, backend.max_concurrency])
+        except self._errors as exc:
+            self._failed("acquire", exc)
+            raise StateUnavailable(str(exc)) from None
+        if taken:
+            self._held[backend.name] = self._held.get(backend.name, 0) + 1
+        return bool(taken)
+
+    def settle(self, budget: Budget | None, tokens_delta: int, slot_backend: str | None, *,
+               key_place: bool = False) -> None:
+        """In the background: the tokens used beyond (or below) the reservation, the backend's slot given back,
+        and (``key_place``) the key's in-flight place."""
+        tpm = (budget.tokens_per_minute or 0) if budget is not None else 0
+        key_place = key_place and budget is not None
+        if not (tpm and tokens_delta) and slot_backend is None and not key_place:
+            return
+        if slot_backend is not None:
+            self._held[slot_backend] = max(0, self._held.get(slot_backend, 0) - 1)
+        place = key_place_of(budget.key if budget is not None else "_")
+        if key_place:
+            self._held[place] = max(0, self._held.get(place, 0) - 1)
+        self._settlements += 1
+        keys = [self._bucket(budget.key if budget is not None else "_", "tokens"),
+                self._inflight(slot_backend or "_"),
+                f"{self.settings.prefix}settled:{self.replica}:{self._settlements}", self._inflight(place)]
+        args = [self.replica, tpm, tokens_delta if tpm else 0, "1" if slot_backend is not None else "0",
+                self._freed_channel, f"{slot_backend or ''}\0{self.replica}", "1" if key_place else "0"]
+        if len(self._pending) >= MAX_PENDING:
+            self._pending.popleft()
+            self.dropped += 1
+        self._pending.append(("settle", keys, args))
+        if not self._draining:
+            self._spawn(self._drain())
+
+    async def _drain(self) -> None:
+        """Send the waiting settlements, all that wait in one pipelined round trip at a time, in order; one
+        drain at a time. A batch that fails is sent again later (settlements are idempotent)."""
+        if self._draining:
+            return
+        self._draining = True
+        try:
+            while self._pending and self.up:
+                batch = list(self._pending)
+                try:
+                    await asyncio.wait_for(self._settle_batch(batch), self._timeout * 5)
+                except self._errors as exc:
+                    self._failed("settle", exc)
+                    return  # the heartbeat drains the rest once Redis answers
+                for _ in batch:
+                    self._pending.popleft()
+        finally:
+            self._draining = False
+
+    async def _settle_batch(self, batch: list[tuple[str, list[str], list[Any]]]) -> None:
+        sha = self._shas.get("settle")
+        if sha is None:
+            sha = self._shas["settle"] = await self._redis.script_load(scripts.SETTLE)
+        for attempt in (1, 2):
+            pipe = self._redis.pipeline(transaction=False)
+            for _, keys, args in batch:
+                pipe.evalsha(sha, len(keys), *keys, *args)
+            try:
+                await pipe.execute()
+                return
+            except self._no_script:  # Redis restarted: none of them ran (its script cache is empty)
+                if attempt == 2:
+                    raise
+                sha = self._shas["settle"] = await self._redis.script_load(scripts.SETTLE)
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
+
+    def holds(self, backend: str) -> int:
+        return self._held.get(backend, 0)
+
+    def remote_in_flight(self, backend: str) -> int:
+        """The slots of ``backend`` the other replicas hold, as the last heartbeat read them (0 while Redis is
+        down)."""
+        return self.remote.get(backend, 0) if self.up else 0
+
+    def on_freed(self, callback: Callable[[str], None]) -> None:
+        """``callback(backend)`` when another replica frees a slot (``"*"``: any backend, a replica left)."""
+        self._on_freed.append(callback)
+
+    # -- peers --------------------------------------------------------------------------------------------------
+    def publish(self, topic: str, payload: Any) -> None:
+        """Send ``payload`` (msgpack-able) to the other replicas' ``topic`` handlers, batched; nothing while
+        this replica is the only one (as the last heartbeat counted)."""
+        if not self._tasks or self.replicas <= 1:
+            return
+        self._outbox.append((topic, payload))
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            asyncio.get_running_loop().call_later(PUBLISH_INTERVAL, self._schedule_flush)
+
+    def subscribe(self, topic: str, handler: Callable[[Any], None]) -> None:
+        self._handlers.setdefault(topic, []).append(handler)
+
+    def _schedule_flush(self) -> None:
+        self._flush_scheduled = False
+        self._spawn(self._flush())
+
+    async def _flush(self) -> None:
+        if not self._outbox:
+            return
+        batch, self._outbox = self._outbox, []
+        if not self.up:
+            return  # (routing is local while Redis is down: the others will learn from their own requests)
+        message = self._sender + msgpack.packb(batch)
+        try:
+            await asyncio.wait_for(self._redis.publish(self._peers_channel, message), self._timeout * 5)
+        except self._errors as exc:
+            self._failed("publish", exc)
+
+    async def _subscribe_loop(self) -> None:
+        while True:
+            pubsub = self._redis.pubsub(ignore_subscribe_messages=True)
+            try:
+                await pubsub.subscribe(self._peers_channel, self._freed_channel)
+                async for message in pubsub.listen():
+                    self._received(message)
+            except asyncio.CancelledError:
+                raise
+            except self._errors as exc:
+                self._failed("subscribe", exc)
+            except Exception as exc:
+                log.exception("shared state subscriber failed")
+                self._failed("subscribe", exc)
+            finally:
+                with contextlib.suppress(*self._errors):
+                    await asyncio.wait_for(pubsub.aclose(), 1.0)  # type: ignore[no-untyped-call]
+            await asyncio.sleep(self.settings.heartbeat_seconds)
+
+    def _received(self, message: dict[str, Any]) -> None:
+        channel = message.get("channel")
+        data = message.get("data")
+        if not isinstance(data, bytes):
+            return
+        if channel == self._freed_channel.encode():
+            backend, _, sender = data.decode().partition("\0")
+            if sender == self.replica:
+                return  # (its own release woke its own waiters already)
+            for callback in self._on_freed:
+                callback(backend)
+            return
+        if data.startswith(self._sender):
+            return
+        _, _, packed = data.partition(b"\0")
+        try:
+            batch = msgpack.unpackb(packed)
+        except (ValueError, TypeError, msgpack.UnpackException):
+            log.debug("a peer message that is not one: %r", data[:80])
+            return
+        for topic, payload in batch:
+            for handler in self._handlers.get(topic, ()):
+                try:
+                    handler(payload)
+                except Exception:  # a malformed message must not end the subscriber
+                    log.debug("peer message on %s failed", topic, exc_info=True)
+
+    # -- heartbeat ----------------------------------------------------------------------------------------------
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.heartbeat_seconds)
+            try:
+                await self._heartbeat()
+            except Exception as exc:  # the loop must outlive anything one heartbeat meets
+                log.exception("shared state heartbeat failed")
+                self._failed("heartbeat", exc)
+
+    async def _heartbeat(self) -> None:
+        """Renew this replica, reap the silent ones, read the others' slot counts; after a failure, write its
+        own counts afresh and send the settlements that waited."""
+        slotted = sorted(self.slotted())
+        keys = [self._replicas_key, *(self._inflight(b) for b in slotted)]
+        resync = self._needs_resync
+        args = [self.replica, int(1000 * self.settings.replica_ttl_seconds), self._freed_channel,
+                "1" if resync else "0", *(self._held.get(b, 0) for b in slotted)]
+        try:
+            _, alive = await asyncio.wait_for(self._script("heartbeat", scripts.HEARTBEAT, keys, args),
+                                              self._timeout * 5)
+            self.replicas = int(alive)
+            if slotted:
+                pipe = self._redis.pipeline(transaction=False)
+                for backend in slotted:
+                    pipe.hgetall(self._inflight(backend))
+                counts = await asyncio.wait_for(pipe.execute(), self._timeout * 5)
+                mine = self.replica.encode()
+                for backend, fields in zip(slotted, counts, strict=True):
+                    self.remote[backend] = sum(int(v) for k, v in fields.items() if k != mine)
+        except self._errors as exc:
+            self._failed("heartbeat", exc)
+            return
+        if resync:
+            self._needs_resync = False
+        if not self.up:
+            self.up = True
+            log.info("shared state (Redis) reachable at %s", self.settings.url)
+        if self._pending:
+            await self._drain()
+
+    # -- stored responses ---------------------------------------------------------------------------------------
+    async def get_response(self, response_id: str) -> list[dict[str, Any]] | None:
+        """A stored conversation; StateUnavailable when Redis cannot answer."""
+        try:
+            raw = await asyncio.wait_for(self._redis.get(f"{self.settings.prefix}response:{response_id}"),
+                                         self._timeout * 5)
+        except self._errors as exc:
+            self._failed("get_response", exc)
+            raise StateUnavailable(str(exc)) from None
+        if raw is None:
+            return None
+        value = orjson.loads(raw)
+        return value if isinstance(value, list) else None
+
+    def put_response(self, response_id: str, messages: list[dict[str, Any]], ttl_seconds: float) -> None:
+        """Keep a conversation (in the background)."""
+        raw = orjson.dumps(messages)
+
+        async def put() -> None:
+            try:
+                await asyncio.wait_for(self._redis.set(f"{self.settings.prefix}response:{response_id}", raw,
+                                                       px=max(1, int(ttl_seconds * 1000))), self._timeout * 5)
+            except self._errors as exc:
+                self._failed("put_response", exc)
+
+        self._spawn(put())
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)

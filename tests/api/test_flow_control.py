@@ -1,0 +1,213 @@
+"""Flow control through the gateway, over HTTP, in front of emulated engines: fair shares between keys,
+priorities from keys and headers, shedding with an honest Retry-After, the engines' own priority field, and
+the metrics autoscalers read."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from gateway.app import create_app
+from gateway.sim import FleetThread, SimSpec
+from tests.api.conftest import Running, gateway_settings
+from tests.conftest import serve_in_thread
+
+ASK = [{"role": "user", "content": "hi"}]
+KEYS = {"flood": "sk-flood", "light": "sk-light", "ops": "sk-ops", "batch": "sk-batch"}
+
+
+def digest(name: str) -> str:
+    return hashlib.sha256(KEYS[name].encode()).hexdigest()
+
+
+def running(specs: list[SimSpec], backend: dict[str, Any] | None = None, **extra: Any) -> Iterator[Running]:
+    with FleetThread(specs) as fleet:
+        settings = gateway_settings(fleet.fleet.servers, **extra)
+        if backend:
+            raw = settings.model_dump(mode="json")
+            raw["backends"] = [{**b, **backend} for b in raw["backends"]]
+            from gateway.config import settings_from_mapping
+
+            settings = settings_from_mapping(raw)
+        app = create_app(settings)
+        with serve_in_thread(app) as gateway:
+            yield Running(fleet, gateway, app)
+
+
+AUTH = {"keys": [
+    {"name": "flood", "key_sha256": digest("flood")},
+    {"name": "light", "key_sha256": digest("light")},
+    {"name": "ops", "key_sha256": digest("ops"), "max_priority": "critical"},
+    {"name": "batch", "key_sha256": digest("batch"), "priority": "sheddable"},
+]}
+
+
+@pytest.fixture(scope="module")
+def one_slot() -> Iterator[Running]:
+    """One vLLM emulator at its real speed, one request at a time (max_concurrency 1): ~0.25 s each."""
+    specs = [SimSpec(engine="vllm", model="m", name="v", time_scale=1.0)]
+    yield from running(specs, backend={"max_concurrency": 1}, auth=AUTH,
+                       admission={"queue_size": 64, "max_wait_seconds": 20})
+
+
+async def post(client: httpx.AsyncClient, key: str, tag: str, finished: list[str], max_tokens: int = 40,
+               headers: dict[str, str] | None = None) -> httpx.Response:
+    body = {"model": "m", "messages": [{"role": "user", "content": f"{tag}: hi"}], "max_tokens": max_tokens}
+    response = await client.post("/v1/chat/completions", json=body,
+                                 headers={"authorization": f"Bearer {KEYS[key]}", **(headers or {})})
+    finished.append(tag)
+    return response
+
+
+def test_a_flooding_key_does_not_delay_another_keys_request_behind_its_backlog(one_slot: Running) -> None:
+    async def scenario() -> list[str]:
+        finished: list[str] = []
+        async with httpx.AsyncClient(base_url=one_slot.url, timeout=60) as client:
+            flood = [asyncio.create_task(post(client, "flood", f"f{i}", finished)) for i in range(8)]
+            await asyncio.sleep(0.3)  # the flood holds the slot and fills the queue
+            light = await post(client, "light", "light", finished)
+            assert light.status_code == 200
+            assert all(r.status_code == 200 for r in await asyncio.gather(*flood))
+        return finished
+
+    finished = asyncio.run(scenario())
+    # FIFO would finish it last; its fair share puts it right behind the request in the slot (and at most one
+    # flood request woken as it arrived)
+    assert finished.index("light") <= 3, finished
+
+
+def test_priority_from_the_header_within_the_keys_ceiling(one_slot: Running) -> None:
+    async def scenario() -> list[str]:
+        finished: list[str] = []
+        async with httpx.AsyncClient(base_url=one_slot.url, timeout=60) as client:
+            first = asyncio.create_task(post(client, "light", "running", finished, max_tokens=100))
+            await asyncio.sleep(0.1)
+            low = [asyncio.create_task(post(client, "batch", f"batch{i}", finished)) for i in range(4)]
+            await asyncio.sleep(0.1)
+            crit = await post(client, "ops", "critical", finished, headers={"x-gateway-priority": "critical"})
+            assert crit.status_code == 200
+            assert all(r.status_code == 200 for r in await asyncio.gather(first, *low))  # the low band still ran
+        return finished
+
+    finished = asyncio.run(scenario())
+    assert finished.index("critical") <= 2, finished  # ahead of the sheddable requests queued before it
+
+
+def test_bad_or_unallowed_priority_and_deadline_headers_are_refused_in_the_openai_shape(one_slot: Running) -> None:
+    def ask(key: str, **headers: str) -> httpx.Response:
+        return httpx.post(one_slot.url + "/v1/chat/completions", json={"model": "m", "messages": ASK, "max_tokens": 2},
+                          headers={"authorization": f"Bearer {KEYS[key]}", **headers}, timeout=30)
+
+    denied = ask("light", **{"x-gateway-priority": "critical"})
+    assert denied.status_code == 403
+    assert denied.json()["error"]["code"] == "priority_not_allowed"
+    assert denied.json()["error"]["param"] == "x-gateway-priority"
+    bad = ask("ops", **{"x-gateway-priority": "urgent"})
+    assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_priority"
+    assert "critical, standard, sheddable" in bad.json()["error"]["message"]
+    late = ask("light", **{"x-gateway-deadline-ms": "soon"})
+    assert late.status_code == 400 and late.json()["error"]["code"] == "invalid_deadline"
+    assert ask("light", **{"x-gateway-priority": "sheddable", "x-gateway-deadline-ms": "5000"}).status_code == 200
+
+
+def test_a_request_that_cannot_be_served_before_its_deadline_is_refused_at_once(one_slot: Running) -> None:
+    async def scenario() -> tuple[list[httpx.Response], httpx.Response, float]:
+        finished: list[str] = []
+        async with httpx.AsyncClient(base_url=one_slot.url, timeout=60) as client:
+            for i in range(6):  # the model's completion rate, measured by admission
+                await post(client, "flood", f"warm{i}", finished, max_tokens=10)
+            backlog = [asyncio.create_task(post(client, "flood", f"b{i}", finished)) for i in range(8)]
+            await asyncio.sleep(0.3)
+            started = time.monotonic()
+            hurried = await post(client, "flood", "hurried", finished,
+                                 headers={"x-gateway-deadline-ms": "200"})
+            took = time.monotonic() - started
+            return await asyncio.gather(*backlog), hurried, took
+
+    backlog, hurried, took = asyncio.run(scenario())
+    assert all(r.status_code == 200 for r in backlog)
+    assert hurried.status_code == 429, hurried.text
+    error = hurried.json()["error"]
+    assert error["code"] == "queue_deadline" and "requests ahead" in error["message"]
+    assert took < 0.2, "refused at once, not after waiting out its deadline"
+    assert int(hurried.headers["retry-after"]) >= 1
+    metrics = httpx.get(one_slot.url + "/metrics").text
+    assert 'gateway_admission_refusals_total{band="standard",key="flood",model="m",reason="deadline"} 1.0' in metrics
+
+
+def test_flow_metrics_for_dashboards_and_autoscalers(one_slot: Running) -> None:
+    httpx.post(one_slot.url + "/v1/chat/completions", json={"model": "m", "messages": ASK, "max_tokens": 2},
+               headers={"authorization": f"Bearer {KEYS['batch']}"}, timeout=30)
+    metrics = httpx.get(one_slot.url + "/metrics").text
+    assert 'gateway_admissions_total{band="sheddable",key="batch",model="m"}' in metrics
+    assert 'gateway_admission_wait_seconds_bucket{band="sheddable",le="0.001",model="m"}' in metrics
+    assert 'gateway_queue_depth{band="critical",model="m"} 0.0' in metrics
+    assert 'gateway_model_slots{model="m"} 1.0' in metrics
+    assert 'gateway_model_saturation{model="m"} 0.0' in metrics
+
+
+def test_the_sheddable_band_leaves_the_last_tenth_of_the_slots_to_the_others() -> None:
+    specs = [SimSpec(engine="vllm", model="m", name="v", time_scale=1.0)]
+    for r in running(specs, backend={"max_concurrency": 10}, auth=AUTH):
+        backend = r.app.gateway.pool.get("v")
+
+        async def scenario(url: str = r.url, backend: Any = backend) -> tuple[int, list[str]]:
+            finished: list[str] = []
+            async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+                batch = [asyncio.create_task(post(client, "batch", f"batch{i}", finished, max_tokens=150))
+                         for i in range(10)]
+                await asyncio.sleep(0.3)
+                held = backend.in_flight  # 9 of 10: sheddable stops below 90%
+                urgent = await post(client, "light", "standard", finished, max_tokens=4)
+                assert urgent.status_code == 200
+                assert all(b.status_code == 200 for b in await asyncio.gather(*batch))
+            return held, finished
+
+        held, finished = asyncio.run(scenario())
+        assert held == 9
+        assert finished[0] == "standard", finished  # it found the slot kept free, ahead of every batch answer
+
+
+# -- the engines' own priority field -----------------------------------------------------------------------------
+def sent_priorities(r: Running, name: str) -> list[Any]:
+    return [q.body.get("priority", "absent") for q in r.server(name).received if q.path == "/v1/chat/completions"]
+
+
+def test_an_engine_with_priority_scheduling_gets_the_priority_in_its_own_order() -> None:
+    specs = [SimSpec(engine="vllm", model="m", name="v", time_scale=40.0, priority_scheduling=True),
+             SimSpec(engine="sglang", model="s", name="s", time_scale=40.0, priority_scheduling=True)]
+    for r in running(specs, backend={"priority_scheduling": True}, auth=AUTH):
+        for model in ("m", "s"):
+            for key, header in (("ops", "critical"), ("batch", None), ("light", None)):
+                headers = {"authorization": f"Bearer {KEYS[key]}",
+                           **({"x-gateway-priority": header} if header else {})}
+                answer = httpx.post(r.url + "/v1/chat/completions", headers=headers, timeout=30,
+                                    json={"model": model, "messages": ASK, "max_tokens": 2, "priority": 999})
+                assert answer.status_code == 200, answer.text
+        # vLLM: lower first (critical 100 -> -100); SGLang: higher first; the client's own field overridden
+        assert sent_priorities(r, "v") == [-100, 100, 0]
+        assert sent_priorities(r, "s") == [100, -100, 0]
+
+
+def test_an_engine_without_it_gets_no_priority_field_from_the_gateway() -> None:
+    specs = [SimSpec(engine="vllm", model="m", name="v", time_scale=40.0)]  # vLLM refuses priority != 0 here
+    for r in running(specs, auth=AUTH):
+        answer = httpx.post(r.url + "/v1/chat/completions", timeout=30,
+                            headers={"authorization": f"Bearer {KEYS['ops']}", "x-gateway-priority": "critical"},
+                            json={"model": "m", "messages": ASK, "max_tokens": 2})
+        assert answer.status_code == 200, answer.text
+        assert sent_priorities(r, "v") == ["absent"]
+
+
+def test_priority_scheduling_is_refused_for_an_engine_without_it() -> None:
+    from gateway.config import ConfigError, settings_from_mapping
+
+    with pytest.raises(ConfigError, match="does not schedule by a request priority"):
+        settings_from_mapping({"backends": [{"name": "t", "engine": "tabbyapi", "url": "http://t",
+                                             "priority_scheduling": True}]})

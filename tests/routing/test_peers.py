@@ -1,0 +1,73 @@
+"""What routing tells the other gateway replicas and takes from them (with shared state): sessions and the
+prompt blocks routed to each backend, through the Peers seam; alone, nothing is published."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from gateway.config import settings_from_mapping
+from gateway.routing.policies import build_pipeline
+from gateway.routing.request import RouteRequest
+from gateway.routing.state import RoutingState
+from tests.routing.helpers import backend
+
+
+class Wire:
+    """Two replicas' peers joined directly: what one publishes the other's handlers get."""
+
+    def __init__(self) -> None:
+        self.handlers: dict[int, dict[str, list[Callable[[Any], None]]]] = {0: {}, 1: {}}
+        self.sent: list[tuple[int, str, Any]] = []
+
+    def peer(self, me: int) -> Any:
+        wire = self
+
+        class Peer:
+            def publish(self, topic: str, payload: Any) -> None:
+                wire.sent.append((me, topic, payload))
+                for handler in wire.handlers[1 - me].get(topic, ()):
+                    handler(payload)
+
+            def subscribe(self, topic: str, handler: Callable[[Any], None]) -> None:
+                wire.handlers[me].setdefault(topic, []).append(handler)
+
+        return Peer()
+
+
+def replica(wire: Wire, me: int) -> Any:
+    state = RoutingState()
+    state.peers = wire.peer(me)
+    return build_pipeline(settings_from_mapping({"routing": {"policy": "default"}}).routing, state), state
+
+
+def chat(system: str, question: str, session: str | None = None) -> RouteRequest:
+    body = {"model": "m", "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}]}
+    return RouteRequest(route="chat", model="m", stream=False, max_tokens=8, body=body, session_key=session)
+
+
+def test_a_session_routed_on_one_replica_sticks_on_the_other() -> None:
+    wire = Wire()
+    (one, _), (two, _) = replica(wire, 0), replica(wire, 1)
+    backends = [backend(n, slots=8) for n in "abc"]
+    first = one.route(chat("s", "hello", session="conv-1"), backends).ranked[0]
+    one.routed(chat("s", "hello", session="conv-1"), first)
+    for i in range(5):
+        decision = two.route(chat("s", f"turn {i}", session="conv-1"), backends)
+        assert decision.ranked[0] is first and decision.reason == "session"
+        two.routed(chat("s", f"turn {i}", session="conv-1"), first)
+    sessions = [p for _, topic, p in wire.sent if topic == "session"]
+    assert sessions == [("conv-1", first.name)], "told once: new; the same backend again is not news"
+
+
+def test_blocks_routed_by_one_replica_are_in_the_others_index() -> None:
+    wire = Wire()
+    (one, _), (_, two_state) = replica(wire, 0), replica(wire, 1)
+    backends = [backend(n, slots=8) for n in "ab"]
+    system = "a long shared system prompt " * 20
+    two_state.prefix.for_backend(backends[1])  # (the other replica knows the backend: it has an index for it)
+    request = chat(system, "q1")
+    one.routed(request, backends[1])
+    assert two_state.prefix.match(backends[1], chat(system, "q2").blocks) == len(system) // 128
+    blocks = [p for _, topic, p in wire.sent if topic == "blocks"]
+    assert blocks == [("b", request.blocks)]

@@ -1,0 +1,277 @@
+"""Three gateway replicas (separate processes) sharing one real redis-server, in front of an emulated fleet,
+driven by one client that spreads requests over them: one set of limits, one max_concurrency, sessions that
+stick whichever replica a request reaches, and no request lost while Redis is killed and started again."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import itertools
+import random
+import sys
+import time
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+
+from gateway.bench.procs import ChildProcess
+from gateway.sim import FleetThread, SimSpec
+from tests.conftest import free_port_block
+from tests.state.conftest import RedisServer
+
+KEYS = {"rpm": "sk-rpm", "tpm": "sk-tpm", "free": "sk-free", "burst": "sk-burst", "cap": "sk-cap"}
+TPM = 18_000  # the tpm key's tokens per minute: about 160 of the test's requests, fewer than 32 streams can send
+RPM = 30
+
+
+@dataclass
+class Cluster:
+    redis: RedisServer
+    fleet: FleetThread
+    urls: list[str]
+    procs: list[ChildProcess]
+
+    def url(self, i: int) -> str:
+        return self.urls[i % len(self.urls)]
+
+
+def key(name: str, **limits: int) -> dict[str, Any]:
+    return {"name": name, "key_sha256": hashlib.sha256(KEYS[name].encode()).hexdigest(), **limits}
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    tmp = tmp_path_factory.mktemp("replicas")
+    base = free_port_block(4)
+    redis = RedisServer(base, tmp).start()
+    specs = [SimSpec(engine="vllm", model="m", name=f"m{i}", time_scale=20) for i in range(2)]
+    specs += [SimSpec(engine="vllm", model="s", name=f"s{i}", time_scale=20) for i in range(2)]
+    with FleetThread(specs) as fleet:
+        servers = {s.spec.name: s for s in fleet.fleet.servers}
+        backends = [{"name": n, "engine": "vllm", "url": servers[n].url,
+                     **({"max_concurrency": 3} if n[0] == "m" else {})} for n in ("m0", "m1", "s0", "s1")]
+        procs, urls = [], []
+        try:
+            for i in range(3):
+                config = {"server": {"host": "127.0.0.1", "port": base + 1 + i},
+                          "backends": backends, "scrape": {"interval": 0.2, "timeout": 1.0},
+                          "auth": {"keys": [key("rpm", requests_per_minute=RPM), key("tpm", tokens_per_minute=TPM),
+                                            key("free"), key("burst", requests_per_minute=5),
+                                            key("cap", max_in_flight=3)]},
+                          "state": {"url": redis.url, "heartbeat_seconds": 0.2, "replica_ttl_seconds": 3},
+                          "admission": {"max_wait_seconds": 60}}
+                path = tmp / f"gateway-{i}.yaml"
+                path.write_text(yaml.safe_dump(config))
+                procs.append(ChildProcess(f"gateway-{i}", [sys.executable, "-m", "gateway", "serve", "--config",
+                                                           str(path), "--log-level", "warning"],
+                                          tmp / f"gateway-{i}.log").start())
+                urls.append(f"http://127.0.0.1:{base + 1 + i}")
+            for url in urls:
+                wait_models(url)
+            yield Cluster(redis, fleet, urls, procs)
+        finally:
+            for proc in procs:
+                proc.stop()
+            redis.kill()
+
+
+def wait_models(url: str) -> None:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            models = httpx.get(url + "/v1/models", headers={"authorization": f"Bearer {KEYS['free']}"}, timeout=2)
+            if models.status_code == 200 and {m["id"] for m in models.json()["data"]} == {"m", "s"}:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.1)
+    raise RuntimeError(f"{url} did not come up")
+
+
+async def chat(client: httpx.AsyncClient, url: str, key: str, model: str = "m", max_tokens: int = 4,
+               session: str | None = None, content: str = "hello") -> httpx.Response:
+    headers = {"authorization": f"Bearer {KEYS[key]}"}
+    if session is not None:
+        headers["x-session-id"] = session
+    return await client.post(url + "/v1/chat/completions", headers=headers, timeout=60, json={
+        "model": model, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
+        "ignore_eos": True})
+
+
+def run(coro: Any) -> Any:
+    return asyncio.run(coro)
+
+
+def test_a_keys_max_in_flight_is_one_cap_across_the_replicas(cluster: Cluster) -> None:
+    servers = [s for s in cluster.fleet.fleet.servers if s.spec.name in ("s0", "s1")]
+
+    async def go() -> tuple[list[int], httpx.Response, int]:
+        async with httpx.AsyncClient() as client:
+            for server in servers:  # the backends hold each request 0.6 s (below the health checks' timeout)
+                server.faults.update({"added_latency_s": 0.6})
+            try:
+                held = [asyncio.ensure_future(chat(client, cluster.url(i), "cap", model="s", max_tokens=1))
+                        for i in range(3)]  # one on each replica
+                await asyncio.sleep(0.3)
+                refused = await chat(client, cluster.url(1), "cap", model="s", max_tokens=1)
+                statuses = [r.status_code for r in await asyncio.gather(*held)]
+            finally:
+                for server in servers:
+                    server.faults.update({"added_latency_s": 0.0})
+            after = 0
+            for _ in range(40):  # their places come back as their settlements reach Redis
+                after = (await chat(client, cluster.url(2), "cap", model="s", max_tokens=1)).status_code
+                if after == 200:
+                    break
+                await asyncio.sleep(0.05)
+            return statuses, refused, after
+
+    statuses, refused, after = run(go())
+    assert statuses == [200, 200, 200] and after == 200
+    assert refused.status_code == 429 and refused.json()["error"]["code"] == "concurrency_limit"
+
+
+def test_requests_per_minute_is_one_limit_across_the_replicas(cluster: Cluster) -> None:
+    async def burst() -> list[httpx.Response]:
+        async with httpx.AsyncClient() as client:
+            return await asyncio.gather(*(chat(client, cluster.url(i), "rpm", model="s", max_tokens=1)
+                                          for i in range(RPM + 10)))
+
+    replies = run(burst())
+    codes = Counter(r.status_code for r in replies)
+    assert codes == {200: RPM, 429: 10}, codes  # (the burst takes well under the 2 s a request refills in)
+    refused = next(r for r in replies if r.status_code == 429)
+    assert refused.json()["error"]["code"] == "rate_limit_requests" and int(refused.headers["retry-after"]) >= 1
+    assert {r.headers["x-gateway-backend"] for r in replies if r.status_code == 200} <= {"s0", "s1"}
+
+
+def test_tokens_per_minute_holds_within_5_percent_under_32_streams(cluster: Cluster) -> None:
+    seconds = 6.0
+    used: list[int] = []
+    refused = 0
+
+    async def worker(i: int, client: httpx.AsyncClient, stop: float) -> None:
+        nonlocal refused
+        for n in itertools.count():
+            if time.monotonic() >= stop:
+                return
+            reply = await chat(client, cluster.url(i + n), "tpm", model="s", max_tokens=60,
+                               content=f"question {i} {n} " + "word " * 40)
+            if reply.status_code == 200:
+                usage = reply.json()["usage"]
+                used.append(usage["prompt_tokens"] + usage["completion_tokens"])
+            else:
+                assert reply.status_code == 429 and reply.json()["error"]["code"] == "rate_limit_tokens", reply.text
+                refused += 1
+                await asyncio.sleep(0.05)
+
+    async def drive() -> float:
+        async with httpx.AsyncClient(limits=httpx.Limits(max_connections=64)) as client:
+            started = time.monotonic()
+            await asyncio.gather(*(worker(i, client, started + seconds) for i in range(32)))
+            return time.monotonic() - started
+
+    elapsed = run(drive())
+    # what the bucket allowed: full at the start, then refilled for as long as requests were admitted
+    allowed = TPM + TPM * elapsed / 60
+    assert len(used) > 50 and refused >= 30, ("the limit, not the fleet, bounded what was admitted", len(used), refused,
+                                              sum(used), allowed)
+    assert 0.95 * allowed <= sum(used) <= 1.05 * allowed, (sum(used), allowed, len(used))
+
+
+def test_max_concurrency_is_never_exceeded_and_queued_requests_get_freed_slots(cluster: Cluster) -> None:
+    async def flood() -> list[httpx.Response]:
+        async with httpx.AsyncClient(limits=httpx.Limits(max_connections=64)) as client:
+            return await asyncio.gather(*(chat(client, cluster.url(i), "free", max_tokens=40) for i in range(30)))
+
+    replies = run(flood())
+    assert [r.status_code for r in replies] == [200] * 30, [r.text for r in replies if r.status_code != 200][:2]
+    peaks = {name: cluster.fleet.fleet[name].stats.peak_requests for name in ("m0", "m1")}
+    assert all(1 <= p <= 3 for p in peaks.values()), peaks  # 3 each, whichever replica sent them
+    assert sum(peaks.values()) == 6, "both were kept full while requests queued"
+
+
+def test_a_session_sticks_to_one_backend_whichever_replica_it_reaches(cluster: Cluster) -> None:
+    rng = random.Random(3)
+    served: dict[str, list[str]] = {}
+
+    async def session(name: str, client: httpx.AsyncClient) -> None:
+        for turn in range(5):
+            reply = await chat(client, cluster.url(rng.randrange(3)), "free", model="s", session=name,
+                               content=f"{name} turn {turn}")
+            assert reply.status_code == 200, reply.text
+            served.setdefault(name, []).append(reply.headers["x-gateway-backend"])
+
+    async def drive() -> None:
+        async with httpx.AsyncClient() as client:
+            await asyncio.gather(*(session(f"conversation-{i}", client) for i in range(40)))
+
+    run(drive())
+    follow_ups = [backend == backends[0] for backends in served.values() for backend in backends[1:]]
+    moved = {name: backends for name, backends in served.items() if len(set(backends)) > 1}
+    assert sum(follow_ups) >= 0.99 * len(follow_ups), moved
+    assert len({backends[0] for backends in served.values()}) == 2, "sessions started on both backends"
+
+
+def test_stored_responses_continue_on_any_replica(cluster: Cluster) -> None:
+    headers = {"authorization": f"Bearer {KEYS['free']}"}
+    first = httpx.post(cluster.url(0) + "/v1/responses", headers=headers, timeout=30,
+                       json={"model": "s", "input": "Tell me about the gateway.", "max_output_tokens": 8})
+    assert first.status_code == 200, first.text
+    rid = first.json()["id"]
+    time.sleep(0.2)  # (it is written to the shared store after the answer)
+    for i in (1, 2):  # the other replicas find it in the shared store
+        more = httpx.post(cluster.url(i) + "/v1/responses", headers=headers, timeout=30,
+                          json={"model": "s", "input": "And more?", "max_output_tokens": 8,
+                                "previous_response_id": rid})
+        assert more.status_code == 200, more.text
+    unknown = httpx.post(cluster.url(1) + "/v1/responses", headers=headers, timeout=30,
+                         json={"model": "s", "input": "x", "previous_response_id": "resp_unknown"})
+    assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "previous_response_not_found"
+
+
+def test_redis_killed_and_restarted_loses_no_request_and_limits_resume(cluster: Cluster) -> None:
+    failures: list[str] = []
+    done = 0
+
+    async def steady(i: int, client: httpx.AsyncClient, stop: float) -> None:
+        nonlocal done
+        n = 0
+        while time.monotonic() < stop:
+            reply = await chat(client, cluster.url(i + n), "free", model="s", max_tokens=2)
+            n += 1
+            if reply.status_code != 200:
+                failures.append(reply.text)
+            done += 1
+
+    async def drive() -> None:
+        async with httpx.AsyncClient() as client:
+            stop = time.monotonic() + 5.0
+            load = asyncio.gather(*(steady(i, client, stop) for i in range(8)))
+            await asyncio.sleep(1.0)
+            cluster.redis.kill()
+            await asyncio.sleep(1.5)
+            cluster.redis.start()
+            await load
+
+    run(drive())
+    assert done > 50 and failures == []
+    for url in cluster.urls:  # every replica saw Redis go away and come back
+        metrics = httpx.get(url + "/metrics").text
+        assert "gateway_state_up 1.0" in metrics
+        errors = [float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+                  if line.startswith("gateway_state_errors_total{")]
+        assert sum(errors) > 0, url
+    # the limits hold again: a fresh Redis, a full bucket of 5 for the burst key, shared by all replicas
+    async def burst() -> Counter[int]:
+        async with httpx.AsyncClient() as client:
+            replies = await asyncio.gather(*(chat(client, cluster.url(i), "burst", model="s", max_tokens=1)
+                                            for i in range(8)))
+        return Counter(r.status_code for r in replies)
+
+    assert run(burst()) == {200: 5, 429: 3}

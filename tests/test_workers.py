@@ -1,0 +1,244 @@
+"""``server.workers: 2``: one port served by two worker processes (SO_REUSEPORT) under one supervisor, with a
+real redis-server holding their shared state, in front of an emulated fleet.
+
+What a user relies on: connections spread over both workers; any worker's /metrics is the whole gateway's;
+the engines are scraped once per pod, not once per worker; a worker that dies is started again; SIGTERM lets
+streams finish, stops every worker and exits 0; and a configuration that would give per-worker limits is
+refused before anything starts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from gateway.bench.procs import ChildProcess
+from gateway.config import ConfigError, settings_from_mapping
+from gateway.sim import FleetThread, SimSpec
+from gateway.telemetry.merge import merge_expositions
+from tests.conftest import free_port_block
+from tests.state.conftest import RedisServer
+
+SCRAPE_INTERVAL = 0.2
+
+
+@dataclass
+class Pod:
+    url: str
+    port: int
+    supervisor: ChildProcess
+    fleet: FleetThread
+    log: Path
+
+    def workers(self) -> list[int]:
+        """The supervisor's worker processes (its children but multiprocessing's resource tracker)."""
+        children = Path(f"/proc/{self.supervisor.pid}/task/{self.supervisor.pid}/children").read_text().split()
+        return [int(p) for p in children if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes()]
+
+
+def cpu_ticks(pid: int) -> int:
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return int(fields[11]) + int(fields[12])  # utime + stime
+
+
+def samples(url: str, name: str) -> dict[tuple[tuple[str, str], ...], float]:
+    text = httpx.get(url + "/metrics", headers={"connection": "close"}, timeout=10).text
+    return {tuple(sorted(s.labels.items())): s.value for f in text_string_to_metric_families(text)
+            for s in f.samples if s.name == name}
+
+
+def start_pod(tmp: Path, fleet: FleetThread, redis: RedisServer, port: int, **server: object) -> Pod:
+    servers = {s.spec.name: s for s in fleet.fleet.servers}
+    config = {"server": {"host": "127.0.0.1", "port": port, "workers": 2, "shutdown_timeout": 10, **server},
+              "backends": [{"name": n, "engine": "vllm", "url": servers[n].url} for n in ("a", "b")],
+              "scrape": {"interval": SCRAPE_INTERVAL, "timeout": 1.0},
+              "state": {"url": redis.url, "heartbeat_seconds": 0.2, "replica_ttl_seconds": 3}}
+    path = tmp / "gateway.yaml"
+    path.write_text(yaml.safe_dump(config))
+    log = tmp / "gateway.log"
+    proc = ChildProcess("gateway", [sys.executable, "-m", "gateway", "serve", "--config", str(path),
+                                    "--log-level", "warning"], log).start()
+    pod = Pod(f"http://127.0.0.1:{port}", port, proc, fleet, log)
+    proc.wait_http(pod.url + "/ready", timeout=60)
+    deadline = time.monotonic() + 30
+    while samples(pod.url, "gateway_workers") != {(): 2.0}:
+        assert time.monotonic() < deadline, log.read_text()[-3000:]
+        time.sleep(0.2)
+    return pod
+
+
+@pytest.fixture(scope="module")
+def pod(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pod]:
+    tmp = tmp_path_factory.mktemp("workers")
+    base = free_port_block(2)
+    redis = RedisServer(base, tmp).start()
+    specs = [SimSpec(engine="vllm", model="m", name=n, time_scale=20) for n in ("a", "b")]
+    try:
+        with FleetThread(specs) as fleet:
+            pod = start_pod(tmp, fleet, redis, base + 1)
+            try:
+                yield pod
+            finally:
+                pod.supervisor.stop()
+    finally:
+        redis.kill()
+
+
+async def _chats(url: str, count: int, concurrency: int, *, fresh_connections: bool = True) -> list[int]:
+    limits = httpx.Limits(max_keepalive_connections=0 if fresh_connections else concurrency)
+    gate = asyncio.Semaphore(concurrency)
+    async with httpx.AsyncClient(limits=limits, timeout=60) as client:
+        async def one() -> int:
+            async with gate:
+                r = await client.post(url + "/v1/chat/completions", json={
+                    "model": "m", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 8})
+                return r.status_code
+        return await asyncio.gather(*(one() for _ in range(count)))
+
+
+def requests_total(url: str) -> float:
+    return sum(samples(url, "gateway_requests_total").values())
+
+
+def test_connections_spread_over_both_workers_and_any_metrics_scrape_counts_them_all(pod: Pod) -> None:
+    workers = pod.workers()
+    assert len(workers) == 2
+    before_cpu = {p: cpu_ticks(p) for p in workers}
+    before = requests_total(pod.url)
+    codes = asyncio.run(_chats(pod.url, 300, 16))
+    assert codes == [200] * 300
+    spent = {p: cpu_ticks(p) - before_cpu[p] for p in workers}
+    # the kernel hashes each new connection to one of the two listening sockets: both took a real share
+    assert min(spent.values()) >= 0.2 * sum(spent.values()), spent
+    # every scrape, whichever worker answers it (a fresh connection each), reports both workers' requests
+    for _ in range(6):
+        assert requests_total(pod.url) == before + 300
+        assert samples(pod.url, "gateway_workers") == {(): 2.0}
+    # a backend's state is a shared fact, not added up once per worker
+    assert set(samples(pod.url, "gateway_backend_up").values()) == {1.0}
+
+
+def test_the_engines_are_scraped_once_per_pod_not_once_per_worker(pod: Pod) -> None:
+    server = next(s for s in pod.fleet.fleet.servers if s.spec.name == "a")
+
+    def probes() -> int:
+        return sum(1 for r in list(server.received) if r.path == "/health")
+
+    start, first = time.monotonic(), probes()
+    time.sleep(3.0)
+    seen, elapsed = probes() - first, time.monotonic() - start
+    one_set = elapsed / SCRAPE_INTERVAL
+    # one worker scraping: about one probe per interval (a loop sleeps the interval after each probe); two
+    # workers scraping each would make it about two
+    assert 0.5 * one_set <= seen <= 1.25 * one_set, (seen, one_set)
+
+
+def test_a_worker_that_dies_is_started_again_and_the_port_keeps_serving(pod: Pod) -> None:
+    first = pod.workers()
+    os.kill(first[0], signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while True:
+        now = pod.workers()
+        if len(now) == 2 and first[0] not in now:
+            break
+        assert time.monotonic() < deadline, (first, now)
+        time.sleep(0.1)
+    while samples(pod.url, "gateway_workers") != {(): 2.0}:
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    # as a load balancer's readiness check would: /ready on fresh connections (either worker) until ten in a
+    # row pass (a worker that has just started may find a backend slow to answer its first probe, here where
+    # the test, the emulators and both workers share two cores)
+    passed = 0
+    while passed < 10:
+        assert time.monotonic() < deadline
+        ready = httpx.get(pod.url + "/ready", headers={"connection": "close"}, timeout=10).status_code == 200
+        passed = passed + 1 if ready else 0
+    assert asyncio.run(_chats(pod.url, 60, 8)) == [200] * 60
+    assert first[1] in pod.workers()  # the other worker was left alone
+
+
+def test_sigterm_lets_streams_finish_stops_every_worker_and_exits_0(tmp_path: Path) -> None:
+    base = free_port_block(2)
+    redis = RedisServer(base, tmp_path).start()
+    try:
+        # slow enough that the stream is still going when the signal comes
+        with FleetThread([SimSpec(engine="vllm", model="m", name=n, time_scale=2) for n in ("a", "b")]) as fleet:
+            pod = start_pod(tmp_path, fleet, redis, base + 1)
+            workers = pod.workers()
+            assert pod.supervisor.proc is not None
+
+            async def stream() -> list[str]:
+                async with httpx.AsyncClient(timeout=60) as client, client.stream(
+                        "POST", pod.url + "/v1/chat/completions", json={
+                            "model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 40,
+                            "stream": True, "ignore_eos": True}) as r:
+                    lines: list[str] = []
+                    async for line in r.aiter_lines():
+                        if line.startswith("data: "):
+                            lines.append(line)
+                            if len(lines) == 2:
+                                os.kill(pod.supervisor.pid, signal.SIGTERM)
+                    return lines
+
+            lines = asyncio.run(stream())
+            assert lines[-1] == "data: [DONE]" and len(lines) > 10, lines[-3:]
+            assert pod.supervisor.proc.wait(timeout=30) == 0
+            assert not any(Path(f"/proc/{p}").exists() for p in workers)
+            with pytest.raises(OSError):
+                socket.create_connection(("127.0.0.1", pod.port), timeout=1).close()
+    finally:
+        redis.kill()
+
+
+def test_several_workers_without_shared_state_are_refused_with_the_reason() -> None:
+    with pytest.raises(ConfigError, match=r"server\.workers: more than one worker needs state\.url"):
+        settings_from_mapping({"server": {"workers": 2}})
+    with pytest.raises(ConfigError, match=r"fixed server\.port"):
+        settings_from_mapping({"server": {"workers": 2, "port": 0}, "state": {"url": "redis://127.0.0.1:1/0"}})
+    assert settings_from_mapping({"server": {"workers": 1}}).server.worker_count() == 1
+    auto = settings_from_mapping({"server": {"workers": "auto"}, "state": {"url": "redis://127.0.0.1:1/0"}})
+    assert auto.server.worker_count() == len(os.sched_getaffinity(0))
+
+
+def _worker_exposition(requests: int, in_flight: int, up: float, state_up: float, ttft: list[float]) -> str:
+    r = CollectorRegistry()
+    Counter("gateway_requests", "Requests.", ["route"], registry=r).labels("chat").inc(requests)
+    Gauge("gateway_requests_in_flight", "In flight.", registry=r).set(in_flight)
+    Gauge("gateway_backend_up", "Up.", ["backend"], registry=r).labels("a").set(up)
+    Gauge("gateway_state_up", "Redis.", registry=r).set(state_up)
+    h = Histogram("gateway_time_to_first_token_seconds", "TTFT.", buckets=(0.1, 1.0), registry=r)
+    for v in ttft:
+        h.observe(v)
+    return generate_latest(r).decode()
+
+
+def test_the_merge_adds_counts_and_histograms_and_takes_shared_facts_once() -> None:
+    merged = merge_expositions([_worker_exposition(3, 2, 1.0, 1.0, [0.05, 0.5]),
+                                _worker_exposition(4, 1, 1.0, 0.0, [2.0])], workers=2).decode()
+    got = {(s.name, tuple(sorted(s.labels.items()))): s.value
+           for f in text_string_to_metric_families(merged) for s in f.samples}
+    assert got[("gateway_requests_total", (("route", "chat"),))] == 7
+    assert got[("gateway_requests_in_flight", ())] == 3
+    assert got[("gateway_backend_up", (("backend", "a"),))] == 1.0  # not 2: both read the same backend
+    assert got[("gateway_state_up", ())] == 0.0  # one worker cut off from Redis shows
+    assert got[("gateway_time_to_first_token_seconds_bucket", (("le", "0.1"),))] == 1
+    assert got[("gateway_time_to_first_token_seconds_bucket", (("le", "1.0"),))] == 2
+    assert got[("gateway_time_to_first_token_seconds_bucket", (("le", "+Inf"),))] == 3
+    assert got[("gateway_time_to_first_token_seconds_count", ())] == 3
+    assert got[("gateway_time_to_first_token_seconds_sum", ())] == pytest.approx(2.55)
+    assert got[("gateway_workers", ())] == 2
+    assert "# TYPE gateway_time_to_first_token_seconds histogram" in merged
