@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry
 
 from gateway import __version__
 from gateway.api import errors
+from gateway.api.admin import build_admin_router
 from gateway.api.agent_apis import AgentApi, count_tokens_api, messages_api, responses_api
 from gateway.api.openapi import install_openapi
 from gateway.api.proxy_endpoint import EndpointSettings, ProxyEndpoint, request_id
@@ -22,6 +23,7 @@ from gateway.api.translate.responses import ResponseStore
 from gateway.asgi import Message, Receive, Scope, Send, header, send_body
 from gateway.auth import KeyScope, KeyStore
 from gateway.config import AuthSettings, ConfigError, Settings
+from gateway.control import ControlPlane
 from gateway.errors import GatewayError
 from gateway.kvcache.subscriber import EventHub, StreamSettings
 from gateway.kvcache.tokenizer import PromptTokenizer, TokenizerError
@@ -106,6 +108,7 @@ class Gateway:
         responses = settings.responses
         self.responses = ResponseStore(responses.store_entries, responses.store_bytes, responses.store_ttl_seconds,
                                        shared=self.shared)
+        self.control = ControlPlane(settings, self.pool, self.admission, self.shared, self.metrics.registry)
         self.started_at = int(time.time())
 
     def endpoint(self, route: str, api: AgentApi | None = None) -> ProxyEndpoint:
@@ -212,7 +215,13 @@ def create_app(
     siblings = gateway.siblings
     app.include_router(build_router(gateway.pool, gateway.metrics.registry, gateway.started_at,
                                     exposition=siblings.metrics if siblings is not None else None))
+    app.include_router(build_admin_router(gateway.control))
     return GatewayApp(app, gateway, gateway.endpoints(), gateway.keys, settings.auth)
+
+
+ADMIN = "/admin/"
+NO_ADMIN = GatewayError(403, "the admin API needs API keys: configure auth.keys with a key whose scopes include "
+                             "'admin'", code="admin_disabled").body()
 
 
 class GatewayApp:
@@ -232,10 +241,13 @@ class GatewayApp:
         self._auth = auth
 
     def _needs_key(self, path: str) -> bool:
-        """With API keys configured: the OpenAI API always; health and metrics when the operator says so."""
+        """With API keys configured: the OpenAI API and the admin API always; health and metrics when the
+        operator says so."""
         auth = self._auth
         if not self._keys.enabled:
             return False
+        if path.startswith(ADMIN):
+            return True
         if path in ("/health", "/ready"):
             return auth.protect_health
         if path == "/metrics":
@@ -248,6 +260,8 @@ class GatewayApp:
         /ready take any valid key."""
         if path == "/metrics":
             return "metrics"
+        if path.startswith(ADMIN):
+            return "admin"
         return "inference" if path.startswith("/v1/") else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -259,6 +273,9 @@ class GatewayApp:
             await endpoint(scope, receive, send)
             return
         rid = request_id(scope).encode()
+        if scope["path"].startswith(ADMIN) and not self._keys.enabled:
+            await send_body(send, 403, NO_ADMIN, [(b"x-request-id", rid)])
+            return
         if self._needs_key(scope["path"]):
             try:
                 client = self._keys.authenticate(header(scope, b"authorization"), header(scope, b"x-api-key"),

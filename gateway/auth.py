@@ -75,7 +75,7 @@ class Client:
 
 
 ANONYMOUS = "_anonymous"
-KeyScope = Literal["inference", "metrics"]  # what a key may reach (ApiKeySettings.scopes)
+KeyScope = Literal["inference", "metrics", "admin"]  # what a key may reach (ApiKeySettings.scopes)
 
 
 class KeyStore:

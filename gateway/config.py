@@ -18,7 +18,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-Scope = Literal["inference", "metrics"]  # what a gateway API key may use
+Scope = Literal["inference", "metrics", "admin"]  # what a gateway API key may use
 
 
 class ConfigError(ValueError):
@@ -202,7 +202,8 @@ class ApiKeySettings(_Strict):
                                         "worker and replica); past it 429 concurrency_limit at once")
     scopes: list[Scope] = Field(
         default_factory=lambda: list[Scope](["inference"]),
-        description="inference: the /v1 API; metrics: /metrics when auth.protect_metrics is on")
+        description="inference: the /v1 API; metrics: /metrics when auth.protect_metrics is on; admin: the "
+                    "operator API under /admin")
     priority: Priority | None = Field(
         default=None, description="its requests' priority: an integer (higher first) or a band's name "
                                   "(default: admission.default_priority)")

@@ -158,9 +158,11 @@ BACKENDS = RowSpec("Backends", (
     PanelSpec("Backends ready", "Backends that can take requests now, of those configured.", "short",
               (Query(f"sum(max by (backend) (gateway_backend_ready{{{B}}}))", "ready"),
                Query(f"count(max by (backend) (gateway_backend_up{{{B}}}))", "configured")), kind="stat"),
-    PanelSpec("Backend up / ready", "1 when the backend answers (up: ready or loading) / can take requests.",
+    PanelSpec("Backend up / ready / drained", "1 when the backend answers (up: ready or loading) / can take "
+              "requests / is drained by an operator (the admin API).",
               "short", (Query(f"max by (backend) (gateway_backend_up{{{B}}})", "{{backend}} up"),
-                        Query(f"max by (backend) (gateway_backend_ready{{{B}}})", "{{backend}} ready")),
+                        Query(f"max by (backend) (gateway_backend_ready{{{B}}})", "{{backend}} ready"),
+                        Query(f"max by (backend) (gateway_backend_drained{{{B}}})", "{{backend}} drained")),
               max=1.05),
     PanelSpec("Engine running / waiting", "Sequences running and requests queued in each engine, as last read "
               "from its metrics.", "short",

@@ -24,6 +24,7 @@ class Backend:
         "capacity",
         "configured_models",
         "detail",
+        "drained",
         "engine",
         "epoch",
         "health",
@@ -89,14 +90,16 @@ class Backend:
         self.breaker = Breaker(breaker or BreakerSettings())
         # bumped each time the backend comes (back) up: a restarted engine has empty caches
         self.epoch = 0
+        # an operator drained it (the admin API): no new request goes to it; those in flight finish
+        self.drained = False
 
     def __repr__(self) -> str:
         return f"<Backend {self.name} {self.engine} {self.health.value} in_flight={self.in_flight}>"
 
     @property
     def routable(self) -> bool:
-        """Ready by its last health check and not ejected by its circuit breaker."""
-        return self.health is Health.READY and self.breaker.available()
+        """Ready by its last health check, not ejected by its circuit breaker, not drained."""
+        return self.health is Health.READY and not self.drained and self.breaker.available()
 
     @property
     def caches_by_slot(self) -> bool:

@@ -50,7 +50,8 @@ log = logging.getLogger("gateway.state")
 
 PUBLISH_INTERVAL = 0.005  # seconds a peer message may wait to be batched with others
 POOL_CONNECTIONS = 16  # connections to Redis per process (besides the subscriber's)
-OPERATIONS = ("admit", "acquire", "settle", "heartbeat", "subscribe", "publish", "get_response", "put_response")
+OPERATIONS = ("admit", "acquire", "settle", "heartbeat", "subscribe", "publish", "get_response", "put_response",
+              "drain")
 MAX_PENDING = 10_000  # settlements kept while Redis is down (beyond: the oldest are dropped and counted)
 
 
@@ -135,6 +136,10 @@ class SharedState:
         self._sender = self.replica.encode() + b"\0"  # heads every peer message (own ones are skipped unread)
         self._peers_channel = f"{p}peers"
         self._replicas_key = f"{p}replicas"
+        self._drained_key = f"{p}drained"  # the backends an operator drained (a set), for every replica
+        self._drained_read: set[str] | None = None  # as the last heartbeat read it (None: not read yet)
+        self._on_drained: list[Callable[[str, bool], None]] = []
+        self._drain_writes: dict[str, int] = {}  # backend -> this replica's writes of it not yet answered
         self._shas: dict[str, str] = {}
         self.up = False
         self.errors: dict[str, int] = dict.fromkeys(OPERATIONS, 0)  # operation -> failures (all from zero)
@@ -442,6 +447,51 @@ class SharedState:
                 except Exception:  # a malformed message must not end the subscriber
                     log.debug("peer message on %s failed", topic, exc_info=True)
 
+    # -- drained backends ---------------------------------------------------------------------------------------
+    def on_drained(self, callback: Callable[[str, bool], None]) -> None:
+        """``callback(backend, drained)`` when another replica drains or undrains a backend: at once by a peer
+        message, and at the latest by the next heartbeat (which reads the shared set, so a replica that starts
+        later, or missed the message, learns it too)."""
+        self._on_drained.append(callback)
+        self.subscribe("drain", lambda payload: callback(str(payload[0]), bool(payload[1])))
+
+    def set_drained(self, backend: str, drained: bool) -> None:
+        """Record an operator's drain (or undrain) of ``backend`` for every replica (in the background; while
+        Redis is down it stays this replica's alone, and a line is logged)."""
+        self.publish("drain", [backend, drained])
+
+        async def write() -> None:
+            try:
+                op = self._redis.sadd if drained else self._redis.srem
+                await asyncio.wait_for(op(self._drained_key, backend), self._timeout * 5)
+            except self._errors as exc:
+                self._failed("drain", exc)
+                log.warning("shared state: the %s of backend %s holds on this replica only (%s)",
+                            "drain" if drained else "undrain", backend, exc)
+            finally:
+                left = self._drain_writes.pop(backend, 1) - 1
+                if left:
+                    self._drain_writes[backend] = left
+
+        self._drain_writes[backend] = self._drain_writes.get(backend, 0) + 1
+        self._spawn(write())
+
+    async def _read_drained(self) -> None:
+        members = await asyncio.wait_for(self._redis.smembers(self._drained_key), self._timeout * 5)
+        now = {m.decode() if isinstance(m, bytes) else str(m) for m in members}
+        before = self._drained_read
+        self._drained_read = now
+        # only what changed in the shared set since the last read, and not for a backend this replica is writing:
+        # its own drain or undrain still on its way to Redis is not undone by a read that predates it
+        changes = [(b, True) for b in sorted(now - (before or set()))]
+        if before is not None:
+            changes += [(b, False) for b in sorted(before - now)]
+        for backend, drained in changes:
+            if backend in self._drain_writes:
+                continue
+            for callback in self._on_drained:
+                callback(backend, drained)
+
     # -- heartbeat ----------------------------------------------------------------------------------------------
     async def _heartbeat_loop(self) -> None:
         while True:
@@ -472,6 +522,8 @@ class SharedState:
                 mine = self.replica.encode()
                 for backend, fields in zip(slotted, counts, strict=True):
                     self.remote[backend] = sum(int(v) for k, v in fields.items() if k != mine)
+            if self._on_drained:
+                await self._read_drained()
         except self._errors as exc:
             self._failed("heartbeat", exc)
             return

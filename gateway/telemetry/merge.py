@@ -18,8 +18,9 @@ from prometheus_client.registry import Collector
 
 # gauge families that every worker reads from the same source: not added up
 _HIGHEST = frozenset({
-    "gateway_backend_up", "gateway_backend_ready", "gateway_model_ready", "gateway_backend_running_requests",
-    "gateway_backend_waiting_requests", "gateway_backend_kv_cache_usage_ratio", "gateway_backend_slots",
+    "gateway_backend_up", "gateway_backend_ready", "gateway_backend_drained", "gateway_model_ready",
+    "gateway_backend_running_requests", "gateway_backend_waiting_requests", "gateway_backend_kv_cache_usage_ratio",
+    "gateway_backend_slots",
     "gateway_kv_event_index_blocks", "gateway_kv_events_live", "gateway_model_slots",
 })
 _LOWEST = frozenset({"gateway_state_up", "gateway_backend_load_age_seconds"})

@@ -148,11 +148,14 @@ class PoolCollector(Collector):
         up = GaugeMetricFamily("gateway_backend_up", "1 when the backend answers (ready or loading).", labels=labels)
         ready = GaugeMetricFamily(
             "gateway_backend_ready",
-            "1 when the backend can take requests: ready by its health check and not ejected by its circuit breaker.",
+            "1 when the backend can take requests: ready by its health check, not ejected by its circuit breaker, "
+            "not drained.",
             labels=labels)
         model_ready = GaugeMetricFamily(
             "gateway_model_ready", "1 when at least one backend serving the model can take requests.",
             labels=["model"])
+        drained = GaugeMetricFamily(
+            "gateway_backend_drained", "1 while an operator has the backend drained (the admin API).", labels=labels)
         in_flight = GaugeMetricFamily(
             "gateway_backend_in_flight_requests", "Requests this gateway has in flight to the backend.", labels=labels)
         running = GaugeMetricFamily(
@@ -171,6 +174,7 @@ class PoolCollector(Collector):
             key = [backend.name, backend.engine]
             up.add_metric(key, 1.0 if backend.health in (Health.READY, Health.LOADING) else 0.0)
             ready.add_metric(key, 1.0 if backend.routable else 0.0)
+            drained.add_metric(key, 1.0 if backend.drained else 0.0)
             in_flight.add_metric(key, float(backend.in_flight))
             errors.add_metric(key, float(backend.scrape_errors))
             if backend.slots:
@@ -190,7 +194,7 @@ class PoolCollector(Collector):
         servable = set(self._pool.models())
         for model in sorted(self._pool.known_models()):
             model_ready.add_metric([model], 1.0 if model in servable else 0.0)
-        yield from (up, ready, model_ready, in_flight, running, waiting, kv, slots, age, errors)
+        yield from (up, ready, drained, model_ready, in_flight, running, waiting, kv, slots, age, errors)
 
 
 class KvEventsCollector(Collector):

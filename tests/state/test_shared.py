@@ -185,3 +185,26 @@ async def test_redis_going_away_and_back(redis_server: RedisServer) -> None:
         assert (await state.admit(None, 0, B)).full
     finally:
         await stop([state])
+
+
+@pytest.mark.anyio
+async def test_a_drain_reaches_every_replica_and_one_that_starts_later(redis_server: RedisServer) -> None:
+    a, b = await replicas(redis_server, 2)
+    seen: dict[str, dict[str, bool]] = {"a": {}, "b": {}}
+    a.on_drained(lambda name, drained: seen["a"].__setitem__(name, drained))
+    b.on_drained(lambda name, drained: seen["b"].__setitem__(name, drained))
+    late: SharedState | None = None
+    try:
+        await until(lambda: a.replicas == 2 and b.replicas == 2)
+        await asyncio.sleep(0.1)  # (the subscriptions are in place)
+        a.set_drained("x", True)
+        await until(lambda: seen["b"].get("x") is True)
+        assert seen["a"].get("x", True) is True  # (its own heartbeat may read it back: never the other way)
+        (late,) = await replicas(redis_server, 1)
+        late_seen: dict[str, bool] = {}
+        late.on_drained(late_seen.__setitem__)
+        await until(lambda: late_seen.get("x") is True)  # read from the shared set by its heartbeat
+        b.set_drained("x", False)
+        await until(lambda: seen["a"].get("x") is False and late_seen.get("x") is False)
+    finally:
+        await stop([a, b, *([late] if late is not None else [])])

@@ -1,0 +1,156 @@
+"""The admin API over HTTP, in front of emulated engines: who may reach it, what it reports, and a drain under
+load that loses no stream and sends no new request to the drained backend."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+from collections.abc import Iterator
+
+import httpx
+import orjson
+import pytest
+
+from gateway.app import create_app
+from gateway.sim import FleetThread, SimSpec
+from tests.api.conftest import Running, gateway_settings
+from tests.conftest import serve_in_thread
+
+CLIENT_KEY, OPS_KEY = "sk-client-0123", "sk-ops-4567"
+AUTH = {"keys": [
+    {"name": "client", "key_sha256": hashlib.sha256(CLIENT_KEY.encode()).hexdigest()},
+    {"name": "ops", "key_sha256": hashlib.sha256(OPS_KEY.encode()).hexdigest(), "scopes": ["admin"]},
+]}
+OPS = {"authorization": f"Bearer {OPS_KEY}"}
+CLIENT = {"authorization": f"Bearer {CLIENT_KEY}"}
+
+
+@pytest.fixture(scope="module")
+def two() -> Iterator[Running]:
+    """Two emulated vLLM serving one model at half their real time: a 64-token stream takes ~0.5 s."""
+    specs = [SimSpec(engine="vllm", model="m", name=f"v{x}", time_scale=2.0, api_key="sk-upstream-secret")
+             for x in "ab"]
+    with FleetThread(specs) as fleet:
+        settings = gateway_settings(fleet.fleet.servers, auth=AUTH)
+        app = create_app(settings)
+        with serve_in_thread(app) as gateway:
+            yield Running(fleet, gateway, app)
+
+
+def test_the_admin_api_refuses_client_keys_and_missing_keys(two: Running) -> None:
+    for method, path in (("GET", "/admin/backends"), ("POST", "/admin/backends/va/drain"), ("GET", "/admin/config")):
+        missing = httpx.request(method, two.url + path)
+        assert missing.status_code == 401 and missing.json()["error"]["code"] == "missing_api_key"
+        client = httpx.request(method, two.url + path, headers=CLIENT)
+        assert client.status_code == 403 and client.json()["error"]["code"] == "insufficient_scope"
+    assert not two.app.gateway.pool.get("va").drained  # (the refused drain did nothing)
+    # and an admin key is not a client key
+    chat = httpx.post(two.url + "/v1/chat/completions", headers=OPS,
+                      json={"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    assert chat.status_code == 403
+
+
+def test_a_gateway_without_keys_serves_no_admin_api() -> None:
+    fleet = FleetThread([SimSpec(engine="vllm", model="m", name="v", time_scale=20.0)])
+    with fleet, serve_in_thread(create_app(gateway_settings(fleet.fleet.servers))) as gateway:
+        reply = httpx.post(gateway.url + "/admin/backends/v/drain")
+        assert reply.status_code == 403 and reply.json()["error"]["code"] == "admin_disabled"
+        assert httpx.get(gateway.url + "/ready").status_code == 200
+
+
+def test_backends_report_state_load_and_capacity(two: Running) -> None:
+    reply = httpx.get(two.url + "/admin/backends", headers=OPS)
+    assert reply.status_code == 200 and "x-request-id" in reply.headers
+    backends = {b["name"]: b for b in reply.json()["backends"]}
+    assert set(backends) == {"va", "vb"}
+    va = backends["va"]
+    assert va["engine"] == "vllm" and va["models"] == ["m"] and va["state"] == "serving" and va["routable"]
+    assert va["health"] == "ready" and va["breaker"] == "closed" and va["drained"] is False
+    assert va["load"] is not None and va["load"]["fresh"] and 0 <= va["load"]["age_seconds"] < 5
+    assert va["in_flight"] == 0 and isinstance(va["slots"], int)
+    unknown = httpx.get(two.url + "/admin/backends/nope", headers=OPS)
+    assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "backend_not_found"
+
+
+def test_the_effective_config_has_every_secret_redacted(two: Running) -> None:
+    reply = httpx.get(two.url + "/admin/config", headers=OPS)
+    assert reply.status_code == 200
+    text = reply.text
+    config = orjson.loads(text)
+    assert {b["name"] for b in config["backends"]} == {"va", "vb"}
+    assert config["auth"]["keys"][1]["scopes"] == ["admin"]
+    for secret in ("sk-upstream-secret", hashlib.sha256(OPS_KEY.encode()).hexdigest(), OPS_KEY, CLIENT_KEY):
+        assert secret not in text
+    assert config["backends"][0]["api_key"] == "[redacted]" and config["auth"]["keys"][0]["key_sha256"] == "[redacted]"
+
+
+def test_redaction_of_urls_and_nested_secrets() -> None:
+    from gateway.control import redact, redact_url
+
+    assert redact_url("redis://:hunter2@redis:6379/0") == "redis://[redacted]@redis:6379/0"
+    assert redact_url("http://10.0.0.7:8000") == "http://10.0.0.7:8000"
+    assert redact({"state": {"url": "rediss://user:pw@h/1"}, "x": [{"basic_auth": "u:p"}], "api_key": None}) == {
+        "state": {"url": "rediss://[redacted]@h/1"}, "x": [{"basic_auth": "[redacted]"}], "api_key": None}
+
+
+def test_drain_under_50_streams_loses_none_and_routes_nothing_new_to_it(two: Running) -> None:
+    body = {"model": "m", "messages": [{"role": "user", "content": "tell me"}], "max_tokens": 64, "stream": True}
+
+    async def stream(client: httpx.AsyncClient) -> tuple[str, bool]:
+        async with client.stream("POST", "/v1/chat/completions", json=body) as response:
+            assert response.status_code == 200
+            text = "".join([chunk async for chunk in response.aiter_text()])
+            return response.headers["x-gateway-backend"], text.rstrip().endswith("data: [DONE]")
+
+    async def scenario() -> None:
+        async with httpx.AsyncClient(base_url=two.url, headers=CLIENT, timeout=60,
+                                     limits=httpx.Limits(max_connections=200)) as client:
+            first = [asyncio.create_task(stream(client)) for _ in range(50)]
+            pool = two.app.gateway.pool
+            for _ in range(1000):  # until streams are on both (10 s at most)
+                if all(pool.get(n).in_flight for n in ("va", "vb")):
+                    break
+                await asyncio.sleep(0.01)
+            reply = await client.post("/admin/backends/va/drain", headers=OPS)
+            assert reply.status_code == 200 and reply.json()["drained"] is True
+            assert reply.json()["state"] == "draining"  # its streams are still running
+            drained_at = time.monotonic()
+            later = [asyncio.create_task(stream(client)) for _ in range(30)]
+            done = await asyncio.gather(*first)
+            assert all(complete for _, complete in done), "a stream was cut by the drain"
+            assert {backend for backend, _ in done} == {"va", "vb"}  # (va had streams to finish)
+            after = await asyncio.gather(*later)
+            assert all(complete for _, complete in after)
+            assert {backend for backend, _ in after} == {"vb"}, "a request went to the drained backend"
+            # once its last stream ended it is reported idle
+            while (await client.get("/admin/backends/va", headers=OPS)).json()["state"] != "drained":
+                assert time.monotonic() - drained_at < 10
+                await asyncio.sleep(0.05)
+            assert (await client.get("/admin/backends/va", headers=OPS)).json()["in_flight"] == 0
+            assert (await client.post("/admin/backends/va/undrain", headers=OPS)).json()["state"] == "serving"
+            again = await asyncio.gather(*(stream(client) for _ in range(16)))
+            assert "va" in {backend for backend, _ in again}
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        two.app.gateway.pool.get("va").drained = False
+    metrics = httpx.get(two.url + "/metrics").text
+    assert 'gateway_admin_changes_total{action="drain"} 1.0' in metrics
+    assert 'gateway_admin_changes_total{action="undrain"} 1.0' in metrics
+
+
+def test_a_model_whose_every_backend_is_drained_is_unavailable_not_unknown(two: Running) -> None:
+    try:
+        for name in ("va", "vb"):
+            assert httpx.post(f"{two.url}/admin/backends/{name}/drain", headers=OPS).status_code == 200
+        reply = httpx.post(two.url + "/v1/chat/completions", headers=CLIENT,
+                           json={"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+        assert reply.status_code == 503, reply.text
+    finally:
+        for name in ("va", "vb"):
+            httpx.post(f"{two.url}/admin/backends/{name}/undrain", headers=OPS)
+    ok = httpx.post(two.url + "/v1/chat/completions", headers=CLIENT,
+                    json={"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    assert ok.status_code == 200
