@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -22,7 +23,7 @@ from gateway.api.routes import CLIENT, build_router
 from gateway.api.translate.responses import ResponseStore
 from gateway.asgi import Message, Receive, Scope, Send, header, send_body
 from gateway.auth import KeyScope, KeyStore
-from gateway.config import AuthSettings, ConfigError, Settings
+from gateway.config import ConfigError, Settings
 from gateway.control import ControlPlane
 from gateway.errors import GatewayError
 from gateway.kvcache.subscriber import EventHub, StreamSettings
@@ -44,6 +45,12 @@ from gateway.telemetry.metrics import GatewayMetrics
 from gateway.telemetry.tracing import Tracing, provider_from_environment
 from gateway.workers import Siblings, WorkerIdentity
 
+log = logging.getLogger("gateway")
+
+
+# sections a running gateway cannot change: a reload keeps their values and says a restart is needed
+RESTART_ONLY = ("server", "state", "scrape", "discovery", "access_log", "responses", "breaker")
+
 
 class Gateway:
     """The composition root: builds the running gateway's components and wires each to the few others it
@@ -59,8 +66,14 @@ class Gateway:
         tracer_provider: TracerProvider | None = None,
         transport: Transport | None = None,
         worker: WorkerIdentity | None = None,
+        config_path: str | None = None,
     ) -> None:
         self.settings = settings
+        self.config_path = config_path  # the YAML file a reload (SIGHUP, the admin API, the file watch) reads
+        self._reloading = asyncio.Lock()
+        self._watch_task: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._reload_tasks: set[asyncio.Task[None]] = set()
         self.tracing = Tracing(tracer_provider if tracer_provider is not None else provider_from_environment())
         self.kv_events = EventHub()
         # limits and routing state shared with the other processes and replicas, when a store is configured
@@ -92,29 +105,35 @@ class Gateway:
         if several and worker is not None:
             self.siblings = Siblings(worker, self.metrics.registry, self.pool)
         self._kv_task: asyncio.Task[None] | None = None
+        self.forwarder = Forwarder(self.transport, settings.timeouts)
         self.dispatcher = Dispatcher(self.pool, self.pipeline, self.admission,
-                                     Forwarder(self.transport, settings.timeouts), self.metrics, settings.retries,
+                                     self.forwarder, self.metrics, settings.retries,
                                      settings.structured_output, shared=self.shared,
                                      priorities=Priorities(settings.admission, settings.auth.keys))
         self.metrics.flow.admission = self.admission
         if self.shared is not None:
             pool, admission = self.pool, self.admission
             # (and every capped key's in-flight places, counted like a backend's slots)
-            capped = {key_place_of(k.name) for k in settings.auth.keys if k.max_in_flight}
-            self.shared.slotted = lambda: {b.name for b in pool if b.max_concurrency} | capped
+            keys = self.keys
+            self.shared.slotted = lambda: ({b.name for b in pool if b.max_concurrency}
+                                           | {key_place_of(k.name) for k in keys.settings.keys if k.max_in_flight})
             self.shared.on_freed(lambda name: admission.freed(b for b in pool if name in ("*", b.name)))
             self.metrics.watch_state(self.shared)
         self.accounting = Accounting(self.metrics, self.pipeline.observe, settings.access_log.enabled)
         responses = settings.responses
         self.responses = ResponseStore(responses.store_entries, responses.store_bytes, responses.store_ttl_seconds,
                                        shared=self.shared)
-        self.control = ControlPlane(settings, self.pool, self.admission, self.shared, self.metrics.registry)
+        self.control = ControlPlane(lambda: self.settings, self.pool, self.admission, self.shared,
+                                    self.metrics.registry, apply=self.reconfigure, config_path=config_path)
+        self._endpoints: list[ProxyEndpoint] = []
         self.started_at = int(time.time())
 
     def endpoint(self, route: str, api: AgentApi | None = None) -> ProxyEndpoint:
-        return ProxyEndpoint(route, EndpointSettings.of(self.settings), keys=self.keys,
-                             workers=self.validation_workers, dispatcher=self.dispatcher, tracing=self.tracing,
-                             live=self.metrics.live, finish=self.accounting, api=api, shared=self.shared)
+        endpoint = ProxyEndpoint(route, EndpointSettings.of(self.settings), keys=self.keys,
+                                 workers=self.validation_workers, dispatcher=self.dispatcher, tracing=self.tracing,
+                                 live=self.metrics.live, finish=self.accounting, api=api, shared=self.shared)
+        self._endpoints.append(endpoint)
+        return endpoint
 
     def endpoints(self) -> dict[str, ProxyEndpoint]:
         """The generation routes, by path: the OpenAI ones, and the agent APIs translated to chat."""
@@ -127,6 +146,7 @@ class Gateway:
         return hot
 
     async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
         if self.siblings is not None:
             await self.siblings.start()
         await self.transport.start()
@@ -137,6 +157,9 @@ class Gateway:
             self.kv_events.sync(self._event_streams())
             if any(b.dns is not None and b.kv_events is not None for b in self.settings.backends):
                 self._kv_task = asyncio.create_task(self._follow_replicas(), name="kv-events-replicas")
+        watch = self.settings.server.reload_watch_seconds
+        if watch and self.config_path is not None:
+            self._watch_task = asyncio.create_task(self._watch_config(watch), name="config-watch")
 
     def _event_streams(self) -> Iterator[tuple[Backend, StreamSettings]]:
         for backend in self.pool:
@@ -152,7 +175,97 @@ class Gateway:
             await asyncio.sleep(self.settings.discovery.interval)
             self.kv_events.sync(self._event_streams())
 
+    # -- reloads --------------------------------------------------------------------------------------------------
+    async def reconfigure(self, new: Settings) -> dict[str, object]:
+        """Apply a validated configuration without dropping a stream or a queued request: backends (added,
+        removed after a drain, changed), keys and limits, routing, timeouts, retries, input limits, admission
+        and structured output. Sections that only a restart applies (the listener, workers, shared state,
+        scraping, discovery, the access log, stored responses, the breaker, tokenizers, DNS entries) keep their
+        running values and are named in ``restart_needed``."""
+        async with self._reloading:
+            old = self.settings
+            restart = [name for name in RESTART_ONLY if getattr(old, name) != getattr(new, name)]
+            kept: dict[str, object] = {name: getattr(old, name) for name in RESTART_ONLY}
+            routing = new.routing
+            if (routing.tokenizers, routing.engine_profile, routing.tokenize_max_chars) != (
+                    old.routing.tokenizers, old.routing.engine_profile, old.routing.tokenize_max_chars):
+                restart.append("routing.tokenizers/engine_profile/tokenize_max_chars")
+                routing = routing.model_copy(update={"tokenizers": old.routing.tokenizers,
+                                                     "engine_profile": old.routing.engine_profile,
+                                                     "tokenize_max_chars": old.routing.tokenize_max_chars})
+            backends = [b for b in new.backends if b.dns is None] + [b for b in old.backends if b.dns is not None]
+            if [b for b in new.backends if b.dns is not None] != [b for b in old.backends if b.dns is not None]:
+                restart.append("backends (DNS entries)")
+            pipeline = self.dispatcher.pipeline
+            if routing != old.routing:
+                pipeline = build_pipeline(routing, pipeline.state)
+            effective = new.model_copy(update={**kept, "routing": routing, "backends": backends})
+            changes = await self.pool.reconcile(effective.backends, effective.server.shutdown_timeout)
+            self.keys.update(effective.auth)
+            self.admission.settings = effective.admission
+            self.dispatcher.reconfigure(pipeline, effective.retries, effective.structured_output,
+                                        Priorities(effective.admission, effective.auth.keys))
+            self.pipeline = pipeline
+            self.accounting.relearn(pipeline.observe)
+            self.forwarder.set_timeouts(effective.timeouts)
+            if isinstance(self.transport, H1Transport):
+                self.transport.set_timeouts(effective.timeouts)
+            self.validation_workers.set_limits(effective.limits)
+            for endpoint in self._endpoints:
+                endpoint.reconfigure(EndpointSettings.of(effective))
+            self.settings = effective
+            if any(b.kv_events is not None for b in (*old.backends, *effective.backends)):
+                self.kv_events.sync(self._event_streams())
+            return {**changes, "restart_needed": restart,
+                    "sections": [name for name in type(new).model_fields
+                                 if name not in RESTART_ONLY and getattr(old, name) != getattr(effective, name)]}
+
+    def request_reload(self, source: str) -> None:
+        """Re-read the configuration file (SIGHUP): safe to call from a signal handler on the loop's thread or
+        from another thread."""
+        loop = self._loop
+        if loop is None or self.config_path is None:
+            log.warning("reload (%s) ignored: %s", source, "not started" if loop is None else
+                        "the gateway runs without a configuration file")
+            return
+        loop.call_soon_threadsafe(lambda: self._spawn_reload(source))
+
+    def _spawn_reload(self, source: str) -> None:
+        async def reload() -> None:
+            with contextlib.suppress(GatewayError):  # (refused: logged and counted already)
+                await self.control.reload(source)
+
+        task = asyncio.get_running_loop().create_task(reload())
+        self._reload_tasks.add(task)
+        task.add_done_callback(self._reload_tasks.discard)
+
+    async def _watch_config(self, every: float) -> None:
+        """Poll the file's size, mtime and content; a change reloads it (an invalid one is refused, logged and
+        counted like any reload, and not retried until the file changes again)."""
+        assert self.config_path is not None
+        path = Path(self.config_path)
+
+        def fingerprint() -> bytes | None:
+            try:
+                return path.read_bytes()
+            except OSError:
+                return None
+
+        seen = await asyncio.to_thread(fingerprint)
+        while True:
+            await asyncio.sleep(every)
+            now = await asyncio.to_thread(fingerprint)
+            if now is not None and now != seen:
+                seen = now
+                with contextlib.suppress(GatewayError):  # (refused: logged and counted already)
+                    await self.control.reload("file watch")
+
     async def stop(self) -> None:
+        for task in (self._watch_task, *self._reload_tasks):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         if self._kv_task is not None:
             self._kv_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -192,9 +305,10 @@ def create_app(
     tracer_provider: TracerProvider | None = None,
     transport: Transport | None = None,
     worker: WorkerIdentity | None = None,
+    config_path: str | None = None,
 ) -> GatewayApp:
     gateway = Gateway(settings, client_factory=client_factory, registry=registry, resolver=resolver,
-                      tracer_provider=tracer_provider, transport=transport, worker=worker)
+                      tracer_provider=tracer_provider, transport=transport, worker=worker, config_path=config_path)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -216,7 +330,7 @@ def create_app(
     app.include_router(build_router(gateway.pool, gateway.metrics.registry, gateway.started_at,
                                     exposition=siblings.metrics if siblings is not None else None))
     app.include_router(build_admin_router(gateway.control))
-    return GatewayApp(app, gateway, gateway.endpoints(), gateway.keys, settings.auth)
+    return GatewayApp(app, gateway, gateway.endpoints(), gateway.keys)
 
 
 ADMIN = "/admin/"
@@ -232,18 +346,16 @@ class GatewayApp:
     concurrency (see the commit introducing this class); the endpoints render their own OpenAI errors.
     """
 
-    def __init__(self, app: FastAPI, gateway: Gateway, hot: dict[str, ProxyEndpoint], keys: KeyStore,
-                 auth: AuthSettings) -> None:
+    def __init__(self, app: FastAPI, gateway: Gateway, hot: dict[str, ProxyEndpoint], keys: KeyStore) -> None:
         self.fastapi = app
         self.gateway = gateway  # for tests and embedding: the components, as built
         self._hot = hot
-        self._keys = keys
-        self._auth = auth
+        self._keys = keys  # (and their auth settings, which a reload replaces)
 
     def _needs_key(self, path: str) -> bool:
         """With API keys configured: the OpenAI API and the admin API always; health and metrics when the
         operator says so."""
-        auth = self._auth
+        auth = self._keys.settings
         if not self._keys.enabled:
             return False
         if path.startswith(ADMIN):

@@ -88,6 +88,26 @@ class KeyStore:
             for k in settings.keys
         ]
 
+    def update(self, settings: AuthSettings) -> None:
+        """Take a reloaded ``auth`` section. A key kept under the same name keeps its client (its requests in
+        flight count on) and, where its limit is unchanged, its bucket's level: a reload neither refills nor
+        empties a budget. A key removed stops authenticating at once."""
+        old = {client.name: client for _, client in self._clients}
+        clients = []
+        for k in settings.keys:
+            client = old.get(k.name)
+            if client is None:
+                client = Client(k.name, k, None, None)
+            before = client.settings
+            client.settings = k
+            if client.requests is None or before.requests_per_minute != k.requests_per_minute:
+                client.requests = TokenBucket(k.requests_per_minute) if k.requests_per_minute else None
+            if client.tokens is None or before.tokens_per_minute != k.tokens_per_minute:
+                client.tokens = TokenBucket(k.tokens_per_minute) if k.tokens_per_minute else None
+            clients.append((k.digest(), client))
+        self.settings = settings
+        self._clients = clients
+
     @property
     def enabled(self) -> bool:
         return bool(self._clients)

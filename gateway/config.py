@@ -46,6 +46,9 @@ class ServerSettings(_Strict):
         description="client connections at most (more are refused at once); default: what the descriptor "
                     "limit leaves after headroom for upstream connections and health checks")
     docs: bool = Field(default=False, description="serve /docs and /redoc (their pages load scripts from a CDN)")
+    reload_watch_seconds: float | None = Field(
+        default=None, gt=0, description="poll the configuration file this often and reload it when it changes "
+                                        "(SIGHUP and POST /admin/reload reload it too)")
     workers: int | Literal["auto"] = Field(
         default=1, description="processes serving the port (SO_REUSEPORT), or auto: one per CPU this process may "
                                "use; more than one needs state.url (limits, slots and sessions live there)")

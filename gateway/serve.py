@@ -26,7 +26,7 @@ from multiprocessing.process import BaseProcess
 
 import uvicorn
 
-from gateway.app import create_app
+from gateway.app import GatewayApp, create_app
 from gateway.config import ConfigError, Settings, load_settings, settings_from_mapping
 from gateway.routing.policies import check_settings
 from gateway.server_limits import raise_nofile_limit, uvicorn_config
@@ -41,17 +41,24 @@ def _stop(signum: int, frame: object) -> None:
     raise SystemExit(0)
 
 
-def _run(settings: Settings, log_level: str) -> None:
+def _reload_on_sighup(app: GatewayApp) -> None:
+    """SIGHUP re-reads the configuration file (see Gateway.reconfigure)."""
+    signal.signal(signal.SIGHUP, lambda signum, frame: app.gateway.request_reload("SIGHUP"))
+
+
+def _run(settings: Settings, log_level: str, config_path: str | None = None) -> None:
     count = settings.server.worker_count()
     if count > 1:
-        raise SystemExit(supervise(settings, log_level, count))
+        raise SystemExit(supervise(settings, log_level, count, config_path))
     # uvicorn shuts down gracefully on SIGINT/SIGTERM and then re-raises the signal to the handlers that were
     # installed before it. Make those end the process by unwinding, so that every ``finally`` runs (the
     # embedded fleet's child process is stopped) and the exit status is 0.
     signal.signal(signal.SIGINT, _stop)
     signal.signal(signal.SIGTERM, _stop)
     raise_nofile_limit()  # before the connection cap is worked out from it
-    config = uvicorn_config(create_app(settings), settings.server, log_level=log_level)
+    app = create_app(settings, config_path=config_path)
+    _reload_on_sighup(app)
+    config = uvicorn_config(app, settings.server, log_level=log_level)
     uvicorn.Server(config).run()
 
 
@@ -75,19 +82,22 @@ def _orphan_watch(parent: int) -> None:
     os.kill(os.getpid(), signal.SIGTERM)
 
 
-def _worker(settings: Settings, identity: WorkerIdentity, log_level: str, parent: int) -> None:
+def _worker(settings: Settings, identity: WorkerIdentity, log_level: str, parent: int,
+            config_path: str | None = None) -> None:
     signal.signal(signal.SIGINT, _stop)
     signal.signal(signal.SIGTERM, _stop)
     threading.Thread(target=_orphan_watch, args=(parent,), name="orphan-watch", daemon=True).start()
     raise_nofile_limit()
-    app = create_app(settings, worker=identity)
+    app = create_app(settings, worker=identity, config_path=config_path)
+    _reload_on_sighup(app)
     config = uvicorn_config(app, settings.server, log_level=log_level)
     sock = reuseport_socket(settings.server.host, settings.server.port)
     uvicorn.Server(config).run(sockets=[sock])
 
 
-def supervise(settings: Settings, log_level: str, count: int) -> int:
-    """Run ``count`` workers until SIGINT or SIGTERM; the exit status (1: a worker kept failing to start)."""
+def supervise(settings: Settings, log_level: str, count: int, config_path: str | None = None) -> int:
+    """Run ``count`` workers until SIGINT or SIGTERM (SIGHUP is passed to every worker, each of which reloads
+    the configuration file); the exit status (1: a worker kept failing to start)."""
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s:     %(message)s")
     try:  # the port, checked once here rather than by every worker failing alike
         reuseport_socket(settings.server.host, settings.server.port).close()
@@ -105,13 +115,21 @@ def supervise(settings: Settings, log_level: str, count: int) -> int:
     signal.signal(signal.SIGINT, stop)
     signal.signal(signal.SIGTERM, stop)
 
+    def reload(signum: int, frame: object) -> None:
+        for proc in list(procs.values()):
+            if proc.pid is not None and proc.is_alive():
+                os.kill(proc.pid, signal.SIGHUP)
+
     def start(index: int) -> BaseProcess:
         identity = WorkerIdentity(index, count, run_dir)
-        proc = ctx.Process(target=_worker, args=(settings, identity, log_level, parent), name=f"worker-{index}")
+        proc = ctx.Process(target=_worker, args=(settings, identity, log_level, parent, config_path),
+                           name=f"worker-{index}")
         proc.start()
         return proc
 
-    procs = {i: start(i) for i in range(count)}
+    procs: dict[int, BaseProcess] = {}
+    signal.signal(signal.SIGHUP, reload)
+    procs.update((i, start(i)) for i in range(count))
     restarts: dict[int, list[float]] = {i: [] for i in range(count)}
     status = 0
     log.info("gateway: %d workers on %s:%d (pids %s)", count, settings.server.host, settings.server.port,
@@ -168,7 +186,7 @@ def serve(config_path: str | None, *, host: str | None, port: int | None, log_le
         if server_overrides:
             settings = settings.model_copy(update={"server": settings.server.model_copy(update=server_overrides)})
         check_settings(settings)
-        _run(settings, log_level)
+        _run(settings, log_level, config_path)
         return 0
     settings = settings_from_mapping({"server": server_overrides, "backends": [dict(b) for b in emulated]})
     check_settings(settings)

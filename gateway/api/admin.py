@@ -7,11 +7,13 @@ from __future__ import annotations
 
 from typing import Any
 
+import orjson
 from fastapi import APIRouter, Request
 
 from gateway.api.routes import CLIENT, JSONBytes
 from gateway.auth import Client
 from gateway.control import ControlPlane
+from gateway.errors import GatewayError
 
 
 def who(request: Request) -> str:
@@ -45,6 +47,24 @@ def build_admin_router(control: ControlPlane) -> APIRouter:
     async def undrain(name: str, request: Request) -> Any:
         """Route to the backend again (when it is healthy)."""
         return JSONBytes(control.undrain(name, who(request)))
+
+    @router.post("/reload", response_class=JSONBytes)
+    async def reload(request: Request) -> Any:
+        """Re-read the configuration file and apply it without dropping a stream or a queued request (as
+        SIGHUP does). Answers what changed: ``sections``, backends ``added``, ``removed`` (drained first) and
+        ``changed``, and ``restart_needed`` for changed sections only a restart applies. An invalid file is
+        400 ``invalid_config`` naming the field at fault, and the running configuration stays."""
+        return JSONBytes(await control.reload(f"the admin API ({who(request)})", tell=True))
+
+    @router.put("/routing", response_class=JSONBytes)
+    async def routing(request: Request) -> Any:
+        """Change the routing section (any of ``policy``, ``profiles``, ``session_header``; the fields given
+        replace the running ones), validated as a whole. It lasts until the next reload of the file."""
+        try:
+            raw = orjson.loads(await request.body())
+        except orjson.JSONDecodeError:
+            raise GatewayError(400, "the body is not JSON", code="invalid_json") from None
+        return JSONBytes(await control.set_routing(raw, who(request)))
 
     @router.get("/config", response_class=JSONBytes)
     async def config() -> Any:

@@ -119,6 +119,10 @@ class ProxyEndpoint:
         self._live = live  # (its in_flight count)
         self._finish = finish
 
+    def reconfigure(self, settings: EndpointSettings) -> None:
+        """Reloaded settings, for the requests that arrive from now on."""
+        self._settings = settings
+
     def _reservation(self, request: RouteRequest, client: Client) -> int:
         """Tokens to reserve on admission: the prompt's estimate plus what the request may generate."""
         if client.tokens is None:

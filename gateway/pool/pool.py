@@ -77,6 +77,8 @@ class Pool:
         self._discovery_task: asyncio.Task[None] | None = None
         self._cycles: dict[str, int] = {}
         self._running = False
+        self._removals: set[asyncio.Task[None]] = set()  # reloads' drains of removed backends, until done
+        self._leaving: set[str] = set()  # backends a reload removed, draining until their requests end
         for settings in backends:
             if settings.dns is None:
                 self._add(settings)
@@ -105,10 +107,13 @@ class Pool:
         self._settings[settings.name] = settings
         return backend
 
-    async def _remove(self, name: str) -> None:
+    async def _remove(self, name: str, why: str = "no longer in DNS", keep: Backend | None = None) -> None:
+        """Drop a backend: its scrape loop and client end; a request still on it finishes (``keep``: the entry
+        is being replaced, so it is not marked down)."""
         backend = self._by_name.pop(name)
         self.backends.remove(backend)
-        backend.mark_down("removed: no longer in DNS")  # anything still holding it routes elsewhere
+        if keep is None:
+            backend.mark_down(f"removed: {why}")  # anything still holding it routes elsewhere
         task = self._tasks.pop(name, None)
         if task is not None:
             task.cancel()
@@ -118,7 +123,90 @@ class Pool:
         if client is not None:
             await client.aclose()
         self._settings.pop(name, None)
-        log.info("backend %s removed (no longer in DNS)", name)
+        self._probed_at.pop(name, None)
+        log.info("backend %s removed (%s)", name, why)
+
+    async def reconcile(self, backends: list[BackendSettings], drain_seconds: float) -> dict[str, list[str]]:
+        """Take a reloaded ``backends`` list (entries by URL; DNS entries are the caller's to refuse): new names
+        are added and probed before they are routed to, removed ones are drained (no new requests) and
+        dropped once their requests have ended or after ``drain_seconds``, changed ones are updated in place
+        (or replaced when their URL or engine changed: the old entry's requests finish on it). Returns the names
+        ``added``, ``removed`` and ``changed``."""
+        wanted = {b.name: b for b in backends if b.dns is None}
+        current = {name: s for name, s in self._settings.items() if s.dns is None and name in self._by_name}
+        grouped = {n for members in self._group_members.values() for n in members}
+        for name in self._leaving & set(wanted):  # removed by an earlier reload, still draining: back it comes
+            self._leaving.discard(name)
+            self._by_name[name].drained = False
+            log.info("backend %s kept: a reload brought it back while it drained", name)
+        added = [n for n in wanted if n not in current and n not in grouped]
+        removed = [n for n in current if n not in wanted and n not in grouped and n not in self._leaving]
+        changed = [n for n in wanted if n in current and wanted[n] != current[n]]
+        for name in removed:
+            self._by_name[name].drained = True
+            self._leaving.add(name)
+        fresh = list(added)
+        for name in changed:
+            new, old = wanted[name], current[name]
+            if (new.url, new.engine) == (old.url, old.engine):
+                self._update(self._by_name[name], new)  # in place: its in-flight count, health and breaker stay
+                continue
+            # another server under the name: out with the old entry (its requests finish on it), in with the new
+            self._by_name[name].drained = True
+            await self._remove(name, why="replaced by a reload", keep=self._by_name[name])
+            self._bring_in(self._add(new))
+            fresh.append(name)
+        for name in added:
+            self._bring_in(self._add(wanted[name]))
+            log.info("backend %s added by a reload", name)
+        await asyncio.gather(*(self.scrape_once(self._by_name[n]) for n in fresh))
+        for name in removed:
+            self._spawn_removal(name, drain_seconds)
+        return {"added": added, "removed": removed, "changed": changed}
+
+    def _update(self, backend: Backend, settings: BackendSettings) -> None:
+        assert settings.url is not None
+        spec = self.adapters[backend.name].spec
+        backend.configured_models = frozenset(settings.models) if settings.models else None
+        if backend.configured_models is not None:
+            backend.models = backend.configured_models
+        backend.max_concurrency = settings.max_concurrency
+        backend.cache_ram_mib = settings.cache_ram_mib
+        backend.priority_order = settings.priority_order()
+        backend.request_headers = {"Content-Type": "application/json", **settings.basic_auth_header(),
+                                   **spec.auth_headers(settings.resolved_api_key())}
+        backend.secrets = Redactor(settings.name, settings.url, settings.secrets())
+        before = self._settings[backend.name]
+        self._settings[backend.name] = settings
+        if (before.api_key, before.basic_auth) != (settings.api_key, settings.basic_auth):
+            stale = self._clients.pop(backend.name, None)  # the scrape client carries the credentials
+            if stale is not None:
+                self._open(backend)
+                task = asyncio.get_running_loop().create_task(stale.aclose())
+                self._removals.add(task)
+                task.add_done_callback(self._removals.discard)
+        log.info("backend %s updated by a reload", backend.name)
+
+    def _bring_in(self, backend: Backend) -> None:
+        if self._running:
+            self._open(backend)
+            if self._leader is None:
+                self._start_loop(backend)
+
+    def _spawn_removal(self, name: str, drain_seconds: float) -> None:
+        async def remove() -> None:
+            backend = self._by_name.get(name)
+            for _ in range(max(1, int(drain_seconds / 0.05))):  # until its requests end, drain_seconds at most
+                if backend is None or not backend.in_flight:
+                    break
+                await asyncio.sleep(0.05)
+            if name in self._leaving and self._by_name.get(name) is backend:
+                self._leaving.discard(name)
+                await self._remove(name, why="removed by a reload")
+
+        task = asyncio.get_running_loop().create_task(remove(), name=f"remove:{name}")
+        self._removals.add(task)
+        task.add_done_callback(self._removals.discard)
 
     def __iter__(self) -> Iterator[Backend]:
         return iter(list(self.backends))
@@ -164,7 +252,7 @@ class Pool:
 
     async def stop(self) -> None:
         self._running = False
-        tasks = list(self._tasks.values()) + ([self._discovery_task] if self._discovery_task else [])
+        tasks = [*self._tasks.values(), *([self._discovery_task] if self._discovery_task else []), *self._removals]
         for task in tasks:
             task.cancel()
         for task in tasks:

@@ -135,6 +135,10 @@ class Accounting:
         self._learn = learn
         self._access_log = access_log_enabled
 
+    def relearn(self, learn: Callable[[Outcome, Backend], None]) -> None:
+        """A reloaded routing pipeline's ``observe``."""
+        self._learn = learn
+
     def __call__(self, exchange: Exchange) -> None:
         if exchange.request is not None and exchange.backend is not None and exchange.outcome != "pending":
             self._learn(outcome_of(exchange, exchange.request), exchange.backend)

@@ -81,6 +81,19 @@ class Dispatcher:
         self._decisions = 0
         self.priorities = priorities or Priorities(admission.settings, ())
 
+    def reconfigure(self, pipeline: Pipeline, retries: RetrySettings, structured_output: StructuredOutputSettings,
+                    priorities: Priorities) -> None:
+        """A reload's routing, retries, structured-output policy and key priorities, for the requests routed
+        from now on (one routing already under way finishes with the pipeline it began with)."""
+        self._pipeline = pipeline
+        self._retries = retries
+        self._structured_output = structured_output
+        self.priorities = priorities
+
+    @property
+    def pipeline(self) -> Pipeline:
+        return self._pipeline
+
     def _observe_decision(self, decision: Decision) -> None:
         live = self._metrics.live
         live.count_decision(decision.ranked[0].name, decision.reason)

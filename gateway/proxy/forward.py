@@ -80,6 +80,10 @@ class Forwarder:
         self._transport = transport
         self._timeouts = timeouts
 
+    def set_timeouts(self, timeouts: TimeoutSettings) -> None:
+        """Reloaded timeouts, for the requests that start from now on."""
+        self._timeouts = timeouts
+
     async def forward(
         self, exchange: Exchange, backend: Backend, payload: bytes, send: Send, options: AttemptOptions,
     ) -> None:

@@ -352,6 +352,10 @@ class H1Transport:
         self._tls: ssl.SSLContext | None = None
         self._closed = False
 
+    def set_timeouts(self, timeouts: TimeoutSettings) -> None:
+        """Reloaded timeouts, for the connections opened from now on."""
+        self._timeouts = timeouts
+
     async def start(self) -> None:
         self._closed = False
 

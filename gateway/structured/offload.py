@@ -106,6 +106,12 @@ class ValidationWorkers:
         self._verdicts: OrderedDict[bytes, Verdict] = OrderedDict()
         self._memo_chars = 0
 
+    def set_limits(self, limits: LimitSettings) -> None:
+        """Take reloaded limits (validations already running keep theirs)."""
+        self._bounds = Bounds.of(limits)
+        self._timeout = limits.validation_timeout
+        self._queue_timeout = limits.validation_queue_timeout
+
     async def validate(self, constraint: Constraint) -> Constraint:
         """``constraint`` validated (``pending`` cleared, renderings found); ConstraintInvalid when it is
         not valid or took longer than the deadline, ValidationBusy when no worker was free in time."""

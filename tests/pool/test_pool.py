@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import httpx
 import pytest
 
@@ -167,3 +169,22 @@ async def test_a_follower_whose_leader_has_nothing_to_give_scrapes_for_itself() 
         assert a.load is not None and a.load.running == 0  # read from the engine itself
     finally:
         await pool.stop()
+
+
+@pytest.mark.anyio
+async def test_a_reload_brings_back_a_backend_it_removed_while_that_one_drains() -> None:
+    def entry(name: str, port: int, **extra: object) -> BackendSettings:
+        return BackendSettings.model_validate({"name": name, "engine": "vllm", "url": f"http://127.0.0.1:{port}",
+                                               **extra})
+
+    pool = Pool([entry("a", 9), entry("b", 10)], ScrapeSettings())
+    pool.get("a").in_flight = 1  # a request still on it
+    changes = await pool.reconcile([entry("b", 10)], drain_seconds=5)
+    assert changes == {"added": [], "removed": ["a"], "changed": []} and pool.get("a").drained
+    again = await pool.reconcile([entry("a", 9), entry("b", 10, max_concurrency=4)], drain_seconds=5)
+    assert again == {"added": [], "removed": [], "changed": ["b"]}
+    assert not pool.get("a").drained and pool.get("b").max_concurrency == 4
+    pool.get("a").in_flight = 0
+    await asyncio.sleep(0.2)  # (the first reload's removal would have run by now)
+    assert {b.name for b in pool} == {"a", "b"}
+    await pool.stop()

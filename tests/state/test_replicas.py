@@ -24,7 +24,7 @@ from gateway.sim import FleetThread, SimSpec
 from tests.conftest import free_port_block
 from tests.state.conftest import RedisServer
 
-KEYS = {"rpm": "sk-rpm", "tpm": "sk-tpm", "free": "sk-free", "burst": "sk-burst", "cap": "sk-cap"}
+KEYS = {"rpm": "sk-rpm", "tpm": "sk-tpm", "free": "sk-free", "burst": "sk-burst", "cap": "sk-cap", "ops": "sk-ops"}
 TPM = 18_000  # the tpm key's tokens per minute: about 160 of the test's requests, fewer than 32 streams can send
 RPM = 30
 
@@ -62,7 +62,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
                           "backends": backends, "scrape": {"interval": 0.2, "timeout": 1.0},
                           "auth": {"keys": [key("rpm", requests_per_minute=RPM), key("tpm", tokens_per_minute=TPM),
                                             key("free"), key("burst", requests_per_minute=5),
-                                            key("cap", max_in_flight=3)]},
+                                            key("cap", max_in_flight=3), {**key("ops"), "scopes": ["admin"]}]},
                           "state": {"url": redis.url, "heartbeat_seconds": 0.2, "replica_ttl_seconds": 3},
                           "admission": {"max_wait_seconds": 60}}
                 path = tmp / f"gateway-{i}.yaml"
@@ -216,6 +216,38 @@ def test_a_session_sticks_to_one_backend_whichever_replica_it_reaches(cluster: C
     moved = {name: backends for name, backends in served.items() if len(set(backends)) > 1}
     assert sum(follow_ups) >= 0.99 * len(follow_ups), moved
     assert len({backends[0] for backends in served.values()}) == 2, "sessions started on both backends"
+
+
+def test_a_drain_and_a_routing_change_made_on_one_replica_hold_on_all(cluster: Cluster) -> None:
+    ops = {"authorization": f"Bearer {KEYS['ops']}"}
+
+    def served_by(i: int) -> str:
+        free = {"authorization": f"Bearer {KEYS['free']}"}
+        reply = httpx.post(cluster.url(i) + "/v1/chat/completions", headers=free, json={
+            "model": "s", "messages": [{"role": "user", "content": f"q{i}"}], "max_tokens": 2})
+        assert reply.status_code == 200
+        return reply.headers["x-gateway-backend"]
+
+    def until(check: Any) -> None:
+        deadline = time.monotonic() + 10
+        while not check():
+            assert time.monotonic() < deadline, "the replicas did not agree in time"
+            time.sleep(0.05)
+
+    try:
+        assert httpx.post(cluster.url(0) + "/admin/backends/s0/drain", headers=ops).json()["drained"]
+        until(lambda: all(httpx.get(u + "/admin/backends/s0", headers=ops).json()["drained"] for u in cluster.urls))
+        assert {served_by(i) for i in range(30)} == {"s1"}
+        changed = httpx.put(cluster.url(1) + "/admin/routing", headers=ops, json={"policy": "round-robin"})
+        assert changed.status_code == 200
+        until(lambda: all(httpx.get(u + "/admin/config", headers=ops).json()["routing"]["policy"] == "round-robin"
+                          for u in cluster.urls))
+    finally:
+        httpx.post(cluster.url(2) + "/admin/backends/s0/undrain", headers=ops)
+        httpx.put(cluster.url(2) + "/admin/routing", headers=ops, json={"policy": "default"})
+    until(lambda: not any(httpx.get(u + "/admin/backends/s0", headers=ops).json()["drained"] for u in cluster.urls))
+    until(lambda: all(httpx.get(u + "/admin/config", headers=ops).json()["routing"]["policy"] == "default"
+                      for u in cluster.urls))
 
 
 def test_stored_responses_continue_on_any_replica(cluster: Cluster) -> None:
