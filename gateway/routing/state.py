@@ -120,6 +120,8 @@ class RoutingState:
         self.peers: Peers = NoPeers()  # set before the pipeline is built (gateway.app)
         # measured speed curves per backend name (``gateway profile``), for plugins that model engine shape
         self.profile: dict[str, ShapeProfile] = load_profile_file(profile_file) if profile_file else {}
+        # what plugins keep across the pipelines built on this state (a reload rebuilds them), by plugin name
+        self.kept: dict[str, Any] = {}
 
     @property
     def prefix(self) -> PrefixIndexes:
