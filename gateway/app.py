@@ -36,6 +36,7 @@ from gateway.proxy.admission import Admission, Priorities
 from gateway.proxy.dispatch import Dispatcher
 from gateway.proxy.forward import ALIASES, PATHS, Forwarder
 from gateway.proxy.h1 import H1Transport
+from gateway.proxy.models import ModelMap
 from gateway.proxy.transport import Transport
 from gateway.routing.policies import build_pipeline
 from gateway.routing.state import RoutingState
@@ -109,7 +110,8 @@ class Gateway:
         self.dispatcher = Dispatcher(self.pool, self.pipeline, self.admission,
                                      self.forwarder, self.metrics, settings.retries,
                                      settings.structured_output, shared=self.shared,
-                                     priorities=Priorities(settings.admission, settings.auth.keys))
+                                     priorities=Priorities(settings.admission, settings.auth.keys),
+                                     models=ModelMap(settings.models))
         self.metrics.flow.admission = self.admission
         if self.shared is not None:
             pool, admission = self.pool, self.admission
@@ -178,10 +180,10 @@ class Gateway:
     # -- reloads --------------------------------------------------------------------------------------------------
     async def reconfigure(self, new: Settings) -> dict[str, object]:
         """Apply a validated configuration without dropping a stream or a queued request: backends (added,
-        removed after a drain, changed), keys and limits, routing, timeouts, retries, input limits, admission
-        and structured output. Sections that only a restart applies (the listener, workers, shared state,
-        scraping, discovery, the access log, stored responses, the breaker, tokenizers, DNS entries) keep their
-        running values and are named in ``restart_needed``."""
+        removed after a drain, changed), keys and limits, routing, timeouts, retries, input limits, admission,
+        structured output and the models section (aliases, splits, fallbacks). Sections that only a restart
+        applies (the listener, workers, shared state, scraping, discovery, the access log, stored responses, the
+        breaker, tokenizers, DNS entries) keep their running values and are named in ``restart_needed``."""
         async with self._reloading:
             old = self.settings
             restart = [name for name in RESTART_ONLY if getattr(old, name) != getattr(new, name)]
@@ -204,7 +206,8 @@ class Gateway:
             self.keys.update(effective.auth)
             self.admission.settings = effective.admission
             self.dispatcher.reconfigure(pipeline, effective.retries, effective.structured_output,
-                                        Priorities(effective.admission, effective.auth.keys))
+                                        Priorities(effective.admission, effective.auth.keys),
+                                        ModelMap(effective.models))
             self.pipeline = pipeline
             self.accounting.relearn(pipeline.observe)
             self.forwarder.set_timeouts(effective.timeouts)
@@ -328,7 +331,8 @@ def create_app(
     install_openapi(app)
     siblings = gateway.siblings
     app.include_router(build_router(gateway.pool, gateway.metrics.registry, gateway.started_at,
-                                    exposition=siblings.metrics if siblings is not None else None))
+                                    exposition=siblings.metrics if siblings is not None else None,
+                                    aliases=lambda: gateway.dispatcher.models.aliases()))
     app.include_router(build_admin_router(gateway.control))
     return GatewayApp(app, gateway, gateway.endpoints(), gateway.keys)
 

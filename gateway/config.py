@@ -520,6 +520,26 @@ class AccessLogSettings(_Strict):
     enabled: bool = True
 
 
+class ModelTarget(_Strict):
+    model: str = Field(min_length=1, description="a model the backends serve")
+    weight: float = Field(default=1.0, gt=0, description="its share of the name's requests (90 and 10: a canary)")
+
+
+class ModelSettings(_Strict):
+    """A name clients use: an alias of one or more served models (a traffic split), and what to try when none
+    of its backends can serve."""
+
+    targets: list[ModelTarget] = Field(
+        default_factory=list, max_length=16,
+        description="the served models requests for this name go to, by weight, each session always to the same "
+                    "one; empty: the name is itself a served model")
+    fallbacks: list[str] = Field(
+        default_factory=list, max_length=4,
+        description="models (or aliases) tried in order when no backend can serve this one: all down, all full "
+                    "past the queue's deadline, the prompt past every backend's context (their own fallbacks "
+                    "are not followed)")
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix="GATEWAY_", env_nested_delimiter="__", extra="forbid", frozen=True
@@ -540,6 +560,7 @@ class Settings(BaseSettings):
     admission: AdmissionSettings = AdmissionSettings()
     auth: AuthSettings = AuthSettings()
     state: StateSettings = StateSettings()
+    models: dict[str, ModelSettings] = Field(default_factory=dict, description="aliases, splits and fallbacks")
 
     @classmethod
     def settings_customise_sources(
@@ -552,6 +573,16 @@ class Settings(BaseSettings):
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         # The YAML document arrives as init kwargs; the environment overrides it.
         return (env_settings, init_settings)
+
+    @model_validator(mode="after")
+    def _aliases_name_served_models(self) -> Settings:
+        split = {name for name, m in self.models.items() if m.targets}
+        for name, model in self.models.items():
+            for target in model.targets:
+                if target.model != name and target.model in split:
+                    raise ValueError(f"models.{name}: target {target.model!r} is itself an alias with targets; "
+                                     "name the served models")
+        return self
 
     @model_validator(mode="after")
     def _workers_share_state(self) -> Settings:

@@ -92,6 +92,8 @@ class Translation:
         body = self.native_body()
         if body is None:
             return None
+        if body.get("model") != request.model:  # (an alias's target, or a fallback)
+            body = {**body, "model": request.model}
         self.passthrough = True
         return orjson.dumps(body), self.native_api
 

@@ -39,22 +39,33 @@ def _model_card(model: str, created: int) -> dict[str, Any]:
 
 
 def build_router(pool: Pool, registry: CollectorRegistry, created: int, *,
-                 exposition: Callable[[], Awaitable[bytes]] | None = None) -> APIRouter:
+                 exposition: Callable[[], Awaitable[bytes]] | None = None,
+                 aliases: Callable[[], dict[str, list[str]]] | None = None) -> APIRouter:
     """The routes, over the pool they report on, the registry they expose and the models' creation time.
-    ``exposition``: what /metrics serves instead of the registry's own (every worker's figures, added up)."""
+    ``exposition``: what /metrics serves instead of the registry's own (every worker's figures, added up);
+    ``aliases``: the configured aliases and the served models each splits over (listed as models)."""
     router = APIRouter()
+
+    def servable() -> list[str]:
+        served = pool.models()
+        if aliases is None:
+            return served
+        names = set(served)
+        names.update(alias for alias, targets in aliases().items() if names.intersection(targets))
+        return sorted(names)
 
     @router.get("/v1/models")
     async def list_models(request: Request) -> JSONBytes:
-        """Models served by at least one routable backend that the API key may use."""
-        models = _allowed(request, pool.models())
+        """Models served by at least one routable backend, and aliases with such a model among their targets,
+        that the API key may use."""
+        models = _allowed(request, servable())
         return JSONBytes({"object": "list", "data": [_model_card(m, created) for m in models]})
 
     @router.get("/v1/models/{model:path}")
     async def retrieve_model(model: str, request: Request) -> JSONBytes:
         """One model, as listed; a model the API key may not use is 404 like an unknown one (as OpenAI answers),
         so a key learns nothing of models beyond its allow-list."""
-        if model not in _allowed(request, pool.models()):
+        if model not in _allowed(request, servable()):
             raise GatewayError(404, f"The model '{model}' does not exist or is not served by any backend",
                                type="invalid_request_error", param="model", code="model_not_found")
         return JSONBytes(_model_card(model, created))

@@ -17,6 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import orjson
+from prometheus_client import Counter
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, stop_after_delay, wait_none
 
 from gateway.asgi import ClientWriter, Headers, Receive, Send
@@ -29,6 +30,7 @@ from gateway.pool.backend import Backend
 from gateway.proxy.admission import Admission, Priorities, Refused, Ticket, retry_after
 from gateway.proxy.exchange import Exchange
 from gateway.proxy.forward import PATHS, AttemptOptions, Forwarder, InvalidOutput, NativeApi, RetryableStatus
+from gateway.proxy.models import FALLBACK_CODES, ModelMap
 from gateway.proxy.upstream import UpstreamError
 from gateway.routing.pipeline import Decision, NoRoute, Pipeline
 from gateway.routing.request import RouteRequest
@@ -69,7 +71,8 @@ class _Retry(Exception):
 class Dispatcher:
     def __init__(self, fleet: Fleet, pipeline: Pipeline, admission: Admission, forwarder: Forwarder,
                  metrics: GatewayMetrics, retries: RetrySettings, structured_output: StructuredOutputSettings,
-                 shared: SharedState | None = None, priorities: Priorities | None = None) -> None:
+                 shared: SharedState | None = None, priorities: Priorities | None = None,
+                 models: ModelMap | None = None) -> None:
         self._shared = shared
         self._fleet = fleet
         self._pipeline = pipeline
@@ -80,15 +83,20 @@ class Dispatcher:
         self._structured_output = structured_output
         self._decisions = 0
         self.priorities = priorities or Priorities(admission.settings, ())
+        self.models = models or ModelMap({})
+        self.fallbacks = Counter("gateway_model_fallbacks", "Requests a fallback model served, by the model asked "
+                                 "for, the model that served and why the first could not.",
+                                 ["model", "fallback", "reason"], registry=metrics.registry)
 
     def reconfigure(self, pipeline: Pipeline, retries: RetrySettings, structured_output: StructuredOutputSettings,
-                    priorities: Priorities) -> None:
+                    priorities: Priorities, models: ModelMap) -> None:
         """A reload's routing, retries, structured-output policy and key priorities, for the requests routed
         from now on (one routing already under way finishes with the pipeline it began with)."""
         self._pipeline = pipeline
         self._retries = retries
         self._structured_output = structured_output
         self.priorities = priorities
+        self.models = models
 
     @property
     def pipeline(self) -> Pipeline:
@@ -109,6 +117,36 @@ class Dispatcher:
 
     async def dispatch(self, exchange: Exchange, request: RouteRequest, key: str, receive: Receive,
                        send: Send, writer: ClientWriter | None = None) -> None:
+        """Route and send the request: to the served model its name resolves to (``models``: aliases and
+        splits) and, when none of that model's backends can serve it, to its fallbacks in turn."""
+        models = self.models
+        if not models:
+            await self._dispatch(exchange, request, key, receive, send, writer)
+            return
+        asked = request.model
+        target = models.resolve(asked, request.session_key)
+        if target != asked:
+            request.retarget(target)
+        chain = models.fallbacks(asked) or models.fallbacks(target)
+        failed: GatewayError | None = None
+        for i, name in enumerate([None, *chain]):
+            if name is not None and failed is not None:
+                served = models.resolve(name, request.session_key)
+                self.fallbacks.labels(asked, served, failed.code or "").inc()
+                log.info("request %s: model %s cannot serve it (%s): falling back on %s", exchange.request_id,
+                         request.model, failed.code, served)
+                exchange.fallback = f"{request.model} -> {served} ({failed.code})"
+                request.retarget(served)
+            try:
+                await self._dispatch(exchange, request, key, receive, send, writer)
+                return
+            except GatewayError as exc:
+                if i == len(chain) or exchange.responded or exc.code not in FALLBACK_CODES:
+                    raise
+                failed = exc
+
+    async def _dispatch(self, exchange: Exchange, request: RouteRequest, key: str, receive: Receive,
+                        send: Send, writer: ClientWriter | None) -> None:
         admission = self._admission
         placement = exchange.placement = exchange.placement or self.priorities.place(None, None, None)
         ticket = admission.ticket(request.model, key, placement)
@@ -136,7 +174,10 @@ class Dispatcher:
                       request.model, decision.ranked[0].name, decision.policy, decision.reason, decision.detail,
                       " ".join(f"{k}={v * 1e6:.0f}us" for k, v in decision.timings.items()))
         headers: Headers = [(b"x-gateway-policy", decision.policy.encode()),
-                            (b"x-gateway-route-reason", f"{decision.reason}: {decision.detail}".encode())]
+                            (b"x-gateway-route-reason", f"{decision.reason}: {decision.detail}".encode()),
+                            (b"x-gateway-model", request.model.encode())]
+        if exchange.fallback is not None:
+            headers.append((b"x-gateway-fallback", exchange.fallback.encode()))
         settings = self._retries
         candidates = iter(decision.ranked)
         remaining = len(decision.ranked)

@@ -23,6 +23,7 @@ class Exchange:
     route: str
     t_start: float  # time.perf_counter() when the request arrived
     model: str | None = None
+    fallback: str | None = None  # "asked -> served (why)" when a fallback model served it
     stream: bool = False
     backend: Backend | None = None
     request: RouteRequest | None = None

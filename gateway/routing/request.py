@@ -39,6 +39,21 @@ class RouteRequest:
     # an agent API request (Responses, Messages) translated to this chat request: it decides, per backend,
     # whether to pass the client's own request through instead (gateway.api.agent_apis.Translation.native)
     agent: Any = None
+    requested: str | None = None  # the name the client asked for, when an alias or a fallback changed ``model``
+
+    def retarget(self, model: str) -> None:
+        """Send the request to another served model (an alias's target, a fallback): its body names it, and
+        what was derived from the model name is derived again."""
+        if self.requested is None:
+            self.requested = self.model
+        self.model = model
+        self.body["model"] = model
+        self._blocks = None
+        self.token_ids = None
+        self.tokenized = False
+        self.chunk_keys = None
+        self.estimated_tokens = None
+        self.events_cached_tokens = None
 
     @property
     def prompt(self) -> bytes:

@@ -218,3 +218,16 @@ def test_sighup_reloads_the_file_of_gateway_serve(fleet: FleetThread, tmp_path: 
         output, _ = proc.communicate(timeout=30)
     assert proc.returncode == 0, output
     assert "reload by SIGHUP applied" in output, output[-3000:]
+
+
+def test_a_reload_applies_a_new_alias(fleet: FleetThread, tmp_path: Path) -> None:
+    path = tmp_path / "gateway.yaml"
+    write(path, config(fleet, ["va"]))
+    with serving(path) as (gateway, _app):
+        aliased = {**ASK, "model": "chat", "max_tokens": 2}
+        assert httpx.post(gateway.url + "/v1/chat/completions", json=aliased, headers=CLIENT).status_code == 404
+        write(path, config(fleet, ["va"], models={"chat": {"targets": [{"model": "m"}]}}))
+        result = httpx.post(gateway.url + "/admin/reload", headers=OPS).json()
+        assert result["sections"] == ["models"]
+        reply = httpx.post(gateway.url + "/v1/chat/completions", json=aliased, headers=CLIENT)
+        assert reply.status_code == 200 and reply.headers["x-gateway-model"] == "m"
