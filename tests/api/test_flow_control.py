@@ -58,7 +58,10 @@ def one_slot() -> Iterator[Running]:
 
 async def post(client: httpx.AsyncClient, key: str, tag: str, finished: list[str], max_tokens: int = 40,
                headers: dict[str, str] | None = None) -> httpx.Response:
-    body = {"model": "m", "messages": [{"role": "user", "content": f"{tag}: hi"}], "max_tokens": max_tokens}
+    # (every answer exactly max_tokens long: an emulated answer otherwise stops at a random natural length, and
+    # a test about order then meets a long request that happened to end at once)
+    body = {"model": "m", "messages": [{"role": "user", "content": f"{tag}: hi"}], "max_tokens": max_tokens,
+            "ignore_eos": True}
     response = await client.post("/v1/chat/completions", json=body,
                                  headers={"authorization": f"Bearer {KEYS[key]}", **(headers or {})})
     finished.append(tag)
