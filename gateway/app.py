@@ -342,6 +342,32 @@ NO_ADMIN = GatewayError(403, "the admin API needs API keys: configure auth.keys 
                              "'admin'", code="admin_disabled").body()
 
 
+class AdminApp:
+    """The admin listener's ASGI app (``server.admin_port``): the admin API alone. It trusts its address (loopback
+    by default) unless some API key has the ``admin`` scope, in which case it asks for one of those; client
+    keys never reach it. It has no lifespan: the main app starts and stops the gateway."""
+
+    def __init__(self, gateway: Gateway) -> None:
+        self.gateway = gateway
+        self.fastapi = FastAPI(title="LLM gateway admin", version=__version__, docs_url=None, redoc_url=None,
+                               redirect_slashes=False)
+        errors.install(self.fastapi)
+        self.fastapi.include_router(build_admin_router(gateway.control))
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            rid = request_id(scope).encode()
+            keys = self.gateway.keys
+            if any("admin" in k.scopes for k in keys.settings.keys):
+                try:
+                    client = keys.authenticate(header(scope, b"authorization"), header(scope, b"x-api-key"), "admin")
+                except GatewayError as exc:
+                    await send_body(send, exc.status, exc.body(), [(b"x-request-id", rid)])
+                    return
+                scope.setdefault("state", {})[CLIENT] = client
+        await self.fastapi(scope, receive, send)
+
+
 class GatewayApp:
     """The ASGI app: the generation routes go straight to their raw endpoints; everything else (lifespan,
     models, health, metrics, unknown paths) goes through FastAPI.

@@ -46,6 +46,11 @@ class ServerSettings(_Strict):
         description="client connections at most (more are refused at once); default: what the descriptor "
                     "limit leaves after headroom for upstream connections and health checks")
     docs: bool = Field(default=False, description="serve /docs and /redoc (their pages load scripts from a CDN)")
+    admin_port: int | None = Field(
+        default=None, ge=1, le=65535,
+        description="a second listener serving only the admin API (/admin/...), on admin_host; None: none (the "
+                    "admin API is then reached on the main port with an admin-scoped key)")
+    admin_host: str = Field(default="127.0.0.1", description="the admin listener's address (loopback by default)")
     reload_watch_seconds: float | None = Field(
         default=None, gt=0, description="poll the configuration file this often and reload it when it changes "
                                         "(SIGHUP and POST /admin/reload reload it too)")

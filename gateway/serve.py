@@ -11,6 +11,8 @@ exits. A worker whose supervisor is gone shuts itself down.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -21,12 +23,12 @@ import socket
 import tempfile
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from multiprocessing.process import BaseProcess
 
 import uvicorn
 
-from gateway.app import GatewayApp, create_app
+from gateway.app import AdminApp, GatewayApp, create_app
 from gateway.config import ConfigError, Settings, load_settings, settings_from_mapping
 from gateway.routing.policies import check_settings
 from gateway.server_limits import raise_nofile_limit, uvicorn_config
@@ -39,6 +41,42 @@ RESTARTS_PER_MINUTE = 5  # per worker; past that the supervisor gives up (a work
 
 def _stop(signum: int, frame: object) -> None:
     raise SystemExit(0)
+
+
+class _AdminServer(uvicorn.Server):
+    """The admin listener's server: it leaves signals to the main server, which stops it when it stops."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def _serve(app: GatewayApp, settings: Settings, log_level: str, sock: socket.socket | None = None) -> None:
+    """The main listener and, with ``server.admin_port``, the admin listener, on one event loop until SIGINT or
+    SIGTERM (the main server's graceful shutdown, then the admin listener's)."""
+    server = uvicorn.Server(uvicorn_config(app, settings.server, log_level=log_level))
+    sockets = [sock] if sock is not None else None
+    port = settings.server.admin_port
+    if port is None:
+        server.run(sockets=sockets)
+        return
+    admin_settings = settings.server.model_copy(update={"host": settings.server.admin_host, "port": port})
+    admin = _AdminServer(uvicorn_config(AdminApp(app.gateway), admin_settings, log_level=log_level,
+                                        lifespan="off", graceful_shutdown=1.0))
+    # several workers share the admin port like the main one (any of them answers: drains and reloads reach
+    # the others through the shared state)
+    admin_sockets = [reuseport_socket(settings.server.admin_host, port)] if sock is not None else None
+
+    async def both() -> None:
+        task = asyncio.create_task(admin.serve(sockets=admin_sockets))
+        try:
+            await server.serve(sockets=sockets)
+        finally:
+            admin.should_exit = True
+            await task
+
+    with asyncio.Runner(loop_factory=server.config.get_loop_factory()) as runner:
+        runner.run(both())
 
 
 def _reload_on_sighup(app: GatewayApp) -> None:
@@ -58,8 +96,7 @@ def _run(settings: Settings, log_level: str, config_path: str | None = None) -> 
     raise_nofile_limit()  # before the connection cap is worked out from it
     app = create_app(settings, config_path=config_path)
     _reload_on_sighup(app)
-    config = uvicorn_config(app, settings.server, log_level=log_level)
-    uvicorn.Server(config).run()
+    _serve(app, settings, log_level)
 
 
 def reuseport_socket(host: str, port: int) -> socket.socket:
@@ -90,9 +127,7 @@ def _worker(settings: Settings, identity: WorkerIdentity, log_level: str, parent
     raise_nofile_limit()
     app = create_app(settings, worker=identity, config_path=config_path)
     _reload_on_sighup(app)
-    config = uvicorn_config(app, settings.server, log_level=log_level)
-    sock = reuseport_socket(settings.server.host, settings.server.port)
-    uvicorn.Server(config).run(sockets=[sock])
+    _serve(app, settings, log_level, reuseport_socket(settings.server.host, settings.server.port))
 
 
 def supervise(settings: Settings, log_level: str, count: int, config_path: str | None = None) -> int:

@@ -73,7 +73,7 @@ class LimitedConfig(uvicorn.Config):
 
 
 def uvicorn_config(app: Any, server: ServerSettings, *, log_level: str = "info",
-                   graceful_shutdown: float | None = None) -> LimitedConfig:
+                   graceful_shutdown: float | None = None, lifespan: str = "on") -> LimitedConfig:
     """uvloop + httptools with the gateway's protocol and limits, on ``server.host:server.port`` (ignored when
     the caller hands ``uvicorn.Server.serve`` its own sockets). The connection cap is resolved against the
     descriptor limit in force now: call :func:`raise_nofile_limit` first where that should count."""
@@ -85,7 +85,7 @@ def uvicorn_config(app: Any, server: ServerSettings, *, log_level: str = "info",
         port=server.port,
         loop="uvloop",
         http=StampedHttpToolsProtocol,
-        lifespan="on",
+        lifespan=lifespan,
         access_log=False,
         # Nothing of the gateway reads the client's address, so rewriting it from X-Forwarded-For (uvicorn's
         # default middleware, run for every request) serves nothing; nor does announcing "server: uvicorn".

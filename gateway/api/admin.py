@@ -18,7 +18,7 @@ from gateway.errors import GatewayError
 
 def who(request: Request) -> str:
     client: Client | None = request.scope.get("state", {}).get(CLIENT)
-    return f"key {client.name}" if client is not None else "an unauthenticated caller"
+    return f"key {client.name}" if client is not None else "a caller on the admin listener (no key)"
 
 
 def build_admin_router(control: ControlPlane) -> APIRouter:
