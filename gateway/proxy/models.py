@@ -16,9 +16,11 @@ import random
 from gateway.config import ModelSettings
 
 # the refusals a fallback model may answer instead: no backend of the model can serve it now, or in time, or
-# can hold its prompt; never a refusal of the request itself (bad input, a key's limit)
+# can hold its prompt; all raised before the request took anything (a key's shared budget, a slot), so the
+# fallback's own admission charges it once. Never a refusal of the request itself (bad input, a key's limit),
+# nor a failure after it was sent (upstream_failed: the attempts have already failed over between backends)
 FALLBACK_CODES = frozenset({"no_backend_available", "backends_at_capacity", "queue_full", "queue_deadline",
-                            "queue_timeout", "context_length_exceeded", "upstream_failed"})
+                            "queue_timeout", "context_length_exceeded"})
 
 
 class ModelMap:
