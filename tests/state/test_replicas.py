@@ -59,7 +59,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         try:
             for i in range(3):
                 config = {"server": {"host": "127.0.0.1", "port": base + 1 + i},
-                          "backends": backends, "scrape": {"interval": 0.2, "timeout": 1.0},
+                          # (a 5 s scrape timeout: a loaded CI machine once stalled the emulators' thread past
+                          # 1 s, a replica took both backends for down and answered 13 requests 503)
+                          "backends": backends, "scrape": {"interval": 0.2, "timeout": 5.0},
                           "auth": {"keys": [key("rpm", requests_per_minute=RPM), key("tpm", tokens_per_minute=TPM),
                                             key("free"), key("burst", requests_per_minute=5),
                                             key("cap", max_in_flight=3), {**key("ops"), "scopes": ["admin"]}]},
