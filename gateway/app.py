@@ -243,8 +243,8 @@ class Gateway:
         task.add_done_callback(self._reload_tasks.discard)
 
     async def _watch_config(self, every: float) -> None:
-        """Poll the file's size, mtime and content; a change reloads it (an invalid one is refused, logged and
-        counted like any reload, and not retried until the file changes again)."""
+        """Read the file every ``every`` seconds; a change of its content reloads it (an invalid one is refused,
+        logged and counted like any reload, and not retried until the file changes again)."""
         assert self.config_path is not None
         path = Path(self.config_path)
 

@@ -74,19 +74,18 @@ class Client:
         return any(fnmatch.fnmatchcase(model, pattern) for pattern in self.settings.models)
 
 
+def _bucket(per_minute: int | None) -> TokenBucket | None:
+    return TokenBucket(per_minute) if per_minute else None
+
+
 ANONYMOUS = "_anonymous"
 KeyScope = Literal["inference", "metrics", "admin"]  # what a key may reach (ApiKeySettings.scopes)
 
 
 class KeyStore:
     def __init__(self, settings: AuthSettings) -> None:
-        self.settings = settings
-        self._clients = [
-            (k.digest(), Client(k.name, k,
-                                TokenBucket(k.requests_per_minute) if k.requests_per_minute else None,
-                                TokenBucket(k.tokens_per_minute) if k.tokens_per_minute else None))
-            for k in settings.keys
-        ]
+        self._clients: list[tuple[str, Client]] = []
+        self.update(settings)
 
     def update(self, settings: AuthSettings) -> None:
         """Take a reloaded ``auth`` section. A key kept under the same name keeps its client (its requests in
@@ -97,13 +96,13 @@ class KeyStore:
         for k in settings.keys:
             client = old.get(k.name)
             if client is None:
-                client = Client(k.name, k, None, None)
-            before = client.settings
-            client.settings = k
-            if client.requests is None or before.requests_per_minute != k.requests_per_minute:
-                client.requests = TokenBucket(k.requests_per_minute) if k.requests_per_minute else None
-            if client.tokens is None or before.tokens_per_minute != k.tokens_per_minute:
-                client.tokens = TokenBucket(k.tokens_per_minute) if k.tokens_per_minute else None
+                client = Client(k.name, k, _bucket(k.requests_per_minute), _bucket(k.tokens_per_minute))
+            else:
+                if client.settings.requests_per_minute != k.requests_per_minute:
+                    client.requests = _bucket(k.requests_per_minute)
+                if client.settings.tokens_per_minute != k.tokens_per_minute:
+                    client.tokens = _bucket(k.tokens_per_minute)
+                client.settings = k
             clients.append((k.digest(), client))
         self.settings = settings
         self._clients = clients

@@ -38,8 +38,9 @@ from gateway.state.shared import SharedState
 log = logging.getLogger("gateway.admin")
 
 REDACTED = "[redacted]"
-# configuration fields whose values are secrets or lead to one (a key's hash can be brute-forced offline)
-SECRET_FIELDS = frozenset({"api_key", "basic_auth", "key_sha256", "password", "token", "headers"})
+# configuration fields whose values are secrets or lead to one (a key's hash can be brute-forced offline); a
+# URL's credentials (a backend's, state.url's) are taken out wherever a URL stands
+SECRET_FIELDS = frozenset({"api_key", "basic_auth", "key_sha256"})
 
 
 Apply = Callable[[Settings], Awaitable[dict[str, Any]]]
@@ -55,8 +56,8 @@ class ControlPlane:
         self._pool = pool
         self._admission = admission
         self._shared = shared
-        self.changes = Counter("gateway_admin_changes", "Changes made through the admin API, by action.",
-                               ["action"], registry=registry)
+        self.changes = Counter("gateway_admin_changes", "Operators' changes (the admin API; reloads also by "
+                               "SIGHUP or the file watch), by action.", ["action"], registry=registry)
         self.reloads = Counter("gateway_config_reloads", "Configuration reloads, by result (applied, rejected).",
                                ["result"], registry=registry)
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -99,16 +100,16 @@ class ControlPlane:
             self._admission.freed([backend])
 
     def _apply_remote(self, name: str, drained: bool) -> None:
-        backend = next((b for b in self._pool if b.name == name), None)
+        backend = self._pool.find(name)
         if backend is not None and backend.drained != drained:
             self._apply(backend, drained)
             log.info("admin: backend %s %s by another replica", name, "drained" if drained else "undrained")
 
     def _find(self, name: str) -> Backend:
-        for backend in self._pool:
-            if backend.name == name:
-                return backend
-        raise GatewayError(404, f"no backend named '{name}'", param="name", code="backend_not_found")
+        backend = self._pool.find(name)
+        if backend is None:
+            raise GatewayError(404, f"no backend named '{name}'", param="name", code="backend_not_found")
+        return backend
 
     def _describe(self, b: Backend, now: float) -> dict[str, Any]:
         elsewhere = self._shared.remote_in_flight(b.name) if self._shared is not None and b.max_concurrency else 0

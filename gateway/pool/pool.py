@@ -77,7 +77,7 @@ class Pool:
         self._discovery_task: asyncio.Task[None] | None = None
         self._cycles: dict[str, int] = {}
         self._running = False
-        self._removals: set[asyncio.Task[None]] = set()  # reloads' drains of removed backends, until done
+        self._background: set[asyncio.Task[None]] = set()  # reloads' removals and client closes, until done
         self._leaving: set[str] = set()  # backends a reload removed, draining until their requests end
         for settings in backends:
             if settings.dns is None:
@@ -183,8 +183,8 @@ class Pool:
             if stale is not None:
                 self._open(backend)
                 task = asyncio.get_running_loop().create_task(stale.aclose())
-                self._removals.add(task)
-                task.add_done_callback(self._removals.discard)
+                self._background.add(task)
+                task.add_done_callback(self._background.discard)
         log.info("backend %s updated by a reload", backend.name)
 
     def _bring_in(self, backend: Backend) -> None:
@@ -205,14 +205,17 @@ class Pool:
                 await self._remove(name, why="removed by a reload")
 
         task = asyncio.get_running_loop().create_task(remove(), name=f"remove:{name}")
-        self._removals.add(task)
-        task.add_done_callback(self._removals.discard)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     def __iter__(self) -> Iterator[Backend]:
         return iter(list(self.backends))
 
     def get(self, name: str) -> Backend:
         return self._by_name[name]
+
+    def find(self, name: str) -> Backend | None:
+        return self._by_name.get(name)
 
     def settings_of(self, backend: Backend) -> BackendSettings:
         """The configuration the backend was built from (a DNS replica's: its group's, with its address)."""
@@ -252,7 +255,7 @@ class Pool:
 
     async def stop(self) -> None:
         self._running = False
-        tasks = [*self._tasks.values(), *([self._discovery_task] if self._discovery_task else []), *self._removals]
+        tasks = [*self._tasks.values(), *([self._discovery_task] if self._discovery_task else []), *self._background]
         for task in tasks:
             task.cancel()
         for task in tasks:
