@@ -27,6 +27,9 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--config", help="YAML configuration; without it, an emulated fleet is started and used")
     serve.add_argument("--host", help="listen address (overrides server.host)")
     serve.add_argument("--port", type=int, help="listen port (overrides server.port)")
+    serve.add_argument("--admin-port", type=int,
+                       help="the admin listener's port, with the status page at /ui (overrides server.admin_port; "
+                            "without --config and --port it is 8001)")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     serve.add_argument("--sim-base-port", type=int, default=18001,
                        help="without --config: first port of the emulated fleet (default 18001)")
@@ -88,9 +91,10 @@ def main(argv: list[str] | None = None) -> int:
         names = ", ".join(f"{b.name} ({b.engine})" for b in settings.backends) or "none"
         print(f"{args.file}: OK; backends: {names}; routing policy: {settings.routing.policy}")
         return 0
-    from gateway.serve import serve
+    from gateway.serve import log_off_the_loop, serve
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log_off_the_loop()
     # one line per health/load scrape is noise; the pool logs state changes itself
     logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
     # The access log: bare JSON lines on standard output, apart from the diagnostic log on standard error.
@@ -115,7 +119,8 @@ def main(argv: list[str] | None = None) -> int:
         fleet, errors = embedded_fleet(args.sim_base_port), (ConfigError, FleetStartError)
     try:
         with fleet as emulated:
-            return serve(args.config, host=args.host, port=args.port, log_level=args.log_level, emulated=emulated)
+            return serve(args.config, host=args.host, port=args.port, admin_port=args.admin_port,
+                         log_level=args.log_level, emulated=emulated)
     except errors as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -12,11 +12,14 @@ exits. A worker whose supervisor is gone shuts itself down.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import logging
+import logging.handlers
 import multiprocessing
 import multiprocessing.connection
 import os
+import queue
 import shutil
 import signal
 import socket
@@ -28,7 +31,8 @@ from multiprocessing.process import BaseProcess
 
 import uvicorn
 
-from gateway.app import AdminApp, GatewayApp, create_app
+from gateway.api.admin import AdminApp
+from gateway.app import GatewayApp, create_app
 from gateway.config import ConfigError, Settings, load_settings, settings_from_mapping
 from gateway.routing.policies import check_settings
 from gateway.server_limits import raise_nofile_limit, uvicorn_config
@@ -61,8 +65,9 @@ def _serve(app: GatewayApp, settings: Settings, log_level: str, sock: socket.soc
         server.run(sockets=sockets)
         return
     admin_settings = settings.server.model_copy(update={"host": settings.server.admin_host, "port": port})
-    admin = _AdminServer(uvicorn_config(AdminApp(app.gateway), admin_settings, log_level=log_level,
-                                        lifespan="off", graceful_shutdown=1.0))
+    admin_app = AdminApp(app.gateway.control, app.gateway.keys)
+    admin = _AdminServer(uvicorn_config(admin_app, admin_settings, log_level=log_level, lifespan="off",
+                                        graceful_shutdown=1.0))
     # several workers share the admin port like the main one (any of them answers: drains and reloads reach
     # the others through the shared state)
     admin_sockets = [reuseport_socket(settings.server.admin_host, port)] if sock is not None else None
@@ -81,7 +86,7 @@ def _serve(app: GatewayApp, settings: Settings, log_level: str, sock: socket.soc
 
 def _reload_on_sighup(app: GatewayApp) -> None:
     """SIGHUP re-reads the configuration file (see Gateway.reconfigure)."""
-    signal.signal(signal.SIGHUP, lambda signum, frame: app.gateway.request_reload("SIGHUP"))
+    signal.signal(signal.SIGHUP, lambda signum, frame: app.gateway.control.request_reload("SIGHUP"))
 
 
 def _run(settings: Settings, log_level: str, config_path: str | None = None) -> None:
@@ -110,6 +115,21 @@ def reuseport_socket(host: str, port: int) -> socket.socket:
     sock.bind((host, port))
     sock.set_inheritable(True)
     return sock
+
+
+def log_off_the_loop() -> None:
+    """Hand the root logger's records to a thread that writes them with its handlers: a blocked standard error
+    (a full pipe to a log collector, a stalled terminal) must not stall the event loop that carries every stream.
+    Records wait in memory meanwhile, none is dropped; what is left is written at exit."""
+    root = logging.getLogger()
+    handlers = [h for h in root.handlers if not isinstance(h, logging.handlers.QueueHandler)]
+    if not handlers:
+        return
+    records: queue.SimpleQueue[logging.LogRecord] = queue.SimpleQueue()
+    listener = logging.handlers.QueueListener(records, *handlers, respect_handler_level=True)
+    root.handlers = [logging.handlers.QueueHandler(records)]
+    listener.start()
+    atexit.register(listener.stop)
 
 
 def _orphan_watch(parent: int) -> None:
@@ -210,12 +230,19 @@ def _stop_all(procs: list[BaseProcess], grace: float) -> None:
             proc.join()
 
 
+DEMO_ADMIN_PORT = 8001  # the admin listener in front of the emulated fleet, when no port is asked for
+
+
 def serve(config_path: str | None, *, host: str | None, port: int | None, log_level: str,
-          emulated: Sequence[Mapping[str, str]] = ()) -> int:
+          emulated: Sequence[Mapping[str, str]] = (), admin_port: int | None = None) -> int:
     """Serve until SIGINT or SIGTERM: the gateway configured by ``config_path`` or, without one, in front of
     ``emulated``: the backends (``name``, ``engine``, ``url``) of an emulated fleet that the caller started and
-    keeps running meanwhile. ``host`` and ``port`` override the configured listen address."""
-    server_overrides = {k: v for k, v in (("host", host), ("port", port)) if v is not None}
+    keeps running meanwhile. ``host``, ``port`` and ``admin_port`` override the configured listeners; in front
+    of the emulated fleet on the default port, the admin listener (and its status page) is on 8001."""
+    if config_path is None and port is None and admin_port is None:
+        admin_port = DEMO_ADMIN_PORT
+    server_overrides = {k: v for k, v in (("host", host), ("port", port), ("admin_port", admin_port))
+                        if v is not None}
     if config_path is not None:
         settings = load_settings(config_path)
         if server_overrides:
@@ -228,7 +255,9 @@ def serve(config_path: str | None, *, host: str | None, port: int | None, log_le
     print(
         "No --config given: the gateway is serving an EMULATED fleet, not real models:\n"
         + "\n".join(f"  {b.name:<16} {b.engine:<9} {b.url}" for b in settings.backends)
-        + f"\nOpenAI base URL: http://{settings.server.host}:{settings.server.port}/v1",
+        + f"\nOpenAI base URL: http://{settings.server.host}:{settings.server.port}/v1"
+        + (f"\nStatus page: http://{settings.server.admin_host}:{settings.server.admin_port}/ui"
+           if settings.server.admin_port is not None else ""),
         flush=True,
     )
     _run(settings, log_level)

@@ -2,24 +2,29 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import openai
 import pytest
+import yaml
 
+from gateway.sim import FleetThread, SimSpec
 from tests.conftest import free_port_block
 
 
 @pytest.mark.parametrize("stop_signal", [signal.SIGINT, signal.SIGTERM])
 def test_serve_without_config_runs_the_emulated_fleet_and_shuts_down_cleanly(stop_signal: signal.Signals) -> None:
-    port = free_port_block(5)
-    base = port + 1
+    port = free_port_block(6)
+    base, admin = port + 1, port + 5
     proc = subprocess.Popen(
-        [sys.executable, "-m", "gateway", "serve", "--port", str(port), "--sim-base-port", str(base)],
+        [sys.executable, "-m", "gateway", "serve", "--port", str(port), "--sim-base-port", str(base),
+         "--admin-port", str(admin)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     try:
@@ -42,11 +47,15 @@ def test_serve_without_config_runs_the_emulated_fleet_and_shuts_down_cleanly(sto
                 model="sim-llama-2-7b", messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
             backends.add(raw.headers["x-gateway-backend"])
         assert len(backends) >= 2, "least-load spreads requests over the emulated fleet"
+        # the admin listener and its status page, for a look at the fleet
+        assert "<title>LLM gateway: status</title>" in httpx.get(f"http://127.0.0.1:{admin}/ui").text
+        status = httpx.get(f"http://127.0.0.1:{admin}/admin/status").json()
+        assert len(status["backends"]) == 4 and sum(b["recent"]["requests"] for b in status["backends"]) >= 12
     finally:
         proc.send_signal(stop_signal)
         output, _ = proc.communicate(timeout=30)
     assert proc.returncode == 0, output
-    assert "EMULATED" in output
+    assert "EMULATED" in output and f"Status page: http://127.0.0.1:{admin}/ui" in output
     access = [line for line in output.splitlines() if line.startswith('{"ts":')]
     assert len(access) >= 12 and all('"outcome":"success"' in line for line in access[:12]), output[-2000:]
     for p in range(base, base + 4):  # the fleet went with it
@@ -55,3 +64,38 @@ def test_serve_without_config_runs_the_emulated_fleet_and_shuts_down_cleanly(sto
             raise AssertionError(f"emulated server on {p} still answers")
         except httpx.TransportError:
             pass
+
+
+def test_a_standard_error_nobody_reads_never_stalls_the_gateway(tmp_path: Path) -> None:
+    """Diagnostic logs go through a thread of their own: with stderr a pipe nobody reads (a stalled log
+    collector), debug logging of every request fills the pipe and the gateway keeps serving."""
+    with FleetThread([SimSpec(engine="vllm", model="m", name="v", time_scale=50.0)]) as fleet:
+        port = free_port_block(1)
+        config = tmp_path / "gateway.yaml"
+        config.write_text(yaml.safe_dump({"server": {"port": port}, "access_log": {"enabled": False},
+                                          "backends": [{"name": "v", "engine": "vllm",
+                                                        "url": fleet.fleet.servers[0].url}]}))
+        proc = subprocess.Popen([sys.executable, "-m", "gateway", "serve", "--config", str(config),
+                                 "--log-level", "debug"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        try:
+            url = f"http://127.0.0.1:{port}"
+            deadline = time.monotonic() + 30
+            while True:
+                try:
+                    if httpx.get(url + "/ready").status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                assert proc.poll() is None and time.monotonic() < deadline, "gateway did not become ready"
+                time.sleep(0.2)
+            body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+            with httpx.Client(base_url=url, timeout=10) as client:
+                # ~600 debug lines, several times what a pipe holds
+                codes = [client.post("/v1/chat/completions", json=body).status_code for _ in range(600)]
+            assert codes == [200] * 600
+            assert proc.stderr is not None
+            os.set_blocking(proc.stderr.fileno(), False)
+            assert len(proc.stderr.read(1 << 20) or b"") >= 60_000  # (the pipe did fill)
+        finally:
+            proc.kill()
+            proc.communicate(timeout=30)
