@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry
 
 from gateway import __version__
 from gateway.api import errors
-from gateway.api.admin import build_admin_router
+from gateway.api.admin import ADMIN, NO_ADMIN, build_admin_router
 from gateway.api.agent_apis import AgentApi, count_tokens_api, messages_api, responses_api
 from gateway.api.openapi import install_openapi
 from gateway.api.proxy_endpoint import EndpointSettings, ProxyEndpoint, request_id
@@ -43,6 +43,7 @@ from gateway.routing.state import RoutingState
 from gateway.state.shared import SharedState, key_place_of
 from gateway.structured.offload import ValidationWorkers
 from gateway.telemetry.metrics import GatewayMetrics
+from gateway.telemetry.recent import Recent
 from gateway.telemetry.tracing import Tracing, provider_from_environment
 from gateway.workers import Siblings, WorkerIdentity
 
@@ -72,9 +73,6 @@ class Gateway:
         self.settings = settings
         self.config_path = config_path  # the YAML file a reload (SIGHUP, the admin API, the file watch) reads
         self._reloading = asyncio.Lock()
-        self._watch_task: asyncio.Task[None] | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._reload_tasks: set[asyncio.Task[None]] = set()
         self.tracing = Tracing(tracer_provider if tracer_provider is not None else provider_from_environment())
         self.kv_events = EventHub()
         # limits and routing state shared with the other processes and replicas, when a store is configured
@@ -121,12 +119,15 @@ class Gateway:
                                            | {key_place_of(k.name) for k in keys.settings.keys if k.max_in_flight})
             self.shared.on_freed(lambda name: admission.freed(b for b in pool if name in ("*", b.name)))
             self.metrics.watch_state(self.shared)
-        self.accounting = Accounting(self.metrics, self.pipeline.observe, settings.access_log.enabled)
+        self.recent = Recent()  # the operator's last minutes per backend (GET /admin/backends, /ui)
+        self.accounting = Accounting(self.metrics, self.pipeline.observe, settings.access_log.enabled, self.recent)
         responses = settings.responses
         self.responses = ResponseStore(responses.store_entries, responses.store_bytes, responses.store_ttl_seconds,
                                        shared=self.shared)
         self.control = ControlPlane(lambda: self.settings, self.pool, self.admission, self.shared,
-                                    self.metrics.registry, apply=self.reconfigure, config_path=config_path)
+                                    self.metrics.registry, apply=self.reconfigure, config_path=config_path,
+                                    recent=self.recent, models=lambda: self.dispatcher.models,
+                                    siblings=self.siblings)
         self._endpoints: list[ProxyEndpoint] = []
         self.started_at = int(time.time())
 
@@ -148,7 +149,6 @@ class Gateway:
         return hot
 
     async def start(self) -> None:
-        self._loop = asyncio.get_running_loop()
         if self.siblings is not None:
             await self.siblings.start()
         await self.transport.start()
@@ -159,9 +159,7 @@ class Gateway:
             self.kv_events.sync(self._event_streams())
             if any(b.dns is not None and b.kv_events is not None for b in self.settings.backends):
                 self._kv_task = asyncio.create_task(self._follow_replicas(), name="kv-events-replicas")
-        watch = self.settings.server.reload_watch_seconds
-        if watch and self.config_path is not None:
-            self._watch_task = asyncio.create_task(self._watch_config(watch), name="config-watch")
+        await self.control.start(watch_seconds=self.settings.server.reload_watch_seconds)
 
     def _event_streams(self) -> Iterator[tuple[Backend, StreamSettings]]:
         for backend in self.pool:
@@ -223,52 +221,8 @@ class Gateway:
                     "sections": [name for name in type(new).model_fields
                                  if name not in RESTART_ONLY and getattr(old, name) != getattr(effective, name)]}
 
-    def request_reload(self, source: str) -> None:
-        """Re-read the configuration file (SIGHUP): safe to call from a signal handler on the loop's thread or
-        from another thread."""
-        loop = self._loop
-        if loop is None or self.config_path is None:
-            log.warning("reload (%s) ignored: %s", source, "not started" if loop is None else
-                        "the gateway runs without a configuration file")
-            return
-        loop.call_soon_threadsafe(lambda: self._spawn_reload(source))
-
-    def _spawn_reload(self, source: str) -> None:
-        async def reload() -> None:
-            with contextlib.suppress(GatewayError):  # (refused: logged and counted already)
-                await self.control.reload(source)
-
-        task = asyncio.get_running_loop().create_task(reload())
-        self._reload_tasks.add(task)
-        task.add_done_callback(self._reload_tasks.discard)
-
-    async def _watch_config(self, every: float) -> None:
-        """Read the file every ``every`` seconds; a change of its content reloads it (an invalid one is refused,
-        logged and counted like any reload, and not retried until the file changes again)."""
-        assert self.config_path is not None
-        path = Path(self.config_path)
-
-        def fingerprint() -> bytes | None:
-            try:
-                return path.read_bytes()
-            except OSError:
-                return None
-
-        seen = await asyncio.to_thread(fingerprint)
-        while True:
-            await asyncio.sleep(every)
-            now = await asyncio.to_thread(fingerprint)
-            if now is not None and now != seen:
-                seen = now
-                with contextlib.suppress(GatewayError):  # (refused: logged and counted already)
-                    await self.control.reload("file watch")
-
     async def stop(self) -> None:
-        for task in (self._watch_task, *self._reload_tasks):
-            if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+        await self.control.stop()
         if self._kv_task is not None:
             self._kv_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -335,37 +289,6 @@ def create_app(
                                     aliases=lambda: gateway.dispatcher.models.aliases()))
     app.include_router(build_admin_router(gateway.control))
     return GatewayApp(app, gateway, gateway.endpoints(), gateway.keys)
-
-
-ADMIN = "/admin/"
-NO_ADMIN = GatewayError(403, "the admin API needs API keys: configure auth.keys with a key whose scopes include "
-                             "'admin'", code="admin_disabled").body()
-
-
-class AdminApp:
-    """The admin listener's ASGI app (``server.admin_port``): the admin API alone. It trusts its address (loopback
-    by default) unless some API key has the ``admin`` scope, in which case it asks for one of those; client
-    keys never reach it. It has no lifespan: the main app starts and stops the gateway."""
-
-    def __init__(self, gateway: Gateway) -> None:
-        self.gateway = gateway
-        self.fastapi = FastAPI(title="LLM gateway admin", version=__version__, docs_url=None, redoc_url=None,
-                               redirect_slashes=False)
-        errors.install(self.fastapi)
-        self.fastapi.include_router(build_admin_router(gateway.control))
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http":
-            rid = request_id(scope).encode()
-            keys = self.gateway.keys
-            if any("admin" in k.scopes for k in keys.settings.keys):
-                try:
-                    client = keys.authenticate(header(scope, b"authorization"), header(scope, b"x-api-key"), "admin")
-                except GatewayError as exc:
-                    await send_body(send, exc.status, exc.body(), [(b"x-request-id", rid)])
-                    return
-                scope.setdefault("state", {})[CLIENT] = client
-        await self.fastapi(scope, receive, send)
 
 
 class GatewayApp:

@@ -22,9 +22,11 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
+import orjson
 from prometheus_client import CollectorRegistry, Counter
 
 from gateway.config import ConfigError, Settings, load_settings, settings_from_mapping
@@ -32,8 +34,11 @@ from gateway.errors import GatewayError
 from gateway.pool.backend import Backend
 from gateway.pool.pool import Pool
 from gateway.proxy.admission import Admission
+from gateway.proxy.models import ModelMap
 from gateway.routing.policies import check_settings
 from gateway.state.shared import SharedState
+from gateway.telemetry.recent import Recent, empty, merge, series, summary
+from gateway.workers import Siblings
 
 log = logging.getLogger("gateway.admin")
 
@@ -49,32 +54,134 @@ Apply = Callable[[Settings], Awaitable[dict[str, Any]]]
 class ControlPlane:
     def __init__(self, settings: Callable[[], Settings], pool: Pool, admission: Admission,
                  shared: SharedState | None, registry: CollectorRegistry, *, apply: Apply,
-                 config_path: str | None = None) -> None:
+                 config_path: str | None = None, recent: Recent | None = None,
+                 models: Callable[[], ModelMap] | None = None, siblings: Siblings | None = None) -> None:
         self._settings = settings  # the configuration in effect now
         self._reconfigure = apply
         self._path = config_path
         self._pool = pool
         self._admission = admission
         self._shared = shared
+        self.recent = recent if recent is not None else Recent()
+        self._models = models
+        self._siblings = siblings
+        if siblings is not None:  # (the status page asks every worker for its part)
+            siblings.answer(b"recent", lambda: orjson.dumps(self.recent.raw(time.perf_counter())))
         self.changes = Counter("gateway_admin_changes", "Operators' changes (the admin API; reloads also by "
                                "SIGHUP or the file watch), by action.", ["action"], registry=registry)
         self.reloads = Counter("gateway_config_reloads", "Configuration reloads, by result (applied, rejected).",
                                ["result"], registry=registry)
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._loop: asyncio.AbstractEventLoop | None = None
         if shared is not None:
             shared.on_drained(self._apply_remote)
             # a reload or routing change made through one process's admin API reaches every worker and replica
             shared.subscribe("reload", lambda who: self._spawn(self.reload(f"another replica ({who})", tell=False)))
             shared.subscribe("routing", lambda raw: self._spawn(self.set_routing(raw[0], f"another replica "
                                                                                          f"({raw[1]})", tell=False)))
+            shared.subscribe("backends", lambda raw: self._spawn(self._remote_backends(raw)))
+
+    # -- running --------------------------------------------------------------------------------------------
+    async def start(self, *, watch_seconds: float | None = None) -> None:
+        """The recent view's sampler, and the file watch (``server.reload_watch_seconds``) when asked for."""
+        self._loop = asyncio.get_running_loop()
+        self._spawn(self._sample_forever())
+        if watch_seconds and self._path is not None:
+            self._spawn(self._watch_config(watch_seconds))
+
+    async def stop(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        for task in list(self._tasks):
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    async def _sample_forever(self) -> None:
+        recent, pool, admission = self.recent, self._pool, self._admission
+        while True:
+            names = {b.name: b.in_flight for b in pool}
+            for gone in recent.backends() - names.keys():
+                recent.forget(gone)
+            recent.sample(time.perf_counter(), names, sum(admission.depth().values()))
+            await asyncio.sleep(recent.step / 2)
+
+    def request_reload(self, source: str) -> None:
+        """Re-read the configuration file (SIGHUP): safe to call from a signal handler on the loop's thread or
+        from another thread."""
+        loop = self._loop
+        if loop is None or self._path is None:
+            log.warning("reload (%s) ignored: %s", source, "not started" if loop is None else
+                        "the gateway runs without a configuration file")
+            return
+        loop.call_soon_threadsafe(lambda: self._spawn(self.reload(source)))
+
+    async def _watch_config(self, every: float) -> None:
+        """Read the file every ``every`` seconds; a change of its content reloads it (an invalid one is refused,
+        logged and counted like any reload, and not retried until the file changes again)."""
+        assert self._path is not None
+        path = Path(self._path)
+
+        def fingerprint() -> bytes | None:
+            try:
+                return path.read_bytes()
+            except OSError:
+                return None
+
+        seen = await asyncio.to_thread(fingerprint)
+        while True:
+            await asyncio.sleep(every)
+            now = await asyncio.to_thread(fingerprint)
+            if now is not None and now != seen:
+                seen = now
+                with contextlib.suppress(GatewayError):  # (refused: logged and counted already)
+                    await self.reload("file watch")
 
     # -- backends -------------------------------------------------------------------------------------------
-    def backends(self) -> list[dict[str, Any]]:
+    async def backends(self) -> list[dict[str, Any]]:
+        view = await self._recent_view()
         now = time.monotonic()
-        return [self._describe(b, now) for b in self._pool]
+        return [self._describe(b, now, view) for b in self._pool]
 
-    def backend(self, name: str) -> dict[str, Any]:
-        return self._describe(self._find(name), time.monotonic())
+    async def backend(self, name: str) -> dict[str, Any]:
+        backend = self._find(name)
+        return self._describe(backend, time.monotonic(), await self._recent_view())
+
+    async def status(self) -> dict[str, Any]:
+        """The status page's one reading: every backend as ``GET /admin/backends`` describes it plus its
+        sparklines (``series``: per bucket of ``step_seconds``, oldest first), the admission queue, the models
+        (served ones with their backends; aliases with their splits and fallbacks) and the decisions by reason."""
+        view = await self._recent_view()
+        now = time.monotonic()
+        backends = []
+        decisions: dict[str, int] = {}
+        for b in self._pool:
+            entry = self._describe(b, now, view)
+            entry["series"] = series(view["backends"].get(b.name) or empty(len(view["queued"])), view["step"])
+            for reason, n in entry["recent"]["decisions"].items():
+                decisions[reason] = decisions.get(reason, 0) + n
+            backends.append(entry)
+        served: dict[str, list[str]] = {}
+        for b in self._pool:
+            for model in sorted(b.models):
+                served.setdefault(model, []).append(b.name)
+        return {
+            "time": time.time(), "step_seconds": view["step"], "window_seconds": view["window"] * view["step"],
+            "workers": view["workers"], "backends": backends,
+            # (this process's queue now; with several workers, the most any held in this bucket, added up)
+            "queue": {"queued": sum(self._admission.depth().values()) if view["workers"] == 1
+                      else int(view["queued"][-1]), "series": [int(v) for v in view["queued"]]},
+            "decisions": dict(sorted(decisions.items(), key=lambda kv: -kv[1])),
+            "models": {"served": served, "aliases": self._models().describe() if self._models is not None else {}},
+        }
+
+    async def _recent_view(self) -> dict[str, Any]:
+        """The recent view of every worker that answers in time, added up."""
+        views = [self.recent.raw(time.perf_counter())]
+        if self._siblings is not None:
+            views += [orjson.loads(a) for a in await self._siblings.ask_others(b"recent") if a is not None]
+        merged = merge(views)
+        merged["workers"] = len(views)
+        return merged
 
     def drain(self, name: str, who: str) -> dict[str, Any]:
         return self._set(name, True, who)
@@ -92,7 +199,54 @@ class ControlPlane:
         self.changes.labels(action).inc()
         log.info("admin: %s %s backend %s%s", who, "drained" if drained else "undrained", name,
                  "" if changed else " (it already was)")
-        return self._describe(backend, time.monotonic())
+        return self._describe(backend, time.monotonic(), None)
+
+    async def add_backend(self, raw: Any, who: str, *, tell: bool = True) -> dict[str, Any]:
+        """Add a backend (a ``backends:`` entry, as in the file): validated with the whole configuration, probed
+        before it is routed to. It lasts until the next reload of the file (which holds the lasting list).
+        ``tell``: every other worker and replica adds it too."""
+        if not isinstance(raw, dict):
+            raise GatewayError(400, "the body must be a JSON object: one backends entry", code="invalid_config")
+        if raw.get("dns") is not None:
+            raise GatewayError(400, "a DNS entry (dns:) is read at start only: add it to the file and restart",
+                               param="dns", code="invalid_config")
+        current = self._settings()
+        name = raw.get("name")
+        if isinstance(name, str) and self._pool.find(name) is not None:
+            raise GatewayError(409, f"a backend named '{name}' exists: remove it first, or change it in the file "
+                               "and reload", param="name", code="backend_exists")
+        fields = {field: getattr(current, field) for field in type(current).model_fields}
+        fields["backends"] = [*current.backends, raw]
+        new = self._validated(lambda: settings_from_mapping(fields, "the new backend"), who, "backend")
+        if tell and self._shared is not None:
+            self._shared.publish("backends", ["add", raw, who])
+        result = await self._applied(new, who, "add_backend")
+        added = new.backends[-1].name
+        backend = self._pool.find(added)
+        return {**result, "backend": None if backend is None else self._describe(backend, time.monotonic(), None)}
+
+    async def remove_backend(self, name: str, who: str, *, tell: bool = True) -> dict[str, Any]:
+        """Remove a backend: drained first (no new request; those in flight finish, the shutdown timeout at
+        most), then dropped. Answers at once, with the backend ``removing`` until it is gone. Lasts until the
+        next reload of the file. ``tell``: every other worker and replica removes it too."""
+        backend = self._find(name)
+        if self._pool.discovered(name):
+            raise GatewayError(400, f"backend '{name}' is a replica found by DNS: drain it, or change its DNS "
+                               "entry in the file and restart", param="name", code="invalid_config")
+        current = self._settings()
+        new = current.model_copy(update={"backends": [b for b in current.backends if b.name != name]})
+        if tell and self._shared is not None:
+            self._shared.publish("backends", ["remove", name, who])
+        result = await self._applied(new, who, "remove_backend")
+        return {**result, "backend": self._describe(backend, time.monotonic(), None)}
+
+    async def _remote_backends(self, raw: Any) -> None:
+        action, what, who = raw
+        source = f"another replica ({who})"
+        if action == "add" and isinstance(what, dict) and self._pool.find(str(what.get("name"))) is None:
+            await self.add_backend(what, source, tell=False)
+        elif action == "remove" and self._pool.find(str(what)) is not None and not self._pool.leaving(str(what)):
+            await self.remove_backend(str(what), source, tell=False)
 
     def _apply(self, backend: Backend, drained: bool) -> None:
         backend.drained = drained
@@ -111,9 +265,11 @@ class ControlPlane:
             raise GatewayError(404, f"no backend named '{name}'", param="name", code="backend_not_found")
         return backend
 
-    def _describe(self, b: Backend, now: float) -> dict[str, Any]:
+    def _describe(self, b: Backend, now: float, view: dict[str, Any] | None) -> dict[str, Any]:
         elsewhere = self._shared.remote_in_flight(b.name) if self._shared is not None and b.max_concurrency else 0
-        if b.drained:
+        if self._pool.leaving(b.name):
+            state = "removing"
+        elif b.drained:
             state = "draining" if b.in_flight or elsewhere else "drained"
         else:
             state = "serving" if b.routable else "unavailable"
@@ -129,6 +285,9 @@ class ControlPlane:
                 "running": load.running, "waiting": load.waiting, "kv_usage": load.kv_usage,
                 "age_seconds": round(now - load.read_at, 3), "fresh": b.fresh_load(now) is not None},
             "scrape_errors": b.scrape_errors, "epoch": b.epoch,
+            **({} if view is None else
+               {"recent": summary(view["backends"].get(b.name) or empty(len(view["queued"])), view["step"],
+                                  view["window"])}),
         }
 
     # -- configuration --------------------------------------------------------------------------------------
@@ -174,17 +333,27 @@ class ControlPlane:
         if not isinstance(raw, dict):
             raise GatewayError(400, "the body must be a JSON object: the routing section", code="invalid_config")
         merged = {**current.routing.model_dump(mode="json", exclude_defaults=True), **raw}
-        try:
+
+        def build() -> Settings:
             routing = settings_from_mapping({"routing": merged}, "the routing section").routing
-            new = current.model_copy(update={"routing": routing})
-            check_settings(new)
-        except ConfigError as exc:
-            self.reloads.labels("rejected").inc()
-            log.error("routing change by %s rejected: %s", who, exc)
-            raise GatewayError(400, f"routing rejected, the running one stays: {exc}", code="invalid_config") from None
+            return current.model_copy(update={"routing": routing})
+
+        new = self._validated(build, who, "routing")
         if tell and self._shared is not None:
             self._shared.publish("routing", [raw, who])
         return await self._applied(new, who, "routing")
+
+    def _validated(self, build: Callable[[], Settings], who: str, what: str) -> Settings:
+        """``build()``'s settings, checked as a whole; a refusal is logged, counted and raised as a 400."""
+        try:
+            new = build()
+            check_settings(new)
+        except ConfigError as exc:
+            self.reloads.labels("rejected").inc()
+            log.error("%s change by %s rejected: %s", what, who, exc)
+            raise GatewayError(400, f"{what} rejected, the running configuration stays: {exc}",
+                               code="invalid_config") from None
+        return new
 
     async def _applied(self, new: Settings, who: str, action: str) -> dict[str, Any]:
         result = await self._reconfigure(new)

@@ -28,7 +28,7 @@ from gateway.telemetry.merge import merge_expositions
 
 log = logging.getLogger("gateway.workers")
 
-_QUESTIONS = (b"metrics", b"pool")
+_QUESTIONS = (b"metrics", b"pool", b"recent")
 _MAX_ANSWER = 64 * 1024 * 1024
 
 
@@ -56,6 +56,11 @@ class Siblings:
             b"metrics": lambda: generate_latest(self._registry),
             b"pool": lambda: orjson.dumps(self._pool.snapshot()),
         }
+
+    def answer(self, question: bytes, answer: Callable[[], bytes]) -> None:
+        """What this worker answers ``question`` with (another component's view)."""
+        assert question in _QUESTIONS
+        self._answers[question] = answer
 
     async def start(self) -> None:
         path = self.me.socket_path(self.me.index)
@@ -103,6 +108,11 @@ class Siblings:
                     writer.close()
         except (OSError, TimeoutError):
             return None
+
+    async def ask_others(self, question: bytes) -> list[bytes | None]:
+        """Every other worker's answer (None where one gives none in time)."""
+        others = [i for i in range(self.me.count) if i != self.me.index]
+        return list(await asyncio.gather(*(self.ask(i, question) for i in others)))
 
     async def leader_snapshot(self) -> bytes | None:
         return await self.ask(0, b"pool")

@@ -34,7 +34,7 @@ def serve(path: Path, raw: dict[str, Any]) -> subprocess.Popen[str]:
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def wait_ready(proc: subprocess.Popen[str], url: str) -> None:
+def wait_ready(proc: subprocess.Popen[Any], url: str) -> None:
     deadline = time.monotonic() + 30
     while True:
         try:

@@ -10,6 +10,7 @@ refused before anything starts.
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import signal
 import socket
@@ -83,12 +84,12 @@ def start_pod(tmp: Path, fleet: FleetThread, redis: RedisServer, port: int, **se
 @pytest.fixture(scope="module")
 def pod(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pod]:
     tmp = tmp_path_factory.mktemp("workers")
-    base = free_port_block(2)
+    base = free_port_block(3)
     redis = RedisServer(base, tmp).start()
     specs = [SimSpec(engine="vllm", model="m", name=n, time_scale=20) for n in ("a", "b")]
     try:
         with FleetThread(specs) as fleet:
-            pod = start_pod(tmp, fleet, redis, base + 1)
+            pod = start_pod(tmp, fleet, redis, base + 1, admin_port=base + 2)
             try:
                 yield pod
             finally:
@@ -129,6 +130,18 @@ def test_connections_spread_over_both_workers_and_any_metrics_scrape_counts_them
         assert samples(pod.url, "gateway_workers") == {(): 2.0}
     # a backend's state is a shared fact, not added up once per worker
     assert set(samples(pod.url, "gateway_backend_up").values()) == {1.0}
+
+
+def test_the_admin_listeners_recent_figures_are_every_workers(pod: Pod) -> None:
+    admin = f"http://127.0.0.1:{pod.port + 1}"
+    time.sleep(2.1)  # (the burst's requests start a 2-second bucket of their own)
+    start = time.monotonic()
+    assert asyncio.run(_chats(pod.url, 60, 8)) == [200] * 60
+    for _ in range(6):  # whichever worker answers (a fresh connection each), it counts both workers' requests
+        status = httpx.get(admin + "/admin/status", headers={"connection": "close"}, timeout=10).json()
+        assert status["workers"] == 2
+        buckets = math.ceil((time.monotonic() - start) / status["step_seconds"]) + 1
+        assert sum(sum(b["series"]["requests"][-buckets:]) for b in status["backends"]) == 60
 
 
 def test_the_engines_are_scraped_once_per_pod_not_once_per_worker(pod: Pod) -> None:

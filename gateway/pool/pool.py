@@ -217,6 +217,14 @@ class Pool:
     def find(self, name: str) -> Backend | None:
         return self._by_name.get(name)
 
+    def leaving(self, name: str) -> bool:
+        """Removed by a reload, draining until its last request ends (then gone from the pool)."""
+        return name in self._leaving
+
+    def discovered(self, name: str) -> bool:
+        """A replica found by a DNS entry (which only a restart changes)."""
+        return any(name in members for members in self._group_members.values())
+
     def settings_of(self, backend: Backend) -> BackendSettings:
         """The configuration the backend was built from (a DNS replica's: its group's, with its address)."""
         return self._settings[backend.name]

@@ -24,6 +24,7 @@ from gateway.pool.backend import Backend
 from gateway.proxy.exchange import Exchange
 from gateway.routing.request import Outcome, RouteRequest
 from gateway.telemetry.metrics import UNKNOWN, GatewayMetrics
+from gateway.telemetry.recent import Recent
 
 access_log = logging.getLogger("gateway.access")
 log = logging.getLogger(__name__)
@@ -125,15 +126,20 @@ def _direct_writer() -> Callable[[bytes], None] | None:
     return handler.writer.write
 
 
+# outcomes that count as the backend's errors in the recent view (a client's own error or hang-up is not)
+FAILED = frozenset({"upstream_error", "upstream_failed"})
+
+
 class Accounting:
-    """Accounts one finished request: its metrics, its access-log line, and what routing learns from it
-    (``learn``: the routing pipeline's ``observe``)."""
+    """Accounts one finished request: its metrics, its access-log line, what routing learns from it
+    (``learn``: the routing pipeline's ``observe``) and the operator's recent view of its backend (``recent``)."""
 
     def __init__(self, metrics: GatewayMetrics, learn: Callable[[Outcome, Backend], None],
-                 access_log_enabled: bool) -> None:
+                 access_log_enabled: bool, recent: Recent | None = None) -> None:
         self._metrics = metrics
         self._learn = learn
         self._access_log = access_log_enabled
+        self._recent = recent
 
     def relearn(self, learn: Callable[[Outcome, Backend], None]) -> None:
         """A reloaded routing pipeline's ``observe``."""
@@ -143,6 +149,14 @@ class Accounting:
         if exchange.request is not None and exchange.backend is not None and exchange.outcome != "pending":
             self._learn(outcome_of(exchange, exchange.request), exchange.backend)
         record_metrics(self._metrics, exchange)
+        backend = exchange.backend
+        if self._recent is not None and backend is not None:
+            first = exchange.t_first_text
+            ttft = None if first is None else first - exchange.t_start
+            self._recent.record(backend.name, exchange.t_end or time.perf_counter(), ok=exchange.outcome not in FAILED,
+                                ttft=ttft,
+                                tokens=exchange.usage_int("completion_tokens"),
+                                first=first, last=exchange.t_last_text, reason=exchange.route_reason)
         if self._access_log:
             write = _direct_writer()
             if write is not None:

@@ -55,6 +55,17 @@ class ModelMap:
         """The names to try, in order, when ``name`` cannot be served."""
         return self._fallbacks.get(name, [])
 
+    def describe(self) -> dict[str, dict[str, object]]:
+        """Every configured name: its split (``targets``, weights as shares of 1) and its ``fallbacks``."""
+        names = sorted({*self._targets, *self._fallbacks})
+        out: dict[str, dict[str, object]] = {}
+        for name in names:
+            targets = self._targets.get(name, [])
+            total = sum(w for _, w in targets) or 1.0
+            out[name] = {"targets": [{"model": m, "weight": w, "share": round(w / total, 4)} for m, w in targets],
+                         "fallbacks": self._fallbacks.get(name, [])}
+        return out
+
     def aliases(self) -> dict[str, list[str]]:
         """Alias -> the served models it splits over."""
         return {name: [m for m, _ in targets] for name, targets in self._targets.items()}

@@ -94,15 +94,18 @@ def test_redaction_of_urls_and_nested_secrets() -> None:
         "state": {"url": "rediss://[redacted]@h/1"}, "x": [{"basic_auth": "[redacted]"}], "api_key": None}
 
 
+STREAM = {"model": "m", "messages": [{"role": "user", "content": "tell me"}], "max_tokens": 64, "stream": True}
+
+
+async def stream(client: httpx.AsyncClient) -> tuple[str, bool]:
+    """One 64-token stream: the backend that served it, and whether it ended with [DONE]."""
+    async with client.stream("POST", "/v1/chat/completions", json=STREAM) as response:
+        assert response.status_code == 200
+        text = "".join([chunk async for chunk in response.aiter_text()])
+        return response.headers["x-gateway-backend"], text.rstrip().endswith("data: [DONE]")
+
+
 def test_drain_under_50_streams_loses_none_and_routes_nothing_new_to_it(two: Running) -> None:
-    body = {"model": "m", "messages": [{"role": "user", "content": "tell me"}], "max_tokens": 64, "stream": True}
-
-    async def stream(client: httpx.AsyncClient) -> tuple[str, bool]:
-        async with client.stream("POST", "/v1/chat/completions", json=body) as response:
-            assert response.status_code == 200
-            text = "".join([chunk async for chunk in response.aiter_text()])
-            return response.headers["x-gateway-backend"], text.rstrip().endswith("data: [DONE]")
-
     async def scenario() -> None:
         async with httpx.AsyncClient(base_url=two.url, headers=CLIENT, timeout=60,
                                      limits=httpx.Limits(max_connections=200)) as client:
@@ -159,3 +162,93 @@ def test_a_model_whose_every_backend_is_drained_is_unavailable_not_unknown(two: 
     ok = httpx.post(two.url + "/v1/chat/completions", headers=CLIENT,
                     json={"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
     assert ok.status_code == 200
+
+
+def test_backends_report_recent_ttft_tokens_and_decisions(two: Running) -> None:
+    body = {"model": "m", "messages": [{"role": "user", "content": "count"}], "max_tokens": 16, "stream": True}
+    for i in range(6):
+        with httpx.stream("POST", two.url + "/v1/chat/completions", headers={**CLIENT, "x-session-id": f"r{i}"},
+                          json=body, timeout=30) as reply:
+            assert reply.status_code == 200
+            reply.read()
+    backends = httpx.get(two.url + "/admin/backends", headers=OPS).json()["backends"]
+    recent = [b["recent"] for b in backends]
+    assert sum(r["requests"] for r in recent) >= 6 and all(r["window_seconds"] == 60.0 for r in recent)
+    busy = max(recent, key=lambda r: r["requests"])
+    assert busy["ttft_p50_ms"] > 0 and busy["ttft_p95_ms"] >= busy["ttft_p50_ms"]
+    assert busy["tokens_per_second"] > 0 and busy["errors"] == 0
+    assert sum(busy["decisions"].values()) == busy["requests"]
+    one = httpx.get(two.url + "/admin/backends/va", headers=OPS).json()
+    assert set(one["recent"]) == set(recent[0])
+
+
+def test_the_status_reading_has_series_queue_models_and_decisions(two: Running) -> None:
+    status = httpx.get(two.url + "/admin/status", headers=OPS).json()
+    assert status["step_seconds"] == 2.0 and status["window_seconds"] == 60.0 and status["workers"] == 1
+    assert {b["name"] for b in status["backends"]} == {"va", "vb"}
+    for b in status["backends"]:
+        assert set(b["series"]) == {"requests", "ttft_ms", "tokens_per_second", "in_flight"}
+        assert all(len(v) == 60 for v in b["series"].values())
+    assert status["queue"]["queued"] == 0 and len(status["queue"]["series"]) == 60
+    assert status["models"] == {"served": {"m": ["va", "vb"]}, "aliases": {}}
+    assert isinstance(status["decisions"], dict)
+    assert httpx.get(two.url + "/admin/status", headers=CLIENT).status_code == 403
+
+
+def test_backends_added_and_removed_at_runtime() -> None:
+    """Add a backend through the admin API (probed, then routed to), remove one under 20 streams (drained first:
+    none cut, nothing new sent to it, then gone); refusals name what is wrong."""
+    specs = [SimSpec(engine="vllm", model="m", name=name, time_scale=4.0) for name in ("va", "vb")]
+    with FleetThread(specs) as fleet:
+        va, vb = fleet.fleet.servers
+        settings = gateway_settings([va], auth=AUTH)
+        app = create_app(settings)
+        with serve_in_thread(app) as gateway:
+            url = gateway.url
+            added = httpx.post(url + "/admin/backends", headers=OPS,
+                               json={"name": "vb", "engine": "vllm", "url": vb.url, "max_concurrency": 64})
+            assert added.status_code == 200, added.text
+            assert added.json()["added"] == ["vb"] and added.json()["backend"]["state"] == "serving"
+            assert added.json()["backend"]["max_concurrency"] == 64
+            names = [b["name"] for b in httpx.get(url + "/admin/backends", headers=OPS).json()["backends"]]
+            assert names == ["va", "vb"]
+            # refusals: the same name again, a field at fault, a DNS entry, an unknown name to remove
+            again = httpx.post(url + "/admin/backends", headers=OPS, json={"name": "vb", "engine": "vllm",
+                                                                            "url": vb.url})
+            assert again.status_code == 409 and again.json()["error"]["code"] == "backend_exists"
+            bad = httpx.post(url + "/admin/backends", headers=OPS, json={"name": "vc", "engine": "nope",
+                                                                          "url": vb.url})
+            assert bad.status_code == 400 and "engine" in bad.json()["error"]["message"]
+            dns = httpx.post(url + "/admin/backends", headers=OPS, json={"name": "vd", "engine": "vllm",
+                                                                          "dns": "x.local", "port": 1})
+            assert dns.status_code == 400 and dns.json()["error"]["param"] == "dns"
+            assert httpx.delete(url + "/admin/backends/nope", headers=OPS).status_code == 404
+            assert httpx.post(url + "/admin/backends", headers=CLIENT, json={}).status_code == 403
+
+            async def scenario() -> None:
+                async with httpx.AsyncClient(base_url=url, headers=CLIENT, timeout=60) as client:
+                    first = [asyncio.create_task(stream(client)) for _ in range(20)]
+                    pool = app.gateway.pool
+                    for _ in range(1000):
+                        if pool.get("va").in_flight:
+                            break
+                        await asyncio.sleep(0.01)
+                    removed = await client.delete("/admin/backends/va", headers=OPS)
+                    assert removed.status_code == 200 and removed.json()["removed"] == ["va"]
+                    assert removed.json()["backend"]["state"] == "removing"
+                    later = await asyncio.gather(*(stream(client) for _ in range(10)))
+                    assert {b for b, _ in later} == {"vb"} and all(done for _, done in later)
+                    done = await asyncio.gather(*first)
+                    assert all(complete for _, complete in done), "a stream was cut by the removal"
+                    assert "va" in {b for b, _ in done}
+                    for _ in range(200):  # gone once its last stream ended
+                        listed = (await client.get("/admin/backends", headers=OPS)).json()["backends"]
+                        if [b["name"] for b in listed] == ["vb"]:
+                            break
+                        await asyncio.sleep(0.05)
+                    assert [b["name"] for b in listed] == ["vb"]
+
+            asyncio.run(scenario())
+            metrics = httpx.get(url + "/metrics").text
+            assert 'gateway_admin_changes_total{action="add_backend"} 1.0' in metrics
+            assert 'gateway_admin_changes_total{action="remove_backend"} 1.0' in metrics

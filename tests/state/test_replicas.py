@@ -220,6 +220,13 @@ def test_a_session_sticks_to_one_backend_whichever_replica_it_reaches(cluster: C
     assert len({backends[0] for backends in served.values()}) == 2, "sessions started on both backends"
 
 
+def until(check: Any) -> None:
+    deadline = time.monotonic() + 10
+    while not check():
+        assert time.monotonic() < deadline, "the replicas did not agree in time"
+        time.sleep(0.05)
+
+
 def test_a_drain_and_a_routing_change_made_on_one_replica_hold_on_all(cluster: Cluster) -> None:
     ops = {"authorization": f"Bearer {KEYS['ops']}"}
 
@@ -229,12 +236,6 @@ def test_a_drain_and_a_routing_change_made_on_one_replica_hold_on_all(cluster: C
             "model": "s", "messages": [{"role": "user", "content": f"q{i}"}], "max_tokens": 2})
         assert reply.status_code == 200
         return reply.headers["x-gateway-backend"]
-
-    def until(check: Any) -> None:
-        deadline = time.monotonic() + 10
-        while not check():
-            assert time.monotonic() < deadline, "the replicas did not agree in time"
-            time.sleep(0.05)
 
     try:
         assert httpx.post(cluster.url(0) + "/admin/backends/s0/drain", headers=ops).json()["drained"]
@@ -250,6 +251,26 @@ def test_a_drain_and_a_routing_change_made_on_one_replica_hold_on_all(cluster: C
     until(lambda: not any(httpx.get(u + "/admin/backends/s0", headers=ops).json()["drained"] for u in cluster.urls))
     until(lambda: all(httpx.get(u + "/admin/config", headers=ops).json()["routing"]["policy"] == "default"
                       for u in cluster.urls))
+
+
+def test_a_backend_added_or_removed_on_one_replica_is_on_all(cluster: Cluster) -> None:
+    ops = {"authorization": f"Bearer {KEYS['ops']}"}
+    s1 = next(s.url for s in cluster.fleet.fleet.servers if s.spec.name == "s1")
+
+    def names(url: str) -> list[str]:
+        return [b["name"] for b in httpx.get(url + "/admin/backends", headers=ops).json()["backends"]]
+
+    try:
+        added = httpx.post(cluster.url(0) + "/admin/backends", headers=ops,
+                           json={"name": "s1b", "engine": "vllm", "url": s1})
+        assert added.status_code == 200, added.text
+        until(lambda: all("s1b" in names(u) for u in cluster.urls))
+        assert httpx.delete(cluster.url(1) + "/admin/backends/s1b", headers=ops).status_code == 200
+        until(lambda: all("s1b" not in names(u) for u in cluster.urls))
+    finally:
+        for url in cluster.urls:
+            if "s1b" in names(url):
+                httpx.delete(url + "/admin/backends/s1b", headers=ops)
 
 
 def test_stored_responses_continue_on_any_replica(cluster: Cluster) -> None:
