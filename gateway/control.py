@@ -21,7 +21,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -296,14 +296,18 @@ class ControlPlane:
         redacted: dict[str, Any] = redact(self._settings().model_dump(mode="json"))
         return redacted
 
-    def _spawn(self, coro: Awaitable[Any]) -> None:
-        async def run() -> None:
-            with contextlib.suppress(GatewayError):  # (refused: logged and counted already)
-                await coro
-
-        task = asyncio.get_running_loop().create_task(run())
+    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(self._ended)
+
+    def _ended(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if task.cancelled():
+            return
+        error = task.exception()
+        if error is not None and not isinstance(error, GatewayError):  # (a refusal is logged and counted already)
+            log.error("control plane task %s failed", task.get_name(), exc_info=error)
 
     async def reload(self, source: str, *, tell: bool = False) -> dict[str, Any]:
         """Re-read the configuration file and apply it; ``tell``: have every other worker and replica re-read
