@@ -152,6 +152,14 @@ class AdmissionSettings(_Strict):
     shed_on_predicted_wait: bool = Field(
         default=True, description="refuse at once (429, Retry-After) a request whose predicted wait exceeds its "
                                   "deadline, instead of holding it until the deadline passes")
+    reserve_for_light_keys: bool = Field(
+        default=True, description="while a key that keeps up with its traffic (none of its requests waits) is "
+                                  "active, keep its recent peak of requests in flight plus one slot free for it: "
+                                  "another key's backlog cannot take them (docs/flow-control.md)")
+    reserve_window_seconds: float = Field(
+        default=10.0, gt=0, le=300, description="how far back a light key's peak of requests in flight is taken")
+    reserve_max_share: float = Field(
+        default=0.5, ge=0, le=1, description="the most of a model's slots kept free for light keys, together")
 
     @field_validator("bands")
     @classmethod

@@ -21,6 +21,14 @@ The rules (docs/flow-control.md says them for operators):
   request that higher-priority arrivals have pushed past its deadline (the lowest priority is looked at
   first). With the queue full, an arrival displaces the newest waiter of a lower priority, if any.
 
+* **Slots kept for light keys.** A key none of whose requests waits (it keeps up with its own traffic) and
+  that was admitted lately has its recent peak of requests in flight plus one kept for it: a request of
+  another key does not take the last free slots that a light key's next request would need (together at
+  most ``reserve_max_share`` of the model's slots), and the light key's request takes one at once, without
+  queueing behind the others' backlog. Without it, a light key beside a flood waits for the next slot the
+  flood frees on every request. It costs the flooding key those free slots while the light key is active
+  (``reserve_window_seconds``).
+
 A woken waiter routes again; if another request was quicker it waits again with its original tag (ahead of
 its key's later requests). Waiting is in slices: a waiter looks again after ``slice`` seconds even when no
 release woke it (a backend that came up frees slots no release announces).
@@ -33,7 +41,7 @@ import contextlib
 import math
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from gateway.config import AdmissionSettings, ApiKeySettings
@@ -224,17 +232,53 @@ class _Level:
         return worst
 
 
-class _Model:
-    """One model's queue: its priority levels, its woken-but-not-yet-routed waiters and its service rate.
-    (Kept for the process's life: only models that routed a request have one.)"""
+class _Use:
+    """One key's requests of one model admitted here: in flight now, and the most in flight per second lately."""
 
-    __slots__ = ("active", "completions", "levels", "woken")
+    __slots__ = ("active", "peaks")
+
+    def __init__(self) -> None:
+        self.active = 0
+        self.peaks: deque[list[int]] = deque()  # [second, the most in flight during it], oldest first
+
+    def admitted(self, now: float) -> None:
+        self.active += 1
+        second = int(now)
+        if self.peaks and self.peaks[-1][0] == second:
+            self.peaks[-1][1] = max(self.peaks[-1][1], self.active)
+        else:
+            self.peaks.append([second, self.active])
+
+    def kept(self, now: float, window: float) -> int:
+        """Slots kept free for this key: its recent peak in flight (or what it has now, if more) plus one,
+        less what it has in flight; 0 when it was not admitted within ``window`` and has nothing in flight."""
+        peaks = self.peaks
+        while peaks and peaks[0][0] + 1 < now - window:  # (a second's peak lasts until its end is that old)
+            peaks.popleft()
+        if not peaks and not self.active:
+            return 0
+        peak = max(max((p for _, p in peaks), default=0), self.active)
+        return peak + 1 - self.active
+
+
+class _Model:
+    """One model's queue: its priority levels, its woken-but-not-yet-routed waiters, its service rate and its
+    keys' use of its slots. (Kept for the process's life: only models that routed a request have one.)"""
+
+    __slots__ = ("active", "completions", "levels", "uses", "woken")
 
     def __init__(self) -> None:
         self.levels: dict[int, _Level] = {}
         self.woken: list[Ticket] = []  # woken, still routing: a slot was freed for each
         self.completions: deque[float] = deque(maxlen=256)
         self.active = 0  # admitted through this admission and not yet finished
+        self.uses: dict[str, _Use] = {}  # by key
+
+    def waiting_keys(self) -> set[str]:
+        keys = {t.key for t in self.woken}
+        for level in self.levels.values():
+            keys.update(level.keys)
+        return keys
 
     def priorities(self) -> list[int]:
         return sorted(self.levels, reverse=True)
@@ -272,9 +316,11 @@ class Admission:
 
     def should_queue(self, ticket: Ticket) -> bool:
         """Requests of ``ticket``'s priority or above wait (or were just woken) for its model: it goes behind
-        them rather than taking the slot they are owed."""
+        them rather than taking the slot they are owed; unless its key is a light one with a slot kept for it."""
         state = self._models.get(ticket.model)
         if state is None:
+            return False
+        if self.settings.reserve_for_light_keys and self._kept_for(state, ticket.key, time.monotonic()):
             return False
         if any(w.priority >= ticket.priority for w in state.woken):
             return True
@@ -288,6 +334,10 @@ class Admission:
         self._leave(ticket)
         state = self._model(ticket.model)
         state.active += 1
+        use = state.uses.get(ticket.key)
+        if use is None:
+            use = state.uses[ticket.key] = _Use()
+        use.admitted(time.monotonic())
         if own and self.waiting:
             self._wake_in(state)
 
@@ -359,7 +409,15 @@ class Admission:
     def finished(self, ticket: Ticket) -> None:
         """An admitted request ended (answered or not): it no longer counts as active, and its end counts
         toward its model's service rate."""
-        self._model(ticket.model).active -= 1
+        state = self._model(ticket.model)
+        state.active -= 1
+        use = state.uses.get(ticket.key)
+        if use is not None:
+            use.active -= 1
+            if not use.active and len(state.uses) > 64:  # (keys seen once long ago: let them go)
+                now = time.monotonic()
+                for key in [k for k, u in state.uses.items() if not u.kept(now, self.settings.reserve_window_seconds)]:
+                    del state.uses[key]
         self.completed(ticket.model)
 
     def completed(self, model: str, at: float | None = None) -> None:
@@ -380,6 +438,39 @@ class Admission:
             if not self.waiting:
                 return
             self._wake(backend)
+
+    def held_back(self, ticket: Ticket, capacity_of: Callable[[str], tuple[int, int] | None]) -> bool:
+        """Taking one of the model's free slots (``capacity_of(model)``: its slots and how many are free) now
+        would take one kept for a light key other than ``ticket``'s (see the module's rules): the request waits
+        like one that found every backend full."""
+        if not self.settings.reserve_for_light_keys:
+            return False
+        state = self._models.get(ticket.model)
+        if state is None or not state.uses or (len(state.uses) == 1 and ticket.key in state.uses):
+            return False  # (one key alone: the common case, decided before anything is counted)
+        now = time.monotonic()
+        waiting = state.waiting_keys()
+        window = self.settings.reserve_window_seconds
+        own = state.uses.get(ticket.key)
+        if own is not None and ticket.key not in waiting and own.kept(now, window):
+            return False  # a light key takes what is kept for it
+        kept = sum(use.kept(now, window) for key, use in state.uses.items()
+                   if key != ticket.key and key not in waiting)
+        if not kept:
+            return False
+        capacity = capacity_of(ticket.model)
+        if not capacity:
+            return False
+        slots, free = capacity
+        kept = min(kept, int(slots * self.settings.reserve_max_share))
+        return free - 1 < kept
+
+    def _kept_for(self, state: _Model, key: str, now: float) -> bool:
+        """``key`` is light (none of its requests waits) and has a slot kept for it."""
+        use = state.uses.get(key)
+        if use is None or not use.kept(now, self.settings.reserve_window_seconds):
+            return False
+        return key not in state.waiting_keys()
 
     # -- what operators and autoscalers read ---------------------------------------------------------------
     def depth(self) -> dict[tuple[str, int], int]:

@@ -223,6 +223,9 @@ class Dispatcher:
             if ticket.max_saturation is not None and self._saturated(request.model, ticket.max_saturation):
                 await self._wait_slice(request, ticket)  # (the slots above its band's share are kept free)
                 continue
+            if admission.held_back(ticket, self._capacity):
+                await self._wait_slice(request, ticket)  # (the free slots left are kept for light keys)
+                continue
             if trace is not None:
                 trace.route_start()
             try:
@@ -255,16 +258,36 @@ class Dispatcher:
                 continue
             return decision
 
-    def _saturated(self, model: str, share: float) -> bool:
-        """This gateway's requests of ``model`` fill at least ``share`` of its ready backends' slots (False
-        when a backend's slots are unknown: nothing to measure against)."""
+    def _slots(self, model: str) -> int | None:
+        """The slots of ``model``'s ready backends (None when a backend's are unknown)."""
         slots = 0
         for backend in self._fleet.backends:
             if model in backend.models and backend.routable:
                 if backend.slots is None:
-                    return False
+                    return None
                 slots += backend.slots
-        return slots > 0 and self._admission.active(model) >= share * slots
+        return slots
+
+    def _capacity(self, model: str) -> tuple[int, int] | None:
+        """The slots of ``model``'s ready backends and how many are free (held neither here nor, with shared
+        state, by other replicas as the last heartbeat read them); None when a backend's slots are unknown."""
+        slots = free = 0
+        shared = self._shared
+        for backend in self._fleet.backends:
+            if model in backend.models and backend.routable:
+                size = backend.slots
+                if size is None:
+                    return None
+                held = backend.in_flight + (shared.remote_in_flight(backend.name) if shared is not None else 0)
+                slots += size
+                free += max(0, size - held)
+        return slots, free
+
+    def _saturated(self, model: str, share: float) -> bool:
+        """This gateway's requests of ``model`` fill at least ``share`` of its ready backends' slots (False
+        when a backend's slots are unknown: nothing to measure against)."""
+        slots = self._slots(model)
+        return bool(slots) and self._admission.active(model) >= share * (slots or 0)
 
     async def _wait_slice(self, request: RouteRequest, ticket: Ticket) -> None:
         """Wait until woken for a free slot (a release, or admission's periodic look: see Admission._kick).

@@ -214,3 +214,55 @@ def test_priority_scheduling_is_refused_for_an_engine_without_it() -> None:
     with pytest.raises(ConfigError, match="does not schedule by a request priority"):
         settings_from_mapping({"backends": [{"name": "t", "engine": "tabbyapi", "url": "http://t",
                                              "priority_scheduling": True}]})
+
+
+def test_a_light_key_beside_a_flood_gets_a_kept_slot_at_once_and_the_flood_the_rest() -> None:
+    """Four slots, a key flooding them with 12 streams at a time, and a light key sending one request after
+    another: with slots kept for light keys the light key's requests start at once (its time to first byte
+    is the engine's), without it each waits for the next slot the flood frees. Both measured in one run."""
+    specs = [SimSpec(engine="vllm", model="m", name="v", time_scale=1.0)]
+
+    async def scenario(url: str) -> tuple[float, int]:
+        finished: list[str] = []
+        stop = asyncio.Event()
+        async with httpx.AsyncClient(base_url=url, timeout=60, limits=httpx.Limits(max_connections=64)) as client:
+            async def flooder(i: int) -> None:
+                n = 0
+                while not stop.is_set():
+                    n += 1
+                    assert (await post(client, "flood", f"f{i}-{n}", finished, max_tokens=48)).status_code == 200
+
+            flood = [asyncio.create_task(flooder(i)) for i in range(12)]
+            await asyncio.sleep(1.0)  # the flood holds every slot and has a backlog
+            waits = []
+            for i in range(8):
+                started = time.monotonic()
+                body = {"model": "m", "messages": [{"role": "user", "content": f"light {i}"}], "max_tokens": 8,
+                        "stream": True, "ignore_eos": True}
+                async with client.stream("POST", "/v1/chat/completions", json=body,
+                                         headers={"authorization": f"Bearer {KEYS['light']}"}) as response:
+                    assert response.status_code == 200
+                    first = None
+                    async for _ in response.aiter_bytes():
+                        first = first or time.monotonic() - started
+                    assert first is not None
+                    waits.append(first)
+                await asyncio.sleep(0.15)
+            stop.set()
+            await asyncio.gather(*flood)
+        flooded = sum(1 for tag in finished if tag.startswith("f"))
+        return sorted(waits)[len(waits) // 2], flooded
+
+    medians = {}
+    with FleetThread(specs) as fleet:
+        for keep in (True, False):
+            settings = gateway_settings(fleet.fleet.servers, auth=AUTH,
+                                        admission={"queue_size": 64, "reserve_for_light_keys": keep})
+            raw = settings.model_dump(mode="json")
+            raw["backends"][0]["max_concurrency"] = 4
+            from gateway.config import settings_from_mapping
+
+            with serve_in_thread(create_app(settings_from_mapping(raw))) as gateway:
+                medians[keep], flooded = asyncio.run(scenario(gateway.url))
+                assert flooded > 10  # the flood still ran on the other slots
+    assert medians[True] < 0.6 * medians[False], medians

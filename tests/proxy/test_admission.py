@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+from collections.abc import Callable
 
 import pytest
 
@@ -355,3 +356,97 @@ def test_the_count_ahead_is_read_off_each_keys_head_and_weight() -> None:
             admission.abandon(t)
 
     asyncio.run(scenario())
+
+
+# -- slots kept for light keys -------------------------------------------------------------------------------
+def admit(admission: Admission, key: str, times: int = 1, model: str = "m") -> list[Ticket]:
+    tickets = []
+    for _ in range(times):
+        ticket = admission.ticket(model, key, place())
+        admission.admitted(ticket)
+        tickets.append(ticket)
+    return tickets
+
+
+def slots(n: int, admission: Admission | None = None) -> Callable[[str], tuple[int, int]]:
+    """``n`` slots, as many free as the admission's requests of the model leave (all, without one)."""
+    return lambda model: (n, n - (admission.active(model) if admission is not None else 0))
+
+
+async def test_a_light_keys_recent_peak_and_one_more_are_kept_from_a_waiting_key() -> None:
+    q = Queue()
+    admission = q.admission
+    light = admit(admission, "light", 3)  # its peak: 3 in flight
+    admit(admission, "flood", 3)
+    await q.enter("flood-waits", key="flood")  # the flood has a backlog: nothing is kept for it
+    flood = admission.ticket("m", "flood", place())
+    # 10 slots, 6 taken: the light key keeps 1 (3 + 1 - 3)
+    assert not admission.held_back(flood, slots(10, admission))
+    admit(admission, "flood", 3)  # 9 taken, 1 free: the light key's
+    assert admission.held_back(flood, slots(10, admission))
+    # the light key's own request takes it
+    assert not admission.held_back(admission.ticket("m", "light", place()), slots(10, admission))
+    # one of its requests ends: its peak (3) is still recent, so two are kept now (3 + 1 - 2)
+    admission.finished(light[0])
+    assert admission.held_back(flood, slots(10, admission))  # (8 taken, 2 free, 2 kept)
+    assert not admission.held_back(flood, slots(11, admission))  # (3 free, 2 kept)
+    await q.done()
+
+
+async def test_a_key_whose_requests_wait_has_nothing_kept() -> None:
+    q = Queue()
+    admission = q.admission
+    admit(admission, "light", 2)
+    admit(admission, "flood", 7)
+    await q.enter("flood-waits", key="flood")
+    flood = admission.ticket("m", "flood", place())
+    assert admission.held_back(flood, slots(10, admission))
+    await q.enter("light-waits", key="light")  # now one of the light key's requests waits: it is no light key
+    assert not admission.held_back(flood, slots(10, admission))
+    await q.done()
+
+
+async def test_two_light_keys_each_take_what_is_kept_for_them() -> None:
+    admission = Admission(AdmissionSettings())
+    admit(admission, "a", 4)
+    admit(admission, "b", 5)
+    for key in ("a", "b"):  # 9 of 10 taken, each keeps one: neither is held back from the last
+        assert not admission.held_back(admission.ticket("m", key, place()), slots(10, admission))
+
+
+async def test_a_light_key_with_a_kept_slot_does_not_queue_behind_the_flood() -> None:
+    q = Queue()
+    admission = q.admission
+    admit(admission, "light", 1)
+    for i in range(3):
+        await q.enter(f"flood{i}", key="flood")
+    assert admission.should_queue(admission.ticket("m", "light", place())) is False
+    assert admission.should_queue(admission.ticket("m", "other", place()))  # (a key never admitted: behind them)
+    await q.done()
+
+
+async def test_what_is_kept_ends_after_the_window_and_is_capped() -> None:
+    q = Queue(reserve_window_seconds=0.2, reserve_max_share=0.25)
+    admission = q.admission
+    for key in ("a", "b", "c", "d"):
+        admission.finished(admit(admission, key, 1)[0])  # each: peak 1, none in flight now: 2 kept
+    await q.enter("flood-waits", key="flood")
+    flood = admission.ticket("m", "flood", place())
+    admit(admission, "flood", 5)
+    # 8 kept in all, capped at a quarter of 8 slots: 2; 5 taken, so one more leaves 2 free
+    assert not admission.held_back(flood, slots(8, admission))
+    admit(admission, "flood", 1)
+    assert admission.held_back(flood, slots(8, admission))
+    await asyncio.sleep(1.3)  # (peaks are per second: one lasts until its second's end is the window old)
+    assert not admission.held_back(flood, slots(8, admission))
+    await q.done()
+
+
+async def test_keeping_slots_can_be_switched_off() -> None:
+    q = Queue(reserve_for_light_keys=False)
+    admission = q.admission
+    admit(admission, "light", 1)
+    admit(admission, "flood", 9)
+    await q.enter("flood-waits", key="flood")
+    assert not admission.held_back(admission.ticket("m", "flood", place()), slots(10, admission))
+    await q.done()
