@@ -22,7 +22,8 @@ The rules (docs/flow-control.md says them for operators):
   first). With the queue full, an arrival displaces the newest waiter of a lower priority, if any.
 
 * **Slots kept for light keys.** A key none of whose requests waits (it keeps up with its own traffic) and
-  that was admitted lately has its recent peak of requests in flight plus one kept for it: a request of
+  that was admitted lately has its recent peak of requests in flight plus one kept for it (at most its
+  requests in flight plus one, so a key whose burst is over soon keeps little): a request of
   another key does not take the last free slots that a light key's next request would need (together at
   most ``reserve_max_share`` of the model's slots), and the light key's request takes one at once, without
   queueing behind the others' backlog. Without it, a light key beside a flood waits for the next slot the
@@ -250,15 +251,16 @@ class _Use:
             self.peaks.append([second, self.active])
 
     def kept(self, now: float, window: float) -> int:
-        """Slots kept free for this key: its recent peak in flight (or what it has now, if more) plus one,
-        less what it has in flight; 0 when it was not admitted within ``window`` and has nothing in flight."""
+        """Slots kept free for this key: its recent peak in flight (or what it has now, if more) plus one, less
+        what it has in flight, and never more than it has in flight plus one (a key whose burst is ending keeps
+        little); 0 when it was not admitted within ``window`` and has nothing in flight."""
         peaks = self.peaks
         while peaks and peaks[0][0] + 1 < now - window:  # (a second's peak lasts until its end is that old)
             peaks.popleft()
         if not peaks and not self.active:
             return 0
         peak = max(max((p for _, p in peaks), default=0), self.active)
-        return peak + 1 - self.active
+        return min(peak + 1 - self.active, self.active + 1)
 
 
 class _Model:

@@ -450,3 +450,17 @@ async def test_keeping_slots_can_be_switched_off() -> None:
     await q.enter("flood-waits", key="flood")
     assert not admission.held_back(admission.ticket("m", "flood", place()), slots(10, admission))
     await q.done()
+
+
+async def test_a_key_whose_burst_is_ending_keeps_only_its_in_flight_plus_one() -> None:
+    q = Queue()
+    admission = q.admission
+    burst = admit(admission, "batch", 10)  # its peak: 10
+    for ticket in burst[:8]:
+        admission.finished(ticket)  # 2 left in flight: 3 kept, not 10 + 1 - 2
+    admit(admission, "flood", 4)
+    await q.enter("flood-waits", key="flood")
+    flood = admission.ticket("m", "flood", place())
+    assert not admission.held_back(flood, slots(10, admission))  # (6 taken, 4 free, 3 kept)
+    assert admission.held_back(flood, slots(9, admission))  # (3 free, 3 kept)
+    await q.done()
