@@ -16,6 +16,7 @@ import yaml
 
 from gateway.sim import FleetThread, SimSpec
 from tests.conftest import free_port_block
+from tests.test_admin_listener import wait_ready
 
 
 @pytest.mark.parametrize("stop_signal", [signal.SIGINT, signal.SIGTERM])
@@ -79,15 +80,7 @@ def test_a_standard_error_nobody_reads_never_stalls_the_gateway(tmp_path: Path) 
                                  "--log-level", "debug"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         try:
             url = f"http://127.0.0.1:{port}"
-            deadline = time.monotonic() + 30
-            while True:
-                try:
-                    if httpx.get(url + "/ready").status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                assert proc.poll() is None and time.monotonic() < deadline, "gateway did not become ready"
-                time.sleep(0.2)
+            wait_ready(proc, url)
             body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
             with httpx.Client(base_url=url, timeout=10) as client:
                 # ~600 debug lines, several times what a pipe holds
