@@ -40,7 +40,10 @@ class ServerSettings(_Strict):
                                   description="seconds a client has to send a request's line and headers")
     body_timeout: float = Field(default=30.0, gt=0,
                                 description="longest wait for the next piece of a request body; then 408")
-    keepalive_timeout: float = Field(default=5.0, gt=0, description="an idle keep-alive connection is closed after")
+    keepalive_timeout: float = Field(
+        default=75.0, gt=0,
+        description="an idle keep-alive connection is closed after; longer than clients keep theirs (httpx and the "
+                    "OpenAI SDKs: 5 s), else a request sent as the gateway closes its connection fails")
     max_connections: int | None = Field(
         default=None, gt=0,
         description="client connections at most (more are refused at once); default: what the descriptor "

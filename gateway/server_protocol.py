@@ -96,9 +96,12 @@ class StampedHttpToolsProtocol(HttpToolsProtocol):
     """Reads its :class:`ServerLimits` from ``config.limits`` (see ``server_limits.LimitedConfig``); a plain
     ``uvicorn.Config`` gets the defaults.
 
-    Clocks: the head clock runs from the connection's opening, or from the end of the previous response, to
+    Clocks: the head clock runs from the connection's opening, or from the first byte of a later request, to
     the end of the request's head (408 if some of it came, else a silent close); the body clock runs between
-    two pieces of a request body while the app is reading it (408). The keep-alive clock is uvicorn's.
+    two pieces of a request body while the app is reading it (408). Between requests the keep-alive clock
+    (uvicorn's) runs alone: a kept-alive connection lives for ``keepalive_timeout``, which must outlast the
+    clients' own idle expiry (httpx's and so the OpenAI SDK's: 5 s), or a client reuses a connection at the
+    moment the gateway closes it and its request fails with a read error.
     """
 
     def __init__(self, config: Config, server_state: ServerState, app_state: dict[str, Any],
@@ -153,6 +156,8 @@ class StampedHttpToolsProtocol(HttpToolsProtocol):
             if self._body_pending and self._body_timer is None and not self.transport.is_closing():
                 self._arm_body_timer()
             return
+        if self._head_timer is None and data:
+            self._arm_head_timer()  # the first byte of a request after a kept-alive wait
         room = self.limits.max_header_bytes - self._head_bytes
         if len(data) <= room:
             self._head_bytes += len(data)
@@ -206,8 +211,9 @@ class StampedHttpToolsProtocol(HttpToolsProtocol):
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
-        # uvicorn armed its keep-alive clock: the connection waits for its next request
-        if self.timeout_keep_alive_task is not None:
+        # uvicorn armed its keep-alive clock: the connection waits for its next request, on that clock alone
+        # unless part of the next head came while this response was written
+        if self.timeout_keep_alive_task is not None and self._head_bytes and self._head_timer is None:
             self._arm_head_timer()
 
     def send_400_response(self, msg: str) -> None:

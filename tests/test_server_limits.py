@@ -21,6 +21,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -30,6 +31,7 @@ import yaml
 
 from gateway.app import GatewayApp, create_app
 from gateway.bench.faults import is_error_envelope, send_huge_header, settings_for
+from gateway.config import ServerSettings
 from gateway.pool.state import Health
 from gateway.server_limits import default_max_connections, raise_nofile_limit
 from gateway.sim import FleetThread, SimSpec
@@ -506,3 +508,44 @@ def flood(port: int, count: int, socks: list[socket.socket]) -> int:
         with contextlib.suppress(BlockingIOError, ConnectionError):
             refused += s.recv(64).startswith(b"HTTP/1.1 503 ")
     return refused
+
+
+# -- keep-alive outlasts the clients' own expiry ---------------------------------------------------------------
+async def _plain_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    if scope["type"] != "http":
+        return
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+    await send({"type": "http.response.body", "body": b"ok"})
+
+
+async def _get(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bytes:
+    writer.write(b"GET / HTTP/1.1\r\nHost: g\r\n\r\n")
+    await writer.drain()
+    head = await reader.readuntil(b"\r\n\r\n")
+    await reader.readexactly(2)
+    return head
+
+
+def test_a_kept_alive_connection_waits_on_the_keep_alive_clock_and_a_later_head_on_the_header_clock() -> None:
+    """The CI failure that found it: a 2,000-request run with httpx (5 s idle expiry, as the OpenAI SDK) met
+    a ReadError when a connection idle for 5 s was reused as the gateway's 5 s keep-alive closed it. The idle
+    wait between requests is now the keep-alive clock's alone (75 s by default), and the header clock starts
+    with the next request's first byte. Here: header timeout 1 s, keep-alive 4 s."""
+    async def drive(port: int) -> tuple[bytes, bytes, float]:
+        async with asyncio.timeout(20):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            first = await _get(reader, writer)
+            await asyncio.sleep(2.0)  # past the header timeout, within the keep-alive one
+            second = await _get(reader, writer)
+            await asyncio.sleep(0.5)
+            writer.write(b"GET / HTTP/1.1\r\nHost: g\r\n")  # a head begun, never finished
+            begun = time.perf_counter()
+            raw = await _read_all(reader)
+            writer.close()
+            return first + second, raw, time.perf_counter() - begun
+
+    with serve_in_thread(_plain_app, server=ServerSettings(header_timeout=1.0, keepalive_timeout=4.0)) as server:
+        heads, raw, seconds = asyncio.run(drive(server.port))
+    assert heads.count(b"HTTP/1.1 200 ") == 2, heads
+    # the unfinished head: 408 after the header timeout from its first byte, not the keep-alive's 4 s
+    assert raw.startswith(b"HTTP/1.1 408 ") and 0.9 < seconds < 3.0, (raw[:60], seconds)

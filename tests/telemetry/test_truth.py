@@ -228,13 +228,24 @@ def test_gateway_figures_match_the_client_and_the_emulator(tmp_path: Path) -> No
         total, count = histogram(text, "gateway_queue_wait_seconds", backend=backend, stage="engine")
         assert count == truth["queue_count"] == len(runs)
         assert truth["queue_seconds_sum"] > 0.05 * len(runs), "the load did queue in the engine"
-        close(total, truth["queue_seconds_sum"], f"{backend} engine queue wait (sum over requests)")
         queue = buckets(text, "gateway_queue_wait_seconds", backend=backend, stage="engine")
         if backend == "llama":
+            # The gateway derives it: its time from sending to the first token, less the reported prompt time.
+            # So its figure holds the hop to the engine too (a new connection per stream: llama-server closes
+            # it after one), which on a loaded 2-core CI machine once took 23 ms a request (gateway 2.011 s vs
+            # the engine's 1.873 s over 6). Physically it lies between the engine's own wait and the client's
+            # (which adds the hop to the gateway): close to the first, never past the second.
+            seen_by_client = sum(r["queue"] for r in runs)
+            what = f"{backend} engine queue wait (sum over requests)"
+            assert truth["queue_seconds_sum"] - slack(truth["queue_seconds_sum"]) <= total, (what, total, truth)
+            assert total <= seen_by_client + slack(seen_by_client), (what, total, seen_by_client)
+            assert total - truth["queue_seconds_sum"] <= max(0.1 * truth["queue_seconds_sum"], 0.03 * len(runs)), (
+                what, total, truth)
             # llama.cpp reports its prompt time, so the client knows each request's wait (its TTFT less that)
             close_quantiles(text, "gateway_queue_wait_seconds", [r["queue"] for r in runs],
                             f"{backend} engine queue wait", backend=backend, stage="engine")
         else:
+            close(total, truth["queue_seconds_sum"], f"{backend} engine queue wait (sum over requests)")
             # vLLM keeps its own queue-time histogram (per-request waits are not reported) and the gateway
             # re-exports it: the same percentiles
             engine = buckets(vllm_metrics, "vllm:request_queue_time_seconds")
