@@ -279,6 +279,7 @@ class ControlPlane:
             "state": state, "drained": b.drained, "health": b.health.value, "detail": b.detail,
             "breaker": b.breaker.state.value, "routable": b.routable,
             "in_flight": b.in_flight, "in_flight_elsewhere": elsewhere,
+            "slots_kept": self._shared.kept(b.name) if self._shared is not None else 0,
             "max_concurrency": b.max_concurrency, "slots": b.slots,
             "context_length": b.capacity.context_length,
             "load": None if load is None else {

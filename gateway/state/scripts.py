@@ -2,8 +2,10 @@
 
 Token buckets are hashes ``{l: level, t: updated (ms, Redis's clock)}`` refilled continuously at
 ``capacity / 60 s``; a bucket untouched for two minutes expires, which is what a full one would be. In-flight
-counts of a backend with a ``max_concurrency`` are a hash per backend, one field per replica (its own count),
-so a replica that dies can be reaped field by field.
+counts of a backend with a ``max_concurrency`` are a hash per backend, one field per replica (the slots it
+holds: in flight there, or kept free for its next request, see ``SharedState``), so a replica that dies can be
+reaped field by field. A replica that finds a backend full says so on the *wanted* channel, and the others
+give back the slots they keep.
 """
 
 from __future__ import annotations
@@ -13,10 +15,11 @@ from __future__ import annotations
 #   KEYS[4..] each candidate's in-flight hash
 #   ARGV[1] replica id, ARGV[2] requests per minute (0: none), ARGV[3] tokens per minute (0: none),
 #   ARGV[4] tokens to reserve, ARGV[5] the key's max_in_flight (0: none),
-#   ARGV[6..] each candidate's max_concurrency (0: no limit, no slot taken)
+#   ARGV[6] the wanted channel, ARGV[7] its message (the replica, then the candidates' names),
+#   ARGV[8..] each candidate's max_concurrency (0: no limit, no slot taken)
 # Returns {0, i}: admitted on candidate i (0-based); {1, ms} / {2, ms}: requests / tokens per minute
-# exhausted, retry in ms; {3, 0}: every candidate is full (nothing was taken); {4, 0}: the key has
-# max_in_flight requests in flight (nothing was taken).
+# exhausted, retry in ms; {3, 0}: every candidate is full (nothing was taken; announced on the wanted
+# channel); {4, 0}: the key has max_in_flight requests in flight (nothing was taken).
 ADMIT = """
 local now_t = redis.call('TIME')
 local now = now_t[1] * 1000 + math.floor(now_t[2] / 1000)
@@ -44,7 +47,7 @@ if cap > 0 then
 end
 local chosen = 0
 for i = 4, #KEYS do
-  local limit = tonumber(ARGV[i + 2])
+  local limit = tonumber(ARGV[i + 4])
   if limit == 0 then chosen = i break end
   local total = 0
   for _, v in ipairs(redis.call('HVALS', KEYS[i])) do total = total + tonumber(v) end
@@ -54,7 +57,10 @@ for i = 4, #KEYS do
     break
   end
 end
-if #KEYS > 3 and chosen == 0 then return {3, 0} end
+if #KEYS > 3 and chosen == 0 then
+  redis.call('PUBLISH', ARGV[6], ARGV[7])
+  return {3, 0}
+end
 if cap > 0 then redis.call('HINCRBY', KEYS[3], ARGV[1], 1) end
 if rpm > 0 then
   redis.call('HSET', KEYS[1], 'l', tostring(rl - 1), 't', now)
@@ -69,24 +75,28 @@ return {0, 0}
 """
 
 # ACQUIRE: a slot on one backend (a failover attempt), if it has one free.
-#   KEYS[1] the backend's in-flight hash; ARGV[1] replica id, ARGV[2] its max_concurrency
-# Returns 1 (taken) or 0 (full).
+#   KEYS[1] the backend's in-flight hash; ARGV[1] replica id, ARGV[2] its max_concurrency,
+#   ARGV[3] the wanted channel, ARGV[4] its message
+# Returns 1 (taken) or 0 (full, announced on the wanted channel).
 ACQUIRE = """
 local total = 0
 for _, v in ipairs(redis.call('HVALS', KEYS[1])) do total = total + tonumber(v) end
-if total >= tonumber(ARGV[2]) then return 0 end
+if total >= tonumber(ARGV[2]) then
+  redis.call('PUBLISH', ARGV[3], ARGV[4])
+  return 0
+end
 redis.call('HINCRBY', KEYS[1], ARGV[1], 1)
 return 1
 """
 
 # SETTLE: a finished request's tokens (the difference to what was reserved; negative gives back, never above
-# the capacity) and, if it held one, its slot (announced on the free-slot channel so the replicas' waiters
-# wake). Idempotent: a settlement is applied once whatever the retries (its id is remembered two minutes), so
-# one sent again after a connection broke mid-way is not charged twice.
+# the capacity) and slots given back (its own, or those a replica kept; announced on the free-slot channel so
+# the replicas' waiters wake). Idempotent: a settlement is applied once whatever the retries (its id is
+# remembered two minutes), so one sent again after a connection broke mid-way is not charged twice.
 #   KEYS[1] tokens bucket, KEYS[2] in-flight hash, KEYS[3] the settlement's id key, KEYS[4] the key's
 #   in-flight hash
 #   ARGV[1] replica id, ARGV[2] tokens per minute (0: none), ARGV[3] tokens used - reserved,
-#   ARGV[4] 1 to release a slot, ARGV[5] the free-slot channel, ARGV[6] its message (backend and replica),
+#   ARGV[4] how many slots to give back, ARGV[5] the free-slot channel, ARGV[6] its message (backend and replica),
 #   ARGV[7] 1 to release the key's in-flight place
 SETTLE = """
 if not redis.call('SET', KEYS[3], 1, 'NX', 'PX', 120000) then return 0 end
@@ -100,8 +110,9 @@ if tpm > 0 and delta ~= 0 then
   redis.call('HSET', KEYS[1], 'l', tostring(math.min(tpm, l - delta)), 't', now)
   redis.call('PEXPIRE', KEYS[1], 120000)
 end
-if ARGV[4] == '1' then
-  if redis.call('HINCRBY', KEYS[2], ARGV[1], -1) < 0 then redis.call('HSET', KEYS[2], ARGV[1], 0) end
+local slots = tonumber(ARGV[4])
+if slots > 0 then
+  if redis.call('HINCRBY', KEYS[2], ARGV[1], -slots) < 0 then redis.call('HSET', KEYS[2], ARGV[1], 0) end
   redis.call('PUBLISH', ARGV[5], ARGV[6])
 end
 if ARGV[7] == '1' then

@@ -7,6 +7,11 @@ What is shared, and how it stays off the hot path:
   trip before the first upstream byte, and none at all for a request of an unlimited key to backends without a
   ``max_concurrency``. Settling (the tokens really used, the slot given back) is sent after the response, in
   the background.
+* **Kept slots**: a replica keeps some of the slots its finished requests free (up to ``max_concurrency // 8``
+  of a backend, at most 8) for its next requests, which then take one without asking Redis: a key without
+  limits pays no round trip at all while its replica has one. Kept slots count as held for everyone else, so
+  ``max_concurrency`` still holds across replicas; they go back to Redis when unused for a heartbeat, and at
+  once when another replica finds the backend full (it says so on the *wanted* channel).
 * **Free slots**: a released slot is announced on a channel; every replica's waiting requests (the admission
   queue) wake and route again.
 * **Peers** (:meth:`publish`, :meth:`subscribe`): what routing learns (session -> backend, the prompt blocks
@@ -53,6 +58,8 @@ POOL_CONNECTIONS = 16  # connections to Redis per process (besides the subscribe
 OPERATIONS = ("admit", "acquire", "settle", "heartbeat", "subscribe", "publish", "get_response", "put_response",
               "drain")
 MAX_PENDING = 10_000  # settlements kept while Redis is down (beyond: the oldest are dropped and counted)
+KEPT_SHARE = 8  # a replica keeps up to max_concurrency // KEPT_SHARE freed slots of a backend ...
+KEPT_MAX = 8  # ... and at most this many
 
 
 class StateUnavailable(Exception):
@@ -133,6 +140,7 @@ class SharedState:
         self._pipeline = AutoPipeline(self._redis, self._spawn, self._fast)
         p = settings.prefix
         self._freed_channel = f"{p}freed"
+        self._wanted_channel = f"{p}wanted"  # a replica found these backends full: give back the kept slots
         self._sender = self.replica.encode() + b"\0"  # heads every peer message (own ones are skipped unread)
         self._peers_channel = f"{p}peers"
         self._replicas_key = f"{p}replicas"
@@ -147,7 +155,12 @@ class SharedState:
         self.dropped = 0  # settlements dropped (the queue was full while Redis was down)
         self._last_log = 0.0
         self._needs_resync = True
-        self._held: dict[str, int] = {}  # backend -> slots this replica holds (its own truth)
+        self._held: dict[str, int] = {}  # backend -> slots this replica's requests hold (its own truth)
+        # backend -> slots this replica holds in Redis but no request uses: kept for its next requests
+        self._kept: dict[str, int] = {}
+        self._kept_used: dict[str, float] = {}  # backend -> when a kept slot was last taken or kept (monotonic)
+        self._limits: dict[str, int] = {}  # backend -> its max_concurrency, as the last slot taken saw it
+        self._wanted: dict[str, float] = {}  # backend -> when another replica last found it full (monotonic)
         self.remote: dict[str, int] = {}  # backend -> slots the other replicas hold, as last read
         self._pending: deque[tuple[str, list[str], list[Any]]] = deque()  # settlements waiting for Redis
         self._draining = False
@@ -215,6 +228,8 @@ class SharedState:
             return
         if self.up:
             self._needs_resync = True
+            # the resync writes what this replica's requests hold: the kept slots go with it
+            self._kept.clear()
         self.up = False
         now = time.monotonic()
         if now - self._last_log >= 60:
@@ -255,9 +270,12 @@ class SharedState:
         if not any(c.max_concurrency for c in chosen_from):
             chosen_from = []
         cap = (budget.max_in_flight or 0) if budget is not None else 0
+        if not (rpm or tpm or cap) and chosen_from and self._take_kept(chosen_from[0]):
+            return Admitted(chosen=0, slot=True)  # (no round trip: a slot this replica kept)
         keys = [self._bucket(name, "requests"), self._bucket(name, "tokens"), self._inflight(key_place_of(name)),
                 *(self._inflight(c.name) for c in chosen_from)]
-        args = [self.replica, rpm, tpm, reserve if tpm else 0, cap, *(c.max_concurrency or 0 for c in chosen_from)]
+        args = [self.replica, rpm, tpm, reserve if tpm else 0, cap, self._wanted_channel,
+                self._wanted_message(chosen_from), *(c.max_concurrency or 0 for c in chosen_from)]
         try:
             async with asyncio.timeout(self._timeout):  # (not wait_for: it makes a task per call)
                 status, value = await self._script("admit", scripts.ADMIT, keys, args)
@@ -276,23 +294,70 @@ class SharedState:
         index = int(value)
         slot = bool(chosen_from) and bool(chosen_from[index].max_concurrency)
         if slot:
-            backend = chosen_from[index].name
-            self._held[backend] = self._held.get(backend, 0) + 1
+            self._took(chosen_from[index])
         return Admitted(chosen=index, slot=slot, key_place=bool(cap))
 
     async def acquire(self, backend: Slotted) -> bool:
         """A slot on one backend with a ``max_concurrency`` (a failover attempt). Raises StateUnavailable."""
         assert backend.max_concurrency
+        if self._take_kept(backend):
+            return True
         try:
             async with asyncio.timeout(self._timeout):
                 taken = await self._script("acquire", scripts.ACQUIRE, [self._inflight(backend.name)],
-                                           [self.replica, backend.max_concurrency])
+                                           [self.replica, backend.max_concurrency, self._wanted_channel,
+                                            self._wanted_message([backend])])
         except self._errors as exc:
             self._failed("acquire", exc)
             raise StateUnavailable(str(exc)) from None
         if taken:
-            self._held[backend.name] = self._held.get(backend.name, 0) + 1
+            self._took(backend)
         return bool(taken)
+
+    # -- kept slots ---------------------------------------------------------------------------------------------
+    def _took(self, backend: Slotted) -> None:
+        assert backend.max_concurrency
+        self._held[backend.name] = self._held.get(backend.name, 0) + 1
+        self._limits[backend.name] = backend.max_concurrency
+
+    def _take_kept(self, backend: Slotted) -> bool:
+        """A slot this replica kept, for a request to ``backend``; False when it keeps none (or, its
+        ``max_concurrency`` lowered by a reload, too many: they are given back)."""
+        kept = self._kept.get(backend.name, 0)
+        if not kept or not backend.max_concurrency or not self.up:
+            return False
+        if self._held.get(backend.name, 0) + kept > backend.max_concurrency:
+            self._give_back_kept(backend.name)
+            return False
+        self._kept[backend.name] = kept - 1
+        self._kept_used[backend.name] = time.monotonic()
+        self._took(backend)
+        return True
+
+    def _keep(self, backend: str) -> bool:
+        """Whether a slot a request of this replica just freed is kept for its next request (not while
+        another replica recently found the backend full, nor while Redis is down)."""
+        kept = self._kept.get(backend, 0)
+        if not self.up or kept >= min(KEPT_MAX, self._limits.get(backend, 0) // KEPT_SHARE):
+            return False
+        now = time.monotonic()
+        if now - self._wanted.get(backend, -1e9) < self.settings.heartbeat_seconds:
+            return False
+        self._kept[backend] = kept + 1
+        self._kept_used[backend] = now
+        return True
+
+    def _give_back_kept(self, backend: str) -> None:
+        slots = self._kept.pop(backend, 0)
+        if slots:
+            self._queue_settle("_", 0, 0, backend, slots, None)
+
+    def _wanted_message(self, candidates: Sequence[Slotted]) -> str:
+        return "\0".join([self.replica, *(c.name for c in candidates if c.max_concurrency)])
+
+    def kept(self, backend: str) -> int:
+        """The slots of ``backend`` this replica keeps for its next requests."""
+        return self._kept.get(backend, 0)
 
     def settle(self, budget: Budget | None, tokens_delta: int, slot_backend: str | None, *,
                key_place: bool = False) -> None:
@@ -302,17 +367,26 @@ class SharedState:
         key_place = key_place and budget is not None
         if not (tpm and tokens_delta) and slot_backend is None and not key_place:
             return
+        released = 0
         if slot_backend is not None:
             self._held[slot_backend] = max(0, self._held.get(slot_backend, 0) - 1)
-        place = key_place_of(budget.key if budget is not None else "_")
+            released = 0 if self._keep(slot_backend) else 1
+        place = None
         if key_place:
+            place = key_place_of(budget.key if budget is not None else "_")
             self._held[place] = max(0, self._held.get(place, 0) - 1)
+        if not (tpm and tokens_delta) and not released and place is None:
+            return  # (the slot is kept: nothing to tell Redis)
+        self._queue_settle(budget.key if budget is not None else "_", tpm, tokens_delta if tpm else 0,
+                           slot_backend, released, place)
+
+    def _queue_settle(self, key: str, tpm: int, tokens_delta: int, slot_backend: str | None, slots: int,
+                      place: str | None) -> None:
         self._settlements += 1
-        keys = [self._bucket(budget.key if budget is not None else "_", "tokens"),
-                self._inflight(slot_backend or "_"),
-                f"{self.settings.prefix}settled:{self.replica}:{self._settlements}", self._inflight(place)]
-        args = [self.replica, tpm, tokens_delta if tpm else 0, "1" if slot_backend is not None else "0",
-                self._freed_channel, f"{slot_backend or ''}\0{self.replica}", "1" if key_place else "0"]
+        keys = [self._bucket(key, "tokens"), self._inflight(slot_backend or "_"),
+                f"{self.settings.prefix}settled:{self.replica}:{self._settlements}", self._inflight(place or "_")]
+        args = [self.replica, tpm, tokens_delta, str(slots), self._freed_channel,
+                f"{slot_backend or ''}\0{self.replica}", "1" if place is not None else "0"]
         if len(self._pending) >= MAX_PENDING:
             self._pending.popleft()
             self.dropped += 1
@@ -405,7 +479,7 @@ class SharedState:
         while True:
             pubsub = self._redis.pubsub(ignore_subscribe_messages=True)
             try:
-                await pubsub.subscribe(self._peers_channel, self._freed_channel)
+                await pubsub.subscribe(self._peers_channel, self._freed_channel, self._wanted_channel)
                 async for message in pubsub.listen():
                     self._received(message)
             except asyncio.CancelledError:
@@ -431,6 +505,15 @@ class SharedState:
                 return  # (its own release woke its own waiters already)
             for callback in self._on_freed:
                 callback(backend)
+            return
+        if channel == self._wanted_channel.encode():
+            sender, *backends = data.decode().split("\0")
+            if sender == self.replica:
+                return
+            now = time.monotonic()
+            for backend in backends:
+                self._wanted[backend] = now
+                self._give_back_kept(backend)
             return
         if data.startswith(self._sender):
             return
@@ -505,14 +588,22 @@ class SharedState:
     async def _heartbeat(self) -> None:
         """Renew this replica, reap the silent ones, read the others' slot counts; after a failure, write its
         own counts afresh and send the settlements that waited."""
+        now = time.monotonic()
+        for backend in [b for b, n in self._kept.items() if n]:
+            if now - self._kept_used.get(backend, 0.0) >= self.settings.heartbeat_seconds:
+                self._give_back_kept(backend)  # unused for a heartbeat
         slotted = sorted(self.slotted())
         keys = [self._replicas_key, *(self._inflight(b) for b in slotted)]
         resync = self._needs_resync
         args = [self.replica, int(1000 * self.settings.replica_ttl_seconds), self._freed_channel,
-                "1" if resync else "0", *(self._held.get(b, 0) for b in slotted)]
+                "1" if resync else "0", *(self._held.get(b, 0) + self._kept.get(b, 0) for b in slotted)]
+        # the settlements waiting now: a resync writes the slots they give back as given back already
+        waiting = list(self._pending) if resync else []
         try:
             _, alive = await asyncio.wait_for(self._script("heartbeat", scripts.HEARTBEAT, keys, args),
                                               self._timeout * 5)
+            for _, _, settle_args in waiting:
+                settle_args[3] = "0"
             self.replicas = int(alive)
             if slotted:
                 pipe = self._redis.pipeline(transaction=False)

@@ -1,9 +1,11 @@
 """The shared state against a real redis-server: admission scripts (budgets, slots), slots freed across
-replicas, a dead replica reaped, peers' messages, stored responses, and Redis going away and coming back."""
+replicas, slots a replica keeps for its next requests, a dead replica reaped, peers' messages, stored
+responses, and Redis going away and coming back."""
 
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -16,7 +18,8 @@ from tests.state.conftest import RedisServer
 
 
 def settings(server: RedisServer, **extra: Any) -> StateSettings:
-    return StateSettings(url=server.url, heartbeat_seconds=0.05, replica_ttl_seconds=0.5, timeout_ms=200, **extra)
+    return StateSettings(**{"url": server.url, "heartbeat_seconds": 0.05, "replica_ttl_seconds": 0.5,
+                            "timeout_ms": 200, **extra})
 
 
 async def replicas(server: RedisServer, n: int, slotted: set[str] | None = None, **extra: Any) -> list[SharedState]:
@@ -208,3 +211,146 @@ async def test_a_drain_reaches_every_replica_and_one_that_starts_later(redis_ser
         await until(lambda: seen["a"].get("x") is False and late_seen.get("x") is False)
     finally:
         await stop([a, b, *([late] if late is not None else [])])
+
+
+# -- kept slots ----------------------------------------------------------------------------------------------
+def counting(state: SharedState) -> list[str]:
+    """The scripts ``state`` runs in Redis from now on (the admission's round trips), by name."""
+    calls: list[str] = []
+    run = state._script
+
+    def script(name: str, *args: Any) -> Any:
+        calls.append(name)
+        return run(name, *args)
+
+    state._script = script  # type: ignore[method-assign]
+    return calls
+
+
+async def lease(state: SharedState, backend: str) -> int:
+    """What Redis counts as ``state``'s slots of ``backend``."""
+    return int(await state._redis.hget(state._inflight(backend), state.replica) or 0)
+
+
+@pytest.mark.anyio
+async def test_a_freed_slot_is_kept_for_the_next_request_which_takes_it_without_a_round_trip(
+        redis_server: RedisServer) -> None:
+    (a,) = await replicas(redis_server, 1, {"b"}, heartbeat_seconds=5.0)
+    try:
+        sixteen = [Slotted("b", 16)]  # keeps up to 16 // 8 = 2
+        calls = counting(a)
+        assert (await a.admit(None, 0, sixteen)).slot and calls == ["admit"]
+        a.settle(None, 0, "b")
+        assert a.kept("b") == 1 and a.pending == 0 and await lease(a, "b") == 1  # still held in Redis
+        again = await a.admit(None, 0, sixteen)
+        assert again.slot and again.chosen == 0 and calls == ["admit"], "no round trip"
+        assert a.holds("b") == 1 and a.kept("b") == 0
+        for _ in range(2):
+            await a.admit(None, 0, sixteen)
+        for _ in range(3):
+            a.settle(None, 0, "b")
+        assert a.kept("b") == 2, "at most max_concurrency // 8"
+        await until(lambda: not a.pending)
+        assert await lease(a, "b") == 2
+        # a limited key still asks Redis (its budget is there), and a backend ranked first without a kept slot
+        # is asked for, not passed over for one that has
+        assert (await a.admit(Budget("k", 100, None), 0, sixteen)).slot and calls[-1] == "admit"
+        assert (await a.admit(None, 0, [Slotted("c", 16), *sixteen])).chosen == 0 and calls[-1] == "admit"
+        assert a.kept("b") == 2
+        # a backend too small to keep any
+        four = [Slotted("d", 4)]
+        await a.admit(None, 0, four)
+        a.settle(None, 0, "d")
+        assert a.kept("d") == 0
+    finally:
+        await stop([a])
+
+
+@pytest.mark.anyio
+async def test_kept_slots_go_back_at_once_when_another_replica_finds_the_backend_full(
+        redis_server: RedisServer) -> None:
+    a, b = await replicas(redis_server, 2, {"b"}, heartbeat_seconds=5.0)
+    try:
+        await asyncio.sleep(0.1)  # (the subscriptions are in place)
+        sixteen = [Slotted("b", 16)]
+        for _ in range(16):
+            assert (await a.admit(None, 0, sixteen)).slot
+        a.settle(None, 0, "b")
+        a.settle(None, 0, "b")
+        assert a.kept("b") == 2
+        freed: list[str] = []
+        b.on_freed(freed.append)
+        assert (await b.admit(None, 0, sixteen)).full  # ... and says so
+        await until(lambda: a.kept("b") == 0 and bool(freed))
+        assert (await b.admit(None, 0, sixteen)).slot
+        # while the others want it, what a frees goes back at once
+        a.settle(None, 0, "b")
+        assert a.kept("b") == 0
+        await until(lambda: not a.pending)
+        assert await lease(a, "b") == 13 and await lease(b, "b") == 1
+    finally:
+        await stop([a, b])
+
+
+@pytest.mark.anyio
+async def test_kept_slots_unused_for_a_heartbeat_go_back(redis_server: RedisServer) -> None:
+    (a,) = await replicas(redis_server, 1, {"b"}, heartbeat_seconds=0.1)
+    try:
+        await a.admit(None, 0, [Slotted("b", 64)])
+        a.settle(None, 0, "b")
+        assert a.kept("b") == 1
+        await until(lambda: a.kept("b") == 0 and not a.pending, seconds=3)
+        assert await lease(a, "b") == 0
+    finally:
+        await stop([a])
+
+
+@pytest.mark.anyio
+async def test_max_concurrency_holds_across_replicas_that_keep_slots(redis_server: RedisServer) -> None:
+    """Three replicas take and free slots of one backend (max 16) at random, concurrently: at no moment do
+    their requests hold more than 16, and at the end Redis counts what each holds plus what it keeps."""
+    states = await replicas(redis_server, 3, {"b"}, heartbeat_seconds=0.2)
+    sixteen = [Slotted("b", 16)]
+    rng = random.Random(5)
+    peak = 0
+
+    async def worker(state: SharedState) -> None:
+        nonlocal peak
+        for _ in range(150):
+            if (await state.admit(None, 0, sixteen)).slot:
+                peak = max(peak, sum(s.holds("b") for s in states))
+                await asyncio.sleep(rng.random() * 0.004)
+                state.settle(None, 0, "b")
+            else:
+                await asyncio.sleep(0.002)
+
+    try:
+        await until(lambda: all(s.replicas == 3 for s in states))
+        await asyncio.gather(*(worker(s) for s in states for _ in range(8)))
+        await until(lambda: not any(s.pending for s in states))
+        assert 8 <= peak <= 16, peak
+        for state in states:
+            assert await lease(state, "b") == state.holds("b") + state.kept("b") == state.kept("b")
+    finally:
+        await stop(states)
+
+
+@pytest.mark.anyio
+async def test_after_an_outage_the_resync_is_not_undone_by_the_releases_that_waited(
+        redis_server: RedisServer) -> None:
+    """Two slots held, Redis gone, one of them freed (its release waits), Redis back (empty): the resync
+    writes the one still held, and the release that waited must not take it away (it would let a third in)."""
+    (state,) = await replicas(redis_server, 1, {"b"})
+    try:
+        assert (await state.admit(None, 0, B)).slot and (await state.admit(None, 0, B)).slot
+        redis_server.kill()
+        with pytest.raises(StateUnavailable):
+            await state.admit(None, 0, B)
+        state.settle(None, 0, "b")
+        assert state.pending == 1
+        redis_server.start()
+        await until(lambda: state.up and not state.pending, seconds=5)
+        assert await lease(state, "b") == 1
+        assert (await state.admit(None, 0, B)).slot and (await state.admit(None, 0, B)).full
+    finally:
+        await stop([state])
