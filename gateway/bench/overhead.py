@@ -67,7 +67,10 @@ from gateway.bench.pyspy import start_record, top_frames
 from gateway.bench.report import build_report, write_json
 from gateway.bench.runner import Arrival, RunResult, cpu_seconds, host_busy_share, host_cpu_times, run, run_sync
 from gateway.bench.state_cost import (
+    LIMITED,
+    LIMITED_KEY,
     STATEFUL,
+    limited_gateway,
     redis_available,
     redis_child,
     stateful_gateway,
@@ -88,6 +91,7 @@ CPU_US_PER_CHUNK_TARGET = 25.0
 CPU_US_PER_REQUEST_TARGET = 150.0
 CHUNKS_PER_S_TARGET = 40_000.0
 TTFT_X_TARGETS = {1: 1.5, 16: 1.5, 64: 2.0, 256: 3.0}
+STATE_TTFT_LEVEL, STATE_TTFT_US_TARGET = 16, 500.0  # the scale-out issue: Redis adds <= +0.5 ms at 16 streams
 
 
 @dataclass
@@ -535,6 +539,12 @@ def evaluate_targets(doc: dict[str, Any], gateway: str = "gateway") -> dict[str,
         out[f"added_ttft_p50_x_at_{level}"] = _target(
             row.get("added_ttft_p50_x"), limit, "<=", "x",
             f"gateway's added TTFT p50 over {ref or 'the Rust router'}'s at {level} streams (one run's ratio)")
+    for part, what in (("state", "shared state (slots)"), ("state_limited", "shared state, a limited key")):
+        row = ((doc.get(part) or {}).get("levels") or {}).get(str(STATE_TTFT_LEVEL))
+        if row is not None:
+            out[f"{part}_ttft_us_p50_at_{STATE_TTFT_LEVEL}"] = _target(
+                row.get("ttft_us_p50"), STATE_TTFT_US_TARGET, "<=", "us",
+                f"TTFT p50 that {what} in a loopback redis-server adds at {STATE_TTFT_LEVEL} streams")
     hold = (doc.get("hold") or {}).get(gateway)
     if hold is not None:
         want = (doc.get("config") or {}).get("hold") or hold.get("streams")
@@ -567,7 +577,7 @@ def median_of(values: list[Any]) -> Any:
 
 
 SUMMARY_KEYS = ("levels", "max_chunks_per_s", "vs_reference", "translation", "cost", "saturation", "hold",
-                "tracing", "state", "workers")
+                "tracing", "state", "state_limited", "workers")
 
 
 def summarize_runs(docs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -829,13 +839,14 @@ def run_once(cfg: OverheadConfig, log: Any = print, logs: Path | None = None) ->
     gateway = ChildProcess("gateway", [*untraced_env, py, "-m", "gateway", "serve", "--config", str(config_file),
                                        "--log-level", "warning"], logs / "gateway.log")
     traced, sink, sink_url = _traced_gateway(cfg, backend_url, logs) if cfg.tracing else (None, None, "")
-    redis = stateful = None
-    stateful_url = ""
+    redis = stateful = limited = None
+    stateful_url = limited_url = ""
     if cfg.state:
         if not redis_available():
             raise RuntimeError("--state needs redis-server (Debian: apt-get install redis-server)")
         redis, stateful, stateful_url = stateful_gateway(cfg.base_port, gateway_yaml(backend_url, cfg.base_port + 7),
                                                          logs, py)
+        limited, limited_url = limited_gateway(cfg.base_port, gateway_yaml(backend_url, cfg.base_port + 9), logs, py)
     several: ChildProcess | None = None
     several_url = ""
     if cfg.workers > 1:
@@ -875,6 +886,10 @@ def run_once(cfg: OverheadConfig, log: Any = print, logs: Path | None = None) ->
         if stateful is not None:
             stateful.start().wait_http(stateful_url + "/v1/chat/completions", method="POST", body=probe)
             targets.append(Target(STATEFUL, stateful_url, MODEL, pid=stateful.pid))
+        if limited is not None:
+            limited.start().wait_http(limited_url + "/v1/chat/completions", method="POST", body=probe,
+                                      headers={"Authorization": f"Bearer {LIMITED_KEY}"})
+            targets.append(Target(LIMITED, limited_url, MODEL, api_key=LIMITED_KEY, pid=limited.pid))
         if several is not None:
             several.start().wait_http(several_url + "/v1/chat/completions", method="POST", body=probe)
             _wait_workers(several_url, cfg.workers)
@@ -915,8 +930,13 @@ def run_once(cfg: OverheadConfig, log: Any = print, logs: Path | None = None) ->
             doc["py_spy"] = run_sync(_profile_gateway(targets[1], cfg, logs))
         if stateful is not None:
             # (tracing_cost compares any two gateways' rows: here with shared state against without)
-            doc["state"] = {"store": "redis-server on loopback; every request takes and gives back a slot",
+            doc["state"] = {"store": "redis-server on loopback; every request holds a slot of the backend's "
+                                     "max_concurrency (taken from the replica's kept slots when it has one)",
                             "levels": tracing_cost(doc["levels"], "gateway", STATEFUL)}
+        if limited is not None:
+            doc["state_limited"] = {"store": "the same redis-server; the key has a requests_per_minute limit, so "
+                                             "every request pays one round trip for its budget and slot",
+                                    "levels": tracing_cost(doc["levels"], "gateway", LIMITED)}
         if several is not None:
             baseline = STATEFUL if stateful is not None else "gateway"
             sat = (doc.get("saturation") or {}).get("levels") or {}
@@ -932,7 +952,7 @@ def run_once(cfg: OverheadConfig, log: Any = print, logs: Path | None = None) ->
     finally:
         if router is not None:
             _stop_soon(router, 1.0)  # SMG drains for 5 s on SIGTERM; nothing of it is measured any more
-        for proc in (traced, sink, several, stateful, redis, gateway, backend):
+        for proc in (traced, sink, several, stateful, limited, redis, gateway, backend):
             if proc is not None:
                 proc.stop()
     doc["wall_s"] = time.perf_counter() - started
@@ -1062,9 +1082,9 @@ def print_overhead(doc: dict[str, Any]) -> None:
                       f"{f(tr['translated_added_ttft_ms_p99'])} ms")
     if "tracing" in doc:
         print_tracing(console, doc["tracing"])
-    if "state" in doc:
-        for level, r in doc["state"]["levels"].items():
-            console.print(f"shared state at {level} streams adds: TTFT p50 {f(r['ttft_us_p50'], 0)} us, p99 "
+    for part, what in (("state", "shared state"), ("state_limited", "shared state with a limited key")):
+        for level, r in doc.get(part, {}).get("levels", {}).items():
+            console.print(f"{what} at {level} streams adds: TTFT p50 {f(r['ttft_us_p50'], 0)} us, p99 "
                           f"{f(r['ttft_us_p99'], 0)} us, end to end p50 {f(r['e2e_us_p50'], 0)} us, CPU "
                           f"{f(r['cpu_us_per_request'], 0)} us per request")
     if "workers" in doc:

@@ -30,7 +30,8 @@ class ChildProcess:
             self.proc = subprocess.Popen(self.cmd, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         return self
 
-    def wait_http(self, url: str, timeout: float = 60.0, method: str = "GET", body: bytes | None = None) -> None:
+    def wait_http(self, url: str, timeout: float = 60.0, method: str = "GET", body: bytes | None = None,
+                  headers: dict[str, str] | None = None) -> None:
         deadline = time.monotonic() + timeout
         last = ""
         while time.monotonic() < deadline:
@@ -38,7 +39,7 @@ class ChildProcess:
                 raise RuntimeError(f"{self.name} exited with status {self.proc.returncode}; see {self.log}")
             try:
                 req = urllib.request.Request(url, data=body, method=method,
-                                             headers={"Content-Type": "application/json"})
+                                             headers={"Content-Type": "application/json", **(headers or {})})
                 with urllib.request.urlopen(req, timeout=5) as resp:
                     if resp.status == 200:
                         resp.read()

@@ -2,8 +2,12 @@
 live in a loopback ``redis-server`` (Debian's, started here; ports ``base + 6`` and ``base + 7``), interleaved
 with the others in every phase. Its backend has a ``max_concurrency`` (as the plain gateway's), so every
 request takes its slot with one Redis round trip before its first upstream byte and gives it back after its
-last byte. The report gives, per level, what it adds over the same gateway without shared state (TTFT p50/p99
-and end-to-end p50 in microseconds, CPU per request).
+last byte: the first request takes it with one Redis round trip before its first upstream byte, and a replica
+then keeps a few freed slots (``SharedState``'s kept slots), so most requests take theirs from memory. A second
+one (``base + 9``, same redis-server) serves a key with a requests-per-minute limit too high to bite: each of
+its requests pays the round trip that a limited key always pays (its budget lives in Redis). The report gives,
+per level, what each adds over the same gateway without shared state (TTFT p50/p99 and end-to-end p50 in
+microseconds, CPU per request).
 
 ``--workers N`` adds a gateway of N worker processes (``server.workers``, on ``base + 8``) sharing that
 redis-server (started for it when ``--state`` is not given): what the processes add or take away at each
@@ -12,12 +16,15 @@ level and at saturation, against the one-process gateway with the same shared st
 
 from __future__ import annotations
 
+import hashlib
 import shutil
 from pathlib import Path
 
 from gateway.bench.procs import ChildProcess
 
 STATEFUL = "gateway+redis"
+LIMITED = "gateway+redis, limited key"
+LIMITED_KEY = "bench-limited-key"  # (loopback only; the gateway stores its SHA-256)
 
 
 def redis_available() -> bool:
@@ -35,6 +42,19 @@ def stateful_gateway(base_port: int, gateway_yaml: str, logs: Path, python: str)
     gateway = ChildProcess(STATEFUL, [python, "-m", "gateway", "serve", "--config", str(config), "--log-level",
                                       "warning"], logs / "gateway-redis.log")
     return redis, gateway, f"http://127.0.0.1:{port}"
+
+
+def limited_gateway(base_port: int, gateway_yaml: str, logs: Path, python: str) -> tuple[ChildProcess, str]:
+    """(the gateway on ``base_port + 9`` with the redis-server on ``base_port + 6``, whose one key has a
+    requests-per-minute limit, its URL). ``gateway_yaml``: the plain gateway's configuration for that port."""
+    digest = hashlib.sha256(LIMITED_KEY.encode()).hexdigest()
+    config = logs / "gateway-redis-limited.yaml"
+    config.write_text(gateway_yaml + f"state:\n  url: redis://127.0.0.1:{base_port + 6}/0\n"
+                      f"auth:\n  keys:\n    - name: bench\n      key_sha256: {digest}\n"
+                      "      requests_per_minute: 100000000\n")
+    gateway = ChildProcess(LIMITED, [python, "-m", "gateway", "serve", "--config", str(config), "--log-level",
+                                     "warning"], logs / "gateway-redis-limited.log")
+    return gateway, f"http://127.0.0.1:{base_port + 9}"
 
 
 def redis_child(port: int, logs: Path) -> ChildProcess:
