@@ -118,6 +118,11 @@ class Gateway:
             self.shared.slotted = lambda: ({b.name for b in pool if b.max_concurrency}
                                            | {key_place_of(k.name) for k in keys.settings.keys if k.max_in_flight})
             self.shared.on_freed(lambda name: admission.freed(b for b in pool if name in ("*", b.name)))
+            # priority across replicas: each says what waits on it, the others' lower requests yield to it
+            shared = self.shared
+            admission.announce = lambda model, priority: shared.publish("waiting", [shared.replica, model, priority])
+            shared.subscribe("waiting", lambda p: admission.elsewhere(str(p[0]), str(p[1]),
+                                                                      None if p[2] is None else int(p[2])))
             self.metrics.watch_state(self.shared)
         self.recent = Recent()  # the operator's last minutes per backend (GET /admin/backends, /ui)
         self.accounting = Accounting(self.metrics, self.pipeline.observe, settings.access_log.enabled, self.recent)

@@ -30,6 +30,14 @@ The rules (docs/flow-control.md says them for operators):
   flood frees on every request. It costs the flooding key those free slots while the light key is active
   (``reserve_window_seconds``).
 
+* **Priority across replicas** (with shared state): each replica tells the others the highest priority waiting
+  for a model on it (on every change, and again every ``kick_seconds`` while it lasts); a request yields to a
+  higher one waiting elsewhere as it would to one waiting here (it queues, and a woken one waits again instead
+  of taking the slot), for at most ``ELSEWHERE_YIELD_SECONDS`` since its arrival, so that a slot the other
+  request cannot use (another subset of the model's backends) is not held back for long. An announcement not
+  renewed for three ``kick_seconds`` (the replica died) is forgotten. Fair shares between keys of one priority
+  stay each replica's own.
+
 A woken waiter routes again; if another request was quicker it waits again with its original tag (ahead of
 its key's later requests). Waiting is in slices: a waiter looks again after ``slice`` seconds even when no
 release woke it (a backend that came up frees slots no release announces).
@@ -54,6 +62,7 @@ RATE_MIN_COMPLETIONS = 4  # fewer recent completions: the rate is unknown and no
 
 
 MAX_DEADLINE_MS = 3_600_000
+ELSEWHERE_YIELD_SECONDS = 5.0  # the longest a request yields to higher priorities waiting on other replicas
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,6 +162,8 @@ class Ticket:
     refused: Refused | None = None  # set when it is shed or displaced while it waits
     waited: bool = False  # it queued at least once
     max_saturation: float | None = None  # admitted only while its model's slots in use are below this share
+    chain: bool = False  # woken with no slot announced (another replica's higher waiter left): admitted, it
+    # wakes the next, for the slots that were freed while they all yielded
 
 
 class _Level:
@@ -310,6 +321,11 @@ class Admission:
         # slots freed so far (here or, with shared state, anywhere): a request that found every backend full
         # while this moved should look again at once, since the wake-up it would wait for has already passed
         self.generation = 0
+        # with shared state: announce(model, priority or None), the highest priority waiting here for a model
+        self.announce: Callable[[str, int | None], None] | None = None
+        self._announced: dict[str, int | None] = {}
+        # model -> replica -> (the highest priority waiting there, until when the announcement holds)
+        self._elsewhere: dict[str, dict[str, tuple[int, float]]] = {}
 
     # -- a request's life -------------------------------------------------------------------------------------
     def ticket(self, model: str, key: str, placement: Placement) -> Ticket:
@@ -317,22 +333,25 @@ class Admission:
                       max_saturation=placement.max_saturation)
 
     def should_queue(self, ticket: Ticket) -> bool:
-        """Requests of ``ticket``'s priority or above wait (or were just woken) for its model: it goes behind
-        them rather than taking the slot they are owed; unless its key is a light one with a slot kept for it."""
+        """Requests of ``ticket``'s priority or above wait (or were just woken) for its model, or a higher one
+        waits on another replica: it goes behind them rather than taking the slot they are owed; unless its key
+        is a light one with a slot kept for it."""
         state = self._models.get(ticket.model)
         if state is None:
-            return False
+            return self.outranked(ticket)
         if self.settings.reserve_for_light_keys and self._kept_for(state, ticket.key, time.monotonic()):
             return False
         if any(w.priority >= ticket.priority for w in state.woken):
             return True
-        return any(p >= ticket.priority and state.levels[p].keys for p in state.levels)
+        if any(p >= ticket.priority and state.levels[p].keys for p in state.levels):
+            return True
+        return self.outranked(ticket)
 
     def admitted(self, ticket: Ticket) -> None:
         """The request got its backend: it leaves the queue and counts as active until :meth:`released`. One
         that found its slot on its own (no release woke it: a backend came up, or another replica freed it)
         wakes the next waiter too, which looks for another such slot."""
-        own = ticket.state == "queued"
+        own = ticket.state == "queued" or ticket.chain
         self._leave(ticket)
         state = self._model(ticket.model)
         state.active += 1
@@ -371,6 +390,7 @@ class Admission:
         if ticket.state != "queued":
             if ticket.state == "woken":
                 state.woken.remove(ticket)
+                ticket.chain = False
             elif self.waiting >= self.settings.queue_size and not self._displace(ticket, now):
                 raise self._refuse(ticket, "queue_full", now)
             level = state.levels.get(ticket.priority)
@@ -380,6 +400,7 @@ class Admission:
             ticket.state = "queued"
             ticket.waited = True
             self.waiting += 1
+            self._changed(ticket.model)
             if self.settings.shed_on_predicted_wait:
                 predicted, ahead = self._predict(state, ticket, now)
                 if predicted is not None and predicted > ticket.deadline - now:
@@ -404,7 +425,9 @@ class Admission:
         waiter."""
         while self.waiting:
             await asyncio.sleep(self.kick_seconds)
-            for state in list(self._models.values()):
+            for model, state in list(self._models.items()):
+                if self.announce is not None and self._announced.get(model) is not None:
+                    self.announce(model, self._announced[model])  # (renewed, or the others forget it)
                 if not state.woken and any(level.keys for level in state.levels.values()):
                     self._wake_in(state)
 
@@ -440,6 +463,59 @@ class Admission:
             if not self.waiting:
                 return
             self._wake(backend)
+
+    def outranked(self, ticket: Ticket) -> bool:
+        """A higher priority than ``ticket``'s waits for its model on another replica (as it last said), and
+        ``ticket`` has not yet yielded for ELSEWHERE_YIELD_SECONDS, nor is it of a light key with a slot kept
+        for it: it should wait rather than take a slot."""
+        others = self._elsewhere.get(ticket.model)
+        if not others:
+            return False
+        now = time.monotonic()
+        if now - ticket.arrived >= ELSEWHERE_YIELD_SECONDS:
+            return False
+        state = self._models.get(ticket.model)
+        if state is not None and self.settings.reserve_for_light_keys and self._kept_for(state, ticket.key, now):
+            return False  # (a light key takes what is kept for it, as it would here)
+        for replica, (priority, until) in list(others.items()):
+            if until <= now:
+                del others[replica]  # (not renewed: that replica is gone, or its message was lost)
+            elif priority > ticket.priority:
+                return True
+        return False
+
+    def elsewhere(self, replica: str, model: str, priority: int | None) -> None:
+        """Another replica's announcement: ``priority`` is the highest waiting there for ``model`` (None:
+        nothing waits there any more). When it falls, the first waiter here looks again for a slot."""
+        others = self._elsewhere.setdefault(model, {})
+        before = others.get(replica)
+        if priority is None:
+            others.pop(replica, None)
+        else:
+            others[replica] = (priority, time.monotonic() + 3 * self.kick_seconds)
+        if before is not None and (priority is None or priority < before[0]):
+            state = self._models.get(model)
+            if state is not None and not state.woken and self.waiting:
+                self._wake_in(state, chain=True)
+
+    def _changed(self, model: str) -> None:
+        """The waiters of ``model`` changed: announce their highest priority if it moved."""
+        if self.announce is None:
+            return
+        top = self._top(model)
+        if self._announced.get(model) != top:
+            self._announced[model] = top
+            self.announce(model, top)
+
+    def _top(self, model: str) -> int | None:
+        state = self._models.get(model)
+        if state is None:
+            return None
+        top = max((p for p, level in state.levels.items() if level.keys), default=None)
+        for woken in state.woken:
+            if top is None or woken.priority > top:
+                top = woken.priority
+        return top
 
     def held_back(self, ticket: Ticket, capacity_of: Callable[[str], tuple[int, int] | None]) -> bool:
         """Taking one of the model's free slots (``capacity_of(model)``: its slots and how many are free) now
@@ -519,8 +595,8 @@ class Admission:
         if chosen is not None:
             self._wake_in(chosen)
 
-    def _wake_in(self, state: _Model) -> None:
-        """Wake ``state``'s next waiter: the head of its highest level with waiters."""
+    def _wake_in(self, state: _Model, chain: bool = False) -> None:
+        """Wake ``state``'s next waiter: the head of its highest level with waiters (``chain``: see Ticket)."""
         for priority in state.priorities():
             level = state.levels[priority]
             if level.keys:
@@ -532,6 +608,7 @@ class Admission:
         self._drop_empty(state, ticket.priority)
         self.waiting -= 1
         ticket.state = "woken"
+        ticket.chain = chain
         state.woken.append(ticket)
         if ticket.woken is not None and not ticket.woken.done():
             ticket.woken.set_result(None)
@@ -583,6 +660,7 @@ class Admission:
         self._drop_empty(state, ticket.priority)
         self.waiting -= 1
         ticket.state = "new"
+        self._changed(ticket.model)
 
     def _drop_empty(self, state: _Model, priority: int) -> None:
         level = state.levels.get(priority)
@@ -607,6 +685,7 @@ class Admission:
             self._dequeue(ticket)
         elif ticket.state == "woken" and state is not None:
             state.woken.remove(ticket)
+            self._changed(ticket.model)
         ticket.state = "done"
         if ticket.woken is not None and not ticket.woken.done():
             ticket.woken.cancel()

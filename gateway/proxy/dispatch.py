@@ -226,6 +226,9 @@ class Dispatcher:
             if admission.held_back(ticket, self._capacity):
                 await self._wait_slice(request, ticket)  # (the free slots left are kept for light keys)
                 continue
+            if shared and admission.outranked(ticket):
+                await self._wait_slice(request, ticket)  # (a higher priority waits for it on another replica)
+                continue
             if trace is not None:
                 trace.route_start()
             try:

@@ -13,7 +13,15 @@ import pytest
 from gateway.config import AdmissionSettings, ApiKeySettings, BandSettings
 from gateway.errors import GatewayError
 from gateway.pool.backend import Backend
-from gateway.proxy.admission import Admission, Placement, Priorities, Refused, Ticket, retry_after
+from gateway.proxy.admission import (
+    ELSEWHERE_YIELD_SECONDS,
+    Admission,
+    Placement,
+    Priorities,
+    Refused,
+    Ticket,
+    retry_after,
+)
 
 pytestmark = pytest.mark.anyio
 LONG = 30.0
@@ -463,4 +471,60 @@ async def test_a_key_whose_burst_is_ending_keeps_only_its_in_flight_plus_one() -
     flood = admission.ticket("m", "flood", place())
     assert not admission.held_back(flood, slots(10, admission))  # (6 taken, 4 free, 3 kept)
     assert admission.held_back(flood, slots(9, admission))  # (3 free, 3 kept)
+    await q.done()
+
+
+# -- priority across replicas (with shared state: the others' announcements) --------------------------------------
+async def test_a_higher_priority_waiting_on_another_replica_makes_a_lower_request_here_wait() -> None:
+    admission = Admission(AdmissionSettings(), kick_seconds=0.05)
+    standard, critical = (admission.ticket("m", "k", place(priority=p)) for p in (0, 100))
+    other_model = admission.ticket("n", "k", place(priority=0))
+    assert not admission.should_queue(standard)
+    admission.elsewhere("replica-b", "m", 100)
+    assert admission.should_queue(standard) and admission.outranked(standard)  # (nothing waits here at all)
+    assert not admission.outranked(critical)  # (an equal priority does not yield: shares stay per replica)
+    assert not admission.outranked(other_model)
+    admission.elsewhere("replica-b", "m", None)  # nothing waits there any more
+    assert not admission.outranked(standard)
+    admission.elsewhere("replica-b", "m", 100)
+    await asyncio.sleep(0.2)  # not renewed for three kick periods: the replica is presumed gone
+    assert not admission.outranked(standard)
+    admission.elsewhere("replica-b", "m", 100)
+    late = admission.ticket("m", "k", place(priority=0))
+    late.arrived -= ELSEWHERE_YIELD_SECONDS  # yielded long enough: a slot the other cannot use is not held back
+    assert admission.outranked(standard) and not admission.outranked(late)
+
+
+async def test_each_change_of_the_highest_priority_waiting_is_announced_and_renewed_while_it_lasts() -> None:
+    q = Queue()
+    q.admission.kick_seconds = 0.3
+    said: list[tuple[str, int | None]] = []
+    q.admission.announce = lambda model, priority: said.append((model, priority))
+    low = await q.enter("low", priority=0)
+    await q.enter("high", priority=100)
+    await q.enter("low2", priority=0)  # (no change: nothing said)
+    assert said == [("m", 0), ("m", 100)]
+    await q.release()  # the high one is woken and admitted
+    assert q.order == ["high"] and said[2:] == [("m", 0)]
+    q.admission.abandon(low)
+    assert said[3:] == []  # (low2 still waits: the same)
+    await asyncio.sleep(0.35)  # the periodic look renews the announcement, then wakes the first waiter
+    assert said[3:] == [("m", 0), ("m", None)] and q.order == ["high", "low2"]
+    await q.done()
+
+
+async def test_when_the_higher_waiter_elsewhere_leaves_the_waiters_here_look_again_one_after_another() -> None:
+    """They yielded while slots were freed (the freed messages went by): the first woken is admitted and wakes
+    the next, as one that found a slot on its own."""
+    q = Queue()
+    q.admission.elsewhere("replica-b", "m", 100)
+    await q.enter("a")
+    await q.enter("b")
+    await q.enter("c")
+    assert q.order == []
+    q.admission.elsewhere("replica-b", "m", 50)  # (lower but still above: the first looks again, and so on)
+    await settle()
+    q.admission.elsewhere("replica-b", "m", None)
+    await settle()
+    assert q.order == ["a", "b", "c"]
     await q.done()
