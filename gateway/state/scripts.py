@@ -16,8 +16,12 @@ from __future__ import annotations
 #   ARGV[1] replica id, ARGV[2] requests per minute (0: none), ARGV[3] tokens per minute (0: none),
 #   ARGV[4] tokens to reserve, ARGV[5] the key's max_in_flight (0: none),
 #   ARGV[6] the wanted channel, ARGV[7] its message (the replica, then the candidates' names),
-#   ARGV[8..] each candidate's max_concurrency (0: no limit, no slot taken)
-# Returns {0, i}: admitted on candidate i (0-based); {1, ms} / {2, ms}: requests / tokens per minute
+#   ARGV[8] lease divisor (0: no lease), ARGV[9] the most requests leased at once,
+#   ARGV[10..] each candidate's max_concurrency (0: no limit, no slot taken)
+# A lease: with requests per minute, besides the request's own, up to ARGV[9] more of the bucket's requests
+# (never more than its level / ARGV[8]: none as it runs low), for the replica's next requests to take without
+# a round trip.
+# Returns {0, i, leased}: admitted on candidate i (0-based); {1, ms} / {2, ms}: requests / tokens per minute
 # exhausted, retry in ms; {3, 0}: every candidate is full (nothing was taken; announced on the wanted
 # channel); {4, 0}: the key has max_in_flight requests in flight (nothing was taken).
 ADMIT = """
@@ -47,7 +51,7 @@ if cap > 0 then
 end
 local chosen = 0
 for i = 4, #KEYS do
-  local limit = tonumber(ARGV[i + 4])
+  local limit = tonumber(ARGV[i + 6])
   if limit == 0 then chosen = i break end
   local total = 0
   for _, v in ipairs(redis.call('HVALS', KEYS[i])) do total = total + tonumber(v) end
@@ -62,16 +66,19 @@ if #KEYS > 3 and chosen == 0 then
   return {3, 0}
 end
 if cap > 0 then redis.call('HINCRBY', KEYS[3], ARGV[1], 1) end
+local leased = 0
 if rpm > 0 then
-  redis.call('HSET', KEYS[1], 'l', tostring(rl - 1), 't', now)
+  local divisor = tonumber(ARGV[8])
+  if divisor > 0 then leased = math.max(0, math.min(tonumber(ARGV[9]), math.floor((rl - 1) / divisor))) end
+  redis.call('HSET', KEYS[1], 'l', tostring(rl - 1 - leased), 't', now)
   redis.call('PEXPIRE', KEYS[1], 120000)
 end
 if tpm > 0 then
   redis.call('HSET', KEYS[2], 'l', tostring(tl - reserve), 't', now)
   redis.call('PEXPIRE', KEYS[2], 120000)
 end
-if chosen > 0 then return {0, chosen - 4} end
-return {0, 0}
+if chosen > 0 then return {0, chosen - 4, leased} end
+return {0, 0, leased}
 """
 
 # ACQUIRE: a slot on one backend (a failover attempt), if it has one free.
@@ -90,9 +97,10 @@ return 1
 """
 
 # SETTLE: a finished request's tokens (the difference to what was reserved; negative gives back, never above
-# the capacity) and slots given back (its own, or those a replica kept; announced on the free-slot channel so
-# the replicas' waiters wake). Idempotent: a settlement is applied once whatever the retries (its id is
-# remembered two minutes), so one sent again after a connection broke mid-way is not charged twice.
+# the capacity; KEYS[1] may as well be a requests bucket, to give back unused leased requests) and slots given
+# back (its own, or those a replica kept; announced on the free-slot channel so the replicas' waiters wake).
+# Idempotent: a settlement is applied once whatever the retries (its id is remembered two minutes), so one sent
+# again after a connection broke mid-way is not charged twice.
 #   KEYS[1] tokens bucket, KEYS[2] in-flight hash, KEYS[3] the settlement's id key, KEYS[4] the key's
 #   in-flight hash
 #   ARGV[1] replica id, ARGV[2] tokens per minute (0: none), ARGV[3] tokens used - reserved,

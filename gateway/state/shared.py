@@ -12,6 +12,11 @@ What is shared, and how it stays off the hot path:
   limits pays no round trip at all while its replica has one. Kept slots count as held for everyone else, so
   ``max_concurrency`` still holds across replicas; they go back to Redis when unused for a heartbeat, and at
   once when another replica finds the backend full (it says so on the *wanted* channel).
+* **Leased requests**: a key whose only limit is ``requests_per_minute`` takes, with an admission's round trip,
+  a few more of its bucket's requests (up to ``LEASE_MAX``, never more than the bucket's level over
+  ``LEASE_SHARE`` x the replicas: none as the bucket runs low, so the limit stays exact there); its next
+  requests on this replica take one each without asking Redis, and with a kept slot pay no round trip at all.
+  Leases unused for a heartbeat go back to the bucket.
 * **Free slots**: a released slot is announced on a channel; every replica's waiting requests (the admission
   queue) wake and route again.
 * **Peers** (:meth:`publish`, :meth:`subscribe`): what routing learns (session -> backend, the prompt blocks
@@ -60,6 +65,8 @@ OPERATIONS = ("admit", "acquire", "settle", "heartbeat", "subscribe", "publish",
 MAX_PENDING = 10_000  # settlements kept while Redis is down (beyond: the oldest are dropped and counted)
 KEPT_SHARE = 8  # a replica keeps up to max_concurrency // KEPT_SHARE freed slots of a backend ...
 KEPT_MAX = 8  # ... and at most this many
+LEASE_SHARE = 16  # a lease takes at most 1/(LEASE_SHARE x replicas) of what is left in a key's requests bucket
+LEASE_MAX = 16  # ... and at most this many requests
 
 
 class StateUnavailable(Exception):
@@ -161,6 +168,8 @@ class SharedState:
         self._kept_used: dict[str, float] = {}  # backend -> when a kept slot was last taken or kept (monotonic)
         self._limits: dict[str, int] = {}  # backend -> its max_concurrency, as the last slot taken saw it
         self._wanted: dict[str, float] = {}  # backend -> when another replica last found it full (monotonic)
+        # key -> (requests of its requests_per_minute leased here, that limit, when one was last leased or taken)
+        self._leases: dict[str, list[float]] = {}
         self.remote: dict[str, int] = {}  # backend -> slots the other replicas hold, as last read
         self._pending: deque[tuple[str, list[str], list[Any]]] = deque()  # settlements waiting for Redis
         self._draining = False
@@ -196,6 +205,11 @@ class SharedState:
     async def stop(self) -> None:
         """Leave (the others need not wait for the TTL to free this replica's slots) and close; bounded in
         time whatever Redis does."""
+        for key in list(self._leases):  # what is leased goes back (sent again if a drain has it: idempotent)
+            self._give_back_lease(key)
+        if self._pending and self.up:
+            with contextlib.suppress(*self._errors, TimeoutError):
+                await asyncio.wait_for(self._settle_batch(list(self._pending)), 1.0)
         for task in self._tasks:
             task.cancel()
         if self._tasks:
@@ -270,18 +284,30 @@ class SharedState:
         if not any(c.max_concurrency for c in chosen_from):
             chosen_from = []
         cap = (budget.max_in_flight or 0) if budget is not None else 0
-        if not (rpm or tpm or cap) and chosen_from and self._take_kept(chosen_from[0]):
-            return Admitted(chosen=0, slot=True)  # (no round trip: a slot this replica kept)
+        lease = None
+        if not (tpm or cap) and self.up:
+            # no round trip when this replica has what the request needs: a leased request of the key (if it
+            # has a requests_per_minute), a kept slot of the best-ranked backend (if it has a max_concurrency)
+            lease = self._leases.get(name) if rpm else None
+            leased = not rpm or (lease is not None and lease[0] >= 1 and lease[1] == rpm)
+            if leased and (rpm or chosen_from) and (not chosen_from or self._take_kept(chosen_from[0])):
+                if lease is not None and rpm:
+                    lease[0] -= 1
+                    lease[2] = time.monotonic()
+                return Admitted(chosen=0, slot=bool(chosen_from))
         keys = [self._bucket(name, "requests"), self._bucket(name, "tokens"), self._inflight(key_place_of(name)),
                 *(self._inflight(c.name) for c in chosen_from)]
+        divisor = LEASE_SHARE * max(1, self.replicas) if rpm and not (tpm or cap) else 0
         args = [self.replica, rpm, tpm, reserve if tpm else 0, cap, self._wanted_channel,
-                self._wanted_message(chosen_from), *(c.max_concurrency or 0 for c in chosen_from)]
+                self._wanted_message(chosen_from), divisor, LEASE_MAX, *(c.max_concurrency or 0 for c in chosen_from)]
         try:
             async with asyncio.timeout(self._timeout):  # (not wait_for: it makes a task per call)
-                status, value = await self._script("admit", scripts.ADMIT, keys, args)
+                status, value, *more = await self._script("admit", scripts.ADMIT, keys, args)
         except self._errors as exc:
             self._failed("admit", exc)
             raise StateUnavailable(str(exc)) from None
+        if status == 0 and more and int(more[0]) > 0:
+            self._lease(name, rpm, int(more[0]))
         if status == 1 or status == 2:
             return Admitted(limited="requests" if status == 1 else "tokens", retry_after=int(value) / 1000)
         if status == 3:
@@ -352,6 +378,28 @@ class SharedState:
         if slots:
             self._queue_settle("_", 0, 0, backend, slots, None)
 
+    # -- leased requests ----------------------------------------------------------------------------------------
+    def _lease(self, key: str, rpm: int, count: int) -> None:
+        lease = self._leases.get(key)
+        if lease is not None and lease[1] != rpm:  # (the limit changed: what was leased under the old goes back)
+            self._give_back_lease(key)
+            lease = None
+        if lease is None:
+            self._leases[key] = [float(count), float(rpm), time.monotonic()]
+        else:
+            lease[0] += count
+            lease[2] = time.monotonic()
+
+    def _give_back_lease(self, key: str) -> None:
+        lease = self._leases.pop(key, None)
+        if lease is not None and int(lease[0]) > 0:
+            self._queue_settle(key, int(lease[1]), -int(lease[0]), None, 0, None, bucket="requests")
+
+    def leased(self, key: str) -> int:
+        """The requests of ``key``'s requests_per_minute this replica holds leased for its next requests."""
+        lease = self._leases.get(key)
+        return int(lease[0]) if lease is not None else 0
+
     def _wanted_message(self, candidates: Sequence[Slotted]) -> str:
         return "\0".join([self.replica, *(c.name for c in candidates if c.max_concurrency)])
 
@@ -381,9 +429,9 @@ class SharedState:
                            slot_backend, released, place)
 
     def _queue_settle(self, key: str, tpm: int, tokens_delta: int, slot_backend: str | None, slots: int,
-                      place: str | None) -> None:
+                      place: str | None, bucket: str = "tokens") -> None:
         self._settlements += 1
-        keys = [self._bucket(key, "tokens"), self._inflight(slot_backend or "_"),
+        keys = [self._bucket(key, bucket), self._inflight(slot_backend or "_"),
                 f"{self.settings.prefix}settled:{self.replica}:{self._settlements}", self._inflight(place or "_")]
         args = [self.replica, tpm, tokens_delta, str(slots), self._freed_channel,
                 f"{slot_backend or ''}\0{self.replica}", "1" if place is not None else "0"]
@@ -592,6 +640,8 @@ class SharedState:
         for backend in [b for b, n in self._kept.items() if n]:
             if now - self._kept_used.get(backend, 0.0) >= self.settings.heartbeat_seconds:
                 self._give_back_kept(backend)  # unused for a heartbeat
+        for key in [k for k, lease in self._leases.items() if now - lease[2] >= self.settings.heartbeat_seconds]:
+            self._give_back_lease(key)  # (likewise)
         slotted = sorted(self.slotted())
         keys = [self._replicas_key, *(self._inflight(b) for b in slotted)]
         resync = self._needs_resync

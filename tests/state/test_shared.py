@@ -354,3 +354,77 @@ async def test_after_an_outage_the_resync_is_not_undone_by_the_releases_that_wai
         assert (await state.admit(None, 0, B)).slot and (await state.admit(None, 0, B)).full
     finally:
         await stop([state])
+
+
+# -- leased requests ----------------------------------------------------------------------------------------------
+async def level(state: SharedState, key: str) -> float:
+    """The requests bucket of ``key`` as Redis holds it (not refilled to now)."""
+    return float(await state._redis.hget(state._bucket(key, "requests"), "l") or "nan")
+
+
+@pytest.mark.anyio
+async def test_a_keys_requests_are_leased_a_few_at_a_time_and_taken_without_a_round_trip(
+        redis_server: RedisServer) -> None:
+    (a,) = await replicas(redis_server, 1, {"b"}, heartbeat_seconds=5.0)
+    try:
+        budget, free = Budget("k", 6000, None), [Slotted("x", None)]
+        calls = counting(a)
+        assert (await a.admit(budget, 0, free)).chosen == 0 and calls == ["admit"]
+        assert a.leased("k") == 16  # (min(16, 5999 // 16))
+        assert 5983 - 1 <= await level(a, "k") <= 5983  # one admitted, sixteen leased
+        for _ in range(16):
+            admitted = await a.admit(budget, 0, free)
+            assert admitted.limited is None and admitted.chosen == 0
+        assert calls == ["admit"] and a.leased("k") == 0, "sixteen without a round trip"
+        await a.admit(budget, 0, free)
+        assert calls == ["admit", "admit"] and a.leased("k") == 16
+        # with a kept slot as well, a limited key's request pays no round trip at all
+        sixteen = [Slotted("b", 16)]
+        await a.admit(budget, 0, sixteen)
+        a.settle(None, 0, "b")
+        assert a.kept("b") == 1
+        before = len(calls)
+        assert (await a.admit(budget, 0, sixteen)).slot and len(calls) == before
+        # a limit changed (a reload): what was leased under the old one is not used, but given back
+        await a.admit(Budget("k", 3000, None), 0, free)
+        assert calls[-1] == "admit" and len(calls) == before + 1
+        # keys with tokens per minute or max_in_flight are checked in Redis every time, and lease nothing
+        for other in (Budget("t", 6000, 60_000), Budget("c", 6000, None, max_in_flight=50)):
+            for _ in range(2):
+                await a.admit(other, 10, free)
+            assert a.leased(other.key) == 0
+        assert len(calls) == before + 5
+    finally:
+        await stop([a])
+
+
+@pytest.mark.anyio
+async def test_leases_never_let_the_replicas_exceed_the_limit_and_stop_as_the_bucket_runs_low(
+        pair: list[SharedState]) -> None:
+    budget, free = Budget("k", 600, None), [Slotted("x", None)]
+    for state in pair:
+        state.replicas = 2  # (as their heartbeats count: each lease at most 1/32 of what is left)
+    started = time.monotonic()
+    results = [await pair[i % 2].admit(budget, 0, free) for i in range(700)]
+    refill = 600 * (time.monotonic() - started) / 60
+    admitted = sum(r.limited is None for r in results)
+    assert 600 <= admitted <= 600 + refill + 1, (admitted, refill)
+    assert all(r.limited is None for r in results[:600])  # (nothing refused while leases sat elsewhere)
+    assert pair[0].leased("k") + pair[1].leased("k") <= 1  # none taken as the bucket ran low
+
+
+@pytest.mark.anyio
+async def test_unused_leases_go_back_after_a_heartbeat_and_when_the_replica_stops(redis_server: RedisServer) -> None:
+    a, b = await replicas(redis_server, 2, heartbeat_seconds=0.1)
+    try:
+        await a.admit(Budget("k", 6000, None), 0, [Slotted("x", None)])
+        assert a.leased("k") == 16
+        await until(lambda: a.leased("k") == 0)
+        await until(lambda: not a.pending)
+        assert await level(a, "k") >= 5999 - 0.5  # (given back: one used; refill on top is capped)
+        await b.admit(Budget("j", 6000, None), 0, [Slotted("x", None)])
+        assert b.leased("j") == 16
+    finally:
+        await stop([b])
+        assert await level(a, "j") >= 5999 - 0.5, "given back as it stopped"
+        await stop([a])
