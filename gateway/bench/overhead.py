@@ -70,6 +70,7 @@ from gateway.bench.state_cost import (
     LIMITED,
     LIMITED_KEY,
     STATEFUL,
+    TOKENS,
     limited_gateway,
     redis_available,
     redis_child,
@@ -539,7 +540,8 @@ def evaluate_targets(doc: dict[str, Any], gateway: str = "gateway") -> dict[str,
         out[f"added_ttft_p50_x_at_{level}"] = _target(
             row.get("added_ttft_p50_x"), limit, "<=", "x",
             f"gateway's added TTFT p50 over {ref or 'the Rust router'}'s at {level} streams (one run's ratio)")
-    for part, what in (("state", "shared state (slots)"), ("state_limited", "shared state, a limited key")):
+    for part, what in (("state", "shared state (slots)"), ("state_limited", "shared state, a requests/min key"),
+                       ("state_tokens", "shared state, a tokens/min key")):
         row = ((doc.get(part) or {}).get("levels") or {}).get(str(STATE_TTFT_LEVEL))
         if row is not None:
             out[f"{part}_ttft_us_p50_at_{STATE_TTFT_LEVEL}"] = _target(
@@ -577,7 +579,7 @@ def median_of(values: list[Any]) -> Any:
 
 
 SUMMARY_KEYS = ("levels", "max_chunks_per_s", "vs_reference", "translation", "cost", "saturation", "hold",
-                "tracing", "state", "state_limited", "workers")
+                "tracing", "state", "state_limited", "state_tokens", "workers")
 
 
 def summarize_runs(docs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -839,14 +841,16 @@ def run_once(cfg: OverheadConfig, log: Any = print, logs: Path | None = None) ->
     gateway = ChildProcess("gateway", [*untraced_env, py, "-m", "gateway", "serve", "--config", str(config_file),
                                        "--log-level", "warning"], logs / "gateway.log")
     traced, sink, sink_url = _traced_gateway(cfg, backend_url, logs) if cfg.tracing else (None, None, "")
-    redis = stateful = limited = None
-    stateful_url = limited_url = ""
+    redis = stateful = limited = tokens = None
+    stateful_url = limited_url = tokens_url = ""
     if cfg.state:
         if not redis_available():
             raise RuntimeError("--state needs redis-server (Debian: apt-get install redis-server)")
         redis, stateful, stateful_url = stateful_gateway(cfg.base_port, gateway_yaml(backend_url, cfg.base_port + 7),
                                                          logs, py)
         limited, limited_url = limited_gateway(cfg.base_port, gateway_yaml(backend_url, cfg.base_port + 9), logs, py)
+        tokens, tokens_url = limited_gateway(cfg.base_port, gateway_yaml(backend_url, cfg.base_port + 10), logs, py,
+                                             limit="tokens_per_minute")
     several: ChildProcess | None = None
     several_url = ""
     if cfg.workers > 1:
@@ -886,10 +890,11 @@ def run_once(cfg: OverheadConfig, log: Any = print, logs: Path | None = None) ->
         if stateful is not None:
             stateful.start().wait_http(stateful_url + "/v1/chat/completions", method="POST", body=probe)
             targets.append(Target(STATEFUL, stateful_url, MODEL, pid=stateful.pid))
-        if limited is not None:
-            limited.start().wait_http(limited_url + "/v1/chat/completions", method="POST", body=probe,
-                                      headers={"Authorization": f"Bearer {LIMITED_KEY}"})
-            targets.append(Target(LIMITED, limited_url, MODEL, api_key=LIMITED_KEY, pid=limited.pid))
+        for proc, url in ((limited, limited_url), (tokens, tokens_url)):
+            if proc is not None:
+                proc.start().wait_http(url + "/v1/chat/completions", method="POST", body=probe,
+                                       headers={"Authorization": f"Bearer {LIMITED_KEY}"})
+                targets.append(Target(proc.name, url, MODEL, api_key=LIMITED_KEY, pid=proc.pid))
         if several is not None:
             several.start().wait_http(several_url + "/v1/chat/completions", method="POST", body=probe)
             _wait_workers(several_url, cfg.workers)
@@ -934,9 +939,13 @@ def run_once(cfg: OverheadConfig, log: Any = print, logs: Path | None = None) ->
                                      "max_concurrency (taken from the replica's kept slots when it has one)",
                             "levels": tracing_cost(doc["levels"], "gateway", STATEFUL)}
         if limited is not None:
-            doc["state_limited"] = {"store": "the same redis-server; the key has a requests_per_minute limit, so "
-                                             "every request pays one round trip for its budget and slot",
+            doc["state_limited"] = {"store": "the same redis-server; the key has a requests_per_minute limit: its "
+                                             "requests are leased a few at a time (a round trip in about 17)",
                                     "levels": tracing_cost(doc["levels"], "gateway", LIMITED)}
+        if tokens is not None:
+            doc["state_tokens"] = {"store": "the same redis-server; the key has a tokens_per_minute limit: every "
+                                            "request pays one round trip for its reservation and slot",
+                                   "levels": tracing_cost(doc["levels"], "gateway", TOKENS)}
         if several is not None:
             baseline = STATEFUL if stateful is not None else "gateway"
             sat = (doc.get("saturation") or {}).get("levels") or {}
@@ -952,7 +961,7 @@ def run_once(cfg: OverheadConfig, log: Any = print, logs: Path | None = None) ->
     finally:
         if router is not None:
             _stop_soon(router, 1.0)  # SMG drains for 5 s on SIGTERM; nothing of it is measured any more
-        for proc in (traced, sink, several, stateful, limited, redis, gateway, backend):
+        for proc in (traced, sink, several, stateful, limited, tokens, redis, gateway, backend):
             if proc is not None:
                 proc.stop()
     doc["wall_s"] = time.perf_counter() - started
@@ -1082,7 +1091,8 @@ def print_overhead(doc: dict[str, Any]) -> None:
                       f"{f(tr['translated_added_ttft_ms_p99'])} ms")
     if "tracing" in doc:
         print_tracing(console, doc["tracing"])
-    for part, what in (("state", "shared state"), ("state_limited", "shared state with a limited key")):
+    for part, what in (("state", "shared state"), ("state_limited", "shared state with a requests/min key"),
+                       ("state_tokens", "shared state with a tokens/min key")):
         for level, r in doc.get(part, {}).get("levels", {}).items():
             console.print(f"{what} at {level} streams adds: TTFT p50 {f(r['ttft_us_p50'], 0)} us, p99 "
                           f"{f(r['ttft_us_p99'], 0)} us, end to end p50 {f(r['e2e_us_p50'], 0)} us, CPU "

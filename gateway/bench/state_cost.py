@@ -3,11 +3,12 @@ live in a loopback ``redis-server`` (Debian's, started here; ports ``base + 6`` 
 with the others in every phase. Its backend has a ``max_concurrency`` (as the plain gateway's), so every
 request takes its slot with one Redis round trip before its first upstream byte and gives it back after its
 last byte: the first request takes it with one Redis round trip before its first upstream byte, and a replica
-then keeps a few freed slots (``SharedState``'s kept slots), so most requests take theirs from memory. A second
-one (``base + 9``, same redis-server) serves a key with a requests-per-minute limit too high to bite: each of
-its requests pays the round trip that a limited key always pays (its budget lives in Redis). The report gives,
-per level, what each adds over the same gateway without shared state (TTFT p50/p99 and end-to-end p50 in
-microseconds, CPU per request).
+then keeps a few freed slots (``SharedState``'s kept slots), so most requests take theirs from memory. Two more
+(``base + 9`` and ``base + 10``, the same redis-server) serve one key each, with a limit too high to bite: a
+``requests_per_minute`` key, whose requests are leased a few at a time (one round trip in about 17), and a
+``tokens_per_minute`` key, each of whose requests pays the round trip (its reservation depends on the request).
+The report gives, per level, what each adds over the same gateway without shared state (TTFT p50/p99 and
+end-to-end p50 in microseconds, CPU per request).
 
 ``--workers N`` adds a gateway of N worker processes (``server.workers``, on ``base + 8``) sharing that
 redis-server (started for it when ``--state`` is not given): what the processes add or take away at each
@@ -23,7 +24,8 @@ from pathlib import Path
 from gateway.bench.procs import ChildProcess
 
 STATEFUL = "gateway+redis"
-LIMITED = "gateway+redis, limited key"
+LIMITED = "gateway+redis, rpm key"
+TOKENS = "gateway+redis, tpm key"
 LIMITED_KEY = "bench-limited-key"  # (loopback only; the gateway stores its SHA-256)
 
 
@@ -44,17 +46,20 @@ def stateful_gateway(base_port: int, gateway_yaml: str, logs: Path, python: str)
     return redis, gateway, f"http://127.0.0.1:{port}"
 
 
-def limited_gateway(base_port: int, gateway_yaml: str, logs: Path, python: str) -> tuple[ChildProcess, str]:
-    """(the gateway on ``base_port + 9`` with the redis-server on ``base_port + 6``, whose one key has a
-    requests-per-minute limit, its URL). ``gateway_yaml``: the plain gateway's configuration for that port."""
+def limited_gateway(base_port: int, gateway_yaml: str, logs: Path, python: str,
+                    limit: str = "requests_per_minute") -> tuple[ChildProcess, str]:
+    """(a gateway with the redis-server on ``base_port + 6`` whose one key has ``limit``, too high to bite;
+    its URL): ``requests_per_minute`` on ``base_port + 9``, ``tokens_per_minute`` on ``base_port + 10``.
+    ``gateway_yaml``: the plain gateway's configuration for that port."""
+    name, port = (LIMITED, base_port + 9) if limit == "requests_per_minute" else (TOKENS, base_port + 10)
     digest = hashlib.sha256(LIMITED_KEY.encode()).hexdigest()
-    config = logs / "gateway-redis-limited.yaml"
+    config = logs / f"gateway-redis-{limit}.yaml"
     config.write_text(gateway_yaml + f"state:\n  url: redis://127.0.0.1:{base_port + 6}/0\n"
                       f"auth:\n  keys:\n    - name: bench\n      key_sha256: {digest}\n"
-                      "      requests_per_minute: 100000000\n")
-    gateway = ChildProcess(LIMITED, [python, "-m", "gateway", "serve", "--config", str(config), "--log-level",
-                                     "warning"], logs / "gateway-redis-limited.log")
-    return gateway, f"http://127.0.0.1:{base_port + 9}"
+                      f"      {limit}: 1000000000\n")
+    gateway = ChildProcess(name, [python, "-m", "gateway", "serve", "--config", str(config), "--log-level",
+                                  "warning"], logs / f"gateway-redis-{limit}.log")
+    return gateway, f"http://127.0.0.1:{port}"
 
 
 def redis_child(port: int, logs: Path) -> ChildProcess:
