@@ -943,8 +943,8 @@ def run_once(cfg: OverheadConfig, log: Any = print, logs: Path | None = None) ->
                                              "requests are leased a few at a time (a round trip in about 17)",
                                     "levels": tracing_cost(doc["levels"], "gateway", LIMITED)}
         if tokens is not None:
-            doc["state_tokens"] = {"store": "the same redis-server; the key has a tokens_per_minute limit: every "
-                                            "request pays one round trip for its reservation and slot",
+            doc["state_tokens"] = {"store": "the same redis-server; the key has a tokens_per_minute limit: its "
+                                            "tokens are leased a few reservations at a time",
                                    "levels": tracing_cost(doc["levels"], "gateway", TOKENS)}
         if several is not None:
             baseline = STATEFUL if stateful is not None else "gateway"

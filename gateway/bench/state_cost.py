@@ -5,8 +5,8 @@ request takes its slot with one Redis round trip before its first upstream byte 
 last byte: the first request takes it with one Redis round trip before its first upstream byte, and a replica
 then keeps a few freed slots (``SharedState``'s kept slots), so most requests take theirs from memory. Two more
 (``base + 9`` and ``base + 10``, the same redis-server) serve one key each, with a limit too high to bite: a
-``requests_per_minute`` key, whose requests are leased a few at a time (one round trip in about 17), and a
-``tokens_per_minute`` key, each of whose requests pays the round trip (its reservation depends on the request).
+``requests_per_minute`` key and a ``tokens_per_minute`` key, whose requests and tokens are leased a few
+requests' worth at a time (one round trip in about 17).
 The report gives, per level, what each adds over the same gateway without shared state (TTFT p50/p99 and
 end-to-end p50 in microseconds, CPU per request).
 

@@ -16,14 +16,14 @@ from __future__ import annotations
 #   ARGV[1] replica id, ARGV[2] requests per minute (0: none), ARGV[3] tokens per minute (0: none),
 #   ARGV[4] tokens to reserve, ARGV[5] the key's max_in_flight (0: none),
 #   ARGV[6] the wanted channel, ARGV[7] its message (the replica, then the candidates' names),
-#   ARGV[8] lease divisor (0: no lease), ARGV[9] the most requests leased at once,
-#   ARGV[10..] each candidate's max_concurrency (0: no limit, no slot taken)
-# A lease: with requests per minute, besides the request's own, up to ARGV[9] more of the bucket's requests
-# (never more than its level / ARGV[8]: none as it runs low), for the replica's next requests to take without
-# a round trip.
-# Returns {0, i, leased}: admitted on candidate i (0-based); {1, ms} / {2, ms}: requests / tokens per minute
-# exhausted, retry in ms; {3, 0}: every candidate is full (nothing was taken; announced on the wanted
-# channel); {4, 0}: the key has max_in_flight requests in flight (nothing was taken).
+#   ARGV[8] lease divisor (0: no lease), ARGV[9] the most requests leased at once, ARGV[10] the most tokens,
+#   ARGV[11..] each candidate's max_concurrency (0: no limit, no slot taken)
+# A lease: besides what the request takes, up to ARGV[9] more of the requests bucket's requests and ARGV[10] of
+# the tokens bucket's tokens (never more than a bucket's level / ARGV[8]: none as it runs low, nor tokens
+# fewer than this request reserved), for the replica's next requests to take without a round trip.
+# Returns {0, i, requests leased, tokens leased}: admitted on candidate i (0-based); {1, ms} / {2, ms}:
+# requests / tokens per minute exhausted, retry in ms; {3, 0}: every candidate is full (nothing was taken;
+# announced on the wanted channel); {4, 0}: the key has max_in_flight requests in flight (nothing was taken).
 ADMIT = """
 local now_t = redis.call('TIME')
 local now = now_t[1] * 1000 + math.floor(now_t[2] / 1000)
@@ -51,7 +51,7 @@ if cap > 0 then
 end
 local chosen = 0
 for i = 4, #KEYS do
-  local limit = tonumber(ARGV[i + 6])
+  local limit = tonumber(ARGV[i + 7])
   if limit == 0 then chosen = i break end
   local total = 0
   for _, v in ipairs(redis.call('HVALS', KEYS[i])) do total = total + tonumber(v) end
@@ -66,19 +66,21 @@ if #KEYS > 3 and chosen == 0 then
   return {3, 0}
 end
 if cap > 0 then redis.call('HINCRBY', KEYS[3], ARGV[1], 1) end
-local leased = 0
+local divisor = tonumber(ARGV[8])
+local leased, tleased = 0, 0
 if rpm > 0 then
-  local divisor = tonumber(ARGV[8])
   if divisor > 0 then leased = math.max(0, math.min(tonumber(ARGV[9]), math.floor((rl - 1) / divisor))) end
   redis.call('HSET', KEYS[1], 'l', tostring(rl - 1 - leased), 't', now)
   redis.call('PEXPIRE', KEYS[1], 120000)
 end
 if tpm > 0 then
-  redis.call('HSET', KEYS[2], 'l', tostring(tl - reserve), 't', now)
+  if divisor > 0 then tleased = math.min(tonumber(ARGV[10]), math.floor((tl - reserve) / divisor)) end
+  if tleased < math.max(1, reserve) then tleased = 0 end  -- (less than one such request's reservation: useless)
+  redis.call('HSET', KEYS[2], 'l', tostring(tl - reserve - tleased), 't', now)
   redis.call('PEXPIRE', KEYS[2], 120000)
 end
-if chosen > 0 then return {0, chosen - 4, leased} end
-return {0, 0, leased}
+if chosen > 0 then return {0, chosen - 4, leased, tleased} end
+return {0, 0, leased, tleased}
 """
 
 # ACQUIRE: a slot on one backend (a failover attempt), if it has one free.

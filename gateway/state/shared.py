@@ -12,11 +12,12 @@ What is shared, and how it stays off the hot path:
   limits pays no round trip at all while its replica has one. Kept slots count as held for everyone else, so
   ``max_concurrency`` still holds across replicas; they go back to Redis when unused for a heartbeat, and at
   once when another replica finds the backend full (it says so on the *wanted* channel).
-* **Leased requests**: a key whose only limit is ``requests_per_minute`` takes, with an admission's round trip,
-  a few more of its bucket's requests (up to ``LEASE_MAX``, never more than the bucket's level over
+* **Leases**: a key without ``max_in_flight`` takes, with an admission's round trip, some more of its buckets'
+  requests and tokens (about ``LEASE_MAX`` requests' worth, never more than a bucket's level over
   ``LEASE_SHARE`` x the replicas: none as the bucket runs low, so the limit stays exact there); its next
-  requests on this replica take one each without asking Redis, and with a kept slot pay no round trip at all.
-  Leases unused for a heartbeat go back to the bucket.
+  requests on this replica take theirs from the lease without asking Redis (a request's tokens are settled
+  against its reservation as ever), and with a kept slot pay no round trip at all. Leases unused for a
+  heartbeat go back to the buckets.
 * **Free slots**: a released slot is announced on a channel; every replica's waiting requests (the admission
   queue) wake and route again.
 * **Peers** (:meth:`publish`, :meth:`subscribe`): what routing learns (session -> backend, the prompt blocks
@@ -65,8 +66,8 @@ OPERATIONS = ("admit", "acquire", "settle", "heartbeat", "subscribe", "publish",
 MAX_PENDING = 10_000  # settlements kept while Redis is down (beyond: the oldest are dropped and counted)
 KEPT_SHARE = 8  # a replica keeps up to max_concurrency // KEPT_SHARE freed slots of a backend ...
 KEPT_MAX = 8  # ... and at most this many
-LEASE_SHARE = 16  # a lease takes at most 1/(LEASE_SHARE x replicas) of what is left in a key's requests bucket
-LEASE_MAX = 16  # ... and at most this many requests
+LEASE_SHARE = 16  # a lease takes at most 1/(LEASE_SHARE x replicas) of what is left in a key's bucket ...
+LEASE_MAX = 16  # ... and at most this many requests (of tokens: this many times the request's reservation)
 
 
 class StateUnavailable(Exception):
@@ -168,8 +169,9 @@ class SharedState:
         self._kept_used: dict[str, float] = {}  # backend -> when a kept slot was last taken or kept (monotonic)
         self._limits: dict[str, int] = {}  # backend -> its max_concurrency, as the last slot taken saw it
         self._wanted: dict[str, float] = {}  # backend -> when another replica last found it full (monotonic)
-        # key -> (requests of its requests_per_minute leased here, that limit, when one was last leased or taken)
-        self._leases: dict[str, list[float]] = {}
+        # (key, "requests" or "tokens") -> [what of that bucket is leased here, its limit, when last leased or
+        # taken from]
+        self._leases: dict[tuple[str, str], list[float]] = {}
         self.remote: dict[str, int] = {}  # backend -> slots the other replicas hold, as last read
         self._pending: deque[tuple[str, list[str], list[Any]]] = deque()  # settlements waiting for Redis
         self._draining = False
@@ -205,8 +207,8 @@ class SharedState:
     async def stop(self) -> None:
         """Leave (the others need not wait for the TTL to free this replica's slots) and close; bounded in
         time whatever Redis does."""
-        for key in list(self._leases):  # what is leased goes back (sent again if a drain has it: idempotent)
-            self._give_back_lease(key)
+        for lease in list(self._leases):  # what is leased goes back (sent again if a drain has it: idempotent)
+            self._give_back_lease(lease)
         if self._pending and self.up:
             with contextlib.suppress(*self._errors, TimeoutError):
                 await asyncio.wait_for(self._settle_batch(list(self._pending)), 1.0)
@@ -284,30 +286,38 @@ class SharedState:
         if not any(c.max_concurrency for c in chosen_from):
             chosen_from = []
         cap = (budget.max_in_flight or 0) if budget is not None else 0
-        lease = None
-        if not (tpm or cap) and self.up:
-            # no round trip when this replica has what the request needs: a leased request of the key (if it
-            # has a requests_per_minute), a kept slot of the best-ranked backend (if it has a max_concurrency)
-            lease = self._leases.get(name) if rpm else None
-            leased = not rpm or (lease is not None and lease[0] >= 1 and lease[1] == rpm)
-            if leased and (rpm or chosen_from) and (not chosen_from or self._take_kept(chosen_from[0])):
-                if lease is not None and rpm:
-                    lease[0] -= 1
-                    lease[2] = time.monotonic()
+        reserve = reserve if tpm else 0
+        if not cap and self.up:
+            # no round trip when this replica has what the request needs: a leased request (if the key has a
+            # requests_per_minute), its reservation's tokens leased (tokens_per_minute), a kept slot of the
+            # best-ranked backend (if it has a max_concurrency)
+            requests = self._leases.get((name, "requests")) if rpm else None
+            tokens = self._leases.get((name, "tokens")) if tpm else None
+            if ((not rpm or (requests is not None and requests[0] >= 1 and requests[1] == rpm))
+                    and (not tpm or (tokens is not None and tokens[0] >= reserve and tokens[1] == tpm))
+                    and (rpm or tpm or chosen_from)
+                    and (not chosen_from or self._take_kept(chosen_from[0]))):
+                now = time.monotonic()
+                for lease, amount in ((requests, 1), (tokens, reserve)):
+                    if lease is not None:
+                        lease[0] -= amount
+                        lease[2] = now
                 return Admitted(chosen=0, slot=bool(chosen_from))
         keys = [self._bucket(name, "requests"), self._bucket(name, "tokens"), self._inflight(key_place_of(name)),
                 *(self._inflight(c.name) for c in chosen_from)]
-        divisor = LEASE_SHARE * max(1, self.replicas) if rpm and not (tpm or cap) else 0
-        args = [self.replica, rpm, tpm, reserve if tpm else 0, cap, self._wanted_channel,
-                self._wanted_message(chosen_from), divisor, LEASE_MAX, *(c.max_concurrency or 0 for c in chosen_from)]
+        divisor = LEASE_SHARE * max(1, self.replicas) if (rpm or tpm) and not cap else 0
+        args = [self.replica, rpm, tpm, reserve, cap, self._wanted_channel, self._wanted_message(chosen_from),
+                divisor, LEASE_MAX, LEASE_MAX * max(1, reserve), *(c.max_concurrency or 0 for c in chosen_from)]
         try:
             async with asyncio.timeout(self._timeout):  # (not wait_for: it makes a task per call)
                 status, value, *more = await self._script("admit", scripts.ADMIT, keys, args)
         except self._errors as exc:
             self._failed("admit", exc)
             raise StateUnavailable(str(exc)) from None
-        if status == 0 and more and int(more[0]) > 0:
-            self._lease(name, rpm, int(more[0]))
+        if status == 0 and len(more) >= 2:
+            for kind, limit, amount in (("requests", rpm, int(more[0])), ("tokens", tpm, int(more[1]))):
+                if amount > 0:
+                    self._lease(name, kind, limit, amount)
         if status == 1 or status == 2:
             return Admitted(limited="requests" if status == 1 else "tokens", retry_after=int(value) / 1000)
         if status == 3:
@@ -378,26 +388,27 @@ class SharedState:
         if slots:
             self._queue_settle("_", 0, 0, backend, slots, None)
 
-    # -- leased requests ----------------------------------------------------------------------------------------
-    def _lease(self, key: str, rpm: int, count: int) -> None:
-        lease = self._leases.get(key)
-        if lease is not None and lease[1] != rpm:  # (the limit changed: what was leased under the old goes back)
-            self._give_back_lease(key)
+    # -- leases -------------------------------------------------------------------------------------------------
+    def _lease(self, key: str, kind: str, limit: int, amount: int) -> None:
+        lease = self._leases.get((key, kind))
+        if lease is not None and lease[1] != limit:  # (the limit changed: what was leased under the old goes back)
+            self._give_back_lease((key, kind))
             lease = None
         if lease is None:
-            self._leases[key] = [float(count), float(rpm), time.monotonic()]
+            self._leases[(key, kind)] = [float(amount), float(limit), time.monotonic()]
         else:
-            lease[0] += count
+            lease[0] += amount
             lease[2] = time.monotonic()
 
-    def _give_back_lease(self, key: str) -> None:
-        lease = self._leases.pop(key, None)
+    def _give_back_lease(self, which: tuple[str, str]) -> None:
+        lease = self._leases.pop(which, None)
         if lease is not None and int(lease[0]) > 0:
-            self._queue_settle(key, int(lease[1]), -int(lease[0]), None, 0, None, bucket="requests")
+            key, kind = which
+            self._queue_settle(key, int(lease[1]), -int(lease[0]), None, 0, None, bucket=kind)
 
-    def leased(self, key: str) -> int:
-        """The requests of ``key``'s requests_per_minute this replica holds leased for its next requests."""
-        lease = self._leases.get(key)
+    def leased(self, key: str, kind: str = "requests") -> int:
+        """What of ``key``'s requests (or tokens) per minute this replica holds leased for its next requests."""
+        lease = self._leases.get((key, kind))
         return int(lease[0]) if lease is not None else 0
 
     def _wanted_message(self, candidates: Sequence[Slotted]) -> str:
@@ -640,8 +651,8 @@ class SharedState:
         for backend in [b for b, n in self._kept.items() if n]:
             if now - self._kept_used.get(backend, 0.0) >= self.settings.heartbeat_seconds:
                 self._give_back_kept(backend)  # unused for a heartbeat
-        for key in [k for k, lease in self._leases.items() if now - lease[2] >= self.settings.heartbeat_seconds]:
-            self._give_back_lease(key)  # (likewise)
+        for which in [w for w, lease in self._leases.items() if now - lease[2] >= self.settings.heartbeat_seconds]:
+            self._give_back_lease(which)  # (likewise)
         slotted = sorted(self.slotted())
         keys = [self._replicas_key, *(self._inflight(b) for b in slotted)]
         resync = self._needs_resync

@@ -363,7 +363,7 @@ async def level(state: SharedState, key: str) -> float:
 
 
 @pytest.mark.anyio
-async def test_a_keys_requests_are_leased_a_few_at_a_time_and_taken_without_a_round_trip(
+async def test_a_keys_requests_and_tokens_are_leased_a_few_at_a_time_and_taken_without_a_round_trip(
         redis_server: RedisServer) -> None:
     (a,) = await replicas(redis_server, 1, {"b"}, heartbeat_seconds=5.0)
     try:
@@ -388,12 +388,23 @@ async def test_a_keys_requests_are_leased_a_few_at_a_time_and_taken_without_a_ro
         # a limit changed (a reload): what was leased under the old one is not used, but given back
         await a.admit(Budget("k", 3000, None), 0, free)
         assert calls[-1] == "admit" and len(calls) == before + 1
-        # keys with tokens per minute or max_in_flight are checked in Redis every time, and lease nothing
-        for other in (Budget("t", 6000, 60_000), Budget("c", 6000, None, max_in_flight=50)):
-            for _ in range(2):
-                await a.admit(other, 10, free)
-            assert a.leased(other.key) == 0
-        assert len(calls) == before + 5
+        # a key with tokens per minute leases tokens too: sixteen reservations' worth, then its next requests
+        # take theirs from the lease (what they really use is settled against it as ever)
+        tpm = Budget("t", 6000, 60_000)
+        await a.admit(tpm, 10, free)
+        assert a.leased("t") == 16 and a.leased("t", "tokens") == 160 and len(calls) == before + 2
+        for _ in range(16):
+            assert (await a.admit(tpm, 10, free)).limited is None
+        assert len(calls) == before + 2 and a.leased("t", "tokens") == 0
+        assert (await a.admit(tpm, 100, free)).limited is None and len(calls) == before + 3
+        assert a.leased("t", "tokens") == 1600  # (sixteen of this reservation)
+        # a reservation larger than what is leased asks Redis
+        assert (await a.admit(tpm, 2000, free)).limited is None and len(calls) == before + 4
+        # a key with max_in_flight is checked in Redis every time, and leases nothing
+        capped = Budget("c", 6000, None, max_in_flight=50)
+        for _ in range(2):
+            await a.admit(capped, 10, free)
+        assert a.leased("c") == 0 and len(calls) == before + 6
     finally:
         await stop([a])
 
