@@ -6,12 +6,16 @@ from __future__ import annotations
 import shutil
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+import yaml
 
+from gateway.bench.procs import ChildProcess
 from tests.conftest import free_port
 
 
@@ -55,3 +59,19 @@ def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
     server = RedisServer(free_port(), tmp_path).start()
     yield server
     server.kill()
+
+
+def start_replica(tmp: Path, i: int, port: int, redis: RedisServer, **config: Any) -> tuple[ChildProcess, str]:
+    """Gateway replica ``i`` (a process) on ``port`` with the shared state in ``redis``, a 0.2 s heartbeat and
+    scrape, a 60 s queue wait and ``config`` for the rest (backends, auth); its URL. Not waited for."""
+    settings = {"server": {"host": "127.0.0.1", "port": port},
+                # (a 5 s scrape timeout: a loaded CI machine once stalled the emulators' thread past 1 s, a
+                # replica took both backends for down and answered 13 requests 503)
+                "scrape": {"interval": 0.2, "timeout": 5.0},
+                "state": {"url": redis.url, "heartbeat_seconds": 0.2, "replica_ttl_seconds": 3},
+                "admission": {"max_wait_seconds": 60}, **config}
+    path = tmp / f"gateway-{i}.yaml"
+    path.write_text(yaml.safe_dump(settings))
+    proc = ChildProcess(f"gateway-{i}", [sys.executable, "-m", "gateway", "serve", "--config", str(path),
+                                         "--log-level", "warning"], tmp / f"gateway-{i}.log").start()
+    return proc, f"http://127.0.0.1:{port}"

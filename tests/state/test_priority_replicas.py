@@ -7,19 +7,16 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
-import yaml
 
-from gateway.bench.procs import ChildProcess
 from gateway.sim import FleetThread, SimSpec
 from tests.conftest import free_port_block
-from tests.state.conftest import RedisServer
+from tests.state.conftest import RedisServer, start_replica
 
 KEYS = {"batch": "sk-batch", "app": "sk-app"}
 SLOTS = 2
@@ -37,18 +34,10 @@ def replicas(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[FleetTh
         procs, urls = [], []
         try:
             for i in range(2):
-                config = {"server": {"host": "127.0.0.1", "port": base + 1 + i},
-                          "backends": [{"name": "m0", "engine": "vllm", "url": fleet.fleet.servers[0].url,
-                                        "max_concurrency": SLOTS}],
-                          "scrape": {"interval": 0.2, "timeout": 5.0}, "auth": {"keys": keys},
-                          "state": {"url": redis.url, "heartbeat_seconds": 0.2, "replica_ttl_seconds": 3},
-                          "admission": {"max_wait_seconds": 60}}
-                path = tmp / f"gateway-{i}.yaml"
-                path.write_text(yaml.safe_dump(config))
-                procs.append(ChildProcess(f"gateway-{i}", [sys.executable, "-m", "gateway", "serve", "--config",
-                                                           str(path), "--log-level", "warning"],
-                                          tmp / f"gateway-{i}.log").start())
-                urls.append(f"http://127.0.0.1:{base + 1 + i}")
+                proc, url = start_replica(tmp, i, base + 1 + i, redis, auth={"keys": keys}, backends=[
+                    {"name": "m0", "engine": "vllm", "url": fleet.fleet.servers[0].url, "max_concurrency": SLOTS}])
+                procs.append(proc)
+                urls.append(url)
             for url in urls:
                 procs[urls.index(url)].wait_http(url + "/v1/models",
                                                  headers={"Authorization": f"Bearer {KEYS['batch']}"})

@@ -8,7 +8,6 @@ import asyncio
 import hashlib
 import itertools
 import random
-import sys
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -17,12 +16,11 @@ from typing import Any
 
 import httpx
 import pytest
-import yaml
 
 from gateway.bench.procs import ChildProcess
 from gateway.sim import FleetThread, SimSpec
 from tests.conftest import free_port_block
-from tests.state.conftest import RedisServer
+from tests.state.conftest import RedisServer, start_replica
 
 KEYS = {"rpm": "sk-rpm", "tpm": "sk-tpm", "free": "sk-free", "burst": "sk-burst", "cap": "sk-cap", "ops": "sk-ops"}
 TPM = 18_000  # the tpm key's tokens per minute: about 160 of the test's requests, fewer than 32 streams can send
@@ -58,21 +56,12 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         procs, urls = [], []
         try:
             for i in range(3):
-                config = {"server": {"host": "127.0.0.1", "port": base + 1 + i},
-                          # (a 5 s scrape timeout: a loaded CI machine once stalled the emulators' thread past
-                          # 1 s, a replica took both backends for down and answered 13 requests 503)
-                          "backends": backends, "scrape": {"interval": 0.2, "timeout": 5.0},
-                          "auth": {"keys": [key("rpm", requests_per_minute=RPM), key("tpm", tokens_per_minute=TPM),
-                                            key("free"), key("burst", requests_per_minute=5),
-                                            key("cap", max_in_flight=3), {**key("ops"), "scopes": ["admin"]}]},
-                          "state": {"url": redis.url, "heartbeat_seconds": 0.2, "replica_ttl_seconds": 3},
-                          "admission": {"max_wait_seconds": 60}}
-                path = tmp / f"gateway-{i}.yaml"
-                path.write_text(yaml.safe_dump(config))
-                procs.append(ChildProcess(f"gateway-{i}", [sys.executable, "-m", "gateway", "serve", "--config",
-                                                           str(path), "--log-level", "warning"],
-                                          tmp / f"gateway-{i}.log").start())
-                urls.append(f"http://127.0.0.1:{base + 1 + i}")
+                proc, url = start_replica(tmp, i, base + 1 + i, redis, backends=backends, auth={"keys": [
+                    key("rpm", requests_per_minute=RPM), key("tpm", tokens_per_minute=TPM), key("free"),
+                    key("burst", requests_per_minute=5), key("cap", max_in_flight=3),
+                    {**key("ops"), "scopes": ["admin"]}]})
+                procs.append(proc)
+                urls.append(url)
             for url in urls:
                 wait_models(url)
             yield Cluster(redis, fleet, urls, procs)
