@@ -39,7 +39,9 @@ def fleet() -> Iterator[Running]:
         # a backend that never answers: its model's backends are all down
         backends.append({"name": "dead", "engine": "vllm", "url": f"http://127.0.0.1:{free_port()}",
                          "models": ["gone"]})
-        settings = settings_from_mapping({"backends": backends, "scrape": {"interval": 0.1, "timeout": 0.5},
+        # (a 5 s scrape timeout: under the 2,000-request split the emulators' thread, in this process with the
+        # gateway and the client, once answered /health past 0.5 s on CI, and 'vc' was taken for down: 503s)
+        settings = settings_from_mapping({"backends": backends, "scrape": {"interval": 0.1, "timeout": 5.0},
                                           "models": MODELS})
         app = create_app(settings)
         with serve_in_thread(app) as gateway:

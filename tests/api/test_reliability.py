@@ -93,16 +93,18 @@ def test_requests_wait_for_a_free_slot_and_beyond_the_queue_get_429() -> None:
     for r in running(specs, **extra):
         r.app.gateway.pool.get("s").max_concurrency = 1
 
-        async def burst(n: int, url: str = r.url) -> list[int]:
+        async def burst(n: int, url: str = r.url, max_tokens: int = 20) -> list[int]:
             async with httpx.AsyncClient(base_url=url, timeout=30) as client:
-                body = {"model": "m", "messages": ASK, "max_tokens": 20}
+                body = {"model": "m", "messages": ASK, "max_tokens": max_tokens}
                 responses = await asyncio.gather(*(client.post("/v1/chat/completions", json=body)
                                                    for _ in range(n)))
                 return [resp.status_code for resp in responses]
 
         statuses = asyncio.run(burst(4))  # one runs, three wait
         assert statuses == [200] * 4
-        statuses = asyncio.run(burst(6))  # one runs, three wait, two are turned away
+        # one runs, three wait, two are turned away; each ~110 ms (20 tokens took ~6 ms: on a loaded CI machine
+        # the first was done before the sixth arrived, and five were served)
+        statuses = asyncio.run(burst(6, max_tokens=400))
         assert sorted(statuses) == [200] * 4 + [429] * 2
         metrics = httpx.get(r.url + "/metrics").text
         waited = [line for line in metrics.splitlines()
