@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import shutil
 from pathlib import Path
+from typing import Literal
 
 from gateway.bench.procs import ChildProcess
 
@@ -47,7 +48,8 @@ def stateful_gateway(base_port: int, gateway_yaml: str, logs: Path, python: str)
 
 
 def limited_gateway(base_port: int, gateway_yaml: str, logs: Path, python: str,
-                    limit: str = "requests_per_minute") -> tuple[ChildProcess, str]:
+                    limit: Literal["requests_per_minute", "tokens_per_minute"] = "requests_per_minute",
+                    ) -> tuple[ChildProcess, str]:
     """(a gateway with the redis-server on ``base_port + 6`` whose one key has ``limit``, too high to bite;
     its URL): ``requests_per_minute`` on ``base_port + 9``, ``tokens_per_minute`` on ``base_port + 10``.
     ``gateway_yaml``: the plain gateway's configuration for that port."""
