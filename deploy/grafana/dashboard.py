@@ -250,6 +250,10 @@ STATE = RowSpec("Shared state (Redis)", (
     PanelSpec("Shared-state errors/s", "Failed Redis operations, by operation (admit, acquire, settle, heartbeat, "
               "subscribe, publish, get_response, put_response).", "short",
               (Query(f"sum by (operation) (rate(gateway_state_errors_total[{RATE}]))", "{{operation}}"),)),
+    PanelSpec("Admissions by path/s", "Admissions checked against the shared state: from the slots and leases "
+              "a process holds (local), from what another request's round trip brought (waited), or with a round "
+              "trip to Redis (redis).", "short",
+              (Query(f"sum by (path) (rate(gateway_state_admissions_total[{RATE}]))", "{{path}}"),)),
     PanelSpec("Limits unchecked and settlements waiting", "Requests of rate-limited keys passed unchecked while "
               "Redis was down (on_failure: open), settlements dropped, and settlements waiting to be sent.",
               "short",

@@ -17,11 +17,14 @@ from __future__ import annotations
 #   ARGV[4] tokens to reserve, ARGV[5] the key's max_in_flight (0: none),
 #   ARGV[6] the wanted channel, ARGV[7] its message (the replica, then the candidates' names),
 #   ARGV[8] lease divisor (0: no lease), ARGV[9] the most requests leased at once, ARGV[10] the most tokens,
-#   ARGV[11..] each candidate's max_concurrency (0: no limit, no slot taken)
+#   ARGV[11] the most slots to keep besides the request's own,
+#   ARGV[12..] each candidate's max_concurrency (0: no limit, no slot taken)
 # A lease: besides what the request takes, up to ARGV[9] more of the requests bucket's requests and ARGV[10] of
 # the tokens bucket's tokens (never more than a bucket's level / ARGV[8]: none as it runs low, nor tokens
-# fewer than this request reserved), for the replica's next requests to take without a round trip.
-# Returns {0, i, requests leased, tokens leased}: admitted on candidate i (0-based); {1, ms} / {2, ms}:
+# fewer than this request reserved), for the replica's next requests to take without a round trip. Kept slots
+# likewise: up to ARGV[11] more slots of the chosen candidate (never more than half of those still free after
+# the request's own), for the replica to keep for its next requests.
+# Returns {0, i, requests leased, tokens leased, slots kept}: admitted on candidate i (0-based); {1, ms} / {2, ms}:
 # requests / tokens per minute exhausted, retry in ms; {3, 0}: every candidate is full (nothing was taken;
 # announced on the wanted channel); {4, 0}: the key has max_in_flight requests in flight (nothing was taken).
 ADMIT = """
@@ -49,14 +52,15 @@ if cap > 0 then
   for _, v in ipairs(redis.call('HVALS', KEYS[3])) do held = held + tonumber(v) end
   if held >= cap then return {4, 0} end
 end
-local chosen = 0
+local chosen, kept = 0, 0
 for i = 4, #KEYS do
-  local limit = tonumber(ARGV[i + 7])
+  local limit = tonumber(ARGV[i + 8])
   if limit == 0 then chosen = i break end
   local total = 0
   for _, v in ipairs(redis.call('HVALS', KEYS[i])) do total = total + tonumber(v) end
   if total < limit then
-    redis.call('HINCRBY', KEYS[i], ARGV[1], 1)
+    kept = math.max(0, math.min(tonumber(ARGV[11]), math.floor((limit - total - 1) / 2)))
+    redis.call('HINCRBY', KEYS[i], ARGV[1], 1 + kept)
     chosen = i
     break
   end
@@ -79,8 +83,8 @@ if tpm > 0 then
   redis.call('HSET', KEYS[2], 'l', tostring(tl - reserve - tleased), 't', now)
   redis.call('PEXPIRE', KEYS[2], 120000)
 end
-if chosen > 0 then return {0, chosen - 4, leased, tleased} end
-return {0, 0, leased, tleased}
+if chosen > 0 then return {0, chosen - 4, leased, tleased, kept} end
+return {0, 0, leased, tleased, 0}
 """
 
 # ACQUIRE: a slot on one backend (a failover attempt), if it has one free.

@@ -7,17 +7,21 @@ What is shared, and how it stays off the hot path:
   trip before the first upstream byte, and none at all for a request of an unlimited key to backends without a
   ``max_concurrency``. Settling (the tokens really used, the slot given back) is sent after the response, in
   the background.
-* **Kept slots**: a replica keeps some of the slots its finished requests free (up to ``max_concurrency // 8``
-  of a backend, at most 8) for its next requests, which then take one without asking Redis: a key without
-  limits pays no round trip at all while its replica has one. Kept slots count as held for everyone else, so
+* **Kept slots**: a replica keeps some slots of a backend (up to ``max_concurrency // 8``, at most 64) for its
+  next requests, which then take one without asking Redis: a key without limits pays no round trip at all
+  while its replica has one. It keeps the slots its finished requests free, and an admission's round trip
+  takes some more with the request's own (never more than half of those still free), so that a burst of
+  requests arriving together pays one round trip, not one each: while an admission is on its way, the
+  requests of the same key wait for it and then look again. Kept slots count as held for everyone else, so
   ``max_concurrency`` still holds across replicas; they go back to Redis when unused for a heartbeat, and at
   once when another replica finds the backend full (it says so on the *wanted* channel).
 * **Leases**: a key without ``max_in_flight`` takes, with an admission's round trip, some more of its buckets'
   requests and tokens (about ``LEASE_MAX`` requests' worth, never more than a bucket's level over
   ``LEASE_SHARE`` x the replicas: none as the bucket runs low, so the limit stays exact there); its next
-  requests on this replica take theirs from the lease without asking Redis (a request's tokens are settled
-  against its reservation as ever), and with a kept slot pay no round trip at all. Leases unused for a
-  heartbeat go back to the buckets.
+  requests on this replica take theirs from the lease without asking Redis, and with a kept slot pay no round
+  trip at all. A request's tokens are settled against its reservation as ever, into the lease while there is
+  one (what it used less goes back to the lease, what it used more comes out of it), else in Redis. Leases
+  unused for a heartbeat go back to the buckets.
 * **Free slots**: a released slot is announced on a channel; every replica's waiting requests (the admission
   queue) wake and route again.
 * **Peers** (:meth:`publish`, :meth:`subscribe`): what routing learns (session -> backend, the prompt blocks
@@ -65,7 +69,7 @@ OPERATIONS = ("admit", "acquire", "settle", "heartbeat", "subscribe", "publish",
               "drain")
 MAX_PENDING = 10_000  # settlements kept while Redis is down (beyond: the oldest are dropped and counted)
 KEPT_SHARE = 8  # a replica keeps up to max_concurrency // KEPT_SHARE freed slots of a backend ...
-KEPT_MAX = 8  # ... and at most this many
+KEPT_MAX = 64  # ... and at most this many
 LEASE_SHARE = 16  # a lease takes at most 1/(LEASE_SHARE x replicas) of what is left in a key's bucket ...
 LEASE_MAX = 16  # ... and at most this many requests (of tokens: this many times the request's reservation)
 
@@ -160,6 +164,9 @@ class SharedState:
         self.up = False
         self.errors: dict[str, int] = dict.fromkeys(OPERATIONS, 0)  # operation -> failures (all from zero)
         self.fail_open = 0  # requests passed unlimited because Redis was down
+        # admissions by how they were decided: from what this replica holds ("local"), from what another
+        # request's round trip brought ("waited"), or with a round trip of their own ("redis")
+        self.admissions: dict[str, int] = {"local": 0, "waited": 0, "redis": 0}
         self.dropped = 0  # settlements dropped (the queue was full while Redis was down)
         self._last_log = 0.0
         self._needs_resync = True
@@ -172,6 +179,9 @@ class SharedState:
         # (key, "requests" or "tokens") -> [what of that bucket is leased here, its limit, when last leased or
         # taken from]
         self._leases: dict[tuple[str, str], list[float]] = {}
+        # (key name, best-ranked backend) -> done when the admission round trip on its way for them (a key
+        # without max_in_flight) is back
+        self._admitting: dict[tuple[str, str], asyncio.Future[None]] = {}
         self.remote: dict[str, int] = {}  # backend -> slots the other replicas hold, as last read
         self._pending: deque[tuple[str, list[str], list[Any]]] = deque()  # settlements waiting for Redis
         self._draining = False
@@ -288,32 +298,43 @@ class SharedState:
         cap = (budget.max_in_flight or 0) if budget is not None else 0
         reserve = reserve if tpm else 0
         if not cap and self.up:
-            # no round trip when this replica has what the request needs: a leased request (if the key has a
-            # requests_per_minute), its reservation's tokens leased (tokens_per_minute), a kept slot of the
-            # best-ranked backend (if it has a max_concurrency)
-            requests = self._leases.get((name, "requests")) if rpm else None
-            tokens = self._leases.get((name, "tokens")) if tpm else None
-            if ((not rpm or (requests is not None and requests[0] >= 1 and requests[1] == rpm))
-                    and (not tpm or (tokens is not None and tokens[0] >= reserve and tokens[1] == tpm))
-                    and (rpm or tpm or chosen_from)
-                    and (not chosen_from or self._take_kept(chosen_from[0]))):
-                now = time.monotonic()
-                for lease, amount in ((requests, 1), (tokens, reserve)):
-                    if lease is not None:
-                        lease[0] -= amount
-                        lease[2] = now
+            if self._local(name, rpm, tpm, reserve, chosen_from):
+                self.admissions["local"] += 1
                 return Admitted(chosen=0, slot=bool(chosen_from))
+            # A round trip of the same key to the same best-ranked backend is on its way: it brings leases and
+            # kept slots enough for a burst, so wait for it rather than send another (the one sent first answers
+            # first), then look again.
+            flight = (name, chosen_from[0].name if chosen_from else "")
+            ahead = self._admitting.get(flight)
+            if ahead is not None:
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(self._timeout):
+                        await asyncio.shield(ahead)
+                if self.up and self._local(name, rpm, tpm, reserve, chosen_from):
+                    self.admissions["waited"] += 1
+                    return Admitted(chosen=0, slot=bool(chosen_from))
         keys = [self._bucket(name, "requests"), self._bucket(name, "tokens"), self._inflight(key_place_of(name)),
                 *(self._inflight(c.name) for c in chosen_from)]
         divisor = LEASE_SHARE * max(1, self.replicas) if (rpm or tpm) and not cap else 0
+        room = self._keep_room(chosen_from[0]) if chosen_from else 0
         args = [self.replica, rpm, tpm, reserve, cap, self._wanted_channel, self._wanted_message(chosen_from),
-                divisor, LEASE_MAX, LEASE_MAX * max(1, reserve), *(c.max_concurrency or 0 for c in chosen_from)]
+                divisor, LEASE_MAX, LEASE_MAX * max(1, reserve), room,
+                *(c.max_concurrency or 0 for c in chosen_from)]
+        self.admissions["redis"] += 1
+        done: asyncio.Future[None] | None = None
+        flight = (name, chosen_from[0].name if chosen_from else "")
+        if not cap and flight not in self._admitting:
+            done = self._admitting[flight] = asyncio.get_running_loop().create_future()
         try:
             async with asyncio.timeout(self._timeout):  # (not wait_for: it makes a task per call)
                 status, value, *more = await self._script("admit", scripts.ADMIT, keys, args)
         except self._errors as exc:
             self._failed("admit", exc)
             raise StateUnavailable(str(exc)) from None
+        finally:
+            if done is not None:
+                del self._admitting[flight]
+                done.set_result(None)
         if status == 0 and len(more) >= 2:
             for kind, limit, amount in (("requests", rpm, int(more[0])), ("tokens", tpm, int(more[1]))):
                 if amount > 0:
@@ -331,7 +352,28 @@ class SharedState:
         slot = bool(chosen_from) and bool(chosen_from[index].max_concurrency)
         if slot:
             self._took(chosen_from[index])
+            extra = int(more[2]) if len(more) >= 3 else 0
+            if extra > 0:
+                self._kept_extra(chosen_from[index], extra)
         return Admitted(chosen=index, slot=slot, key_place=bool(cap))
+
+    def _local(self, name: str, rpm: int, tpm: int, reserve: int, chosen_from: Sequence[Slotted]) -> bool:
+        """Admit from what this replica has, without a round trip, if it has what the request needs: a leased
+        request (if the key has a requests_per_minute), its reservation's tokens leased (tokens_per_minute), a
+        kept slot of the best-ranked backend (if it has a max_concurrency)."""
+        requests = self._leases.get((name, "requests")) if rpm else None
+        tokens = self._leases.get((name, "tokens")) if tpm else None
+        if ((not rpm or (requests is not None and requests[0] >= 1 and requests[1] == rpm))
+                and (not tpm or (tokens is not None and tokens[0] >= reserve and tokens[1] == tpm))
+                and (rpm or tpm or chosen_from)
+                and (not chosen_from or self._take_kept(chosen_from[0]))):
+            now = time.monotonic()
+            for lease, amount in ((requests, 1), (tokens, reserve)):
+                if lease is not None:
+                    lease[0] -= amount
+                    lease[2] = now
+            return True
+        return False
 
     async def acquire(self, backend: Slotted) -> bool:
         """A slot on one backend with a ``max_concurrency`` (a failover attempt). Raises StateUnavailable."""
@@ -383,6 +425,25 @@ class SharedState:
         self._kept_used[backend] = now
         return True
 
+    def _keep_room(self, backend: Slotted) -> int:
+        """How many more slots of ``backend`` this replica may keep, to take with an admission's round trip
+        (none while another replica recently found it full, nor while Redis is down)."""
+        if not backend.max_concurrency or not self.up:
+            return 0
+        if time.monotonic() - self._wanted.get(backend.name, -1e9) < self.settings.heartbeat_seconds:
+            return 0
+        return max(0, min(KEPT_MAX, backend.max_concurrency // KEPT_SHARE) - self._kept.get(backend.name, 0))
+
+    def _kept_extra(self, backend: Slotted, extra: int) -> None:
+        """``extra`` slots of ``backend`` taken with an admission, to keep; beyond the room it has (a backend
+        other than the one asked for was chosen), given back."""
+        keep = min(extra, self._keep_room(backend))
+        if keep:
+            self._kept[backend.name] = self._kept.get(backend.name, 0) + keep
+            self._kept_used[backend.name] = time.monotonic()
+        if extra > keep:
+            self._queue_settle("_", 0, 0, backend.name, extra - keep, None)
+
     def _give_back_kept(self, backend: str) -> None:
         slots = self._kept.pop(backend, 0)
         if slots:
@@ -424,6 +485,13 @@ class SharedState:
         and (``key_place``) the key's in-flight place."""
         tpm = (budget.tokens_per_minute or 0) if budget is not None else 0
         key_place = key_place and budget is not None
+        if tpm and tokens_delta and budget is not None and self.up:
+            # settled against the key's lease of tokens when it has one: what the request used less goes back
+            # to the lease (and with it, unused, to the bucket), what it used more comes out of it
+            lease = self._leases.get((budget.key, "tokens"))
+            if lease is not None and lease[1] == tpm and lease[0] >= tokens_delta:
+                lease[0] -= tokens_delta
+                tokens_delta = 0
         if not (tpm and tokens_delta) and slot_backend is None and not key_place:
             return
         released = 0

@@ -256,6 +256,13 @@ class StateCollector(Collector):
         for operation, count in sorted(shared.errors.items()):
             errors.add_metric([operation], float(count))
         yield errors
+        admissions = CounterMetricFamily(
+            "gateway_state_admissions", "Admissions checked against the shared state, by how: from the slots and "
+            "leases this process holds (local), from what another request's round trip brought (waited), or with "
+            "a round trip to Redis (redis).", labels=["path"])
+        for path, count in shared.admissions.items():
+            admissions.add_metric([path], float(count))
+        yield admissions
         yield CounterMetricFamily(
             "gateway_state_fail_open", "Requests of rate-limited keys passed unchecked while the shared state was "
             "down (state.on_failure: open).", value=float(shared.fail_open))

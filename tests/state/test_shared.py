@@ -240,14 +240,15 @@ async def test_a_freed_slot_is_kept_for_the_next_request_which_takes_it_without_
         sixteen = [Slotted("b", 16)]  # keeps up to 16 // 8 = 2
         calls = counting(a)
         assert (await a.admit(None, 0, sixteen)).slot and calls == ["admit"]
-        a.settle(None, 0, "b")
-        assert a.kept("b") == 1 and a.pending == 0 and await lease(a, "b") == 1  # still held in Redis
-        again = await a.admit(None, 0, sixteen)
-        assert again.slot and again.chosen == 0 and calls == ["admit"], "no round trip"
-        assert a.holds("b") == 1 and a.kept("b") == 0
+        # the round trip took two more slots to keep
+        assert a.holds("b") == 1 and a.kept("b") == 2 and await lease(a, "b") == 3
         for _ in range(2):
-            await a.admit(None, 0, sixteen)
-        for _ in range(3):
+            again = await a.admit(None, 0, sixteen)
+            assert again.slot and again.chosen == 0
+        assert calls == ["admit"] and a.holds("b") == 3 and a.kept("b") == 0, "no round trip"
+        a.settle(None, 0, "b")
+        assert a.kept("b") == 1 and a.pending == 0 and await lease(a, "b") == 3  # still held in Redis
+        for _ in range(2):
             a.settle(None, 0, "b")
         assert a.kept("b") == 2, "at most max_concurrency // 8"
         await until(lambda: not a.pending)
@@ -297,10 +298,53 @@ async def test_kept_slots_unused_for_a_heartbeat_go_back(redis_server: RedisServ
     (a,) = await replicas(redis_server, 1, {"b"}, heartbeat_seconds=0.1)
     try:
         await a.admit(None, 0, [Slotted("b", 64)])
+        assert a.kept("b") == 8  # (taken with the admission: 64 // 8)
         a.settle(None, 0, "b")
-        assert a.kept("b") == 1
+        assert a.kept("b") == 8 and await lease(a, "b") in (8, 9)  # (its own slot goes back: none to keep)
         await until(lambda: a.kept("b") == 0 and not a.pending, seconds=3)
         assert await lease(a, "b") == 0
+    finally:
+        await stop([a])
+
+
+@pytest.mark.anyio
+async def test_an_admission_keeps_at_most_half_of_the_slots_still_free(redis_server: RedisServer) -> None:
+    a, b = await replicas(redis_server, 2, {"b", "p", "q"}, heartbeat_seconds=5.0)
+    try:
+        await b._redis.hset(b._inflight("b"), b.replica, 58)  # (as if b's requests held them)
+        assert (await a.admit(None, 0, [Slotted("b", 64)])).slot
+        # 64 // 8 = 8 it could keep, but only 64 - 58 - 1 = 5 are still free after its own: it keeps 2
+        assert a.kept("b") == 2 and await lease(a, "b") == 3
+        # the backend asked for is full and the next one is chosen: what was taken beyond that one's own room
+        # (8 // 8 = 1) goes back at once
+        await b._redis.hset(b._inflight("p"), b.replica, 64)
+        admitted = await a.admit(None, 0, [Slotted("p", 64), Slotted("q", 8)])
+        assert admitted.slot and admitted.chosen == 1 and a.kept("q") == 1
+        await until(lambda: not a.pending)
+        assert await lease(a, "q") == 2 and await lease(a, "p") == 0
+    finally:
+        await stop([a, b])
+
+
+@pytest.mark.anyio
+async def test_a_burst_of_requests_arriving_together_pays_one_round_trip(redis_server: RedisServer) -> None:
+    (a,) = await replicas(redis_server, 1, {"b"}, heartbeat_seconds=5.0)
+    try:
+        calls = counting(a)
+        roomy = [Slotted("b", 1024)]  # keeps up to 64
+        burst = await asyncio.gather(*(a.admit(None, 0, roomy) for _ in range(16)))
+        assert all(r.slot for r in burst) and calls == ["admit"], calls
+        assert a.admissions == {"local": 0, "waited": 15, "redis": 1}
+        assert a.holds("b") == 16 and await lease(a, "b") == 16 + a.kept("b") and a.kept("b") == 64 - 15
+        # a limited key's burst: one round trip leases the rest (a slot each from those kept)
+        budget = Budget("k", 6000, None)
+        burst = await asyncio.gather(*(a.admit(budget, 0, roomy) for _ in range(16)))
+        assert all(r.slot and r.limited is None for r in burst) and calls == ["admit", "admit"], calls
+        assert a.leased("k") == 1  # (sixteen leased, fifteen taken)
+        # a key with max_in_flight asks Redis for each, as before
+        capped = Budget("c", 6000, None, max_in_flight=50)
+        await asyncio.gather(*(a.admit(capped, 0, roomy) for _ in range(4)))
+        assert len(calls) == 6
     finally:
         await stop([a])
 
@@ -382,7 +426,7 @@ async def test_a_keys_requests_and_tokens_are_leased_a_few_at_a_time_and_taken_w
         sixteen = [Slotted("b", 16)]
         await a.admit(budget, 0, sixteen)
         a.settle(None, 0, "b")
-        assert a.kept("b") == 1
+        assert a.kept("b") == 2
         before = len(calls)
         assert (await a.admit(budget, 0, sixteen)).slot and len(calls) == before
         # a limit changed (a reload): what was leased under the old one is not used, but given back
@@ -396,6 +440,18 @@ async def test_a_keys_requests_and_tokens_are_leased_a_few_at_a_time_and_taken_w
         for _ in range(16):
             assert (await a.admit(tpm, 10, free)).limited is None
         assert len(calls) == before + 2 and a.leased("t", "tokens") == 0
+        # their settlements go into the lease: used less gives back to it, used more takes from it, and nothing
+        # goes to Redis
+        await until(lambda: not a.pending)
+        a.settle(tpm, -4, None)
+        a.settle(tpm, -4, None)
+        a.settle(tpm, 3, None)
+        assert a.leased("t", "tokens") == 5 and a.pending == 0
+        a.settle(tpm, 6, None)  # (more than the lease holds: settled in Redis)
+        assert a.pending == 1 and a.leased("t", "tokens") == 5
+        await until(lambda: not a.pending)
+        # (the rest of the test takes tokens from a lease again: empty it)
+        a.settle(tpm, 5, None)
         assert (await a.admit(tpm, 100, free)).limited is None and len(calls) == before + 3
         assert a.leased("t", "tokens") == 1600  # (sixteen of this reservation)
         # a reservation larger than what is leased asks Redis
