@@ -71,6 +71,7 @@ from gateway.bench.state_cost import (
     LIMITED_KEY,
     STATEFUL,
     TOKENS,
+    admissions,
     limited_gateway,
     redis_available,
     redis_child,
@@ -937,15 +938,18 @@ def run_once(cfg: OverheadConfig, log: Any = print, logs: Path | None = None) ->
             # (tracing_cost compares any two gateways' rows: here with shared state against without)
             doc["state"] = {"store": "redis-server on loopback; every request holds a slot of the backend's "
                                      "max_concurrency (taken from the replica's kept slots when it has one)",
-                            "levels": tracing_cost(doc["levels"], "gateway", STATEFUL)}
+                            "levels": tracing_cost(doc["levels"], "gateway", STATEFUL),
+                            "admissions": admissions(stateful_url)}
         if limited is not None:
             doc["state_limited"] = {"store": "the same redis-server; the key has a requests_per_minute limit: its "
-                                             "requests are leased a few at a time (a round trip in about 17)",
-                                    "levels": tracing_cost(doc["levels"], "gateway", LIMITED)}
+                                             "requests are leased a few at a time",
+                                    "levels": tracing_cost(doc["levels"], "gateway", LIMITED),
+                                    "admissions": admissions(limited_url)}
         if tokens is not None:
             doc["state_tokens"] = {"store": "the same redis-server; the key has a tokens_per_minute limit: its "
                                             "tokens are leased a few reservations at a time",
-                                   "levels": tracing_cost(doc["levels"], "gateway", TOKENS)}
+                                   "levels": tracing_cost(doc["levels"], "gateway", TOKENS),
+                                   "admissions": admissions(tokens_url)}
         if several is not None:
             baseline = STATEFUL if stateful is not None else "gateway"
             sat = (doc.get("saturation") or {}).get("levels") or {}
@@ -1097,6 +1101,11 @@ def print_overhead(doc: dict[str, Any]) -> None:
             console.print(f"{what} at {level} streams adds: TTFT p50 {f(r['ttft_us_p50'], 0)} us, p99 "
                           f"{f(r['ttft_us_p99'], 0)} us, end to end p50 {f(r['e2e_us_p50'], 0)} us, CPU "
                           f"{f(r['cpu_us_per_request'], 0)} us per request")
+        counts = doc.get(part, {}).get("admissions")
+        if counts:
+            total = sum(counts.values())
+            console.print(f"{what}, admissions over the run: " + ", ".join(f"{k} {v}" for k, v in counts.items())
+                          + (f" ({counts.get('redis', 0) / total:.1%} with a round trip)" if total else ""))
     if "workers" in doc:
         w = doc["workers"]
         for level, r in w["levels"].items():

@@ -1,14 +1,14 @@
 """What shared state costs a request: ``gateway bench overhead --state`` adds a gateway whose limits and slots
 live in a loopback ``redis-server`` (Debian's, started here; ports ``base + 6`` and ``base + 7``), interleaved
 with the others in every phase. Its backend has a ``max_concurrency`` (as the plain gateway's), so every
-request takes its slot with one Redis round trip before its first upstream byte and gives it back after its
-last byte: the first request takes it with one Redis round trip before its first upstream byte, and a replica
-then keeps a few freed slots (``SharedState``'s kept slots), so most requests take theirs from memory. Two more
-(``base + 9`` and ``base + 10``, the same redis-server) serve one key each, with a limit too high to bite: a
+request holds a slot: one taken with an admission's round trip, or from the slots the gateway keeps
+(``SharedState``'s kept slots), given back (or kept) after its last byte. Two more (``base + 9`` and
+``base + 10``, the same redis-server) serve one key each, with a limit too high to bite: a
 ``requests_per_minute`` key and a ``tokens_per_minute`` key, whose requests and tokens are leased a few
-requests' worth at a time (one round trip in about 17).
+requests' worth at a time.
 The report gives, per level, what each adds over the same gateway without shared state (TTFT p50/p99 and
-end-to-end p50 in microseconds, CPU per request).
+end-to-end p50 in microseconds, CPU per request), and how each gateway's admissions were decided over the run
+(``gateway_state_admissions_total``: local, waited for another's round trip, or a round trip of their own).
 
 ``--workers N`` adds a gateway of N worker processes (``server.workers``, on ``base + 8``) sharing that
 redis-server (started for it when ``--state`` is not given): what the processes add or take away at each
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import shutil
+import urllib.request
 from pathlib import Path
 from typing import Literal
 
@@ -28,6 +29,18 @@ STATEFUL = "gateway+redis"
 LIMITED = "gateway+redis, rpm key"
 TOKENS = "gateway+redis, tpm key"
 LIMITED_KEY = "bench-limited-key"  # (loopback only; the gateway stores its SHA-256)
+
+
+def admissions(url: str) -> dict[str, int]:
+    """``gateway_state_admissions_total`` by path, as the gateway at ``url`` counts them now."""
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    out: dict[str, int] = {}
+    for line in text.splitlines():
+        if line.startswith('gateway_state_admissions_total{path="'):
+            path = line.split('"', 2)[1]
+            out[path] = int(float(line.rsplit(" ", 1)[1]))
+    return out
 
 
 def redis_available() -> bool:
