@@ -297,6 +297,7 @@ class SharedState:
             chosen_from = []
         cap = (budget.max_in_flight or 0) if budget is not None else 0
         reserve = reserve if tpm else 0
+        flight = (name, chosen_from[0].name if chosen_from else "")  # (see _admitting)
         if not cap and self.up:
             if self._local(name, rpm, tpm, reserve, chosen_from):
                 self.admissions["local"] += 1
@@ -304,7 +305,6 @@ class SharedState:
             # A round trip of the same key to the same best-ranked backend is on its way: it brings leases and
             # kept slots enough for a burst, so wait for it rather than send another (the one sent first answers
             # first), then look again.
-            flight = (name, chosen_from[0].name if chosen_from else "")
             ahead = self._admitting.get(flight)
             if ahead is not None:
                 with contextlib.suppress(TimeoutError):
@@ -316,13 +316,12 @@ class SharedState:
         keys = [self._bucket(name, "requests"), self._bucket(name, "tokens"), self._inflight(key_place_of(name)),
                 *(self._inflight(c.name) for c in chosen_from)]
         divisor = LEASE_SHARE * max(1, self.replicas) if (rpm or tpm) and not cap else 0
-        room = self._keep_room(chosen_from[0]) if chosen_from else 0
+        room = self._keep_room(chosen_from[0].name, chosen_from[0].max_concurrency) if chosen_from else 0
         args = [self.replica, rpm, tpm, reserve, cap, self._wanted_channel, self._wanted_message(chosen_from),
                 divisor, LEASE_MAX, LEASE_MAX * max(1, reserve), room,
                 *(c.max_concurrency or 0 for c in chosen_from)]
         self.admissions["redis"] += 1
         done: asyncio.Future[None] | None = None
-        flight = (name, chosen_from[0].name if chosen_from else "")
         if not cap and flight not in self._admitting:
             done = self._admitting[flight] = asyncio.get_running_loop().create_future()
         try:
@@ -415,29 +414,25 @@ class SharedState:
     def _keep(self, backend: str) -> bool:
         """Whether a slot a request of this replica just freed is kept for its next request (not while
         another replica recently found the backend full, nor while Redis is down)."""
-        kept = self._kept.get(backend, 0)
-        if not self.up or kept >= min(KEPT_MAX, self._limits.get(backend, 0) // KEPT_SHARE):
+        if self._keep_room(backend, self._limits.get(backend, 0)) <= 0:
             return False
-        now = time.monotonic()
-        if now - self._wanted.get(backend, -1e9) < self.settings.heartbeat_seconds:
-            return False
-        self._kept[backend] = kept + 1
-        self._kept_used[backend] = now
+        self._kept[backend] = self._kept.get(backend, 0) + 1
+        self._kept_used[backend] = time.monotonic()
         return True
 
-    def _keep_room(self, backend: Slotted) -> int:
-        """How many more slots of ``backend`` this replica may keep, to take with an admission's round trip
-        (none while another replica recently found it full, nor while Redis is down)."""
-        if not backend.max_concurrency or not self.up:
+    def _keep_room(self, backend: str, max_concurrency: int | None) -> int:
+        """How many more slots of ``backend`` this replica may keep (none while another replica recently
+        found it full, nor while Redis is down)."""
+        if not max_concurrency or not self.up:
             return 0
-        if time.monotonic() - self._wanted.get(backend.name, -1e9) < self.settings.heartbeat_seconds:
+        if time.monotonic() - self._wanted.get(backend, -1e9) < self.settings.heartbeat_seconds:
             return 0
-        return max(0, min(KEPT_MAX, backend.max_concurrency // KEPT_SHARE) - self._kept.get(backend.name, 0))
+        return max(0, min(KEPT_MAX, max_concurrency // KEPT_SHARE) - self._kept.get(backend, 0))
 
     def _kept_extra(self, backend: Slotted, extra: int) -> None:
         """``extra`` slots of ``backend`` taken with an admission, to keep; beyond the room it has (a backend
         other than the one asked for was chosen), given back."""
-        keep = min(extra, self._keep_room(backend))
+        keep = min(extra, self._keep_room(backend.name, backend.max_concurrency))
         if keep:
             self._kept[backend.name] = self._kept.get(backend.name, 0) + keep
             self._kept_used[backend.name] = time.monotonic()
