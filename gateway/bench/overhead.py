@@ -69,8 +69,10 @@ from gateway.bench.runner import Arrival, RunResult, cpu_seconds, host_busy_shar
 from gateway.bench.state_cost import (
     LIMITED,
     LIMITED_KEY,
+    LIMITED_LOCAL,
     STATEFUL,
     TOKENS,
+    TOKENS_LOCAL,
     admissions,
     limited_gateway,
     redis_available,
@@ -842,8 +844,8 @@ def run_once(cfg: OverheadConfig, log: Any = print, logs: Path | None = None) ->
     gateway = ChildProcess("gateway", [*untraced_env, py, "-m", "gateway", "serve", "--config", str(config_file),
                                        "--log-level", "warning"], logs / "gateway.log")
     traced, sink, sink_url = _traced_gateway(cfg, backend_url, logs) if cfg.tracing else (None, None, "")
-    redis = stateful = limited = tokens = None
-    stateful_url = limited_url = tokens_url = ""
+    redis = stateful = limited = tokens = limited_local = tokens_local = None
+    stateful_url = limited_url = tokens_url = limited_local_url = tokens_local_url = ""
     if cfg.state:
         if not redis_available():
             raise RuntimeError("--state needs redis-server (Debian: apt-get install redis-server)")
@@ -852,6 +854,12 @@ def run_once(cfg: OverheadConfig, log: Any = print, logs: Path | None = None) ->
         limited, limited_url = limited_gateway(cfg.base_port, gateway_yaml(backend_url, cfg.base_port + 9), logs, py)
         tokens, tokens_url = limited_gateway(cfg.base_port, gateway_yaml(backend_url, cfg.base_port + 10), logs, py,
                                              limit="tokens_per_minute")
+        # (the same keys without Redis: what each limited gateway's shared state is measured against)
+        limited_local, limited_local_url = limited_gateway(
+            cfg.base_port, gateway_yaml(backend_url, cfg.base_port + 11), logs, py, shared=False)
+        tokens_local, tokens_local_url = limited_gateway(
+            cfg.base_port, gateway_yaml(backend_url, cfg.base_port + 12), logs, py, limit="tokens_per_minute",
+            shared=False)
     several: ChildProcess | None = None
     several_url = ""
     if cfg.workers > 1:
@@ -891,7 +899,8 @@ def run_once(cfg: OverheadConfig, log: Any = print, logs: Path | None = None) ->
         if stateful is not None:
             stateful.start().wait_http(stateful_url + "/v1/chat/completions", method="POST", body=probe)
             targets.append(Target(STATEFUL, stateful_url, MODEL, pid=stateful.pid))
-        for proc, url in ((limited, limited_url), (tokens, tokens_url)):
+        for proc, url in ((limited_local, limited_local_url), (limited, limited_url),
+                          (tokens_local, tokens_local_url), (tokens, tokens_url)):
             if proc is not None:
                 proc.start().wait_http(url + "/v1/chat/completions", method="POST", body=probe,
                                        headers={"Authorization": f"Bearer {LIMITED_KEY}"})
@@ -943,12 +952,14 @@ def run_once(cfg: OverheadConfig, log: Any = print, logs: Path | None = None) ->
         if limited is not None:
             doc["state_limited"] = {"store": "the same redis-server; the key has a requests_per_minute limit: its "
                                              "requests are leased a few at a time",
-                                    "levels": tracing_cost(doc["levels"], "gateway", LIMITED),
+                                    "against": LIMITED_LOCAL,
+                                    "levels": tracing_cost(doc["levels"], LIMITED_LOCAL, LIMITED),
                                     "admissions": admissions(limited_url)}
         if tokens is not None:
             doc["state_tokens"] = {"store": "the same redis-server; the key has a tokens_per_minute limit: its "
                                             "tokens are leased a few reservations at a time",
-                                   "levels": tracing_cost(doc["levels"], "gateway", TOKENS),
+                                   "against": TOKENS_LOCAL,
+                                   "levels": tracing_cost(doc["levels"], TOKENS_LOCAL, TOKENS),
                                    "admissions": admissions(tokens_url)}
         if several is not None:
             baseline = STATEFUL if stateful is not None else "gateway"
@@ -965,7 +976,8 @@ def run_once(cfg: OverheadConfig, log: Any = print, logs: Path | None = None) ->
     finally:
         if router is not None:
             _stop_soon(router, 1.0)  # SMG drains for 5 s on SIGTERM; nothing of it is measured any more
-        for proc in (traced, sink, several, stateful, limited, tokens, redis, gateway, backend):
+        for proc in (traced, sink, several, stateful, limited, tokens, limited_local, tokens_local, redis, gateway,
+                     backend):
             if proc is not None:
                 proc.stop()
     doc["wall_s"] = time.perf_counter() - started
@@ -1097,8 +1109,9 @@ def print_overhead(doc: dict[str, Any]) -> None:
         print_tracing(console, doc["tracing"])
     for part, what in (("state", "shared state"), ("state_limited", "shared state with a requests/min key"),
                        ("state_tokens", "shared state with a tokens/min key")):
+        against = doc.get(part, {}).get("against", "the plain gateway")
         for level, r in doc.get(part, {}).get("levels", {}).items():
-            console.print(f"{what} at {level} streams adds: TTFT p50 {f(r['ttft_us_p50'], 0)} us, p99 "
+            console.print(f"{what} at {level} streams adds (over {against}): TTFT p50 {f(r['ttft_us_p50'], 0)} us, p99 "
                           f"{f(r['ttft_us_p99'], 0)} us, end to end p50 {f(r['e2e_us_p50'], 0)} us, CPU "
                           f"{f(r['cpu_us_per_request'], 0)} us per request")
         counts = doc.get(part, {}).get("admissions")

@@ -5,9 +5,11 @@ request holds a slot: one taken with an admission's round trip, or from the slot
 (``SharedState``'s kept slots), given back (or kept) after its last byte. Two more (``base + 9`` and
 ``base + 10``, the same redis-server) serve one key each, with a limit too high to bite: a
 ``requests_per_minute`` key and a ``tokens_per_minute`` key, whose requests and tokens are leased a few
-requests' worth at a time.
+requests' worth at a time; and two without Redis (``base + 11`` and ``base + 12``) serve the same keys with the
+same limits from their own memory.
 The report gives, per level, what each adds over the same gateway without shared state (TTFT p50/p99 and
-end-to-end p50 in microseconds, CPU per request), and how each gateway's admissions were decided over the run
+end-to-end p50 in microseconds, CPU per request: the slots-only gateway against the plain one, each limited
+key's against the same key without Redis), and how each gateway's admissions were decided over the run
 (``gateway_state_admissions_total``: local, waited for another's round trip, or a round trip of their own).
 
 ``--workers N`` adds a gateway of N worker processes (``server.workers``, on ``base + 8``) sharing that
@@ -28,6 +30,8 @@ from gateway.bench.procs import ChildProcess
 STATEFUL = "gateway+redis"
 LIMITED = "gateway+redis, rpm key"
 TOKENS = "gateway+redis, tpm key"
+LIMITED_LOCAL = "gateway, rpm key"  # the same key and limit in the gateway's own memory: what Redis is measured against
+TOKENS_LOCAL = "gateway, tpm key"
 LIMITED_KEY = "bench-limited-key"  # (loopback only; the gateway stores its SHA-256)
 
 
@@ -62,19 +66,26 @@ def stateful_gateway(base_port: int, gateway_yaml: str, logs: Path, python: str)
 
 def limited_gateway(base_port: int, gateway_yaml: str, logs: Path, python: str,
                     limit: Literal["requests_per_minute", "tokens_per_minute"] = "requests_per_minute",
-                    ) -> tuple[ChildProcess, str]:
-    """(a gateway with the redis-server on ``base_port + 6`` whose one key has ``limit``, too high to bite;
-    its URL): ``requests_per_minute`` on ``base_port + 9``, ``tokens_per_minute`` on ``base_port + 10``.
-    ``gateway_yaml``: the plain gateway's configuration for that port."""
-    name, port = (LIMITED, base_port + 9) if limit == "requests_per_minute" else (TOKENS, base_port + 10)
+                    shared: bool = True) -> tuple[ChildProcess, str]:
+    """(a gateway whose one key has ``limit``, too high to bite; its URL). ``shared``: with the redis-server on
+    ``base_port + 6``, ``requests_per_minute`` on ``base_port + 9`` and ``tokens_per_minute`` on ``base_port +
+    10``; else the same key in the gateway's own memory (what shared state is measured against), on ``base_port
+    + 11`` and ``base_port + 12``. ``gateway_yaml``: the plain gateway's configuration for that port (see
+    :func:`limited_port`)."""
+    tokens = limit == "tokens_per_minute"
+    name = (TOKENS if tokens else LIMITED) if shared else (TOKENS_LOCAL if tokens else LIMITED_LOCAL)
     digest = hashlib.sha256(LIMITED_KEY.encode()).hexdigest()
-    config = logs / f"gateway-redis-{limit}.yaml"
-    config.write_text(gateway_yaml + f"state:\n  url: redis://127.0.0.1:{base_port + 6}/0\n"
-                      f"auth:\n  keys:\n    - name: bench\n      key_sha256: {digest}\n"
+    config = logs / f"gateway-{'redis-' if shared else ''}{limit}.yaml"
+    state = f"state:\n  url: redis://127.0.0.1:{base_port + 6}/0\n" if shared else ""
+    config.write_text(gateway_yaml + state + f"auth:\n  keys:\n    - name: bench\n      key_sha256: {digest}\n"
                       f"      {limit}: 1000000000\n")
     gateway = ChildProcess(name, [python, "-m", "gateway", "serve", "--config", str(config), "--log-level",
-                                  "warning"], logs / f"gateway-redis-{limit}.log")
-    return gateway, f"http://127.0.0.1:{port}"
+                                  "warning"], logs / f"gateway-{'redis-' if shared else ''}{limit}.log")
+    return gateway, f"http://127.0.0.1:{limited_port(base_port, limit, shared)}"
+
+
+def limited_port(base_port: int, limit: Literal["requests_per_minute", "tokens_per_minute"], shared: bool) -> int:
+    return base_port + (9 if limit == "requests_per_minute" else 10) + (0 if shared else 2)
 
 
 def redis_child(port: int, logs: Path) -> ChildProcess:

@@ -232,7 +232,7 @@ def test_a_tiny_real_run_measures_every_phase(tmp_path: Path) -> None:
     cfg = OverheadConfig(levels=[2], rounds=1, min_round=4, tokens=4, gap_ms=1.0, hold=20, hold_seconds=0.2,
                          cost_requests=16, cost_concurrency=4, cost_tokens=(1, 4), cost_rounds=1,
                          cost_prompt_chars=2000, saturation_levels=[8], saturation_requests=16, saturation_tokens=4,
-                         translation_level=2, state=True, workers=2, base_port=free_port_block(11),
+                         translation_level=2, state=True, workers=2, base_port=free_port_block(13),
                          out=tmp_path)
     started = time.monotonic()
     summary = run_overhead(cfg, log=lambda *_: None)
@@ -242,7 +242,8 @@ def test_a_tiny_real_run_measures_every_phase(tmp_path: Path) -> None:
     run = json.loads((tmp_path / "overhead-1.json").read_text())
     assert run["run"] == 1 and (tmp_path / "gateway.log").exists()
     assert (tmp_path / "overhead.png").stat().st_size > 10_000
-    stateful = {"gateway+redis", "gateway+redis, rpm key", "gateway+redis, tpm key", "gateway x2"}
+    stateful = {"gateway+redis", "gateway+redis, rpm key", "gateway+redis, tpm key", "gateway x2",
+                "gateway, rpm key", "gateway, tpm key"}
     names = set(on_disk["levels"]["2"]) - stateful
     assert {"direct", "gateway"} <= names
     gw = on_disk["levels"]["2"]["gateway"]
@@ -263,11 +264,13 @@ def test_a_tiny_real_run_measures_every_phase(tmp_path: Path) -> None:
     state = on_disk["state"]["levels"]["2"]  # the gateway with its slots in a loopback redis-server
     assert state["ttft_us_p50"] is not None and state["cpu_us_per_request"] is not None
     assert on_disk["levels"]["2"]["gateway+redis"]["ok"] == 4
-    # the same with keys whose limits live in Redis: requests per minute (leased), tokens per minute
+    # the same with keys whose limits live in Redis: requests per minute (leased), tokens per minute, each
+    # against the same key and limit without Redis
     for part, name in (("state_limited", "gateway+redis, rpm key"), ("state_tokens", "gateway+redis, tpm key")):
         limited = on_disk[part]["levels"]["2"]
         assert limited["ttft_us_p50"] is not None and limited["cpu_us_per_request"] is not None
-        assert on_disk["levels"]["2"][name]["ok"] == 4
+        assert on_disk[part]["against"] == name.replace("+redis", "")
+        assert on_disk["levels"]["2"][name]["ok"] == on_disk["levels"]["2"][name.replace("+redis", "")]["ok"] == 4
     workers = on_disk["workers"]  # two worker processes sharing that redis-server, against one process with it
     assert workers["count"] == 2 and workers["against"] == "gateway+redis"
     assert workers["levels"]["2"]["ttft_us_p50"] is not None
