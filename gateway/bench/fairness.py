@@ -14,6 +14,9 @@ Scenarios, each ``--seconds`` long, open loop (Poisson arrivals) unless said:
   is under way (a quarter of the scenario, at most 5 s: its first burst takes every slot at once, and no
   scheduler that does not preempt frees one before the first answers end), B at 20%: B's TTFT p99 against
   ``alone`` (target: within 1.5x), B's 429s (target: none), A's 429s and whether each carried Retry-After.
+  Beside it, the engines' own mean TTFT (``vllm:time_to_first_token_seconds``, every admitted request's) while
+  B ran over alone's, against B's mean TTFT over alone's at the client: how much of B's slower first token
+  the engines' fuller batches explain, which no admission order can take away.
 * ``priority``: ``critical`` traffic (key ops, x-gateway-priority: critical) at 30% and ``sheddable`` traffic
   (key batch, whose band it is) at 200%: critical's wait for admission, p99 (target: under 50 ms), from the
   gateway's ``gateway_admission_wait_seconds`` histogram; sheddable's completions (target: some). The
@@ -174,7 +177,8 @@ def summary(outcomes: list[Outcome], seconds: float) -> dict[str, Any]:
             "refused_with_retry_after": sum(1 for o in refused if o.retry_after),
             "other_errors": len(outcomes) - len(ok) - len(refused),
             "sent_per_s": round(len(outcomes) / seconds, 2), "completed_per_s": round(len(ok) / seconds, 2),
-            "ttft_ms_p50": _ms(quantile(ttft, 0.5)), "ttft_ms_p99": _ms(quantile(ttft, 0.99))}
+            "ttft_ms_p50": _ms(quantile(ttft, 0.5)), "ttft_ms_p99": _ms(quantile(ttft, 0.99)),
+            "ttft_ms_mean": _ms(sum(ttft) / len(ttft)) if ttft else None}
 
 
 def _ms(v: float | None) -> float | None:
@@ -215,6 +219,20 @@ def total(metrics: str, family: str, **labels: str) -> float:
     return out
 
 
+async def engine_ttft(session: aiohttp.ClientSession, engines: list[str]) -> tuple[float, float]:
+    """(sum, count) of the engines' own ``vllm:time_to_first_token_seconds`` histograms, all added up."""
+    texts = [await scrape(session, engine) for engine in engines]
+    return (sum(total(t, "vllm:time_to_first_token_seconds_sum") for t in texts),
+            sum(total(t, "vllm:time_to_first_token_seconds_count") for t in texts))
+
+
+def engine_mean_ms(before: tuple[float, float], after: tuple[float, float]) -> float | None:
+    """The engines' mean TTFT between two :func:`engine_ttft` readings, in ms (what the engines' batches cost a
+    request's first token, without the gateway's queue and the loopback hops)."""
+    count = after[1] - before[1]
+    return _ms((after[0] - before[0]) / count) if count > 0 else None
+
+
 async def drain(session: aiohttp.ClientSession, url: str, log: Any, limit: float = 90.0) -> float:
     """Until the gateway holds nothing (queue and backends idle), so one scenario's backlog is not the next
     one's load; the seconds it took."""
@@ -228,7 +246,7 @@ async def drain(session: aiohttp.ClientSession, url: str, log: Any, limit: float
     return time.monotonic() - started
 
 
-async def scenarios(url: str, cfg: Config, log: Any) -> dict[str, Any]:
+async def scenarios(url: str, engines: list[str], cfg: Config, log: Any) -> dict[str, Any]:
     connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=4)
     async with aiohttp.ClientSession(connector=connector) as session:
         started = time.monotonic()
@@ -244,22 +262,40 @@ async def scenarios(url: str, cfg: Config, log: Any) -> dict[str, Any]:
 
         await drain(session, url, log)
         log(f"alone: B at 20% ({0.2 * capacity:.1f}/s)")
+        at_start = await engine_ttft(session, engines)
         alone = await open_loop(session, url, "B", 0.2 * capacity, seconds, cfg, started)
-        doc["alone"] = {"B": summary(alone, seconds)}
+        doc["alone"] = {"B": summary(alone, seconds),
+                        "engine_ttft_ms_mean": engine_mean_ms(at_start, await engine_ttft(session, engines))}
 
         warm = min(5.0, seconds / 4)
         log(f"noisy: A at 500% ({5 * capacity:.1f}/s), and after {warm:g} s B at 20% beside it")
 
+        beside: list[tuple[float, float]] = []
+
         async def b_later() -> list[Outcome]:
             await asyncio.sleep(warm)  # (beside a flood under way: its first seconds took every slot at once)
-            return await open_loop(session, url, "B", 0.2 * capacity, seconds, cfg, started)
+            beside.append(await engine_ttft(session, engines))
+            outcomes = await open_loop(session, url, "B", 0.2 * capacity, seconds, cfg, started)
+            beside.append(await engine_ttft(session, engines))
+            return outcomes
 
         a, b = await asyncio.gather(open_loop(session, url, "A", 5 * capacity, seconds + warm, cfg, started),
                                     b_later())
-        doc["noisy"] = {"A": summary(a, seconds + warm), "B": summary(b, seconds), "B_starts_after_s": warm}
+        # (the engines' TTFT while B ran: A's and B's requests alike, once admitted; against alone's, what the
+        # fuller batches cost every first token whatever the gateway does)
+        doc["noisy"] = {"A": summary(a, seconds + warm), "B": summary(b, seconds), "B_starts_after_s": warm,
+                        "engine_ttft_ms_mean": engine_mean_ms(beside[0], beside[1])}
         alone_p99, noisy_p99 = doc["alone"]["B"]["ttft_ms_p99"], doc["noisy"]["B"]["ttft_ms_p99"]
         doc["noisy"]["B_ttft_p99_over_alone_x"] = (round(noisy_p99 / alone_p99, 2)
                                                    if alone_p99 and noisy_p99 else None)
+        engine_alone, engine_noisy = doc["alone"]["engine_ttft_ms_mean"], doc["noisy"]["engine_ttft_ms_mean"]
+        mean_alone, mean_noisy = doc["alone"]["B"]["ttft_ms_mean"], doc["noisy"]["B"]["ttft_ms_mean"]
+        # how much of B's slower first token the engines' fuller batches explain: their mean TTFT (on their own,
+        # simulated clock: a ratio is what compares) beside the flood over alone, against B's at the client
+        doc["noisy"]["engine_ttft_mean_over_alone_x"] = (round(engine_noisy / engine_alone, 2)
+                                                         if engine_alone and engine_noisy else None)
+        doc["noisy"]["B_ttft_mean_over_alone_x"] = (round(mean_noisy / mean_alone, 2)
+                                                    if mean_alone and mean_noisy else None)
         doc["noisy"]["drain_s"] = round(await drain(session, url, log), 1)  # (A's backlog: up to its 30 s wait)
 
         log(f"priority: critical at 30% ({0.3 * capacity:.1f}/s) and sheddable at 200%")
@@ -371,7 +407,7 @@ def run_fairness(cfg: Config, log: Any = print) -> dict[str, Any]:
                 fleet.wait_http(f"http://127.0.0.1:{port}/health")
             gateway.wait_http(url + "/ready")
             started = time.perf_counter()
-            doc = asyncio.run(scenarios(url, cfg, log))
+            doc = asyncio.run(scenarios(url, [f"http://127.0.0.1:{port}" for port in ports], cfg, log))
     doc = {"schema": "gateway-bench-fairness/1", "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
            "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in cfg.__dict__.items()},
            "wall_s": round(time.perf_counter() - started, 1), **doc}
