@@ -181,6 +181,11 @@ def summary(outcomes: list[Outcome], seconds: float) -> dict[str, Any]:
             "ttft_ms_mean": _ms(sum(ttft) / len(ttft)) if ttft else None}
 
 
+def _over(a: float | None, b: float | None) -> float | None:
+    """``a / b`` to two places; None when either is unknown (or zero)."""
+    return round(a / b, 2) if a and b else None
+
+
 def _ms(v: float | None) -> float | None:
     return None if v is None else round(1000 * v, 1)
 
@@ -285,17 +290,12 @@ async def scenarios(url: str, engines: list[str], cfg: Config, log: Any) -> dict
         # fuller batches cost every first token whatever the gateway does)
         doc["noisy"] = {"A": summary(a, seconds + warm), "B": summary(b, seconds), "B_starts_after_s": warm,
                         "engine_ttft_ms_mean": engine_mean_ms(beside[0], beside[1])}
-        alone_p99, noisy_p99 = doc["alone"]["B"]["ttft_ms_p99"], doc["noisy"]["B"]["ttft_ms_p99"]
-        doc["noisy"]["B_ttft_p99_over_alone_x"] = (round(noisy_p99 / alone_p99, 2)
-                                                   if alone_p99 and noisy_p99 else None)
-        engine_alone, engine_noisy = doc["alone"]["engine_ttft_ms_mean"], doc["noisy"]["engine_ttft_ms_mean"]
-        mean_alone, mean_noisy = doc["alone"]["B"]["ttft_ms_mean"], doc["noisy"]["B"]["ttft_ms_mean"]
+        alone, noisy = doc["alone"], doc["noisy"]
+        noisy["B_ttft_p99_over_alone_x"] = _over(noisy["B"]["ttft_ms_p99"], alone["B"]["ttft_ms_p99"])
         # how much of B's slower first token the engines' fuller batches explain: their mean TTFT (on their own,
         # simulated clock: a ratio is what compares) beside the flood over alone, against B's at the client
-        doc["noisy"]["engine_ttft_mean_over_alone_x"] = (round(engine_noisy / engine_alone, 2)
-                                                         if engine_alone and engine_noisy else None)
-        doc["noisy"]["B_ttft_mean_over_alone_x"] = (round(mean_noisy / mean_alone, 2)
-                                                    if mean_alone and mean_noisy else None)
+        noisy["engine_ttft_mean_over_alone_x"] = _over(noisy["engine_ttft_ms_mean"], alone["engine_ttft_ms_mean"])
+        noisy["B_ttft_mean_over_alone_x"] = _over(noisy["B"]["ttft_ms_mean"], alone["B"]["ttft_ms_mean"])
         doc["noisy"]["drain_s"] = round(await drain(session, url, log), 1)  # (A's backlog: up to its 30 s wait)
 
         log(f"priority: critical at 30% ({0.3 * capacity:.1f}/s) and sheddable at 200%")

@@ -59,7 +59,7 @@ import time
 import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from gateway.bench.client import Target
 from gateway.bench.procs import ChildProcess, get_json
@@ -75,6 +75,7 @@ from gateway.bench.state_cost import (
     TOKENS_LOCAL,
     admissions,
     limited_gateway,
+    limited_port,
     redis_available,
     redis_child,
     stateful_gateway,
@@ -851,15 +852,16 @@ def run_once(cfg: OverheadConfig, log: Any = print, logs: Path | None = None) ->
             raise RuntimeError("--state needs redis-server (Debian: apt-get install redis-server)")
         redis, stateful, stateful_url = stateful_gateway(cfg.base_port, gateway_yaml(backend_url, cfg.base_port + 7),
                                                          logs, py)
-        limited, limited_url = limited_gateway(cfg.base_port, gateway_yaml(backend_url, cfg.base_port + 9), logs, py)
-        tokens, tokens_url = limited_gateway(cfg.base_port, gateway_yaml(backend_url, cfg.base_port + 10), logs, py,
-                                             limit="tokens_per_minute")
+        def limited_one(limit: Literal["requests_per_minute", "tokens_per_minute"],
+                        shared: bool) -> tuple[ChildProcess, str]:
+            port = limited_port(cfg.base_port, limit, shared)
+            return limited_gateway(cfg.base_port, gateway_yaml(backend_url, port), logs, py, limit, shared)
+
+        limited, limited_url = limited_one("requests_per_minute", True)
+        tokens, tokens_url = limited_one("tokens_per_minute", True)
         # (the same keys without Redis: what each limited gateway's shared state is measured against)
-        limited_local, limited_local_url = limited_gateway(
-            cfg.base_port, gateway_yaml(backend_url, cfg.base_port + 11), logs, py, shared=False)
-        tokens_local, tokens_local_url = limited_gateway(
-            cfg.base_port, gateway_yaml(backend_url, cfg.base_port + 12), logs, py, limit="tokens_per_minute",
-            shared=False)
+        limited_local, limited_local_url = limited_one("requests_per_minute", False)
+        tokens_local, tokens_local_url = limited_one("tokens_per_minute", False)
     several: ChildProcess | None = None
     several_url = ""
     if cfg.workers > 1:

@@ -75,16 +75,18 @@ def limited_gateway(base_port: int, gateway_yaml: str, logs: Path, python: str,
     tokens = limit == "tokens_per_minute"
     name = (TOKENS if tokens else LIMITED) if shared else (TOKENS_LOCAL if tokens else LIMITED_LOCAL)
     digest = hashlib.sha256(LIMITED_KEY.encode()).hexdigest()
-    config = logs / f"gateway-{'redis-' if shared else ''}{limit}.yaml"
+    stem = f"gateway-{'redis-' if shared else ''}{limit}"
+    config = logs / f"{stem}.yaml"
     state = f"state:\n  url: redis://127.0.0.1:{base_port + 6}/0\n" if shared else ""
     config.write_text(gateway_yaml + state + f"auth:\n  keys:\n    - name: bench\n      key_sha256: {digest}\n"
                       f"      {limit}: 1000000000\n")
     gateway = ChildProcess(name, [python, "-m", "gateway", "serve", "--config", str(config), "--log-level",
-                                  "warning"], logs / f"gateway-{'redis-' if shared else ''}{limit}.log")
+                                  "warning"], logs / f"{stem}.log")
     return gateway, f"http://127.0.0.1:{limited_port(base_port, limit, shared)}"
 
 
 def limited_port(base_port: int, limit: Literal["requests_per_minute", "tokens_per_minute"], shared: bool) -> int:
+    """The port of :func:`limited_gateway`'s gateway (its ``gateway_yaml`` is made for it)."""
     return base_port + (9 if limit == "requests_per_minute" else 10) + (0 if shared else 2)
 
 
