@@ -1,11 +1,17 @@
 """``gateway bench fairness``'s own arithmetic: outcomes summed up, the engines' TTFT between two readings, the
-targets (the scenarios themselves run as ``gateway bench fairness``, minutes long: not here)."""
+targets, and the scenarios' report put together from stand-in requests and scrapes (the scenarios themselves
+run as ``gateway bench fairness``, minutes long: not here)."""
 
 from __future__ import annotations
 
+import asyncio
+import itertools
+from typing import Any
+
 import pytest
 
-from gateway.bench.fairness import Outcome, engine_mean_ms, summary, targets, total
+from gateway.bench import fairness
+from gateway.bench.fairness import Config, Outcome, engine_mean_ms, summary, targets, total
 
 ENGINE_METRICS = """# HELP vllm:time_to_first_token_seconds Histogram of time to first token in seconds.
 # TYPE vllm:time_to_first_token_seconds histogram
@@ -48,3 +54,55 @@ def test_targets_are_met_or_missed_by_their_figures() -> None:
     assert not any(t["met"] for t in missed.values())
     assert missed["noisy_A_429_with_retry_after"]["value"] == "9/10"
     assert not targets(doc(None, 0, 0, 0, None, None, 1))["noisy_A_429_with_retry_after"]["met"]  # (A never refused)
+
+
+def test_the_scenarios_report_is_put_together_from_every_scenarios_outcomes(monkeypatch: pytest.MonkeyPatch,
+                                                                           tmp_path: Any) -> None:
+    """Each request and scrape stood in for (B's first token 10 ms alone and 20 ms beside the flood, the flood
+    refused; W3 admitted three times as often as W1): the whole report is built, and says so."""
+    flooding = False
+    scrapes = itertools.count(1)
+
+    async def one(session: Any, url: str, key: str, cfg: Config, started: float,
+                  headers: dict[str, str] | None = None) -> Outcome:
+        await asyncio.sleep(0.002)
+        if key == "A":
+            return Outcome(key, 0.0, status=429, retry_after="1")
+        return Outcome(key, 0.0, status=200, ttft=0.020 if flooding else 0.010)
+
+    async def scrape(session: Any, url: str) -> str:
+        n = next(scrapes)
+        return (f'gateway_admissions_total{{key="W3",model="fair"}} {3 * n}\n'
+                f'gateway_admissions_total{{key="W1",model="fair"}} {n}\n'
+                f'vllm:time_to_first_token_seconds_sum{{model_name="fair"}} {0.01 * n * n}\n'
+                f'vllm:time_to_first_token_seconds_count{{model_name="fair"}} {n}\n')
+
+    async def drain(session: Any, url: str, log: Any, limit: float = 90.0) -> float:
+        return 0.0
+
+    real_open_loop = fairness.open_loop
+
+    async def open_loop(session: Any, url: str, key: str, *args: Any, **kwargs: Any) -> list[Outcome]:
+        nonlocal flooding
+        flooding = flooding or key == "A"
+        try:
+            return await real_open_loop(session, url, key, *args, **kwargs)
+        finally:
+            flooding = flooding and key != "A"
+
+    monkeypatch.setattr(fairness, "one", one)
+    monkeypatch.setattr(fairness, "scrape", scrape)
+    monkeypatch.setattr(fairness, "drain", drain)
+    monkeypatch.setattr(fairness, "open_loop", open_loop)
+    cfg = Config(backends=1, slots=2, seconds=0.8, out=tmp_path)
+    doc = asyncio.run(fairness.scenarios("http://gateway", ["http://engine"], cfg, log=lambda *_: None))
+
+    assert doc["capacity_per_s"] > 0
+    assert doc["alone"]["B"]["completed"] > 0 and doc["noisy"]["B"]["refused_429"] == 0
+    assert doc["noisy"]["A"]["refused_429"] == doc["noisy"]["A"]["refused_with_retry_after"] > 0
+    assert doc["noisy"]["B_ttft_p99_over_alone_x"] == pytest.approx(2.0)
+    assert doc["noisy"]["engine_ttft_mean_over_alone_x"] is not None
+    assert doc["weights"]["ratio"] == pytest.approx(3.0)
+    assert set(doc["timeline"]) == {"alone_B", "noisy_A", "noisy_B", "critical", "sheddable"}
+    assert all(isinstance(point[0], float) for points in doc["timeline"].values() for point in points)
+    assert set(targets(doc)) >= {"noisy_B_no_429", "weights_3_to_1_within_10pct"}
