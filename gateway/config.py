@@ -157,7 +157,8 @@ class AdmissionSettings(_Strict):
                                   "deadline, instead of holding it until the deadline passes")
     reserve_for_light_keys: bool = Field(
         default=True, description="while a key that keeps up with its traffic (none of its requests waits) is "
-                                  "active, keep its recent peak of requests in flight plus one slot free for it: "
+                                  "active, keep its recent peak of requests in flight plus one slot free for it (or "
+                                  "its likely arrivals before the model next frees a slot, if more): "
                                   "another key's backlog cannot take them (docs/flow-control.md)")
     reserve_window_seconds: float = Field(
         default=10.0, gt=0, le=300, description="how far back a light key's peak of requests in flight is taken")

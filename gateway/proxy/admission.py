@@ -23,7 +23,10 @@ The rules (docs/flow-control.md says them for operators):
 
 * **Slots kept for light keys.** A key none of whose requests waits (it keeps up with its own traffic) and
   that was admitted lately has its recent peak of requests in flight plus one kept for it (at most its
-  requests in flight plus one, so a key whose burst is over soon keeps little): a request of
+  requests in flight plus one, so a key whose burst is over soon keeps little), or, if more, what it will
+  likely ask for before the model next frees a slot (its arrivals at its recent rate within the longest
+  recent wait between two completions while requests waited: their mean plus two standard deviations, plus
+  one): a request of
   another key does not take the last free slots that a light key's next request would need (together at
   most ``reserve_max_share`` of the model's slots), and the light key's request takes one at once, without
   queueing behind the others' backlog. Without it, a light key beside a flood waits for the next slot the
@@ -245,45 +248,62 @@ class _Level:
 
 
 class _Use:
-    """One key's requests of one model admitted here: in flight now, and the most in flight per second lately."""
+    """One key's requests of one model admitted here: in flight now, and per second lately the most in flight
+    and how many were admitted."""
 
     __slots__ = ("active", "peaks")
 
     def __init__(self) -> None:
         self.active = 0
-        self.peaks: deque[list[int]] = deque()  # [second, the most in flight during it], oldest first
+        # [second, the most in flight during it, admissions during it], oldest first
+        self.peaks: deque[list[int]] = deque()
 
     def admitted(self, now: float) -> None:
         self.active += 1
         second = int(now)
         if self.peaks and self.peaks[-1][0] == second:
-            self.peaks[-1][1] = max(self.peaks[-1][1], self.active)
+            last = self.peaks[-1]
+            last[1] = max(last[1], self.active)
+            last[2] += 1
         else:
-            self.peaks.append([second, self.active])
+            self.peaks.append([second, self.active, 1])
 
-    def kept(self, now: float, window: float) -> int:
-        """Slots kept free for this key: its recent peak in flight (or what it has now, if more) plus one, less
-        what it has in flight, and never more than it has in flight plus one (a key whose burst is ending keeps
-        little); 0 when it was not admitted within ``window`` and has nothing in flight."""
+    def kept(self, now: float, window: float, gap: float = 0.0) -> int:
+        """Slots kept free for this key (0 when it was not admitted within ``window`` and has nothing in flight),
+        the more of two needs:
+
+        * its recent peak in flight (or what it has now, if more) plus one, less what it has in flight, and
+          never more than it has in flight plus one (a key whose burst is ending keeps little);
+        * what it will likely ask for before the model frees a slot: at its admission rate over ``window``,
+          its arrivals within ``gap`` (the longest recent wait between two of the model's completions while
+          requests waited), their mean plus two standard deviations (Poisson), plus one. Without it a light
+          key at its peak has one slot kept, and its second request in a gap waits the gap out."""
         peaks = self.peaks
         while peaks and peaks[0][0] + 1 < now - window:  # (a second's peak lasts until its end is that old)
             peaks.popleft()
         if not peaks and not self.active:
             return 0
-        peak = max(max((p for _, p in peaks), default=0), self.active)
-        return min(peak + 1 - self.active, self.active + 1)
+        peak = max(max((p[1] for p in peaks), default=0), self.active)
+        kept = min(peak + 1 - self.active, self.active + 1)
+        if gap > 0 and peaks:
+            mean = sum(p[2] for p in peaks) / window * gap
+            kept = max(kept, math.ceil(mean + 2 * math.sqrt(mean)) + 1)
+        return kept
 
 
 class _Model:
     """One model's queue: its priority levels, its woken-but-not-yet-routed waiters, its service rate and its
     keys' use of its slots. (Kept for the process's life: only models that routed a request have one.)"""
 
-    __slots__ = ("active", "completions", "levels", "uses", "woken")
+    __slots__ = ("active", "completions", "gaps", "last_busy", "levels", "uses", "woken")
 
     def __init__(self) -> None:
         self.levels: dict[int, _Level] = {}
         self.woken: list[Ticket] = []  # woken, still routing: a slot was freed for each
         self.completions: deque[float] = deque(maxlen=256)
+        # waits between two completions while requests waited: [second, the longest ending in it], oldest first
+        self.gaps: deque[list[float]] = deque()
+        self.last_busy: float | None = None  # the last completion while requests waited, until one without
         self.active = 0  # admitted through this admission and not yet finished
         self.uses: dict[str, _Use] = {}  # by key
 
@@ -298,6 +318,26 @@ class _Model:
 
     def queued(self) -> int:
         return sum(len(level) for level in self.levels.values())
+
+    def completion(self, at: float) -> None:
+        self.completions.append(at)
+        if not (self.woken or any(level.keys for level in self.levels.values())):
+            self.last_busy = None  # (a slot freed with nobody waiting: no wait between frees to measure)
+            return
+        if self.last_busy is not None and at > self.last_busy:
+            gap, second = at - self.last_busy, int(at)
+            if self.gaps and self.gaps[-1][0] == second:
+                self.gaps[-1][1] = max(self.gaps[-1][1], gap)
+            else:
+                self.gaps.append([second, gap])
+        self.last_busy = at
+
+    def longest_gap(self, now: float, window: float) -> float:
+        """The longest wait between two completions while requests waited, over the last ``window`` seconds."""
+        gaps = self.gaps
+        while gaps and gaps[0][0] + 1 < now - window:
+            gaps.popleft()
+        return max((g for _, g in gaps), default=0.0)
 
     def rate(self, now: float) -> float | None:
         """Completions per second over the last RATE_WINDOW_SECONDS (None: too few to say). Measured up to
@@ -447,7 +487,7 @@ class Admission:
 
     def completed(self, model: str, at: float | None = None) -> None:
         """A request of ``model`` ended at ``at`` (time.monotonic(), default now): its service rate."""
-        self._model(model).completions.append(time.monotonic() if at is None else at)
+        self._model(model).completion(time.monotonic() if at is None else at)
 
     def released(self, backend: Backend) -> None:
         """An attempt on ``backend`` ended: wake the best waiter whose model ``backend`` serves."""
@@ -529,10 +569,11 @@ class Admission:
         now = time.monotonic()
         waiting = state.waiting_keys()
         window = self.settings.reserve_window_seconds
+        gap = state.longest_gap(now, window)
         own = state.uses.get(ticket.key)
-        if own is not None and ticket.key not in waiting and own.kept(now, window):
+        if own is not None and ticket.key not in waiting and own.kept(now, window, gap):
             return False  # a light key takes what is kept for it
-        kept = sum(use.kept(now, window) for key, use in state.uses.items()
+        kept = sum(use.kept(now, window, gap) for key, use in state.uses.items()
                    if key != ticket.key and key not in waiting)
         if not kept:
             return False
@@ -546,7 +587,8 @@ class Admission:
     def _kept_for(self, state: _Model, key: str, now: float) -> bool:
         """``key`` is light (none of its requests waits) and has a slot kept for it."""
         use = state.uses.get(key)
-        if use is None or not use.kept(now, self.settings.reserve_window_seconds):
+        window = self.settings.reserve_window_seconds
+        if use is None or not use.kept(now, window, state.longest_gap(now, window)):
             return False
         return key not in state.waiting_keys()
 

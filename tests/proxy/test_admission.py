@@ -474,6 +474,35 @@ async def test_a_key_whose_burst_is_ending_keeps_only_its_in_flight_plus_one() -
     await q.done()
 
 
+async def test_a_light_key_keeps_its_likely_arrivals_within_the_longest_wait_between_completions() -> None:
+    q = Queue()
+    admission = q.admission
+    for ticket in admit(admission, "light", 20):  # 20 admitted within the 10 s window: 2 a second
+        admission.finished(ticket)  # (one at a time: its peak is 1, so the peak alone keeps 1)
+    flood = await q.enter("flood-waits", key="flood")
+    now = time.monotonic()
+    for at in (now - 3.0, now - 2.0):  # two completions 1 s apart while the flood waited
+        admission.completed("m", at=at)
+    # within 1 s the light key's 2 arrivals (Poisson) are 2 + 2 * sqrt(2) at most, as a rule: 5, and one more
+    admit(admission, "flood", 13)
+    assert not admission.held_back(flood, slots(20, admission))  # (7 free, 6 kept)
+    admit(admission, "flood", 1)
+    assert admission.held_back(flood, slots(20, admission))  # (6 free, 6 kept)
+    await q.done()
+
+
+async def test_only_waits_between_completions_while_requests_waited_count() -> None:
+    admission = Admission(AdmissionSettings())
+    for ticket in admit(admission, "light", 20):
+        admission.finished(ticket)
+    now = time.monotonic()
+    for at in (now - 5.0, now - 2.0):  # the model idle between them: nobody waited for a slot
+        admission.completed("m", at=at)
+    admit(admission, "flood", 18)
+    flood = admission.ticket("m", "flood", place())
+    assert not admission.held_back(flood, slots(20, admission))  # (2 free, the peak's 1 kept)
+
+
 # -- priority across replicas (with shared state: the others' announcements) --------------------------------------
 async def test_a_higher_priority_waiting_on_another_replica_makes_a_lower_request_here_wait() -> None:
     admission = Admission(AdmissionSettings(), kick_seconds=0.05)
