@@ -63,7 +63,7 @@ from typing import Any, Literal
 
 from gateway.bench.client import Target
 from gateway.bench.procs import ChildProcess, get_json
-from gateway.bench.pyspy import start_record, top_frames
+from gateway.bench.pyspy import start_record, top_areas, top_frames
 from gateway.bench.report import build_report, write_json
 from gateway.bench.runner import Arrival, RunResult, cpu_seconds, host_busy_share, host_cpu_times, run, run_sync
 from gateway.bench.state_cost import (
@@ -112,6 +112,7 @@ class OverheadConfig:
     reference: str = "auto"  # the Rust router: "smg", "sglang-router", or "auto" (smg when installed)
     py_spy_seconds: float = 0.0
     py_spy_concurrency: int = 64
+    py_spy_target: str = "gateway"  # the target profiled: any target's name (e.g. the gateway with shared state)
     tracing: bool = False
     state: bool = False  # also a gateway with shared state in a loopback redis-server (gateway.bench.state_cost)
     workers: int = 1  # above 1: also a gateway of that many worker processes sharing that redis-server
@@ -661,7 +662,7 @@ def otlp_sink(port: int) -> None:
 
 
 async def _profile_gateway(target: Target, cfg: OverheadConfig, logs: Path) -> dict[str, Any]:
-    out_file = logs / "gateway-pyspy.txt"
+    out_file = logs / f"{target.name}-pyspy.txt"
     assert target.pid is not None
     proc = start_record(target.pid, cfg.py_spy_seconds, out_file)
     if proc is None:
@@ -675,7 +676,9 @@ async def _profile_gateway(target: Target, cfg: OverheadConfig, logs: Path) -> d
         return {"error": f"py-spy failed ({proc.returncode}): {err.decode(errors='replace')[-500:]}"}
     text = out_file.read_text()
     return {
-        "file": str(out_file), "concurrency": cfg.py_spy_concurrency, "requests": len(result.results[target.name]),
+        "file": str(out_file), "target": target.name, "concurrency": cfg.py_spy_concurrency,
+        "requests": len(result.results[target.name]),
+        "top_areas": [{"area": area, "self_samples": k, "self_share": share} for area, k, share in top_areas(text)],
         "top_self": [asdict(f) for f in top_frames(text, 25, by="self")],
         "top_total": [asdict(f) for f in top_frames(text, 40, by="total")],
     }
@@ -943,8 +946,12 @@ def run_once(cfg: OverheadConfig, log: Any = print, logs: Path | None = None) ->
             log(f"holding {cfg.hold} streams for ~{cfg.hold_seconds:.0f} s through each target")
             doc["hold"] = run_sync(_hold(targets, backend_url, cfg))
         if cfg.py_spy_seconds > 0:
-            log(f"py-spy on the gateway for {cfg.py_spy_seconds:.0f} s at {cfg.py_spy_concurrency} streams")
-            doc["py_spy"] = run_sync(_profile_gateway(targets[1], cfg, logs))
+            profiled = next((t for t in targets if t.name == cfg.py_spy_target), None)
+            if profiled is None:
+                raise RuntimeError(f"--py-spy-target {cfg.py_spy_target}: no such target (these run: "
+                                   f"{', '.join(t.name for t in targets)})")
+            log(f"py-spy on {profiled.name} for {cfg.py_spy_seconds:.0f} s at {cfg.py_spy_concurrency} streams")
+            doc["py_spy"] = run_sync(_profile_gateway(profiled, cfg, logs))
         if stateful is not None:
             # (tracing_cost compares any two gateways' rows: here with shared state against without)
             doc["state"] = {"store": "redis-server on loopback; every request holds a slot of the backend's "
@@ -1145,13 +1152,17 @@ def print_overhead(doc: dict[str, Any]) -> None:
         console.print(t)
     spy = doc.get("py_spy")
     if spy and "top_self" in spy:
-        t = Table(title=f"gateway hot path (py-spy, {spy['concurrency']} streams): top self time")
+        t = Table(title=f"{spy.get('target', 'gateway')} hot path (py-spy, {spy['concurrency']} streams): "
+                        "top self time")
         t.add_column("self %", justify="right")
         t.add_column("total %", justify="right")
         t.add_column("function")
         for fr in spy["top_self"][:15]:
             t.add_row(f"{100 * fr['self_share']:.1f}", f"{100 * fr['total_share']:.1f}", fr["frame"])
         console.print(t)
+        if spy.get("top_areas"):
+            console.print("self time by package: " + ", ".join(f"{a['area']} {100 * a['self_share']:.1f}%"
+                                                               for a in spy["top_areas"][:10]))
     elif spy:
         console.print(f"py-spy: {spy.get('error')}")
 
@@ -1194,6 +1205,9 @@ def main(argv: list[str]) -> int:
                    help="the Rust router to measure against (auto: smg when installed, else sglang-router)")
     p.add_argument("--py-spy", type=float, default=0.0, metavar="SECONDS", help="profile the gateway under load")
     p.add_argument("--py-spy-concurrency", type=int, default=64)
+    p.add_argument("--py-spy-target", default="gateway",
+                   help="the target profiled: gateway (default), or another target of the run by name (e.g. "
+                        f"{STATEFUL} with --state)")
     p.add_argument("--tracing", action="store_true",
                    help="also a gateway with OpenTelemetry tracing on, exporting to a loopback OTLP sink that "
                         "discards (ports base+3 and base+4); reports what tracing adds per request")
@@ -1234,7 +1248,7 @@ def main(argv: list[str]) -> int:
     cfg = OverheadConfig(levels=_ints(a.levels), rounds=a.rounds, min_round=a.min_round,
                          tokens=a.tokens, gap_ms=a.gap_ms, hold=a.hold, hold_seconds=a.hold_seconds,
                          rust=not a.no_rust, reference=a.reference, py_spy_seconds=a.py_spy,
-                         py_spy_concurrency=a.py_spy_concurrency,
+                         py_spy_concurrency=a.py_spy_concurrency, py_spy_target=a.py_spy_target,
                          tracing=a.tracing, state=a.state, workers=max(1, a.workers), base_port=a.base_port, out=a.out,
                          repeat=max(1, a.repeat),
                          cost_requests=0 if a.no_cost else max(0, a.cost_requests),

@@ -69,6 +69,26 @@ def top_frames(text: str, limit: int = 25, by: str = "self") -> list[FrameCost]:
                       total_c[frame] / n if n else 0.0) for frame, _ in ranking.most_common(limit)]
 
 
+def _area(frame: str) -> str:
+    """The package (two path levels: ``redis/asyncio``, ``gateway/state``, ``stdlib/asyncio``) of a folded frame
+    ``function (path)``; the frame itself when it names no file (py-spy's native or idle frames)."""
+    open_at = frame.rfind("(")
+    if open_at < 0 or not frame.endswith(")"):
+        return frame
+    parts = frame[open_at + 1:-1].split("/")
+    return "/".join(parts[:2]) if len(parts) > 2 else parts[0]
+
+
+def top_areas(text: str, limit: int = 15) -> list[tuple[str, int, float]]:
+    """Self samples by package (see :func:`_area`), most first: (area, samples, share). Two profiles' areas side
+    by side say which code a feature's cost lives in, even when it is spread thin over many functions."""
+    self_c, _, n = parse_collapsed(text)
+    areas: Counter[str] = Counter()
+    for frame, k in self_c.items():
+        areas[_area(frame)] += k
+    return [(area, k, k / n if n else 0.0) for area, k in areas.most_common(limit)]
+
+
 def py_spy_binary() -> str | None:
     here = Path(sys.executable).parent / "py-spy"
     return str(here) if here.exists() else shutil.which("py-spy")

@@ -12,7 +12,7 @@ import pytest
 
 from gateway.bench.client import RequestResult, SSEEvents, Target, apply_usage, has_content, parse_target
 from gateway.bench.profile import default_levels, level_figures
-from gateway.bench.pyspy import parse_collapsed, top_frames
+from gateway.bench.pyspy import parse_collapsed, top_areas, top_frames
 from gateway.bench.report import SCHEMA, build_report
 from gateway.bench.runner import Phase, RunResult, interleave_order, poisson_offsets, split_rounds
 from gateway.bench.stats import percentile, ratio, summarize
@@ -224,3 +224,18 @@ def test_collapsed_stacks_are_ranked() -> None:
     top = top_frames(text, 2)
     assert [f.frame for f in top] == ["loop (x.py)", "send (proxy.py)"]
     assert top[1].self_share == pytest.approx(0.4)
+
+
+def test_self_time_is_added_up_by_package() -> None:
+    text = ("run (/v/lib/python3.12/site-packages/redis/asyncio/client.py:9);"
+            "parse (/v/lib/python3.12/site-packages/redis/_parsers/resp.py:3) 30\n"
+            "run (/v/lib/python3.12/site-packages/redis/asyncio/client.py:9) 20\n"
+            "admit (/repo/gateway/state/shared.py:300) 10\n"
+            "keep (/repo/gateway/state/shared.py:400) 15\n"
+            "select (/usr/lib/python3.12/asyncio/base_events.py:1) 20\n"
+            "<idle> 5\n")
+    areas = {area: (k, share) for area, k, share in top_areas(text)}
+    assert areas["redis/_parsers"][0] == 30 and areas["redis/asyncio"][0] == 20
+    assert areas["gateway/state"] == (25, pytest.approx(0.25))
+    assert areas["stdlib/asyncio"][0] == 20 and areas["<idle>"][0] == 5
+    assert [a for a, _, _ in top_areas(text, 1)] == ["redis/_parsers"]
