@@ -65,7 +65,11 @@ RATE_MIN_COMPLETIONS = 4  # fewer recent completions: the rate is unknown and no
 
 
 MAX_DEADLINE_MS = 3_600_000
-ELSEWHERE_YIELD_SECONDS = 5.0  # the longest a request yields to higher priorities waiting on other replicas
+ELSEWHERE_YIELD_SECONDS = 5.0
+# per-second entries (a key's peaks, a model's gaps) kept at most: the longest reserve_window_seconds (its config
+# bound), plus the second under way; pruned by age where read, bounded here where nothing reads them (the
+# reserve for light keys off, or one key alone)
+PER_SECOND_MAX = 301  # the longest a request yields to higher priorities waiting on other replicas
 
 
 @dataclass(frozen=True, slots=True)
@@ -256,7 +260,7 @@ class _Use:
     def __init__(self) -> None:
         self.active = 0
         # [second, the most in flight during it, admissions during it], oldest first
-        self.peaks: deque[list[int]] = deque()
+        self.peaks: deque[list[int]] = deque(maxlen=PER_SECOND_MAX)
 
     def admitted(self, now: float) -> None:
         self.active += 1
@@ -302,7 +306,7 @@ class _Model:
         self.woken: list[Ticket] = []  # woken, still routing: a slot was freed for each
         self.completions: deque[float] = deque(maxlen=256)
         # waits between two completions while requests waited: [second, the longest ending in it], oldest first
-        self.gaps: deque[list[float]] = deque()
+        self.gaps: deque[list[float]] = deque(maxlen=PER_SECOND_MAX)
         self.last_busy: float | None = None  # the last completion while requests waited, until one without
         self.active = 0  # admitted through this admission and not yet finished
         self.uses: dict[str, _Use] = {}  # by key

@@ -557,3 +557,16 @@ async def test_when_the_higher_waiter_elsewhere_leaves_the_waiters_here_look_aga
     await settle()
     assert q.order == ["a", "b", "c"]
     await q.done()
+
+
+def test_per_second_bookkeeping_stays_bounded_where_nothing_reads_it() -> None:
+    from gateway.proxy.admission import PER_SECOND_MAX, _Level, _Model, _Use
+
+    use, model = _Use(), _Model()
+    model.levels[0] = _Level()
+    model.levels[0].push(Ticket("m", "k", 0, 1.0, 1e9))  # (a waiter: completions measure their gaps)
+    for second in range(1000):
+        use.admitted(float(second))
+        model.completion(float(second) + 0.5)
+    assert len(use.peaks) == PER_SECOND_MAX and len(model.gaps) == PER_SECOND_MAX
+    assert use.peaks[-1][0] == 999
