@@ -920,6 +920,10 @@ def run_once(cfg: OverheadConfig, log: Any = print, logs: Path | None = None) ->
                                      body=probe)
             targets.append(Target(router.name, f"http://127.0.0.1:{router_port}", MODEL, pid=router.pid))
         log(f"targets: {', '.join(t.name for t in targets)}; levels {cfg.levels}, {cfg.rounds} rounds")
+        profiled = next((t for t in targets if t.name == cfg.py_spy_target), None)
+        if cfg.py_spy_seconds > 0 and profiled is None:  # (said before the phases, not after them)
+            raise RuntimeError(f"--py-spy-target {cfg.py_spy_target}: no such target (these run: "
+                               f"{', '.join(t.name for t in targets)})")
         doc: dict[str, Any] = {"schema": SCHEMA, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                                "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()}}
         doc["levels"] = run_sync(_measure(targets, cfg, log))
@@ -946,10 +950,7 @@ def run_once(cfg: OverheadConfig, log: Any = print, logs: Path | None = None) ->
             log(f"holding {cfg.hold} streams for ~{cfg.hold_seconds:.0f} s through each target")
             doc["hold"] = run_sync(_hold(targets, backend_url, cfg))
         if cfg.py_spy_seconds > 0:
-            profiled = next((t for t in targets if t.name == cfg.py_spy_target), None)
-            if profiled is None:
-                raise RuntimeError(f"--py-spy-target {cfg.py_spy_target}: no such target (these run: "
-                                   f"{', '.join(t.name for t in targets)})")
+            assert profiled is not None
             log(f"py-spy on {profiled.name} for {cfg.py_spy_seconds:.0f} s at {cfg.py_spy_concurrency} streams")
             doc["py_spy"] = run_sync(_profile_gateway(profiled, cfg, logs))
         if stateful is not None:
