@@ -613,7 +613,7 @@ class SharedState:
                 self._failed("subscribe", exc)
             finally:
                 with contextlib.suppress(*self._errors):
-                    await asyncio.wait_for(pubsub.aclose(), 1.0)  # type: ignore[no-untyped-call]
+                    await asyncio.wait_for(pubsub.aclose(), 1.0)  # type: ignore[no-untyped-call, unused-ignore]
             await asyncio.sleep(self.settings.heartbeat_seconds)
 
     def _received(self, message: dict[str, Any]) -> None:
