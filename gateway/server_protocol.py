@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import weakref
 from asyncio import TimerHandle
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -49,13 +50,16 @@ class BodyWriter:
 
     def __init__(self, protocol: StampedHttpToolsProtocol, cycle: Any) -> None:
         self._protocol = protocol
-        self._cycle = cycle
+        # Weakly: the cycle holds the scope, whose state holds this writer. A strong reference made every
+        # request's cycle (its scope, headers, events) garbage that only the cyclic collector frees, and those
+        # collections stall the event loop. The request's task keeps the cycle alive while it can write.
+        self._cycle = weakref.ref(cycle)
 
     def write(self, body: bytes) -> bool:
         """Send ``body`` as one chunk; False (nothing written) when the client is gone. The response must have
         been started by ``send`` without a content-length, and not ended."""
-        cycle = self._cycle
-        if cycle.disconnected:
+        cycle = self._cycle()
+        if cycle is None or cycle.disconnected:
             return False
         if not cycle.response_started or cycle.response_complete or not cycle.chunked_encoding:
             raise RuntimeError("BodyWriter.write needs a started, unfinished, chunked response")
@@ -66,7 +70,8 @@ class BodyWriter:
     @property
     def paused(self) -> bool:
         """The client reads slower than we write: stop producing until ``when_writable``."""
-        return bool(self._protocol.flow.write_paused) and not self._cycle.disconnected
+        cycle = self._cycle()
+        return bool(self._protocol.flow.write_paused) and cycle is not None and not cycle.disconnected
 
     def when_writable(self, callback: Callable[[], None]) -> None:
         """Call ``callback`` once the transport drains (or the connection is lost)."""
@@ -75,7 +80,8 @@ class BodyWriter:
     def when_disconnected(self, callback: Callable[[], None] | None) -> None:
         """Call ``callback`` when the client's connection is lost (at once if it is already); None: no longer."""
         self._protocol.on_lost = callback
-        if callback is not None and self._cycle.disconnected:
+        cycle = self._cycle()
+        if callback is not None and (cycle is None or cycle.disconnected):
             self._protocol.loop.call_soon(self._protocol._lost)
 
 

@@ -298,7 +298,9 @@ class Dispatcher:
         try:
             await self._admission.wait(ticket)
         except Refused as refused:
-            ticket.refused = refused  # (for the metrics)
+            # (for the metrics) without its traceback: the ticket is a local of the frames it holds, a cycle
+            # that only the cyclic collector would free, for every refused request
+            ticket.refused = refused.with_traceback(None)
             raise self.refusal(request.model, ticket, refused) from None
 
     def refusal(self, model: str, ticket: Ticket, refused: Refused) -> GatewayError:
