@@ -31,6 +31,7 @@ from multiprocessing.process import BaseProcess
 
 import uvicorn
 
+from gateway import gcpolicy
 from gateway.api.admin import AdminApp
 from gateway.app import GatewayApp, create_app
 from gateway.config import ConfigError, Settings, load_settings, settings_from_mapping
@@ -101,6 +102,7 @@ def _run(settings: Settings, log_level: str, config_path: str | None = None) -> 
     raise_nofile_limit()  # before the connection cap is worked out from it
     app = create_app(settings, config_path=config_path)
     _reload_on_sighup(app)
+    gcpolicy.quiet()
     _serve(app, settings, log_level)
 
 
@@ -147,6 +149,7 @@ def _worker(settings: Settings, identity: WorkerIdentity, log_level: str, parent
     raise_nofile_limit()
     app = create_app(settings, worker=identity, config_path=config_path)
     _reload_on_sighup(app)
+    gcpolicy.quiet()
     _serve(app, settings, log_level, reuseport_socket(settings.server.host, settings.server.port))
 
 
