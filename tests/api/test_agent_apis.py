@@ -41,8 +41,9 @@ GENERATION = ("/v1/chat/completions", "/v1/messages", "/v1/responses", "/v1/mess
 
 
 def last_generation(running: Running, engine: str) -> Any:
-    """The last generation request the engine received (health checks and scrapes come in between)."""
-    return [r for r in running.server(f"sim-{engine}").received if r.path in GENERATION][-1]
+    """The last generation request the engine received (health checks and scrapes come in between). The
+    engine's thread appends to its deque meanwhile: list() copies it in one C call, a comprehension would not."""
+    return [r for r in list(running.server(f"sim-{engine}").received) if r.path in GENERATION][-1]
 
 
 def samples(running: Running, name: str, **labels: str) -> float:
@@ -108,7 +109,7 @@ def test_a_messages_tool_use_round_trip(engines: Running, engine: str) -> None:
         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "Sunny, 21 C"}]}])
     assert answer.content and answer.content[-1].type in ("text", "tool_use")
     # the forced call took the chat path (the gateway enforces the constraint): the engine was asked for it
-    forced = [r for r in engines.server(f"sim-{engine}").received if r.path == "/v1/chat/completions"][-1].body
+    forced = [r for r in list(engines.server(f"sim-{engine}").received) if r.path == "/v1/chat/completions"][-1].body
     assert forced["tool_choice"] == {"type": "function", "function": {"name": "get_weather"}}
     # the answer, unconstrained, went as the client sent it to an engine that serves /v1/messages
     sent = last_generation(engines, engine)
@@ -187,7 +188,7 @@ def test_responses_create_stream_and_continue_on_every_engine(engines: Running, 
     assert deltas and deltas == events[-1].response.output_text
     # the engine was sent the whole conversation: the first turn (from the gateway's store; its instructions
     # are not carried over, as OpenAI does not), then this one
-    sent = [r for r in engines.server(f"sim-{engine}").received if r.path == "/v1/chat/completions"][-1].body
+    sent = [r for r in list(engines.server(f"sim-{engine}").received) if r.path == "/v1/chat/completions"][-1].body
     assert [m["role"] for m in sent["messages"]] == ["user", "assistant", "user"]
     assert sent["messages"][1]["content"] == first.output_text
 
@@ -203,7 +204,7 @@ def test_a_responses_function_call_round_trip(engines: Running, engine: str) -> 
                                 input=[{"type": "function_call_output", "call_id": call.call_id,
                                         "output": "Sunny, 21 C"}], max_output_tokens=32)
     assert answer.output
-    sent = [r for r in engines.server(f"sim-{engine}").received if r.path == "/v1/chat/completions"][-1].body
+    sent = [r for r in list(engines.server(f"sim-{engine}").received) if r.path == "/v1/chat/completions"][-1].body
     assert sent["messages"][-1] == {"role": "tool", "tool_call_id": call.call_id, "content": "Sunny, 21 C"}
 
 

@@ -214,10 +214,16 @@ def test_a_burst_of_concurrent_requests_cannot_all_pass_on_one_positive_balance(
                                   json={"model": "m", "messages": ASK, "max_tokens": 100, "stream": True},
                                   timeout=20).status_code
 
+            started = time.monotonic()
             with concurrent.futures.ThreadPoolExecutor(30) as pool:
                 statuses = list(pool.map(one, range(30)))
-    assert statuses.count(200) <= 3, statuses  # 300 / (100 + prompt) reservations fit, then it is negative
-    assert statuses.count(429) >= 27
+            elapsed = time.monotonic() - started
+    # 300 / (100 + prompt) reservations fit, then the balance is about -12: the bucket's refill (5 tokens/s) makes
+    # it positive again 2.4 s later, which a burst on a loaded 2-core machine can outlast (then one more fits,
+    # and the next needs another 20 s)
+    fits = 3 if elapsed < 2.4 else 4
+    assert statuses.count(200) <= fits, (statuses, elapsed)
+    assert statuses.count(429) >= 30 - fits
 
 
 def test_unused_reservation_is_given_back() -> None:

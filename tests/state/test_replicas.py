@@ -142,14 +142,17 @@ def test_requests_per_minute_is_one_limit_across_the_replicas(cluster: Cluster) 
 
 
 def test_tokens_per_minute_holds_within_5_percent_under_32_streams(cluster: Cluster) -> None:
-    seconds = 6.0
+    # at least 6 s, and on until the limit has refused 30 requests (on a loaded machine the fleet once took the
+    # whole 6 s to spend the full bucket, and the limit never bit), 15 s at most
+    seconds, longest = 6.0, 15.0
     used: list[int] = []
     refused = 0
 
     async def worker(i: int, client: httpx.AsyncClient, stop: float) -> None:
         nonlocal refused
         for n in itertools.count():
-            if time.monotonic() >= stop:
+            now = time.monotonic()
+            if now >= stop + longest - seconds or (now >= stop and refused >= 30):
                 return
             reply = await chat(client, cluster.url(i + n), "tpm", model="s", max_tokens=60,
                                content=f"question {i} {n} " + "word " * 40)
@@ -178,7 +181,9 @@ def test_tokens_per_minute_holds_within_5_percent_under_32_streams(cluster: Clus
 def test_max_concurrency_is_never_exceeded_and_queued_requests_get_freed_slots(cluster: Cluster) -> None:
     async def flood() -> list[httpx.Response]:
         async with httpx.AsyncClient(limits=httpx.Limits(max_connections=64)) as client:
-            return await asyncio.gather(*(chat(client, cluster.url(i), "free", max_tokens=40) for i in range(30)))
+            # (400 tokens: ~10 times a Redis admission on a loaded machine, so a freed slot is taken again while
+            # its neighbours still run; at 40 the answers were as short as the hand-over and the peaks read 2)
+            return await asyncio.gather(*(chat(client, cluster.url(i), "free", max_tokens=400) for i in range(30)))
 
     replies = run(flood())
     assert [r.status_code for r in replies] == [200] * 30, [r.text for r in replies if r.status_code != 200][:2]

@@ -262,4 +262,5 @@ def test_every_dashboard_panel_returns_data_from_a_real_prometheus(prometheus_fa
                            f"(rate interval {RATE_INTERVAL})")
     assert PREVIEW.stat().st_size > 10_000
     assert DASHBOARD_JSON.exists()
-    assert time.monotonic() - started < 60
+    # (a bound on the suite's time, not a measurement: ~40 s on an idle 2-core machine, 84 s on a loaded one)
+    assert time.monotonic() - started < 150
