@@ -159,7 +159,7 @@ def test_constraints_too_big_for_the_event_loop_are_validated_in_a_worker(engine
     grammar = long_grammar(60, "end")  # ~2.7 KB: validated and converted to EBNF in a worker
     reply = c.chat.completions.create(model="m-sglang", messages=ASK, max_tokens=400, extra_body={"grammar": grammar})
     assert reply.choices[0].message.content
-    sent = [r for r in engines.server("sim-sglang").received if r.path == "/v1/chat/completions"][-1].body
+    sent = [r for r in list(engines.server("sim-sglang").received) if r.path == "/v1/chat/completions"][-1].body
     assert "r60 ::=" in sent["ebnf"]  # the worker's EBNF rendering, as the routing and the adapter used it
     schema: Any = {"type": "object", "properties": {f"field_{i}": {"type": "integer"} for i in range(60)},
                    "required": ["field_0"]}

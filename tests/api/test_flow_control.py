@@ -185,7 +185,7 @@ def test_the_sheddable_band_leaves_the_last_tenth_of_the_slots_to_the_others() -
 
 # -- the engines' own priority field -----------------------------------------------------------------------------
 def sent_priorities(r: Running, name: str) -> list[Any]:
-    return [q.body.get("priority", "absent") for q in r.server(name).received if q.path == "/v1/chat/completions"]
+    return [q.body.get("priority", "absent") for q in list(r.server(name).received) if q.path == "/v1/chat/completions"]
 
 
 def test_an_engine_with_priority_scheduling_gets_the_priority_in_its_own_order() -> None:

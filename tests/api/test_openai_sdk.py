@@ -114,8 +114,8 @@ async def test_async_client_streams_concurrently(engines: Running) -> None:
 def test_backend_keys_are_used_and_client_keys_never_forwarded(engines: Running) -> None:
     client(engines).chat.completions.create(model="m-tabbyapi", messages=MESSAGES, max_tokens=2)
     client(engines).chat.completions.create(model="m-vllm", messages=MESSAGES, max_tokens=2)
-    tabby = [r for r in engines.server("sim-tabbyapi").received if r.path == "/v1/chat/completions"][-1]
-    vllm = [r for r in engines.server("sim-vllm").received if r.path == "/v1/chat/completions"][-1]
+    tabby = [r for r in list(engines.server("sim-tabbyapi").received) if r.path == "/v1/chat/completions"][-1]
+    vllm = [r for r in list(engines.server("sim-vllm").received) if r.path == "/v1/chat/completions"][-1]
     assert tabby.headers.get("x-api-key") == "key-tabbyapi"
     assert vllm.headers.get("authorization") == "Bearer key-vllm"
     for recorded in (tabby, vllm):

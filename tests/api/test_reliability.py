@@ -44,7 +44,7 @@ def sdk(r: Running, key: str = "x") -> openai.OpenAI:
 
 
 def generations(r: Running, name: str) -> int:
-    return sum(1 for q in r.server(name).received if q.path == "/v1/chat/completions")
+    return sum(1 for q in list(r.server(name).received) if q.path == "/v1/chat/completions")
 
 
 def test_a_retryable_status_fails_over_before_any_byte_and_is_counted(pair_rr: Running) -> None:
@@ -139,7 +139,7 @@ def test_keys_are_required_checked_and_never_forwarded(keyed: Running) -> None:
         sdk(keyed, KEY_A).chat.completions.create(model="other", messages=ASK)
     reply = sdk(keyed, KEY_B).chat.completions.with_raw_response.create(model="m", messages=ASK, max_tokens=2)
     reply.parse()
-    sent = [q for q in keyed.server("v").received if q.path == "/v1/chat/completions"][-1]
+    sent = [q for q in list(keyed.server("v").received) if q.path == "/v1/chat/completions"][-1]
     assert sent.headers["authorization"] == "Bearer backend-secret"
     assert KEY_B not in str(sent.headers) and "backend-secret" not in str(dict(reply.headers))
 

@@ -33,7 +33,7 @@ def test_rerank_ranks_on_every_engine_that_has_it_in_one_shape(engines: Running,
     assert [r["index"] for r in doc["results"]] == [1, 2]
     assert doc["results"][0]["relevance_score"] > doc["results"][1]["relevance_score"] > 0
     assert doc["usage"]["total_tokens"] > 0
-    received = [r for r in engines.server(f"sim-{engine}").received if "rerank" in r.path][-1]
+    received = [r for r in list(engines.server(f"sim-{engine}").received) if "rerank" in r.path][-1]
     assert received.path == "/v1/rerank"
 
 
@@ -50,7 +50,7 @@ def test_document_objects_reach_the_engine_as_the_strings_it_takes(engines: Runn
     assert reply.status_code == 200, reply.text
     results = reply.json()["results"]
     assert results[0] == {"index": 1, "relevance_score": 0.75, "document": {"text": DOCS[1]}}
-    received = [r for r in engines.server("sim-sglang").received if "rerank" in r.path][-1]
+    received = [r for r in list(engines.server("sim-sglang").received) if "rerank" in r.path][-1]
     assert received.body["documents"] == DOCS
 
 

@@ -58,7 +58,7 @@ def sdk(running: Running) -> openai.OpenAI:
 
 
 def last_generation(running: Running, server: str) -> dict[str, Any]:
-    received = [r for r in running.server(server).received if r.path == "/v1/chat/completions"]
+    received = [r for r in list(running.server(server).received) if r.path == "/v1/chat/completions"]
     body: dict[str, Any] = received[-1].body
     return body
 
@@ -105,7 +105,7 @@ def test_removed_vllm_guided_fields_are_honoured_not_forwarded(engines: Running)
 def test_a_constraint_no_backend_of_the_model_can_honour_is_refused(engines: Running, engine: str,
                                                                     fields: dict[str, Any], able: str) -> None:
     def generations() -> list[Any]:
-        return [r for r in engines.server(f"sim-{engine}").received if r.path.startswith("/v1/chat")]
+        return [r for r in list(engines.server(f"sim-{engine}").received) if r.path.startswith("/v1/chat")]
 
     before = generations()[-1:]
     with pytest.raises(openai.BadRequestError) as err:

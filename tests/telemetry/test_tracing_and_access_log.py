@@ -63,7 +63,7 @@ def test_a_request_is_one_server_span_with_route_and_upstream_children(traced: t
     assert upstream.kind is SpanKind.CLIENT and upstream.parent is not None
     assert dict(upstream.attributes or {})["gen_ai.provider.name"] == "vllm"
     # the backend got W3C trace context naming the upstream span
-    sent = [r for r in fleet.fleet["v"].received if r.path == "/v1/chat/completions"][-1]
+    sent = [r for r in list(fleet.fleet["v"].received) if r.path == "/v1/chat/completions"][-1]
     assert sent.headers["traceparent"] == f"00-{trace_id}-{format(upstream.context.span_id, '016x')}-01"
 
 
