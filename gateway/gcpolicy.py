@@ -26,7 +26,9 @@ uncollected: cycles are still found, in fewer, larger batches.
 
 from __future__ import annotations
 
+import contextlib
 import gc
+from collections.abc import Iterator
 
 GEN0 = 10_000  # allocations (less deallocations) between generation-0 collections; CPython's default is 700
 GEN1 = 20  # generation-0 collections between generation-1 collections (default 10)
@@ -39,3 +41,16 @@ def quiet() -> None:
     gc.collect()
     gc.freeze()
     gc.set_threshold(GEN0, GEN1, GEN2)
+
+
+@contextlib.contextmanager
+def quieted() -> Iterator[None]:
+    """:func:`quiet` for a command that may run inside another process (the benchmarks are run in-process by
+    the test suite): the collector's thresholds and the frozen heap are given back on exit."""
+    threshold = gc.get_threshold()
+    quiet()
+    try:
+        yield
+    finally:
+        gc.set_threshold(*threshold)
+        gc.unfreeze()

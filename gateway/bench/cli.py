@@ -169,16 +169,17 @@ def main(argv: list[str]) -> int:
     """``argv[0]`` is ``"bench"`` or ``"profile"``."""
     command, rest = argv[0], argv[1:]
     # The load generator times every request: its own collector's pauses (a full collection held it 119 ms in
-    # a fairness run) would be counted as the targets' latency. Frozen once the benchmark's code is imported.
+    # a fairness run) would be counted as the targets' latency. Frozen once the benchmark's code is imported, and
+    # given back after (the test suite runs benchmarks in its own process).
     if command == "profile":
         from gateway.bench.profile import main as profile_main
 
-        gcpolicy.quiet()
-        return profile_main(rest)
+        with gcpolicy.quieted():
+            return profile_main(rest)
     if rest and rest[0] in SUBCOMMANDS:
         module = importlib.import_module(SUBCOMMANDS[rest[0]][0])
-        gcpolicy.quiet()
-        code: int = module.main(rest[1:])
+        with gcpolicy.quieted():
+            code: int = module.main(rest[1:])
         return code
-    gcpolicy.quiet()
-    return bench_main(rest)
+    with gcpolicy.quieted():
+        return bench_main(rest)

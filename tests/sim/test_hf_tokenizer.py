@@ -43,7 +43,7 @@ def messages(user: Any = "hello there", system: str = SYSTEM) -> list[dict[str, 
 def test_generation_is_deterministic_across_processes_and_fast(tokenizer_dir: Path) -> None:
     start = time.perf_counter()
     text = tokenizer_json()
-    assert time.perf_counter() - start < 2.0
+    assert time.perf_counter() - start < 5.0  # (a bound, not a measurement: ~0.5 s idle; over 2 s once on a loaded run)
     assert (tokenizer_dir / "tokenizer.json").read_text(encoding="utf-8") == text
     code = ("import hashlib; from gateway.sim.tokenizer_files import tokenizer_json; "
             "print(hashlib.sha256(tokenizer_json().encode()).hexdigest())")
