@@ -16,6 +16,7 @@ import argparse
 import importlib
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -168,18 +169,15 @@ def bench_main(argv: list[str]) -> int:
 def main(argv: list[str]) -> int:
     """``argv[0]`` is ``"bench"`` or ``"profile"``."""
     command, rest = argv[0], argv[1:]
+    entry: Callable[[list[str]], int]
+    if command == "profile":
+        from gateway.bench.profile import main as entry
+    elif rest and rest[0] in SUBCOMMANDS:
+        entry, rest = importlib.import_module(SUBCOMMANDS[rest[0]][0]).main, rest[1:]
+    else:
+        entry = bench_main
     # The load generator times every request: its own collector's pauses (a full collection held it 119 ms in
     # a fairness run) would be counted as the targets' latency. Frozen once the benchmark's code is imported, and
     # given back after (the test suite runs benchmarks in its own process).
-    if command == "profile":
-        from gateway.bench.profile import main as profile_main
-
-        with gcpolicy.quieted():
-            return profile_main(rest)
-    if rest and rest[0] in SUBCOMMANDS:
-        module = importlib.import_module(SUBCOMMANDS[rest[0]][0])
-        with gcpolicy.quieted():
-            code: int = module.main(rest[1:])
-        return code
     with gcpolicy.quieted():
-        return bench_main(rest)
+        return entry(rest)
