@@ -252,8 +252,10 @@ STATE = RowSpec("Shared state (Redis)", (
               (Query(f"sum by (operation) (rate(gateway_state_errors_total[{RATE}]))", "{{operation}}"),)),
     PanelSpec("Admissions by path/s", "Admissions checked against the shared state: from the slots and leases "
               "a process holds (local), from what another request's round trip brought (waited), or with a round "
-              "trip to Redis (redis).", "short",
-              (Query(f"sum by (path) (rate(gateway_state_admissions_total[{RATE}]))", "{{path}}"),)),
+              "trip to Redis (redis); and the leases topped up ahead of need, in the background (lease top-ups).",
+              "short",
+              (Query(f"sum by (path) (rate(gateway_state_admissions_total[{RATE}]))", "{{path}}"),
+               Query(f"sum(rate(gateway_state_lease_refills_total[{RATE}]))", "lease top-ups"))),
     PanelSpec("Limits unchecked and settlements waiting", "Requests of rate-limited keys passed unchecked while "
               "Redis was down (on_failure: open), settlements dropped, and settlements waiting to be sent.",
               "short",

@@ -36,7 +36,8 @@ LIMITED_KEY = "bench-limited-key"  # (loopback only; the gateway stores its SHA-
 
 
 def admissions(url: str) -> dict[str, int]:
-    """``gateway_state_admissions_total`` by path, as the gateway at ``url`` counts them now."""
+    """``gateway_state_admissions_total`` by path, as the gateway at ``url`` counts them now, and its leases'
+    top-ups in the background (``refills``: round trips no request waited on)."""
     with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
         text = resp.read().decode()
     out: dict[str, int] = {}
@@ -44,6 +45,8 @@ def admissions(url: str) -> dict[str, int]:
         if line.startswith('gateway_state_admissions_total{path="'):
             path = line.split('"', 2)[1]
             out[path] = int(float(line.rsplit(" ", 1)[1]))
+        elif line.startswith("gateway_state_lease_refills_total "):
+            out["refills"] = int(float(line.rsplit(" ", 1)[1]))
     return out
 
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 # Returns {0, i, requests leased, tokens leased, slots kept}: admitted on candidate i (0-based); {1, ms} / {2, ms}:
 # requests / tokens per minute exhausted, retry in ms; {3, 0}: every candidate is full (nothing was taken;
 # announced on the wanted channel); {4, 0}: the key has max_in_flight requests in flight (nothing was taken).
-ADMIT = """
+_LEVEL = """
 local now_t = redis.call('TIME')
 local now = now_t[1] * 1000 + math.floor(now_t[2] / 1000)
 local function level(key, cap)
@@ -36,6 +36,9 @@ local function level(key, cap)
   if l == nil then return cap end
   return math.min(cap, l + (now - t) * cap / 60000)
 end
+"""  # (the scripts' common start: Redis's clock in ms, and a bucket's level refilled to it)
+
+ADMIT = _LEVEL + """
 local rpm, tpm, reserve = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
 local rl, tl
 if rpm > 0 then
@@ -85,6 +88,36 @@ if tpm > 0 then
 end
 if chosen > 0 then return {0, chosen - 4, leased, tleased, kept} end
 return {0, 0, leased, tleased, 0}
+"""
+
+# LEASE: a key's lease topped up ahead of need (the replica's lease ran low), no request of its own: up to ARGV[4]
+# requests and ARGV[5] tokens, never more than a bucket's level / ARGV[3], nor tokens fewer than ARGV[6] (one
+# reservation: fewer would be useless). Nothing is refused or taken but what is leased.
+#   KEYS[1] requests bucket, KEYS[2] tokens bucket
+#   ARGV[1] requests per minute (0: none), ARGV[2] tokens per minute (0: none), ARGV[3] lease divisor,
+#   ARGV[4] the most requests, ARGV[5] the most tokens, ARGV[6] the fewest tokens worth leasing
+# Returns {requests leased, tokens leased}.
+LEASE = _LEVEL + """
+local rpm, tpm, divisor = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+local leased, tleased = 0, 0
+if rpm > 0 then
+  local rl = level(KEYS[1], rpm)
+  leased = math.max(0, math.min(tonumber(ARGV[4]), math.floor(rl / divisor)))
+  if leased > 0 then
+    redis.call('HSET', KEYS[1], 'l', tostring(rl - leased), 't', now)
+    redis.call('PEXPIRE', KEYS[1], 120000)
+  end
+end
+if tpm > 0 then
+  local tl = level(KEYS[2], tpm)
+  tleased = math.max(0, math.min(tonumber(ARGV[5]), math.floor(tl / divisor)))
+  if tleased < math.max(1, tonumber(ARGV[6])) then tleased = 0 end
+  if tleased > 0 then
+    redis.call('HSET', KEYS[2], 'l', tostring(tl - tleased), 't', now)
+    redis.call('PEXPIRE', KEYS[2], 120000)
+  end
+end
+return {leased, tleased}
 """
 
 # ACQUIRE: a slot on one backend (a failover attempt), if it has one free.

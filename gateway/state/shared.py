@@ -19,7 +19,10 @@ What is shared, and how it stays off the hot path:
   requests and tokens (about ``LEASE_MAX`` requests' worth, never more than a bucket's level over
   ``LEASE_SHARE`` x the replicas: none as the bucket runs low, so the limit stays exact there); its next
   requests on this replica take theirs from the lease without asking Redis, and with a kept slot pay no round
-  trip at all. A request's tokens are settled against its reservation as ever, into the lease while there is
+  trip at all. A lease taken below ``LEASE_LOW`` requests' worth is topped up by ``LEASE_MAX`` requests' worth
+  in the background, ahead of need (one round trip no request waits on, unless it finds the lease empty
+  first). A request's worth of tokens is its reservation plus what the key's requests have lately used beyond
+  theirs. A request's tokens are settled against its reservation as ever, into the lease while there is
   one (what it used less goes back to the lease, what it used more comes out of it), else in Redis. Leases
   unused for a heartbeat go back to the buckets.
 * **Free slots**: a released slot is announced on a channel; every replica's waiting requests (the admission
@@ -65,13 +68,15 @@ log = logging.getLogger("gateway.state")
 
 PUBLISH_INTERVAL = 0.005  # seconds a peer message may wait to be batched with others
 POOL_CONNECTIONS = 16  # connections to Redis per process (besides the subscriber's)
-OPERATIONS = ("admit", "acquire", "settle", "heartbeat", "subscribe", "publish", "get_response", "put_response",
-              "drain")
+OPERATIONS = ("admit", "acquire", "lease", "settle", "heartbeat", "subscribe", "publish", "get_response",
+              "put_response", "drain")
 MAX_PENDING = 10_000  # settlements kept while Redis is down (beyond: the oldest are dropped and counted)
 KEPT_SHARE = 8  # a replica keeps up to max_concurrency // KEPT_SHARE freed slots of a backend ...
 KEPT_MAX = 64  # ... and at most this many
 LEASE_SHARE = 16  # a lease takes at most 1/(LEASE_SHARE x replicas) of what is left in a key's bucket ...
-LEASE_MAX = 16  # ... and at most this many requests (of tokens: this many times the request's reservation)
+LEASE_MAX = 16  # ... and at most this many requests (of tokens: this many requests' worth, see _unit) at a time
+LEASE_LOW = LEASE_MAX  # a lease taken below this many requests('s worth) is topped up ahead of need: a burst's
+# worth is left while the top-up is on its way (a round trip that, in a burst, waits behind the burst's own work)
 
 
 class StateUnavailable(Exception):
@@ -167,6 +172,7 @@ class SharedState:
         # admissions by how they were decided: from what this replica holds ("local"), from what another
         # request's round trip brought ("waited"), or with a round trip of their own ("redis")
         self.admissions: dict[str, int] = {"local": 0, "waited": 0, "redis": 0}
+        self.refills = 0  # leases topped up ahead of need (round trips in the background)
         self.dropped = 0  # settlements dropped (the queue was full while Redis was down)
         self._last_log = 0.0
         self._needs_resync = True
@@ -182,6 +188,10 @@ class SharedState:
         # (key name, best-ranked backend) -> done when the admission round trip on its way for them (a key
         # without max_in_flight) is back
         self._admitting: dict[tuple[str, str], asyncio.Future[None]] = {}
+        self._refilling: dict[str, asyncio.Future[None]] = {}  # key name -> done when its lease's top-up is back
+        self._overuse: dict[str, float] = {}  # key name -> tokens its requests lately used beyond their reservation
+        self._reserves: dict[str, int] = {}  # key name -> the tokens its latest request reserved
+        self._dry: dict[str, float] = {}  # key name -> when a top-up last brought nothing (monotonic)
         self.remote: dict[str, int] = {}  # backend -> slots the other replicas hold, as last read
         self._pending: deque[tuple[str, list[str], list[Any]]] = deque()  # settlements waiting for Redis
         self._draining = False
@@ -208,7 +218,7 @@ class SharedState:
         await self._heartbeat()  # (down is fine: it retries)
         # the admission scripts, loaded before the first burst of requests (each would load them otherwise)
         with contextlib.suppress(*self._errors):
-            for name, source in (("admit", scripts.ADMIT), ("acquire", scripts.ACQUIRE)):
+            for name, source in (("admit", scripts.ADMIT), ("acquire", scripts.ACQUIRE), ("lease", scripts.LEASE)):
                 if name not in self._shas:
                     self._shas[name] = await asyncio.wait_for(self._redis.script_load(source), self._timeout * 5)
         self._tasks = [asyncio.create_task(self._heartbeat_loop(), name="state-heartbeat"),
@@ -217,6 +227,8 @@ class SharedState:
     async def stop(self) -> None:
         """Leave (the others need not wait for the TTL to free this replica's slots) and close; bounded in
         time whatever Redis does."""
+        if self._refilling:  # (a top-up on its way would otherwise land after the leases went back)
+            await asyncio.wait(list(self._refilling.values()), timeout=1.0)
         for lease in list(self._leases):  # what is leased goes back (sent again if a drain has it: idempotent)
             self._give_back_lease(lease)
         if self._pending and self.up:
@@ -250,7 +262,7 @@ class SharedState:
         under load is not an outage; the heartbeat decides that); anything else, and a heartbeat timing out,
         takes the state down until a heartbeat answers."""
         self.errors[operation] = self.errors.get(operation, 0) + 1
-        if isinstance(exc, TimeoutError) and operation in ("admit", "acquire", "get_response"):
+        if isinstance(exc, TimeoutError) and operation in ("admit", "acquire", "lease", "get_response"):
             return
         if self.up:
             self._needs_resync = True
@@ -297,6 +309,8 @@ class SharedState:
             chosen_from = []
         cap = (budget.max_in_flight or 0) if budget is not None else 0
         reserve = reserve if tpm else 0
+        if tpm:
+            self._reserves[name] = reserve  # (the key's latest: what a top-up from its settlements sizes by)
         flight = (name, chosen_from[0].name if chosen_from else "")  # (see _admitting)
         if not cap and self.up:
             if self._local(name, rpm, tpm, reserve, chosen_from):
@@ -306,6 +320,8 @@ class SharedState:
             # kept slots enough for a burst, so wait for it rather than send another (the one sent first answers
             # first), then look again.
             ahead = self._admitting.get(flight)
+            if ahead is None and self._lease_short(name, rpm, tpm, reserve):
+                ahead = self._refilling.get(name)  # (the lease's top-up is on its way: what it brings will do)
             if ahead is not None:
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(self._timeout):
@@ -318,7 +334,7 @@ class SharedState:
         divisor = LEASE_SHARE * max(1, self.replicas) if (rpm or tpm) and not cap else 0
         room = self._keep_room(chosen_from[0].name, chosen_from[0].max_concurrency) if chosen_from else 0
         args = [self.replica, rpm, tpm, reserve, cap, self._wanted_channel, self._wanted_message(chosen_from),
-                divisor, LEASE_MAX, LEASE_MAX * max(1, reserve), room,
+                divisor, LEASE_MAX, LEASE_MAX * self._unit(name, reserve), room,
                 *(c.max_concurrency or 0 for c in chosen_from)]
         self.admissions["redis"] += 1
         done: asyncio.Future[None] | None = None
@@ -371,8 +387,56 @@ class SharedState:
                 if lease is not None:
                     lease[0] -= amount
                     lease[2] = now
+            if ((requests is not None and requests[0] < LEASE_LOW)
+                    or (tokens is not None and tokens[0] < LEASE_LOW * self._unit(name, reserve))):
+                self._top_up(name, rpm, tpm, reserve)
             return True
         return False
+
+    def _unit(self, name: str, reserve: int) -> int:
+        """The tokens one request of the key takes from a lease: its reservation, and what the key's requests
+        have lately used beyond theirs (settled from the lease too)."""
+        return max(1, reserve) + int(self._overuse.get(name, 0.0))
+
+    def _lease_short(self, name: str, rpm: int, tpm: int, reserve: int) -> bool:
+        """Whether this replica's lease of the key lacks what a request needs (a request, its reservation)."""
+        requests = self._leases.get((name, "requests")) if rpm else None
+        tokens = self._leases.get((name, "tokens")) if tpm else None
+        return bool((rpm and (requests is None or requests[0] < 1))
+                    or (tpm and (tokens is None or tokens[0] < reserve)))
+
+    def _top_up(self, name: str, rpm: int, tpm: int, reserve: int) -> None:
+        """Top the key's lease up by ``LEASE_MAX`` requests('s worth of tokens) in the background, so that its
+        next requests (a burst of them) find it stocked rather than wait for a round trip. One at a time per
+        key; none while Redis is down."""
+        if name in self._refilling or not self.up:
+            return
+        if time.monotonic() - self._dry.get(name, -1e9) < self.settings.heartbeat_seconds:
+            return  # (the last brought little: the bucket runs low, and requests may as well ask Redis)
+        done = self._refilling[name] = asyncio.get_running_loop().create_future()
+        self._spawn(self._refill(name, rpm, tpm, reserve, done))
+
+    async def _refill(self, name: str, rpm: int, tpm: int, reserve: int, done: asyncio.Future[None]) -> None:
+        try:
+            want = LEASE_MAX if rpm else 0
+            want_tokens = LEASE_MAX * self._unit(name, reserve) if tpm else 0
+            keys = [self._bucket(name, "requests"), self._bucket(name, "tokens")]
+            args = [rpm, tpm, LEASE_SHARE * max(1, self.replicas), want, want_tokens, reserve]
+            try:
+                async with asyncio.timeout(self._timeout):
+                    leased, tokens = await self._script("lease", scripts.LEASE, keys, args)
+            except self._errors as exc:
+                self._failed("lease", exc)
+                return
+            self.refills += 1
+            if (rpm and int(leased) < want // 4) or (tpm and int(tokens) < want_tokens // 4):
+                self._dry[name] = time.monotonic()  # (the bucket runs low: leases bring little now)
+            for kind, limit, amount in (("requests", rpm, int(leased)), ("tokens", tpm, int(tokens))):
+                if amount > 0:
+                    self._lease(name, kind, limit, amount)
+        finally:
+            del self._refilling[name]
+            done.set_result(None)
 
     async def acquire(self, backend: Slotted) -> bool:
         """A slot on one backend with a ``max_concurrency`` (a failover attempt). Raises StateUnavailable."""
@@ -480,13 +544,20 @@ class SharedState:
         and (``key_place``) the key's in-flight place."""
         tpm = (budget.tokens_per_minute or 0) if budget is not None else 0
         key_place = key_place and budget is not None
-        if tpm and tokens_delta and budget is not None and self.up:
+        if tpm and budget is not None:  # (a moving average: how much more than reserved a request really uses)
+            over = self._overuse.get(budget.key, 0.0)
+            self._overuse[budget.key] = over + (max(0, tokens_delta) - over) / 8
+        if tpm and budget is not None and self.up:
             # settled against the key's lease of tokens when it has one: what the request used less goes back
             # to the lease (and with it, unused, to the bucket), what it used more comes out of it
             lease = self._leases.get((budget.key, "tokens"))
-            if lease is not None and lease[1] == tpm and lease[0] >= tokens_delta:
-                lease[0] -= tokens_delta
-                tokens_delta = 0
+            if lease is not None and lease[1] == tpm:
+                if tokens_delta and lease[0] >= tokens_delta:
+                    lease[0] -= tokens_delta
+                    tokens_delta = 0
+                reserve = self._reserves.get(budget.key, 0)
+                if lease[0] < LEASE_LOW * self._unit(budget.key, reserve):  # (drained by what was used beyond)
+                    self._top_up(budget.key, budget.requests_per_minute or 0, tpm, reserve)
         if not (tpm and tokens_delta) and slot_backend is None and not key_place:
             return
         released = 0

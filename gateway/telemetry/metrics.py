@@ -264,6 +264,9 @@ class StateCollector(Collector):
             admissions.add_metric([path], float(count))
         yield admissions
         yield CounterMetricFamily(
+            "gateway_state_lease_refills", "Leases of a key's requests and tokens topped up ahead of need, in the "
+            "background (round trips to Redis that no request waits on).", value=float(shared.refills))
+        yield CounterMetricFamily(
             "gateway_state_fail_open", "Requests of rate-limited keys passed unchecked while the shared state was "
             "down (state.on_failure: open).", value=float(shared.fail_open))
         yield CounterMetricFamily(

@@ -339,12 +339,14 @@ async def test_a_burst_of_requests_arriving_together_pays_one_round_trip(redis_s
         # a limited key's burst: one round trip leases the rest (a slot each from those kept)
         budget = Budget("k", 6000, None)
         burst = await asyncio.gather(*(a.admit(budget, 0, roomy) for _ in range(16)))
-        assert all(r.slot and r.limited is None for r in burst) and calls == ["admit", "admit"], calls
-        assert a.leased("k") == 1  # (sixteen leased, fifteen taken)
+        assert all(r.slot and r.limited is None for r in burst) and calls[:2] == ["admit", "admit"], calls
+        # (sixteen leased, fifteen taken: the lease ran low, and sixteen more came in the background)
+        await until(lambda: not a._refilling)
+        assert calls == ["admit", "admit", "lease"] and a.leased("k") == 17 and a.refills == 1
         # a key with max_in_flight asks Redis for each, as before
         capped = Budget("c", 6000, None, max_in_flight=50)
         await asyncio.gather(*(a.admit(capped, 0, roomy) for _ in range(4)))
-        assert len(calls) == 6
+        assert len(calls) == 7
     finally:
         await stop([a])
 
@@ -420,8 +422,13 @@ async def test_a_keys_requests_and_tokens_are_leased_a_few_at_a_time_and_taken_w
             admitted = await a.admit(budget, 0, free)
             assert admitted.limited is None and admitted.chosen == 0
         assert calls == ["admit"] and a.leased("k") == 0, "sixteen without a round trip"
+        # below LEASE_LOW (sixteen requests: after the first) the lease was topped up in the background: the next
+        # request waits for that round trip rather than send one of its own (in a loop that never paused, it has
+        # not left yet)
+        assert a._refilling.keys() == {"k"}
         await a.admit(budget, 0, free)
-        assert calls == ["admit", "admit"] and a.leased("k") == 16
+        assert calls == ["admit", "lease"] and a.leased("k") == 15
+        assert a.admissions == {"local": 16, "waited": 1, "redis": 1}
         # with a kept slot as well, a limited key's request pays no round trip at all
         sixteen = [Slotted("b", 16)]
         await a.admit(budget, 0, sixteen)
@@ -440,27 +447,31 @@ async def test_a_keys_requests_and_tokens_are_leased_a_few_at_a_time_and_taken_w
         for _ in range(16):
             assert (await a.admit(tpm, 10, free)).limited is None
         assert len(calls) == before + 2 and a.leased("t", "tokens") == 0
+        # topped up in the background as it ran low: sixteen requests and sixteen reservations again
+        await until(lambda: not a.pending and not a._refilling)
+        assert calls[-1] == "lease" and len(calls) == before + 3
+        assert a.leased("t") == 16 and a.leased("t", "tokens") == 160
         # their settlements go into the lease: used less gives back to it, used more takes from it, and nothing
         # goes to Redis
-        await until(lambda: not a.pending)
         a.settle(tpm, -4, None)
         a.settle(tpm, -4, None)
         a.settle(tpm, 3, None)
-        assert a.leased("t", "tokens") == 5 and a.pending == 0
-        a.settle(tpm, 6, None)  # (more than the lease holds: settled in Redis)
-        assert a.pending == 1 and a.leased("t", "tokens") == 5
-        await until(lambda: not a.pending)
-        # (the rest of the test takes tokens from a lease again: empty it)
-        a.settle(tpm, 5, None)
-        assert (await a.admit(tpm, 100, free)).limited is None and len(calls) == before + 3
-        assert a.leased("t", "tokens") == 1600  # (sixteen of this reservation)
+        assert a.leased("t", "tokens") == 165 and a.pending == 0
+        a.settle(tpm, 200, None)  # (more than the lease holds: settled in Redis)
+        assert a.pending == 1 and a.leased("t", "tokens") == 165
+        # and the lease, below sixteen requests' worth now that the key's requests use more than they reserve, is
+        # topped up by sixteen requests' worth: the reservation (10) and a moving average of what was used beyond
+        over = a._overuse["t"]
+        assert 25 < over < 26 and a._refilling.keys() == {"t"}
+        await until(lambda: not a.pending and not a._refilling)
+        assert len(calls) == before + 4 and a.leased("t", "tokens") == 165 + 16 * (10 + 25)
         # a reservation larger than what is leased asks Redis
-        assert (await a.admit(tpm, 2000, free)).limited is None and len(calls) == before + 4
+        assert (await a.admit(tpm, 3000, free)).limited is None and len(calls) == before + 5
         # a key with max_in_flight is checked in Redis every time, and leases nothing
         capped = Budget("c", 6000, None, max_in_flight=50)
         for _ in range(2):
             await a.admit(capped, 10, free)
-        assert a.leased("c") == 0 and len(calls) == before + 6
+        assert a.leased("c") == 0 and len(calls) == before + 7
     finally:
         await stop([a])
 
@@ -497,3 +508,51 @@ async def test_unused_leases_go_back_after_a_heartbeat_and_when_the_replica_stop
         assert await level(a, "j") >= 5999 - 0.5, "given back as it stopped"
     finally:
         await stop(running)
+
+
+@pytest.mark.anyio
+async def test_a_busy_keys_lease_is_topped_up_ahead_so_its_requests_seldom_wait(redis_server: RedisServer) -> None:
+    """Sixteen clients of one key, each sending its next request as the last ends: after the first burst (one
+    round trip, the others wait for it), the lease is topped up before it runs out, and requests take from it.
+    Each uses twice what it reserved, so a lease sized by reservations alone would run out twice as fast."""
+    (a,) = await replicas(redis_server, 1, {"b"}, heartbeat_seconds=5.0)
+    try:
+        budget, roomy = Budget("k", 1_000_000_000, 1_000_000_000), [Slotted("b", 1024)]
+        rng = random.Random(7)
+
+        async def client() -> None:
+            for _ in range(20):
+                admitted = await a.admit(budget, 10, roomy)
+                assert admitted.limited is None and admitted.slot
+                await asyncio.sleep(rng.uniform(0.002, 0.006))
+                a.settle(budget, 12, "b")  # (each used more than it reserved: 22 tokens)
+
+        await asyncio.gather(*(client() for _ in range(16)))
+        counts = dict(a.admissions)
+        assert sum(counts.values()) == 320
+        assert counts["redis"] <= 4, counts
+        # the first burst's fifteen, and a few more as top-ups land late (here 20-30 in all; without top-ups 122)
+        assert counts["waited"] <= 15 + 64, counts
+        assert counts["local"] >= 320 - 15 - 64 - 4 and a.refills >= 320 // 16, (counts, a.refills)
+    finally:
+        await stop([a])
+
+
+@pytest.mark.anyio
+async def test_a_top_up_that_brings_nothing_is_not_tried_again_for_a_heartbeat(redis_server: RedisServer) -> None:
+    """As the bucket runs low a top-up brings little (each lease at most 1/16 of what is left): then no top-up
+    goes with each request; they take what their own round trips lease, and ask Redis as it runs out."""
+    (a,) = await replicas(redis_server, 1, heartbeat_seconds=5.0)
+    try:
+        calls, budget, free = counting(a), Budget("k", 40, None), [Slotted("x", None)]
+        results = []
+        for _ in range(45):
+            results.append(await a.admit(budget, 0, free))
+            await until(lambda: not a._refilling)
+        assert 40 <= sum(r.limited is None for r in results) <= 41  # (the bucket refills 0.67 a second)
+        # (the first admission leased 38 // 16 = 2; the top-up after its first take brought 37 // 16 = 2 of the
+        # 16 it asked for)
+        assert "k" in a._dry and calls[:2] == ["admit", "lease"] and calls.count("lease") == 1, calls
+        assert len(calls) > 30, calls
+    finally:
+        await stop([a])
