@@ -61,7 +61,7 @@ def stateful_gateway(base_port: int, gateway_yaml: str, logs: Path, python: str)
     redis_port, port = base_port + 6, base_port + 7
     redis = redis_child(redis_port, logs)
     config = logs / "gateway-redis.yaml"
-    config.write_text(gateway_yaml + f"state:\n  url: redis://127.0.0.1:{redis_port}/0\n")
+    config.write_text(gateway_yaml + state_section(redis_port, "slots"))
     gateway = ChildProcess(STATEFUL, [python, "-m", "gateway", "serve", "--config", str(config), "--log-level",
                                       "warning"], logs / "gateway-redis.log")
     return redis, gateway, f"http://127.0.0.1:{port}"
@@ -80,12 +80,20 @@ def limited_gateway(base_port: int, gateway_yaml: str, logs: Path, python: str,
     digest = hashlib.sha256(LIMITED_KEY.encode()).hexdigest()
     stem = f"gateway-{'redis-' if shared else ''}{limit}"
     config = logs / f"{stem}.yaml"
-    state = f"state:\n  url: redis://127.0.0.1:{base_port + 6}/0\n" if shared else ""
+    state = state_section(base_port + 6, "tokens" if tokens else "requests") if shared else ""
     config.write_text(gateway_yaml + state + f"auth:\n  keys:\n    - name: bench\n      key_sha256: {digest}\n"
                       f"      {limit}: 1000000000\n")
     gateway = ChildProcess(name, [python, "-m", "gateway", "serve", "--config", str(config), "--log-level",
                                   "warning"], logs / f"{stem}.log")
     return gateway, f"http://127.0.0.1:{limited_port(base_port, limit, shared)}"
+
+
+def state_section(redis_port: int, fleet: str) -> str:
+    """The ``state`` section of one gateway under test: the shared redis-server, under a key prefix of its own.
+    Each is a deployment of its own: with one prefix the bench's stateful gateways would count each other as
+    replicas, and each would spend the shared cores on the others' peer messages (the prompt blocks they
+    route) during their turns."""
+    return f"state:\n  url: redis://127.0.0.1:{redis_port}/0\n  prefix: \"bench-{fleet}:\"\n"
 
 
 def limited_port(base_port: int, limit: Literal["requests_per_minute", "tokens_per_minute"], shared: bool) -> int:
@@ -108,7 +116,7 @@ def workers_gateway(base_port: int, gateway_yaml: str, logs: Path, python: str, 
     port = base_port + 8
     config = logs / "gateway-workers.yaml"
     config.write_text(gateway_yaml.replace("server:\n", f"server:\n  workers: {count}\n", 1)
-                      + f"state:\n  url: redis://127.0.0.1:{base_port + 6}/0\n")
+                      + state_section(base_port + 6, "workers"))
     gateway = ChildProcess(workers_name(count), [python, "-m", "gateway", "serve", "--config", str(config),
                                                  "--log-level", "warning"], logs / "gateway-workers.log")
     return gateway, f"http://127.0.0.1:{port}"
