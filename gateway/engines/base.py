@@ -14,8 +14,8 @@ from collections.abc import Callable, Iterable
 from typing import Any, ClassVar
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
+from gateway.engines import exposition
 from gateway.engines.spec import EngineSpec
 from gateway.pool.state import Capacity, Health, LoadRecord, Probe
 from gateway.structured import CONSTRAINT_FIELDS, Constraint, grammar_in
@@ -146,46 +146,22 @@ async def get_json(client: httpx.AsyncClient, path: str) -> Any:
 
 def parse_histogram(text: str, name: str) -> tuple[tuple[tuple[str, float], ...], float, float] | None:
     """A histogram family summed across its label sets (engine ranks, models): ((le, cumulative), ...), sum,
-    count; None when the family is absent."""
+    count; None when the family is absent. Only its own lines are read (:mod:`gateway.engines.exposition`)."""
     try:
-        families = list(text_string_to_metric_families(text))
+        return exposition.histogram(text, name)
     except ValueError as exc:
         raise BackendError(f"/metrics is not Prometheus text: {exc}") from None
-    for family in families:
-        if family.name != name or family.type != "histogram":
-            continue
-        buckets: dict[str, float] = {}
-        total = count = 0.0
-        for sample in family.samples:
-            if sample.name.endswith("_bucket"):
-                le = sample.labels.get("le", "+Inf")
-                buckets[le] = buckets.get(le, 0.0) + float(sample.value)
-            elif sample.name.endswith("_sum"):
-                total += float(sample.value)
-            elif sample.name.endswith("_count"):
-                count += float(sample.value)
-        ordered = sorted(buckets.items(), key=lambda kv: float(kv[0]))
-        return tuple(ordered), total, count
-    return None
 
 
 def parse_metrics(text: str, wanted: Iterable[str]) -> dict[str, float]:
-    """Sum the samples of the wanted metrics across their labels (e.g. one per model or engine rank).
-
-    Parsed with prometheus_client's own parser. Counter families lose their ``_total`` suffix there, so
-    both spellings are matched.
-    """
-    names = set(wanted)
-    out: dict[str, float] = {}
+    """Sum the samples of the wanted metrics across their labels (e.g. one per model or engine rank), by
+    sample name as the exposition writes it (a counter's with its ``_total``). Only their own lines are read
+    (:mod:`gateway.engines.exposition`): parsing a whole vLLM exposition with prometheus_client stalled the
+    event loop for milliseconds per scrape."""
     try:
-        families = list(text_string_to_metric_families(text))
+        return exposition.summed(text, set(wanted))
     except ValueError as exc:
         raise BackendError(f"/metrics is not Prometheus text: {exc}") from None
-    for family in families:
-        for sample in family.samples:
-            if sample.name in names:
-                out[sample.name] = out.get(sample.name, 0.0) + float(sample.value)
-    return out
 
 
 def as_int(value: float | None) -> int | None:

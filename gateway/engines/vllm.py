@@ -10,8 +10,8 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
+from gateway.engines import exposition
 from gateway.engines.base import EngineAdapter, get, get_json, native_grammar
 from gateway.engines.spec import RERANK_ROUTES, EngineSpec
 from gateway.pool.state import Capacity, ShapeSeed
@@ -72,15 +72,12 @@ async def _kv_tokens(client: httpx.AsyncClient) -> int | None:
     if response.status_code != 200:
         return None
     try:
-        families = list(text_string_to_metric_families(response.text))
+        for _, labels, _ in exposition.samples(response.text, ("vllm:cache_config_info",)):
+            blocks, size = exposition.label(labels, "num_gpu_blocks"), exposition.label(labels, "block_size")
+            if blocks and size and blocks.isdigit() and size.isdigit():
+                return int(blocks) * int(size)
     except ValueError:
         return None
-    for family in families:
-        if family.name == "vllm:cache_config_info":
-            for sample in family.samples:
-                blocks, size = sample.labels.get("num_gpu_blocks"), sample.labels.get("block_size")
-                if blocks and size and blocks.isdigit() and size.isdigit():
-                    return int(blocks) * int(size)
     return None
 
 

@@ -50,6 +50,9 @@ vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25
 # HELP vllm:prefix_cache_hits_total Prefix cache hits, in terms of number of cached tokens.
 # TYPE vllm:prefix_cache_hits_total counter
 vllm:prefix_cache_hits_total{engine="0",model_name="m"} 100.0
+# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig
+# TYPE vllm:cache_config_info gauge
+vllm:cache_config_info{block_size="16",cache_dtype="auto",engine="0",num_gpu_blocks="2048",hash_algo="sha256"} 1.0
 """
 
 
@@ -102,7 +105,7 @@ async def test_vllm_metrics_are_summed_across_engines_and_capacity_from_models()
     load = await adapter.read_load(client)
     assert load is not None and (load.running, load.waiting, load.kv_usage) == (7, 4, 0.25)
     capacity = await adapter.read_capacity(client)
-    assert (capacity.slots, capacity.context_length) == (256, 8192)
+    assert (capacity.slots, capacity.context_length, capacity.cache_tokens) == (256, 8192, 2048 * 16)
     assert await adapter.list_models(client) == ["m"]
 
 
