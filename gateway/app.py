@@ -154,6 +154,7 @@ class Gateway:
         return hot
 
     async def start(self) -> None:
+        self.metrics.loop_lag.start()
         if self.siblings is not None:
             await self.siblings.start()
         await self.transport.start()
@@ -241,6 +242,7 @@ class Gateway:
         if self.siblings is not None:
             await self.siblings.stop()
         self.tracing.shutdown()
+        await self.metrics.loop_lag.stop()
 
 
 def load_tokenizers(settings: Settings) -> dict[str, PromptTokenizer]:

@@ -129,7 +129,13 @@ LATENCY = RowSpec("Latency", (
                         legend_prefix="{{backend}} {{stage}} ")),
     PanelSpec("Request duration by route", "From receiving a request to its last byte sent, by route.", "s",
               quantiles("gateway_request_duration_seconds", BM, by="route", qs=(0.5, 0.99),
-                        legend_prefix="{{route}} "), width=24),
+                        legend_prefix="{{route}} ")),
+    PanelSpec("Event loop lag", "How much later than due each gateway process's event loop ran a timer: a "
+              "stall of the loop delays every stream it carries by as much (p50, p99, and the slowest "
+              "process's mean).", "s",
+              (*quantiles("gateway_event_loop_lag_seconds", "", qs=(0.5, 0.99)),
+               Query(f"max(rate(gateway_event_loop_lag_seconds_sum[{RATE}]) / "
+                     f"rate(gateway_event_loop_lag_seconds_count[{RATE}]))", "mean (slowest process)"))),
 ))
 
 THROUGHPUT = RowSpec("Throughput", (

@@ -26,6 +26,7 @@ from prometheus_client.registry import Collector
 
 from gateway.pool.state import Health
 from gateway.telemetry.flow import FlowMetrics
+from gateway.telemetry.loop_lag import LoopLag
 from gateway.telemetry.request_metrics import (  # noqa: F401  (the buckets, for those who read them here)
     DURATION_BUCKETS,
     ITL_BUCKETS,
@@ -78,6 +79,8 @@ class GatewayMetrics:
         r.register(self.queue_wait)
         self.flow = FlowMetrics()  # admissions, refusals, queue depth and saturation (flow control)
         r.register(self.flow)
+        self.loop_lag = LoopLag()  # (measures once started, with the app)
+        r.register(self.loop_lag)
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
 
     def child(self, metric: Any, *labels: str) -> Any:

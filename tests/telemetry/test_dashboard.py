@@ -18,8 +18,10 @@ ROOT = Path(__file__).resolve().parents[2]
 GRAFANA = ROOT / "deploy" / "grafana"
 DASHBOARD_JSON = GRAFANA / "dashboards" / "gateway.json"
 RULES = ROOT / "deploy" / "prometheus" / "rules" / "gateway-rules.yml"
-# where the gateway's metrics are defined: metrics.py, and request_metrics.py for the series every request updates
-METRICS_SOURCES = [ROOT / "gateway" / "telemetry" / "metrics.py", ROOT / "gateway" / "telemetry" / "request_metrics.py"]
+# where the gateway's metrics are defined: metrics.py, request_metrics.py for the series every request updates,
+# loop_lag.py for the event loop's lag
+METRICS_SOURCES = [ROOT / "gateway" / "telemetry" / name
+                   for name in ("metrics.py", "request_metrics.py", "loop_lag.py")]
 
 
 def metric_source() -> str:
@@ -93,7 +95,7 @@ def test_template_variables() -> None:
         assert f", {name})" in var["query"]["query"]
     exprs = [t.expr for p in load_script("preview").panels(dashboard()) for t in p.targets]
     unlabelled = ("gateway_routing_plugin_seconds", "gateway_requests_in_flight",  # no backend label
-                  "gateway_connections_refused_total", "gateway_state_")
+                  "gateway_connections_refused_total", "gateway_state_", "gateway_event_loop_lag_seconds")
     for expr in exprs:
         assert "$backend" in expr or any(name in expr for name in unlabelled), expr
     assert any("$model" in e for e in exprs)
