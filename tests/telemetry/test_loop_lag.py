@@ -25,7 +25,7 @@ async def test_a_stall_of_the_loop_is_observed_as_lag() -> None:
     assert before >= 3 and lag.buckets.count > before
     bounds = (*lag.buckets.bounds, float("inf"))
     stalled = sum(n for bound, n in zip(bounds, lag.buckets.counts, strict=True) if bound > 0.1)
-    assert stalled == 1, lag.buckets.counts  # one wake-up came about 0.11 s late
+    assert stalled >= 1, lag.buckets.counts  # the wake-up due during the block came about 0.11 s late
     assert lag.buckets.sum >= 0.1
     text = generate_latest(registry).decode()
     assert 'gateway_event_loop_lag_seconds_bucket{le="0.25"}' in text
