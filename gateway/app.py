@@ -42,6 +42,7 @@ from gateway.routing.policies import build_pipeline
 from gateway.routing.state import RoutingState
 from gateway.state.shared import SharedState, key_place_of
 from gateway.structured.offload import ValidationWorkers
+from gateway.tasks import cancel_and_wait
 from gateway.telemetry.metrics import GatewayMetrics
 from gateway.telemetry.recent import Recent
 from gateway.telemetry.tracing import Tracing, provider_from_environment
@@ -229,10 +230,7 @@ class Gateway:
 
     async def stop(self) -> None:
         await self.control.stop()
-        if self._kv_task is not None:
-            self._kv_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._kv_task
+        await cancel_and_wait([self._kv_task])
         await self.kv_events.stop()
         if self.shared is not None:
             await self.shared.stop()

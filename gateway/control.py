@@ -37,6 +37,7 @@ from gateway.proxy.admission import Admission
 from gateway.proxy.models import ModelMap
 from gateway.routing.policies import check_settings
 from gateway.state.shared import SharedState
+from gateway.tasks import cancel_and_wait
 from gateway.telemetry.recent import Recent, empty, merge, series, summary
 from gateway.workers import Siblings
 
@@ -90,11 +91,7 @@ class ControlPlane:
             self._spawn(self._watch_config(watch_seconds))
 
     async def stop(self) -> None:
-        for task in list(self._tasks):
-            task.cancel()
-        for task in list(self._tasks):
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(list(self._tasks))
 
     async def _sample_forever(self) -> None:
         recent, pool, admission = self.recent, self._pool, self._admission

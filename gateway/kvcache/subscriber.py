@@ -23,7 +23,6 @@ While a stream is not live, routing falls back to the approximate index for that
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections import OrderedDict
@@ -38,6 +37,7 @@ from gateway.kvcache.contexts import close_context, open_context
 from gateway.kvcache.index import EventIndex
 from gateway.kvcache.wire import Batch, WireError, decode_message, decode_replay
 from gateway.pool.backend import Backend
+from gateway.tasks import cancel_and_wait
 
 log = logging.getLogger("gateway.kvcache")
 
@@ -117,10 +117,7 @@ class EventStream:
 
     async def stop(self) -> None:
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait([task])
         self._close_dealer()
 
     async def _run(self) -> None:

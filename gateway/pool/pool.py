@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterator
@@ -19,6 +18,7 @@ from gateway.errors import Redactor
 from gateway.pool.backend import Backend
 from gateway.pool.discovery import Resolver, replica_settings, system_resolver
 from gateway.pool.state import Capacity, Health, LoadRecord, Probe
+from gateway.tasks import cancel_and_wait
 
 log = logging.getLogger("gateway.pool")
 
@@ -114,11 +114,7 @@ class Pool:
         self.backends.remove(backend)
         if keep is None:
             backend.mark_down(f"removed: {why}")  # anything still holding it routes elsewhere
-        task = self._tasks.pop(name, None)
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait([self._tasks.pop(name, None)])
         client = self._clients.pop(name, None)
         if client is not None:
             await client.aclose()
@@ -264,11 +260,7 @@ class Pool:
     async def stop(self) -> None:
         self._running = False
         tasks = [*self._tasks.values(), *([self._discovery_task] if self._discovery_task else []), *self._background]
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(tasks)
         self._tasks = {}
         self._discovery_task = None
         for client in self._clients.values():

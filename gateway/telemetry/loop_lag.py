@@ -10,12 +10,12 @@ This is how the engine scrapes' whole-exposition parses (20-40 ms a second per v
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Iterator
 
 from prometheus_client.core import HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from gateway.tasks import cancel_and_wait
 from gateway.telemetry.request_metrics import Buckets
 
 LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -36,10 +36,7 @@ class LoopLag(Collector):
 
     async def stop(self) -> None:
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait([task])
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
