@@ -73,11 +73,11 @@ from gateway.bench.state_cost import (
     STATEFUL,
     TOKENS,
     TOKENS_LOCAL,
-    admissions,
     limited_gateway,
     limited_port,
     redis_available,
     redis_child,
+    state_counts,
     stateful_gateway,
     workers_gateway,
     workers_name,
@@ -993,19 +993,19 @@ def run_once(cfg: OverheadConfig, log: Any = print, logs: Path | None = None) ->
             doc["state"] = {"store": "redis-server on loopback; every request holds a slot of the backend's "
                                      "max_concurrency (taken from the replica's kept slots when it has one)",
                             "levels": tracing_cost(doc["levels"], "gateway", STATEFUL),
-                            "admissions": admissions(stateful_url)}
+                            **state_counts(stateful_url)}
         if limited is not None:
             doc["state_limited"] = {"store": "the same redis-server; the key has a requests_per_minute limit: its "
                                              "requests are leased a few at a time",
                                     "against": LIMITED_LOCAL,
                                     "levels": tracing_cost(doc["levels"], LIMITED_LOCAL, LIMITED),
-                                    "admissions": admissions(limited_url)}
+                                    **state_counts(limited_url)}
         if tokens is not None:
             doc["state_tokens"] = {"store": "the same redis-server; the key has a tokens_per_minute limit: its "
                                             "tokens are leased a few reservations at a time",
                                    "against": TOKENS_LOCAL,
                                    "levels": tracing_cost(doc["levels"], TOKENS_LOCAL, TOKENS),
-                                   "admissions": admissions(tokens_url)}
+                                   **state_counts(tokens_url)}
         if several is not None:
             baseline = STATEFUL if stateful is not None else "gateway"
             sat = (doc.get("saturation") or {}).get("levels") or {}
@@ -1164,8 +1164,10 @@ def print_overhead(doc: dict[str, Any]) -> None:
         counts = doc.get(part, {}).get("admissions")
         if counts:
             total = sum(counts.values())
+            refills = doc[part].get("lease_refills")
             console.print(f"{what}, admissions over the run: " + ", ".join(f"{k} {v}" for k, v in counts.items())
-                          + (f" ({counts.get('redis', 0) / total:.1%} with a round trip)" if total else ""))
+                          + (f" ({counts.get('redis', 0) / total:.1%} with a round trip)" if total else "")
+                          + (f"; lease top-ups in the background {refills}" if refills else ""))
     if "workers" in doc:
         w = doc["workers"]
         for level, r in w["levels"].items():

@@ -23,7 +23,7 @@ import hashlib
 import shutil
 import urllib.request
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from gateway.bench.procs import ChildProcess
 
@@ -35,19 +35,19 @@ TOKENS_LOCAL = "gateway, tpm key"
 LIMITED_KEY = "bench-limited-key"  # (loopback only; the gateway stores its SHA-256)
 
 
-def admissions(url: str) -> dict[str, int]:
-    """``gateway_state_admissions_total`` by path, as the gateway at ``url`` counts them now, and its leases'
-    top-ups in the background (``refills``: round trips no request waited on)."""
+def state_counts(url: str) -> dict[str, Any]:
+    """As the gateway at ``url`` counts them now: ``admissions``, ``gateway_state_admissions_total`` by path;
+    ``lease_refills``, its leases' top-ups in the background (round trips no request waited on)."""
     with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
         text = resp.read().decode()
-    out: dict[str, int] = {}
+    paths: dict[str, int] = {}
+    refills = 0
     for line in text.splitlines():
         if line.startswith('gateway_state_admissions_total{path="'):
-            path = line.split('"', 2)[1]
-            out[path] = int(float(line.rsplit(" ", 1)[1]))
+            paths[line.split('"', 2)[1]] = int(float(line.rsplit(" ", 1)[1]))
         elif line.startswith("gateway_state_lease_refills_total "):
-            out["refills"] = int(float(line.rsplit(" ", 1)[1]))
-    return out
+            refills = int(float(line.rsplit(" ", 1)[1]))
+    return {"admissions": paths, "lease_refills": refills}
 
 
 def redis_available() -> bool:

@@ -159,7 +159,7 @@ def parse_metrics(text: str, wanted: Iterable[str]) -> dict[str, float]:
     (:mod:`gateway.engines.exposition`): parsing a whole vLLM exposition with prometheus_client stalled the
     event loop for milliseconds per scrape."""
     try:
-        return exposition.summed(text, set(wanted))
+        return exposition.summed(text, tuple(wanted))
     except ValueError as exc:
         raise BackendError(f"/metrics is not Prometheus text: {exc}") from None
 

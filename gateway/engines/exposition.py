@@ -8,8 +8,8 @@ only the lines that start with one are read, turned into numbers (and only a his
 label read: ``le``).
 
 It reads the text format (``text/plain; version=0.0.4``) as Prometheus does: a sample line is the sample's
-name, its labels in braces (label values may hold any character, ``}`` and ``"`` escaped as ``\\"`` included),
-the value, and an optional timestamp; comment lines (``#``) and every other series are skipped unread.
+name, its labels in braces (a label value may hold any character, ``}`` included, and a quote escaped as
+``\\"``), the value, and an optional timestamp; comment lines (``#``) and every other series are skipped unread.
 """
 
 from __future__ import annotations

@@ -274,6 +274,9 @@ def test_a_tiny_real_run_measures_every_phase(tmp_path: Path) -> None:
         limited = on_disk[part]["levels"]["2"]
         assert limited["ttft_us_p50"] is not None and limited["cpu_us_per_request"] is not None
         assert on_disk[part]["against"] == name.replace("+redis", "")
+        # how its admissions were decided, and apart from them its leases' top-ups in the background
+        assert set(on_disk[part]["admissions"]) == {"local", "waited", "redis"}
+        assert isinstance(on_disk[part]["lease_refills"], int)
         assert on_disk["levels"]["2"][name]["ok"] == on_disk["levels"]["2"][name.replace("+redis", "")]["ok"] == 4
     workers = on_disk["workers"]  # two worker processes sharing that redis-server, against one process with it
     assert workers["count"] == 2 and workers["against"] == "gateway+redis"
