@@ -234,7 +234,7 @@ def test_a_tiny_real_run_measures_every_phase(tmp_path: Path) -> None:
     cfg = OverheadConfig(levels=[2], rounds=1, min_round=4, tokens=4, gap_ms=1.0, hold=20, hold_seconds=0.2,
                          cost_requests=16, cost_concurrency=4, cost_tokens=(1, 4), cost_rounds=1,
                          cost_prompt_chars=2000, saturation_levels=[8], saturation_requests=16, saturation_tokens=4,
-                         translation_level=2, state=True, workers=2, base_port=free_port_block(13),
+                         translation_level=2, state=True, state_rounds=3, workers=2, base_port=free_port_block(13),
                          out=tmp_path)
     started = time.monotonic()
     summary = run_overhead(cfg, log=lambda *_: None)
@@ -278,6 +278,19 @@ def test_a_tiny_real_run_measures_every_phase(tmp_path: Path) -> None:
         assert set(on_disk[part]["admissions"]) == {"local", "waited", "redis"}
         assert isinstance(on_disk[part]["lease_refills"], int)
         assert on_disk["levels"]["2"][name]["ok"] == on_disk["levels"]["2"][name.replace("+redis", "")]["ok"] == 4
+    # each comparison again with its pair alone (A B, B A, ...), the figure the target is judged on, and the
+    # method's floor: two gateways without Redis
+    pairs = on_disk["state_pairs"]
+    assert set(pairs) == {"state", "state_limited", "state_tokens", "state_floor"}
+    assert (pairs["state"]["off"], pairs["state"]["on"]) == ("gateway", "gateway+redis")
+    assert (pairs["state_floor"]["off"], pairs["state_floor"]["on"]) == ("gateway, rpm key", "gateway, tpm key")
+    for part, pair in pairs.items():
+        assert pair["rounds"] == 3 and pair["level"] == 16 and set(pair["errors"].values()) == {0}
+        assert pair["ttft_us_p50_paired"]["pairs"] == 3 and pair["ttft_us_p50_paired"]["median"] is not None
+        if part != "state_floor":
+            target = on_disk["targets"][f"{part}_ttft_us_p50_at_16"]
+            assert target["phase"] == "state_pairs" and target["rounds"] == 3
+            assert target["value"] == pytest.approx(pair["ttft_us_p50_paired"]["median"])
     workers = on_disk["workers"]  # two worker processes sharing that redis-server, against one process with it
     assert workers["count"] == 2 and workers["against"] == "gateway+redis"
     assert workers["levels"]["2"]["ttft_us_p50"] is not None
