@@ -331,7 +331,7 @@ class Dispatcher:
         shared = self._shared
         assert shared is not None
         budget = exchange.budget
-        candidates = [Slotted(b.name, b.max_concurrency) for b in decision.ranked]
+        candidates = decision.ranked  # (read as they are: admission copies nothing per request)
         if not shared.needed(budget, candidates):
             return True
         try:
