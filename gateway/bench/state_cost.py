@@ -11,6 +11,8 @@ The report gives, per level, what each adds over the same gateway without shared
 end-to-end p50 in microseconds, CPU per request: the slots-only gateway against the plain one, each limited
 key's against the same key without Redis), and how each gateway's admissions were decided over the run
 (``gateway_state_admissions_total``: local, waited for another's round trip, or a round trip of their own).
+After the levels phase each comparison runs again with its two gateways alone (``state_pairs``,
+``--state-rounds``): the figure the scale-out target is judged on (see ``overhead._state_pairs``).
 
 ``--workers N`` adds a gateway of N worker processes (``server.workers``, on ``base + 8``) sharing that
 redis-server (started for it when ``--state`` is not given): what the processes add or take away at each

@@ -242,7 +242,7 @@ class Dispatcher:
                 continue
             if trace is not None:
                 trace.route_end(decision.policy, decision.reason, decision.detail, decision.ranked[0].name)
-            if not shared:
+            if not shared or self._admitted_locally(exchange, decision):
                 return decision
             generation = admission.generation
             admitted = await self._admit_shared(exchange, decision)
@@ -321,6 +321,23 @@ class Dispatcher:
                                 headers=headers)
         return GatewayError(429, f"no backend serving '{model}' had a free slot within {allowed:g} s; retry shortly",
                             code="queue_timeout", headers=headers)
+
+    def _admitted_locally(self, exchange: Exchange, decision: Decision) -> bool:
+        """With shared state: whether this replica admitted the request from what it holds (kept slots, leases),
+        or had nothing to check; no round trip, no await. False: :meth:`_admit_shared` decides."""
+        shared = self._shared
+        assert shared is not None
+        budget = exchange.budget
+        ranked = decision.ranked  # (read as they are: admission copies nothing per request)
+        if not shared.needed(budget, ranked):
+            return True
+        admitted = shared.try_local(budget, exchange.reserve, ranked)
+        if admitted is None:
+            return False
+        if budget is not None and budget.tokens_per_minute:
+            exchange.reserved_tokens = exchange.reserve
+        exchange.shared_slot = ranked[0].name if admitted.slot else None
+        return True
 
     async def _admit_shared(self, exchange: Exchange, decision: Decision) -> bool | None:
         """With shared state: the key's budget and a slot on the best-ranked backend that has one, in one round

@@ -305,9 +305,36 @@ class SharedState:
     # -- admission ----------------------------------------------------------------------------------------------
     def needed(self, budget: Budget | None, candidates: Sequence[Candidate]) -> bool:
         """Whether admission has anything to check (else it costs no round trip)."""
-        limited = budget is not None and (budget.requests_per_minute or budget.tokens_per_minute
-                                          or budget.max_in_flight)
-        return bool(limited) or any(c.max_concurrency for c in candidates)
+        if budget is not None and (budget.requests_per_minute or budget.tokens_per_minute or budget.max_in_flight):
+            return True
+        return any(candidate.max_concurrency for candidate in candidates)
+
+    def try_local(self, budget: Budget | None, reserve: int, candidates: Sequence[Candidate]) -> Admitted | None:
+        """:meth:`admit` from what this replica holds (kept slots, leases), with no round trip and no await;
+        None when that does not do (then ``admit``). Most requests are admitted here, and at 16 streams each
+        microsecond a request spends before its first upstream byte is spent before the others' too."""
+        if budget is None:
+            rpm = tpm = 0
+            name = "_"
+        else:
+            if budget.max_in_flight:
+                return None  # (a key's requests in flight are counted in Redis, each)
+            rpm = budget.requests_per_minute or 0
+            tpm = budget.tokens_per_minute or 0
+            name = budget.key
+        if not self.up:
+            return None
+        if tpm:
+            self._reserves[name] = reserve  # (the key's latest: what a top-up from its settlements sizes by)
+        else:
+            reserve = 0
+        # the best-ranked candidate, when it needs a slot: a kept slot of it is taken (one that needs none
+        # needs nothing here)
+        head = candidates[0] if candidates and candidates[0].max_concurrency else None
+        if not self._local(name, rpm, tpm, reserve, head):
+            return None
+        self.admissions["local"] += 1
+        return _LOCAL_SLOT if head is not None else _LOCAL_NO_SLOT
 
     async def admit(self, budget: Budget | None, reserve: int, candidates: Sequence[Candidate]) -> Admitted:
         """One round trip: the key's budget and a slot on the first candidate that has one (candidates
@@ -321,18 +348,12 @@ class SharedState:
             tpm = budget.tokens_per_minute or 0
             cap = budget.max_in_flight or 0
             name = budget.key
+        admitted = self.try_local(budget, reserve, candidates)
+        if admitted is not None:
+            return admitted
         reserve = reserve if tpm else 0
-        if tpm:
-            self._reserves[name] = reserve  # (the key's latest: what a top-up from its settlements sizes by)
-        # the best-ranked candidate, when it needs a slot: what a request admitted in memory takes a kept slot
-        # of (one that needs none needs nothing here)
         head = candidates[0] if candidates and candidates[0].max_concurrency else None
         local = not cap and self.up
-        # (first, and with nothing made for it: most requests are admitted here, and at 16 streams each
-        # microsecond spent before a request's first upstream byte is spent before the others' too)
-        if local and self._local(name, rpm, tpm, reserve, head):
-            self.admissions["local"] += 1
-            return _LOCAL_SLOT if head is not None else _LOCAL_NO_SLOT
         # the candidates up to (and including) the first that needs no slot: none after it is ever chosen
         chosen_from: list[Candidate] = []
         if head is not None:

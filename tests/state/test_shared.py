@@ -268,6 +268,34 @@ async def test_a_freed_slot_is_kept_for_the_next_request_which_takes_it_without_
 
 
 @pytest.mark.anyio
+async def test_try_local_admits_from_kept_slots_and_leases_only_and_says_none_otherwise(
+        redis_server: RedisServer) -> None:
+    """The proxy's first look, with no await: an admission from what the replica holds, or None (then
+    admit's round trip); it takes exactly what admit's local path takes, and never asks Redis."""
+    (a,) = await replicas(redis_server, 1, {"b"}, heartbeat_seconds=5.0)
+    try:
+        sixteen = [Slotted("b", 16)]
+        calls = counting(a)
+        assert a.try_local(None, 0, sixteen) is None and a.holds("b") == 0, "nothing kept yet"
+        await a.admit(None, 0, sixteen)  # (the round trip keeps two more)
+        local = a.try_local(None, 0, sixteen)
+        assert local is not None and local.slot and local.chosen == 0 and not local.limited
+        assert a.holds("b") == 2 and a.kept("b") == 1 and calls == ["admit"]
+        # a candidate without max_concurrency needs no slot: nothing to admit here (admit's needed() says so)
+        assert a.needed(None, [Slotted("c", None)]) is False
+        # a key's max_in_flight is counted in Redis on every request; a key's budget must be leased here first
+        assert a.try_local(Budget("k", None, None, max_in_flight=4), 0, sixteen) is None
+        assert a.try_local(Budget("k", 100, None), 0, sixteen) is None
+        await a.admit(Budget("k", 100, None), 0, sixteen)  # (leases the key's next requests)
+        leased = a.leased("k")
+        limited = a.try_local(Budget("k", 100, None), 0, sixteen)
+        assert limited is not None and a.leased("k") == leased - 1
+        assert calls == ["admit", "admit"] and a.admissions["local"] == 2
+    finally:
+        await stop([a])
+
+
+@pytest.mark.anyio
 async def test_kept_slots_go_back_at_once_when_another_replica_finds_the_backend_full(
         redis_server: RedisServer) -> None:
     a, b = await replicas(redis_server, 2, {"b"}, heartbeat_seconds=5.0)
