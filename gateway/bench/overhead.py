@@ -321,10 +321,11 @@ async def _measure(targets: list[Target], cfg: OverheadConfig, log: Any) -> dict
 async def _state_pairs(pairs: list[tuple[str, Target, Target]], cfg: OverheadConfig, log: Any) -> dict[str, Any]:
     """Each comparison on its own: the two gateways of a pair (without shared state, with it) and nothing else,
     ``state_rounds`` rounds at ``STATE_TTFT_LEVEL`` streams, in the order A B, B A, A B... so that each runs
-    first, and after the other, as often. In the levels phase every target follows the same one in every
-    round (the order only rotates), and a gateway's round starts while the one before it still works off its
-    last responses: there, identical gateways came out up to 1.5 ms apart at 16 streams. Per pair: the median
-    of the rounds' paired TTFT p50 differences (B - A) and its bootstrap 90% interval, in microseconds."""
+    first, and after the other, as often (the pairs' own order rotates from run to run of a ``--repeat``). In
+    the levels phase every target follows the same one in every round (the order only rotates), and six more
+    gateways share the cores: there, identical gateways came out up to 1.5 ms apart at 16 streams. Per pair:
+    the median of the rounds' paired TTFT p50 differences (B - A) and its bootstrap 90% interval, in
+    microseconds."""
     level = STATE_TTFT_LEVEL
     per_round = max(cfg.min_round, 2 * level)
     out: dict[str, Any] = {}
@@ -906,7 +907,7 @@ def rust_reference(py: str, wanted: str) -> tuple[str, str] | None:
     return None
 
 
-def run_once(cfg: OverheadConfig, log: Any = print, logs: Path | None = None) -> dict[str, Any]:
+def run_once(cfg: OverheadConfig, log: Any = print, logs: Path | None = None, run_index: int = 0) -> dict[str, Any]:
     """One run of every phase with fresh processes; their logs (and configuration files) under ``logs``."""
     logs = logs or cfg.out
     logs.mkdir(parents=True, exist_ok=True)
@@ -1013,6 +1014,8 @@ def run_once(cfg: OverheadConfig, log: Any = print, logs: Path | None = None) ->
         by_name = {t.name: t for t in targets}
         pairs = [(part, by_name[off], by_name[on]) for part, off, on in STATE_PAIRS
                  if off in by_name and on in by_name]
+        # (the first pair runs right after the levels phase: each run of a --repeat starts with another one)
+        pairs = pairs[run_index % len(pairs):] + pairs[:run_index % len(pairs)] if pairs else pairs
         if cfg.state and cfg.state_rounds > 0 and pairs:
             log(f"state pairs: each pair alone, {cfg.state_rounds} rounds at {STATE_TTFT_LEVEL} streams")
             doc["state_pairs"] = run_sync(_state_pairs(pairs, cfg, log))
@@ -1111,7 +1114,7 @@ def run_overhead(cfg: OverheadConfig, log: Any = print) -> dict[str, Any]:
     for i in range(1, max(1, cfg.repeat) + 1):
         if cfg.repeat > 1:
             log(f"run {i} of {cfg.repeat}")
-        doc = run_once(cfg, log, cfg.out / f"run-{i}" if cfg.repeat > 1 else cfg.out)
+        doc = run_once(cfg, log, cfg.out / f"run-{i}" if cfg.repeat > 1 else cfg.out, run_index=i - 1)
         doc["run"] = i
         write_json(doc, cfg.out / f"overhead-{i}.json")
         if cfg.repeat > 1:

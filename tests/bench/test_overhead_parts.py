@@ -209,8 +209,11 @@ def test_repeat_writes_each_run_and_the_summary(tmp_path: Path, monkeypatch: pyt
 
     calls: list[Path | None] = []
 
-    def fake_run(cfg: OverheadConfig, log: Any = None, logs: Path | None = None) -> dict[str, Any]:
+    indexes: list[int] = []
+
+    def fake_run(cfg: OverheadConfig, log: Any = None, logs: Path | None = None, run_index: int = 0) -> dict[str, Any]:
         calls.append(logs)
+        indexes.append(run_index)  # (what the state pairs' order rotates by)
         doc = _run_doc({"1": 1.0 + len(calls) / 10}, 20.0, 100.0, 50_000.0, 1000)
         doc["targets"] = evaluate_targets(doc)
         return doc
@@ -219,7 +222,7 @@ def test_repeat_writes_each_run_and_the_summary(tmp_path: Path, monkeypatch: pyt
     monkeypatch.setattr(overhead, "run_once", fake_run)
     monkeypatch.setattr(overhead, "plot_overhead", lambda doc, path: plots.append(path.name))
     summary = run_overhead(OverheadConfig(out=tmp_path, repeat=3), log=lambda *_: None)
-    assert calls == [tmp_path / f"run-{i}" for i in (1, 2, 3)]
+    assert calls == [tmp_path / f"run-{i}" for i in (1, 2, 3)] and indexes == [0, 1, 2]
     assert plots == ["overhead-1.png", "overhead-2.png", "overhead-3.png", "overhead.png"]
     assert [json.loads((tmp_path / f"overhead-{i}.json").read_text())["run"] for i in (1, 2, 3)] == [1, 2, 3]
     on_disk = json.loads((tmp_path / "overhead.json").read_text())
