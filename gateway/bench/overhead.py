@@ -59,7 +59,7 @@ import time
 import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from gateway.bench.client import Target
 from gateway.bench.procs import ChildProcess, get_json
@@ -97,6 +97,8 @@ CPU_US_PER_CHUNK_TARGET = 25.0
 CPU_US_PER_REQUEST_TARGET = 150.0
 CHUNKS_PER_S_TARGET = 40_000.0
 TTFT_X_TARGETS = {1: 1.5, 16: 1.5, 64: 2.0, 256: 3.0}
+T = TypeVar("T")
+
 STATE_TTFT_LEVEL, STATE_TTFT_US_TARGET = 16, 500.0  # the scale-out issue: Redis adds <= +0.5 ms at 16 streams
 # the pairs phase (--state): (part, without shared state, with it); "state_floor" pairs two gateways that both
 # keep their limits in memory (a requests/min key, a tokens/min key): what the method shows where nothing differs
@@ -395,9 +397,11 @@ def solve_cost(a: CostRun, b: CostRun) -> dict[str, float | None]:
             "cpu_us_per_request_error": 1e6 * dr, "cpu_us_per_chunk_error": 1e6 * dc}
 
 
-def _rotated(targets: list[Target], k: int) -> list[Target]:
-    k %= len(targets)
-    return targets[k:] + targets[:k]
+def _rotated(items: list[T], k: int) -> list[T]:
+    if not items:
+        return items
+    k %= len(items)
+    return items[k:] + items[:k]
 
 
 async def _cost(targets: list[Target], cfg: OverheadConfig, log: Any) -> dict[str, Any]:
@@ -1015,7 +1019,7 @@ def run_once(cfg: OverheadConfig, log: Any = print, logs: Path | None = None, ru
         pairs = [(part, by_name[off], by_name[on]) for part, off, on in STATE_PAIRS
                  if off in by_name and on in by_name]
         # (the first pair runs right after the levels phase: each run of a --repeat starts with another one)
-        pairs = pairs[run_index % len(pairs):] + pairs[:run_index % len(pairs)] if pairs else pairs
+        pairs = _rotated(pairs, run_index)
         if cfg.state and cfg.state_rounds > 0 and pairs:
             log(f"state pairs: each pair alone, {cfg.state_rounds} rounds at {STATE_TTFT_LEVEL} streams")
             doc["state_pairs"] = run_sync(_state_pairs(pairs, cfg, log))

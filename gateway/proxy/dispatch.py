@@ -34,7 +34,7 @@ from gateway.proxy.models import FALLBACK_CODES, ModelMap
 from gateway.proxy.upstream import UpstreamError
 from gateway.routing.pipeline import Decision, NoRoute, Pipeline
 from gateway.routing.request import RouteRequest
-from gateway.state.shared import SharedState, Slotted, StateUnavailable
+from gateway.state.shared import Admitted, SharedState, Slotted, StateUnavailable
 from gateway.structured import can_honour
 from gateway.structured.check import CHECKABLE, output_problem
 from gateway.telemetry.metrics import GatewayMetrics
@@ -334,27 +334,31 @@ class Dispatcher:
         admitted = shared.try_local(budget, exchange.reserve, ranked)
         if admitted is None:
             return False
+        self._admitted(exchange, ranked, admitted)
+        return True
+
+    @staticmethod
+    def _admitted(exchange: Exchange, ranked: list[Backend], admitted: Admitted) -> None:
+        """What an admission took, on the exchange: the reservation held in the key's shared budget, the slot
+        held on the (now first-ranked) backend."""
+        budget = exchange.budget
         if budget is not None and budget.tokens_per_minute:
             exchange.reserved_tokens = exchange.reserve
         exchange.shared_slot = ranked[0].name if admitted.slot else None
-        return True
 
     async def _admit_shared(self, exchange: Exchange, decision: Decision) -> bool | None:
-        """With shared state: the key's budget and a slot on the best-ranked backend that has one, in one round
-        trip (none when neither is limited); that backend goes first. False: every ranked backend with a
-        ``max_concurrency`` is full (nothing was taken). None: the shared state did not answer; limits fail as
-        configured, and the caller routes again on local state (each replica keeps to the ``max_concurrency``
-        on its own)."""
+        """With shared state, after :meth:`_admitted_locally` said False: the key's budget and a slot on the
+        best-ranked backend that has one, in one round trip; that backend goes first. False: every ranked
+        backend with a ``max_concurrency`` is full (nothing was taken). None: the shared state did not answer;
+        limits fail as configured, and the caller routes again on local state (each replica keeps to the
+        ``max_concurrency`` on its own)."""
         shared = self._shared
         assert shared is not None
         budget = exchange.budget
-        candidates = decision.ranked  # (read as they are: admission copies nothing per request)
-        if not shared.needed(budget, candidates):
-            return True
         try:
             if not shared.up:
                 raise StateUnavailable("down")
-            admitted = await shared.admit(budget, exchange.reserve, candidates)
+            admitted = await shared.admit_remote(budget, exchange.reserve, decision.ranked)
         except StateUnavailable:
             if budget is not None and (budget.requests_per_minute or budget.tokens_per_minute
                                        or budget.max_in_flight):
@@ -373,12 +377,10 @@ class Dispatcher:
             exchange.key_place = "shared"
         if admitted.full:
             return False
+        ranked = decision.ranked
         if admitted.chosen:
-            ranked = decision.ranked
             ranked.insert(0, ranked.pop(admitted.chosen))
-        if budget is not None and budget.tokens_per_minute:
-            exchange.reserved_tokens = exchange.reserve
-        exchange.shared_slot = decision.ranked[0].name if admitted.slot else None
+        self._admitted(exchange, ranked, admitted)
         return True
 
     def _payload(self, request: RouteRequest, backend: Backend, priority: int) -> bytes:

@@ -132,6 +132,14 @@ _LOCAL_SLOT = Admitted(chosen=0, slot=True)
 _LOCAL_NO_SLOT = Admitted(chosen=0, slot=False)
 
 
+def _limits(budget: Budget | None) -> tuple[str, int, int, int]:
+    """(name, requests_per_minute, tokens_per_minute, max_in_flight) of ``budget``, 0 where unlimited."""
+    if budget is None:
+        return "_", 0, 0, 0
+    return (budget.key, budget.requests_per_minute or 0, budget.tokens_per_minute or 0,
+            budget.max_in_flight or 0)
+
+
 def key_place_of(key: str) -> str:
     """The in-flight hash name (as a backend's) that counts a key's requests for its ``max_in_flight``."""
     return f"key:{key}"
@@ -311,19 +319,12 @@ class SharedState:
 
     def try_local(self, budget: Budget | None, reserve: int, candidates: Sequence[Candidate]) -> Admitted | None:
         """:meth:`admit` from what this replica holds (kept slots, leases), with no round trip and no await;
-        None when that does not do (then ``admit``). Most requests are admitted here, and at 16 streams each
-        microsecond a request spends before its first upstream byte is spent before the others' too."""
-        if budget is None:
-            rpm = tpm = 0
-            name = "_"
-        else:
-            if budget.max_in_flight:
-                return None  # (a key's requests in flight are counted in Redis, each)
-            rpm = budget.requests_per_minute or 0
-            tpm = budget.tokens_per_minute or 0
-            name = budget.key
-        if not self.up:
-            return None
+        None when that does not do (then :meth:`admit_remote`). Most requests are admitted here, and at 16
+        streams each microsecond a request spends before its first upstream byte is spent before the others'
+        too."""
+        name, rpm, tpm, cap = _limits(budget)
+        if cap or not self.up:
+            return None  # (a key's requests in flight are counted in Redis, each)
         if tpm:
             self._reserves[name] = reserve  # (the key's latest: what a top-up from its settlements sizes by)
         else:
@@ -337,20 +338,16 @@ class SharedState:
         return _LOCAL_SLOT if head is not None else _LOCAL_NO_SLOT
 
     async def admit(self, budget: Budget | None, reserve: int, candidates: Sequence[Candidate]) -> Admitted:
-        """One round trip: the key's budget and a slot on the first candidate that has one (candidates
-        without a ``max_concurrency`` always do); none when this replica holds what the request needs (kept
-        slots, leases). Raises StateUnavailable when Redis cannot answer."""
-        if budget is None:
-            rpm = tpm = cap = 0
-            name = "_"
-        else:
-            rpm = budget.requests_per_minute or 0
-            tpm = budget.tokens_per_minute or 0
-            cap = budget.max_in_flight or 0
-            name = budget.key
+        """The key's budget and a slot on the first candidate that has one (candidates without a
+        ``max_concurrency`` always do): from what this replica holds when it does (:meth:`try_local`), else in
+        one round trip (:meth:`admit_remote`). Raises StateUnavailable when Redis cannot answer."""
         admitted = self.try_local(budget, reserve, candidates)
-        if admitted is not None:
-            return admitted
+        return admitted if admitted is not None else await self.admit_remote(budget, reserve, candidates)
+
+    async def admit_remote(self, budget: Budget | None, reserve: int, candidates: Sequence[Candidate]) -> Admitted:
+        """:meth:`admit` after :meth:`try_local` said None: one round trip (or, while one of the same key to the
+        same backend is on its way, a wait for what it brings). Raises StateUnavailable."""
+        name, rpm, tpm, cap = _limits(budget)
         reserve = reserve if tpm else 0
         head = candidates[0] if candidates and candidates[0].max_concurrency else None
         local = not cap and self.up
@@ -542,7 +539,7 @@ class SharedState:
         if not max_concurrency or not self.up:
             return 0
         wanted = self._wanted.get(backend)
-        if wanted is not None and (now or time.monotonic()) - wanted < self.settings.heartbeat_seconds:
+        if wanted is not None and (time.monotonic() if now is None else now) - wanted < self.settings.heartbeat_seconds:
             return 0
         return max(0, min(KEPT_MAX, max_concurrency // KEPT_SHARE) - self._kept.get(backend, 0))
 
