@@ -6,7 +6,10 @@ Processes (all on this machine): the raw backend (:mod:`gateway.bench.rawbackend
 almost no CPU per token), the gateway as users run it (``python -m gateway serve --config FILE``, routing policy
 ``default``), the Rust router (``python -m smg.launch_router`` or ``python -m sglang_router.launch_router``,
 ``--worker-urls URL --policy round_robin``) when installed, and the load generator (this process: aiohttp on
-uvloop). Targets are always interleaved (the order rotated from round to round or level to level). Phases:
+uvloop), and a bare TCP relay (:mod:`gateway.bench.relay`, target ``relay``; ``--no-relay`` skips it): the floor
+any proxy pays here for sockets, event loop and kernel, against which the gateway's own figures can be read.
+Targets are always interleaved (levels: balanced for place and predecessor, :func:`interleave_order`; the other
+phases: the order rotated from round to round or level to level). Phases:
 
 1. Latency levels (closed loop; default 1, 16, 64, 256 streams, a short prompt): added TTFT p50/p99 and added
    inter-chunk gap p50/p99/mean against direct, streamed chunks/s, CPU per request and per chunk from /proc
@@ -87,6 +90,7 @@ from gateway.bench.translation_cost import measure_translation
 from gateway.bench.workload import BenchRequest
 
 MODEL = "bench-model"
+RELAY = "relay"  # the bare TCP relay's target name
 TRACED = "gateway+tracing"
 SCHEMA = "gateway-bench-overhead/2"
 TICK_S = 1 / os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 0.01  # /proc's CPU time unit
@@ -116,6 +120,7 @@ class OverheadConfig:
     hold: int = 1000
     hold_seconds: float = 3.0
     rust: bool = True
+    relay: bool = True  # also a bare TCP relay (gateway.bench.relay): the floor any proxy pays on this machine
     reference: str = "auto"  # the Rust router: "smg", "sglang-router", or "auto" (smg when installed)
     py_spy_seconds: float = 0.0
     py_spy_concurrency: int = 64
@@ -324,8 +329,8 @@ async def _state_pairs(pairs: list[tuple[str, Target, Target]], cfg: OverheadCon
     """Each comparison on its own: the two gateways of a pair (without shared state, with it) and nothing else,
     ``state_rounds`` rounds at ``STATE_TTFT_LEVEL`` streams, in the order A B, B A, A B... so that each runs
     first, and after the other, as often (the pairs' own order rotates from run to run of a ``--repeat``). In
-    the levels phase every target follows the same one in every round (the order only rotates), and six more
-    gateways share the cores: there, identical gateways came out up to 1.5 ms apart at 16 streams. Per pair:
+    the levels phase six more gateways share the cores (and, before its order was balanced, each target followed
+    the same one in every round): there, identical gateways came out up to 1.5 ms apart at 16 streams. Per pair:
     the median of the rounds' paired TTFT p50 differences (B - A) and its bootstrap 90% interval, in
     microseconds."""
     level = STATE_TTFT_LEVEL
@@ -586,14 +591,16 @@ def evaluate_targets(doc: dict[str, Any], gateway: str = "gateway") -> dict[str,
     ref = (doc.get("vs_reference") or {}).get("reference")
     cost = (doc.get("cost") or {}).get("targets") or {}
     g, r = cost.get(gateway) or {}, (cost.get(ref) or {}) if ref else {}
+    floor = cost.get(RELAY) or {}  # the bare relay's, where the run has one: what no proxy here goes under
     out: dict[str, Any] = {
         "cpu_us_per_chunk": _target(g.get("cpu_us_per_chunk"), CPU_US_PER_CHUNK_TARGET, "<=", "us",
                                     "gateway CPU per streamed chunk (cost phase, /proc)",
-                                    error=g.get("cpu_us_per_chunk_error"), reference=r.get("cpu_us_per_chunk")),
+                                    error=g.get("cpu_us_per_chunk_error"), reference=r.get("cpu_us_per_chunk"),
+                                    relay=floor.get("cpu_us_per_chunk")),
         "cpu_us_per_request": _target(g.get("cpu_us_per_request"), CPU_US_PER_REQUEST_TARGET, "<=", "us",
                                       "gateway CPU per request, routing to response end, excluding chunks "
                                       "(cost phase, /proc)", error=g.get("cpu_us_per_request_error"),
-                                      reference=r.get("cpu_us_per_request")),
+                                      reference=r.get("cpu_us_per_request"), relay=floor.get("cpu_us_per_request")),
     }
     sat = (doc.get("saturation") or {}).get("targets") or {}
     gs, rs = sat.get(gateway) or {}, (sat.get(ref) or {}) if ref else {}
@@ -601,7 +608,8 @@ def evaluate_targets(doc: dict[str, Any], gateway: str = "gateway") -> dict[str,
                                   "chunks/s one gateway process streams (saturation phase, at the client)",
                                   saturated=gs.get("saturated"), limit=gs.get("limit"),
                                   capacity_chunks_per_s=gs.get("capacity_chunks_per_s"),
-                                  reference=rs.get("max_chunks_per_s"))
+                                  reference=rs.get("max_chunks_per_s"),
+                                  relay=(sat.get(RELAY) or {}).get("max_chunks_per_s"))
     ratios = (doc.get("vs_reference") or {}).get("levels") or {}
     for level, limit in TTFT_X_TARGETS.items():
         if str(level) not in (doc.get("levels") or {}):
@@ -954,6 +962,11 @@ def run_once(cfg: OverheadConfig, log: Any = print, logs: Path | None = None, ru
             redis = redis_child(cfg.base_port + 6, logs)
         several, several_url = workers_gateway(cfg.base_port, gateway_yaml(backend_url, cfg.base_port + 8), logs, py,
                                                cfg.workers)
+    relay: ChildProcess | None = None
+    relay_url = f"http://127.0.0.1:{cfg.base_port + 13}"
+    if cfg.relay:
+        relay = ChildProcess(RELAY, [py, "-m", "gateway.bench.relay", "--port", str(cfg.base_port + 13),
+                                     "--upstream", f"127.0.0.1:{backend_port}"], logs / "relay.log")
     router: ChildProcess | None = None
     reference = rust_reference(py, cfg.reference) if cfg.rust else None
     if cfg.rust and reference is None:
@@ -995,6 +1008,9 @@ def run_once(cfg: OverheadConfig, log: Any = print, logs: Path | None = None, ru
             _wait_workers(several_url, cfg.workers)
             # (its pid is the supervisor's: its CPU readings add up the workers under it)
             targets.append(Target(several.name, several_url, MODEL, pid=several.pid))
+        if relay is not None:
+            relay.start().wait_http(relay_url + "/health")
+            targets.append(Target(RELAY, relay_url, MODEL, pid=relay.pid))
         if router is not None:
             router.start().wait_http(f"http://127.0.0.1:{router_port}/v1/chat/completions", method="POST",
                                      body=probe)
@@ -1074,8 +1090,8 @@ def run_once(cfg: OverheadConfig, log: Any = print, logs: Path | None = None, ru
     finally:
         if router is not None:
             _stop_soon(router, 1.0)  # SMG drains for 5 s on SIGTERM; nothing of it is measured any more
-        for proc in (traced, sink, several, stateful, limited, tokens, limited_local, tokens_local, redis, gateway,
-                     backend):
+        for proc in (traced, sink, several, stateful, limited, tokens, limited_local, tokens_local, redis, relay,
+                     gateway, backend):
             if proc is not None:
                 proc.stop()
     doc["wall_s"] = time.perf_counter() - started
@@ -1299,6 +1315,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--hold", type=int, default=1000, help="streams held at once at the end (0: skip)")
     p.add_argument("--hold-seconds", type=float, default=3.0)
     p.add_argument("--no-rust", action="store_true", help="without the Rust router reference")
+    p.add_argument("--no-relay", action="store_true",
+                   help="without the bare TCP relay (port base+13), the floor of any proxy's cost on this machine")
     p.add_argument("--reference", choices=["auto", *REFERENCES], default="auto",
                    help="the Rust router to measure against (auto: smg when installed, else sglang-router)")
     p.add_argument("--py-spy", type=float, default=0.0, metavar="SECONDS", help="profile the gateway under load")
@@ -1348,7 +1366,7 @@ def main(argv: list[str]) -> int:
         p.error("--cost-tokens: two different max_tokens, A,B")
     cfg = OverheadConfig(levels=_ints(a.levels), rounds=a.rounds, min_round=a.min_round,
                          tokens=a.tokens, gap_ms=a.gap_ms, hold=a.hold, hold_seconds=a.hold_seconds,
-                         rust=not a.no_rust, reference=a.reference, py_spy_seconds=a.py_spy,
+                         rust=not a.no_rust, relay=not a.no_relay, reference=a.reference, py_spy_seconds=a.py_spy,
                          py_spy_concurrency=a.py_spy_concurrency, py_spy_target=a.py_spy_target,
                          tracing=a.tracing, state=a.state, state_rounds=max(0, a.state_rounds),
                          workers=max(1, a.workers),

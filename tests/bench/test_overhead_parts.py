@@ -237,7 +237,7 @@ def test_a_tiny_real_run_measures_every_phase(tmp_path: Path) -> None:
     cfg = OverheadConfig(levels=[2], rounds=1, min_round=4, tokens=4, gap_ms=1.0, hold=20, hold_seconds=0.2,
                          cost_requests=16, cost_concurrency=4, cost_tokens=(1, 4), cost_rounds=1,
                          cost_prompt_chars=2000, saturation_levels=[8], saturation_requests=16, saturation_tokens=4,
-                         translation_level=2, state=True, state_rounds=3, workers=2, base_port=free_port_block(13),
+                         translation_level=2, state=True, state_rounds=3, workers=2, base_port=free_port_block(14),
                          out=tmp_path)
     started = time.monotonic()
     summary = run_overhead(cfg, log=lambda *_: None)
@@ -250,7 +250,7 @@ def test_a_tiny_real_run_measures_every_phase(tmp_path: Path) -> None:
     stateful = {"gateway+redis", "gateway+redis, rpm key", "gateway+redis, tpm key", "gateway x2",
                 "gateway, rpm key", "gateway, tpm key"}
     names = set(on_disk["levels"]["2"]) - stateful
-    assert {"direct", "gateway"} <= names
+    assert {"direct", "gateway", "relay"} <= names
     gw = on_disk["levels"]["2"]["gateway"]
     for key in ("added_ttft_ms_p50", "added_ttft_ms_p99", "added_itl_ms_p50", "added_itl_ms_p99",
                 "added_itl_ms_mean", "chunks_per_s"):
@@ -266,6 +266,9 @@ def test_a_tiny_real_run_measures_every_phase(tmp_path: Path) -> None:
     assert sat["targets"]["gateway"]["at_level"] == 8 and sat["targets"]["gateway"]["limit"] in (
         "proxy", "machine", "client", "backend", "none")
     assert on_disk["hold"]["gateway"]["complete"] == 20
+    # the bare TCP relay, the floor any proxy pays here: measured like the others, and named beside the targets
+    assert on_disk["levels"]["2"]["relay"]["ok"] == 4 and on_disk["hold"]["relay"]["complete"] == 20
+    assert on_disk["targets"]["cpu_us_per_request"]["relay"] == pytest.approx(cost["relay"]["cpu_us_per_request"])
     state = on_disk["state"]["levels"]["2"]  # the gateway with its slots in a loopback redis-server
     assert state["ttft_us_p50"] is not None and state["cpu_us_per_request"] is not None
     assert len(on_disk["levels"]["2"]["gateway+redis"]["ttft_ms_p50_by_round"]) == 1  # (one round)
