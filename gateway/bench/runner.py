@@ -1,8 +1,9 @@
 """Arrival processes and the interleaved, round-by-round run over one or several targets.
 
 A run splits the workload into rounds; in every round each target gets the round's requests in turn
-(a *phase*), with the target order rotated from round to round (round r starts at target r mod n), so that
-machine noise and warm-up hit every target alike. Within a phase requests arrive:
+(a *phase*), in an order balanced over the rounds (:func:`interleave_order`: each target in each place, and after
+each other target, equally often), so that machine noise and warm-up hit every target alike. Within a phase
+requests arrive:
 
 * closed loop: ``concurrency`` workers, each sending its next request when the previous one ends;
 * open loop: Poisson arrivals at ``rate`` requests/s (the same offsets for every target), optionally capped
@@ -55,8 +56,25 @@ def poisson_offsets(n: int, rate: float, seed: int = 0) -> list[float]:
 
 
 def interleave_order(n_targets: int, n_rounds: int) -> list[list[int]]:
-    """Per round, the order in which targets run: rotated by one each round."""
-    return [[(r + k) % n_targets for k in range(n_targets)] for r in range(n_rounds)]
+    """Per round, the order in which targets run: the rows of a Williams square (a Latin square balanced for
+    carry-over, as crossover trials use). Over every ``n`` rounds (``2n`` for an odd ``n``) each target runs once
+    in each place and follows each other target equally often, so neither a place in the round nor what ran just
+    before (a warm cache, a busy core, a backlog the previous target left) favours one target. A plain rotation
+    balances places only: each target then always follows the same one."""
+    if n_targets <= 0:
+        return [[] for _ in range(n_rounds)]
+    first, low, high = [0], 1, n_targets - 1
+    for i in range(1, n_targets):  # 0, 1, n-1, 2, n-2, ...
+        if i % 2:
+            first.append(low)
+            low += 1
+        else:
+            first.append(high)
+            high -= 1
+    square = [[(k + r) % n_targets for k in first] for r in range(n_targets)]
+    if n_targets % 2:
+        square += [row[::-1] for row in square]  # (an odd square balances carry-over with its mirror)
+    return [square[r % len(square)] for r in range(n_rounds)]
 
 
 def split_rounds(n_requests: int, round_size: int) -> list[range]:

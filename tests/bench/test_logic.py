@@ -123,11 +123,19 @@ def test_bad_workload_settings_are_refused() -> None:
 
 
 # --- arrival and interleaving ----------------------------------------------------------------------------
-def test_interleave_order_rotates_so_each_target_leads_equally() -> None:
-    order = interleave_order(3, 6)
-    assert order[:3] == [[0, 1, 2], [1, 2, 0], [2, 0, 1]]
-    assert all(sorted(o) == [0, 1, 2] for o in order)
-    assert Counter(o[0] for o in order) == {0: 2, 1: 2, 2: 2}
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 8])
+def test_interleave_order_balances_places_and_predecessors(n: int) -> None:
+    rows = 2 * n if n % 2 else n
+    order = interleave_order(n, 2 * rows)
+    assert all(sorted(o) == list(range(n)) for o in order)
+    assert order[rows:] == order[:rows], "the square repeats"
+    for place in range(n):  # every target in every place equally often
+        assert Counter(o[place] for o in order[:rows]) == dict.fromkeys(range(n), rows // n)
+    follows = Counter((o[i - 1], o[i]) for o in order[:rows] for i in range(1, n))
+    if n > 1:  # and after every other target equally often: not always the same one, as a rotation would
+        assert set(follows) == {(a, b) for a in range(n) for b in range(n) if a != b}
+        assert len(set(follows.values())) == 1
+    assert interleave_order(4, 3)[:2] == [[0, 1, 3, 2], [1, 2, 0, 3]]
 
 
 def test_split_rounds() -> None:
