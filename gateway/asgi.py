@@ -24,6 +24,11 @@ class ClientWriter(Protocol):
         """One chunk; False when the client is gone (nothing written)."""
         ...
 
+    async def start(self, send: Send, message: Message, first: bytes) -> None:
+        """Start the response with ``send`` (``message``: its ``http.response.start``) and write its head and the
+        first chunk ``first`` to the connection together."""
+        ...
+
     @property
     def paused(self) -> bool:
         """The client's buffer is full: produce nothing more until ``when_writable`` calls back."""

@@ -19,7 +19,7 @@ from typing import Any
 
 import orjson
 
-from gateway.asgi import EVENT_STREAM, ClientWriter, Headers, Send, send_body
+from gateway.asgi import EVENT_STREAM, ClientWriter, Headers, Message, Send, send_body
 from gateway.config import TimeoutSettings
 from gateway.errors import error_body, normalise_upstream_error
 from gateway.pool.backend import Backend
@@ -224,15 +224,14 @@ class Forwarder:
 
 
 
+def _stream_head(client_headers: Headers) -> Message:
+    return {"type": "http.response.start", "status": 200,
+            "headers": [(b"content-type", EVENT_STREAM), (b"cache-control", b"no-cache"), *client_headers]}
+
+
 async def _start_stream(send: Send, exchange: Exchange, client_headers: Headers) -> None:
     exchange.responded = True
-    await send(
-        {
-            "type": "http.response.start",
-            "status": 200,
-            "headers": [(b"content-type", EVENT_STREAM), (b"cache-control", b"no-cache"), *client_headers],
-        }
-    )
+    await send(_stream_head(client_headers))
 
 
 class _Clock:
@@ -331,14 +330,19 @@ async def _relay_direct(stream: _Stream, response: UpstreamResponse, stream_to: 
                         writer: ClientWriter, send: Send, client_headers: Headers) -> None:
     """Relay from the upstream's protocol callbacks straight to the client's transport: no coroutine step
     per piece. The coroutine only starts the response (with the first output, so a failure before it can
-    still fail over) and waits for the end; flow control pauses the upstream while the client's buffer is full.
+    still fail over; the head and that output in one write) and waits for the end; flow control pauses the
+    upstream while the client's buffer is full.
     """
     sink = _DirectSink(stream, response, writer)
     stream_to(sink)
     await sink.wait()
     if sink.held:
-        await _start_stream(send, stream.exchange, client_headers)
+        first = b"".join(sink.held)
+        sink.held.clear()
+        stream.exchange.responded = True
+        await writer.start(send, _stream_head(client_headers), first)
         stream.started = True
+        stream.sent()
         while sink.held:  # (nothing arrives meanwhile: the upstream is paused while output is held)
             out = b"".join(sink.held)
             sink.held.clear()

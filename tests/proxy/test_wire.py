@@ -1,0 +1,69 @@
+"""What a streamed answer costs on the client's connection, write by write: the gateway's server protocol is
+wrapped so that every write to the client's transport is recorded as it goes."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from typing import Any
+
+from tests.proxy.scripted_upstream import ScriptedUpstream
+from tests.proxy.test_hardening import gateway_over
+
+REQUEST = (b'POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\nContent-Length: %d'
+           b'\r\n\r\n%s')
+BODY = b'{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true}'
+
+
+class _Recorded:
+    """A transport that records what is written through it, and is the transport for everything else."""
+
+    def __init__(self, transport: Any) -> None:
+        self._transport = transport
+        self.writes: list[bytes] = []
+
+    def write(self, data: bytes) -> None:
+        self.writes.append(bytes(data))
+        self._transport.write(data)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+
+async def _record(server: Any, client_port: int) -> _Recorded:
+    """Wrap the transport of the server's connection from ``client_port`` (once the server has accepted it)."""
+    for _ in range(200):
+        for protocol in server.server_state.connections:
+            transport = protocol.transport
+            if transport is not None and transport.get_extra_info("peername")[1] == client_port:
+                recorded = _Recorded(transport)
+                protocol.transport = recorded
+                return recorded
+        await asyncio.sleep(0.01)
+    raise AssertionError("the server never accepted the connection")
+
+
+def _read_response(sock: socket.socket) -> bytes:
+    data = b""
+    while not data.endswith(b"0\r\n\r\n"):
+        piece = sock.recv(65536)
+        assert piece, f"the connection closed early: {data!r}"
+        data += piece
+    return data
+
+
+def test_a_streams_head_goes_out_with_its_first_event_in_one_write() -> None:
+    with ScriptedUpstream(tokens=3, every=0.05) as upstream:
+        _app, server = gateway_over(upstream)
+        with server as gw, socket.create_connection(("127.0.0.1", gw.port), timeout=10) as sock:
+            recorded = gw.call(_record(gw.server, sock.getsockname()[1]))
+            sock.sendall(REQUEST % (len(BODY), BODY))
+            answer = _read_response(sock)
+    assert answer.startswith(b"HTTP/1.1 200") and b"data: [DONE]" in answer
+    first = recorded.writes[0]
+    assert first.startswith(b"HTTP/1.1 200") and b"text/event-stream" in first, first
+    # the head and the first event: one write, one system call, and the client reads them together
+    assert b'"content":"t0 "' in first and first.endswith(b"}\n\n\r\n"), first
+    assert b"".join(recorded.writes) == answer
+    # then one write per event as it came (the tokens are 50 ms apart), and the end
+    assert sum(b'"content":"t' in w for w in recorded.writes) == 3
