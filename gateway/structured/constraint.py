@@ -163,10 +163,18 @@ def _from_vllm(so: Any, bounds: Bounds) -> list[Constraint]:
     return found
 
 
+# every field of a request body that a constraint is read from (``extract`` looks at nothing else)
+_SOURCES = frozenset(("response_format", "tools", "tool_choice", "structured_outputs", "guided_json",
+                      "guided_regex", "guided_choice", "guided_grammar", "json_schema", "regex", "regex_pattern",
+                      "choice", "ebnf", "grammar", "grammar_syntax", "grammar_string"))
+
+
 def extract(body: dict[str, Any], limits: LimitSettings | None = None) -> Constraint | None:
     """The request's constraint, validated within ``limits``; ConstraintInvalid (a client error) when
     malformed, past a limit or several. A constraint too big to validate on the event loop comes back with
     ``pending`` set, checked only for size: gateway.api.validation.validate_heavy finishes it."""
+    if _SOURCES.isdisjoint(body):
+        return None  # (most requests: one set look per field instead of a look per source)
     bounds = _DEFAULT_BOUNDS if limits is None else Bounds.of(limits)
     found: list[Constraint] = []
     rf = _from_response_format(body.get("response_format"), bounds)
