@@ -7,6 +7,7 @@
     gateway bench faults [--scenario NAME ...] [--out DIR]
     gateway bench constraints [--corpus full|smoke] [--out DIR]
     gateway bench fairness [--backends 2] [--slots 16] [--seconds 20] [--out DIR]
+    gateway bench instructions [--code DIR ...] [--requests 100] [--out DIR]
     gateway profile (--backend NAME=URL ... | --config FILE) [--time-scale S] [--out FILE.json]
 """
 
@@ -33,6 +34,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "faults": ("gateway.bench.faults", "the gateway under backend and client faults, bounded in time"),
     "constraints": ("gateway.bench.constraints", "the constraint validators against llguidance and llama.cpp"),
     "fairness": ("gateway.bench.fairness", "flow control under contention: noisy neighbour, priorities, weights"),
+    "instructions": ("gateway.bench.instructions", "instructions per request and per chunk (callgrind), to compare "
+                                                   "two versions of the code"),
 }
 
 
