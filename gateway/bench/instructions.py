@@ -2,13 +2,13 @@
 instructions instead of timed, so that two versions of the code compare to about a percent on a machine whose
 speed drifts from hour to hour (the overhead benchmark's CPU figures move by 10% between runs here).
 
-The gateway runs as users run it (``python -m gateway serve``, one ``openai`` backend, the default policy) under
-valgrind's callgrind, which counts the instructions the process executes in user space (the kernel's share of
-each system call is not in it). Counting is switched on after a warm-up and off after the measured requests, so
-start-up and warm-up are left out. As in the overhead benchmark's cost phase, a closed loop of
-``--concurrency`` streams sends ``--requests`` requests with distinct ~2,000-token prompts to a raw backend
-twice, streaming ``--tokens`` A and B chunks, and ``instructions = requests * R + chunks * C`` gives R (per
-request, excluding its chunks) and C (per chunk).
+The gateway runs as users run it (``python -m gateway serve``, one ``openai`` backend, the default policy; only its
+backend is scraped every 30 s rather than every second) under valgrind's callgrind, which counts the instructions
+the process executes in user space (the kernel's share of each system call is not in it). Counting is switched on
+after a warm-up and off after the measured requests, so start-up and warm-up are left out. As in the overhead
+benchmark's cost phase, a closed loop of ``--concurrency`` streams sends ``--requests`` requests with distinct
+~2,000-token prompts to a raw backend twice, streaming ``--tokens`` A and B chunks, and ``instructions = requests *
+R + chunks * C`` gives R (per request, excluding its chunks) and C (per chunk).
 
 ``--code DIR`` (repeatable) measures another checkout of the gateway with the same interpreter and packages, so a
 change is judged by running the same command on both (e.g. a ``git worktree`` of the commit before it). Slow: a
@@ -35,6 +35,10 @@ from gateway.bench.report import write_json
 from gateway.bench.runner import Arrival, run, run_sync
 
 SCHEMA = "gateway-bench-instructions/1"
+# The backend's scrape every 30 s, with a 30 s timeout: under callgrind a 1 s scrape would be counted with the
+# requests (work that grows with the run's wall time, not with its requests), and its 2 s timeout would mark the
+# backend down when the slowed process answers late.
+SCRAPE = "scrape:\n  interval: 30\n  timeout: 30\n  stale_after: 120\n"
 HERE = "."  # --code for this checkout
 
 
@@ -85,7 +89,7 @@ def _processes(code: str, cfg: InstructionsConfig, logs: Path) -> tuple[ChildPro
     backend = ChildProcess("raw backend", [py, "-m", "gateway.bench.rawbackend", "--port", str(backend_port),
                                            "--gap-ms", str(cfg.gap_ms), "--model", MODEL], logs / "backend.log")
     config = logs / "gateway.yaml"
-    config.write_text(gateway_yaml(f"http://127.0.0.1:{backend_port}", gateway_port))
+    config.write_text(gateway_yaml(f"http://127.0.0.1:{backend_port}", gateway_port) + SCRAPE)
     out_file = logs / "callgrind.out"
     for old in [out_file, *logs.glob(out_file.name + ".*")]:
         old.unlink(missing_ok=True)
