@@ -298,7 +298,8 @@ class _Stream:
             # nothing but ": ping" comments is cut like a silent one.
             self.clock.last = self.clock.loop.time()
         if out:
-            texts = self.count(out)
+            count = self.count
+            texts = relay.texts if relay.texts is not None and count is text_events_in else count(out)
             if texts:
                 self.exchange.saw_text(texts, time.perf_counter())
         return out

@@ -219,3 +219,28 @@ def test_generated_output_is_found_however_the_json_is_spaced(event: bytes, coun
     from gateway.proxy.sse import text_events_in
 
     assert text_events_in(event) == counted
+
+
+SGLANG_CHUNK = b'data: {"id":"c","choices":[{"index":0,"delta":{"content":"Hi"}}],"usage":null}\n\n'
+TEXT_EVENTS = [chunk("Hel"), chunk(None, "stop"), chunk(""), SGLANG_CHUNK,
+               b'data: {"choices": [{"index": 0, "delta": {"content": "Hel"}, "finish_reason": null}]}\n\n',
+               b'data: {"choices":[{"delta":{"reasoning_content": "think"}}]}\n\n',
+               b'data: {"choices":[{"delta":{"tool_calls":[{"index":0,"function":{"arguments": "{"}}]}}]}\n\n',
+               b'data: {"choices":[{"text":"once"},{"text":"twice"}]}\n\n',
+               b'data: {"choices":[{"delta":{"content": "say \\"usage\\": 1, \\"error\\""}}]}\n\n']
+
+
+@pytest.mark.parametrize("event", TEXT_EVENTS)
+def test_a_single_event_passed_unchanged_is_counted_on_the_way_as_text_events_in_counts(event: bytes) -> None:
+    """The relay's one-event fast path scans for what matters and for generated output at once; what it counts
+    is what text_events_in would count on its output, and an event that matters is left to be counted."""
+    from gateway.proxy.sse import text_events_in
+
+    relay = SSERelay(keep_usage=True)
+    out = relay.feed(event)
+    assert out == event
+    assert relay.texts == text_events_in(event)
+    relay.feed(USAGE_CHUNK)  # (matters: parsed, and not counted on the way)
+    assert relay.texts is None and relay.usage == USAGE
+    relay.feed(chunk("a") + chunk("b"))  # (two events: not the fast path)
+    assert relay.texts is None
