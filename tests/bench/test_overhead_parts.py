@@ -311,7 +311,7 @@ def test_a_tiny_real_run_measures_every_phase(tmp_path: Path) -> None:
     assert {"cpu_us_per_chunk", "cpu_us_per_request", "chunks_per_s", "hold_complete"} <= set(targets)
     assert targets["hold_complete"]["met"] is True and targets["hold_complete"]["runs"] == [20]
     ref = on_disk["vs_reference"]["reference"]
-    assert (ref is None) == (len(names) == 2)
+    assert (ref is None) == (names == {"direct", "gateway", "relay"}), "a Rust reference exactly when one ran"
 
 
 def test_translation_row_is_what_translating_adds_over_the_native_path() -> None:
