@@ -13,6 +13,8 @@ Headers = list[tuple[bytes, bytes]]
 
 # scope["state"] key of the server's ClientWriter for the request, where the server offers one
 BODY_WRITER = "gateway.body_writer"
+# what ClientWriter.write did: nothing (the client is gone), wrote, or wrote and filled the client's buffer
+GONE, WRITTEN, FULL = 0, 1, 2
 
 
 class ClientWriter(Protocol):
@@ -20,18 +22,14 @@ class ClientWriter(Protocol):
     callback (no coroutine step per chunk); the response is still ended with ``send``. Offered by the
     gateway's own server protocol (``gateway.server_protocol.BodyWriter``)."""
 
-    def write(self, body: bytes) -> bool:
-        """One chunk; False when the client is gone (nothing written)."""
+    def write(self, body: bytes) -> int:
+        """One chunk: GONE when the client is gone (nothing written); FULL when written and the client's buffer
+        is now full (produce nothing more until ``when_writable`` calls back); else WRITTEN."""
         ...
 
     async def start(self, send: Send, message: Message, first: bytes) -> None:
         """Start the response with ``send`` (``message``: its ``http.response.start``) and write its head and the
         first chunk ``first`` to the connection together."""
-        ...
-
-    @property
-    def paused(self) -> bool:
-        """The client's buffer is full: produce nothing more until ``when_writable`` calls back."""
         ...
 
     def when_writable(self, callback: Callable[[], None]) -> None: ...

@@ -37,7 +37,7 @@ from uvicorn.config import Config
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 from uvicorn.server import ServerState
 
-from gateway.asgi import BODY_WRITER, Message, Send
+from gateway.asgi import BODY_WRITER, FULL, GONE, WRITTEN, Message, Send
 from gateway.errors import error_body, error_type_for
 
 ARRIVAL = "gateway.arrival"
@@ -55,17 +55,19 @@ class BodyWriter:
         # collections stall the event loop. The request's task keeps the cycle alive while it can write.
         self._cycle = weakref.ref(cycle)
 
-    def write(self, body: bytes) -> bool:
-        """Send ``body`` as one chunk; False (nothing written) when the client is gone. The response must have
-        been started by ``send`` without a content-length, and not ended."""
+    def write(self, body: bytes) -> int:
+        """Send ``body`` as one chunk: GONE (nothing written) when the client is gone, FULL when written and the
+        client reads slower than we write (stop producing until ``when_writable``), else WRITTEN. The response
+        must have been started by ``send`` without a content-length, and not ended."""
         cycle = self._cycle()
         if cycle is None or cycle.disconnected:
-            return False
+            return GONE
         if not cycle.response_started or cycle.response_complete or not cycle.chunked_encoding:
             raise RuntimeError("BodyWriter.write needs a started, unfinished, chunked response")
+        protocol = self._protocol
         if body:
-            self._protocol.transport.write(b"%x\r\n%s\r\n" % (len(body), body))
-        return True
+            protocol.transport.write(b"%x\r\n%s\r\n" % (len(body), body))  # (may pause writing at once)
+        return FULL if protocol.flow.write_paused else WRITTEN
 
     async def start(self, send: Send, message: Message, first: bytes) -> None:
         """Start the response with ``send`` (``message``: its ``http.response.start``; uvicorn's own checks,
@@ -91,12 +93,6 @@ class BodyWriter:
             raise RuntimeError("BodyWriter.start needs a chunked response")
         head.parts.append(b"%x\r\n%s\r\n" % (len(first), first))
         transport.write(b"".join(head.parts))
-
-    @property
-    def paused(self) -> bool:
-        """The client reads slower than we write: stop producing until ``when_writable``."""
-        cycle = self._cycle()
-        return bool(self._protocol.flow.write_paused) and cycle is not None and not cycle.disconnected
 
     def when_writable(self, callback: Callable[[], None]) -> None:
         """Call ``callback`` once the transport drains (or the connection is lost)."""

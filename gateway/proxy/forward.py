@@ -19,7 +19,7 @@ from typing import Any
 
 import orjson
 
-from gateway.asgi import EVENT_STREAM, ClientWriter, Headers, Message, Send, send_body
+from gateway.asgi import EVENT_STREAM, FULL, ClientWriter, Headers, Message, Send, send_body
 from gateway.config import TimeoutSettings
 from gateway.errors import error_body, normalise_upstream_error
 from gateway.pool.backend import Backend
@@ -382,13 +382,14 @@ class _DirectSink:
             self.response.pause_reading()
             self._set()
             return
-        writer = self.writer
-        if writer.write(out):
-            self.stream.sent()
-            if writer.paused:
+        written = self.writer.write(out)
+        if written:  # (GONE: the client is gone; the watcher cancels the request)
+            stream = self.stream
+            if stream.relay.done:
+                stream.sent()
+            if written == FULL:
                 self.response.pause_reading()
-                writer.when_writable(self._resume)
-        # else: the client is gone; the watcher cancels the request
+                self.writer.when_writable(self._resume)
 
     def end(self, error: BaseException | None) -> None:
         self.ended = True
