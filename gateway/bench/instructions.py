@@ -14,7 +14,8 @@ R + chunks * C`` gives R (per request, excluding its chunks) and C (per chunk).
 change is judged by running the same command on both (e.g. a ``git worktree`` of the commit before it). Slow: a
 process under callgrind runs ~50 times slower; 100 requests per run take about a minute.
 
-    gateway bench instructions [--code DIR ...] [--requests 100] [--concurrency 16] [--tokens 4,64] [--out DIR]
+    gateway bench instructions [--code DIR ...] [--requests 100] [--concurrency 16] [--tokens 4,64]
+                               [--policy default] [--out DIR]
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ class InstructionsConfig:
     prompt_chars: int = 8000
     warmup: int = 48
     gap_ms: float = 2.0
+    policy: str = "default"  # the gateway's routing policy
     base_port: int = 18640
     out: Path = Path("reports/instructions")
 
@@ -89,7 +91,7 @@ def _processes(code: str, cfg: InstructionsConfig, logs: Path) -> tuple[ChildPro
     backend = ChildProcess("raw backend", [py, "-m", "gateway.bench.rawbackend", "--port", str(backend_port),
                                            "--gap-ms", str(cfg.gap_ms), "--model", MODEL], logs / "backend.log")
     config = logs / "gateway.yaml"
-    config.write_text(gateway_yaml(f"http://127.0.0.1:{backend_port}", gateway_port) + SCRAPE)
+    config.write_text(gateway_yaml(f"http://127.0.0.1:{backend_port}", gateway_port, cfg.policy) + SCRAPE)
     out_file = logs / "callgrind.out"
     for old in [out_file, *logs.glob(out_file.name + ".*")]:
         old.unlink(missing_ok=True)
@@ -197,6 +199,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--tokens", default="4,64", help="chunks per answer in the two runs, A,B (default 4,64)")
     p.add_argument("--prompt-chars", type=int, default=8000)
+    p.add_argument("--policy", default="default", help="the gateway's routing policy (default: default)")
     p.add_argument("--base-port", type=int, default=18640, help="the raw backend; the gateway on the next port")
     p.add_argument("--out", type=Path, default=Path("reports/instructions"))
     a = p.parse_args(argv)
@@ -208,8 +211,8 @@ def main(argv: list[str]) -> int:
     if not valgrind_available():
         p.error("needs valgrind and callgrind_control (Debian: apt-get install valgrind)")
     cfg = InstructionsConfig(code=a.code or [HERE], requests=a.requests, concurrency=a.concurrency,
-                             tokens=(tokens[0], tokens[1]), prompt_chars=a.prompt_chars, base_port=a.base_port,
-                             out=a.out)
+                             tokens=(tokens[0], tokens[1]), prompt_chars=a.prompt_chars, policy=a.policy,
+                             base_port=a.base_port, out=a.out)
     for code in cfg.code:
         _code_dir(code)
     doc = run_sync(measure(cfg))
