@@ -48,7 +48,8 @@ class InvalidStream(Exception):
 
 # a key whose non-empty string value is generated output: text, reasoning, or a tool call's arguments;
 # JSON allows whitespace around the colon (Python servers write ``"content": "``)
-_GENERATED = re.compile(rb'"(?:content|text|reasoning_content|reasoning|arguments)"\s*:\s*"(?!")')
+_TEXT_KEY = rb'(content|text|reasoning_content|reasoning|arguments)"\s*:\s*"(?!")'  # (after a key's opening quote)
+_GENERATED = re.compile(rb'"' + _TEXT_KEY)
 
 
 def text_events_in(block: bytes) -> int:
@@ -92,11 +93,11 @@ def _payload(event: bytes) -> bytes:
 
 # data that may say something the relay acts on: a usage or timings object (a null one, as SGLang sends in
 # every chunk, does not count), or an error. Outside a JSON string only a key is followed by a colon.
-_MATTERS = re.compile(rb'"(?:usage"\s*:\s*[^\sn]|timings"\s*:\s*[^\sn]|error")')
+_ACTS_KEY = rb'usage"\s*:\s*[^\sn]|timings"\s*:\s*[^\sn]|error"'
+_MATTERS = re.compile(rb'"(?:' + _ACTS_KEY + rb")")
 # both at once, for the one-event block (the common case): one scan instead of two. ``findall`` gives the key of
 # each generated-output match (as _GENERATED) and b"" for each match that matters (as _MATTERS).
-_SCAN = re.compile(rb'"(?:(content|text|reasoning_content|reasoning|arguments)"\s*:\s*"(?!")'
-                   rb'|usage"\s*:\s*[^\sn]|timings"\s*:\s*[^\sn]|error")')
+_SCAN = re.compile(rb'"(?:' + _TEXT_KEY + rb"|" + _ACTS_KEY + rb")")
 
 
 def _parse(payload: bytes) -> dict[str, Any]:
