@@ -3,7 +3,7 @@ engine emulator produces on purpose: bytes that are not HTTP, an error body echo
 sent, an auth refusal, a stream of nothing but comment pings, a stream that never sends its usage.
 
 ``GET`` answers the model list (so discovery and the health probe pass). ``seen_headers`` keeps the headers
-of the last POST.
+of the last POST. :func:`gateway_over` puts a gateway in front of one.
 """
 
 from __future__ import annotations
@@ -15,6 +15,10 @@ import threading
 from typing import Any
 
 import orjson
+
+from gateway.app import GatewayApp, create_app
+from gateway.config import settings_from_mapping
+from tests.conftest import serve_in_thread
 
 
 def _chunk(text: str) -> bytes:
@@ -132,3 +136,12 @@ class ScriptedUpstream:
         writer.write(b"data: [DONE]\n\n")
         await writer.drain()
         return False
+
+
+def gateway_over(upstream: ScriptedUpstream, **extra: Any) -> tuple[GatewayApp, Any]:
+    """A gateway app whose one backend is ``upstream`` (``backend``: more of its settings; the rest: gateway
+    settings), and its server, to start with ``with``."""
+    backend = {"name": "scripted", "engine": "openai", "url": upstream.url, **extra.pop("backend", {})}
+    settings = settings_from_mapping({"backends": [backend], "scrape": {"interval": 0.1, "timeout": 1.0}, **extra})
+    app = create_app(settings)
+    return app, serve_in_thread(app)

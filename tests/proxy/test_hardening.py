@@ -17,13 +17,13 @@ import httpx
 import openai
 import pytest
 
-from gateway.app import GatewayApp, create_app
+from gateway.app import create_app
 from gateway.config import ConfigError, settings_from_mapping
 from gateway.pool.breaker import BreakerState
 from gateway.sim import FleetThread, SimSpec
 from tests.api.conftest import TIME_SCALE, Running, gateway_settings
 from tests.conftest import serve_in_thread
-from tests.proxy.scripted_upstream import ScriptedUpstream
+from tests.proxy.scripted_upstream import ScriptedUpstream, gateway_over
 
 ASK = [{"role": "user", "content": "hi"}]
 
@@ -43,13 +43,6 @@ def pair() -> Iterator[Running]:
                                           breaker={"consecutive_failures": 1, "cooldown_seconds": 0.2}))
         with serve_in_thread(app) as gateway:
             yield Running(fleet, gateway, app)
-
-
-def gateway_over(upstream: ScriptedUpstream, **extra: Any) -> tuple[GatewayApp, Any]:
-    backend = {"name": "scripted", "engine": "openai", "url": upstream.url, **extra.pop("backend", {})}
-    settings = settings_from_mapping({"backends": [backend], "scrape": {"interval": 0.1, "timeout": 1.0}, **extra})
-    app = create_app(settings)
-    return app, serve_in_thread(app)
 
 
 async def _open(backend: Any) -> None:

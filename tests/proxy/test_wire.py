@@ -7,8 +7,7 @@ import asyncio
 import socket
 from typing import Any
 
-from tests.proxy.scripted_upstream import ScriptedUpstream
-from tests.proxy.test_hardening import gateway_over
+from tests.proxy.scripted_upstream import ScriptedUpstream, gateway_over
 
 REQUEST = (b'POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\nContent-Length: %d'
            b'\r\n\r\n%s')
