@@ -383,13 +383,12 @@ class Admission:
         state = self._models.get(ticket.model)
         if state is None:
             return self.outranked(ticket)
-        if self.settings.reserve_for_light_keys and self._kept_for(state, ticket.key, time.monotonic()):
-            return False
-        if any(w.priority >= ticket.priority for w in state.woken):
-            return True
-        if any(p >= ticket.priority and state.levels[p].keys for p in state.levels):
-            return True
-        return self.outranked(ticket)
+        priority = ticket.priority
+        if not (any(w.priority >= priority for w in state.woken)
+                or any(p >= priority and state.levels[p].keys for p in state.levels)
+                or self.outranked(ticket)):
+            return False  # (nothing to go behind: whether a slot is kept for its key does not matter)
+        return not (self.settings.reserve_for_light_keys and self._kept_for(state, ticket.key, time.monotonic()))
 
     def admitted(self, ticket: Ticket) -> None:
         """The request got its backend: it leaves the queue and counts as active until :meth:`released`. One
