@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import json
 import logging
 import time
@@ -15,6 +16,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind
 
 from gateway.app import create_app
+from gateway.proxy import accounting
 from gateway.sim import FleetThread, SimSpec
 from gateway.telemetry.tracing import provider_from_environment
 from tests.api.conftest import TIME_SCALE, gateway_settings
@@ -107,7 +109,18 @@ def test_access_log_is_one_json_line_per_request_without_content(caplog: pytest.
     assert ok["model"] == "m" and ok["backend"] == "s" and ok["engine"] == "sglang" and ok["status"] == 200
     assert ok["outcome"] == "success" and ok["completion_tokens"] == 4 and ok["ttft_ms"] > 0
     assert ok["duration_ms"] >= ok["ttft_ms"] and ok["stream"] is True
+    stamped = datetime.datetime.fromisoformat(ok["ts"])  # ISO 8601, UTC, to the millisecond
+    assert stamped.utcoffset() == datetime.timedelta(0) and len(ok["ts"]) == len("2026-01-01T00:00:00.000+00:00")
+    assert abs((datetime.datetime.now(datetime.UTC) - stamped).total_seconds()) < 60
     missing = next(line for line in lines if line["status"] == 404)
     assert missing["backend"] is None and missing["outcome"] == "client_error"
     text = "\n".join(r.getMessage() for r in caplog.records)
     assert "very private" not in text and "secret" not in text
+
+
+def test_access_log_timestamps_are_those_datetime_writes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The line's time is formatted once a second; each line still gets its own millisecond, across seconds."""
+    for now in (1_700_000_000.0005, 1_700_000_000.9999, 1_700_000_001.25, 1_700_000_001.25, 1_800_000_000.042):
+        monkeypatch.setattr(accounting.time, "time", lambda now=now: now)
+        expected = datetime.datetime.fromtimestamp(now, datetime.UTC).isoformat(timespec="milliseconds")
+        assert accounting._timestamp() == expected
