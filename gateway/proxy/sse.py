@@ -48,8 +48,18 @@ class InvalidStream(Exception):
 
 # a key whose non-empty string value is generated output: text, reasoning, or a tool call's arguments;
 # JSON allows whitespace around the colon (Python servers write ``"content": "``)
-_TEXT_KEY = rb'(content|text|reasoning_content|reasoning|arguments)"\s*:\s*"(?!")'  # (after a key's opening quote)
-_GENERATED = re.compile(rb'"' + _TEXT_KEY)
+_TEXT_KEYS = (b"content", b"text", b"reasoning_content", b"reasoning", b"arguments")
+_TEXT_KEY = rb"(" + rb"|".join(_TEXT_KEYS) + rb')"\s*:\s*"(?!")'  # (after a key's opening quote)
+
+
+def _first_of(alternatives: tuple[bytes, ...]) -> bytes:
+    """A lookahead for the first letters of ``alternatives``. At most of an event's quotes (``"id"``,
+    ``"object"``, ``"model"``, ``"index"``, values) it fails at once, where the alternation behind it tries
+    each branch in turn: a one-event chunk's scan takes a sixth less time."""
+    return rb"(?=[" + bytes(sorted({a[0] for a in alternatives})) + rb"])"
+
+
+_GENERATED = re.compile(rb'"' + _first_of(_TEXT_KEYS) + _TEXT_KEY)
 
 
 def text_events_in(block: bytes) -> int:
@@ -93,11 +103,12 @@ def _payload(event: bytes) -> bytes:
 
 # data that may say something the relay acts on: a usage or timings object (a null one, as SGLang sends in
 # every chunk, does not count), or an error. Outside a JSON string only a key is followed by a colon.
-_ACTS_KEY = rb'usage"\s*:\s*[^\sn]|timings"\s*:\s*[^\sn]|error"'
-_MATTERS = re.compile(rb'"(?:' + _ACTS_KEY + rb")")
+_ACTS = (rb'usage"\s*:\s*[^\sn]', rb'timings"\s*:\s*[^\sn]', rb'error"')
+_ACTS_KEY = rb"|".join(_ACTS)
+_MATTERS = re.compile(rb'"' + _first_of(_ACTS) + rb"(?:" + _ACTS_KEY + rb")")
 # both at once, for the one-event block (the common case): one scan instead of two. ``findall`` gives the key of
 # each generated-output match (as _GENERATED) and b"" for each match that matters (as _MATTERS).
-_SCAN = re.compile(rb'"(?:' + _TEXT_KEY + rb"|" + _ACTS_KEY + rb")")
+_SCAN = re.compile(rb'"' + _first_of(_TEXT_KEYS + _ACTS) + rb"(?:" + _TEXT_KEY + rb"|" + _ACTS_KEY + rb")")
 
 
 def _parse(payload: bytes) -> dict[str, Any]:

@@ -244,3 +244,26 @@ def test_a_single_event_passed_unchanged_is_counted_on_the_way_as_text_events_in
     assert relay.texts is None and relay.usage == USAGE
     relay.feed(chunk("a") + chunk("b"))  # (two events: not the fast path)
     assert relay.texts is None
+
+
+@pytest.mark.parametrize("key", ["content", "text", "reasoning_content", "reasoning", "arguments"])
+def test_every_generated_output_key_is_counted_past_the_scans_first_letter_check(key: str) -> None:
+    """The scans look ahead at a key's first letter before trying the keys one by one; no key is skipped."""
+    from gateway.proxy.sse import text_events_in
+
+    event = b'data: {"choices":[{"delta":{"%s": "x"}}]}\n\n' % key.encode()
+    assert text_events_in(event) == 1
+    relay = SSERelay(keep_usage=True)
+    assert relay.feed(event) == event and relay.texts == 1
+
+
+@pytest.mark.parametrize(("event", "seen"), [
+    (b'data: {"choices":[],"usage": {"prompt_tokens":1,"completion_tokens":2,"total_tokens":3}}\n\n', "usage"),
+    (b'data: {"choices":[],"timings": {"prompt_n":1,"cache_n":0}}\n\n', "timings"),
+    (b'data: {"error": {"message":"boom","type":"server_error"}}\n\n', "error"),
+])
+def test_every_event_the_relay_acts_on_is_found_past_the_scans_first_letter_check(event: bytes, seen: str) -> None:
+    for relay_input in (event, event + event):  # (the one-event fast path, and the general one)
+        relay = SSERelay(keep_usage=True)
+        relay.feed(relay_input)
+        assert {"usage": relay.usage, "timings": relay.timings, "error": relay.error}[seen] is not None
