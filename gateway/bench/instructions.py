@@ -10,6 +10,11 @@ benchmark's cost phase, a closed loop of ``--concurrency`` streams sends ``--req
 ~2,000-token prompts to a raw backend twice, streaming ``--tokens`` A and B chunks, and ``instructions = requests *
 R + chunks * C`` gives R (per request, excluding its chunks) and C (per chunk).
 
+Where they go: each checkout's entry also lists the functions with the most instructions per request and per chunk
+(``functions``), solved the same way from each function's own count in the two runs (callgrind_annotate's
+self cost; C functions: the interpreter, the regular-expression engine, orjson, uvloop, httptools, the C library).
+A Python function's work shows as the interpreter's, so this says what kind of work grew, not which line.
+
 ``--code DIR`` (repeatable) measures another checkout of the gateway with the same interpreter and packages, so a
 change is judged by running the same command on both (e.g. a ``git worktree`` of the commit before it). Slow: a
 process under callgrind runs ~50 times slower; 100 requests per run take about a minute.
@@ -21,6 +26,7 @@ process under callgrind runs ~50 times slower; 100 requests per run take about a
 from __future__ import annotations
 
 import argparse
+import re
 import shutil
 import subprocess
 import sys
@@ -41,6 +47,7 @@ SCHEMA = "gateway-bench-instructions/1"
 # backend down when the slowed process answers late.
 SCRAPE = "scrape:\n  interval: 30\n  timeout: 30\n  stale_after: 120\n"
 HERE = "."  # --code for this checkout
+TOP_FUNCTIONS = 15  # per request and per chunk, in each checkout's entry
 
 
 @dataclass
@@ -58,7 +65,7 @@ class InstructionsConfig:
 
 
 def valgrind_available() -> bool:
-    return shutil.which("valgrind") is not None and shutil.which("callgrind_control") is not None
+    return all(shutil.which(tool) is not None for tool in ("valgrind", "callgrind_control", "callgrind_annotate"))
 
 
 def counted(dump: Path) -> int:
@@ -70,6 +77,52 @@ def counted(dump: Path) -> int:
     if value is None:
         raise ValueError(f"{dump}: no totals line (not a callgrind dump?)")
     return int(value.split()[0])
+
+
+# a line of callgrind_annotate's function table: "28,391,678 (24.76%)  /path/ceval.c:_PyEval_EvalFrameDefault'2 [lib]"
+_ANNOTATED = re.compile(r"^\s*([\d,]+) \(\s*[\d.]+%\)\s+(\S.*?)(?:\s+\[([^\]]+)\])?\s*$")
+
+
+def functions(annotated: str) -> dict[str, int]:
+    """Instructions per function from callgrind_annotate's table (self cost): ``file:function`` reduced to the
+    function, its recursion levels (``'2``) merged, and code without symbols counted as ``???@library``."""
+    totals: dict[str, int] = {}
+    table = False
+    for line in annotated.splitlines():
+        if not table:
+            table = line.rstrip().endswith("file:function")
+            continue
+        found = _ANNOTATED.match(line)
+        if found is None:
+            continue
+        where, library = found[2], found[3]
+        name = where.rsplit(":", 1)[-1]
+        if where.startswith("???"):
+            name = f"???@{Path(library).name}" if library else "???"
+        name = re.sub(r"'\d+$", "", name)
+        totals[name] = totals.get(name, 0) + int(found[1].replace(",", ""))
+    return totals
+
+
+def _annotate(dump: Path) -> dict[str, int]:
+    shown = subprocess.run(["callgrind_annotate", "--inclusive=no", "--threshold=100", str(dump)],
+                           capture_output=True, text=True, check=True, timeout=300).stdout
+    return functions(shown)
+
+
+def top_functions(runs: list[dict[str, Any]], limit: int = TOP_FUNCTIONS) -> dict[str, list[list[Any]]]:
+    """The functions with the most instructions per request (excluding chunks) and per chunk, each solved from
+    its counts in the two runs (``runs[i]["functions"]``) like the totals."""
+    a, b = runs
+    solved: list[tuple[str, float, float]] = []
+    for name in a["functions"].keys() | b["functions"].keys():
+        fit = solve_cost(CostRun(a["requests"], a["chunks"], float(a["functions"].get(name, 0))),
+                         CostRun(b["requests"], b["chunks"], float(b["functions"].get(name, 0))))
+        if fit["cpu_us_per_request"] is not None and fit["cpu_us_per_chunk"] is not None:
+            solved.append((name, fit["cpu_us_per_request"] / 1e6, fit["cpu_us_per_chunk"] / 1e6))
+    pairs = {"per_request": [(name, r) for name, r, _ in solved], "per_chunk": [(name, c) for name, _, c in solved]}
+    return {key: [[name, round(value)] for name, value in sorted(found, key=lambda item: -item[1])[:limit]]
+            for key, found in pairs.items()}
 
 
 def _control(pid: int, *args: str) -> None:
@@ -130,8 +183,9 @@ async def _measure_code(code: str, cfg: InstructionsConfig, logs: Path) -> list[
             failed = sum(1 for r in results if not r.ok)
             if failed:
                 raise RuntimeError(f"{failed} of {len(results)} requests failed under callgrind (see {logs})")
+            dump = logs / f"{out_file.name}.{part}"
             runs.append({"max_tokens": tokens, "requests": len(results), "chunks": sum(r.chunks for r in results),
-                         "instructions": counted(logs / f"{out_file.name}.{part}")})
+                         "instructions": counted(dump), "functions": _annotate(dump)})
     finally:
         gateway.stop()
         backend.stop()
@@ -153,8 +207,14 @@ async def measure(cfg: InstructionsConfig, log: Any = print) -> dict[str, Any]:
         per_chunk = fit["cpu_us_per_chunk"]
         r = None if per_request is None else per_request / 1e6
         c = None if per_chunk is None else per_chunk / 1e6
-        doc["code"][code] = {"dir": str(_code_dir(code)), "runs": runs, "per_request": r, "per_chunk": c}
+        top = top_functions(runs)
+        for each in runs:
+            del each["functions"]  # (hundreds of names per run: the JSON keeps the solved top ones)
+        doc["code"][code] = {"dir": str(_code_dir(code)), "runs": runs, "per_request": r, "per_chunk": c,
+                             "functions": top}
         log(f"{code}: {_k(r)} instructions per request, {_k(c)} per chunk")
+        for key in ("per_request", "per_chunk"):
+            log(f"  most {key.replace('_', ' ')}: " + ", ".join(f"{n} {_k(v)}" for n, v in top[key][:6]))
     first = next(iter(doc["code"].values()))
     for entry in doc["code"].values():
         entry["vs_first"] = {key: (entry[key] / first[key] if entry[key] and first[key] else None)
@@ -209,7 +269,7 @@ def main(argv: list[str]) -> int:
     if a.requests < 1 or a.concurrency < 1:
         p.error("--requests and --concurrency must be at least 1")
     if not valgrind_available():
-        p.error("needs valgrind and callgrind_control (Debian: apt-get install valgrind)")
+        p.error("needs valgrind, callgrind_control and callgrind_annotate (Debian: apt-get install valgrind)")
     cfg = InstructionsConfig(code=a.code or [HERE], requests=a.requests, concurrency=a.concurrency,
                              tokens=(tokens[0], tokens[1]), prompt_chars=a.prompt_chars, policy=a.policy,
                              base_port=a.base_port, out=a.out)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.bench.instructions import InstructionsConfig, counted, main, measure, plot
+from gateway.bench.instructions import InstructionsConfig, counted, functions, main, measure, plot, top_functions
 from gateway.bench.runner import run_sync
 from tests.conftest import free_port_block
 
@@ -23,6 +23,44 @@ def test_a_dump_is_read_for_its_totals(tmp_path: Path) -> None:
         counted(tmp_path / "empty")
 
 
+ANNOTATED = """\
+--------------------------------------------------------------------------------
+Ir
+--------------------------------------------------------------------------------
+114,666,664 (100.0%)  PROGRAM TOTALS
+
+--------------------------------------------------------------------------------
+Ir                   file:function
+--------------------------------------------------------------------------------
+28,391,678 (24.76%)  /tmp/Python-3.11.7/Python/ceval.c:_PyEval_EvalFrameDefault'2 [/usr/lib/libpython3.11.so.1.0]
+ 4,822,800 ( 4.21%)  /tmp/Python-3.11.7/./Modules/_sre/sre_lib.h:sre_ucs1_match [/usr/lib/libpython3.11.so.1.0]
+ 2,746,686 ( 2.40%)  ???:0x00000000000284f0 [/venv/site-packages/orjson/orjson.cpython-311-x86_64-linux-gnu.so]
+ 2,122,612 ( 1.85%)  ???:0x0000000000013cc0 [/venv/site-packages/orjson/orjson.cpython-311-x86_64-linux-gnu.so]
+   743,879 ( 0.65%)  /tmp/Python-3.11.7/./Include/object.h:_PyEval_EvalFrameDefault'2
+   100,000 ( 0.09%)  /tmp/Python-3.11.7/Python/ceval.c:_PyEval_EvalFrameDefault [/usr/lib/libpython3.11.so.1.0]
+"""
+
+
+def test_callgrind_annotate_table_is_read_per_function() -> None:
+    """Self cost per function: the program total is not a function, recursion levels and inlined parts merge,
+    and code without symbols is counted per library."""
+    assert functions(ANNOTATED) == {"_PyEval_EvalFrameDefault": 28_391_678 + 743_879 + 100_000,
+                                    "sre_ucs1_match": 4_822_800,
+                                    "???@orjson.cpython-311-x86_64-linux-gnu.so": 2_746_686 + 2_122_612}
+
+
+def test_each_functions_share_is_solved_like_the_totals() -> None:
+    """Two runs of 100 requests, 4 and 64 chunks each: a function that costs 1,000 per request and 10 per chunk,
+    one only per chunk, one only per request; each list longest first."""
+    runs = [{"requests": 100, "chunks": 400, "functions": {"both": 100 * 1000 + 400 * 10, "chunk": 400 * 50,
+                                                           "request": 100 * 7000}},
+            {"requests": 100, "chunks": 6400, "functions": {"both": 100 * 1000 + 6400 * 10, "chunk": 6400 * 50,
+                                                            "request": 100 * 7000}}]
+    top = top_functions(runs)
+    assert top["per_request"] == [["request", 7000], ["both", 1000], ["chunk", 0]]
+    assert top["per_chunk"] == [["chunk", 50], ["both", 10], ["request", 0]]
+
+
 def test_a_tiny_real_count_of_two_checkouts(tmp_path: Path) -> None:
     """This checkout twice, as two 'checkouts' (a path and '.'): every figure present and positive, the same
     chunk counts, and the two counts within a few percent of each other (the same code: what callgrind's
@@ -36,6 +74,11 @@ def test_a_tiny_real_count_of_two_checkouts(tmp_path: Path) -> None:
         assert all(r["instructions"] > 0 for r in entry["runs"])
         assert entry["runs"][1]["instructions"] > entry["runs"][0]["instructions"], "more chunks, more work"
         assert entry["per_request"] > 0 and entry["per_chunk"] > 0
+        names = [name for name, _ in entry["functions"]["per_request"]]
+        assert "_PyEval_EvalFrameDefault" in names[:3], names  # (the interpreter leads: the gateway is Python)
+        for found in entry["functions"].values():
+            assert [v for _, v in found] == sorted((v for _, v in found), reverse=True)
+        assert "functions" not in entry["runs"][0]
     assert a["vs_first"] == {"per_request": 1.0, "per_chunk": 1.0}
     assert b["vs_first"]["per_request"] == pytest.approx(1.0, abs=0.05)
     assert plot(doc, tmp_path / "chart.png").stat().st_size > 10_000
