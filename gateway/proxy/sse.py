@@ -151,9 +151,10 @@ class SSERelay:
             self._buf = b""
         if self._crlf and data.find(b"\r") >= 0:
             data = data.replace(b"\r\n", b"\n")
-        if data.endswith(b"}\n\n") and data.startswith(b"data: {") and data.find(b"\n") == len(data) - 2:
+        if data[-3:] == b"}\n\n" and data[:7] == b"data: {" and data.find(b"\n") == len(data) - 2:
             # one whole one-line event, nothing left over: the common case (one event per upstream read),
-            # with the fewest steps
+            # with the fewest steps (slices compared: ``endswith`` and ``startswith`` parse their arguments the
+            # slow way on CPython 3.11, ~0.25 us a call here)
             self.events += 1
             if self._end is not None and self._end.search(data) is not None:
                 self.done = True
