@@ -385,9 +385,8 @@ class Admission:
             return self.outranked(ticket)
         priority = ticket.priority
         if not (any(w.priority >= priority for w in state.woken)
-                or any(p >= priority and state.levels[p].keys for p in state.levels)
-                or self.outranked(ticket)):
-            return False  # (nothing to go behind: whether a slot is kept for its key does not matter)
+                or any(p >= priority and state.levels[p].keys for p in state.levels)):
+            return self.outranked(ticket)  # (which lets a light key with a slot kept for it through itself)
         return not (self.settings.reserve_for_light_keys and self._kept_for(state, ticket.key, time.monotonic()))
 
     def admitted(self, ticket: Ticket) -> None:
