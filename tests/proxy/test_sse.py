@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import itertools
+import json
 import random
 
 import orjson
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from gateway.proxy.sse import SSERelay
+from gateway.proxy.sse import InvalidStream, SSERelay
 
 
 def chunk(content: str | None = None, finish: str | None = None) -> bytes:
@@ -267,3 +270,91 @@ def test_every_event_the_relay_acts_on_is_found_past_the_scans_first_letter_chec
         relay = SSERelay(keep_usage=True)
         relay.feed(relay_input)
         assert {"usage": relay.usage, "timings": relay.timings, "error": relay.error}[seen] is not None
+
+
+# -- the one-event scan that skips the head a stream repeats (SSERelay._scan) -----------------------------------
+
+_KEYS = ["content", "text", "reasoning_content", "reasoning", "arguments"]
+# what an engine may write inside or around a chunk: quotes, escapes, keys' names inside text, spacing
+_TEXT = st.lists(st.sampled_from([*'ab "\\:{}nu', "content", "usage", "error", '\\"']), max_size=8).map("".join)
+
+
+@st.composite
+def _engine_chunk(draw: st.DrawFn, head: dict[str, object], key: str, colon: str | None) -> bytes:
+    """One engine chunk: the stream's fixed head (id, model, ...), then a delta whose text varies (its key and
+    spacing, now and then), then maybe a usage, timings or error key. ``colon`` None: compact (orjson); else
+    as Python's json writes it, with that colon."""
+    if draw(st.integers(0, 5)) == 0:
+        key, colon = draw(st.sampled_from(_KEYS)), draw(st.sampled_from([None, ": ", " : ", ":"]))
+    delta: dict[str, object] = {key: draw(st.one_of(st.none(), st.just(""), _TEXT))}
+    doc: dict[str, object] = {**head, "choices": [{"index": 0, "delta": delta, "finish_reason": None}]}
+    tail = draw(st.sampled_from(["", "", "", "usage-null", "usage", "timings", "error"]))
+    if tail == "usage-null":
+        doc["usage"] = None
+    elif tail == "usage":
+        doc["usage"] = {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}
+    elif tail == "timings":
+        doc["timings"] = {"cache_n": 0}
+    elif tail == "error":
+        doc["error"] = {"message": "x"}
+    body = orjson.dumps(doc) if colon is None else json.dumps(doc, separators=(", ", colon)).encode()
+    return b"data: " + body + b"\n\n"
+
+
+@st.composite
+def _streams(draw: st.DrawFn) -> list[bytes]:
+    head: dict[str, object] = draw(st.sampled_from([
+        {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": "m"},  # vLLM, SGLang
+        {},  # llama.cpp puts choices first
+        {"id": draw(_TEXT), "model": draw(_TEXT)},
+    ]))
+    key, colon = draw(st.sampled_from(_KEYS)), draw(st.sampled_from([None, ": ", " : ", ":"]))
+    chunks = draw(st.lists(_engine_chunk(head, key, colon), min_size=1, max_size=10))
+    out = []
+    for c in chunks:  # and now and then a byte changed (not the closing "}\n\n"), anywhere in the chunk
+        if draw(st.integers(0, 3)) == 0:
+            i = draw(st.integers(6, len(c) - 4))
+            c = c[:i] + draw(st.sampled_from([b'"', b" ", b":", b"x", b"\\", b"n"])) + c[i + 1 :]
+        out.append(c)
+    return out
+
+
+@settings(max_examples=200, deadline=None)
+@given(_streams())
+def test_the_scan_that_skips_a_repeated_head_finds_what_a_whole_scan_finds(stream: list[bytes]) -> None:
+    """Chunk after chunk, the relay's scan (which skips the head its stream's last chunk had) gives exactly the
+    matches of a scan of the whole chunk, whatever changed between chunks; and what the relay counts and acts on
+    is what a fresh relay does with the same chunk."""
+    from gateway.proxy.sse import _SCAN, text_events_in
+
+    relay = SSERelay(keep_usage=True)
+    for c in stream:
+        assert relay._scan(c) == _SCAN.findall(c)
+    relay = SSERelay(keep_usage=True)
+    for c in stream:
+        fresh = SSERelay(keep_usage=True)
+        try:
+            expected: bytes | type[Exception] = fresh.feed(c)
+        except InvalidStream:
+            expected = InvalidStream
+        try:
+            out: bytes | type[Exception] = relay.feed(c)
+        except InvalidStream:
+            out, relay = InvalidStream, SSERelay(keep_usage=True)
+        assert out == expected
+        assert relay.texts == fresh.texts
+        if relay.texts is not None:
+            assert relay.texts == text_events_in(c)
+
+
+def test_the_head_is_skipped_only_where_the_chunk_repeats_it() -> None:
+    """A chunk whose text is empty right after the kept head, or whose head changed, is scanned whole."""
+    from gateway.proxy.sse import _SCAN
+
+    relay = SSERelay(keep_usage=False)
+    first = chunk("Hel")
+    assert relay._scan(first) == [b"content"]
+    assert relay._head == first[: first.index(b'"Hel"') + 1]
+    for c in (chunk(""), chunk(None, "stop"), chunk('"'), chunk("lo"), USAGE_CHUNK,
+              chunk("x").replace(b'"id":"c"', b'"id":"d"')):
+        assert relay._scan(c) == _SCAN.findall(c)
