@@ -222,34 +222,56 @@ class SSERelay:
         return self._relay(rest + b"\n\n")
 
     def _relay(self, block: bytes) -> bytes:
-        """``block``: whole events, ending with a blank line."""
+        """``block``: whole events, ending with a blank line. Events of the usual form (one ``data: {...}`` line)
+        are checked as ``feed`` checks a one-event chunk, inline; while every event passes unchanged, their text
+        events are counted on the way (``texts``), as for one event."""
         out: list[bytes] = []
         changed = False
+        texts: int | None = 0
         events = block.split(b"\n\n")
         events.pop()  # the b"" after the last blank line
         for event in events:
-            if not event:  # an extra blank line: dropped
+            if event[:7] == b"data: {" and event[-1:] == b"}" and event.find(b"\n") < 0:  # the usual form
+                self.events += 1
+                if self._end is not None and self._end.search(event) is not None:
+                    self.done = True
+                found = self._scan(event)
+                if b"" not in found:
+                    out.append(event)
+                    if texts is not None:
+                        texts += len(found)
+                    continue
+                texts = None  # (an event that matters: what is sent is counted by the caller)
+                new = self._act(event[6:])
+            elif event == b"data: [DONE]":
+                self.events += 1
+                self.done = True
+                out.append(event)
+                continue
+            elif not event:  # an extra blank line: dropped
                 changed = True
-            elif event.startswith(b":"):
+                continue
+            elif event[:1] == b":":
+                out.append(event)
+                texts = None
+                continue
+            else:
+                texts = None
+                new = self._event(event)
+            if new is None:
                 out.append(event)
             else:
-                new = self._event(event)
-                if new is None:
-                    out.append(event)
-                else:
-                    out.extend(new)
-                    changed = True
+                out.extend(new)
+                changed = True
+        self.texts = texts
         if not changed:
             return block  # every event passed unchanged: forward the bytes as they came
         return b"".join(e + b"\n\n" for e in out)
 
     def _event(self, event: bytes) -> list[bytes] | None:
-        """Check one data event: None when it passes unchanged, else the events to send instead."""
+        """Check one data event not of the usual form (several lines, other fields, spacing): None when it passes
+        unchanged, else the events to send instead."""
         self.events += 1
-        if event.startswith(b"data: {") and event.endswith(b"}") and event.find(b"\n") < 0:  # the usual form
-            if self._end is not None and self._end.search(event) is not None:
-                self.done = True
-            return None if _MATTERS.search(event) is None else self._act(event[6:])
         payload = _payload(event)
         if payload.startswith(b"{") and payload.endswith(b"}"):
             if self._end is not None and self._end.search(payload) is not None:

@@ -235,8 +235,9 @@ TEXT_EVENTS = [chunk("Hel"), chunk(None, "stop"), chunk(""), SGLANG_CHUNK,
 
 @pytest.mark.parametrize("event", TEXT_EVENTS)
 def test_a_single_event_passed_unchanged_is_counted_on_the_way_as_text_events_in_counts(event: bytes) -> None:
-    """The relay's one-event fast path scans for what matters and for generated output at once; what it counts
-    is what text_events_in would count on its output, and an event that matters is left to be counted."""
+    """The relay scans for what matters and for generated output at once; what it counts, for one event or a
+    block of them, is what text_events_in would count on its output, and an event that matters is left to be
+    counted."""
     from gateway.proxy.sse import text_events_in
 
     relay = SSERelay(keep_usage=True)
@@ -245,7 +246,11 @@ def test_a_single_event_passed_unchanged_is_counted_on_the_way_as_text_events_in
     assert relay.texts == text_events_in(event)
     relay.feed(USAGE_CHUNK)  # (matters: parsed, and not counted on the way)
     assert relay.texts is None and relay.usage == USAGE
-    relay.feed(chunk("a") + chunk("b"))  # (two events: not the fast path)
+    block = event + chunk("a") + DONE  # several events: counted on the way too
+    assert relay.feed(block) == block and relay.texts == text_events_in(block)
+    relay.feed(chunk("a") + USAGE_CHUNK)  # (one of them matters: left to be counted)
+    assert relay.texts is None
+    relay.feed(b": ping\n\n" + chunk("a"))  # (a comment: left to be counted)
     assert relay.texts is None
 
 
@@ -331,6 +336,7 @@ def test_the_scan_that_skips_a_repeated_head_finds_what_a_whole_scan_finds(strea
     for c in stream:
         assert relay._scan(c) == _SCAN.findall(c)
     relay = SSERelay(keep_usage=True)
+    outs: list[bytes | type[Exception]] = []
     for c in stream:
         fresh = SSERelay(keep_usage=True)
         try:
@@ -345,6 +351,15 @@ def test_the_scan_that_skips_a_repeated_head_finds_what_a_whole_scan_finds(strea
         assert relay.texts == fresh.texts
         if relay.texts is not None:
             assert relay.texts == text_events_in(c)
+        outs.append(out)
+    # the whole stream at once, as an upstream read carrying every chunk gives it: the same bytes out, and what it
+    # counts on the way is what text_events_in counts on them
+    if InvalidStream not in outs:
+        block = SSERelay(keep_usage=True)
+        whole = block.feed(b"".join(stream))
+        assert whole == b"".join(o for o in outs if isinstance(o, bytes))
+        if block.texts is not None:
+            assert block.texts == text_events_in(whole)
 
 
 def test_the_head_is_skipped_only_where_the_chunk_repeats_it() -> None:
