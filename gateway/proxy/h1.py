@@ -223,6 +223,7 @@ class _Connection(asyncio.Protocol):
         self._head: asyncio.Future[H1Response] | None = None
         self._header_names: list[bytes] = []
         self._header_values: list[bytes] = []
+        self._body: list[bytes] = []  # the current read's body pieces, not yet handed to the response
         self._head_bytes = 0
         self._received = False  # any byte of the current response
         self._paused = False
@@ -243,6 +244,13 @@ class _Connection(asyncio.Protocol):
             self._abort(UpstreamError(f"the backend's HTTP response is malformed: {exc}"))
         except httptools.HttpParserUpgrade:
             self._abort(UpstreamError("the backend switched protocols"))
+        body = self._body
+        if body:  # the read's body pieces, as one (see on_body); _deliver's lines inline, ~0.4 us a read less
+            piece = body[0] if len(body) == 1 else b"".join(body)
+            body.clear()
+            response = self.response
+            if response is not None:
+                response._data(piece)
 
     def eof_received(self) -> bool | None:
         return None  # close the transport: connection_lost follows
@@ -287,14 +295,26 @@ class _Connection(asyncio.Protocol):
             head.set_result(response)
 
     def on_body(self, body: bytes) -> None:
-        response = self.response
-        if response is not None:
-            response._data(body)
+        # Kept until the parser is through the read: a backend's chunks that arrive together (many at once when
+        # this process is busy: ~10 a read at 256 streams, a whole answer at 1,024) reach the sink as one piece,
+        # checked in one pass and written to the client in one system call instead of one per chunk.
+        self._body.append(body)
 
     def on_message_complete(self) -> None:
+        if self._body:  # the body before its end
+            self._deliver()
         response = self.response
         if response is not None:
             response._complete()
+
+    def _deliver(self) -> None:
+        """Hand the body pieces parsed so far to the response, as one."""
+        body = self._body
+        piece = body[0] if len(body) == 1 else b"".join(body)
+        body.clear()
+        response = self.response
+        if response is not None:
+            response._data(piece)
 
     # -- the pool's side ----------------------------------------------------------------------------------
     async def request(self, head: bytes, body: bytes) -> H1Response:
@@ -327,6 +347,7 @@ class _Connection(asyncio.Protocol):
                 self.transport.close()
 
     def _abort(self, error: UpstreamError) -> None:
+        self._body.clear()
         head = self._head
         if head is not None and not head.done():
             head.set_exception(error)

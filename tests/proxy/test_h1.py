@@ -234,19 +234,47 @@ async def _streaming_server(pieces: list[bytes], finish: bool) -> tuple[Server, 
     return server, go
 
 
+async def _streamed(transport: H1Transport, url: str, go: asyncio.Event) -> Sink:
+    """A response streamed to a sink: the server told to go, waited for until the sink has its end."""
+    response = await transport.post(url, b"{}", {})
+    sink = Sink()
+    response.stream_to(sink)
+    go.set()
+    for _ in range(200):
+        if sink.ended:
+            break
+        await asyncio.sleep(0.01)
+    response.release()
+    return sink
+
+
 async def test_a_sink_gets_each_piece_from_the_callbacks_then_the_end(transport: H1Transport) -> None:
     server, go = await _streaming_server([b"one", b"two", b"three"], finish=True)
     async with server:
-        response = await transport.post(server.url, b"{}", {})
-        sink = Sink()
-        response.stream_to(sink)
-        go.set()
-        for _ in range(200):
-            if sink.ended:
-                break
-            await asyncio.sleep(0.01)
+        sink = await _streamed(transport, server.url, go)
         assert sink.pieces == [b"one", b"two", b"three"] and sink.ended == [None]
-        response.release()
+
+
+async def test_chunks_that_arrive_in_one_read_reach_the_sink_as_one_piece_before_the_end(
+        transport: H1Transport) -> None:
+    """A busy gateway reads many of a backend's chunks at once: they are handed over together (one check, one
+    write to the client), in order, and before the end when the end came in the same read."""
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await server.read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        await writer.drain()
+        await go.wait()
+        writer.write(b"3\r\none\r\n3\r\ntwo\r\n")  # one write, two chunks
+        await writer.drain()
+        await asyncio.sleep(0.05)
+        writer.write(b"5\r\nthree\r\n4\r\nfour\r\n0\r\n\r\n")  # two more and the end, together
+        await writer.drain()
+        await asyncio.sleep(1)
+
+    go = asyncio.Event()
+    async with Server(handler) as server:
+        sink = await _streamed(transport, server.url, go)
+        assert sink.pieces == [b"onetwo", b"threefour"] and sink.ended == [None]
 
 
 async def test_a_stream_cut_short_ends_the_sink_with_an_error(transport: H1Transport) -> None:
