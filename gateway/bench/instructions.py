@@ -8,7 +8,12 @@ the process executes in user space (the kernel's share of each system call is no
 after a warm-up and off after the measured requests, so start-up and warm-up are left out. As in the overhead
 benchmark's cost phase, a closed loop of ``--concurrency`` streams sends ``--requests`` requests with distinct
 ~2,000-token prompts to a raw backend twice, streaming ``--tokens`` A and B chunks, and ``instructions = requests *
-R + chunks * C`` gives R (per request, excluding its chunks) and C (per chunk).
+R + chunks * C`` gives R (per request, excluding its chunks) and C (per chunk). The backend's chunks come 100 ms
+apart (``--gap-ms``): the slowed process then still reads a stream's chunks one at a time, as the cost phase's does
+at full speed 2 ms apart; closer together they pile up between reads and are handled several at once, for less.
+What the process runs while idle (timers and threads, ~1M instructions a second under callgrind) is counted first
+for ``idle_s`` and taken from each run for its length: it grows with a run's wall time, and the longer run, with
+more chunks, would otherwise charge it to C (~7k a chunk at 100 ms apart).
 
 Where they go: each checkout's entry also lists the functions with the most instructions per request and per chunk
 (``functions``), solved the same way from each function's own count in the two runs (callgrind_annotate's
@@ -26,6 +31,7 @@ process under callgrind runs ~50 times slower; 100 requests per run take about a
 from __future__ import annotations
 
 import argparse
+import asyncio
 import re
 import shutil
 import subprocess
@@ -58,7 +64,13 @@ class InstructionsConfig:
     tokens: tuple[int, int] = (4, 64)
     prompt_chars: int = 8000
     warmup: int = 48
-    gap_ms: float = 2.0
+    # the cost phase's 2 ms between a stream's chunks, times callgrind's ~50x slowdown: at 2 ms the slowed process
+    # fell behind and read ~16 of a stream's chunks at once, which it handles as one piece (the busy case), where
+    # the cost phase at full speed reads them one by one
+    gap_ms: float = 100.0
+    # counted with no request first: what the idle process runs per second (its timers and threads: uvicorn's tick,
+    # the access log's writer), taken from each run for the run's length, as it does not scale with requests
+    idle_s: float = 5.0
     policy: str = "default"  # the gateway's routing policy
     base_port: int = 18640
     out: Path = Path("reports/instructions")
@@ -158,9 +170,10 @@ def _processes(code: str, cfg: InstructionsConfig, logs: Path) -> tuple[ChildPro
     return backend, gateway, out_file
 
 
-async def _measure_code(code: str, cfg: InstructionsConfig, logs: Path) -> list[dict[str, Any]]:
-    """One checkout: one gateway process under callgrind, a run per chunk count (the raw backend streams as
-    many chunks as a request's max_tokens), each counted on its own (a dump per run: a dump zeroes the counts)."""
+async def _measure_code(code: str, cfg: InstructionsConfig, logs: Path) -> dict[str, Any]:
+    """One checkout: one gateway process under callgrind, idle for ``idle_s``, then a run per chunk count (the raw
+    backend streams as many chunks as a request's max_tokens), each counted on its own (a dump per run: a dump
+    zeroes the counts), less the idle rate for the run's length."""
     backend, gateway, out_file = _processes(code, cfg, logs)
     backend_port, gateway_port = cfg.base_port, cfg.base_port + 1
     runs = []
@@ -170,12 +183,25 @@ async def _measure_code(code: str, cfg: InstructionsConfig, logs: Path) -> list[
         target = Target("gateway", f"http://127.0.0.1:{gateway_port}", MODEL)
         arrival = Arrival(concurrency=cfg.concurrency)
         seed = 0  # (the same prompts for every checkout)
-        for part, tokens in enumerate(cfg.tokens, start=1):
+        await run([target], cost_requests_for(cfg.warmup, cfg.tokens[0], cfg.prompt_chars, 10**9), arrival,
+                  request_timeout=300)
+        _control(gateway.pid, "-i", "on")
+        started = time.monotonic()
+        await asyncio.sleep(cfg.idle_s)
+        idle_wall = time.monotonic() - started
+        _control(gateway.pid, "-i", "off")
+        _control(gateway.pid, "-d")
+        dump = logs / f"{out_file.name}.1"
+        idle_rate = counted(dump) / idle_wall
+        idle_functions = {name: n / idle_wall for name, n in _annotate(dump).items()}
+        for part, tokens in enumerate(cfg.tokens, start=2):
             await run([target], cost_requests_for(cfg.warmup, tokens, cfg.prompt_chars, 10**9), arrival,
                       request_timeout=300)
             _control(gateway.pid, "-i", "on")
+            started = time.monotonic()
             result = await run([target], cost_requests_for(cfg.requests, tokens, cfg.prompt_chars, seed), arrival,
                                request_timeout=300)
+            wall = time.monotonic() - started
             _control(gateway.pid, "-i", "off")
             _control(gateway.pid, "-d")
             seed += cfg.requests
@@ -184,23 +210,28 @@ async def _measure_code(code: str, cfg: InstructionsConfig, logs: Path) -> list[
             if failed:
                 raise RuntimeError(f"{failed} of {len(results)} requests failed under callgrind (see {logs})")
             dump = logs / f"{out_file.name}.{part}"
+            total = counted(dump)
             runs.append({"max_tokens": tokens, "requests": len(results), "chunks": sum(r.chunks for r in results),
-                         "instructions": counted(dump), "functions": _annotate(dump)})
+                         "wall_s": wall, "counted": total, "idle": round(idle_rate * wall),
+                         "instructions": total - round(idle_rate * wall),
+                         "functions": {name: n - idle_functions.get(name, 0.0) * wall
+                                       for name, n in _annotate(dump).items()}})
     finally:
         gateway.stop()
         backend.stop()
-    return runs
+    return {"idle_per_second": idle_rate, "idle_seconds": idle_wall, "runs": runs}
 
 
 async def measure(cfg: InstructionsConfig, log: Any = print) -> dict[str, Any]:
     doc: dict[str, Any] = {"schema": SCHEMA, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                            "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()},
                            "counter": "valgrind --tool=callgrind: instructions executed in user space",
-                           "model": "instructions = requests * R + chunks * C", "code": {}}
+                           "model": "instructions - idle_per_second * wall_s = requests * R + chunks * C", "code": {}}
     for i, code in enumerate(cfg.code):
         logs = cfg.out / f"code-{i + 1}"
         logs.mkdir(parents=True, exist_ok=True)
-        runs = await _measure_code(code, cfg, logs)
+        measured = await _measure_code(code, cfg, logs)
+        runs = measured["runs"]
         a, b = (CostRun(r["requests"], r["chunks"], float(r["instructions"])) for r in runs)
         fit = solve_cost(a, b)  # (in units of 1e-6 "seconds": read as instructions / 1e6)
         per_request = fit["cpu_us_per_request"]
@@ -211,7 +242,8 @@ async def measure(cfg: InstructionsConfig, log: Any = print) -> dict[str, Any]:
         for each in runs:
             del each["functions"]  # (hundreds of names per run: the JSON keeps the solved top ones)
         doc["code"][code] = {"dir": str(_code_dir(code)), "runs": runs, "per_request": r, "per_chunk": c,
-                             "functions": top}
+                             "functions": top, "idle_per_second": measured["idle_per_second"],
+                             "idle_seconds": measured["idle_seconds"]}
         log(f"{code}: {_k(r)} instructions per request, {_k(c)} per chunk")
         for key in ("per_request", "per_chunk"):
             log(f"  most {key.replace('_', ' ')}: " + ", ".join(f"{n} {_k(v)}" for n, v in top[key][:6]))

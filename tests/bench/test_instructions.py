@@ -66,12 +66,15 @@ def test_a_tiny_real_count_of_two_checkouts(tmp_path: Path) -> None:
     chunk counts, and the two counts within a few percent of each other (the same code: what callgrind's
     determinism buys over /proc's CPU time)."""
     cfg = InstructionsConfig(code=[str(ROOT), "."], requests=12, concurrency=4, tokens=(1, 6), warmup=4,
-                             base_port=free_port_block(2), out=tmp_path)
+                             idle_s=1.0, base_port=free_port_block(2), out=tmp_path)
     doc = run_sync(measure(cfg, log=lambda *_: None))
     a, b = doc["code"][str(ROOT)], doc["code"]["."]
     for entry in (a, b):
         assert [(r["max_tokens"], r["requests"], r["chunks"]) for r in entry["runs"]] == [(1, 12, 12), (6, 12, 72)]
         assert all(r["instructions"] > 0 for r in entry["runs"])
+        assert entry["idle_per_second"] > 0  # (the idle process's timers and threads, taken from each run)
+        assert all(r["instructions"] == r["counted"] - r["idle"] and 0 < r["idle"] < r["counted"]
+                   for r in entry["runs"])
         assert entry["runs"][1]["instructions"] > entry["runs"][0]["instructions"], "more chunks, more work"
         assert entry["per_request"] > 0 and entry["per_chunk"] > 0
         names = [name for name, _ in entry["functions"]["per_request"]]
