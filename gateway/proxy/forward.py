@@ -153,13 +153,19 @@ class Forwarder:
                                      native.generated if native is not None else text_events_in)
                     stream_to = getattr(response, "stream_to", None)
                     if options.writer is not None and stream_to is not None:
-                        await _relay_direct(stream, response, stream_to, options.writer, send, client_headers)
+                        last = await _relay_direct(stream, response, stream_to, options.writer, send, client_headers)
                     else:
-                        await _relay_awaiting(stream, response, send, client_headers)
-                    tail = relay.flush()
-                    texts = stream.count(tail)
+                        last = await _relay_awaiting(stream, response, send, client_headers)
+                    try:
+                        flushed = relay.flush()
+                    except InvalidStream:
+                        if last:  # (the client has what came before the bad rest, then the error)
+                            await send({"type": "http.response.body", "body": last, "more_body": True})
+                        raise
+                    texts = stream.count(flushed)
                     if texts:
                         exchange.saw_text(texts, time.perf_counter())
+                    tail = last + flushed
                 finally:
                     response.release()
             except asyncio.CancelledError:
@@ -314,7 +320,7 @@ class _Stream:
             exchange.outcome = "upstream_error" if relay.error is not None else "success"
 
 
-async def _relay_awaiting(stream: _Stream, response: UpstreamResponse, send: Send, client_headers: Headers) -> None:
+async def _relay_awaiting(stream: _Stream, response: UpstreamResponse, send: Send, client_headers: Headers) -> bytes:
     """Relay through ASGI ``send``, a coroutine step per upstream piece (any transport, any ASGI server)."""
     async for data in response.chunks():
         out = stream.feed(data)
@@ -325,35 +331,44 @@ async def _relay_awaiting(stream: _Stream, response: UpstreamResponse, send: Sen
             stream.started = True
         await send({"type": "http.response.body", "body": out, "more_body": True})
         stream.sent()
+    return b""
 
 
 async def _relay_direct(stream: _Stream, response: UpstreamResponse, stream_to: Callable[[BodySink], None],
-                        writer: ClientWriter, send: Send, client_headers: Headers) -> None:
+                        writer: ClientWriter, send: Send, client_headers: Headers) -> bytes:
     """Relay from the upstream's protocol callbacks straight to the client's transport: no coroutine step
     per piece. The coroutine only starts the response (with the first output, so a failure before it can
     still fail over; the head and that output in one write) and waits for the end; flow control pauses the
-    upstream while the client's buffer is full.
+    upstream while the client's buffer is full. Returns what is left to send with the response's end (the
+    answer's last events, when its end came with them: see ``_DirectSink.data``).
     """
     sink = _DirectSink(stream, response, writer)
     stream_to(sink)
-    await sink.wait()
-    if sink.held:
-        first = b"".join(sink.held)
-        sink.held.clear()
-        stream.exchange.responded = True
-        await writer.start(send, _stream_head(client_headers), first)
-        stream.started = True
-        stream.sent()
-        while sink.held:  # (nothing arrives meanwhile: the upstream is paused while output is held)
-            out = b"".join(sink.held)
+    try:
+        await sink.wait()
+        if sink.held:
+            first = b"".join(sink.held)
             sink.held.clear()
-            await send({"type": "http.response.body", "body": out, "more_body": True})
+            stream.exchange.responded = True
+            await writer.start(send, _stream_head(client_headers), first)
+            stream.started = True
             stream.sent()
-        sink.go_live()
-        while not sink.ended:
-            await sink.wait()
+            while sink.held:  # (nothing arrives meanwhile: the upstream is paused while output is held)
+                out = b"".join(sink.held)
+                sink.held.clear()
+                await send({"type": "http.response.body", "body": out, "more_body": True})
+                stream.sent()
+            sink.go_live()
+            while not sink.ended:
+                await sink.wait()
+        last = sink.last
+    finally:
+        sink.last = b""  # (cancelled: nothing is written after the response may have ended)
     if sink.error is not None:
+        if last:  # (what the client would have had before the error)
+            writer.write(last)
         raise sink.error
+    return last
 
 
 class _DirectSink:
@@ -361,7 +376,7 @@ class _DirectSink:
     upstream paused) for the coroutine to start it with; then each output is written to the client as it
     comes."""
 
-    __slots__ = ("_live", "_wake", "ended", "error", "held", "response", "stream", "writer")
+    __slots__ = ("_live", "_wake", "ended", "error", "held", "last", "response", "stream", "writer")
 
     def __init__(self, stream: _Stream, response: UpstreamResponse, writer: ClientWriter) -> None:
         self.stream = stream
@@ -372,6 +387,7 @@ class _DirectSink:
         self.error: BaseException | None = None
         self._live = False
         self._wake: asyncio.Future[None] = stream.clock.loop.create_future()
+        self.last = b""  # the answer's last output, kept to go with the response's end
 
     def data(self, chunk: bytes) -> None:
         out = self.stream.feed(chunk)  # (InvalidStream ends the response with it: see BodySink)
@@ -382,6 +398,23 @@ class _DirectSink:
             self.response.pause_reading()
             self._set()
             return
+        if self.stream.relay.done:
+            # The answer's end ([DONE], or an agent API's last event): when the body's end comes in this same read,
+            # as it mostly does, the coroutine sends it with the response's end, in one write where there were two;
+            # else it is written at the loop's next turn.
+            if not self.last:
+                self.stream.clock.loop.call_soon(self._write_last)
+            self.last += out
+            return
+        self._write(out)
+
+    def _write_last(self) -> None:
+        if self.ended or not self.last:
+            return  # (the coroutine sends it)
+        out, self.last = self.last, b""
+        self._write(out)
+
+    def _write(self, out: bytes) -> None:
         written = self.writer.write(out)
         if written:  # (GONE: the client is gone; the watcher cancels the request)
             stream = self.stream

@@ -181,3 +181,75 @@ def test_a_client_that_hangs_up_right_after_done_is_still_accounted() -> None:
 
     asyncio.run(scenario())
     assert exchange.usage == USAGE and exchange.outcome == "success"
+
+
+class _ReadResponse(MockResponse):
+    """A response that hands its body to a sink as a real connection's reads do: ``reads``, each a list of pieces
+    given in one callback, ``END`` among them for the body's end, a loop turn (and ``delay``) between reads."""
+
+    END = b"<end>"
+
+    def __init__(self, reads: list[list[bytes]], delay: float = 0.0) -> None:
+        super().__init__(headers=SSE)
+        self.reads = reads
+        self.delay = delay
+
+    def stream_to(self, sink: Any) -> None:
+        async def feed() -> None:
+            for read in self.reads:
+                await asyncio.sleep(self.delay)
+                for piece in read:
+                    if piece == self.END:
+                        sink.end(None)
+                    else:
+                        sink.data(piece)
+
+        asyncio.get_running_loop().create_task(feed())
+
+
+class _Writer:
+    """The server's direct writer, recording each write to the client."""
+
+    def __init__(self) -> None:
+        self.writes: list[bytes] = []
+
+    def write(self, body: bytes) -> int:
+        self.writes.append(body)
+        return 1  # WRITTEN
+
+    async def start(self, send: Any, message: Message, first: bytes) -> None:
+        await send(message)
+        self.writes.append(first)
+
+    def when_writable(self, callback: Any) -> None:
+        raise AssertionError("never full here")
+
+    def when_disconnected(self, callback: Any) -> None:
+        pass
+
+
+@pytest.mark.parametrize("end_with_done", [True, False])
+def test_the_answers_last_events_go_with_the_responses_end_when_it_comes_in_the_same_read(end_with_done: bool) -> None:
+    """[DONE] and the body's end in one upstream read: the client gets them in the response's last message (one
+    write: uvicorn frames the last chunk and the end together); the end a read later: [DONE] is written at the
+    loop's next turn, not held for it. Either way the client's bytes are the same, and the request accounted."""
+    done = chunk(None, finish_reason="stop") + b"data: " + orjson.dumps({"choices": [], "usage": USAGE}) + \
+        b"\n\ndata: [DONE]\n\n"
+    end = [_ReadResponse.END]
+    reads = [[chunk("Hi")], [chunk(" there")], [done, *end] if end_with_done else [done]]
+    if not end_with_done:
+        reads.append(end)
+    response = _ReadResponse(reads, delay=0.01)
+    backend = Backend("b", "vllm", "http://b:8000", spec=ENGINES["vllm"])
+    exchange = Exchange(request_id="r1", route="chat", t_start=0.0, stream=True)
+    sink, writer = Sink(), _Writer()
+    asyncio.run(Forwarder(MockTransport(lambda r: response), TimeoutSettings()).forward(
+        exchange, backend, b"{}", sink, AttemptOptions(writer=writer)))
+    last = sink.messages[-1]
+    assert last["type"] == "http.response.body" and last["more_body"] is False
+    finish = chunk(None, finish_reason="stop") + b"data: [DONE]\n\n"  # (the usage chunk removed: not asked for)
+    if end_with_done:
+        assert writer.writes == [chunk("Hi"), chunk(" there")] and last["body"] == finish
+    else:
+        assert writer.writes == [chunk("Hi"), chunk(" there"), finish] and last["body"] == b""
+    assert exchange.usage == USAGE and exchange.outcome == "success" and exchange.text_events == 2
