@@ -182,7 +182,8 @@ class SSERelay:
         return self._relay(data[: end + 2])
 
     def _scan(self, data: bytes) -> list[bytes]:
-        """``_SCAN.findall(data)`` for a one-event chunk, with the scan of the head its stream repeats skipped.
+        """``_SCAN.findall(data)`` for one event of the usual form (``data: {...}``, with or without its blank line),
+        with the scan of the head its stream repeats skipped.
 
         An engine's chunks differ little: vLLM's and SGLang's repeat everything before the generated text
         (``data: {"id":...,"object":...,"created":...,"model":...,"choices":[{"index":0,"delta":{"content":"``),
@@ -194,7 +195,7 @@ class SSERelay:
         time on such chunks. Anything else is scanned whole, and its head kept for the next."""
         head = self._head
         n = len(head)
-        if n and data[:n] == head and data[n] != 34:  # (34: '"'; data is longer: it ends with "}\n\n")
+        if n and data[:n] == head and data[n] != 34:  # (34: '"'; data is longer: the head ends with '"', data with '}')
             found = _SCAN.findall(data, n)
             found.insert(0, self._head_key)
             return found
