@@ -32,14 +32,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import re
 import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Awaitable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from gateway.bench.client import Target
 from gateway.bench.overhead import MODEL, CostRun, cost_requests_for, gateway_yaml, solve_cost
@@ -53,6 +55,7 @@ SCHEMA = "gateway-bench-instructions/1"
 # backend down when the slowed process answers late.
 SCRAPE = "scrape:\n  interval: 30\n  timeout: 30\n  stale_after: 120\n"
 HERE = "."  # --code for this checkout
+T = TypeVar("T")
 TOP_FUNCTIONS = 15  # per request and per chunk, in each checkout's entry
 
 
@@ -142,6 +145,17 @@ def _control(pid: int, *args: str) -> None:
                    check=True, timeout=60)
 
 
+async def _counting(pid: int, work: Awaitable[T]) -> tuple[T, float]:
+    """``work``'s result, and the seconds it took, with callgrind counting only meanwhile (then dumped)."""
+    _control(pid, "-i", "on")
+    started = time.monotonic()
+    result = await work
+    wall = time.monotonic() - started
+    _control(pid, "-i", "off")
+    _control(pid, "-d")
+    return result, wall
+
+
 def _code_dir(code: str) -> Path:
     path = Path(code).resolve()
     if not (path / "gateway" / "__main__.py").is_file():
@@ -176,44 +190,34 @@ async def _measure_code(code: str, cfg: InstructionsConfig, logs: Path) -> dict[
     zeroes the counts), less the idle rate for the run's length."""
     backend, gateway, out_file = _processes(code, cfg, logs)
     backend_port, gateway_port = cfg.base_port, cfg.base_port + 1
-    runs = []
+    runs: list[dict[str, Any]] = []
+    dumps = (logs / f"{out_file.name}.{n}" for n in itertools.count(1))  # (callgrind numbers its dumps)
     try:
         backend.start().wait_http(f"http://127.0.0.1:{backend_port}/health")
         gateway.start().wait_http(f"http://127.0.0.1:{gateway_port}/v1/models", timeout=300)
         target = Target("gateway", f"http://127.0.0.1:{gateway_port}", MODEL)
         arrival = Arrival(concurrency=cfg.concurrency)
         seed = 0  # (the same prompts for every checkout)
-        await run([target], cost_requests_for(cfg.warmup, cfg.tokens[0], cfg.prompt_chars, 10**9), arrival,
-                  request_timeout=300)
-        _control(gateway.pid, "-i", "on")
-        started = time.monotonic()
-        await asyncio.sleep(cfg.idle_s)
-        idle_wall = time.monotonic() - started
-        _control(gateway.pid, "-i", "off")
-        _control(gateway.pid, "-d")
-        dump = logs / f"{out_file.name}.1"
-        idle_rate = counted(dump) / idle_wall
-        idle_functions = {name: n / idle_wall for name, n in _annotate(dump).items()}
-        for part, tokens in enumerate(cfg.tokens, start=2):
+        for tokens in cfg.tokens:
             await run([target], cost_requests_for(cfg.warmup, tokens, cfg.prompt_chars, 10**9), arrival,
                       request_timeout=300)
-            _control(gateway.pid, "-i", "on")
-            started = time.monotonic()
-            result = await run([target], cost_requests_for(cfg.requests, tokens, cfg.prompt_chars, seed), arrival,
-                               request_timeout=300)
-            wall = time.monotonic() - started
-            _control(gateway.pid, "-i", "off")
-            _control(gateway.pid, "-d")
+            if not runs:  # first, the warmed process idle
+                _, idle_wall = await _counting(gateway.pid, asyncio.sleep(cfg.idle_s))
+                dump = next(dumps)
+                idle_rate = counted(dump) / idle_wall
+                idle_functions = {name: n / idle_wall for name, n in _annotate(dump).items()}
+            result, wall = await _counting(gateway.pid, run(
+                [target], cost_requests_for(cfg.requests, tokens, cfg.prompt_chars, seed), arrival,
+                request_timeout=300))
             seed += cfg.requests
             results = result.results["gateway"]
             failed = sum(1 for r in results if not r.ok)
             if failed:
                 raise RuntimeError(f"{failed} of {len(results)} requests failed under callgrind (see {logs})")
-            dump = logs / f"{out_file.name}.{part}"
-            total = counted(dump)
+            dump = next(dumps)
+            total, idle = counted(dump), round(idle_rate * wall)
             runs.append({"max_tokens": tokens, "requests": len(results), "chunks": sum(r.chunks for r in results),
-                         "wall_s": wall, "counted": total, "idle": round(idle_rate * wall),
-                         "instructions": total - round(idle_rate * wall),
+                         "wall_s": wall, "counted": total, "idle": idle, "instructions": total - idle,
                          "functions": {name: n - idle_functions.get(name, 0.0) * wall
                                        for name, n in _annotate(dump).items()}})
     finally:
