@@ -32,6 +32,11 @@ class ClientWriter(Protocol):
         first chunk ``first`` to the connection together."""
         ...
 
+    async def send_whole(self, send: Send, start: Message, body: bytes) -> None:
+        """Send a whole response with ``send`` (``start``, then ``body`` as its last body message), written to the
+        connection in one write."""
+        ...
+
     def when_writable(self, callback: Callable[[], None]) -> None: ...
 
     def when_disconnected(self, callback: Callable[[], None] | None) -> None:
@@ -43,18 +48,22 @@ JSON = b"application/json"
 EVENT_STREAM = b"text/event-stream"
 
 
-async def send_body(send: Send, status: int, body: bytes, headers: Headers, content_type: bytes = JSON) -> None:
-    await send(
-        {
-            "type": "http.response.start",
-            "status": status,
-            "headers": [
-                (b"content-type", content_type),
-                (b"content-length", str(len(body)).encode()),
-                *headers,
-            ],
-        }
-    )
+async def send_body(send: Send, status: int, body: bytes, headers: Headers, content_type: bytes = JSON,
+                    writer: ClientWriter | None = None) -> None:
+    """A whole response with a content-length; with the client's ``writer``, its head and body in one write."""
+    start: Message = {
+        "type": "http.response.start",
+        "status": status,
+        "headers": [
+            (b"content-type", content_type),
+            (b"content-length", str(len(body)).encode()),
+            *headers,
+        ],
+    }
+    if writer is not None:
+        await writer.send_whole(send, start, body)
+        return
+    await send(start)
     await send({"type": "http.response.body", "body": body, "more_body": False})
 
 

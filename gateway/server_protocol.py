@@ -94,6 +94,29 @@ class BodyWriter:
         head.parts.append(b"%x\r\n%s\r\n" % (len(first), first))
         transport.write(b"".join(head.parts))
 
+    async def send_whole(self, send: Send, start: Message, body: bytes) -> None:
+        """Send a whole response with ``send``: ``start`` (its ``http.response.start``) and then ``body`` as its one
+        and last body message, with uvicorn's own checks and framing, and write what they frame to the connection
+        in one write where uvicorn makes two (the head, then the body and the chunked end). A response that has
+        already started is ended with ``body`` as ``send`` ends it."""
+        last: Message = {"type": "http.response.body", "body": body, "more_body": False}
+        cycle = self._cycle()
+        if cycle is None or cycle.response_started:
+            if cycle is None or not cycle.response_started:
+                await send(start)
+            await send(last)
+            return
+        transport = cycle.transport
+        framed = _Collect(transport)
+        cycle.transport = framed  # (uvicorn's ``send`` writes to, and closes, the cycle's transport, and only that)
+        try:
+            await send(start)
+            await send(last)
+        finally:
+            cycle.transport = transport
+        if framed.parts and not cycle.disconnected:
+            transport.write(b"".join(framed.parts))
+
     def when_writable(self, callback: Callable[[], None]) -> None:
         """Call ``callback`` once the transport drains (or the connection is lost)."""
         self._protocol.on_writable = callback
@@ -107,15 +130,24 @@ class BodyWriter:
 
 
 class _Collect:
-    """Stands in for a connection's transport while uvicorn writes a response head: keeps what it writes."""
+    """Stands in for a connection's transport while uvicorn frames a response (a head, or a whole response):
+    keeps what it writes. Closing it writes that to ``transport`` and closes it, as uvicorn closes a connection
+    that is not kept alive at once, before it completes the response (which then sees the transport closing)."""
 
-    __slots__ = ("parts",)
+    __slots__ = ("parts", "transport")
 
-    def __init__(self) -> None:
+    def __init__(self, transport: Any = None) -> None:
         self.parts: list[bytes] = []
+        self.transport = transport
 
     def write(self, data: bytes) -> None:
         self.parts.append(data)
+
+    def close(self) -> None:
+        if self.parts:
+            self.transport.write(b"".join(self.parts))
+            self.parts.clear()
+        self.transport.close()
 
 
 @dataclass(frozen=True)

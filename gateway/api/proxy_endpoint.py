@@ -144,6 +144,9 @@ class ProxyEndpoint:
         if translation is not None:
             translation.exchange = exchange
             send = translation.wrap(send)
+        # the server's direct writer (see gateway.asgi.ClientWriter); not under a translation, which rewrites
+        # what is sent
+        writer = state.get(BODY_WRITER) if state and translation is None else None
         try:
             if scope["method"] != "POST":
                 raise GatewayError(405, f"{scope['path']} only accepts POST", code="method_not_allowed",
@@ -182,15 +185,14 @@ class ProxyEndpoint:
                                                  limits.max_in_flight)
                         exchange.reserve = self._reservation(request, client)
             await self._dispatcher.dispatch(exchange, request, exchange.client.name if exchange.client else ANONYMOUS,
-                                            receive, send,
-                                            state.get(BODY_WRITER) if state and translation is None else None)
+                                            receive, send, writer)
         except GatewayError as exc:
             exchange.status = exc.status
             if exchange.outcome == "pending":
                 exchange.outcome = "client_error" if exc.status < 500 else "no_backend"
             extra = [(k.encode(), v.encode()) for k, v in exc.headers.items()]
             exchange.responded = True
-            await send_body(send, exc.status, exc.body(), headers + extra)
+            await send_body(send, exc.status, exc.body(), headers + extra, writer=writer)
         except _ClientGone:
             exchange.outcome = "disconnected"
         except Exception as exc:
@@ -202,7 +204,7 @@ class ProxyEndpoint:
             exchange.status, exchange.outcome = 500, "gateway_error"
             if not exchange.responded:
                 error = GatewayError(500, "The gateway failed to handle the request", code="internal_error")
-                await send_body(send, 500, error.body(), headers)
+                await send_body(send, 500, error.body(), headers, writer=writer)
         finally:
             exchange.t_end = time.perf_counter()
             live.in_flight -= 1

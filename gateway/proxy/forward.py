@@ -123,7 +123,7 @@ class Forwarder:
                         exchange.outcome = "upstream_error"
                         exchange.responded = True
                         body = normalise_upstream_error(response.status, raw, backend.name, backend.secrets)
-                        await send_body(send, response.status, body, client_headers)
+                        await send_body(send, response.status, body, client_headers, writer=options.writer)
                         return
                     content_type = response.headers.get("Content-Type", "")
                     if not exchange.stream or not content_type.startswith("text/event-stream"):
@@ -145,7 +145,7 @@ class Forwarder:
                             client_headers.append((b"x-gateway-output-invalid", problem[:200].encode()))
                         exchange.outcome = "success"
                         exchange.responded = True
-                        await send_body(send, 200, raw, client_headers)
+                        await send_body(send, 200, raw, client_headers, writer=options.writer)
                         return
                     relay = SSERelay(options.keep_usage, backend.secrets.scrub, backend.spec.stream,
                                      native.end if native is not None else None)
@@ -159,7 +159,8 @@ class Forwarder:
                     try:
                         flushed = relay.flush()
                     except InvalidStream:
-                        if last:  # (the client has what came before the bad rest, then the error)
+                        if last and stream.started:  # (the client has what came before the bad rest, then the
+                            # error; not started: nothing reached it, and another backend may serve it)
                             await send({"type": "http.response.body", "body": last, "more_body": True})
                         raise
                     texts = stream.count(flushed)
@@ -197,11 +198,15 @@ class Forwarder:
             await send({"type": "http.response.body", "body": tail, "more_body": True})
             await self._end_with_error(send, f"backend {backend.name}: {error}", error, native)
             return
-        if not stream.started:
-            await _start_stream(send, exchange, client_headers)
         exchange.outcome = "upstream_error" if relay.error is not None else "success"
         if not relay.done and native is None:  # ended on an error event: clients get their [DONE] all the same
             tail += b"data: [DONE]\n\n"
+        if not stream.started:  # the whole answer came before the response started (a short one, a busy loop)
+            exchange.responded = True
+            if options.writer is not None:  # (its head, its events and its end in one write)
+                await options.writer.send_whole(send, _stream_head(client_headers), tail)
+                return
+            await send(_stream_head(client_headers))
         await send({"type": "http.response.body", "body": tail, "more_body": False})
 
     @staticmethod
@@ -340,12 +345,19 @@ async def _relay_direct(stream: _Stream, response: UpstreamResponse, stream_to: 
     per piece. The coroutine only starts the response (with the first output, so a failure before it can
     still fail over; the head and that output in one write) and waits for the end; flow control pauses the
     upstream while the client's buffer is full. Returns what is left to send with the response's end (the
-    answer's last events, when its end came with them: see ``_DirectSink.data``).
+    answer's last events, when its end came with them: see ``_DirectSink.data``), or the whole answer, the
+    response not started, when the body ended before the coroutine first woke.
     """
     sink = _DirectSink(stream, response, writer)
     stream_to(sink)
     try:
         await sink.wait()
+        if sink.held and sink.ended and sink.error is None:
+            # the whole body came before the response started: it is sent with the response's start and end
+            # (see Forwarder.forward), and a stream found bad at its end can still fail over
+            last = b"".join(sink.held)
+            sink.held.clear()
+            return last
         if sink.held:
             first = b"".join(sink.held)
             sink.held.clear()

@@ -29,7 +29,9 @@ def _chunk(text: str) -> bytes:
 
 class ScriptedUpstream:
     """Modes: ``stream`` (``tokens`` chunks ``every`` s apart, then usage and [DONE]), ``stream_no_usage``
-    (the same without the usage chunk), ``not_http`` (bytes that are not an HTTP response), ``echo_500``
+    (the same without the usage chunk), ``stream_at_once`` (the same stream, chunked, in one write with its head:
+    the whole answer in one read), ``complete`` (a non-streamed answer of ``tokens`` words), ``not_http`` (bytes
+    that are not an HTTP response), ``echo_500``
     (HTTP 500 whose message repeats the Authorization header it got and the backend's own address),
     ``status_401``, ``pings`` (200 SSE, then ``: ping`` every ``every`` s until the client leaves)."""
 
@@ -116,6 +118,26 @@ class ScriptedUpstream:
                          % len(body) + body)
             await writer.drain()
             return True
+        usage: dict[str, Any] = {"prompt_tokens": 10, "completion_tokens": self.tokens,
+                                 "total_tokens": 10 + self.tokens}
+        if mode == "complete":
+            body = orjson.dumps({"id": "c", "object": "chat.completion", "created": 0, "model": self.model,
+                                 "choices": [{"index": 0, "finish_reason": "stop", "message": {
+                                     "role": "assistant", "content": "".join(f"t{i} " for i in range(self.tokens))}}],
+                                 "usage": usage})
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+                         % len(body) + body)
+            await writer.drain()
+            return True
+        if mode == "stream_at_once":
+            events = [_chunk(f"t{i} ") for i in range(self.tokens)]
+            events.append(b"data: " + orjson.dumps({"id": "s", "object": "chat.completion.chunk", "created": 0,
+                                                    "model": "m", "choices": [], "usage": usage}) + b"\n\n")
+            events.append(b"data: [DONE]\n\n")
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+                         + b"".join(b"%x\r\n%s\r\n" % (len(e), e) for e in events) + b"0\r\n\r\n")
+            await writer.drain()
+            return True
         writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nConnection: close\r\n\r\n")
         await writer.drain()
         if mode == "pings":
@@ -129,8 +151,6 @@ class ScriptedUpstream:
             await asyncio.sleep(self.every)
         await asyncio.sleep(self.usage_after)
         if mode == "stream":
-            usage: dict[str, Any] = {"prompt_tokens": 10, "completion_tokens": self.tokens,
-                                     "total_tokens": 10 + self.tokens}
             writer.write(b"data: " + orjson.dumps({"id": "s", "object": "chat.completion.chunk", "created": 0,
                                                    "model": "m", "choices": [], "usage": usage}) + b"\n\n")
         writer.write(b"data: [DONE]\n\n")

@@ -221,6 +221,10 @@ class _Writer:
         await send(message)
         self.writes.append(first)
 
+    async def send_whole(self, send: Any, start: Message, body: bytes) -> None:
+        await send(start)
+        await send({"type": "http.response.body", "body": body, "more_body": False})
+
     def when_writable(self, callback: Any) -> None:
         raise AssertionError("never full here")
 

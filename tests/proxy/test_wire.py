@@ -66,3 +66,64 @@ def test_a_streams_head_goes_out_with_its_first_event_in_one_write() -> None:
     assert b"".join(recorded.writes) == answer
     # then one write per event as it came (the tokens are 50 ms apart), and the end
     assert sum(b'"content":"t' in w for w in recorded.writes) == 3
+
+
+def _read_sized(sock: socket.socket) -> bytes:
+    """One response with a content-length, whole."""
+    data = b""
+    while b"\r\n\r\n" not in data or len(data) < data.index(b"\r\n\r\n") + 4 + int(
+            data.split(b"content-length: ", 1)[1].split(b"\r\n", 1)[0]):
+        piece = sock.recv(65536)
+        assert piece, f"the connection closed early: {data!r}"
+        data += piece
+    return data
+
+
+def test_a_whole_answer_in_one_upstream_read_goes_out_in_one_write() -> None:
+    """The whole stream came before the response started (a short answer, a busy gateway): its head, its events
+    and the chunked end in one write, where there were two."""
+    with ScriptedUpstream("stream_at_once", tokens=3) as upstream:
+        _app, server = gateway_over(upstream)
+        with server as gw, socket.create_connection(("127.0.0.1", gw.port), timeout=10) as sock:
+            recorded = gw.call(_record(gw.server, sock.getsockname()[1]))
+            sock.sendall(REQUEST % (len(BODY), BODY))
+            answer = _read_response(sock)
+    assert len(recorded.writes) == 1, recorded.writes
+    assert recorded.writes[0] == answer
+    assert answer.startswith(b"HTTP/1.1 200") and b"text/event-stream" in answer
+    assert [t for t in (b"t0 ", b"t1 ", b"t2 ") if t in answer] == [b"t0 ", b"t1 ", b"t2 "]
+    assert answer.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n"), answer
+    assert b'"usage"' not in answer  # (the client did not ask for it)
+
+
+def test_a_non_streamed_answer_and_an_error_each_go_out_in_one_write_on_a_kept_alive_connection() -> None:
+    plain = b'{"model":"m","messages":[{"role":"user","content":"hi"}]}'
+    unknown = b'{"model":"nope","messages":[{"role":"user","content":"hi"}]}'
+    with ScriptedUpstream("complete", tokens=3) as upstream:
+        _app, server = gateway_over(upstream)
+        with server as gw, socket.create_connection(("127.0.0.1", gw.port), timeout=10) as sock:
+            recorded = gw.call(_record(gw.server, sock.getsockname()[1]))
+            sock.sendall(REQUEST % (len(plain), plain))
+            answer = _read_sized(sock)
+            assert recorded.writes == [answer]
+            assert answer.startswith(b"HTTP/1.1 200") and answer.endswith(b"}") and b'"t0 t1 t2 "' in answer
+            sock.sendall(REQUEST % (len(unknown), unknown))  # the same connection: kept alive after it
+            error = _read_sized(sock)
+    assert recorded.writes == [answer, error]
+    assert error.startswith(b"HTTP/1.1 404") and b'"model_not_found"' in error, error
+
+
+def test_a_whole_response_to_a_client_that_closes_is_written_before_the_connection_closes() -> None:
+    """``Connection: close``: uvicorn closes the transport as it ends the response; what was framed goes first."""
+    plain = b'{"model":"m","messages":[{"role":"user","content":"hi"}]}'
+    closing = REQUEST.replace(b"Host: gw\r\n", b"Host: gw\r\nConnection: close\r\n")
+    with ScriptedUpstream("complete", tokens=2) as upstream:
+        _app, server = gateway_over(upstream)
+        with server as gw, socket.create_connection(("127.0.0.1", gw.port), timeout=10) as sock:
+            recorded = gw.call(_record(gw.server, sock.getsockname()[1]))
+            sock.sendall(closing % (len(plain), plain))
+            answer = b""
+            while piece := sock.recv(65536):
+                answer += piece
+    assert recorded.writes == [answer]
+    assert answer.startswith(b"HTTP/1.1 200") and b"connection: close" in answer and b'"t0 t1 "' in answer
