@@ -11,6 +11,10 @@ from gateway.llamacpp.build import BuildError, build
 from gateway.llamacpp.model import SIZES, generate, model_path
 
 
+def _unwind(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str]) -> int:
     if argv[:1] == ["calibrate"]:
         from gateway.llamacpp.calibrate import main as calibrate
@@ -44,9 +48,16 @@ def main(argv: list[str]) -> int:
             model = model_path(args.model) if args.model in SIZES else Path(args.model)
             server = LlamaServer(build(), model, args.port, slots=args.slots, ctx=args.ctx, threads=args.threads,
                                  cache_ram_mib=-1)
+            # SIGTERM unwinds like SIGINT, so that the server is stopped with this process, also while it starts
+            # (sigwait alone left it running: the signals it waits for were not blocked, and SIGTERM ended
+            # Python before the server's cleanup)
+            signal.signal(signal.SIGTERM, _unwind)
             with server:
                 print(f"llama-server (real, CPU) at {server.url} serving {model}", flush=True)
-                signal.sigwait({signal.SIGINT, signal.SIGTERM})
+                while True:
+                    signal.pause()
+    except KeyboardInterrupt:
+        return 0
     except BuildError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -77,7 +77,11 @@ class LlamaServer:
             self.proc.wait()
 
     def __enter__(self) -> LlamaServer:
-        return self.start()
+        try:
+            return self.start()
+        except BaseException:  # (interrupted while it starts: never leave it running)
+            self.stop()
+            raise
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:

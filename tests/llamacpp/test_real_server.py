@@ -5,8 +5,12 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import json
+import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -17,7 +21,7 @@ import pytest
 from gateway.app import create_app
 from gateway.config import settings_from_mapping
 from gateway.llamacpp.server import LlamaServer
-from tests.conftest import ServerThread, serve_in_thread
+from tests.conftest import ServerThread, free_port_block, serve_in_thread
 
 ASK = [{"role": "user", "content": "Tell me about the gateway."}]
 
@@ -316,3 +320,24 @@ def test_rerank_on_a_real_reranking_server_and_the_refusal_of_one_without(llama_
     finally:
         reranker.stop()
         plain.stop()
+
+
+@pytest.mark.parametrize("how", [signal.SIGTERM, signal.SIGINT])
+def test_gateway_llamacpp_serve_stops_its_server_with_it(llama_binary: Path, how: signal.Signals) -> None:
+    """The wrapper command's llama-server goes when the wrapper is told to stop (SIGTERM once left it running,
+    holding its port)."""
+    port = free_port_block(1)
+    wrapper = subprocess.Popen([sys.executable, "-m", "gateway", "llamacpp", "serve", "--model", "tiny",
+                                "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        assert wrapper.stdout is not None
+        line = wrapper.stdout.readline()  # printed once the server answers /health
+        assert b"llama-server (real, CPU)" in line, line
+        assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200
+        wrapper.send_signal(how)
+        assert wrapper.wait(timeout=30) == 0
+        with pytest.raises(httpx.TransportError):
+            httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
+    finally:
+        if wrapper.poll() is None:
+            wrapper.kill()
