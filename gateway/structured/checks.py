@@ -148,13 +148,17 @@ def _schema(text: bytes, param: str, bounds: Bounds, inline: bool) -> None:
     if _check_depth(value, param, bounds, None) > INLINE_SCHEMA_DEPTH and inline:
         raise Offload
     compiling = 0
-    for at, pattern in _patterns(value):
+    for at, pattern, data in _patterns(value):
         try:
             tree = _parse_regex(pattern, param, f" at {at[:200]}", bounds.max_nesting)
         except ConstraintInvalid as exc:
             if exc.code != "invalid_constraint":
                 raise
             continue  # the metaschema check judges it, if it is a schema's pattern and not data that looks like one
+        problem = None if data else automaton_problem(tree)
+        if problem:  # (as for a regex constraint: llama.cpp, for one, drops such a pattern and accepts any string)
+            raise ConstraintInvalid(f"{param}: the pattern at {at[:200]} has {problem}, which no engine can enforce "
+                                    "(they match with automata)", param)
         compiling += parsed_compile_cost(tree, pattern)
     if inline and compiling > INLINE_COMPILE_COST:
         raise Offload
@@ -181,19 +185,24 @@ def _metaschema_validator(cls: Any) -> Any:
     return cls(cls.META_SCHEMA, format_checker=cls.FORMAT_CHECKER)
 
 
-def _patterns(root: Any) -> Iterator[tuple[str, str]]:
-    """(JSON pointer, regex) for every ``pattern`` and ``patternProperties`` key in the schema."""
-    stack: list[tuple[Any, str]] = [(root, "")]
+# keywords whose values are instances (data), not schemas: a "pattern" key inside them is not a regex to enforce
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples", "example"})
+
+
+def _patterns(root: Any) -> Iterator[tuple[str, str, bool]]:
+    """(JSON pointer, regex, whether it sits inside data) for every ``pattern`` and ``patternProperties`` key in
+    the schema. Inside data (``const``, ``enum``, ``default``, ``examples``) it is not the schema's own."""
+    stack: list[tuple[Any, str, bool]] = [(root, "", False)]
     while stack:
-        node, at = stack.pop()
+        node, at, data = stack.pop()
         if isinstance(node, dict):
             if isinstance(node.get("pattern"), str):
-                yield f"{at}/pattern", node["pattern"]
+                yield f"{at}/pattern", node["pattern"], data
             if isinstance(node.get("patternProperties"), dict):
-                yield from ((f"{at}/patternProperties", key) for key in node["patternProperties"])
-            stack.extend((child, f"{at}/{key}") for key, child in node.items())
+                yield from ((f"{at}/patternProperties", key, data) for key in node["patternProperties"])
+            stack.extend((child, f"{at}/{key}", data or key in _DATA_KEYWORDS) for key, child in node.items())
         elif isinstance(node, list):
-            stack.extend((child, f"{at}/{index}") for index, child in enumerate(node))
+            stack.extend((child, f"{at}/{index}", data) for index, child in enumerate(node))
 
 
 def _resolve(root: Any, ref: str) -> Any:

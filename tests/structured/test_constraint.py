@@ -70,6 +70,13 @@ def test_no_constraint() -> None:
         ({"regex": "(unclosed"}, "regex", "not a valid regular expression"),
         ({"regex": "(?=a)b"}, "regex", "lookahead and lookbehind assertions"),
         ({"guided_regex": r"(a)\1"}, "guided_regex", "backreferences cannot be enforced"),
+        # a schema's own patterns too (llama.cpp drops such a pattern and accepts any string)
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+            "type": "string", "pattern": "^(?=a)a+$"}}}},
+         "response_format.json_schema.schema", "/pattern has lookahead and lookbehind assertions"),
+        ({"json_schema": {"type": "object", "properties": {"p": {"type": "object", "patternProperties": {
+            r"^(x)\1$": {"type": "string"}}}}}},
+         "json_schema", "/properties/p/patternProperties has backreferences"),
         ({"choice": []}, "choice", "non-empty array of strings"),
         ({"choice": ["a", 1]}, "choice", "non-empty array of strings"),
         ({"grammar": 'root ::= "unclosed'}, "grammar", "not a valid GBNF grammar"),
@@ -153,3 +160,10 @@ def test_adapters_write_native_fields_and_drop_every_other_spelling() -> None:
     # GBNF reaches vLLM and SGLang rewritten as xgrammar EBNF
     assert "root" in create_adapter("vllm").prepare_body("chat", {}, gbnf)["structured_outputs"]["grammar"]
     assert "ebnf" in create_adapter("sglang").prepare_body("chat", {}, gbnf)
+
+
+def test_a_pattern_inside_a_schemas_data_is_not_one_of_its_regexes() -> None:
+    """``const``, ``enum``, ``default`` and ``examples`` hold values: a "pattern" key in them is data."""
+    value = {"pattern": "^(?=a)a+$"}
+    schema = {"type": "object", "const": value, "enum": [value], "default": value, "examples": [value]}
+    assert extract({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}})
