@@ -182,6 +182,8 @@ class Dispatcher:
         candidates = iter(decision.ranked)
         remaining = len(decision.ranked)
         started = time.monotonic()
+        # backends that answered this request with a 5xx and were failed over, not yet counted against
+        suspects: list[tuple[Backend, int]] = []
 
         async def attempt(number: int) -> None:
             nonlocal remaining
@@ -189,7 +191,12 @@ class Dispatcher:
             remaining -= 1
             last = (remaining == 0 or number >= settings.max_attempts
                     or time.monotonic() - started >= settings.max_seconds)
-            await self._attempt(exchange, request, backend, last, headers, receive, send, writer)
+            await self._attempt(exchange, request, backend, last, headers, receive, send, writer, suspects)
+            if suspects and 0 < exchange.status < 400:
+                # another backend served it: those that answered 5xx failed where it did not
+                for failed, _ in suspects:
+                    failed.breaker.record(False)
+                suspects.clear()
 
         # The first attempt goes without the retry machinery (most succeed, and it showed in profiles); when it
         # fails over, tenacity runs the rest within what is left of the attempts and of the time.
@@ -398,7 +405,13 @@ class Dispatcher:
         return orjson.dumps(body)
 
     async def _attempt(self, exchange: Exchange, request: RouteRequest, backend: Backend, last: bool,
-                       headers: Headers, receive: Receive, send: Send, writer: ClientWriter | None) -> None:
+                       headers: Headers, receive: Receive, send: Send, writer: ClientWriter | None,
+                       suspects: list[tuple[Backend, int]] | None = None) -> None:
+        """One attempt on ``backend``. A 5xx answer that fails over is not counted against the backend's breaker
+        at once (``suspects``): the same status from the next backend says the request itself is the cause
+        (llama.cpp answers 500 to a JSON-constrained answer cut short by max_tokens), and it counts against
+        neither; another backend serving it counts it (see ``_send``). Otherwise five such requests ejected
+        every backend."""
         shared = self._shared
         if (shared is not None and backend.max_concurrency and exchange.shared_slot != backend.name
                 and shared.up):
@@ -456,7 +469,11 @@ class Dispatcher:
             raise self._retry(exchange, backend, "invalid_output", GatewayError(
                 502, f"backend {backend.name}: {exc}", code="invalid_output")) from None
         except RetryableStatus as exc:
-            breaker.record(exc.status == 429)
+            if exc.status >= 500 and suspects is not None:
+                breaker.release()  # (the verdict waits for the next backend's answer)
+                suspects.append((backend, exc.status))
+            else:
+                breaker.record(exc.status == 429)
             settled = True
             final = GatewayError(exc.status, "", headers={"x-gateway-backend": backend.name},
                                  body=normalise_upstream_error(exc.status, exc.body, backend.name, backend.secrets))
@@ -502,6 +519,10 @@ class Dispatcher:
             if not settled:
                 if exchange.outcome == "disconnected" or exchange.outcome == "pending":
                     breaker.release()  # nothing was learnt (the client left, or the gateway is stopping)
+                elif exchange.status >= 500 and suspects and any(status == exchange.status for _, status in suspects):
+                    # the same answer as the backend before it: the request's doing, not either backend's
+                    breaker.release()
+                    suspects.clear()
                 elif exchange.outcome in ("upstream_failed", "upstream_timeout") or exchange.status >= 500:
                     breaker.record(False)
                 else:

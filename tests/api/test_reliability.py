@@ -68,6 +68,23 @@ def test_with_nowhere_else_to_go_the_engines_error_comes_back(pair_rr: Running) 
     assert "Simulated engine error" in err.value.message
 
 
+def test_a_request_that_every_backend_fails_alike_ejects_none_of_them(pair_rr: Running) -> None:
+    """A 500 that follows the request from backend to backend is the request's doing (llama.cpp answers 500 to
+    a JSON-constrained answer cut short by max_tokens): it fails, and the backends stay in service. Counted
+    against each, five such requests ejected them all and the next client got 503."""
+    for server in pair_rr.fleet.fleet.servers:
+        server.faults.update({"error_rate": 1.0, "error_status": 500})
+    for _ in range(6):
+        with pytest.raises(openai.InternalServerError):
+            sdk(pair_rr).chat.completions.create(model="m", messages=ASK, max_tokens=2)
+    assert generations(pair_rr, "v0") == generations(pair_rr, "v1") == 6, "each tried on both"
+    ready = httpx.get(pair_rr.url + "/ready").json()
+    assert {name: b["breaker"] for name, b in ready["backends"].items()} == {"v0": "closed", "v1": "closed"}
+    for server in pair_rr.fleet.fleet.servers:
+        server.faults.update({"error_rate": 0.0})
+    assert sdk(pair_rr).chat.completions.create(model="m", messages=ASK, max_tokens=2).choices
+
+
 def test_a_failing_backend_is_ejected_then_probed_back(pair_rr: Running) -> None:
     bad = pair_rr.server("v0")
     bad.faults.update({"error_rate": 1.0, "error_status": 500})
