@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib
 import re
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Literal
@@ -162,6 +162,9 @@ def _schema(text: bytes, param: str, bounds: Bounds, inline: bool) -> None:
         compiling += parsed_compile_cost(tree, pattern)
     if inline and compiling > INLINE_COMPILE_COST:
         raise Offload
+    problem = _unsatisfiable(value)
+    if problem:
+        raise ConstraintInvalid(f"{param}: {problem}", param)
     cycle = _in_place_cycle(value)
     if cycle:
         raise ConstraintInvalid(f"{param} is not a valid JSON schema: $ref cycle {' -> '.join(cycle)} (a schema "
@@ -203,6 +206,57 @@ def _patterns(root: Any) -> Iterator[tuple[str, str, bool]]:
             stack.extend((child, f"{at}/{key}", data or key in _DATA_KEYWORDS) for key, child in node.items())
         elif isinstance(node, list):
             stack.extend((child, f"{at}/{index}", data) for index, child in enumerate(node))
+
+
+_BOUNDS = (("minLength", "maxLength"), ("minItems", "maxItems"), ("minProperties", "maxProperties"),
+           ("minimum", "maximum"))
+_TYPE_OF: dict[str, Callable[[Any], bool]] = {
+    "string": lambda v: isinstance(v, str),
+    "integer": lambda v: (isinstance(v, int) and not isinstance(v, bool)) or (isinstance(v, float) and v.is_integer()),
+    "number": lambda v: isinstance(v, int | float) and not isinstance(v, bool),
+    "boolean": lambda v: isinstance(v, bool),
+    "null": lambda v: v is None,
+    "object": lambda v: isinstance(v, dict),
+    "array": lambda v: isinstance(v, list),
+}
+
+
+def _unsatisfiable(root: Any) -> str | None:
+    """What in a (metaschema-shaped) schema no engine can honour, or None: a ``$ref`` that is not a local JSON
+    pointer (engines fetch nothing) or that points nowhere, a lower bound above its upper bound, an ``enum`` or
+    ``const`` none of whose values has the declared ``type``. Engines refuse such schemas, each in its own words,
+    or (TabbyAPI) skip them and generate unconstrained output. Data (``const``, ``enum``, ``default``,
+    ``examples``) is not walked into."""
+    stack: list[tuple[Any, str]] = [(root, "")]
+    while stack:
+        node, at = stack.pop()
+        if isinstance(node, list):
+            stack.extend((child, f"{at}/{i}") for i, child in enumerate(node))
+            continue
+        if not isinstance(node, dict):
+            continue
+        ref = node.get("$ref")
+        if isinstance(ref, str):
+            if ref != "#" and not ref.startswith("#/"):
+                return (f"$ref {ref[:200]!r} at {at or '/'} is not a local JSON pointer ('#/...'); engines resolve "
+                        "no other reference")
+            if _resolve(root, ref) is None:
+                return f"$ref {ref[:200]!r} at {at or '/'} points at nothing in the schema"
+        for low, high in _BOUNDS:
+            lo, hi = node.get(low), node.get(high)
+            if (isinstance(lo, int | float) and isinstance(hi, int | float) and not isinstance(lo, bool)
+                    and not isinstance(hi, bool) and lo > hi):
+                return f"{low} {lo} is above {high} {hi} at {at or '/'}: no value satisfies it"
+        kinds = node.get("type")
+        kinds = [kinds] if isinstance(kinds, str) else kinds
+        if isinstance(kinds, list) and all(k in _TYPE_OF for k in kinds):
+            values = node["enum"] if isinstance(node.get("enum"), list) else (
+                [node["const"]] if "const" in node else None)
+            if values is not None and not any(_TYPE_OF[k](v) for v in values for k in kinds):
+                which = "enum" if isinstance(node.get("enum"), list) else "const"
+                return f"no {which} value at {at or '/'} is of its type {'/'.join(kinds)}: no value satisfies it"
+        stack.extend((child, f"{at}/{key}") for key, child in node.items() if key not in _DATA_KEYWORDS)
+    return None
 
 
 def _resolve(root: Any, ref: str) -> Any:

@@ -223,15 +223,13 @@ def test_answer_checks_that_could_run_away_are_skipped_and_the_rest_still_run() 
 
 def test_answer_checks_against_schemas_stay_bounded() -> None:
     tree = extract({"json_schema": {"type": "object", "properties": {"c": {"$ref": "#"}}}})
-    elsewhere = extract({"json_schema": {"$ref": "https://example.com/schema.json"}})
     strings = extract({"json_schema": {"type": "array", "items": {"type": "string"}}})
-    assert tree is not None and elsewhere is not None and strings is not None
+    assert tree is not None and strings is not None
     deep: Any = {}
     for _ in range(200):
         deep = {"c": deep}
     assert output_problem("chat", answer(orjson.dumps(deep).decode()), tree) is None  # too deep to check: skipped
     assert output_problem("chat", answer('{"c": 1}'), tree) is not None
-    assert output_problem("chat", answer("{}"), elsewhere) is None  # a reference the gateway cannot follow
     assert output_problem("chat", answer(orjson.dumps(["x"] * 20000).decode()), strings) is None  # too long
     assert output_problem("chat", answer("[1]"), strings) is not None
 

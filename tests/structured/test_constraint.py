@@ -74,6 +74,16 @@ def test_no_constraint() -> None:
         ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
             "type": "string", "pattern": "^(?=a)a+$"}}}},
          "response_format.json_schema.schema", "/pattern has lookahead and lookbehind assertions"),
+        # schemas no engine can honour (TabbyAPI skipped them and generated unconstrained output)
+        ({"json_schema": {"type": "object", "properties": {"a": {"$ref": "#/$defs/A"}}}}, "json_schema",
+         "'#/$defs/A' at /properties/a points at nothing"),
+        ({"json_schema": {"$ref": "https://example.com/s.json"}}, "json_schema", "is not a local JSON pointer"),
+        ({"json_schema": {"type": "string", "minLength": 5, "maxLength": 2}}, "json_schema",
+         "minLength 5 is above maxLength 2"),
+        ({"json_schema": {"type": "array", "items": {"type": "integer", "minimum": 3, "maximum": 1}}},
+         "json_schema", "minimum 3 is above maximum 1 at /items"),
+        ({"json_schema": {"type": "integer", "enum": ["a", "b"]}}, "json_schema", "no enum value at / is of its type"),
+        ({"json_schema": {"type": ["string", "null"], "const": 3}}, "json_schema", "no const value"),
         ({"json_schema": {"type": "object", "properties": {"p": {"type": "object", "patternProperties": {
             r"^(x)\1$": {"type": "string"}}}}}},
          "json_schema", "/properties/p/patternProperties has backreferences"),
@@ -167,3 +177,14 @@ def test_a_pattern_inside_a_schemas_data_is_not_one_of_its_regexes() -> None:
     value = {"pattern": "^(?=a)a+$"}
     schema = {"type": "object", "const": value, "enum": [value], "default": value, "examples": [value]}
     assert extract({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}})
+
+
+def test_satisfiable_schemas_with_refs_bounds_and_enums_pass() -> None:
+    schema = {"$defs": {"A": {"type": "integer", "minimum": 1, "maximum": 1}},
+              "type": "object", "properties": {
+                  "a": {"$ref": "#/$defs/A"}, "self": {"$ref": "#"}, "n": {"type": "integer", "enum": [1, 2.0]},
+                  "s": {"type": ["string", "null"], "const": None, "minLength": 2, "maxLength": 2},
+                  # property names that are keywords elsewhere are schemas here
+                  "minimum": {"type": "number"}, "$ref": {"type": "string"}, "enum": {"type": "boolean"}},
+              "default": {"$ref": "nowhere", "minLength": 9, "maxLength": 1}}
+    assert extract({"json_schema": schema})
