@@ -32,8 +32,11 @@ SPEC = EngineSpec(
     # timeout=5, max=100"; a pooled connection then fails the next request ("Can not write request body")
     routes=RERANK_ROUTES,
     keeps_alive_after_stream=False,
-    # /v1/responses and /v1/messages (llama-cpp-python 0.3.36's vendored server, tools/server/server.cpp)
-    native_apis=frozenset({"responses", "messages", "count_tokens"}),
+    # /v1/messages (llama-cpp-python 0.3.36's vendored server, tools/server/server.cpp). It serves /v1/responses
+    # too, but its stream events have no sequence_number, output_index or content_index, and an answer cut by
+    # max_output_tokens says "completed": the OpenAI SDK's stream helper fails on it, so Responses requests are
+    # translated to chat completions (as for TabbyAPI), whose answer the gateway writes in the API's shape
+    native_apis=frozenset({"messages", "count_tokens"}),
     # each slot keeps its last prompt; evicted ones go to a host-RAM prompt cache unless --cache-ram 0
     cache="slots",
     slot_field="id_slot",  # a named slot that is busy defers the request until that slot is free

@@ -136,6 +136,8 @@ def test_count_tokens_is_the_engines_own_count_or_refused_where_no_engine_counts
 
 
 NATIVE = {"llamacpp": "native", "vllm": "native", "sglang": "native", "tabbyapi": "translated"}
+# llama.cpp's own /v1/responses stream lacks the events' sequence and output indices the OpenAI SDK needs
+NATIVE_RESPONSES = {**NATIVE, "llamacpp": "translated"}
 
 
 @pytest.mark.parametrize("engine", ENGINES)
@@ -152,9 +154,9 @@ def test_an_engine_that_serves_an_agent_api_gets_the_request_as_sent_the_others_
         assert last_generation(engines, engine).path == "/v1/chat/completions"
     reply = httpx.post(engines.url + "/v1/responses", json={"model": f"m-{engine}", "input": "Hi",
                                                             "max_output_tokens": 16})
-    assert reply.status_code == 200 and reply.headers["x-gateway-agent-api"] == NATIVE[engine]
+    assert reply.status_code == 200 and reply.headers["x-gateway-agent-api"] == NATIVE_RESPONSES[engine]
     assert reply.json()["object"] == "response"
-    if NATIVE[engine] == "native":  # the engine is told not to keep a copy: the gateway keeps the conversation
+    if NATIVE_RESPONSES[engine] == "native":  # the engine is told not to keep a copy: the gateway keeps it
         sent = last_generation(engines, engine)
         assert sent.path == "/v1/responses" and sent.body["store"] is False
 
@@ -191,6 +193,20 @@ def test_responses_create_stream_and_continue_on_every_engine(engines: Running, 
     sent = [r for r in list(engines.server(f"sim-{engine}").received) if r.path == "/v1/chat/completions"][-1].body
     assert [m["role"] for m in sent["messages"]] == ["user", "assistant", "user"]
     assert sent["messages"][1]["content"] == first.output_text
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_the_sdks_responses_stream_helper_works_on_every_engine(engines: Running, engine: str) -> None:
+    """The helper indexes output items by each event's output_index and checks sequence numbers: llama.cpp's
+    own stream has neither (it failed with "list indices must be integers or slices, not NoneType")."""
+    with oai(engines).responses.stream(model=f"m-{engine}", input="Hi", max_output_tokens=8) as stream:
+        events = list(stream)  # (the helper builds the response event by event as they are read)
+    numbers = [e.sequence_number for e in events]
+    assert numbers == sorted(set(numbers)), "sequence numbers increase"
+    assert events[-1].type in ("response.completed", "response.incomplete")
+    final = events[-1].response  # (get_final_response insists on "completed"; 8 tokens may cut the answer)
+    assert final.output_text and final.output_text == "".join(
+        e.delta for e in events if e.type == "response.output_text.delta")
 
 
 @pytest.mark.parametrize("engine", FORCING)
