@@ -153,11 +153,11 @@ class _TranslatingSend:
         body: bytes = message.get("body", b"")
         more = bool(message.get("more_body", False))
         stream = self._stream
-        if isinstance(stream, StreamTap):  # the engine's own stream, relayed as it came
-            stream.feed(body)
+        if isinstance(stream, StreamTap):  # the engine's own stream, relayed as it came (see StreamTap.feed)
+            relayed = stream.feed(body)
             if not more:
                 translation.passed(stream.usage, stream.response)
-            await self._send(message)
+            await self._send(message if relayed is body else {**message, "body": relayed})
             return
         if stream is not None:
             out = stream.feed(body) if body else b""

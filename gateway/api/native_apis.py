@@ -96,23 +96,29 @@ class StreamTap:
         self.usage: dict[str, Any] = {}
         self.response: dict[str, Any] | None = None
 
-    def feed(self, block: bytes) -> None:
+    def feed(self, block: bytes) -> bytes:
+        """Read ``block`` (whole events); returns what to relay: the block itself, but for a Messages
+        ``message_start`` whose message lacks ``type`` or ``role`` (vLLM and SGLang dump it with
+        ``exclude_unset``), which gets them: the Anthropic SDK builds its final message from that event, and
+        without them its role is None, which the next request sending the conversation back is refused for."""
         if self.api == "messages":
             if block.find(b"message_start") < 0 and block.find(b"message_delta") < 0:
-                return
+                return block
             for doc in _events(block):
                 kind = doc.get("type")
                 if kind == "message_start" and isinstance(doc.get("message"), dict):
                     usage = doc["message"].get("usage")
+                    if "type" not in doc["message"] or "role" not in doc["message"]:
+                        block = _complete_message_start(block)
                 elif kind == "message_delta":
                     usage = doc.get("usage")
                 else:
                     continue
                 if isinstance(usage, dict):
                     self.usage.update({k: v for k, v in usage.items() if v is not None})
-            return
+            return block
         if block.find(b"response.completed") < 0 and block.find(b"response.incomplete") < 0:
-            return
+            return block
         for doc in _events(block):
             if doc.get("type") in ("response.completed", "response.incomplete") and isinstance(
                     doc.get("response"), dict):
@@ -120,3 +126,26 @@ class StreamTap:
                 usage = self.response.get("usage")
                 if isinstance(usage, dict):
                     self.usage = usage
+        return block
+
+
+def _complete_message_start(block: bytes) -> bytes:
+    """``block`` with its ``message_start`` event's message given ``type: "message"`` and ``role: "assistant"``
+    where it lacks them (the rest of the block as it came)."""
+    events = block.split(b"\n\n")
+    for i, event in enumerate(events):
+        if event.find(b"message_start") < 0:
+            continue
+        for line in event.split(b"\n"):
+            if not line.startswith(b"data:"):
+                continue
+            try:
+                doc = orjson.loads(line[5:])
+            except orjson.JSONDecodeError:
+                break
+            message = doc.get("message") if isinstance(doc, dict) else None
+            if doc.get("type") == "message_start" and isinstance(message, dict):
+                doc["message"] = {"id": message.get("id"), "type": "message", "role": "assistant", **message}
+                events[i] = b"event: message_start\ndata: " + orjson.dumps(doc)
+            break
+    return b"\n\n".join(events)

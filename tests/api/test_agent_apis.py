@@ -74,9 +74,16 @@ def test_messages_create_and_stream_on_every_engine(engines: Running, engine: st
         final = stream.get_final_message()
     assert text and final.content[-1].type == "text" and final.content[-1].text == text
     assert final.usage.output_tokens > 0
+    # vLLM and SGLang write message_start without type and role: the SDK's final message had role None, and
+    # sending the conversation back with it was refused
+    assert (final.type, final.role) == ("message", "assistant")
+    again = c.messages.create(model=f"m-{engine}", max_tokens=4, messages=[
+        {"role": "user", "content": "Say something else."}, {"role": final.role, "content": final.content},
+        {"role": "user", "content": "Go on."}])
+    assert again.content
     # the stream's first generated token was timed like a chat stream's; requests counted under their route
     assert samples(engines, "gateway_time_to_first_token_seconds_count", model=model) == before + 1
-    assert samples(engines, "gateway_requests_total", route="messages", model=model) == requests + 2
+    assert samples(engines, "gateway_requests_total", route="messages", model=model) == requests + 3
 
 
 FORCING = [e for e in ENGINES if e != "tabbyapi"]  # TabbyAPI does not force a tool call: the gateway refuses
