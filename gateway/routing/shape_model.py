@@ -31,13 +31,14 @@ def _bucket(concurrency: int) -> int:
 class ShapeModel:
     """Per-token decode seconds at a concurrency, and prefill tokens/s, for one backend."""
 
-    __slots__ = ("_buckets", "_counts", "correction", "prefill_tok_s", "seed", "table")
+    __slots__ = ("_buckets", "_counts", "correction", "learned", "prefill_tok_s", "seed", "table")
 
     def __init__(self, seed: ShapeSeed, table: dict[int, float] | None = None) -> None:
         self.seed = seed
         self.table = table or {}  # concurrency -> per-token seconds, from a profile file
         self.prefill_tok_s = seed.prefill_tok_s
         self.correction = 1.0
+        self.learned = False  # has observed this backend's own requests
         self._buckets: dict[int, float] = {}
         self._counts: dict[int, int] = {}
 
@@ -65,6 +66,7 @@ class ShapeModel:
     def observe_decode(self, concurrency: int, token_seconds: float) -> None:
         if token_seconds <= 0 or not math.isfinite(token_seconds):
             return
+        self.learned = True
         bucket = _bucket(concurrency)
         centred = token_seconds * self._prior(2**bucket) / self._prior(concurrency)
         if bucket in self._buckets:
@@ -77,6 +79,7 @@ class ShapeModel:
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         if tokens >= 64 and seconds > 0:
+            self.learned = True
             self.prefill_tok_s += ALPHA * (tokens / seconds - self.prefill_tok_s)
 
 

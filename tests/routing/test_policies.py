@@ -4,10 +4,12 @@ context and concurrency filters, and profiles assembled from YAML."""
 from __future__ import annotations
 
 import collections
+import time
 
 import pytest
 
 from gateway.config import ConfigError, settings_from_mapping
+from gateway.engines.registry import ENGINES
 from gateway.pool.state import Health, Probe
 from gateway.routing.pipeline import NoRoute
 from gateway.routing.policies import build_pipeline, check_settings
@@ -228,3 +230,24 @@ def test_a_profile_gives_prefill_speed_from_its_lowest_level_where_nothing_queue
     path.write_text(json.dumps({"backends": {"one-slot": {"levels": levels}}}))
     table, prefill = load_profile_file(path)["one-slot"]
     assert table == {8: 1 / 5.0, 1: 1 / 40.0} and prefill == 13_000.0
+
+
+def test_engine_shape_gives_an_idle_backend_what_its_peers_learned_when_that_is_faster() -> None:
+    """Two identical llama-servers on a machine faster than the engine's typical figures (found on real ones):
+    the one that had served learned the real speed, the idle one kept the seed's, looked ten times slower, and
+    requests queued on the busy one's two slots while the other stayed idle."""
+    state = RoutingState()
+    pipeline = build_pipeline(routing("engine-shape"), state)  # type: ignore[arg-type]
+    a, b = backend("a", engine="llamacpp", slots=2), backend("b", engine="llamacpp", slots=2)
+    request = chat("s", "q", max_tokens=32)
+    seed = ENGINES["llamacpp"].shape
+    for _ in range(5):  # "a" decodes and prefills ten times faster than the seed says
+        pipeline.observe(Outcome(request=request, backend="a", concurrency=1, ok=True,
+                                 ttft=1000 / seed.prefill_tok_s / 10, decode_seconds=31 / seed.tok_s / 10,
+                                 prompt_tokens=1000, completion_tokens=32), a)
+    shape = next(s for s, _ in pipeline.scorers if isinstance(s, EngineShapeScorer))
+    now = time.monotonic()
+    assert shape.predict(request, b, now) == pytest.approx(shape.predict(request, a, now))  # alike, both idle
+    a.in_flight = 2  # its slots full: the next one would queue there
+    assert pipeline.route(chat("s", "q", max_tokens=32), [a, b]).ranked[0] is b
+    assert not shape.model(b).learned, "b's own model is untouched: it learns from its own requests"

@@ -22,7 +22,12 @@ class EngineShapeScorer:
     Score = best prediction / this prediction, so the best backend scores 1.
 
     Learns in its ``observe`` hook: each finished request's decode and prefill speed move that backend's
-    model towards this deployment's reality.
+    model towards this deployment's reality. A backend that has served nothing yet is predicted at the more
+    optimistic of its own seed and what its peers (same engine and seed, no profile) learned: with its seed
+    alone, two identical llama-servers on a fast machine looked unequal (the one that had served learned the
+    machine's real speed, the idle one kept the engine's typical 186 tok/s), and requests queued on the busy
+    one's slots while the other stayed idle; optimism, not the peers' figures alone, keeps a backend that a
+    slow peer's speed would hide worth a first try.
     """
 
     name = "engine-shape"
@@ -41,6 +46,11 @@ class EngineShapeScorer:
                 model.prefill_tok_s = prefill
         return model
 
+    def _peers(self, model: ShapeModel) -> list[ShapeModel]:
+        """Learned models of backends like the one ``model`` is for, which has learned nothing itself."""
+        return [m for m in self._models.values()
+                if m.learned and m.seed is model.seed and not m.table and m is not model]
+
     def predict(self, request: RouteRequest, backend: Backend, now: float) -> float:
         model = self.model(backend)
         prefix = self._prefix
@@ -48,13 +58,18 @@ class EngineShapeScorer:
         slots = backend.slots or 1
         running = min(queue + 1, slots)
         per_token = model.token_seconds(running)
+        prefill_tok_s = model.prefill_tok_s
+        if not model.learned and not model.table:
+            for peer in self._peers(model):
+                per_token = min(per_token, peer.token_seconds(running))
+                prefill_tok_s = max(prefill_tok_s, peer.prefill_tok_s)
         planned = request.planned_tokens
         wait = 0.0
         if queue + 1 > slots:
             wait = (queue + 1 - slots) * planned * per_token / slots
         prompt_tokens = len(request.prompt) / prefix.bytes_per_token
         cached_tokens = prefix.match(backend, request.blocks) * BLOCK_BYTES / prefix.bytes_per_token
-        prefill = max(0.0, prompt_tokens - cached_tokens) / model.prefill_tok_s
+        prefill = max(0.0, prompt_tokens - cached_tokens) / prefill_tok_s
         return wait + prefill + planned * per_token
 
     def score(self, request: RouteRequest, backends: Sequence[Backend]) -> list[float]:
