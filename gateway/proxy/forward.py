@@ -15,6 +15,7 @@ import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import orjson
@@ -148,7 +149,8 @@ class Forwarder:
                         await send_body(send, 200, raw, client_headers, writer=options.writer)
                         return
                     relay = SSERelay(options.keep_usage, backend.secrets.scrub, backend.spec.stream,
-                                     native.end if native is not None else None)
+                                     native.end if native is not None else None,
+                                     None if native is not None else partial(_reshape_error, backend))
                     stream = _Stream(exchange, relay, clock,
                                      native.generated if native is not None else text_events_in)
                     stream_to = getattr(response, "stream_to", None)
@@ -233,6 +235,11 @@ class Forwarder:
             event = b"data: " + error_body(message, kind, None, error.code) + b"\n\ndata: [DONE]\n\n"
         await send({"type": "http.response.body", "body": event, "more_body": False})
 
+
+
+def _reshape_error(backend: Backend, payload: bytes) -> bytes:
+    """A chat stream's upstream error event, in OpenAI's envelope like the gateway's own (see SSERelay)."""
+    return normalise_upstream_error(500, payload, backend.name, backend.secrets)
 
 
 def _stream_head(client_headers: Headers) -> Message:

@@ -128,13 +128,18 @@ def _parse(payload: bytes) -> dict[str, Any]:
 class SSERelay:
     """Feed it upstream bytes; it returns what to send to the client (possibly ``b""``)."""
 
-    __slots__ = ("_buf", "_crlf", "_end", "_head", "_head_key", "_redact", "_split_usage", "done", "error", "events",
-                 "keep_usage", "texts", "timings", "usage")
+    __slots__ = ("_buf", "_crlf", "_end", "_head", "_head_key", "_redact", "_reshape", "_split_usage", "done",
+                 "error", "events", "keep_usage", "texts", "timings", "usage")
 
     def __init__(self, keep_usage: bool, redact: Callable[[str], str] | None = None,
-                 quirks: StreamQuirks = ALL_QUIRKS, end: re.Pattern[bytes] | None = None) -> None:
+                 quirks: StreamQuirks = ALL_QUIRKS, end: re.Pattern[bytes] | None = None,
+                 reshape_error: Callable[[bytes], bytes] | None = None) -> None:
         self.keep_usage = keep_usage
         self._end = end  # an agent API's own last event (its streams have no [DONE]); None: OpenAI's [DONE]
+        # an upstream error event's data in the shape the client expects (OpenAI's envelope, secrets scrubbed):
+        # engines write their own (llama.cpp a numeric code and no param, TabbyAPI a trace); None: as it came,
+        # scrubbed with ``redact``
+        self._reshape = reshape_error
         self._crlf = quirks.crlf
         self._split_usage = quirks.usage_with_choices
         self._redact = redact  # applied to the upstream's error events (they may name its address or key)
@@ -289,6 +294,8 @@ class SSERelay:
         if "error" in doc and "choices" not in doc:
             err = doc["error"]
             self.error = str(err.get("message") if isinstance(err, dict) else err)
+            if self._reshape is not None:
+                return [b"data: " + self._reshape(payload)]
             if self._redact is not None:
                 scrubbed = self._redact(payload.decode("utf-8", "replace")).encode()
                 if scrubbed != payload:

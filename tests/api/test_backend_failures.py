@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import json
 import time
 
 import httpx
@@ -100,6 +101,24 @@ def test_backend_dying_mid_stream_ends_the_stream_with_an_openai_error_event(eng
             raw = httpx.post(gateway.url + "/v1/chat/completions", json=body).text
             events = [e for e in raw.split("\n\n") if e]
             assert events[-2].startswith('data: {"error"') and events[-1] == "data: [DONE]"
+
+
+@pytest.mark.parametrize("engine", ["llamacpp", "vllm", "sglang", "tabbyapi"])
+def test_an_engines_own_error_event_mid_stream_reaches_the_client_in_openais_shape(engine: str) -> None:
+    """Each engine writes its own (llama.cpp: a numeric code, no param; TabbyAPI: a trace); clients get the
+    envelope the gateway's own errors have, the backend named."""
+    spec = SimSpec(engine=engine, model="m", name="errs", time_scale=TIME_SCALE)
+    with FleetThread([spec]) as fleet:
+        fleet.fleet["errs"].faults.update({"error_mid_stream_after_tokens": 2})
+        with serve_in_thread(create_app(gateway_settings(fleet.fleet.servers))) as gateway:
+            body = {"model": "m", "messages": ASK, "max_tokens": 50, "stream": True}
+            raw = httpx.post(gateway.url + "/v1/chat/completions", json=body).text
+    events = [e for e in raw.split("\n\n") if e]
+    assert events[-1] == "data: [DONE]"
+    error = json.loads(events[-2].removeprefix("data: "))["error"]
+    assert set(error) == {"message", "type", "param", "code"}, error
+    assert error["type"] == "api_error" and "(backend errs)" in error["message"]
+    assert error["code"] is None or isinstance(error["code"], str)
 
 
 def test_backend_hanging_before_the_first_byte_costs_the_first_byte_timeout_then_504() -> None:
