@@ -608,9 +608,14 @@ class Dispatcher:
         if exc.stage == "fits-context":
             largest = max((b.capacity.context_length or 0 for b in backends if model in b.models), default=0)
             needed = exc.request.estimated_tokens
-            return GatewayError(400, f"This request needs at least {needed} tokens (prompt plus max_tokens), more "
-                                     f"than the context of any backend serving '{model}' (largest: {largest})",
-                                param="max_tokens", code="context_length_exceeded")
+            # (without max_tokens the prompt alone is too long: name it, as OpenAI does)
+            asked = exc.request.max_tokens is not None
+            param = "max_tokens" if asked else {"chat": "messages", "completions": "prompt"}.get(
+                exc.request.route, "input")
+            return GatewayError(400, f"This request needs at least {needed} tokens "
+                                     f"({'prompt plus max_tokens' if asked else 'its prompt'}), more than the "
+                                     f"context of any backend serving '{model}' (largest: {largest})",
+                                param=param, code="context_length_exceeded")
         if exc.stage == "below-max-concurrency":
             return GatewayError(429, f"every backend serving '{model}' is at its max_concurrency; retry shortly",
                                 code="backends_at_capacity", headers={"retry-after": "1"})
@@ -625,8 +630,8 @@ class Dispatcher:
         if exc.stage == "serves-model":
             return GatewayError(404, f"The model '{model}' does not exist or is not served by any backend",
                                 type="invalid_request_error", param="model", code="model_not_found")
-        states = ", ".join(f"{b.name}: {b.health.value}{'' if b.breaker.available() else ' (ejected)'}"
-                           for b in backends if model in b.models)
+        states = ", ".join(f"{b.name}: {b.health.value}{' (drained)' if b.drained else ''}"
+                           f"{'' if b.breaker.available() else ' (ejected)'}" for b in backends if model in b.models)
         return GatewayError(503, f"no backend can take a request for model '{model}' now ({exc.stage} left none;"
                                  f" {states})", code="no_backend_available", headers={"retry-after": "1"})
 

@@ -113,6 +113,11 @@ def test_a_request_no_backend_context_can_hold_is_refused_by_the_gateway(engines
                                                     "messages": [{"role": "user", "content": "x"}]})
     error = assert_envelope(response, 400, param="max_tokens", code="context_length_exceeded")
     assert "largest: 4096" in str(error["message"])
+    # without max_tokens the prompt alone is too long: it is the field named, as OpenAI names it
+    response = httpx.post(engines.url + CHAT, json={"model": "m-vllm",
+                                                    "messages": [{"role": "user", "content": "word " * 20_000}]})
+    error = assert_envelope(response, 400, param="messages", code="context_length_exceeded")
+    assert "(its prompt)" in str(error["message"])
 
 
 def test_no_backend_available_is_503_with_retry_after(pair: Running) -> None:
