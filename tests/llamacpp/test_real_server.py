@@ -243,9 +243,10 @@ def test_prefix_routing_on_real_slots_beats_round_robin(tiny_pair: list[LlamaSer
 
 
 def test_agent_apis_with_the_official_sdks_on_real_servers(gateway: ServerThread) -> None:
-    """Anthropic Messages and OpenAI Responses through the gateway to real llama-servers (which serve both
-    routes: passed through), streamed and not; a continuation from the gateway's store and a Responses
-    text.format JSON schema the real server enforces (both translated to chat completions)."""
+    """Anthropic Messages and OpenAI Responses through the gateway to real llama-servers, streamed and not:
+    Messages passed through (llama-server serves it), Responses translated to chat completions (its own
+    Responses stream lacks the event indices the OpenAI SDK's stream helper needs); a continuation from the
+    gateway's store and a Responses text.format JSON schema the real server enforces."""
     import anthropic
 
     model = model_id(gateway)
@@ -265,10 +266,14 @@ def test_agent_apis_with_the_official_sdks_on_real_servers(gateway: ServerThread
     responses = sdk(gateway)
     passed = responses.responses.with_raw_response.create(model=model, input="Tell me about the gateway.",
                                                           max_output_tokens=8)
-    assert passed.headers["x-gateway-agent-api"] == "native"
+    assert passed.headers["x-gateway-agent-api"] == "translated"
     reply = passed.parse()
     assert reply.usage is not None and 0 < reply.usage.output_tokens <= 8
-    # a continuation comes from the gateway's store (kept under the engine's own response id), translated
+    with responses.responses.stream(model=model, input="Hi", max_output_tokens=8) as stream:
+        helped = list(stream)  # (the helper failed on llama-server's own stream: no output_index)
+    numbers = [e.sequence_number for e in helped]
+    assert numbers == sorted(set(numbers)) and helped[-1].type in ("response.completed", "response.incomplete")
+    # a continuation comes from the gateway's store, translated
     more = responses.responses.with_raw_response.create(model=model, input="And more?", max_output_tokens=8,
                                                         previous_response_id=reply.id)
     assert more.headers["x-gateway-agent-api"] == "translated" and more.parse().output_text
