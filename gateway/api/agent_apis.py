@@ -11,6 +11,7 @@ answer, and every stream event.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -293,6 +294,24 @@ class _Responses(Translation):
             self._conversation = [*(history or []), *input_messages(body)]
         return orjson.dumps(chat)
 
+    def error(self, status: int, body: bytes) -> bytes:
+        """OpenAI's shape already; the fields it names are the chat translation's, renamed to the ones the client
+        sent (``max_output_tokens``, ``input``, ``text.format``)."""
+        try:
+            doc = orjson.loads(body)
+        except orjson.JSONDecodeError:
+            return body
+        error = doc.get("error") if isinstance(doc, dict) else None
+        if not isinstance(error, dict):
+            return body
+        param, message = error.get("param"), error.get("message")
+        renamed = {**error}
+        if isinstance(param, str):
+            renamed["param"] = _responses_field(param)
+        if isinstance(message, str):
+            renamed["message"] = _CHAT_FIELD.sub(lambda m: _responses_field(m[0]), message)
+        return body if renamed == error else orjson.dumps({**doc, "error": renamed})
+
     def native_body(self) -> dict[str, Any] | None:
         """The request as the client sent it, when it continues no stored response (the conversation is kept
         in chat form, so a continuation is translated); the engine is told not to keep its own copy."""
@@ -324,6 +343,21 @@ class _Responses(Translation):
         response = stream.response
         if isinstance(response, dict) and response.get("status") in ("completed", "incomplete"):
             self._keep(response)
+
+
+# chat fields a Responses request was translated to, and what the client called them
+_CHAT_FIELD = re.compile(r"\b(?:max_completion_tokens|max_tokens|response_format(?:\.json_schema(?:\.schema)?)?)\b")
+
+
+def _responses_field(name: str) -> str:
+    if name in ("max_tokens", "max_completion_tokens"):
+        return "max_output_tokens"
+    if name == "messages":  # (not messages[i]: the instructions and the stored turns shift the indices)
+        return "input"
+    if name.startswith("response_format"):
+        rest = name[len("response_format"):].removeprefix(".json_schema")
+        return "text.format" + rest
+    return name
 
 
 class AgentApi:

@@ -248,6 +248,27 @@ def test_an_unknown_previous_response_is_404_in_openais_shape(engines: Running) 
     assert missing.value.body["param"] == "previous_response_id"  # type: ignore[index]
 
 
+def test_responses_errors_name_the_fields_the_client_sent() -> None:
+    """The request was validated as its chat translation: its errors named max_tokens and response_format."""
+    from gateway.api.agent_apis import _Responses, _responses_field
+
+    assert [_responses_field(f) for f in ("max_tokens", "messages", "messages[1].role", "response_format",
+                                          "response_format.json_schema.schema", "tools")] == [
+        "max_output_tokens", "input", "messages[1].role", "text.format", "text.format.schema", "tools"]
+    body = b'{"error": {"message": "\'max_tokens\' is 200000; this gateway accepts at most 32768", ' \
+        b'"type": "invalid_request_error", "param": "max_tokens", "code": "invalid_value"}}'
+    error = json.loads(_Responses.error(None, 400, body))["error"]  # type: ignore[arg-type]
+    assert error["param"] == "max_output_tokens" and error["message"].startswith("'max_output_tokens' is 200000")
+    assert _Responses.error(None, 502, b"not json") == b"not json"  # type: ignore[arg-type]
+
+
+def test_a_responses_request_too_large_is_refused_naming_max_output_tokens(engines: Running) -> None:
+    with pytest.raises(openai.BadRequestError) as refused:
+        oai(engines).responses.create(model="m-vllm", input="Hi", max_output_tokens=10_000_000)
+    assert refused.value.body["param"] == "max_output_tokens"  # type: ignore[index]
+    assert "max_output_tokens" in refused.value.message and "max_tokens'" not in refused.value.message
+
+
 # --- one conversation, three APIs, one prefix --------------------------------------------------------------
 def test_routing_sees_the_same_conversation_whichever_api_carried_it() -> None:
     system = "You are a careful assistant. " * 20  # several prefix blocks long
