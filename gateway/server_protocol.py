@@ -80,7 +80,7 @@ class BodyWriter:
             self.write(first)
             return
         transport = cycle.transport
-        head = _Collect()
+        head = _Collect(transport)
         cycle.transport = head  # (uvicorn's ``send`` writes the head to the cycle's transport, and only that)
         try:
             await send(message)
@@ -102,7 +102,7 @@ class BodyWriter:
         last: Message = {"type": "http.response.body", "body": body, "more_body": False}
         cycle = self._cycle()
         if cycle is None or cycle.response_started:
-            if cycle is None or not cycle.response_started:
+            if cycle is None:
                 await send(start)
             await send(last)
             return
@@ -136,7 +136,7 @@ class _Collect:
 
     __slots__ = ("parts", "transport")
 
-    def __init__(self, transport: Any = None) -> None:
+    def __init__(self, transport: Any) -> None:
         self.parts: list[bytes] = []
         self.transport = transport
 

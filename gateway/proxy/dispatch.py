@@ -406,7 +406,7 @@ class Dispatcher:
 
     async def _attempt(self, exchange: Exchange, request: RouteRequest, backend: Backend, last: bool,
                        headers: Headers, receive: Receive, send: Send, writer: ClientWriter | None,
-                       suspects: list[tuple[Backend, int]] | None = None) -> None:
+                       suspects: list[tuple[Backend, int]]) -> None:
         """One attempt on ``backend``. A 5xx answer that fails over is not counted against the backend's breaker
         at once (``suspects``): the same status from the next backend says the request itself is the cause
         (llama.cpp answers 500 to a JSON-constrained answer cut short by max_tokens), and it counts against
@@ -469,7 +469,7 @@ class Dispatcher:
             raise self._retry(exchange, backend, "invalid_output", GatewayError(
                 502, f"backend {backend.name}: {exc}", code="invalid_output")) from None
         except RetryableStatus as exc:
-            if exc.status >= 500 and suspects is not None:
+            if exc.status >= 500:
                 breaker.release()  # (the verdict waits for the next backend's answer)
                 suspects.append((backend, exc.status))
             else:

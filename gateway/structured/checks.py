@@ -192,20 +192,27 @@ def _metaschema_validator(cls: Any) -> Any:
 _DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples", "example"})
 
 
-def _patterns(root: Any) -> Iterator[tuple[str, str, bool]]:
-    """(JSON pointer, regex, whether it sits inside data) for every ``pattern`` and ``patternProperties`` key in
-    the schema. Inside data (``const``, ``enum``, ``default``, ``examples``) it is not the schema's own."""
+def _objects(root: Any) -> Iterator[tuple[dict[str, Any], str, bool]]:
+    """Every object in the schema, with its JSON pointer and whether it sits inside data (``const``, ``enum``,
+    ``default``, ``examples``: instances, not schemas)."""
     stack: list[tuple[Any, str, bool]] = [(root, "", False)]
     while stack:
         node, at, data = stack.pop()
         if isinstance(node, dict):
-            if isinstance(node.get("pattern"), str):
-                yield f"{at}/pattern", node["pattern"], data
-            if isinstance(node.get("patternProperties"), dict):
-                yield from ((f"{at}/patternProperties", key, data) for key in node["patternProperties"])
+            yield node, at, data
             stack.extend((child, f"{at}/{key}", data or key in _DATA_KEYWORDS) for key, child in node.items())
         elif isinstance(node, list):
             stack.extend((child, f"{at}/{index}", data) for index, child in enumerate(node))
+
+
+def _patterns(root: Any) -> Iterator[tuple[str, str, bool]]:
+    """(JSON pointer, regex, whether it sits inside data) for every ``pattern`` and ``patternProperties`` key in
+    the schema. Inside data it is not the schema's own."""
+    for node, at, data in _objects(root):
+        if isinstance(node.get("pattern"), str):
+            yield f"{at}/pattern", node["pattern"], data
+        if isinstance(node.get("patternProperties"), dict):
+            yield from ((f"{at}/patternProperties", key, data) for key in node["patternProperties"])
 
 
 _BOUNDS = (("minLength", "maxLength"), ("minItems", "maxItems"), ("minProperties", "maxProperties"),
@@ -225,15 +232,9 @@ def _unsatisfiable(root: Any) -> str | None:
     """What in a (metaschema-shaped) schema no engine can honour, or None: a ``$ref`` that is not a local JSON
     pointer (engines fetch nothing) or that points nowhere, a lower bound above its upper bound, an ``enum`` or
     ``const`` none of whose values has the declared ``type``. Engines refuse such schemas, each in its own words,
-    or (TabbyAPI) skip them and generate unconstrained output. Data (``const``, ``enum``, ``default``,
-    ``examples``) is not walked into."""
-    stack: list[tuple[Any, str]] = [(root, "")]
-    while stack:
-        node, at = stack.pop()
-        if isinstance(node, list):
-            stack.extend((child, f"{at}/{i}") for i, child in enumerate(node))
-            continue
-        if not isinstance(node, dict):
+    or (TabbyAPI) skip them and generate unconstrained output. Data is not checked."""
+    for node, at, data in _objects(root):
+        if data:
             continue
         ref = node.get("$ref")
         if isinstance(ref, str):
@@ -255,7 +256,6 @@ def _unsatisfiable(root: Any) -> str | None:
             if values is not None and not any(_TYPE_OF[k](v) for v in values for k in kinds):
                 which = "enum" if isinstance(node.get("enum"), list) else "const"
                 return f"no {which} value at {at or '/'} is of its type {'/'.join(kinds)}: no value satisfies it"
-        stack.extend((child, f"{at}/{key}") for key, child in node.items() if key not in _DATA_KEYWORDS)
     return None
 
 
