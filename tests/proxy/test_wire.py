@@ -4,7 +4,9 @@ wrapped so that every write to the client's transport is recorded as it goes."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
+from collections.abc import Iterator
 from typing import Any
 
 from tests.proxy.scripted_upstream import ScriptedUpstream, gateway_over
@@ -42,6 +44,14 @@ async def _record(server: Any, client_port: int) -> _Recorded:
     raise AssertionError("the server never accepted the connection")
 
 
+@contextlib.contextmanager
+def _wired(upstream: ScriptedUpstream) -> Iterator[tuple[socket.socket, _Recorded]]:
+    """A gateway in front of ``upstream``, a client connection to it, and that connection's recorded writes."""
+    _app, server = gateway_over(upstream)
+    with server as gw, socket.create_connection(("127.0.0.1", gw.port), timeout=10) as sock:
+        yield sock, gw.call(_record(gw.server, sock.getsockname()[1]))
+
+
 def _read_response(sock: socket.socket) -> bytes:
     data = b""
     while not data.endswith(b"0\r\n\r\n"):
@@ -52,12 +62,9 @@ def _read_response(sock: socket.socket) -> bytes:
 
 
 def test_a_streams_head_goes_out_with_its_first_event_in_one_write() -> None:
-    with ScriptedUpstream(tokens=3, every=0.05) as upstream:
-        _app, server = gateway_over(upstream)
-        with server as gw, socket.create_connection(("127.0.0.1", gw.port), timeout=10) as sock:
-            recorded = gw.call(_record(gw.server, sock.getsockname()[1]))
-            sock.sendall(REQUEST % (len(BODY), BODY))
-            answer = _read_response(sock)
+    with ScriptedUpstream(tokens=3, every=0.05) as upstream, _wired(upstream) as (sock, recorded):
+        sock.sendall(REQUEST % (len(BODY), BODY))
+        answer = _read_response(sock)
     assert answer.startswith(b"HTTP/1.1 200") and b"data: [DONE]" in answer
     first = recorded.writes[0]
     assert first.startswith(b"HTTP/1.1 200") and b"text/event-stream" in first, first
@@ -82,12 +89,9 @@ def _read_sized(sock: socket.socket) -> bytes:
 def test_a_whole_answer_in_one_upstream_read_goes_out_in_one_write() -> None:
     """The whole stream came before the response started (a short answer, a busy gateway): its head, its events
     and the chunked end in one write, where there were two."""
-    with ScriptedUpstream("stream_at_once", tokens=3) as upstream:
-        _app, server = gateway_over(upstream)
-        with server as gw, socket.create_connection(("127.0.0.1", gw.port), timeout=10) as sock:
-            recorded = gw.call(_record(gw.server, sock.getsockname()[1]))
-            sock.sendall(REQUEST % (len(BODY), BODY))
-            answer = _read_response(sock)
+    with ScriptedUpstream("stream_at_once", tokens=3) as upstream, _wired(upstream) as (sock, recorded):
+        sock.sendall(REQUEST % (len(BODY), BODY))
+        answer = _read_response(sock)
     assert len(recorded.writes) == 1, recorded.writes
     assert recorded.writes[0] == answer
     assert answer.startswith(b"HTTP/1.1 200") and b"text/event-stream" in answer
@@ -99,16 +103,13 @@ def test_a_whole_answer_in_one_upstream_read_goes_out_in_one_write() -> None:
 def test_a_non_streamed_answer_and_an_error_each_go_out_in_one_write_on_a_kept_alive_connection() -> None:
     plain = b'{"model":"m","messages":[{"role":"user","content":"hi"}]}'
     unknown = b'{"model":"nope","messages":[{"role":"user","content":"hi"}]}'
-    with ScriptedUpstream("complete", tokens=3) as upstream:
-        _app, server = gateway_over(upstream)
-        with server as gw, socket.create_connection(("127.0.0.1", gw.port), timeout=10) as sock:
-            recorded = gw.call(_record(gw.server, sock.getsockname()[1]))
-            sock.sendall(REQUEST % (len(plain), plain))
-            answer = _read_sized(sock)
-            assert recorded.writes == [answer]
-            assert answer.startswith(b"HTTP/1.1 200") and answer.endswith(b"}") and b'"t0 t1 t2 "' in answer
-            sock.sendall(REQUEST % (len(unknown), unknown))  # the same connection: kept alive after it
-            error = _read_sized(sock)
+    with ScriptedUpstream("complete", tokens=3) as upstream, _wired(upstream) as (sock, recorded):
+        sock.sendall(REQUEST % (len(plain), plain))
+        answer = _read_sized(sock)
+        assert recorded.writes == [answer]
+        assert answer.startswith(b"HTTP/1.1 200") and answer.endswith(b"}") and b'"t0 t1 t2 "' in answer
+        sock.sendall(REQUEST % (len(unknown), unknown))  # the same connection: kept alive after it
+        error = _read_sized(sock)
     assert recorded.writes == [answer, error]
     assert error.startswith(b"HTTP/1.1 404") and b'"model_not_found"' in error, error
 
@@ -117,13 +118,10 @@ def test_a_whole_response_to_a_client_that_closes_is_written_before_the_connecti
     """``Connection: close``: uvicorn closes the transport as it ends the response; what was framed goes first."""
     plain = b'{"model":"m","messages":[{"role":"user","content":"hi"}]}'
     closing = REQUEST.replace(b"Host: gw\r\n", b"Host: gw\r\nConnection: close\r\n")
-    with ScriptedUpstream("complete", tokens=2) as upstream:
-        _app, server = gateway_over(upstream)
-        with server as gw, socket.create_connection(("127.0.0.1", gw.port), timeout=10) as sock:
-            recorded = gw.call(_record(gw.server, sock.getsockname()[1]))
-            sock.sendall(closing % (len(plain), plain))
-            answer = b""
-            while piece := sock.recv(65536):
-                answer += piece
+    with ScriptedUpstream("complete", tokens=2) as upstream, _wired(upstream) as (sock, recorded):
+        sock.sendall(closing % (len(plain), plain))
+        answer = b""
+        while piece := sock.recv(65536):
+            answer += piece
     assert recorded.writes == [answer]
     assert answer.startswith(b"HTTP/1.1 200") and b"connection: close" in answer and b'"t0 t1 "' in answer
