@@ -76,6 +76,7 @@ class Pool:
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._discovery_task: asyncio.Task[None] | None = None
         self._cycles: dict[str, int] = {}
+        self._late: set[str] = set()  # backends whose last probe timed out while they answered requests
         self._running = False
         self._background: set[asyncio.Task[None]] = set()  # reloads' removals and client closes, until done
         self._leaving: set[str] = set()  # backends a reload removed, draining until their requests end
@@ -377,11 +378,24 @@ class Pool:
         client = self._clients[backend.name]
         cycle = self._cycles.get(backend.name, 0)
         self._cycles[backend.name] = cycle + 1
-        marks = backend.marked_down
+        marks, answered = backend.marked_down, backend.answered
         try:
             probe = await asyncio.wait_for(adapter.probe(client), self._scrape.timeout)
-        except (BackendError, TimeoutError) as exc:
-            probe = Probe(Health.DOWN, str(exc) or "health check timed out")
+        except BackendError as exc:
+            probe = Probe(Health.DOWN, str(exc) or "health check failed")
+        except TimeoutError:
+            if backend.answered != answered and backend.health is Health.READY:
+                # It answered requests while the probe waited: the time ran out in this process (an event loop
+                # behind under load), not in the backend. Ejecting it would turn an overloaded gateway's lag
+                # into 503s for every request.
+                backend.scrape_errors += 1
+                level = logging.DEBUG if backend.name in self._late else logging.WARNING  # once a streak
+                self._late.add(backend.name)
+                log.log(level, "backend %s: health check timed out while it answered %d requests; kept in rotation",
+                        backend.name, backend.answered - answered)
+                return
+            probe = Probe(Health.DOWN, "health check timed out")
+        self._late.discard(backend.name)
         if backend.marked_down != marks:
             return  # the proxy saw it fail while this probe was out: the probe's answer is older news
         self._probed_at[backend.name] = time.monotonic()

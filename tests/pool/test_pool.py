@@ -188,3 +188,59 @@ async def test_a_reload_brings_back_a_backend_it_removed_while_that_one_drains()
     await asyncio.sleep(0.2)  # (the first reload's removal would have run by now)
     assert {b.name for b in pool} == {"a", "b"}
     await pool.stop()
+
+
+# -- a probe that times out while the proxy is being answered ------------------------------------------------
+class SlowHealth(FakeEngine):
+    """Its health path answers after ``delay`` seconds; everything else at once."""
+
+    def __init__(self, delay: float) -> None:
+        super().__init__()
+        self.delay = 0.0
+        self.later = delay
+
+    async def async_handler(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/health":
+            await asyncio.sleep(self.delay)
+        return self.handler(request)
+
+
+def slow_pool(engine: SlowHealth) -> Pool:
+    settings = BackendSettings(name="a", engine="llamacpp", url="http://a")
+
+    def factory(s: BackendSettings, adapter: EngineAdapter) -> httpx.AsyncClient:
+        return httpx.AsyncClient(transport=httpx.MockTransport(engine.async_handler), base_url=s.url)
+
+    return Pool([settings], ScrapeSettings(interval=60, timeout=0.2, stale_after=5), factory)
+
+
+@pytest.mark.anyio
+async def test_a_probe_timing_out_while_the_backend_answers_requests_does_not_eject_it() -> None:
+    """An event loop behind under load times out its own probes: the requests the backend answered meanwhile
+    say it is up. Without them a timed-out probe still takes it out."""
+    engine = SlowHealth(0.5)
+    pool = slow_pool(engine)
+    await pool.start()
+    try:
+        a = pool.get("a")
+        assert a.health is Health.READY
+        engine.delay = engine.later
+
+        async def answering() -> None:
+            await asyncio.sleep(0.05)
+            a.answered += 1  # what the dispatcher counts when a request to it ends well
+
+        await asyncio.gather(pool.scrape_once(a), answering())
+        assert a.health is Health.READY, a.detail
+        assert a.scrape_errors == 1
+
+        await pool.scrape_once(a)  # nothing answered while this one waited
+        assert a.health is Health.DOWN and a.detail == "health check timed out"
+
+        await asyncio.gather(pool.scrape_once(a), answering())  # answers do not bring a down backend back
+        assert a.health is Health.DOWN
+        engine.delay = 0.0
+        await pool.scrape_once(a)
+        assert a.health is Health.READY
+    finally:
+        await pool.stop()

@@ -92,6 +92,8 @@ def test_an_attempt_that_cannot_be_sent_fails_over_and_counts_against_its_backen
         raw = client.chat.completions.with_raw_response.create(model="m", messages=ASK, max_tokens=2)
         assert raw.headers["x-gateway-backend"] == "v1"
     assert v0.breaker.state is not BreakerState.CLOSED
+    v1 = next(b for b in pair.app.gateway.pool.backends if b.name == "v1")
+    assert (v0.answered, v1.answered) == (0, 4), "what a timed-out health probe is weighed against (pool.py)"
     metrics = httpx.get(pair.url + "/metrics").text
     assert 'gateway_retries_total{backend="v0",reason="attempt_failed"}' in metrics
 
