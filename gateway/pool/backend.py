@@ -88,8 +88,8 @@ class Backend:
         self.secrets = Redactor(name, url)
         self.marked_down = 0  # times the proxy took it out of rotation (a probe begun before that is stale)
         self.marked_down_at = 0.0  # time.monotonic() of the last time
-        # requests it answered through the proxy (2xx, or 429 back-pressure): a probe that timed out while this
-        # grew measured the gateway's own lateness, not the backend's
+        # response heads below 500 it sent the proxy: a health check that timed out while this grew measured
+        # the gateway's own lateness, not the backend's
         self.answered = 0
         self.breaker = Breaker(breaker or BreakerSettings())
         # bumped each time the backend comes (back) up: a restarted engine has empty caches

@@ -76,7 +76,7 @@ class Pool:
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._discovery_task: asyncio.Task[None] | None = None
         self._cycles: dict[str, int] = {}
-        self._late: set[str] = set()  # backends whose last probe timed out while they answered requests
+        self._late: set[str] = set()  # backends whose last probe timed out while they answered the proxy
         self._running = False
         self._background: set[asyncio.Task[None]] = set()  # reloads' removals and client closes, until done
         self._leaving: set[str] = set()  # backends a reload removed, draining until their requests end
@@ -385,7 +385,7 @@ class Pool:
             probe = Probe(Health.DOWN, str(exc) or "health check failed")
         except TimeoutError:
             if backend.answered != answered and backend.health is Health.READY:
-                # It answered requests while the probe waited: the time ran out in this process (an event loop
+                # It answered the proxy while the probe waited: the time ran out in this process (an event loop
                 # behind under load), not in the backend. Ejecting it would turn an overloaded gateway's lag
                 # into 503s for every request.
                 backend.scrape_errors += 1

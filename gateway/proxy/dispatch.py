@@ -474,8 +474,6 @@ class Dispatcher:
                 suspects.append((backend, exc.status))
             else:
                 breaker.record(exc.status == 429)
-                if exc.status == 429:
-                    backend.answered += 1
             settled = True
             final = GatewayError(exc.status, "", headers={"x-gateway-backend": backend.name},
                                  body=normalise_upstream_error(exc.status, exc.body, backend.name, backend.secrets))
@@ -529,7 +527,6 @@ class Dispatcher:
                     breaker.record(False)
                 else:
                     breaker.record(True)
-                    backend.answered += 1
         if exchange.invalid_output is not None:
             self._observe_invalid_output(backend, "marked")
 

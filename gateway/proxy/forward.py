@@ -112,6 +112,8 @@ class Forwarder:
                 response = await self._transport.post(url, payload, headers)
                 try:
                     exchange.status = response.status
+                    if response.status < 500:
+                        backend.answered += 1  # it is up, whatever its health check says (Pool.scrape_once)
                     if response.status != 200:
                         raw = await response.read()
                         if response.status in (401, 403):

@@ -228,7 +228,7 @@ async def test_a_probe_timing_out_while_the_backend_answers_requests_does_not_ej
 
         async def answering() -> None:
             await asyncio.sleep(0.05)
-            a.answered += 1  # what the dispatcher counts when a request to it ends well
+            a.answered += 1  # what the forwarder counts when a response head comes from it
 
         await asyncio.gather(pool.scrape_once(a), answering())
         assert a.health is Health.READY, a.detail
