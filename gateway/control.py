@@ -74,6 +74,7 @@ class ControlPlane:
                                ["result"], registry=registry)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._closing: str | None = None  # why no change is taken any more (the gateway is stopping)
         if shared is not None:
             shared.on_drained(self._apply_remote)
             # a reload or routing change made through one process's admin API reaches every worker and replica
@@ -90,7 +91,20 @@ class ControlPlane:
         if watch_seconds and self._path is not None:
             self._spawn(self._watch_config(watch_seconds))
 
+    def close(self, why: str) -> None:
+        """The gateway is stopping (``why``: the signal): from now on every change is refused with a 503 and
+        reload requests are ignored; what reads the state still answers, to watch the streams finish."""
+        if self._closing is None:
+            self._closing = why
+            log.info("control plane: no more changes (%s: shutting down)", why)
+
+    def _open_for_changes(self) -> None:
+        if self._closing is not None:
+            raise GatewayError(503, f"the gateway is shutting down ({self._closing}): no change is applied",
+                               code="shutting_down")
+
     async def stop(self) -> None:
+        self.close("stopped")
         await cancel_and_wait(list(self._tasks))
 
     async def _sample_forever(self) -> None:
@@ -106,9 +120,10 @@ class ControlPlane:
         """Re-read the configuration file (SIGHUP): safe to call from a signal handler on the loop's thread or
         from another thread."""
         loop = self._loop
-        if loop is None or self._path is None:
+        if loop is None or self._path is None or self._closing is not None:
             log.warning("reload (%s) ignored: %s", source, "not started" if loop is None else
-                        "the gateway runs without a configuration file")
+                        "the gateway runs without a configuration file" if self._path is None else
+                        f"shutting down ({self._closing})")
             return
         loop.call_soon_threadsafe(lambda: self._spawn(self.reload(source)))
 
@@ -187,6 +202,7 @@ class ControlPlane:
         return self._set(name, False, who)
 
     def _set(self, name: str, drained: bool, who: str) -> dict[str, Any]:
+        self._open_for_changes()
         backend = self._find(name)
         action = "drain" if drained else "undrain"
         changed = backend.drained != drained
@@ -202,6 +218,7 @@ class ControlPlane:
         """Add a backend (a ``backends:`` entry, as in the file): validated with the whole configuration, probed
         before it is routed to. It lasts until the next reload of the file (which holds the lasting list).
         ``tell``: every other worker and replica adds it too."""
+        self._open_for_changes()
         if not isinstance(raw, dict):
             raise GatewayError(400, "the body must be a JSON object: one backends entry", code="invalid_config")
         if raw.get("dns") is not None:
@@ -226,6 +243,7 @@ class ControlPlane:
         """Remove a backend: drained first (no new request; those in flight finish, the shutdown timeout at
         most), then dropped. Answers at once, with the backend ``removing`` until it is gone. Lasts until the
         next reload of the file. ``tell``: every other worker and replica removes it too."""
+        self._open_for_changes()
         backend = self._find(name)
         if self._pool.discovered(name):
             raise GatewayError(400, f"backend '{name}' is a replica found by DNS: drain it, or change its DNS "
@@ -312,6 +330,7 @@ class ControlPlane:
         theirs too (the admin API; a signal or the file watch reaches each process itself). Raises
         GatewayError (400 ``invalid_config`` naming the field, 409 ``no_config_file``) and changes nothing
         when it cannot."""
+        self._open_for_changes()
         if tell and self._shared is not None:
             self._shared.publish("reload", source)
         if self._path is None:
@@ -331,6 +350,7 @@ class ControlPlane:
         """Replace the routing section (policy, profiles, weights): validated as a whole; lasts until the next
         reload of the file, which sets it back to the file's. ``tell``: every other worker and replica makes
         the same change."""
+        self._open_for_changes()
         current = self._settings()
         if not isinstance(raw, dict):
             raise GatewayError(400, "the body must be a JSON object: the routing section", code="invalid_config")

@@ -28,6 +28,7 @@ import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from multiprocessing.process import BaseProcess
+from types import FrameType
 
 import uvicorn
 
@@ -56,10 +57,23 @@ class _AdminServer(uvicorn.Server):
         yield
 
 
+class _MainServer(uvicorn.Server):
+    """The main listener's server: on SIGTERM or SIGINT the control plane stops taking changes at once (the
+    admin listener stays up while streams finish, to watch them, but changes nothing any more)."""
+
+    def __init__(self, config: uvicorn.Config, app: GatewayApp) -> None:
+        super().__init__(config)
+        self._gateway_app = app
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        self._gateway_app.gateway.control.close(signal.Signals(sig).name)
+        super().handle_exit(sig, frame)
+
+
 def _serve(app: GatewayApp, settings: Settings, log_level: str, sock: socket.socket | None = None) -> None:
     """The main listener and, with ``server.admin_port``, the admin listener, on one event loop until SIGINT or
     SIGTERM (the main server's graceful shutdown, then the admin listener's)."""
-    server = uvicorn.Server(uvicorn_config(app, settings.server, log_level=log_level))
+    server = _MainServer(uvicorn_config(app, settings.server, log_level=log_level), app)
     sockets = [sock] if sock is not None else None
     port = settings.server.admin_port
     if port is None:

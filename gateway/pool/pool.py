@@ -199,7 +199,7 @@ class Pool:
                 await asyncio.sleep(0.05)
             if name in self._leaving and self._by_name.get(name) is backend:
                 self._leaving.discard(name)
-                await self._remove(name, why="removed by a reload")
+                await self._remove(name, why="no longer configured")
 
         task = asyncio.get_running_loop().create_task(remove(), name=f"remove:{name}")
         self._background.add(task)
