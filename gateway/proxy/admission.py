@@ -15,11 +15,12 @@ The rules (docs/flow-control.md says them for operators):
   the light key's next tag is the queue's current virtual time.
 * **No barging.** A request that arrives while requests of its priority or above wait for its model queues
   behind them instead of taking the slot they were woken for.
-* **Shedding on predicted wait.** A request's predicted wait is the requests served before it divided by
-  the model's observed completion rate. Past its deadline (``x-gateway-deadline-ms``, else its band's
-  ``max_wait_seconds``) it is refused at once with ``Retry-After`` = that prediction, and so is a waiting
-  request that higher-priority arrivals have pushed past its deadline (the lowest priority is looked at
-  first). With the queue full, an arrival displaces the newest waiter of a lower priority, if any.
+* **Shedding on predicted wait.** A request's predicted wait is the requests served before it, plus one,
+  divided by the model's observed completion rate while busy (idle time is no service time). Past its
+  deadline (``x-gateway-deadline-ms``, else its band's ``max_wait_seconds``) it is refused at once with
+  ``Retry-After`` = that prediction, and so is a waiting request that higher-priority arrivals have pushed
+  past its deadline (the lowest priority is looked at first). With the queue full, an arrival displaces the
+  newest waiter of a lower priority, if any.
 
 * **Slots kept for light keys.** A key none of whose requests waits (it keeps up with its own traffic) and
   that was admitted lately has its recent peak of requests in flight plus one kept for it (at most its
@@ -299,12 +300,20 @@ class _Model:
     """One model's queue: its priority levels, its woken-but-not-yet-routed waiters, its service rate and its
     keys' use of its slots. (Kept for the process's life: only models that routed a request have one.)"""
 
-    __slots__ = ("active", "completions", "gaps", "last_busy", "levels", "uses", "woken")
+    __slots__ = ("active", "busy_after", "busy_seconds", "gaps", "intervals", "last_busy", "last_completion",
+                 "levels", "uses", "woken")
 
     def __init__(self) -> None:
         self.levels: dict[int, _Level] = {}
         self.woken: list[Ticket] = []  # woken, still routing: a slot was freed for each
-        self.completions: deque[float] = deque(maxlen=256)
+        # The service rate's samples: the time between two completions while the model was busy throughout
+        # (requests in flight or waiting after the first), as (the second completion, seconds), oldest first.
+        # Time with nothing to serve is no service: an idle model's last few completions must not make its
+        # next burst look slow (4 completions over 25 s idle predicted 6.3 s for a 0.4 s wait).
+        self.intervals: deque[tuple[float, float]] = deque(maxlen=256)
+        self.busy_seconds = 0.0  # their sum
+        self.last_completion: float | None = None
+        self.busy_after = False  # was it busy right after the last completion?
         # waits between two completions while requests waited: [second, the longest ending in it], oldest first
         self.gaps: deque[list[float]] = deque(maxlen=PER_SECOND_MAX)
         self.last_busy: float | None = None  # the last completion while requests waited, until one without
@@ -323,8 +332,20 @@ class _Model:
     def queued(self) -> int:
         return sum(len(level) for level in self.levels.values())
 
+    def busy(self) -> bool:
+        return bool(self.active or self.woken or any(level.keys for level in self.levels.values()))
+
     def completion(self, at: float) -> None:
-        self.completions.append(at)
+        last = self.last_completion
+        if last is not None and self.busy_after and at > last:
+            intervals = self.intervals
+            if len(intervals) == intervals.maxlen:
+                self.busy_seconds -= intervals[0][1]
+            intervals.append((at, at - last))
+            self.busy_seconds += at - last
+        if last is None or at >= last:
+            self.last_completion = at
+            self.busy_after = self.busy()
         if not (self.woken or any(level.keys for level in self.levels.values())):
             self.last_busy = None  # (a slot freed with nobody waiting: no wait between frees to measure)
             return
@@ -344,15 +365,20 @@ class _Model:
         return max((g for _, g in gaps), default=0.0)
 
     def rate(self, now: float) -> float | None:
-        """Completions per second over the last RATE_WINDOW_SECONDS (None: too few to say). Measured up to
-        ``now``, so a model whose requests stopped finishing sees its rate fall."""
-        times = self.completions
-        while times and now - times[0] > RATE_WINDOW_SECONDS:
-            times.popleft()
-        if len(times) < RATE_MIN_COMPLETIONS:
+        """Completions per second of busy time over the last RATE_WINDOW_SECONDS (None: too few to say). The
+        time since the last completion counts while the model is busy, so a model whose requests stopped
+        finishing sees its rate fall."""
+        intervals = self.intervals
+        while intervals and now - intervals[0][0] > RATE_WINDOW_SECONDS:
+            self.busy_seconds -= intervals.popleft()[1]
+        if not intervals:
+            self.busy_seconds = 0.0  # (no drift from the running sum)
+        if len(intervals) < RATE_MIN_COMPLETIONS:
             return None
-        span = now - times[0]
-        return len(times) / span if span > 0 else None
+        busy = self.busy_seconds
+        if self.last_completion is not None and self.busy_after and self.busy():
+            busy += max(0.0, now - self.last_completion)
+        return len(intervals) / busy if busy > 0 else None
 
 
 class Admission:

@@ -192,7 +192,9 @@ async def test_a_waiter_past_its_deadline_is_refused_with_timeout() -> None:
 
 
 def served_at(admission: Admission, per_second: float, count: int = 20) -> None:
-    """The model's recent completions: ``count`` at ``per_second``."""
+    """The model's recent completions while it was busy: ``count`` at ``per_second``, a request in flight
+    throughout (it stays: the model is busy still)."""
+    admission.admitted(admission.ticket("m", "busy", place()))
     now = time.monotonic()
     for i in range(count):
         admission.completed("m", now - (count - i) / per_second)
@@ -233,6 +235,36 @@ async def test_without_a_known_service_rate_nothing_is_shed_on_a_guess() -> None
         await q.enter(f"w{i}", max_wait=1.0)
     assert not q.refused and q.admission.service_rate("m") is None
     await q.done()
+
+
+async def test_time_with_nothing_to_serve_is_not_counted_as_service_time() -> None:
+    """QA found an idle model's first burst refused: four requests one after another, 25 s of nothing, then
+    five at once on two slots; the rate was 4 completions / 25 s, so the third waited 'a predicted 6.3 s' and
+    was refused at once, for a real wait of 0.4 s. A completion after which nothing was in flight or waiting
+    starts no service interval."""
+    q = Queue()
+    now = time.monotonic()
+    for i in range(6):  # one at a time, 0.35 s each, the last 25 s ago
+        q.admission.completed("m", now - 25 - (5 - i) * 0.35)
+    assert q.admission.service_rate("m") is None  # (nothing was ever waiting or in flight between them)
+    for i in range(3):
+        await q.enter(f"w{i}", max_wait=1.0)
+    assert not q.refused
+    await q.done()
+
+
+async def test_the_rate_is_completions_per_busy_second_and_falls_while_nothing_finishes() -> None:
+    q = Queue()
+    served_at(q.admission, per_second=4.0)
+    assert q.admission.service_rate("m") == pytest.approx(4.0, rel=0.1)
+    stalled = Queue()
+    stalled.admission.admitted(stalled.admission.ticket("m", "busy", place()))
+    now = time.monotonic()
+    for i in range(20):  # 4 a second while busy, the last 15 s ago, and busy since
+        stalled.admission.completed("m", now - 15 - (19 - i) / 4)
+    assert stalled.admission.service_rate("m") == pytest.approx(19 / (19 / 4 + 15), rel=0.05)
+    await q.done()
+    await stalled.done()
 
 
 async def test_shedding_can_be_switched_off() -> None:
