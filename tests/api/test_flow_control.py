@@ -123,8 +123,8 @@ def test_a_request_that_cannot_be_served_before_its_deadline_is_refused_at_once(
     async def scenario() -> tuple[list[httpx.Response], httpx.Response, float]:
         finished: list[str] = []
         async with httpx.AsyncClient(base_url=one_slot.url, timeout=60) as client:
-            for i in range(6):  # the model's completion rate, measured by admission
-                await post(client, "flood", f"warm{i}", finished, max_tokens=10)
+            # the model's completion rate, measured by admission while it is busy (six at once on one slot)
+            await asyncio.gather(*(post(client, "flood", f"warm{i}", finished, max_tokens=10) for i in range(6)))
             backlog = [asyncio.create_task(post(client, "flood", f"b{i}", finished)) for i in range(8)]
             await asyncio.sleep(0.3)
             started = time.monotonic()
