@@ -70,6 +70,9 @@ def _user_session(body: dict[str, Any]) -> str | None:
 
 # bytes per prompt token when reserving a key's tokens: typical English tokenizes at ~4 bytes per token
 _BYTES_PER_TOKEN = 4
+# the gateway's own refusals for want of capacity (not the client's fault): outcome "shed", which the error-rate
+# alert counts, where "client_error" would hide a gateway refusing most of its traffic
+SHED_CODES = frozenset({"queue_full", "queue_deadline", "queue_timeout", "backends_at_capacity"})
 
 
 def _tokens_used(exchange: Exchange) -> int:
@@ -189,7 +192,8 @@ class ProxyEndpoint:
         except GatewayError as exc:
             exchange.status = exc.status
             if exchange.outcome == "pending":
-                exchange.outcome = "client_error" if exc.status < 500 else "no_backend"
+                exchange.outcome = ("no_backend" if exc.status >= 500 else
+                                    "shed" if exc.code in SHED_CODES else "client_error")
             extra = [(k.encode(), v.encode()) for k, v in exc.headers.items()]
             exchange.responded = True
             await send_body(send, exc.status, exc.body(), headers + extra, writer=writer)

@@ -156,6 +156,10 @@ class Dispatcher:
             admission.abandon(ticket)
             if ticket.refused is not None:
                 self._metrics.flow.refused(request.model, placement.band, key, ticket.refused.reason)
+            if any(request.model in b.models for b in self._fleet.backends):
+                # a served model, refused (queue, capacity, no backend up): its metrics and access-log line name
+                # it (not a model the client made up: the label's values stay those the fleet serves)
+                exchange.model = request.model
             raise
         admission.admitted(ticket)
         self._metrics.flow.admitted(request.model, placement.band, key, time.monotonic() - ticket.arrived)

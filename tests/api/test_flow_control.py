@@ -142,6 +142,10 @@ def test_a_request_that_cannot_be_served_before_its_deadline_is_refused_at_once(
     assert int(hurried.headers["retry-after"]) >= 1
     metrics = httpx.get(one_slot.url + "/metrics").text
     assert 'gateway_admission_refusals_total{band="standard",key="flood",model="m",reason="deadline"} 1.0' in metrics
+    # the refusal is the model's and a shed one, not a client error the error-rate alert leaves out
+    shed = [line for line in metrics.splitlines()
+            if line.startswith("gateway_requests_total{") and 'outcome="shed"' in line]
+    assert shed and all('model="m"' in line and 'status_class="4xx"' in line for line in shed), shed
 
 
 def test_flow_metrics_for_dashboards_and_autoscalers(one_slot: Running) -> None:
