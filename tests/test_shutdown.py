@@ -3,6 +3,8 @@ admin listener still shows the state meanwhile but takes no change."""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import signal
 import subprocess
 import sys
@@ -65,6 +67,41 @@ def test_sigterm_lets_the_stream_in_flight_finish(tmp_path: Path) -> None:
             assert change.status_code == 503 and change.json()["error"]["code"] == "shutting_down", change.text
         assert status.status_code == 200 and "v" in status.text
         assert gateway.wait(timeout=20) == 0
+    finally:
+        for proc in (gateway, fleet):
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+
+
+def test_a_stream_cut_by_the_shutdown_timeout_is_logged_as_interrupted(tmp_path: Path) -> None:
+    """Past shutdown_timeout the stream is cut; its access-log line said outcome "pending" (the exchange's
+    internal state) where it now says "interrupted"."""
+    base = free_port_block(2)
+    fleet = subprocess.Popen([sys.executable, "-m", "gateway.sim", "serve", "--engine", "vllm", "--model", "m",
+                              "--port", str(base)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    config = tmp_path / "gateway.yaml"
+    config.write_text(yaml.safe_dump({"server": {"port": base + 1, "shutdown_timeout": 1},
+                                      "backends": [{"name": "v", "engine": "vllm", "url": f"http://127.0.0.1:{base}"}]}))
+    gateway = subprocess.Popen([sys.executable, "-m", "gateway", "serve", "--config", str(config), "--log-level",
+                                "warning"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    try:
+        wait_up(f"http://127.0.0.1:{base}/health", fleet)
+        url = f"http://127.0.0.1:{base + 1}"
+        wait_up(url + "/ready", gateway)
+        body = {"model": "m", "messages": [{"role": "user", "content": "go"}], "max_tokens": 3000,
+                "ignore_eos": True, "stream": True}  # ~17 s at the emulated 175 tok/s: longer than the timeout
+        with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=30) as response:
+            chunks = response.iter_bytes()
+            next(chunks)
+            gateway.send_signal(signal.SIGTERM)
+            with contextlib.suppress(httpx.HTTPError):
+                for _ in chunks:
+                    pass
+        out, _ = gateway.communicate(timeout=20)
+        lines = [json.loads(line) for line in out.decode().splitlines() if line.startswith("{")]
+        chat = [line for line in lines if line.get("route") == "chat"]
+        assert [line["outcome"] for line in chat] == ["interrupted"], lines
     finally:
         for proc in (gateway, fleet):
             if proc.poll() is None:

@@ -211,6 +211,8 @@ class ProxyEndpoint:
                 await send_body(send, 500, error.body(), headers, writer=writer)
         finally:
             exchange.t_end = time.perf_counter()
+            if exchange.outcome == "pending":
+                exchange.outcome = "interrupted"  # cancelled mid-way: the gateway stopping past its shutdown_timeout
             live.in_flight -= 1
             if exchange.budget is not None and self._shared is not None:
                 # (admitted through the shared store: settle there, the key's in-flight place with it)

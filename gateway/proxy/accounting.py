@@ -146,7 +146,8 @@ class Accounting:
         self._learn = learn
 
     def __call__(self, exchange: Exchange) -> None:
-        if exchange.request is not None and exchange.backend is not None and exchange.outcome != "pending":
+        if (exchange.request is not None and exchange.backend is not None
+                and exchange.outcome != "pending" and exchange.outcome != "interrupted"):  # (nothing learnt)
             self._learn(outcome_of(exchange, exchange.request), exchange.backend)
         record_metrics(self._metrics, exchange)
         backend = exchange.backend

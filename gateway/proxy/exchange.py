@@ -30,7 +30,7 @@ class Exchange:
     concurrency: int = 1  # sequences on the backend when sent, this one included
     status: int = 0
     responded: bool = False  # the response has started; errors can no longer change its status
-    outcome: str = "pending"  # success | client_error | upstream_error | no_backend | disconnected | ...
+    outcome: str = "pending"  # success | client_error | shed | upstream_error | no_backend | disconnected | ...
     t_dispatch: float | None = None  # sent to the backend (the last attempt)
     t_first_text: float | None = None  # first event carrying generated text forwarded (streams)
     t_last_text: float | None = None
