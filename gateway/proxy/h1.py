@@ -326,6 +326,11 @@ class _Connection(asyncio.Protocol):
             self.transport.write(body)
         try:
             return await self._head
+        except asyncio.CancelledError:
+            # abandoned before its answer (the client left; a non-streamed answer's head comes only with it):
+            # closing the connection is how HTTP/1.1 tells the engine to stop computing it
+            self.close()
+            raise
         finally:
             self._head = None
 
