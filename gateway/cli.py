@@ -9,10 +9,8 @@
 from __future__ import annotations
 
 import argparse
-import atexit
 import contextlib
 import itertools
-import logging
 import sys
 
 from gateway.config import ConfigError, load_settings
@@ -91,25 +89,9 @@ def main(argv: list[str] | None = None) -> int:
         names = ", ".join(f"{b.name} ({b.engine})" for b in settings.backends) or "none"
         print(f"{args.file}: OK; backends: {names}; routing policy: {settings.routing.policy}")
         return 0
-    from gateway.serve import log_off_the_loop, serve
+    from gateway.serve import configure_logging, serve
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    log_off_the_loop()
-    # one line per health/load scrape is noise; the pool logs state changes itself
-    logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
-    # The access log: bare JSON lines on standard output, apart from the diagnostic log on standard error.
-    # Written by a thread, in batches: a slow stdout (a full pipe to a log collector) must never block the
-    # event loop that carries every stream. With this handler alone on the logger, accounting hands its lines
-    # to the writer without the logging machinery; what is left is written at exit.
-    from gateway.proxy.accounting import AccessLogHandler, AccessLogWriter
-
-    access = logging.getLogger("gateway.access")
-    writer = AccessLogWriter(sys.stdout)
-    access.addHandler(AccessLogHandler(writer))
-    access.setLevel(logging.INFO)
-    access.propagate = False
-    writer.start()
-    atexit.register(writer.stop)
+    configure_logging(args.log_level)
     # without a configuration, the emulated fleet: tooling, which only this composition root may reach
     fleet: contextlib.AbstractContextManager[list[dict[str, str]]] = contextlib.nullcontext([])
     errors: tuple[type[Exception], ...] = (ConfigError,)

@@ -23,6 +23,7 @@ import queue
 import shutil
 import signal
 import socket
+import sys
 import tempfile
 import threading
 import time
@@ -36,6 +37,7 @@ from gateway import gcpolicy
 from gateway.api.admin import AdminApp
 from gateway.app import GatewayApp, create_app
 from gateway.config import ConfigError, Settings, load_settings, settings_from_mapping
+from gateway.proxy.accounting import AccessLogHandler, AccessLogWriter
 from gateway.routing.policies import check_settings
 from gateway.server_limits import raise_nofile_limit, uvicorn_config
 from gateway.workers import WorkerIdentity
@@ -133,6 +135,27 @@ def reuseport_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def configure_logging(log_level: str) -> None:
+    """The process's logs: diagnostics on standard error, the access log's JSON lines on standard output, both
+    written by threads (see ``log_off_the_loop`` and ``AccessLogWriter``). Run by ``gateway serve`` and by
+    each of its workers (spawned: a fresh interpreter inherits no logging)."""
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log_off_the_loop()
+    # one line per health/load scrape is noise; the pool logs state changes itself
+    logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
+    # The access log: bare JSON lines on standard output, apart from the diagnostic log on standard error.
+    # Written by a thread, in batches: a slow stdout (a full pipe to a log collector) must never block the
+    # event loop that carries every stream. With this handler alone on the logger, accounting hands its lines
+    # to the writer without the logging machinery; what is left is written at exit.
+    access = logging.getLogger("gateway.access")
+    writer = AccessLogWriter(sys.stdout)
+    access.addHandler(AccessLogHandler(writer))
+    access.setLevel(logging.INFO)
+    access.propagate = False
+    writer.start()
+    atexit.register(writer.stop)
+
+
 def log_off_the_loop() -> None:
     """Hand the root logger's records to a thread that writes them with its handlers: a blocked standard error
     (a full pipe to a log collector, a stalled terminal) must not stall the event loop that carries every stream.
@@ -157,6 +180,7 @@ def _orphan_watch(parent: int) -> None:
 
 def _worker(settings: Settings, identity: WorkerIdentity, log_level: str, parent: int,
             config_path: str | None = None) -> None:
+    configure_logging(log_level)
     signal.signal(signal.SIGINT, _stop)
     signal.signal(signal.SIGTERM, _stop)
     threading.Thread(target=_orphan_watch, args=(parent,), name="orphan-watch", daemon=True).start()

@@ -111,6 +111,10 @@ async def _chats(url: str, count: int, concurrency: int, *, fresh_connections: b
         return await asyncio.gather(*(one() for _ in range(count)))
 
 
+def access_lines(pod: Pod) -> int:
+    return sum(1 for line in pod.log.read_text().splitlines() if line.startswith('{"ts":') and '"route":"chat"' in line)
+
+
 def requests_total(url: str) -> float:
     return sum(samples(url, "gateway_requests_total").values())
 
@@ -120,8 +124,14 @@ def test_connections_spread_over_both_workers_and_any_metrics_scrape_counts_them
     assert len(workers) == 2
     before_cpu = {p: cpu_ticks(p) for p in workers}
     before = requests_total(pod.url)
+    logged = access_lines(pod)
     codes = asyncio.run(_chats(pod.url, 300, 16))
     assert codes == [200] * 300
+    # each worker writes its access log (spawned workers inherited no logging: not a line was written)
+    deadline = time.monotonic() + 5
+    while access_lines(pod) < logged + 300:
+        assert time.monotonic() < deadline, f"{access_lines(pod) - logged} access-log lines for 300 requests"
+        time.sleep(0.1)
     spent = {p: cpu_ticks(p) - before_cpu[p] for p in workers}
     # the kernel hashes each new connection to one of the two listening sockets: both took a real share
     assert min(spent.values()) >= 0.2 * sum(spent.values()), spent
