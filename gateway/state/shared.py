@@ -186,6 +186,9 @@ class SharedState:
         self._peers_channel = f"{p}peers"
         self._replicas_key = f"{p}replicas"
         self._drained_key = f"{p}drained"  # the backends an operator drained (a set), for every replica
+        # set with the first write of that set: its absence says Redis lost its data (restarted without
+        # persistence, flushed), so an empty set there is not every replica's undrain
+        self._drained_mark = f"{p}drained:kept"
         self._drained_read: set[str] | None = None  # as the last heartbeat read it (None: not read yet)
         self._on_drained: list[Callable[[str, bool], None]] = []
         self._drain_writes: dict[str, int] = {}  # backend -> this replica's writes of it not yet answered
@@ -788,8 +791,10 @@ class SharedState:
 
         async def write() -> None:
             try:
-                op = self._redis.sadd if drained else self._redis.srem
-                await asyncio.wait_for(op(self._drained_key, backend), self._timeout * 5)
+                pipe = self._redis.pipeline(transaction=False)
+                (pipe.sadd if drained else pipe.srem)(self._drained_key, backend)
+                pipe.set(self._drained_mark, "1")
+                await asyncio.wait_for(pipe.execute(), self._timeout * 5)
             except self._errors as exc:
                 self._failed("drain", exc)
                 log.warning("shared state: the %s of backend %s holds on this replica only (%s)",
@@ -803,9 +808,26 @@ class SharedState:
         self._spawn(write())
 
     async def _read_drained(self) -> None:
-        members = await asyncio.wait_for(self._redis.smembers(self._drained_key), self._timeout * 5)
+        pipe = self._redis.pipeline(transaction=False)
+        pipe.exists(self._drained_mark)
+        pipe.smembers(self._drained_key)
+        marked, members = await asyncio.wait_for(pipe.execute(), self._timeout * 5)
         now = {m.decode() if isinstance(m, bytes) else str(m) for m in members}
         before = self._drained_read
+        if not marked and before is not None:
+            # Redis lost what it held (or no drain was ever written): the set this replica read last is the truth,
+            # written back, not an undrain of every backend (QA saw a restarted Redis undo a drain, and replicas
+            # then disagree). A drain or undrain since writes the mark, and is read as it is. A replica with no
+            # earlier read knows nothing to write back, and leaves the mark to those that do.
+            known = sorted(before)
+            pipe = self._redis.pipeline(transaction=False)
+            if known:
+                pipe.sadd(self._drained_key, *known)
+            pipe.set(self._drained_mark, "1")
+            await asyncio.wait_for(pipe.execute(), self._timeout * 5)
+            if known:
+                log.warning("shared state: Redis had lost the drained backends; written back: %s", ", ".join(known))
+            now |= set(known)
         self._drained_read = now
         # only what changed in the shared set since the last read, and not for a backend this replica is writing:
         # its own drain or undrain still on its way to Redis is not undone by a read that predates it

@@ -584,3 +584,34 @@ async def test_a_top_up_that_brings_nothing_is_not_tried_again_for_a_heartbeat(r
         assert len(calls) > 30, calls
     finally:
         await stop([a])
+
+
+@pytest.mark.anyio
+async def test_a_drain_survives_redis_losing_its_data_and_an_undrain_after_it_still_holds(
+        redis_server: RedisServer) -> None:
+    """QA: drained through one replica, then Redis restarted empty: the replicas read the empty set as an undrain
+    (once both, once one of them: they disagreed, and the drained backend got traffic)."""
+    a, b = await replicas(redis_server, 2)
+    seen: dict[str, dict[str, bool]] = {"a": {}, "b": {}}
+    a.on_drained(lambda name, drained: seen["a"].__setitem__(name, drained))
+    b.on_drained(lambda name, drained: seen["b"].__setitem__(name, drained))
+    try:
+        await until(lambda: a.replicas == 2 and b.replicas == 2)
+        await asyncio.sleep(0.1)
+        a.set_drained("x", True)
+        await until(lambda: seen["b"].get("x") is True)
+        await asyncio.sleep(0.3)  # (both heartbeats have read it)
+        redis_server.kill()
+        await until(lambda: not a.up and not b.up, seconds=5)
+        redis_server.start()  # empty
+        await until(lambda: a.up and b.up, seconds=5)
+        await asyncio.sleep(0.5)  # several heartbeats of each
+        assert seen["a"].get("x", True) is True and seen["b"]["x"] is True
+        members = await a._redis.smembers(a._drained_key)
+        assert {m.decode() for m in members} == {"x"}, "written back for replicas that start later"
+        b.set_drained("x", False)  # and an operator's undrain after it is not written over
+        await until(lambda: seen["a"].get("x") is False)
+        await asyncio.sleep(0.5)
+        assert seen["a"]["x"] is False and not await a._redis.smembers(a._drained_key)
+    finally:
+        await stop([a, b])
