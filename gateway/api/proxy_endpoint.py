@@ -168,7 +168,8 @@ class ProxyEndpoint:
             exchange.stream = request.stream
             exchange.request = request
             if exchange.trace is not None:
-                exchange.trace.request(request.route, request.model, request.max_tokens, request.stream)
+                # (named by the API the client spoke: a Responses or Messages request is translated to chat)
+                exchange.trace.request(self._route, request.model, request.max_tokens, request.stream)
             client = exchange.client
             exchange.placement = self._dispatcher.priorities.place(
                 client.name if client is not None else None, header(scope, b"x-gateway-priority"),

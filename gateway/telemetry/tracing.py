@@ -107,6 +107,7 @@ class RequestTrace:
         self._upstream: Span | None = None
 
     def request(self, operation: str, model: str, max_tokens: int | None, stream: bool) -> None:
+        """``operation``: the route the client called (``responses`` and ``messages`` too)."""
         self.span.update_name(f"{OPERATION.get(operation, operation)} {model}")
         self.span.set_attribute("gen_ai.request.model", model)
         self.span.set_attribute("gen_ai.request.stream", stream)
@@ -170,5 +171,5 @@ class RequestTrace:
         if response_model:
             span.set_attribute("gen_ai.response.model", response_model)
         if status >= 500 or outcome not in ("success", "client_error", "disconnected"):
-            Tracing.fail(span, outcome, f"HTTP {status}")
+            Tracing.fail(span, outcome, f"{outcome} (HTTP {status})" if status else outcome)
         span.end()

@@ -83,6 +83,33 @@ def test_a_failed_request_is_marked(traced: tuple[ServerThread, InMemorySpanExpo
     assert not root.status.is_ok and dict(root.attributes or {})["error.type"] == "upstream_error"
 
 
+def test_an_agent_api_request_is_named_by_its_api_and_a_stream_cut_short_says_why(
+        traced: tuple[ServerThread, InMemorySpanExporter, FleetThread]) -> None:
+    """A Responses request (translated to chat here: the emulated vLLM is sent chat completions or its own
+    Responses route) was a span named "chat m"; a stream the backend cut short was an error "HTTP 200"."""
+    gateway, exporter, fleet = traced
+    exporter.clear()
+    c = openai.OpenAI(base_url=gateway.url + "/v1", api_key="x", max_retries=0)
+    c.responses.create(model="m", input="hello", max_output_tokens=5)
+    deadline = time.monotonic() + 5
+    while "responses m" not in {s.name for s in exporter.get_finished_spans()} and time.monotonic() < deadline:
+        time.sleep(0.01)
+    root = next(s for s in exporter.get_finished_spans() if s.kind is SpanKind.SERVER)
+    assert root.name == "responses m" and dict(root.attributes or {})["gen_ai.operation.name"] == "responses"
+    exporter.clear()
+    fleet.fleet["v"].faults.update({"drop_mid_stream_after_tokens": 2})
+    try:
+        with pytest.raises(openai.APIError):  # (the stream ends with an error event)
+            list(c.chat.completions.create(model="m", messages=ASK, max_tokens=20, stream=True))
+    finally:
+        fleet.fleet["v"].faults.update({"drop_mid_stream_after_tokens": None})
+    deadline = time.monotonic() + 5
+    while "chat m" not in {s.name for s in exporter.get_finished_spans()} and time.monotonic() < deadline:
+        time.sleep(0.01)
+    root = next(s for s in exporter.get_finished_spans() if s.name == "chat m")
+    assert not root.status.is_ok and root.status.description == "upstream_failed (HTTP 200)", root.status
+
+
 def test_tracing_follows_the_standard_environment_variables() -> None:
     assert provider_from_environment({}) is None
     assert provider_from_environment({"OTEL_TRACES_EXPORTER": "none",
