@@ -38,6 +38,7 @@ from gateway.structured.syntax import (
     ConstraintTooLarge,
     automaton_problem,
     ebnf_as_gbnf,
+    expansion_problem,
     first_cycle,
     forget_prepared,
     gbnf_to_ebnf,
@@ -82,10 +83,14 @@ def check_regex(pattern: Any, param: str, bounds: Bounds, inline: bool) -> None:
 
 
 def _regex(pattern: str, param: str, max_nesting: int) -> None:
-    problem = automaton_problem(_parse_regex(pattern, param, "", max_nesting))
+    tree = _parse_regex(pattern, param, "", max_nesting)
+    problem = automaton_problem(tree)
     if problem:  # constrained decoders (xgrammar, llguidance, outlines) match with automata
         raise ConstraintInvalid(f"{param}: {problem} cannot be enforced by any engine (they match with automata)",
                                 param)
+    problem = expansion_problem(tree)
+    if problem:
+        raise ConstraintInvalid(f"{param}: the regular expression has {problem}", param, "constraint_too_large")
 
 
 _inline_regex = lru_cache(maxsize=512)(_regex)
@@ -159,6 +164,9 @@ def _schema(text: bytes, param: str, bounds: Bounds, inline: bool) -> None:
         if problem:  # (as for a regex constraint: llama.cpp, for one, drops such a pattern and accepts any string)
             raise ConstraintInvalid(f"{param}: the pattern at {at[:200]} has {problem}, which no engine can enforce "
                                     "(they match with automata)", param)
+        problem = None if data else expansion_problem(tree)
+        if problem:
+            raise ConstraintInvalid(f"{param}: the pattern at {at[:200]} has {problem}", param, "constraint_too_large")
         compiling += parsed_compile_cost(tree, pattern)
     if inline and compiling > INLINE_COMPILE_COST:
         raise Offload

@@ -87,6 +87,10 @@ def test_no_constraint() -> None:
         ({"json_schema": {"type": "object", "properties": {"p": {"type": "object", "patternProperties": {
             r"^(x)\1$": {"type": "string"}}}}}},
          "json_schema", "/properties/p/patternProperties has backreferences"),
+        # 21 bytes that unroll to 10^9 positions: every emulated engine spun at 100% CPU on it, deaf to SIGTERM
+        ({"regex": "((a{999}){999}){999}"}, "regex", "unroll to more than 100,000 positions"),
+        ({"json_schema": {"type": "string", "pattern": "^(x{400}){400}$"}}, "json_schema",
+         "the pattern at /pattern has counted repetitions that unroll"),
         ({"choice": []}, "choice", "non-empty array of strings"),
         ({"choice": ["a", 1]}, "choice", "non-empty array of strings"),
         ({"grammar": 'root ::= "unclosed'}, "grammar", "not a valid GBNF grammar"),
@@ -188,3 +192,11 @@ def test_satisfiable_schemas_with_refs_bounds_and_enums_pass() -> None:
                   "minimum": {"type": "number"}, "$ref": {"type": "string"}, "enum": {"type": "boolean"}},
               "default": {"$ref": "nowhere", "minLength": 9, "maxLength": 1}}
     assert extract({"json_schema": schema})
+
+
+def test_long_counted_repetitions_that_real_patterns_use_are_accepted() -> None:
+    for pattern in (".{0,5000}", r"(\w{1,100} ){1,500}", r"\d{3}-\d{4}", "(a{300}){300}"):
+        assert extract({"regex": pattern}) is not None, pattern
+    with pytest.raises(ConstraintInvalid) as err:
+        extract({"regex": "((a{999}){999}){999}"})
+    assert err.value.code == "constraint_too_large"

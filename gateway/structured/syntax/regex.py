@@ -107,6 +107,47 @@ def automaton_problem(tree: Any) -> str | None:
     return None
 
 
+# What an engine's automaton may unroll from one pattern: its counted repetitions multiplied out. xgrammar,
+# outlines and llguidance build states per unrolled position; ((a{999}){999}){999} (21 bytes, 10^9 positions)
+# wedged every emulated engine at 100% CPU, deaf to /health and SIGTERM. llama.cpp bounds its own grammars the
+# same way (2,000 generated rules); real patterns (.{0,5000}, (\w{1,100} ){1,500}) stay far below.
+MAX_REGEX_POSITIONS = 100_000
+
+
+def unrolled_positions(tree: Any, cap: int = MAX_REGEX_POSITIONS) -> int:
+    """How many character positions a parsed pattern (see :func:`parse_regex`) has with its counted
+    repetitions unrolled (an unbounded one once past its minimum), stopping once past ``cap``. Recursion is
+    bounded by the pattern's group nesting, which parse_regex has already bounded."""
+    total = 0
+    for op, av in tree:
+        kind = str(op)
+        if kind == "SUBPATTERN":
+            size = unrolled_positions(av[3], cap)
+        elif kind == "BRANCH":
+            size = sum(unrolled_positions(branch, cap) for branch in av[1])
+        elif kind in ("MAX_REPEAT", "MIN_REPEAT", "POSSESSIVE_REPEAT"):
+            lo, hi, sub = av
+            copies = lo + 1 if hi == _constants.MAXREPEAT else max(hi, 1)
+            size = unrolled_positions(sub, cap) * copies
+        elif kind in ("ASSERT", "ASSERT_NOT"):
+            size = unrolled_positions(av[1], cap)
+        else:
+            size = 1
+        total += size
+        if total > cap:
+            return total
+    return total
+
+
+def expansion_problem(tree: Any) -> str | None:
+    """Why no engine could build an automaton for a parsed pattern, or None: its repetitions unroll past
+    MAX_REGEX_POSITIONS."""
+    if unrolled_positions(tree) > MAX_REGEX_POSITIONS:
+        return (f"counted repetitions that unroll to more than {MAX_REGEX_POSITIONS:,} positions (an engine "
+                "builds its automaton from them)")
+    return None
+
+
 def _category(name: str, in_negated_class: bool) -> charset.Ranges:
     """Ranges for a category escape.  Python's classes are Unicode-aware, so in a positive
     class take an ASCII subset and in a negated class exclude a superset: either way every
@@ -199,6 +240,9 @@ def compiled_regex(pattern: str, flags: int, max_nesting: int) -> tuple[Expr, Co
     if not isinstance(pattern, str):
         raise ConstraintError(f"regex must be a string, got {type(pattern).__name__}")
     parsed = parse_regex(pattern, flags, max_nesting)
+    problem = expansion_problem(parsed)
+    if problem:
+        raise ConstraintError(f"regex {pattern[:80]!r} has {problem}")
     expr = _convert(parsed, int(parsed.state.flags))
     table = CostTable(Grammar({"regex": expr}, "regex", "regex"))
     if table.rule_cost["regex"] >= INFINITE:
