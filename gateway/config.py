@@ -509,6 +509,18 @@ class StructuredOutputSettings(_Strict):
         default_factory=dict, description="per-model override of validate_outputs"
     )
 
+    @field_validator("validate_outputs", mode="before")
+    @classmethod
+    def _yaml_off(cls, value: object) -> object:
+        return "off" if value is False else value  # YAML 1.1 reads a bare `off` as false
+
+    @field_validator("models", mode="before")
+    @classmethod
+    def _yaml_offs(cls, value: object) -> object:
+        if isinstance(value, dict):
+            return {k: "off" if v is False else v for k, v in value.items()}
+        return value
+
     def mode(self, model: str) -> str:
         return self.models.get(model, self.validate_outputs)
 

@@ -106,3 +106,16 @@ def test_yaml_errors_say_where_but_never_echo_the_document(tmp_path: pathlib.Pat
     assert main(["check-config", str(path)]) == 2
     printed = capsys.readouterr()
     assert "not valid YAML" in printed.err and SECRET not in printed.out + printed.err
+
+
+def test_a_bare_off_in_yaml_is_off_not_an_error(tmp_path: pathlib.Path) -> None:
+    """The docs write `validate_outputs: off`; YAML 1.1 reads a bare off as false, which was refused."""
+    path = tmp_path / "gateway.yaml"
+    path.write_text("backends: [{name: a, engine: vllm, url: 'http://127.0.0.1:9'}]\n"
+                    "structured_output: {validate_outputs: off, models: {m: off, n: mark}}\n")
+    settings = load_settings(str(path)).structured_output
+    assert settings.validate_outputs == "off" and settings.models == {"m": "off", "n": "mark"}
+    path.write_text("backends: [{name: a, engine: vllm, url: 'http://127.0.0.1:9'}]\n"
+                    "structured_output: {validate_outputs: on}\n")
+    with pytest.raises(ConfigError):
+        load_settings(str(path))
