@@ -206,15 +206,27 @@ def regex(pattern: str) -> Constraint:
     return constraint
 
 
-def test_answer_checks_that_could_run_away_are_skipped_and_the_rest_still_run() -> None:
+def test_answer_checks_that_could_run_away_in_re_are_matched_by_re2_in_linear_time() -> None:
+    """Such answers used to pass unchecked (QA: 'b' against (a+)+ was never marked); Python's re takes seconds
+    or more on each of these."""
     start = time.perf_counter()
-    assert output_problem("chat", answer("a" * 40 + "b"), regex("(a+)+$")) is None  # seconds with re
-    assert output_problem("chat", answer("a" * 3000), regex("a*a*a*b")) is None  # ~2.5 s with re
-    assert output_problem("chat", answer("x"), regex("[\\x00-\\U0010ffff]" * 20)) is None  # ~140 ms to compile
+    mismatch = "the answer does not match the regex"
+    assert output_problem("chat", answer("a" * 40 + "b"), regex("(a+)+$")) == mismatch
+    assert output_problem("chat", answer("b"), regex("(a|aa)+")) == mismatch
+    assert output_problem("chat", answer("a" * 40), regex("(a+)+$")) is None
+    assert output_problem("chat", answer("a" * 3000), regex("a*a*a*b")) == mismatch  # ~2.5 s with re
+    # 140 ms for re to compile, and RE2 does not read Python's \\U escapes: skipped
+    assert output_problem("chat", answer("x"), regex("[\\x00-\\U0010ffff]" * 20)) is None
     hostile = extract({"json_schema": {"type": "object", "properties": {"s": {"pattern": "^(a+)+$"}}}})
     assert hostile is not None
-    assert output_problem("chat", answer(orjson.dumps({"s": "a" * 40 + "b"}).decode()), hostile) is None
-    assert time.perf_counter() - start < 1  # each of them would take seconds or more
+    problem = output_problem("chat", answer(orjson.dumps({"s": "a" * 40 + "b"}).decode()), hostile)
+    assert problem is not None and "does not match" in problem
+    assert output_problem("chat", answer(orjson.dumps({"s": "a" * 40}).decode()), hostile) is None
+    assert time.perf_counter() - start < 1
+    # a patternProperties key is matched by jsonschema's own re: still skipped when it could run away
+    keyed = extract({"json_schema": {"type": "object", "patternProperties": {"^(a+)+$": {"type": "integer"}}}})
+    assert keyed is not None
+    assert output_problem("chat", answer(orjson.dumps({"a" * 40 + "b": "x"}).decode()), keyed) is None
     assert output_problem("chat", answer("12-ab"), regex("[0-9]{2}-[a-z]{3}")) == "the answer does not match the regex"
     assert output_problem("chat", answer('{"name": "' + "x" * 100 + '", "n": 1}'),
                           regex('\\{"name": "[^"]*", "n": [0-9]+\\}')) is None
