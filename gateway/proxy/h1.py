@@ -65,8 +65,8 @@ class _Target:
 class H1Response:
     """One response. Its body goes to a sink (``stream_to``), or is buffered for ``read``/``chunks``."""
 
-    __slots__ = ("_buffered", "_conn", "_pieces", "_sink", "_waiter", "complete", "error", "headers", "keep_alive",
-                 "status")
+    __slots__ = ("_buffered", "_conn", "_pieces", "_sink", "_waiter", "_whole", "complete", "error", "headers",
+                 "keep_alive", "status")
 
     def __init__(self, conn: _Connection, status: int, headers: dict[str, str], keep_alive: bool) -> None:
         self._conn = conn
@@ -79,6 +79,7 @@ class H1Response:
         self._buffered = 0
         self._sink: BodySink | None = None
         self._waiter: asyncio.Future[None] | None = None
+        self._whole = False  # read() wants the whole body: never paused (max_body_bytes bounds it)
 
     # -- from the connection ----------------------------------------------------------------------------
     def _data(self, chunk: bytes) -> None:
@@ -97,7 +98,7 @@ class H1Response:
             self._fail(UpstreamError(f"the backend's response is larger than {limit} bytes"))
             self._conn.close()
             return
-        if self._buffered > _HIGH_WATER:
+        if self._buffered > _HIGH_WATER and not self._whole:
             self._conn.pause_reading()
         self._wake()
 
@@ -135,7 +136,10 @@ class H1Response:
 
     # -- for the caller ---------------------------------------------------------------------------------
     async def read(self) -> bytes:
-        self._conn.resume_reading()  # a whole-body read needs every byte, up to max_body_bytes
+        # A whole-body read needs every byte, up to max_body_bytes: no pause from here on. (It was paused again
+        # past 1 MiB and never resumed: a non-streamed answer over ~1 MiB hung until timeouts.total.)
+        self._whole = True
+        self._conn.resume_reading()
         while not self.complete:
             if self.error is not None:
                 raise self.error

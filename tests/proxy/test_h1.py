@@ -350,3 +350,20 @@ async def test_a_request_abandoned_before_its_answer_closes_the_connection(trans
         with pytest.raises(asyncio.CancelledError):
             await task
         await asyncio.wait_for(closed.wait(), 2)
+
+
+async def test_a_whole_body_read_of_more_than_the_pause_mark_completes(transport: H1Transport) -> None:
+    """QA: a non-streamed answer over ~1 MiB (embeddings of 300 inputs) hung until timeouts.total: read()
+    resumed reading once, and the response paused it again past 1 MiB."""
+    body = b"x" * (5 << 20)
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await server.read_request(reader)
+        writer.write(ok(body))
+        await writer.drain()
+        await asyncio.sleep(1)
+
+    async with Server(handler) as server:
+        response: H1Response = await transport.post(server.url, b"{}", {})
+        assert await asyncio.wait_for(response.read(), 5) == body
+        response.release()
