@@ -62,6 +62,12 @@ def test_session_header_and_user_field_stick(quad: Running) -> None:
     assert len(homes) == 1
     homes = {ask(quad, "y", f"turn {t}", user="alice")["x-gateway-backend"] for t in range(6)}
     assert len(homes) == 1
+    # a long one sticks too, and is kept as a digest (QA pinned 88 MiB with twenty 4 MB "user" values)
+    long_user = "bob-" + "x" * 100_000
+    homes = {ask(quad, "z", f"turn {t}", user=long_user)["x-gateway-backend"] for t in range(4)}
+    assert len(homes) == 1
+    table = quad.app.gateway.pipeline.state.kept["session"]
+    assert max(map(len, table._entries)) <= 128 and not any(long_user in key for key in table._entries)
 
 
 def test_round_robin_policy_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
