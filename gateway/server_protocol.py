@@ -229,11 +229,12 @@ class StampedHttpToolsProtocol(HttpToolsProtocol):
             return
         if self._head_timer is None and data:
             self._arm_head_timer()  # the first byte of a request after a kept-alive wait
-        room = self.limits.max_header_bytes - self._head_bytes
-        if len(data) <= room:
-            self._head_bytes += len(data)
-            super().data_received(data)
-        else:
+        while True:
+            room = self.limits.max_header_bytes - self._head_bytes
+            if len(data) <= room:
+                self._head_bytes += len(data)
+                super().data_received(data)
+                break
             # Feed httptools no more than the limit allows, then see whether the head ended inside it (the
             # rest is body, or a pipelined request, and is fed on).
             view = memoryview(data)
@@ -241,11 +242,16 @@ class StampedHttpToolsProtocol(HttpToolsProtocol):
             super().data_received(view[:room])  # type: ignore[arg-type]  # httptools takes any buffer
             if self.transport.is_closing():
                 return
-            if self._in_head:
+            if self._in_head and self._head_bytes:  # no head ended inside it: this one is past the limit
                 self._refuse_head()
                 return
-            self.data_received(view[room:])
-            return
+            data = view[room:]  # type: ignore[assignment]
+            if not self._in_head:
+                self.data_received(data)  # its body, and what follows it
+                return
+            # Pipelined requests: a head ended inside the piece and the next began there; that one is counted
+            # from here on (what of it the piece held is not, so a head is refused by twice the limit at the
+            # latest). Counting the whole read refused, with no answer, pipelined heads each under the limit.
         if self._body_pending and self._body_timer is None and not self.transport.is_closing():
             self._arm_body_timer()
 

@@ -565,3 +565,22 @@ def test_a_kept_alive_connection_waits_on_the_keep_alive_clock_and_a_later_head_
     assert heads.count(b"HTTP/1.1 200 ") == 2, heads
     # the unfinished head: 408 after the header timeout from its first byte, not the keep-alive's 4 s
     assert raw.startswith(b"HTTP/1.1 408 ") and 0.9 < seconds < 3.0, (raw[:60], seconds)
+
+
+def test_pipelined_heads_each_under_the_limit_are_all_answered(front: Front) -> None:
+    """QA: requests written back to back in one send, whose heads together passed max_header_bytes (3 of
+    30 KB each, or 357 small ones), got no answer at all: the whole read was counted as one head."""
+    pad = b"x" * 30_000
+    one = (b"GET /health HTTP/1.1\r\nHost: t\r\nX-Pad: " + pad + b"\r\n\r\n")
+    with socket.create_connection(("127.0.0.1", front.port), timeout=10) as sock:
+        sock.sendall(one * 3)
+        raw = b""
+        while raw.count(b"HTTP/1.1 ") < 3 or not raw.endswith(b"}"):
+            piece = sock.recv(65536)
+            assert piece, f"closed after {raw.count(b'HTTP/1.1 ')} answers: {raw[:200]!r}"
+            raw += piece
+    assert raw.count(b"HTTP/1.1 200 ") == 3, raw[:300]
+    # a single head past the limit is still refused
+    with socket.create_connection(("127.0.0.1", front.port), timeout=10) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: t\r\nX-Pad: " + b"x" * (HEADER_LIMIT * 2) + b"\r\n\r\n")
+        assert sock.recv(65536).startswith(b"HTTP/1.1 431 ")
