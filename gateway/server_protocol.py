@@ -266,6 +266,15 @@ class StampedHttpToolsProtocol(HttpToolsProtocol):
         if self._head_timer is not None:
             self._head_timer.cancel()
             self._head_timer = None
+        if self.parser.should_upgrade() and not self._should_upgrade():
+            # Upgrade: h2c (curl --http2 on http://) or anything but a WebSocket: httptools stops at the head and
+            # takes the body for the new protocol's bytes, so the app got an empty body (a misleading 400 about
+            # a zero-length document). Said plainly instead, before any app runs.
+            self._answer_and_close(400, f"The gateway does not switch protocols (Upgrade: "
+                                        f"{self._upgrade_asked()}): send the request "
+                                        "over HTTP/1.1 without an Upgrade header (curl: --http1.1)",
+                                   "upgrade_not_supported")
+            return
         self._body_pending = True
         self._body_seen = self.loop.time()
         super().on_headers_complete()
@@ -278,6 +287,8 @@ class StampedHttpToolsProtocol(HttpToolsProtocol):
         super().on_body(body)
 
     def on_message_complete(self) -> None:
+        if self.cycle is None or (self.transport.is_closing() and self.cycle.scope is not self.scope):
+            return  # (its head was refused: no app runs for it)
         self._body_pending = False
         if self._body_timer is not None:
             self._body_timer.cancel()
@@ -292,6 +303,13 @@ class StampedHttpToolsProtocol(HttpToolsProtocol):
         # unless part of the next head came while this response was written
         if self.timeout_keep_alive_task is not None and self._head_bytes and self._head_timer is None:
             self._arm_head_timer()
+
+    def _upgrade_asked(self) -> str:
+        value = next((v for k, v in self.headers if k == b"upgrade"), b"?")
+        return value.decode("latin-1")[:40]
+
+    def _unsupported_upgrade_warning(self) -> None:
+        pass  # (answered in on_headers_complete)
 
     def send_400_response(self, msg: str) -> None:
         self._answer_and_close(400, msg, "invalid_http_request")

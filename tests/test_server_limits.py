@@ -584,3 +584,19 @@ def test_pipelined_heads_each_under_the_limit_are_all_answered(front: Front) -> 
     with socket.create_connection(("127.0.0.1", front.port), timeout=10) as sock:
         sock.sendall(b"GET /health HTTP/1.1\r\nHost: t\r\nX-Pad: " + b"x" * (HEADER_LIMIT * 2) + b"\r\n\r\n")
         assert sock.recv(65536).startswith(b"HTTP/1.1 431 ")
+
+
+def test_an_upgrade_to_another_protocol_is_refused_plainly_not_run_with_an_empty_body(front: Front) -> None:
+    """curl --http2 on http:// sends Upgrade: h2c with its POST: httptools stops at the head and the app got an
+    empty body (a 400 about a zero-length document). The gateway speaks HTTP/1.1 only, and says so."""
+    body = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}'
+    head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\nConnection: Upgrade, HTTP2-Settings\r\n"
+            b"Upgrade: h2c\r\nHTTP2-Settings: AAMAAABkAAQAoAAAAAIAAAAA\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n" % len(body))
+    status, answer = raw_request(front.port, head + body)
+    assert status == 400, answer
+    error = orjson.loads(answer)["error"]
+    assert error["code"] == "upgrade_not_supported" and "h2c" in error["message"], error
+    # the same request without the upgrade is served
+    plain = head.replace(b"Connection: Upgrade, HTTP2-Settings\r\nUpgrade: h2c\r\n", b"")
+    assert raw_request(front.port, plain + body)[0] == 200
