@@ -80,6 +80,7 @@ class LimitSettings(_Strict):
     max_messages: int = Field(default=4096, gt=0)
     max_documents: int = Field(default=1024, gt=0, description="most documents in one rerank request")
     max_tokens: int = Field(default=131072, gt=0, description="largest max_tokens / max_completion_tokens accepted")
+    max_n: int = Field(default=128, gt=0, description="most choices (n, best_of) one request asks for (OpenAI's cap)")
     max_nesting: int = Field(default=64, ge=4, le=200,
                              description="deepest nesting of a JSON schema, regex group or grammar expression")
     max_constraint_bytes: int = Field(default=128 * 1024, gt=0,

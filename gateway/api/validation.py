@@ -127,7 +127,10 @@ def parse_request(route: str, raw: bytes, limits: LimitSettings | None = None) -
             raise _bad("The 'stream_options' parameter is only allowed when 'stream' is enabled.", "stream_options")
         if not isinstance(options, dict):
             raise _bad("'stream_options' must be an object", "stream_options")
-    _positive_int(body, "n")
+    for key in ("n", "best_of"):  # (each choice is a sequence the engine generates: n=10^9 was passed on)
+        choices = _positive_int(body, key)
+        if choices is not None and choices > limits.max_n:
+            raise _bad(f"'{key}' is {choices}; this gateway accepts at most {limits.max_n}", key)
     max_completion_tokens = _positive_int(body, "max_completion_tokens")
     max_tokens = _positive_int(body, "max_tokens")
     if max_completion_tokens is not None:

@@ -207,3 +207,7 @@ def test_health_open_metrics_keyed_and_request_limits(keyed: Running) -> None:
     with pytest.raises(openai.BadRequestError) as err:
         sdk(keyed, KEY_B).chat.completions.create(model="m", messages=ASK, max_tokens=5000)
     assert err.value.param == "max_tokens"
+    # n (QA: n=10^9 was passed on to the engine), at OpenAI's own cap of 128 by default
+    with pytest.raises(openai.BadRequestError) as err:
+        sdk(keyed, KEY_B).chat.completions.create(model="m", messages=ASK, max_tokens=2, n=1_000_000_000)
+    assert err.value.param == "n" and "at most 128" in err.value.message
