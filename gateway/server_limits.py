@@ -85,6 +85,9 @@ def uvicorn_config(app: Any, server: ServerSettings, *, log_level: str = "info",
         port=server.port,
         loop="uvloop",
         http=StampedHttpToolsProtocol,
+        # no route speaks WebSocket: an upgrade is refused in the OpenAI shape like any other (server_protocol),
+        # where uvicorn's WebSocket path answered a bare 403
+        ws="none",
         lifespan=lifespan,
         access_log=False,
         # Nothing of the gateway reads the client's address, so rewriting it from X-Forwarded-For (uvicorn's

@@ -267,9 +267,10 @@ class StampedHttpToolsProtocol(HttpToolsProtocol):
             self._head_timer.cancel()
             self._head_timer = None
         if self.parser.should_upgrade() and not self._should_upgrade():
-            # Upgrade: h2c (curl --http2 on http://) or anything but a WebSocket: httptools stops at the head and
-            # takes the body for the new protocol's bytes, so the app got an empty body (a misleading 400 about
-            # a zero-length document). Said plainly instead, before any app runs.
+            # Upgrade: h2c (curl --http2 on http://), websocket (no route speaks it: ws="none") or anything else.
+            # httptools stops at the head and takes the body for the new protocol's bytes, so the app got an
+            # empty body (a misleading 400 about a zero-length document). Said plainly instead, before any app
+            # runs.
             self._answer_and_close(400, f"The gateway does not switch protocols (Upgrade: "
                                         f"{self._upgrade_asked()}): send the request "
                                         "over HTTP/1.1 without an Upgrade header (curl: --http1.1)",

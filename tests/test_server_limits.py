@@ -597,6 +597,11 @@ def test_an_upgrade_to_another_protocol_is_refused_plainly_not_run_with_an_empty
     assert status == 400, answer
     error = orjson.loads(answer)["error"]
     assert error["code"] == "upgrade_not_supported" and "h2c" in error["message"], error
+    # a WebSocket upgrade alike (no route speaks it; uvicorn answered a bare text/plain 403)
+    ws = (b"GET /v1/models HTTP/1.1\r\nHost: t\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n"
+          b"Sec-WebSocket-Version: 13\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n")
+    status, answer = raw_request(front.port, ws)
+    assert status == 400 and orjson.loads(answer)["error"]["code"] == "upgrade_not_supported", answer
     # the same request without the upgrade is served
     plain = head.replace(b"Connection: Upgrade, HTTP2-Settings\r\nUpgrade: h2c\r\n", b"")
     assert raw_request(front.port, plain + body)[0] == 200
