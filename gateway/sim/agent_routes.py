@@ -58,16 +58,20 @@ class StreamWriter(Protocol):
 
 
 class _StreamSink:
-    __slots__ = ("done", "resp", "writer")
+    __slots__ = ("done", "drop_after", "resp", "writer")
 
-    def __init__(self, writer: StreamWriter, resp: Responder, done: asyncio.Future[None]) -> None:
+    def __init__(self, writer: StreamWriter, resp: Responder, done: asyncio.Future[None],
+                 drop_after: int | None = None) -> None:
         self.writer, self.resp, self.done = writer, resp, done
+        self.drop_after = drop_after  # the drop_mid_stream_after_tokens fault, as on chat streams
 
     def on_token(self, seq: Sequence) -> None:
         n = seq.generated
         data = self.writer.token(n - 1, seq.output[n - 1])
         if data:
             self.resp.chunk(data)
+        if self.drop_after is not None and n >= self.drop_after and n < len(seq.output):
+            self.resp.abort()
 
     def on_finish(self, seq: Sequence) -> None:
         self.resp.chunk(self.writer.tail())
@@ -276,7 +280,8 @@ class AgentRoutes:
         """Generate on the engine's scheduler; streamed through ``writer`` or collected. True when it finished."""
         server = self.engine.server
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        sink = _StreamSink(writer, resp, done) if writer is not None else CollectSink(done)
+        sink = (_StreamSink(writer, resp, done, server.faults.drop_mid_stream_after_tokens) if writer is not None
+                else CollectSink(done))
         seq = Sequence(ids, gen.plan.pieces, gen.plan.ids, gen.plan.finish_reason, sink)
         gen.seq = seq
 

@@ -97,6 +97,27 @@ def test_drop_mid_stream(fleet: FleetThread) -> None:
     assert got.count(b'"finish_reason":null') >= 3 and b"[DONE]" not in got
 
 
+def test_drop_mid_stream_cuts_the_native_agent_streams_too(fleet: FleetThread) -> None:
+    """QA: the fault cut chat streams only; a native Messages or Responses stream ran to its end, so the
+    gateway's handling of a cut native stream could not be tried."""
+    server = fleet.fleet["sim-sglang"]
+    server.faults.drop_mid_stream_after_tokens = 3
+    asks = [("/v1/messages", {"model": CHAT["model"], "max_tokens": 20, "stream": True,
+                              "messages": [{"role": "user", "content": "hi"}]}, b"message_stop"),
+            ("/v1/responses", {"model": CHAT["model"], "max_output_tokens": 20, "stream": True, "input": "hi"},
+             b"response.completed")]
+    try:
+        for path, body, end in asks:
+            got = b""
+            with httpx.Client(timeout=10) as c, pytest.raises(httpx.RemoteProtocolError):  # noqa: SIM117
+                with c.stream("POST", server.url + path, json=body) as r:
+                    for chunk in r.iter_bytes():
+                        got += chunk
+            assert got and end not in got, (path, got[-300:])
+    finally:
+        server.faults.drop_mid_stream_after_tokens = None
+
+
 def test_client_disconnect_aborts_the_sequence(fleet: FleetThread) -> None:
     server = fleet.fleet["sim-vllm"]
     before = server.stats.cancelled
