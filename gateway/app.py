@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry
 
 from gateway import __version__
 from gateway.api import errors
-from gateway.api.admin import ADMIN, NO_ADMIN, build_admin_router
+from gateway.api.admin import ADMIN, CROSS_ORIGIN, NO_ADMIN, build_admin_router, same_origin
 from gateway.api.agent_apis import AgentApi, count_tokens_api, messages_api, responses_api
 from gateway.api.openapi import install_openapi
 from gateway.api.proxy_endpoint import EndpointSettings, ProxyEndpoint, request_id
@@ -345,6 +345,11 @@ class GatewayApp:
         rid = request_id(scope).encode()
         if scope["path"].startswith(ADMIN) and not self._keys.enabled:
             await send_body(send, 403, NO_ADMIN, [(b"x-request-id", rid)])
+            return
+        if scope["path"].startswith(ADMIN) and scope["method"] not in ("GET", "HEAD") and not same_origin(scope):
+            # as on the admin listener: a change from a browser only from a page of this origin (QA drained a
+            # backend through the main port with Origin: http://evil.example)
+            await send_body(send, 403, CROSS_ORIGIN.body(), [(b"x-request-id", rid)])
             return
         if self._needs_key(scope["path"]):
             try:

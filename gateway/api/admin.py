@@ -167,13 +167,17 @@ def _local_host(value: bytes | None) -> bool:
     return True
 
 
-def _same_origin(scope: Scope) -> bool:
+def same_origin(scope: Scope) -> bool:
     """No ``Origin`` (curl, scripts), or one naming the host the request was sent to (the status page)."""
     origin = header(scope, b"origin")
     if origin is None:
         return True
     host = header(scope, b"host")
     return host is not None and origin.partition(b"://")[2] == host
+
+
+CROSS_ORIGIN = GatewayError(403, "a change through the admin API from a browser must come from the listener's "
+                            "own status page (Origin differs from Host)", code="cross_origin_refused")
 
 
 class AdminApp:
@@ -203,10 +207,8 @@ class AdminApp:
                                        "it by name", code="admin_host_refused")
                 await send_body(send, 403, refusal.body(), rid)
                 return
-            if scope["method"] not in ("GET", "HEAD") and not _same_origin(scope):
-                refusal = GatewayError(403, "a change through the admin listener from a browser must come from its "
-                                       "own status page (Origin differs from Host)", code="cross_origin_refused")
-                await send_body(send, 403, refusal.body(), rid)
+            if scope["method"] not in ("GET", "HEAD") and not same_origin(scope):
+                await send_body(send, 403, CROSS_ORIGIN.body(), rid)
                 return
             if keyed and scope["path"] not in UI_FILES:
                 try:

@@ -45,6 +45,13 @@ def test_the_admin_api_refuses_client_keys_and_missing_keys(two: Running) -> Non
         client = httpx.request(method, two.url + path, headers=CLIENT)
         assert client.status_code == 403 and client.json()["error"]["code"] == "insufficient_scope"
     assert not two.app.gateway.pool.get("va").drained  # (the refused drain did nothing)
+    # a change from another site's page is refused on the main port as on the admin listener (QA drained va
+    # with Origin: http://evil.example); reading is not a change
+    evil = {**OPS, "origin": "http://evil.example"}
+    cross = httpx.post(two.url + "/admin/backends/va/drain", headers=evil)
+    assert cross.status_code == 403 and cross.json()["error"]["code"] == "cross_origin_refused"
+    assert not two.app.gateway.pool.get("va").drained
+    assert httpx.get(two.url + "/admin/backends", headers=evil).status_code == 200
     # and an admin key is not a client key
     chat = httpx.post(two.url + "/v1/chat/completions", headers=OPS,
                       json={"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
