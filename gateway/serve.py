@@ -285,9 +285,12 @@ def serve(config_path: str | None, *, host: str | None, port: int | None, log_le
     server_overrides = {k: v for k, v in (("host", host), ("port", port), ("admin_port", admin_port))
                         if v is not None}
     if config_path is not None:
+        # The flags go where the environment's overrides go, so that every reload of the file (and every worker)
+        # keeps them: applied to the loaded settings alone, each reload saw the file's port as a change of
+        # 'server' and answered restart_needed though nothing had changed.
+        for key, value in server_overrides.items():
+            os.environ[f"GATEWAY_SERVER__{key.upper()}"] = str(value)
         settings = load_settings(config_path)
-        if server_overrides:
-            settings = settings.model_copy(update={"server": settings.server.model_copy(update=server_overrides)})
         check_settings(settings)
         _run(settings, log_level, config_path)
         return 0
