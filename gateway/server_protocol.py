@@ -79,13 +79,8 @@ class BodyWriter:
             await send(message)
             self.write(first)
             return
+        head = await _framed(cycle, send, message)
         transport = cycle.transport
-        head = _Collect(transport)
-        cycle.transport = head  # (uvicorn's ``send`` writes the head to the cycle's transport, and only that)
-        try:
-            await send(message)
-        finally:
-            cycle.transport = transport
         if cycle.disconnected or not head.parts:
             return
         if not cycle.chunked_encoding:  # (a content-length: not a stream this writer can frame)
@@ -106,16 +101,9 @@ class BodyWriter:
                 await send(start)
             await send(last)
             return
-        transport = cycle.transport
-        framed = _Collect(transport)
-        cycle.transport = framed  # (uvicorn's ``send`` writes to, and closes, the cycle's transport, and only that)
-        try:
-            await send(start)
-            await send(last)
-        finally:
-            cycle.transport = transport
+        framed = await _framed(cycle, send, start, last)
         if framed.parts and not cycle.disconnected:
-            transport.write(b"".join(framed.parts))
+            cycle.transport.write(b"".join(framed.parts))
 
     def when_writable(self, callback: Callable[[], None]) -> None:
         """Call ``callback`` once the transport drains (or the connection is lost)."""
@@ -148,6 +136,20 @@ class _Collect:
             self.transport.write(b"".join(self.parts))
             self.parts.clear()
         self.transport.close()
+
+
+async def _framed(cycle: Any, send: Send, *messages: Message) -> _Collect:
+    """What uvicorn's ``send`` writes for ``messages`` (its checks and framing), kept instead of written: it writes
+    to, and may close, the cycle's transport and only that, so a :class:`_Collect` stands in for it meanwhile."""
+    transport = cycle.transport
+    collected = _Collect(transport)
+    cycle.transport = collected
+    try:
+        for message in messages:
+            await send(message)
+    finally:
+        cycle.transport = transport
+    return collected
 
 
 @dataclass(frozen=True)

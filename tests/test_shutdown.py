@@ -9,7 +9,9 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import yaml
@@ -29,21 +31,35 @@ def wait_up(url: str, proc: subprocess.Popen[bytes]) -> None:
         time.sleep(0.1)
 
 
-def test_sigterm_lets_the_stream_in_flight_finish(tmp_path: Path) -> None:
+@contextlib.contextmanager
+def gateway_over_vllm(tmp_path: Path, server: dict[str, Any], admin: bool = False,
+                      stdout: int = subprocess.DEVNULL) -> Iterator[tuple[subprocess.Popen[bytes], str, str]]:
+    """``gateway serve`` (a process; ``server``: its server settings beyond its port, and an admin listener when
+    ``admin``) in front of one emulated vLLM serving ``m``, both ready: the gateway, its URL and its admin API's
+    URL. Both processes are gone afterwards."""
     base = free_port_block(3)
     fleet = subprocess.Popen([sys.executable, "-m", "gateway.sim", "serve", "--engine", "vllm", "--model", "m",
                               "--port", str(base)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     config = tmp_path / "gateway.yaml"
-    config.write_text(yaml.safe_dump({"server": {"port": base + 1, "admin_port": base + 2,
-                                                 "shutdown_timeout": 20},
+    listeners = {"port": base + 1, **({"admin_port": base + 2} if admin else {})}
+    config.write_text(yaml.safe_dump({"server": {**listeners, **server},
                                       "backends": [{"name": "v", "engine": "vllm", "url": f"http://127.0.0.1:{base}"}]}))
     gateway = subprocess.Popen([sys.executable, "-m", "gateway", "serve", "--config", str(config), "--log-level",
-                                "warning"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                "warning"], stdout=stdout, stderr=subprocess.DEVNULL)
     try:
         wait_up(f"http://127.0.0.1:{base}/health", fleet)
         url = f"http://127.0.0.1:{base + 1}"
-        admin = f"http://127.0.0.1:{base + 2}/admin"
         wait_up(url + "/ready", gateway)
+        yield gateway, url, f"http://127.0.0.1:{base + 2}/admin"
+    finally:
+        for proc in (gateway, fleet):
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+
+
+def test_sigterm_lets_the_stream_in_flight_finish(tmp_path: Path) -> None:
+    with gateway_over_vllm(tmp_path, {"shutdown_timeout": 20}, admin=True) as (gateway, url, admin):
         body = {"model": "m", "messages": [{"role": "user", "content": "go"}], "max_tokens": 300,
                 "ignore_eos": True, "stream": True}  # ~1.7 s at the emulated 175 tok/s
         with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=30) as response:
@@ -67,28 +83,12 @@ def test_sigterm_lets_the_stream_in_flight_finish(tmp_path: Path) -> None:
             assert change.status_code == 503 and change.json()["error"]["code"] == "shutting_down", change.text
         assert status.status_code == 200 and "v" in status.text
         assert gateway.wait(timeout=20) == 0
-    finally:
-        for proc in (gateway, fleet):
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait()
 
 
 def test_a_stream_cut_by_the_shutdown_timeout_is_logged_as_interrupted(tmp_path: Path) -> None:
     """Past shutdown_timeout the stream is cut; its access-log line said outcome "pending" (the exchange's
     internal state) where it now says "interrupted"."""
-    base = free_port_block(2)
-    fleet = subprocess.Popen([sys.executable, "-m", "gateway.sim", "serve", "--engine", "vllm", "--model", "m",
-                              "--port", str(base)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    config = tmp_path / "gateway.yaml"
-    config.write_text(yaml.safe_dump({"server": {"port": base + 1, "shutdown_timeout": 1},
-                                      "backends": [{"name": "v", "engine": "vllm", "url": f"http://127.0.0.1:{base}"}]}))
-    gateway = subprocess.Popen([sys.executable, "-m", "gateway", "serve", "--config", str(config), "--log-level",
-                                "warning"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
-    try:
-        wait_up(f"http://127.0.0.1:{base}/health", fleet)
-        url = f"http://127.0.0.1:{base + 1}"
-        wait_up(url + "/ready", gateway)
+    with gateway_over_vllm(tmp_path, {"shutdown_timeout": 1}, stdout=subprocess.PIPE) as (gateway, url, _):
         body = {"model": "m", "messages": [{"role": "user", "content": "go"}], "max_tokens": 3000,
                 "ignore_eos": True, "stream": True}  # ~17 s at the emulated 175 tok/s: longer than the timeout
         with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=30) as response:
@@ -102,8 +102,3 @@ def test_a_stream_cut_by_the_shutdown_timeout_is_logged_as_interrupted(tmp_path:
         lines = [json.loads(line) for line in out.decode().splitlines() if line.startswith("{")]
         chat = [line for line in lines if line.get("route") == "chat"]
         assert [line["outcome"] for line in chat] == ["interrupted"], lines
-    finally:
-        for proc in (gateway, fleet):
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait()

@@ -332,10 +332,14 @@ class _Model:
     def queued(self) -> int:
         return sum(len(level) for level in self.levels.values())
 
+    def waiting(self) -> bool:
+        return bool(self.woken or any(level.keys for level in self.levels.values()))
+
     def busy(self) -> bool:
-        return bool(self.active or self.woken or any(level.keys for level in self.levels.values()))
+        return bool(self.active) or self.waiting()
 
     def completion(self, at: float) -> None:
+        waiting = self.waiting()
         last = self.last_completion
         if last is not None and self.busy_after and at > last:
             intervals = self.intervals
@@ -345,8 +349,8 @@ class _Model:
             self.busy_seconds += at - last
         if last is None or at >= last:
             self.last_completion = at
-            self.busy_after = self.busy()
-        if not (self.woken or any(level.keys for level in self.levels.values())):
+            self.busy_after = bool(self.active) or waiting
+        if not waiting:
             self.last_busy = None  # (a slot freed with nobody waiting: no wait between frees to measure)
             return
         if self.last_busy is not None and at > self.last_busy:

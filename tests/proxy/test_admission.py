@@ -191,11 +191,11 @@ async def test_a_waiter_past_its_deadline_is_refused_with_timeout() -> None:
     await q.done()
 
 
-def served_at(admission: Admission, per_second: float, count: int = 20) -> None:
-    """The model's recent completions while it was busy: ``count`` at ``per_second``, a request in flight
-    throughout (it stays: the model is busy still)."""
+def served_at(admission: Admission, per_second: float, count: int = 20, ago: float = 0.0) -> None:
+    """The model's completions while it was busy: ``count`` at ``per_second``, the last ``ago`` seconds before
+    one more interval; a request in flight throughout (it stays: the model is busy still)."""
     admission.admitted(admission.ticket("m", "busy", place()))
-    now = time.monotonic()
+    now = time.monotonic() - ago
     for i in range(count):
         admission.completed("m", now - (count - i) / per_second)
 
@@ -258,11 +258,8 @@ async def test_the_rate_is_completions_per_busy_second_and_falls_while_nothing_f
     served_at(q.admission, per_second=4.0)
     assert q.admission.service_rate("m") == pytest.approx(4.0, rel=0.1)
     stalled = Queue()
-    stalled.admission.admitted(stalled.admission.ticket("m", "busy", place()))
-    now = time.monotonic()
-    for i in range(20):  # 4 a second while busy, the last 15 s ago, and busy since
-        stalled.admission.completed("m", now - 15 - (19 - i) / 4)
-    assert stalled.admission.service_rate("m") == pytest.approx(19 / (19 / 4 + 15), rel=0.05)
+    served_at(stalled.admission, per_second=4.0, ago=15.0)  # busy since, and nothing finished for 15.25 s
+    assert stalled.admission.service_rate("m") == pytest.approx(19 / (19 / 4 + 15 + 1 / 4), rel=0.05)
     await q.done()
     await stalled.done()
 
