@@ -12,7 +12,8 @@ and hold the next ones back until it refills, and a burst of concurrent requests
 positive reading. At the end the difference to the real prompt + completion tokens is given back (or
 charged); a stream cut before its usage chunk is charged what was streamed. Each gateway process keeps its
 own buckets, unless ``state.url`` names a shared store: then the buckets live there (:mod:`gateway.state`),
-one set for every process and replica, and are checked after routing together with a backend's slot.
+one set for every process and replica. Either way a key's checks come first, before its request is validated,
+translated or routed (``gateway.api.proxy_endpoint``).
 """
 
 from __future__ import annotations

@@ -77,8 +77,10 @@ class ServerSettings(_Strict):
 class LimitSettings(_Strict):
     """Per-request limits; beyond them a 400 naming the field."""
 
-    max_messages: int = Field(default=4096, gt=0)
+    max_messages: int = Field(default=4096, gt=0, description="most messages in one chat or Anthropic Messages "
+                                                              "request; most input items of one Responses request")
     max_documents: int = Field(default=1024, gt=0, description="most documents in one rerank request")
+    max_inputs: int = Field(default=2048, gt=0, description="most inputs in one embeddings request (OpenAI's cap)")
     max_tokens: int = Field(default=131072, gt=0, description="largest max_tokens / max_completion_tokens accepted")
     max_n: int = Field(default=128, gt=0, description="most choices (n, best_of) one request asks for (OpenAI's cap)")
     max_nesting: int = Field(default=64, ge=4, le=200,

@@ -1,4 +1,10 @@
-"""The OpenAI generation routes as one raw ASGI endpoint: read, authenticate, validate, dispatch, account.
+"""The OpenAI generation routes as one raw ASGI endpoint: authenticate, read, the key's checks, validate,
+dispatch, account.
+
+The order is the point: everything a request costs the gateway beyond reading its body and decoding its JSON
+(translating an agent API, validating the body, checking a constraint in a worker process, routing) comes after
+its key's cheap checks: the key itself, its model allow-list, its ``max_in_flight`` and its rate limits. A key
+that may not use the model, or has no budget left, is refused before any of that work is done for it.
 
 Raw ASGI rather than a framework response: on our machines a framework's streaming response cost 2-3x the
 added latency of a raw path (../shared/PERFORMANCE.md).
@@ -15,16 +21,16 @@ from random import getrandbits
 from typing import Any
 
 from gateway.api.agent_apis import AgentApi
-from gateway.api.validation import parse_request, validate_heavy
+from gateway.api.validation import decode_body, parse_body, requested_model, validate_heavy
 from gateway.asgi import BODY_WRITER, Headers, Receive, Scope, Send, header, send_body
 from gateway.auth import ANONYMOUS, Client, KeyStore
 from gateway.config import LimitSettings, Settings
 from gateway.errors import GatewayError
 from gateway.proxy.dispatch import Dispatcher
 from gateway.proxy.exchange import Exchange
-from gateway.routing.request import RouteRequest
+from gateway.routing.request import POOLING_ROUTES
 from gateway.server_protocol import ARRIVAL
-from gateway.state.shared import Budget, SharedState
+from gateway.state.shared import Budget, SharedState, StateUnavailable
 from gateway.structured.offload import ValidationWorkers
 from gateway.telemetry.request_metrics import RequestMetrics
 from gateway.telemetry.tracing import RequestTrace, Tracing
@@ -81,8 +87,31 @@ def _bounded_session(key: str) -> str:
     return "blake2b:" + hashlib.blake2b(key.encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()
 
 
-# bytes per prompt token when reserving a key's tokens: typical English tokenizes at ~4 bytes per token
+# bytes per prompt token when reserving a key's tokens: typical English tokenizes at ~4 bytes per token; the
+# reservation counts the whole body (prompt, inputs, documents, tools), as it comes, before anything is parsed
 _BYTES_PER_TOKEN = 4
+_OUTPUT_FIELDS = ("max_completion_tokens", "max_tokens", "max_output_tokens")  # chat, completions; Responses
+_NOTHING_GENERATED = POOLING_ROUTES | {"count_tokens"}
+
+
+def _positive(value: Any) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
+
+
+def reservation(route: str, size: int, body: dict[str, Any], reserve_tokens: int, max_n: int) -> int:
+    """Tokens a request of ``size`` body bytes reserves of its key's tokens per minute on arrival, read from the
+    decoded body before any validation: its body's estimate (every prompt, input and document in it) plus,
+    for each choice it asks for (``n``, ``best_of``), what it may generate (``max_tokens`` or its spelling,
+    else ``reserve_tokens``); a pooling route generates nothing. Settled against the engine's usage at the
+    end. A value the validation will refuse counts as absent (the request is refused before it is sent)."""
+    prompt = size // _BYTES_PER_TOKEN
+    if route in _NOTHING_GENERATED:
+        return prompt
+    output = next((n for n in map(_positive, map(body.get, _OUTPUT_FIELDS)) if n), reserve_tokens)
+    choices = min(max_n, max(1, _positive(body.get("n")), _positive(body.get("best_of"))))
+    return prompt + choices * output
+
+
 # the gateway's own refusals for want of capacity (not the client's fault): outcome "shed", which the error-rate
 # alert counts, where "client_error" would hide a gateway refusing most of its traffic
 SHED_CODES = frozenset({"queue_full", "queue_deadline", "queue_timeout", "backends_at_capacity"})
@@ -96,6 +125,8 @@ def _tokens_used(exchange: Exchange) -> int:
         return exchange.usage_int("prompt_tokens") + exchange.usage_int("completion_tokens")
     if exchange.backend is None or exchange.request is None:
         return 0
+    if exchange.request.route in POOLING_ROUTES:
+        return exchange.reserve  # (its inputs, as estimated on arrival: a pooling request's prompt is not rendered)
     return len(exchange.request.prompt) // _BYTES_PER_TOKEN + exchange.text_events
 
 
@@ -125,7 +156,7 @@ class ProxyEndpoint:
                  finish: Callable[[Exchange], None], api: AgentApi | None = None,
                  shared: SharedState | None = None) -> None:
         self._route = route
-        self._shared = shared  # with it, a key's limits are admitted after routing (see Dispatcher)
+        self._shared = shared  # with it, a key's limits live there
         self._api = api
         self._settings = settings
         self._keys = keys
@@ -139,11 +170,49 @@ class ProxyEndpoint:
         """Reloaded settings, for the requests that arrive from now on."""
         self._settings = settings
 
-    def _reservation(self, request: RouteRequest, client: Client) -> int:
-        """Tokens to reserve on admission: the prompt's estimate plus what the request may generate."""
-        if client.tokens is None:
-            return 0
-        return len(request.prompt) // _BYTES_PER_TOKEN + (request.max_tokens or self._settings.reserve_tokens)
+    async def _admit_key(self, exchange: Exchange, client: Client, model: str, size: int,
+                         body: dict[str, Any]) -> None:
+        """The key's checks, before anything else is done for the request: its model allow-list, then its
+        ``max_in_flight`` place and its requests and tokens per minute (in this process, or in the shared
+        state when there is one). Raises 403 / 429 (503 with shared limits down and ``on_failure: closed``);
+        what it takes is on ``exchange``, given back in ``__call__``'s ``finally``."""
+        KeyStore.check_model(client, model)
+        limits = client.settings
+        settings = self._settings
+        reserve = (reservation(self._route, size, body, settings.reserve_tokens, settings.limits.max_n)
+                   if limits.tokens_per_minute else 0)
+        exchange.reserve = reserve
+        shared = self._shared
+        if shared is None:
+            if KeyStore.hold(client):  # (first: a refusal here charges no budget)
+                exchange.key_place = "local"
+            exchange.reserved_tokens = KeyStore.admit(client, model, reserve)
+            return
+        if not (limits.requests_per_minute or limits.tokens_per_minute or limits.max_in_flight):
+            return
+        budget = exchange.budget = Budget(client.name, limits.requests_per_minute, limits.tokens_per_minute,
+                                          limits.max_in_flight)
+        try:
+            if not shared.up:
+                raise StateUnavailable("down")
+            admitted = shared.try_local(budget, reserve, ())
+            if admitted is None:
+                admitted = await shared.admit_remote(budget, reserve, ())
+        except StateUnavailable:
+            if shared.settings.on_failure == "closed":
+                raise GatewayError(503, "the gateway's shared limits cannot be checked now (its Redis does not "
+                                        "answer); retry shortly", code="limits_unavailable",
+                                   headers={"retry-after": "1"}) from None
+            shared.fail_open += 1
+            return
+        if admitted.limited == "in_flight":
+            raise KeyStore.too_many(client.name, limits.max_in_flight or 0)
+        if admitted.limited is not None:
+            raise KeyStore.rate_limited(client.name, admitted.limited, admitted.retry_after)
+        if admitted.key_place:
+            exchange.key_place = "shared"
+        if limits.tokens_per_minute:
+            exchange.reserved_tokens = reserve
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         settings = self._settings
@@ -167,15 +236,25 @@ class ProxyEndpoint:
             if scope["method"] != "POST":
                 raise GatewayError(405, f"{scope['path']} only accepts POST", code="method_not_allowed",
                                    headers={"allow": "POST"})
-            exchange.client = self._keys.authenticate(header(scope, b"authorization"), header(scope, b"x-api-key"))
+            client = exchange.client = self._keys.authenticate(header(scope, b"authorization"),
+                                                               header(scope, b"x-api-key"))
             raw = await read_body(scope, receive, settings.max_body_bytes)
+            body = decode_body(raw)
+            model = requested_model(body)
+            exchange.placement = self._dispatcher.priorities.place(
+                client.name if client is not None else None, header(scope, b"x-gateway-priority"),
+                header(scope, b"x-gateway-deadline-ms"))
+            if client is not None:
+                await self._admit_key(exchange, client, model, len(raw), body)
+            # the request's own work, its key's checks passed
             if translation is not None:
-                raw = await translation.load(raw)
-            request = parse_request("chat" if translation is not None else self._route, raw, settings.limits)
+                body = await translation.load(body, settings.limits)
+            request = parse_body("chat" if translation is not None else self._route, body, settings.limits)
             if translation is not None:
                 translation.route_request = request
                 request.agent = translation
-            await validate_heavy(request, self._workers)  # large constraints: off the event loop
+            owner = client.name if client is not None else ANONYMOUS
+            await validate_heavy(request, self._workers, owner)  # large constraints: off the event loop
             session = header(scope, settings.session_header)
             request.session_key = (_bounded_session(session.decode("latin-1")) if session
                                    else _user_session(request.body))
@@ -184,26 +263,8 @@ class ProxyEndpoint:
             if exchange.trace is not None:
                 # (named by the API the client spoke: a Responses or Messages request is translated to chat)
                 exchange.trace.request(self._route, request.model, request.max_tokens, request.stream)
-            client = exchange.client
-            exchange.placement = self._dispatcher.priorities.place(
-                client.name if client is not None else None, header(scope, b"x-gateway-priority"),
-                header(scope, b"x-gateway-deadline-ms"))
-            if client is not None:
-                if self._shared is None:
-                    KeyStore.check_model(client, request.model)
-                    if KeyStore.hold(client):  # (first: a refusal here charges no budget)
-                        exchange.key_place = "local"
-                    exchange.reserved_tokens = KeyStore.admit(client, request.model,
-                                                              self._reservation(request, client))
-                else:
-                    KeyStore.check_model(client, request.model)
-                    limits = client.settings
-                    if limits.requests_per_minute or limits.tokens_per_minute or limits.max_in_flight:
-                        exchange.budget = Budget(client.name, limits.requests_per_minute, limits.tokens_per_minute,
-                                                 limits.max_in_flight)
-                        exchange.reserve = self._reservation(request, client)
-            await self._dispatcher.dispatch(exchange, request, exchange.client.name if exchange.client else ANONYMOUS,
-                                            receive, send, writer)
+            await self._dispatcher.dispatch(exchange, request, owner, receive, send, writer,
+                                            allowed=client.allows if client is not None else None)
         except GatewayError as exc:
             exchange.status = exc.status
             if exchange.outcome == "pending":

@@ -59,7 +59,9 @@ def _check_prompt(prompt: Any) -> None:
     raise _bad("'prompt' must be a string, an array of strings, or an array of token ids", "prompt")
 
 
-def _check_input(value: Any) -> None:
+def _check_input(value: Any, limits: LimitSettings) -> None:
+    if isinstance(value, list) and len(value) > limits.max_inputs:
+        raise _bad(f"'input' has {len(value)} entries; this gateway accepts at most {limits.max_inputs}", "input")
     if isinstance(value, str) or (isinstance(value, list) and value):
         return
     raise _bad("'input' must be a string or a non-empty array", "input")
@@ -83,37 +85,57 @@ def _check_rerank(body: dict[str, Any], limits: LimitSettings) -> None:
     _positive_int(body, "top_n")
 
 
-def parse_request(route: str, raw: bytes, limits: LimitSettings | None = None) -> RouteRequest:
+def decode_body(raw: bytes) -> dict[str, Any]:
+    """The request body as a JSON object: one C-level parse, bounded by ``server.max_body_bytes`` before it.
+    Nothing else is checked here: the key's checks come next, then :func:`parse_body`."""
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
         raise _bad(f"We could not parse the JSON body of your request: {exc}", None) from None
     if not isinstance(body, dict):
         raise _bad("The request body must be a JSON object", None)
-    try:
-        # orjson reads 1,024 levels but writes only 254: a body between the two would fail later, wherever
-        # the gateway re-encodes it (prompt keys, the upstream request). ~0.1 us for a small body.
-        orjson.dumps(body)
-    except orjson.JSONEncodeError as exc:
-        if route not in POOLING_ROUTES:
-            _constraint(body, limits)  # a constraint nested too deep is refused as such, naming its field
-        raise _bad(f"The request body cannot be accepted: {exc} (it nests deeper than {_MAX_DEPTH} levels)",
-                   None) from None
+    return body
+
+
+def requested_model(body: dict[str, Any]) -> str:
+    """The model the body names (what a key's allow-list is checked against), or a 400."""
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise _bad("'model' is required and must be a non-empty string", "model")
+    return model
+
+
+def check_depth(body: dict[str, Any], limits: LimitSettings | None, constraints: bool = True) -> None:
+    """A 400 for a body nesting deeper than the gateway can re-encode: orjson reads 1,024 levels but writes
+    only 254, and a body between the two would fail later, wherever the gateway re-encodes it (prompt keys,
+    the upstream request, an agent API's translation). ~0.1 us for a small body."""
+    try:
+        orjson.dumps(body)
+    except orjson.JSONEncodeError as exc:
+        if constraints:  # (a chat or completions body)
+            _constraint(body, limits)  # a constraint nested too deep is refused as such, naming its field
+        raise _bad(f"The request body cannot be accepted: {exc} (it nests deeper than {_MAX_DEPTH} levels)",
+                   None) from None
+
+
+def parse_body(route: str, body: dict[str, Any], limits: LimitSettings | None = None) -> RouteRequest:
+    """The checks the gateway relies on, on a decoded body whose key passed its checks; a 400 naming the field
+    for the first that fails."""
+    check_depth(body, limits, route not in POOLING_ROUTES)
+    model = requested_model(body)
     limits = limits or LimitSettings()
     if route == "chat":
-        _check_messages(body.get("messages"))
-        if len(body["messages"]) > limits.max_messages:
-            raise _bad(f"'messages' has {len(body['messages'])} entries; this gateway accepts at most "
+        messages = body.get("messages")
+        if isinstance(messages, list) and len(messages) > limits.max_messages:  # (counted before any is read)
+            raise _bad(f"'messages' has {len(messages)} entries; this gateway accepts at most "
                        f"{limits.max_messages}", "messages")
+        _check_messages(messages)
     elif route == "completions":
         _check_prompt(body.get("prompt"))
     elif route == "rerank":
         _check_rerank(body, limits)
     else:
-        _check_input(body.get("input"))
+        _check_input(body.get("input"), limits)
     stream = body.get("stream", False)
     if stream is None:
         stream = False
@@ -150,14 +172,15 @@ def _constraint(body: dict[str, Any], limits: LimitSettings | None) -> Constrain
         raise GatewayError(400, str(exc), param=exc.param, code=exc.code) from None
 
 
-async def validate_heavy(request: RouteRequest, workers: ValidationWorkers) -> None:
-    """Finish what ``parse_request`` left to a worker process: validating a constraint too big to validate on
-    the event loop (``Constraint.pending``). Returns at once for every other request."""
+async def validate_heavy(request: RouteRequest, workers: ValidationWorkers, owner: str) -> None:
+    """Finish what ``parse_body`` left to a worker process: validating a constraint too big to validate on
+    the event loop (``Constraint.pending``), in ``owner``'s (the API key's) fair share of the workers. Returns
+    at once for every other request."""
     constraint = request.constraint
     if constraint is None or constraint.pending is None:
         return
     try:
-        request.constraint = await workers.validate(constraint)
+        request.constraint = await workers.validate(constraint, owner)
     except ConstraintInvalid as exc:
         raise GatewayError(400, str(exc), param=exc.param, code=exc.code) from None
     except ValidationBusy as exc:

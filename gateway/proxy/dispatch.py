@@ -21,7 +21,6 @@ from prometheus_client import Counter
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, stop_after_delay, wait_none
 
 from gateway.asgi import ClientWriter, Headers, Receive, Send
-from gateway.auth import KeyStore
 from gateway.config import RetrySettings, StructuredOutputSettings
 from gateway.engines.base import EngineAdapter
 from gateway.engines.registry import ENGINES
@@ -34,7 +33,7 @@ from gateway.proxy.models import FALLBACK_CODES, ModelMap
 from gateway.proxy.upstream import UpstreamError
 from gateway.routing.pipeline import Decision, NoRoute, Pipeline
 from gateway.routing.request import RouteRequest
-from gateway.state.shared import Admitted, SharedState, Slotted, StateUnavailable
+from gateway.state.shared import SharedState, Slotted, StateUnavailable
 from gateway.structured import can_honour
 from gateway.structured.check import CHECKABLE, output_problem
 from gateway.telemetry.metrics import GatewayMetrics
@@ -116,9 +115,12 @@ class Dispatcher:
         self._metrics.child(self._metrics.invalid_outputs, backend.name, backend.engine, action).inc()
 
     async def dispatch(self, exchange: Exchange, request: RouteRequest, key: str, receive: Receive,
-                       send: Send, writer: ClientWriter | None = None) -> None:
+                       send: Send, writer: ClientWriter | None = None, *,
+                       allowed: Callable[[str], bool] | None = None) -> None:
         """Route and send the request: to the served model its name resolves to (``models``: aliases and
-        splits) and, when none of that model's backends can serve it, to its fallbacks in turn."""
+        splits) and, when none of that model's backends can serve it, to its fallbacks in turn: those the
+        key may use (``allowed``, its model allow-list; None: any), as the client could not ask for the others
+        itself."""
         models = self.models
         if not models:
             await self._dispatch(exchange, request, key, receive, send, writer)
@@ -128,6 +130,8 @@ class Dispatcher:
         if target != asked:
             request.retarget(target)
         chain = models.fallbacks(asked) or models.fallbacks(target)
+        if allowed is not None:
+            chain = [name for name in chain if allowed(name)]
         failed: GatewayError | None = None
         for i, name in enumerate([None, *chain]):
             if name is not None and failed is not None:
@@ -334,64 +338,39 @@ class Dispatcher:
                             code="queue_timeout", headers=headers)
 
     def _admitted_locally(self, exchange: Exchange, decision: Decision) -> bool:
-        """With shared state: whether this replica admitted the request from what it holds (kept slots, leases),
-        or had nothing to check; no round trip, no await. False: :meth:`_admit_shared` decides."""
+        """With shared state: whether this replica took a slot on the best-ranked backend from what it holds
+        (kept slots), or none was needed; no round trip, no await. False: :meth:`_admit_shared` decides. (The
+        key's budget was admitted on arrival, by the endpoint.)"""
         shared = self._shared
         assert shared is not None
-        budget = exchange.budget
         ranked = decision.ranked  # (read as they are: admission copies nothing per request)
-        if not shared.needed(budget, ranked):
+        if not shared.needed(None, ranked):
             return True
-        admitted = shared.try_local(budget, exchange.reserve, ranked)
+        admitted = shared.try_local(None, 0, ranked)
         if admitted is None:
             return False
-        self._admitted(exchange, ranked, admitted)
+        exchange.shared_slot = ranked[0].name if admitted.slot else None
         return True
 
-    @staticmethod
-    def _admitted(exchange: Exchange, ranked: list[Backend], admitted: Admitted) -> None:
-        """What an admission took, on the exchange: the reservation held in the key's shared budget, the slot
-        held on the (now first-ranked) backend."""
-        budget = exchange.budget
-        if budget is not None and budget.tokens_per_minute:
-            exchange.reserved_tokens = exchange.reserve
-        exchange.shared_slot = ranked[0].name if admitted.slot else None
-
     async def _admit_shared(self, exchange: Exchange, decision: Decision) -> bool | None:
-        """With shared state, after :meth:`_admitted_locally` said False: the key's budget and a slot on the
-        best-ranked backend that has one, in one round trip; that backend goes first. False: every ranked
-        backend with a ``max_concurrency`` is full (nothing was taken). None: the shared state did not answer;
-        limits fail as configured, and the caller routes again on local state (each replica keeps to the
-        ``max_concurrency`` on its own)."""
+        """With shared state, after :meth:`_admitted_locally` said False: a slot on the best-ranked backend that
+        has one, in one round trip; that backend goes first. False: every ranked backend with a
+        ``max_concurrency`` is full (nothing was taken). None: the shared state did not answer; the caller
+        routes again on local state (each replica keeps to the ``max_concurrency`` on its own)."""
         shared = self._shared
         assert shared is not None
-        budget = exchange.budget
         try:
             if not shared.up:
                 raise StateUnavailable("down")
-            admitted = await shared.admit_remote(budget, exchange.reserve, decision.ranked)
+            admitted = await shared.admit_remote(None, 0, decision.ranked)
         except StateUnavailable:
-            if budget is not None and (budget.requests_per_minute or budget.tokens_per_minute
-                                       or budget.max_in_flight):
-                if shared.settings.on_failure == "closed":
-                    raise GatewayError(503, "the gateway's shared limits cannot be checked now (its Redis does not "
-                                            "answer); retry shortly", code="limits_unavailable",
-                                       headers={"retry-after": "1"}) from None
-                shared.fail_open += 1
             return None
-        if admitted.limited is not None:
-            assert budget is not None
-            if admitted.limited == "in_flight":
-                raise KeyStore.too_many(budget.key, budget.max_in_flight or 0)
-            raise KeyStore.rate_limited(budget.key, admitted.limited, admitted.retry_after)
-        if admitted.key_place:
-            exchange.key_place = "shared"
         if admitted.full:
             return False
         ranked = decision.ranked
         if admitted.chosen:
             ranked.insert(0, ranked.pop(admitted.chosen))
-        self._admitted(exchange, ranked, admitted)
+        exchange.shared_slot = ranked[0].name if admitted.slot else None
         return True
 
     def _payload(self, request: RouteRequest, backend: Backend, priority: int) -> bytes:

@@ -49,10 +49,10 @@ class Exchange:
     route_reason: str | None = None
     client: Client | None = None  # the gateway API key it came with, when keys are configured
     reserved_tokens: int = 0  # taken from the key's tokens per minute on admission, settled at the end
-    # with shared state: the key's budget and the tokens to reserve, admitted after routing in one round trip
-    # (gateway.state), and the backend whose shared slot this request holds
+    reserve: int = 0  # the tokens its key's admission reserves (or would have), estimated on arrival
+    # with shared state: the key's budget, admitted on arrival (gateway.state), and the backend whose shared slot
+    # this request holds (taken after routing)
     budget: Budget | None = None
-    reserve: int = 0
     shared_slot: str | None = None
     key_place: str | None = None  # where it holds one of its key's max_in_flight places: "local" or "shared"
     placement: Placement | None = None  # its priority, weight and longest wait in admission (default: anonymous)

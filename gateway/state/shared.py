@@ -2,11 +2,12 @@
 
 What is shared, and how it stays off the hot path:
 
-* **Admission** (:meth:`SharedState.admit`): a key's requests and tokens per minute and a slot on a backend
-  with a ``max_concurrency``, in one atomic script (:mod:`gateway.state.scripts`) after routing: one round
-  trip before the first upstream byte, and none at all for a request of an unlimited key to backends without a
-  ``max_concurrency``. Settling (the tokens really used, the slot given back) is sent after the response, in
-  the background.
+* **Admission** (:meth:`SharedState.admit`): a key's requests and tokens per minute and its
+  ``max_in_flight`` on arrival, before the request is validated or routed (no candidates), then a slot on a
+  backend with a ``max_concurrency`` after routing (no budget), each an atomic script
+  (:mod:`gateway.state.scripts`): at most a round trip each, and none at all for a request of an unlimited key
+  to backends without a ``max_concurrency``. Settling (the tokens really used, the slot given back) is sent
+  after the response, in the background.
 * **Kept slots**: a replica keeps some slots of a backend (up to ``max_concurrency // 8``, at most 64) for its
   next requests, which then take one without asking Redis: a key without limits pays no round trip at all
   while its replica has one. It keeps the slots its finished requests free, and an admission's round trip

@@ -7,8 +7,11 @@ never shares the GIL with validation. A check still running at the deadline is t
 constraint too complex to validate in ``limits.validation_timeout`` seconds), and its worker is killed (a
 thread could not be) and replaced. Waiting for a free worker has its own, longer bound
 (``limits.validation_queue_timeout``: a burst of large constraints on a one-worker machine queues, and each
-still gets its verdict); a request that waited all of it gets a 503 to retry.
-Verdicts are memoised by content: a client sending the same large schema with every request pays once.
+still gets its verdict); a request that waited all of it gets a 503 to retry. The workers are shared fairly
+between API keys (:class:`~gateway.structured.fair_slots.FairSlots`): a key's waiting constraints take turns
+with every other key's, and a key with ``PER_KEY_WAITING`` waiting has the next refused at once.
+Verdicts are memoised by content and key: a client sending the same large schema with every request pays once
+(and no key learns from a fast verdict what another key sent).
 """
 
 from __future__ import annotations
@@ -29,11 +32,13 @@ from gateway.config import LimitSettings
 from gateway.structured.bounds import Bounds, ConstraintInvalid
 from gateway.structured.checks import Verdict
 from gateway.structured.constraint import Constraint
+from gateway.structured.fair_slots import FairSlots, OwnerQueueFull
 
 START_TIMEOUT = 60.0  # seconds a new worker gets to start (importing jsonschema on a busy machine)
 MEMO_CHARS = 16 * 1024 * 1024  # remembered verdicts, measured in the characters of their renderings
 _LINE_LIMIT = 64 * 1024 * 1024  # a verdict's renderings may be several times the 128 KiB grammar
 _GATEWAY_ROOT = str(Path(gateway.__file__).resolve().parent.parent)  # workers import the gateway this one runs
+PER_KEY_WAITING = 16  # constraints one API key may have waiting for a worker
 
 
 class ValidationBusy(Exception):
@@ -102,7 +107,7 @@ class ValidationWorkers:
         self._queue_timeout = limits.validation_queue_timeout
         self._count = workers or max(1, min(4, (os.cpu_count() or 2) // 2))
         self._workers: list[_Worker | None] = [None] * self._count
-        self._free: asyncio.Queue[int] | None = None  # made in the event loop, on first use
+        self._slots = FairSlots(self._count, PER_KEY_WAITING)
         self._verdicts: OrderedDict[bytes, Verdict] = OrderedDict()
         self._memo_chars = 0
 
@@ -112,21 +117,23 @@ class ValidationWorkers:
         self._timeout = limits.validation_timeout
         self._queue_timeout = limits.validation_queue_timeout
 
-    async def validate(self, constraint: Constraint) -> Constraint:
-        """``constraint`` validated (``pending`` cleared, renderings found); ConstraintInvalid when it is
-        not valid or took longer than the deadline, ValidationBusy when no worker was free in time."""
+    async def validate(self, constraint: Constraint, owner: str) -> Constraint:
+        """``constraint`` validated (``pending`` cleared, renderings found) in ``owner``'s (its API key's) turn;
+        ConstraintInvalid when it is not valid or took longer than the deadline, ValidationBusy when no worker
+        was free in time or the owner has too many waiting."""
         param = constraint.pending
         if param is None:
             return constraint
         kind, payload = _payload(constraint)
-        key = hashlib.blake2b(repr((kind, constraint.dialect, param, self._bounds)).encode(), digest_size=16)
+        key = hashlib.blake2b(repr((owner, kind, constraint.dialect, param, self._bounds)).encode(),
+                              digest_size=16)
         key.update(payload.encode("utf-8", "surrogatepass"))
         digest = key.digest()
         verdict = self._verdicts.get(digest)
         if verdict is None:
             bounds = self._bounds
             job = [kind, payload, constraint.dialect, param, [bounds.max_nesting, bounds.max_bytes, bounds.max_rules]]
-            verdict = await self._run(job, param)
+            verdict = await self._run(job, param, owner)
             self._remember(digest, verdict)
         else:
             self._verdicts.move_to_end(digest)
@@ -134,13 +141,12 @@ class ValidationWorkers:
             raise ConstraintInvalid(verdict.problem, param, verdict.code)
         return replace(constraint, renderings=verdict.renderings, pending=None)
 
-    async def _run(self, job: list[Any], param: str) -> Verdict:
-        if self._free is None:
-            self._free = asyncio.Queue()
-            for slot in range(self._count):
-                self._free.put_nowait(slot)
+    async def _run(self, job: list[Any], param: str, owner: str) -> Verdict:
         try:
-            slot = await asyncio.wait_for(self._free.get(), self._queue_timeout)
+            slot = await self._slots.acquire(owner, self._queue_timeout)
+        except OwnerQueueFull:
+            raise ValidationBusy(f"this API key has {PER_KEY_WAITING} constraints waiting for validation already; "
+                                 "retry when they are done") from None
         except TimeoutError:
             raise ValidationBusy(f"every constraint-validation worker stayed busy for {self._queue_timeout:g} s "
                                  "(limits.validation_queue_timeout); retry shortly") from None
@@ -165,7 +171,7 @@ class ValidationWorkers:
                 self._kill(slot)
                 raise
         finally:
-            self._free.put_nowait(slot)
+            self._slots.release(slot)
 
     def _kill(self, slot: int) -> None:
         worker, self._workers[slot] = self._workers[slot], None

@@ -121,7 +121,7 @@ def test_the_deepest_schemas_go_to_a_worker_that_has_the_stack_for_them() -> Non
     async def validate_all() -> list[Constraint]:
         workers = ValidationWorkers(DEEPEST, workers=1)
         try:
-            return [await workers.validate(c) for c in pending if c is not None]
+            return [await workers.validate(c, "k") for c in pending if c is not None]
         finally:
             await workers.close()
 
@@ -156,9 +156,9 @@ def test_a_worker_past_the_deadline_is_killed_and_replaced_and_verdicts_are_reme
     runs: list[str] = []
     run = workers._run
 
-    async def counted(job: list[Any], param: str) -> Any:
+    async def counted(job: list[Any], param: str, owner: str) -> Any:
         runs.append(job[0])
-        return await run(job, param)
+        return await run(job, param, owner)
 
     monkeypatch.setattr(workers, "_run", counted)
 
@@ -169,7 +169,7 @@ def test_a_worker_past_the_deadline_is_killed_and_replaced_and_verdicts_are_reme
                 constraint = extract({"json_schema": schema})
                 assert constraint is not None
                 try:
-                    outcomes.append((await workers.validate(constraint)).pending)
+                    outcomes.append((await workers.validate(constraint, "k")).pending)
                 except ConstraintInvalid as exc:
                     outcomes.append(exc.code)
                 # the replacement worker starts cold: on a loaded 2-core machine its first check of the small
