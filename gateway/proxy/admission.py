@@ -130,7 +130,7 @@ class Priorities:
         deadline = None
         if deadline_header is not None:
             text = deadline_header.decode("latin-1").strip()
-            if not text.isdigit() or not 0 < int(text) <= MAX_DEADLINE_MS:
+            if not (text.isascii() and text.isdigit()) or not 0 < int(text) <= MAX_DEADLINE_MS:
                 raise GatewayError(400, f"x-gateway-deadline-ms: a whole number of milliseconds in "
                                         f"[1, {MAX_DEADLINE_MS}], not {text[:40]!r}", code="invalid_deadline",
                                    param="x-gateway-deadline-ms")
@@ -139,7 +139,8 @@ class Priorities:
 
 
 def _is_int(text: str) -> bool:
-    return text.lstrip("+-").isdigit() and len(text) <= 8
+    digits = text.lstrip("+-")  # (ASCII digits only: "²".isdigit() is true, and int("²") raises)
+    return digits.isascii() and digits.isdigit() and len(text) <= 8
 
 
 class Refused(Exception):

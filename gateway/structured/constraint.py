@@ -17,11 +17,12 @@ Accepted spellings (at most one constraint per request, as vLLM and SGLang requi
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from gateway.config import LimitSettings
-from gateway.structured.bounds import Bounds, ConstraintInvalid, Offload
+from gateway.structured.bounds import Bounds, ConstraintInvalid, Offload, check_size, json_depth, too_deep
 from gateway.structured.checks import (
     Dialect,
     Renderings,
@@ -124,17 +125,41 @@ def _from_response_format(rf: Any, bounds: Bounds) -> Constraint | None:
                             "response_format.type")
 
 
-def _from_tools(body: dict[str, Any]) -> Constraint | None:
+def _from_tools(body: dict[str, Any], bounds: Bounds) -> Constraint | None:
     tools, choice = body.get("tools"), body.get("tool_choice")
     if not tools:
         return None
     if choice == "required" or (isinstance(choice, dict) and choice.get("type") == "function"):
+        named = choice.get("function") if isinstance(choice, dict) else None
+        name = named.get("name") if isinstance(named, dict) else None
+        _bound_parameters(tools, bounds, lambda function: name is None or function.get("name") == name)
         return Constraint("tool_call", "tool_choice")
     strict = any(isinstance(t, dict) and isinstance(t.get("function"), dict) and t["function"].get("strict") is True
                  for t in tools)
     if strict and choice in (None, "auto"):
+        _bound_parameters(tools, bounds, lambda function: function.get("strict") is True)
         return Constraint("strict_tools", "tools[].function.strict")
     return None
+
+
+def _bound_parameters(tools: Any, bounds: Bounds, constrained: Callable[[dict[str, Any]], bool]) -> None:
+    """The parameter schemas the engine compiles into its grammar for a forced or strict tool call are a
+    constraint like any other: within ``limits.max_constraint_bytes`` together and ``limits.max_nesting``."""
+    if not isinstance(tools, list):
+        return
+    total = 0
+    for i, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(function, dict) or not constrained(function) or function.get("parameters") is None:
+            continue
+        param = f"tools[{i}].function.parameters"
+        schema, text = parse_schema(function["parameters"], param, bounds)
+        total += len(text)
+        check_size(total, "tools' parameter schemas", param, bounds)
+        depth, where, _ = json_depth(schema, bounds.max_nesting)
+        if depth > bounds.max_nesting:
+            raise too_deep("JSON schema", f" (objects and arrays, at {where[:200] or '/'})", param,
+                           bounds.max_nesting)
 
 
 def _from_vllm(so: Any, bounds: Bounds) -> list[Constraint]:
@@ -180,7 +205,7 @@ def extract(body: dict[str, Any], limits: LimitSettings | None = None) -> Constr
     rf = _from_response_format(body.get("response_format"), bounds)
     if rf is not None:
         found.append(rf)
-    tools = _from_tools(body)
+    tools = _from_tools(body, bounds)
     if tools is not None:
         found.append(tools)
     found += _from_vllm(body.get("structured_outputs"), bounds)

@@ -116,6 +116,11 @@ def test_bad_or_unallowed_priority_and_deadline_headers_are_refused_in_the_opena
     assert "critical, standard, sheddable" in bad.json()["error"]["message"]
     late = ask("light", **{"x-gateway-deadline-ms": "soon"})
     assert late.status_code == 400 and late.json()["error"]["code"] == "invalid_deadline"
+    # digits that are not ASCII ("²".isdigit() is true in Python, and int("²") raises): 400, not 500
+    for name, code in (("x-gateway-deadline-ms", "invalid_deadline"), ("x-gateway-priority", "invalid_priority")):
+        odd = httpx.post(one_slot.url + "/v1/chat/completions", json={"model": "m", "messages": ASK, "max_tokens": 2},
+                         headers={"authorization": f"Bearer {KEYS['ops']}", name: b"\xb2"}, timeout=30)
+        assert odd.status_code == 400 and odd.json()["error"]["code"] == code, odd.text
     assert ask("light", **{"x-gateway-priority": "sheddable", "x-gateway-deadline-ms": "5000"}).status_code == 200
 
 
