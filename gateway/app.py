@@ -166,7 +166,8 @@ class Gateway:
             self.kv_events.sync(self._event_streams())
             if any(b.dns is not None and b.kv_events is not None for b in self.settings.backends):
                 self._kv_task = asyncio.create_task(self._follow_replicas(), name="kv-events-replicas")
-        await self.control.start(watch_seconds=self.settings.server.reload_watch_seconds)
+        server = self.settings.server
+        await self.control.start(watch_seconds=server.reload_watch_seconds, settle_seconds=server.reload_settle_seconds)
 
     def _event_streams(self) -> Iterator[tuple[Backend, StreamSettings]]:
         for backend in self.pool:
