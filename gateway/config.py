@@ -440,10 +440,13 @@ class BackendSettings(_Strict):
         return {"Authorization": f"Basic {token}"}
 
     def secrets(self) -> list[str]:
-        """What must never reach a client: the key, the Basic credentials and their encoded form."""
+        """What must never reach a client: the key, the Basic credentials and their encoded form (the header's
+        value, and its bare base64 token with and without padding: an engine may echo either)."""
         found = [self.resolved_api_key()]
         if self.basic_auth is not None:
-            found += [self.basic_auth.get_secret_value(), *self.basic_auth_header().values()]
+            header = self.basic_auth_header()["Authorization"]
+            token = header.removeprefix("Basic ")
+            found += [self.basic_auth.get_secret_value(), header, token, token.rstrip("=")]
             found.append(self.basic_auth.get_secret_value().partition(":")[2])
         return [s for s in found if s]
 

@@ -26,7 +26,6 @@ import time
 from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 import orjson
 from prometheus_client import CollectorRegistry, Counter
@@ -38,6 +37,7 @@ from gateway.pool.backend import Backend
 from gateway.pool.pool import Pool
 from gateway.proxy.admission import Admission
 from gateway.proxy.models import ModelMap
+from gateway.redaction import REDACTED, redact_url
 from gateway.routing.policies import check_settings
 from gateway.state.shared import SharedState
 from gateway.tasks import cancel_and_wait
@@ -46,7 +46,6 @@ from gateway.workers import Siblings
 
 log = logging.getLogger("gateway.admin")
 
-REDACTED = "[redacted]"
 # configuration fields whose values are secrets or lead to one (a key's hash can be brute-forced offline); a
 # URL's credentials (a backend's, state.url's) are taken out wherever a URL stands
 SECRET_FIELDS = frozenset({"api_key", "basic_auth", "key_sha256"})
@@ -403,15 +402,3 @@ def redact(value: Any, field: str = "") -> Any:
     if isinstance(value, str) and "://" in value:
         return redact_url(value)
     return value
-
-
-def redact_url(url: str) -> str:
-    """The URL without its user and password (``redis://:secret@host`` -> ``redis://[redacted]@host``)."""
-    try:
-        parts = urlsplit(url)
-    except ValueError:
-        return url
-    if "@" not in parts.netloc:
-        return url
-    host = parts.netloc.rpartition("@")[2]
-    return urlunsplit(parts._replace(netloc=f"{REDACTED}@{host}"))
