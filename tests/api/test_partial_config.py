@@ -47,8 +47,9 @@ def keyed(fleet: FleetThread, names: list[str], **extra: Any) -> dict[str, Any]:
             "backends": [{"name": n, "engine": "vllm", "url": servers[n].url} for n in names],
             "scrape": {"interval": 0.1, "timeout": 1.0}, **extra,
             "auth": {"keys": [{"name": "client", "key_sha256": digest(CLIENT_KEY)},
-                              {"name": "ops", "key_sha256": digest(OPS_KEY), "scopes": ["admin"],
-                               "requests_per_minute": 600}]}}
+                              {"name": "ops", "key_sha256": digest(OPS_KEY), "scopes": ["admin", "metrics"],
+                               "requests_per_minute": 600}],
+                     "protect_metrics": True}}
 
 
 def dump(raw: dict[str, Any]) -> str:
@@ -70,7 +71,7 @@ def serving(path: Path) -> Iterator[tuple[ServerThread, GatewayApp]]:
 
 def reloads(gateway: ServerThread, result: str) -> float:
     line = f'gateway_config_reloads_total{{result="{result}"}} '
-    text = httpx.get(gateway.url + "/metrics").text
+    text = httpx.get(gateway.url + "/metrics", headers=OPS).text
     return next((float(x.removeprefix(line)) for x in text.splitlines() if x.startswith(line)), 0.0)
 
 
@@ -143,9 +144,14 @@ def test_an_empty_or_cut_file_is_refused_by_any_reload_and_changes_nothing(fleet
     path.write_text(full)
     cut_before_auth = full[:full.index("auth:")]
     without_backends = dump({k: v for k, v in keyed(fleet, ["va"]).items() if k != "backends"})
+    ops_hash = full.index(digest(OPS_KEY))
+    cut_inside_ops = full[:full.index("\n", ops_hash) + 1]  # ops keeps its hash, loses its scopes and limit
+    cut_before_protection = full[:full.index("  protect_metrics")]
     cases = [("", "is empty"), ("# rewritten by ansible\n\n   \n", "is empty"),
              (cut_before_auth, "auth.keys: the file has no API keys"),
-             (without_backends, "backends: the file has no backends section")]
+             (without_backends, "backends: the file has no backends section"),
+             (cut_inside_ops, "auth.keys (ops).scopes: left out of the file"),
+             (cut_before_protection, "auth.protect_metrics: left out of the file")]
     with serving(path) as (gateway, app):
         before = httpx.get(gateway.url + "/admin/config", headers=OPS).json()
         for content, why in cases:
@@ -172,6 +178,13 @@ def test_a_file_that_says_so_removes_every_backend_or_every_key(fleet: FleetThre
     path = tmp_path / "gateway.yaml"
     path.write_text(dump(keyed(fleet, ["va"])))
     with serving(path) as (gateway, _app):
+        lifted = keyed(fleet, ["va"])
+        lifted["auth"]["keys"][1]["requests_per_minute"] = None  # (said: the limit is lifted)
+        lifted["auth"]["protect_metrics"] = False
+        path.write_text(dump(lifted))
+        reply = httpx.post(gateway.url + "/admin/reload", headers=OPS)
+        assert reply.status_code == 200 and reply.json()["sections"] == ["auth"], reply.text
+        assert httpx.get(gateway.url + "/metrics").status_code == 200
         path.write_text(dump(keyed(fleet, [])))  # (backends: [], said)
         reply = httpx.post(gateway.url + "/admin/reload", headers=OPS)
         assert reply.status_code == 200 and reply.json()["removed"] == ["va"], reply.text
