@@ -166,7 +166,8 @@ class Gateway:
             self.kv_events.sync(self._event_streams())
             if any(b.dns is not None and b.kv_events is not None for b in self.settings.backends):
                 self._kv_task = asyncio.create_task(self._follow_replicas(), name="kv-events-replicas")
-        await self.control.start(watch_seconds=self.settings.server.reload_watch_seconds)
+        server = self.settings.server
+        await self.control.start(watch_seconds=server.reload_watch_seconds, settle_seconds=server.reload_settle_seconds)
 
     def _event_streams(self) -> Iterator[tuple[Backend, StreamSettings]]:
         for backend in self.pool:
@@ -291,7 +292,8 @@ def create_app(
     siblings = gateway.siblings
     app.include_router(build_router(gateway.pool, gateway.metrics.registry, gateway.started_at,
                                     exposition=siblings.metrics if siblings is not None else None,
-                                    aliases=lambda: gateway.dispatcher.models.aliases()))
+                                    aliases=lambda: gateway.dispatcher.models.aliases(),
+                                    keyed=lambda: gateway.keys.enabled))
     app.include_router(build_admin_router(gateway.control))
     return GatewayApp(app, gateway, gateway.endpoints(), gateway.keys)
 
@@ -359,6 +361,12 @@ class GatewayApp:
                 await send_body(send, exc.status, exc.body(), [(b"x-request-id", rid)])
                 return
             scope.setdefault("state", {})[CLIENT] = client  # the routes filter models by its allow-list
+        elif scope["path"] == "/ready" and self._keys.enabled:
+            # a probe needs no key, but an operator's key sees the details (a wrong one: as if none was sent, so
+            # the status a probe gets never depends on a header it should not be sending)
+            with contextlib.suppress(GatewayError):
+                client = self._keys.authenticate(header(scope, b"authorization"), header(scope, b"x-api-key"), None)
+                scope.setdefault("state", {})[CLIENT] = client
 
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":

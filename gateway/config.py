@@ -57,6 +57,10 @@ class ServerSettings(_Strict):
     reload_watch_seconds: float | None = Field(
         default=None, gt=0, description="poll the configuration file this often and reload it when it changes "
                                         "(SIGHUP and POST /admin/reload reload it too)")
+    reload_settle_seconds: float = Field(
+        default=2.0, gt=0, description="the file watch reloads a changed file only once its content has stayed "
+                                       "the same this long, and applies exactly what it read: a file being "
+                                       "rewritten in place is never applied half-written")
     workers: int | Literal["auto"] = Field(
         default=1, description="processes serving the port (SO_REUSEPORT), or auto: one per CPU this process may "
                                "use; more than one needs state.url (limits, slots and sessions live there)")
@@ -253,14 +257,24 @@ class ApiKeySettings(_Strict):
 
 
 class AuthSettings(_Strict):
-    """Gateway API keys. With none configured, the gateway is open."""
+    """Gateway API keys. With none configured, the gateway is open. A reload may take every key away only from a
+    file that says ``open: true`` (a file cut short must not open the gateway: :mod:`gateway.config_reload`)."""
 
     keys: list[ApiKeySettings] = Field(default_factory=list)
+    open: bool = Field(default=False, description="serve without API keys, on purpose: what a reload that removes "
+                                                  "every key needs the file to say (with keys set: refused)")
     protect_health: bool = Field(default=False, description="/health and /ready need a key too")
     protect_metrics: bool = Field(default=False, description="/metrics needs a key with the metrics scope")
     reserve_tokens: int = Field(
         default=1024, gt=0,
         description="tokens_per_minute: completion tokens reserved on admission for a request without max_tokens")
+
+    @model_validator(mode="after")
+    def _open_or_keys(self) -> AuthSettings:
+        if self.open and self.keys:
+            raise ValueError(f"open: true says the gateway serves without API keys, but keys lists {len(self.keys)}: "
+                             "remove one or the other")
+        return self
 
 
 class KvEventsSettings(_Strict):
@@ -428,10 +442,13 @@ class BackendSettings(_Strict):
         return {"Authorization": f"Basic {token}"}
 
     def secrets(self) -> list[str]:
-        """What must never reach a client: the key, the Basic credentials and their encoded form."""
+        """What must never reach a client: the key, the Basic credentials and their encoded form (the header's
+        value, and its bare base64 token with and without padding: an engine may echo either)."""
         found = [self.resolved_api_key()]
         if self.basic_auth is not None:
-            found += [self.basic_auth.get_secret_value(), *self.basic_auth_header().values()]
+            header = self.basic_auth_header()["Authorization"]
+            token = header.removeprefix("Basic ")
+            found += [self.basic_auth.get_secret_value(), header, token, token.rstrip("=")]
             found.append(self.basic_auth.get_secret_value().partition(":")[2])
         return [s for s in found if s]
 
@@ -706,24 +723,35 @@ def _where(exc: yaml.YAMLError) -> str:
     return where
 
 
-def load_settings(path: str | Path) -> Settings:
-    """Read and validate a YAML configuration file (environment overrides applied)."""
-    file = Path(path)
+def read_settings_file(path: str | Path) -> bytes:
+    """The configuration file's bytes, read once (ConfigError when it cannot be read)."""
     try:
-        text = file.read_text()
+        return Path(path).read_bytes()
     except OSError as exc:
-        raise ConfigError(f"cannot read configuration {file}: {exc.strerror}") from None
+        raise ConfigError(f"cannot read configuration {path}: {exc.strerror}") from None
+
+
+def parse_settings(content: bytes, source: str) -> Settings:
+    """Validate a configuration file's ``content`` (environment overrides applied); ``source`` names it in
+    errors. An empty document (nothing, or only comments and blank lines) is refused: it is what a file being
+    rewritten in place reads as at first, never a configuration (``{}`` says "every default" on purpose)."""
     try:
-        raw = yaml.safe_load(text)
+        raw = yaml.safe_load(content)
     except yaml.YAMLError as exc:
-        raise ConfigError(f"{file} is not valid YAML{_where(exc)}") from None
+        raise ConfigError(f"{source} is not valid YAML{_where(exc)}") from None
     except Exception:
         # PyYAML's constructors fail with plain errors, the value in their message, on an explicit tag that does
         # not fit it (``!!int sk-...``); deep nesting ends in RecursionError
-        raise ConfigError(f"{file} is not valid YAML: a value does not fit its explicit !! tag, or nesting is "
+        raise ConfigError(f"{source} is not valid YAML: a value does not fit its explicit !! tag, or nesting is "
                           "too deep") from None
     if raw is None:
-        raw = {}
+        raise ConfigError(f"{source} is empty (nothing but comments or blank lines): a file being written, or "
+                          "emptied by mistake, is no configuration (for every default, write {{}})")
     if not isinstance(raw, dict):
-        raise ConfigError(f"{file}: the top level must be a mapping (server:, backends:, routing:, ...)")
-    return settings_from_mapping(raw, str(file))
+        raise ConfigError(f"{source}: the top level must be a mapping (server:, backends:, routing:, ...)")
+    return settings_from_mapping(raw, source)
+
+
+def load_settings(path: str | Path) -> Settings:
+    """Read and validate a YAML configuration file (environment overrides applied)."""
+    return parse_settings(read_settings_file(path), str(path))

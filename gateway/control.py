@@ -7,9 +7,11 @@ waiting in the queue go elsewhere or keep waiting); the requests it is serving f
 ``drained`` once none is left on it. With shared state (``state.url``) a drain holds for every worker and
 replica: it is published to them at once and kept in Redis, where a replica that starts later reads it.
 
-A reload validates the whole file first (the schema, then the routing policy's plugins); an invalid one
-changes nothing, and the error, naming the field at fault, is logged, counted and answered. A valid one is
-applied by the composition root's ``reconfigure``, which drops no stream and no queued request.
+A reload reads the file once and validates those bytes as a whole (the schema, the routing policy's plugins,
+and :func:`gateway.config_reload.check_reload`: no key or backend taken away by a file cut short); an invalid
+one changes nothing, and the error, naming the field at fault, is logged, counted and answered. A valid one is
+applied by the composition root's ``reconfigure``, which drops no stream and no queued request. The file watch
+reloads a changed file only once it has held still (:func:`gateway.config_reload.stable_contents`).
 
 Every change is logged (who, what) and counted (``gateway_admin_changes_total{action}``,
 ``gateway_config_reloads_total{result}``).
@@ -24,17 +26,18 @@ import time
 from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 import orjson
 from prometheus_client import CollectorRegistry, Counter
 
-from gateway.config import ConfigError, Settings, load_settings, settings_from_mapping
+from gateway.config import ConfigError, Settings, parse_settings, read_settings_file, settings_from_mapping
+from gateway.config_reload import check_reload, stable_contents
 from gateway.errors import GatewayError
 from gateway.pool.backend import Backend
 from gateway.pool.pool import Pool
 from gateway.proxy.admission import Admission
 from gateway.proxy.models import ModelMap
+from gateway.redaction import REDACTED, redact_url
 from gateway.routing.policies import check_settings
 from gateway.state.shared import SharedState
 from gateway.tasks import cancel_and_wait
@@ -43,7 +46,6 @@ from gateway.workers import Siblings
 
 log = logging.getLogger("gateway.admin")
 
-REDACTED = "[redacted]"
 # configuration fields whose values are secrets or lead to one (a key's hash can be brute-forced offline); a
 # URL's credentials (a backend's, state.url's) are taken out wherever a URL stands
 SECRET_FIELDS = frozenset({"api_key", "basic_auth", "key_sha256"})
@@ -84,12 +86,13 @@ class ControlPlane:
             shared.subscribe("backends", lambda raw: self._spawn(self._remote_backends(raw)))
 
     # -- running --------------------------------------------------------------------------------------------
-    async def start(self, *, watch_seconds: float | None = None) -> None:
-        """The recent view's sampler, and the file watch (``server.reload_watch_seconds``) when asked for."""
+    async def start(self, *, watch_seconds: float | None = None, settle_seconds: float = 2.0) -> None:
+        """The recent view's sampler, and the file watch (``server.reload_watch_seconds``, a change applied once
+        it held still ``settle_seconds``) when asked for."""
         self._loop = asyncio.get_running_loop()
         self._spawn(self._sample_forever())
         if watch_seconds and self._path is not None:
-            self._spawn(self._watch_config(watch_seconds))
+            self._spawn(self._watch_config(watch_seconds, settle_seconds))
 
     def close(self, why: str) -> None:
         """The gateway is stopping (``why``: the signal): from now on every change is refused with a 503 and
@@ -127,9 +130,10 @@ class ControlPlane:
             return
         loop.call_soon_threadsafe(lambda: self._spawn(self.reload(source)))
 
-    async def _watch_config(self, every: float) -> None:
-        """Read the file every ``every`` seconds; a change of its content reloads it (an invalid one is refused,
-        logged and counted like any reload, and not retried until the file changes again)."""
+    async def _watch_config(self, every: float, settle: float) -> None:
+        """Read the file every ``every`` seconds; a changed content that then stays the same for ``settle`` seconds
+        is reloaded, exactly as read (an invalid one is refused, logged and counted like any reload, and not
+        retried until the file changes again)."""
         assert self._path is not None
         path = Path(self._path)
 
@@ -139,14 +143,9 @@ class ControlPlane:
             except OSError:
                 return None
 
-        seen = await asyncio.to_thread(fingerprint)
-        while True:
-            await asyncio.sleep(every)
-            now = await asyncio.to_thread(fingerprint)
-            if now is not None and now != seen:
-                seen = now
-                with contextlib.suppress(GatewayError):  # (refused: logged and counted already)
-                    await self.reload("file watch")
+        async for content in stable_contents(lambda: asyncio.to_thread(fingerprint), every, settle):
+            with contextlib.suppress(GatewayError):  # (refused: logged and counted already)
+                await self.reload("file watch", content=content)
 
     # -- backends -------------------------------------------------------------------------------------------
     async def backends(self) -> list[dict[str, Any]]:
@@ -325,19 +324,24 @@ class ControlPlane:
         if error is not None and not isinstance(error, GatewayError):  # (a refusal is logged and counted already)
             log.error("control plane task %s failed", task.get_name(), exc_info=error)
 
-    async def reload(self, source: str, *, tell: bool = False) -> dict[str, Any]:
-        """Re-read the configuration file and apply it; ``tell``: have every other worker and replica re-read
-        theirs too (the admin API; a signal or the file watch reaches each process itself). Raises
-        GatewayError (400 ``invalid_config`` naming the field, 409 ``no_config_file``) and changes nothing
-        when it cannot."""
+    async def reload(self, source: str, *, tell: bool = False, content: bytes | None = None) -> dict[str, Any]:
+        """Re-read the configuration file and apply it (``content``: the file's bytes as already read, by the
+        watch; the file is then not read again); ``tell``: have every other worker and replica re-read theirs too
+        (the admin API; a signal or the file watch reaches each process itself). Raises GatewayError (400
+        ``invalid_config`` naming the field, 409 ``no_config_file``) and changes nothing when it cannot: an
+        invalid file, an empty one, or one that would take away every key or every backend without saying so."""
         self._open_for_changes()
         if tell and self._shared is not None:
             self._shared.publish("reload", source)
         if self._path is None:
             raise GatewayError(409, "the gateway was started without a configuration file: nothing to reload",
                                code="no_config_file")
+        path = self._path
         try:
-            new = await asyncio.to_thread(load_settings, self._path)
+            if content is None:
+                content = await asyncio.to_thread(read_settings_file, path)
+            new = await asyncio.to_thread(parse_settings, content, path)
+            check_reload(self._settings(), new)
             check_settings(new)
         except ConfigError as exc:
             self.reloads.labels("rejected").inc()
@@ -398,15 +402,3 @@ def redact(value: Any, field: str = "") -> Any:
     if isinstance(value, str) and "://" in value:
         return redact_url(value)
     return value
-
-
-def redact_url(url: str) -> str:
-    """The URL without its user and password (``redis://:secret@host`` -> ``redis://[redacted]@host``)."""
-    try:
-        parts = urlsplit(url)
-    except ValueError:
-        return url
-    if "@" not in parts.netloc:
-        return url
-    host = parts.netloc.rpartition("@")[2]
-    return urlunsplit(parts._replace(netloc=f"{REDACTED}@{host}"))

@@ -19,8 +19,13 @@ The limits (:class:`ServerLimits`) exist because httptools and uvicorn set none 
   slow sockets piled up until the process ran out of descriptors and could no longer reach its backends;
 * nothing caps the number of client connections, which share the descriptor limit with upstream ones.
 
-Where a client is owed an answer (400, 408, 431, 503), it is an OpenAI-shaped JSON error, and the
+Where a client is owed an answer (400, 408, 431, 501, 503), it is an OpenAI-shaped JSON error, and the
 connection is closed after it.
+
+Framing: httptools reads a body as chunked whenever the last transfer coding is ``chunked``, whatever comes
+before it (``Transfer-Encoding: gzip, chunked`` was served as if plain chunked, the gzip ignored; a proxy in
+front that honours the coding sees another request than the gateway does). The gateway understands no coding
+but ``chunked`` alone, so any other is refused with 501 (RFC 9112, 6.1) before the body is read.
 """
 
 from __future__ import annotations
@@ -41,6 +46,11 @@ from gateway.asgi import BODY_WRITER, FULL, GONE, WRITTEN, Message, Send
 from gateway.errors import error_body, error_type_for
 
 ARRIVAL = "gateway.arrival"
+
+
+class _Refused(Exception):
+    """Raised from a parser callback after the request was answered and its connection closed: it stops
+    httptools from reading on (its body, a pipelined request) into a request no app will run for."""
 
 
 class BodyWriter:
@@ -278,6 +288,12 @@ class StampedHttpToolsProtocol(HttpToolsProtocol):
                                         "over HTTP/1.1 without an Upgrade header (curl: --http1.1)",
                                    "upgrade_not_supported")
             return
+        codings = self._transfer_codings()
+        if codings is not None and codings != "chunked":
+            self._answer_and_close(501, f"The gateway reads no transfer coding but chunked (Transfer-Encoding: "
+                                        f"{codings[:60]}): send the body as it is, with a Content-Length or "
+                                        "chunked", "unsupported_transfer_encoding", type="invalid_request_error")
+            raise _Refused
         self._body_pending = True
         self._body_seen = self.loop.time()
         super().on_headers_complete()
@@ -307,6 +323,14 @@ class StampedHttpToolsProtocol(HttpToolsProtocol):
         if self.timeout_keep_alive_task is not None and self._head_bytes and self._head_timer is None:
             self._arm_head_timer()
 
+    def _transfer_codings(self) -> str | None:
+        """The request's transfer codings, every Transfer-Encoding line joined, lowercased and without blanks
+        (``gzip,chunked``); None when it has none."""
+        lines = [v for k, v in self.headers if k == b"transfer-encoding"]
+        if not lines:
+            return None
+        return ",".join(c.strip() for c in b",".join(lines).decode("latin-1").lower().split(","))
+
     def _upgrade_asked(self) -> str:
         value = next((v for k, v in self.headers if k == b"upgrade"), b"?")
         return value.decode("latin-1")[:40]
@@ -315,6 +339,8 @@ class StampedHttpToolsProtocol(HttpToolsProtocol):
         pass  # (answered in on_headers_complete)
 
     def send_400_response(self, msg: str) -> None:
+        if self.transport.is_closing():
+            return  # (answered already: a refusal of ours stopped the parser with _Refused)
         self._answer_and_close(400, msg, "invalid_http_request")
 
     # -- refusals -----------------------------------------------------------------------------------------
@@ -322,9 +348,9 @@ class StampedHttpToolsProtocol(HttpToolsProtocol):
         if self.limits.on_refusal is not None:
             self.limits.on_refusal(code)
 
-    def _answer_and_close(self, status: int, message: str, code: str) -> None:
+    def _answer_and_close(self, status: int, message: str, code: str, *, type: str | None = None) -> None:
         self._count(code)
-        body = error_body(message, error_type_for(status), None, code)
+        body = error_body(message, type or error_type_for(status), None, code)
         content = [STATUS_LINE[status]]
         for name, value in self.server_state.default_headers:
             content.extend([name, b": ", value, b"\r\n"])

@@ -75,6 +75,25 @@ def test_check_config_command(tmp_path: pathlib.Path, capsys: pytest.CaptureFixt
     assert main(["check-config", str(tmp_path / "missing.yaml")]) == 2
 
 
+@pytest.mark.parametrize("text", ["", "\n  \n", "# gateway.yaml, being written\n   # by a templating tool\n", "---\n"])
+def test_an_empty_file_is_refused_not_read_as_every_default(tmp_path: pathlib.Path, text: str,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """An empty file (or one of comments only) is what a file being rewritten reads as at first: no keys, no
+    backends. It was a valid configuration; ``{}`` still says "every default" on purpose."""
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError, match="is empty"):
+        load_settings(path)
+    assert main(["check-config", str(path)]) == 2
+    assert "is empty" in capsys.readouterr().err
+
+
+def test_gateway_serve_refuses_an_empty_configuration_file(tmp_path: pathlib.Path) -> None:
+    path = write(tmp_path, "# nothing here yet\n")
+    result = subprocess.run([sys.executable, "-m", "gateway", "serve", "--config", str(path), "--port", "0"],
+                            capture_output=True, text=True, timeout=30)  # (it served, open, before)
+    assert result.returncode == 2 and "is empty" in result.stderr, result.stderr[-2000:]
+
+
 def test_console_script_entry_point_runs(tmp_path: pathlib.Path) -> None:
     result = subprocess.run([sys.executable, "-m", "gateway", "check-config", str(write(tmp_path, "{}"))],
                             capture_output=True, text=True, timeout=60)

@@ -605,3 +605,29 @@ def test_an_upgrade_to_another_protocol_is_refused_plainly_not_run_with_an_empty
     # the same request without the upgrade is served
     plain = head.replace(b"Connection: Upgrade, HTTP2-Settings\r\nUpgrade: h2c\r\n", b"")
     assert raw_request(front.port, plain + body)[0] == 200
+
+
+@pytest.mark.parametrize("codings", [b"Transfer-Encoding: gzip, chunked\r\n",
+                                     b"Transfer-Encoding: identity, chunked\r\n",
+                                     b"Transfer-Encoding: gzip\r\nTransfer-Encoding: chunked\r\n"])
+def test_a_transfer_coding_other_than_chunked_is_refused_not_read_as_chunked(front: Front, codings: bytes) -> None:
+    """Security sweep, item 3: Transfer-Encoding: gzip, chunked was served as plain chunked (httptools frames by
+    the last coding), so a gzip-aware proxy in front and the gateway read two different requests. The gateway
+    understands chunked alone: any other coding is a 501 (RFC 9112, 6.1), in the OpenAI shape, and the
+    connection is closed, its body unread."""
+    body = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}'
+    chunked = b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body)
+    head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+    after = b"GET /health HTTP/1.1\r\nHost: t\r\n\r\n"  # pipelined behind it: never read
+    with socket.create_connection(("127.0.0.1", front.port), timeout=10) as sock:
+        sock.sendall(head + codings + b"\r\n" + chunked + after)
+        raw = b""
+        while piece := sock.recv(65536):
+            raw += piece
+    status, _, rest = raw.partition(b"\r\n")
+    assert status == b"HTTP/1.1 501 Not Implemented", raw[:200]
+    error = orjson.loads(rest.partition(b"\r\n\r\n")[2])["error"]
+    assert error["code"] == "unsupported_transfer_encoding" and error["type"] == "invalid_request_error", error
+    assert raw.count(b"HTTP/1.1 ") == 1, "closed after the refusal: the pipelined request is not served"
+    # plain chunked (any case) is served
+    assert raw_request(front.port, head + b"Transfer-Encoding: Chunked\r\n\r\n" + chunked)[0] == 200

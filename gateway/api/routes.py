@@ -2,7 +2,7 @@
 
 With API keys configured, :class:`gateway.app.GatewayApp` authenticates these requests before FastAPI sees
 them and leaves the key's :class:`~gateway.auth.Client` in ``scope["state"][CLIENT]`` (absent when the
-gateway is open).
+gateway is open, and on an unprotected ``/ready`` asked without a valid key).
 """
 
 from __future__ import annotations
@@ -19,6 +19,9 @@ from gateway.errors import GatewayError
 from gateway.pool.pool import Pool
 
 CLIENT = "gateway.client"  # scope["state"] key of the authenticated API key
+# the scopes of an operator's keys: with API keys configured, only such a key sees /ready's per-model and
+# per-backend state (an anonymous probe, or a client key, would otherwise learn the models a key's allow-list hides)
+DETAIL_SCOPES = frozenset({"admin", "metrics"})
 
 
 class JSONBytes(Response):
@@ -38,12 +41,23 @@ def _model_card(model: str, created: int) -> dict[str, Any]:
     return {"id": model, "object": "model", "created": created, "owned_by": "llm-gateway"}
 
 
+def _sees_details(request: Request, keyed: bool) -> bool:
+    """Whether /ready may describe each model and backend to this request: always on an open gateway; with API
+    keys, only to an operator's key (DETAIL_SCOPES)."""
+    if not keyed:
+        return True
+    client: Client | None = request.scope.get("state", {}).get(CLIENT)
+    return client is not None and not DETAIL_SCOPES.isdisjoint(client.settings.scopes)
+
+
 def build_router(pool: Pool, registry: CollectorRegistry, created: int, *,
                  exposition: Callable[[], Awaitable[bytes]] | None = None,
-                 aliases: Callable[[], dict[str, list[str]]] | None = None) -> APIRouter:
+                 aliases: Callable[[], dict[str, list[str]]] | None = None,
+                 keyed: Callable[[], bool] = lambda: False) -> APIRouter:
     """The routes, over the pool they report on, the registry they expose and the models' creation time.
     ``exposition``: what /metrics serves instead of the registry's own (every worker's figures, added up);
-    ``aliases``: the configured aliases and the served models each splits over (listed as models)."""
+    ``aliases``: the configured aliases and the served models each splits over (listed as models); ``keyed``:
+    whether API keys are configured now (then /ready details only to an operator's key)."""
     router = APIRouter()
 
     def servable() -> list[str]:
@@ -88,6 +102,11 @@ def build_router(pool: Pool, registry: CollectorRegistry, created: int, *,
         model leaves its Service when that model cannot be served, while a gateway serving several models stays
         in for the ones it can serve (a request for the model that is down gets 503 from the API itself); alert
         on ``gateway_model_ready`` to hear of the latter.
+
+        With API keys configured, the body lists models and backends only to a key with the ``admin`` or
+        ``metrics`` scope; anyone else (a probe without a key, a client key) gets the status and counts only
+        (``ready_models``, ``known_models``, ``routable_backends``, ``known_backends``). The status code is the
+        same for everyone.
         """
         backends = {b.name: {"engine": b.engine, "health": b.health.value, "breaker": b.breaker.state.value,
                              "routable": b.routable, "models": sorted(b.models)}
@@ -99,8 +118,15 @@ def build_router(pool: Pool, registry: CollectorRegistry, created: int, *,
                     serving[m].append(b.name)
         models = {m: {"ready": bool(names), "backends": names} for m, names in serving.items()}
         servable = any(names for names in serving.values())
-        return JSONBytes({"status": "ready" if servable else "not_ready", "models": models, "backends": backends},
-                         status_code=200 if servable else 503)
+        status, code = ("ready", 200) if servable else ("not_ready", 503)
+        if not _sees_details(request, keyed()):
+            return JSONBytes({"status": status, "ready_models": sum(1 for m in models.values() if m["ready"]),
+                              "known_models": len(models),
+                              "routable_backends": sum(1 for b in backends.values() if b["routable"]),
+                              "known_backends": len(backends),
+                              "detail": "each model and backend: with a key whose scopes include admin or metrics"},
+                             status_code=code)
+        return JSONBytes({"status": status, "models": models, "backends": backends}, status_code=code)
 
     @router.get("/metrics")
     async def metrics() -> Response:

@@ -58,6 +58,7 @@ import msgpack
 import orjson
 
 from gateway.config import StateSettings
+from gateway.redaction import redact_url
 from gateway.state import scripts
 from gateway.state.autopipeline import AutoPipeline
 from gateway.state.resp import RespConnection
@@ -890,7 +891,7 @@ class SharedState:
             self._needs_resync = False
         if not self.up:
             self.up = True
-            log.info("shared state (Redis) reachable at %s", self.settings.url)
+            log.info("shared state (Redis) reachable at %s", redact_url(self.settings.url or ""))
         if self._pending:
             await self._drain()
 

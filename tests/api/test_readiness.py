@@ -1,16 +1,22 @@
 """Readiness means "can serve": a model whose every backend is ejected by its circuit breaker is not ready,
-in /ready and in the Prometheus gauges, and the gateway leaves the Service only when no model is ready."""
+in /ready and in the Prometheus gauges, and the gateway leaves the Service only when no model is ready. With
+API keys, /ready tells its details only to an operator's key."""
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Callable
 from typing import Any
 
 import httpx
+import openai
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.api.conftest import Running
+from gateway.app import create_app
+from gateway.sim import FleetThread, SimSpec
+from tests.api.conftest import TIME_SCALE, Running, gateway_settings
+from tests.conftest import serve_in_thread
 
 FAR = 3600.0  # an ejection that outlasts the test, whatever the machine's load
 
@@ -101,3 +107,44 @@ def test_no_model_servable_is_503_though_every_backend_is_healthy(pair: Running)
     assert {b["health"] for b in response.json()["backends"].values()} == {"ready"}
     assert gauges(pair, "gateway_model_ready") == {"shared": 0.0}
     assert httpx.get(pair.url + "/health").status_code == 200, "alive all the same"
+
+
+def test_with_keys_an_anonymous_ready_tells_counts_not_the_models_a_key_cannot_see() -> None:
+    """Security sweep, item 4: /ready, which a probe reads without a key, listed every model and backend, among
+    them models that a key's allow-list hides from its /v1/models."""
+    keys = {name: f"sk-{name}-0123" for name in ("client", "ops", "prometheus")}
+    specs = [SimSpec(engine="vllm", model=m, name=f"b-{m}", time_scale=TIME_SCALE) for m in ("m-public", "m-secret")]
+    with FleetThread(specs) as fleet:
+        auth = {"keys": [
+            {"name": "client", "key_sha256": hashlib.sha256(keys["client"].encode()).hexdigest(),
+             "models": ["m-public"]},
+            {"name": "ops", "key_sha256": hashlib.sha256(keys["ops"].encode()).hexdigest(), "scopes": ["admin"]},
+            {"name": "prometheus", "key_sha256": hashlib.sha256(keys["prometheus"].encode()).hexdigest(),
+             "scopes": ["metrics"]}]}
+        app = create_app(gateway_settings(fleet.fleet.servers, auth=auth))
+        with serve_in_thread(app) as gateway:
+
+            def ready(key: str | None) -> httpx.Response:
+                return httpx.get(gateway.url + "/ready",
+                                 headers={"authorization": f"Bearer {key}"} if key is not None else {})
+
+            wait_until(lambda: ready(keys["ops"]).json()["models"].get("m-secret", {}).get("ready") is True)
+            sdk = openai.OpenAI(base_url=gateway.url + "/v1", api_key=keys["client"], max_retries=0)
+            assert [m.id for m in sdk.models.list()] == ["m-public"]
+            for key in (None, keys["client"], "sk-wrong"):
+                response = ready(key)
+                assert response.status_code == 200, (key, response.text)
+                assert "m-secret" not in response.text and "b-m-" not in response.text, (key, response.text)
+                body = response.json()
+                assert (body["status"], body["ready_models"], body["known_models"], body["routable_backends"],
+                        body["known_backends"]) == ("ready", 2, 2, 2, 2), body
+            for key in (keys["ops"], keys["prometheus"]):
+                body = ready(key).json()
+                assert set(body["models"]) == {"m-public", "m-secret"} and set(body["backends"]) == {
+                    "b-m-public", "b-m-secret"}, body
+            # the status a probe reads follows readiness as before: nothing servable, 503 for everyone
+            running = Running(fleet, gateway, app)
+            for name in ("b-m-public", "b-m-secret"):
+                eject(running, name)
+            assert [ready(key).status_code for key in (None, keys["client"], keys["ops"])] == [503, 503, 503]
+            assert ready(None).json()["status"] == "not_ready"

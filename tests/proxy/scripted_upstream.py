@@ -32,7 +32,8 @@ class ScriptedUpstream:
     (the same without the usage chunk), ``stream_at_once`` (the same stream, chunked, in one write with its head:
     the whole answer in one read), ``complete`` (a non-streamed answer of ``tokens`` words), ``not_http`` (bytes
     that are not an HTTP response), ``echo_500``
-    (HTTP 500 whose message repeats the Authorization header it got and the backend's own address),
+    (HTTP 500 whose message repeats the Authorization header it got and the backend's own address), ``echo_token_500``
+    (the same with only the header's credentials, its scheme left off),
     ``status_401``, ``pings`` (200 SSE, then ``: ping`` every ``every`` s until the client leaves)."""
 
     def __init__(self, mode: str = "stream", model: str = "m", tokens: int = 8, every: float = 0.01,
@@ -109,10 +110,13 @@ class ScriptedUpstream:
             writer.write(b"SSH-2.0-OpenSSH_9.2\r\nthis is no HTTP server\r\n\r\n")
             await writer.drain()
             return False
-        if mode in ("echo_500", "status_401"):
-            status = b"500 Internal Server Error" if mode == "echo_500" else b"401 Unauthorized"
-            message = (f"rejected credentials '{self.seen_headers.get('authorization', '')}' at {self.url}/v1/chat"
-                       if mode == "echo_500" else "invalid api key")
+        if mode in ("echo_500", "echo_token_500", "status_401"):
+            status = b"401 Unauthorized" if mode == "status_401" else b"500 Internal Server Error"
+            credentials = self.seen_headers.get("authorization", "")
+            if mode == "echo_token_500":
+                credentials = credentials.rpartition(" ")[2]
+            message = (f"rejected credentials '{credentials}' at {self.url}/v1/chat"
+                       if mode != "status_401" else "invalid api key")
             body = orjson.dumps({"error": {"message": message, "type": "server_error"}})
             writer.write(b"HTTP/1.1 " + status + b"\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
                          % len(body) + body)

@@ -142,6 +142,22 @@ def test_a_backend_echoing_its_key_has_it_scrubbed() -> None:
     assert "[redacted]" in message
 
 
+def test_a_backend_echoing_the_bare_basic_token_has_it_scrubbed() -> None:
+    """Security sweep, item 2: an engine behind a reverse proxy echoing the base64 token of the gateway's Basic
+    credentials, without the word Basic, showed the client the backend's user and password."""
+    with ScriptedUpstream(mode="echo_token_500") as upstream:
+        _app, server = gateway_over(upstream, backend={"basic_auth": "ops:s3cr3t-passw0rd"})
+        with server as gw:
+            sdk = openai.OpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0)
+            with pytest.raises(openai.InternalServerError) as err:
+                sdk.chat.completions.create(model="m", messages=ASK, max_tokens=2)  # type: ignore[arg-type]
+    token = base64.b64encode(b"ops:s3cr3t-passw0rd").decode()
+    assert upstream.seen_headers["authorization"] == f"Basic {token}"  # the echo really happened
+    message = err.value.message
+    assert token not in message and token.rstrip("=") not in message, message
+    assert "[redacted]" in message
+
+
 # -- item 11: the backend refusing the gateway's credentials ---------------------------------------------
 def test_an_upstream_401_is_the_gateways_fault_not_the_clients() -> None:
     with ScriptedUpstream(mode="status_401") as upstream:

@@ -20,9 +20,12 @@ from tests.conftest import free_port
 
 
 class RedisServer:
-    def __init__(self, port: int, workdir: Path) -> None:
+    """``password``: the server asks for it (``requirepass``); ``url`` then carries none."""
+
+    def __init__(self, port: int, workdir: Path, password: str | None = None) -> None:
         self.port = port
         self.url = f"redis://127.0.0.1:{port}/0"
+        self.password = password
         self._workdir = workdir
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -32,14 +35,15 @@ class RedisServer:
             pytest.fail("redis-server is not installed (Debian: apt-get install redis-server; scripts/test does it)")
         self.proc = subprocess.Popen(
             [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", str(self._workdir), "--logfile", str(self._workdir / "redis.log")],
+             "--dir", str(self._workdir), "--logfile", str(self._workdir / "redis.log"),
+             *(["--requirepass", self.password] if self.password else [])],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 10
         while True:
             try:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as sock:
                     sock.sendall(b"PING\r\n")
-                    if sock.recv(16).startswith(b"+PONG"):
+                    if sock.recv(16).startswith((b"+PONG", b"-NOAUTH")):
                         return self
             except OSError:
                 pass

@@ -1,0 +1,91 @@
+"""Reloading the configuration file without trusting a file that is being written.
+
+A file rewritten in place (``tee``, ``scp``, ``rsync --inplace``, a templating tool) is empty and then a growing
+prefix of itself while it is written, and most prefixes of a YAML file are valid YAML: read at the wrong moment,
+it parses as a configuration whose later sections are simply absent. A reload of such a prefix used to apply it:
+with ``auth`` near the end, every key was gone and the gateway open to anyone.
+
+Two defences, one for when a reload happens and one for what it may do:
+
+* :func:`stable_contents`: the file watch hands on a changed content only once it has read that same content for
+  ``settle`` seconds, and hands on those bytes: the reload parses them and never reads the file again (a
+  content checked and then re-read would be a different one);
+* :func:`check_reload`: whatever triggered it (the watch, SIGHUP, the admin API), a reload may not widen access
+  by leaving something out. Every API key taken away needs ``auth.open: true``; every backend taken away needs
+  ``backends: []`` (not a missing section); a kept key's restriction in force (``models``, ``scopes``,
+  ``requests_per_minute``, ``tokens_per_minute``, ``max_in_flight``) needs the field written to change it
+  (``requests_per_minute: null`` lifts a limit), and ``auth.protect_health``/``protect_metrics`` need an explicit
+  ``false``. A cut file can write none of these: what it lost is absent, not emptied. (A cut inside a value
+  mostly narrows it or makes it invalid: ``600`` cut is ``60``, a block list cut is shorter, a hash cut is no
+  hash.)
+
+What a cut cannot be told from a change, and so still applies (docs/operating.md#reloading-the-configuration):
+a cut inside the ``keys`` list revokes the keys after the cut, a cut inside ``backends`` removes (drains) the later
+backends or drops a backend's settings after the cut (its key, ``max_concurrency``), any other section after the
+cut returns to its defaults, and a model name in a key's ``models`` cut short may name another model
+(``llama-3-8b-instruct`` cut to ``llama-3-8b``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+from gateway.config import ConfigError, Settings
+
+# a key's fields that restrict it: left out of a kept key's entry, each would fall back to its widest default
+RESTRICTIONS = ("models", "scopes", "requests_per_minute", "tokens_per_minute", "max_in_flight")
+
+
+def check_reload(running: Settings, new: Settings) -> None:
+    """Raise ConfigError when ``new`` would widen access, or drop every backend, by what it leaves out rather
+    than by what it says (see the module's docstring)."""
+    if running.auth.keys and not new.auth.keys and not new.auth.open:
+        raise ConfigError(
+            f"auth.keys: the file has no API keys, and {len(running.auth.keys)} are in use: it may have been "
+            "read half-written (or emptied); to serve without keys on purpose, say auth: {open: true}")
+    if running.backends and "backends" not in new.model_fields_set:
+        raise ConfigError(
+            f"backends: the file has no backends section, and {len(running.backends)} backends are configured: it "
+            "may have been read half-written; to remove every backend on purpose, say backends: []")
+    if not new.auth.keys:
+        return
+    kept = {key.name: key for key in running.auth.keys}
+    for key in new.auth.keys:
+        before = kept.get(key.name)
+        if before is None:
+            continue
+        for field in RESTRICTIONS:
+            if field not in key.model_fields_set and getattr(key, field) != getattr(before, field):
+                raise ConfigError(
+                    f"auth.keys ({key.name}).{field}: left out of the file, which would change it from "
+                    f"{getattr(before, field)!r} to the default {getattr(key, field)!r}: it may have been read "
+                    f"half-written; to change it, write it ({field}: null lifts a limit)")
+    for flag in ("protect_health", "protect_metrics"):
+        if getattr(running.auth, flag) and flag not in new.auth.model_fields_set:
+            raise ConfigError(f"auth.{flag}: left out of the file while it is on: it may have been read "
+                              f"half-written; to turn it off, say {flag}: false")
+
+
+async def stable_contents(read: Callable[[], Awaitable[bytes | None]], every: float, settle: float, *,
+                          sleep: Callable[[float], Awaitable[None]] = asyncio.sleep) -> AsyncIterator[bytes]:
+    """Read the file every ``every`` seconds (``read``: its bytes, None when it cannot be read) and yield each new
+    content once consecutive reads have found it unchanged for at least ``settle`` seconds. The first read is
+    the content already in force; a content that goes back to it before settling is no change."""
+    steady = max(1, math.ceil(settle / every))  # reads that must agree after the first, each ``every`` apart
+    seen = await read()
+    candidate: bytes | None = None
+    agreed = 0
+    while True:
+        await sleep(every)
+        now = await read()
+        if now is None or now == seen:
+            candidate, agreed = None, 0
+        elif now != candidate:
+            candidate, agreed = now, 0
+        else:
+            agreed += 1
+            if agreed >= steady:
+                seen, candidate, agreed = now, None, 0
+                yield now

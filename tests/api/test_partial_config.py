@@ -1,0 +1,213 @@
+"""A configuration file read half-written must not open the gateway (security sweep, item 1).
+
+A file rewritten in place is empty, then a growing prefix of itself; most prefixes parse, and with ``auth`` at
+the end such a prefix has no keys. The file watch used to apply what it saw mid-write (12 of 24 anonymous
+requests got 200 during a 3-second rewrite), and any reload applied an empty or cut file. Here the attack is
+run again: the file is rewritten in place in pieces while the watch polls it every 50 ms, and anonymous clients
+and a keyed one keep asking throughout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import yaml
+
+from gateway.app import GatewayApp, create_app
+from gateway.config import load_settings
+from gateway.sim import FleetThread, SimSpec
+from tests.api.conftest import TIME_SCALE
+from tests.conftest import ServerThread, serve_in_thread
+
+CLIENT_KEY, OPS_KEY = "sk-client-0123", "sk-ops-4567"
+OPS = {"authorization": f"Bearer {OPS_KEY}"}
+ASK = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+
+def digest(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def keyed(fleet: FleetThread, names: list[str], **extra: Any) -> dict[str, Any]:
+    """A configuration with API keys, its auth section last (where a cut loses it first), watched every 50 ms
+    (a change applied once it held still for server.reload_settle_seconds, 2 s by default: the writer below
+    pauses 0.3 s between pieces)."""
+    servers = {s.spec.name: s for s in fleet.fleet.servers}
+    return {"server": {"reload_watch_seconds": 0.05},
+            "backends": [{"name": n, "engine": "vllm", "url": servers[n].url} for n in names],
+            "scrape": {"interval": 0.1, "timeout": 1.0}, **extra,
+            "auth": {"keys": [{"name": "client", "key_sha256": digest(CLIENT_KEY)},
+                              {"name": "ops", "key_sha256": digest(OPS_KEY), "scopes": ["admin", "metrics"],
+                               "requests_per_minute": 600}],
+                     "protect_metrics": True}}
+
+
+def dump(raw: dict[str, Any]) -> str:
+    return yaml.safe_dump(raw, sort_keys=False)
+
+
+@pytest.fixture(scope="module")
+def fleet() -> Iterator[FleetThread]:
+    with FleetThread([SimSpec(engine="vllm", model="m", name=n, time_scale=TIME_SCALE) for n in ("va", "vb")]) as f:
+        yield f
+
+
+@contextlib.contextmanager
+def serving(path: Path) -> Iterator[tuple[ServerThread, GatewayApp]]:
+    app = create_app(load_settings(path), config_path=str(path))
+    with serve_in_thread(app) as gateway:
+        yield gateway, app
+
+
+def reloads(gateway: ServerThread, result: str) -> float:
+    line = f'gateway_config_reloads_total{{result="{result}"}} '
+    text = httpx.get(gateway.url + "/metrics", headers=OPS).text
+    return next((float(x.removeprefix(line)) for x in text.splitlines() if x.startswith(line)), 0.0)
+
+
+def anonymous_status(url: str) -> int:
+    return httpx.post(url + "/v1/chat/completions", json=ASK).status_code
+
+
+def test_a_file_rewritten_in_place_slowly_never_opens_the_gateway(fleet: FleetThread, tmp_path: Path) -> None:
+    path = tmp_path / "gateway.yaml"
+    path.write_text(dump(keyed(fleet, ["va"])))
+    text = dump(keyed(fleet, ["va", "vb"])).encode()
+    auth = text.index(b"auth:")
+    first_key_line = text.index(b"\n", text.index(b"- name: client")) + 1
+    # empty, then everything but auth (valid YAML without keys), then a cut inside the first key, then the rest
+    pieces = [text[:auth], text[auth:first_key_line], text[first_key_line:]]
+
+    def rewrite_in_place() -> None:
+        with path.open("r+b", buffering=0) as file:  # as tee, scp or rsync --inplace write it: same inode
+            file.truncate(0)
+            for piece in pieces:
+                time.sleep(0.3)
+                file.write(piece)
+                os.fsync(file.fileno())
+
+    with serving(path) as (gateway, app):
+
+        async def attack() -> tuple[list[int], list[int], list[int]]:
+            anonymous: list[int] = []
+            stranger: list[int] = []  # the OpenAI SDK with a key the gateway does not know
+            client: list[int] = []
+            async with httpx.AsyncClient(base_url=gateway.url, timeout=10) as http:
+                sdks = {key: openai.AsyncOpenAI(base_url=gateway.url + "/v1", api_key=key, max_retries=0,
+                                                http_client=http) for key in ("sk-nobody", CLIENT_KEY)}
+
+                async def sdk_status(key: str) -> int:
+                    try:
+                        await sdks[key].chat.completions.create(model="m", messages=ASK["messages"], max_tokens=2)
+                    except openai.APIStatusError as exc:
+                        return exc.status_code
+                    return 200
+
+                writer = asyncio.create_task(asyncio.to_thread(rewrite_in_place))
+                deadline = time.monotonic() + 20
+                # ask throughout the rewrite and until the new file is in force (vb added), then a little more
+                applied_at: float | None = None
+                while applied_at is None or time.monotonic() < applied_at + 0.3:
+                    assert time.monotonic() < deadline, "the rewritten file was never applied"
+                    anonymous.append((await http.post("/v1/chat/completions", json=ASK)).status_code)
+                    stranger.append(await sdk_status("sk-nobody"))
+                    client.append(await sdk_status(CLIENT_KEY))
+                    if applied_at is None and writer.done() and {b.name for b in app.gateway.pool} == {"va", "vb"}:
+                        applied_at = time.monotonic()
+                await writer
+            return anonymous, stranger, client
+
+        anonymous, stranger, client = asyncio.run(attack())
+        assert anonymous and set(anonymous) == {401}, f"anonymous requests answered: {anonymous}"
+        assert set(stranger) == {401}, f"an unknown key's requests answered: {stranger}"
+        assert set(client) == {200}, f"the client key's requests answered: {client}"
+        effective = httpx.get(gateway.url + "/admin/config", headers=OPS).json()
+        assert [k["name"] for k in effective["auth"]["keys"]] == ["client", "ops"]
+        assert effective["auth"]["keys"][1]["requests_per_minute"] == 600
+        assert reloads(gateway, "applied") == 1.0, "the final content, once, and nothing before it"
+
+
+def test_an_empty_or_cut_file_is_refused_by_any_reload_and_changes_nothing(fleet: FleetThread,
+                                                                            tmp_path: Path) -> None:
+    path = tmp_path / "gateway.yaml"
+    full = dump(keyed(fleet, ["va", "vb"]))
+    path.write_text(full)
+    cut_before_auth = full[:full.index("auth:")]
+    without_backends = dump({k: v for k, v in keyed(fleet, ["va"]).items() if k != "backends"})
+    ops_hash = full.index(digest(OPS_KEY))
+    cut_inside_ops = full[:full.index("\n", ops_hash) + 1]  # ops keeps its hash, loses its scopes and limit
+    cut_before_protection = full[:full.index("  protect_metrics")]
+    cases = [("", "is empty"), ("# rewritten by ansible\n\n   \n", "is empty"),
+             (cut_before_auth, "auth.keys: the file has no API keys"),
+             (without_backends, "backends: the file has no backends section"),
+             (cut_inside_ops, "auth.keys (ops).scopes: left out of the file"),
+             (cut_before_protection, "auth.protect_metrics: left out of the file")]
+    with serving(path) as (gateway, app):
+        before = httpx.get(gateway.url + "/admin/config", headers=OPS).json()
+        for content, why in cases:
+            path.write_text(content)
+            reply = httpx.post(gateway.url + "/admin/reload", headers=OPS)
+            assert reply.status_code == 400, (content, reply.text)
+            assert reply.json()["error"]["code"] == "invalid_config" and why in reply.json()["error"]["message"]
+            assert httpx.get(gateway.url + "/admin/config", headers=OPS).json() == before
+            assert anonymous_status(gateway.url) == 401
+        # SIGHUP's path: the same refusal, counted
+        path.write_text(cut_before_auth)
+        rejected = reloads(gateway, "rejected")
+        app.gateway.control.request_reload("SIGHUP")
+        deadline = time.monotonic() + 10
+        while reloads(gateway, "rejected") == rejected:
+            assert time.monotonic() < deadline, "SIGHUP's reload was neither applied nor refused"
+            time.sleep(0.05)
+        assert httpx.get(gateway.url + "/admin/config", headers=OPS).json() == before
+        assert anonymous_status(gateway.url) == 401
+        assert reloads(gateway, "applied") == 0.0
+
+
+def test_a_file_that_says_so_removes_every_backend_or_every_key(fleet: FleetThread, tmp_path: Path) -> None:
+    path = tmp_path / "gateway.yaml"
+    path.write_text(dump(keyed(fleet, ["va"])))
+    with serving(path) as (gateway, _app):
+        lifted = keyed(fleet, ["va"])
+        lifted["auth"]["keys"][1]["requests_per_minute"] = None  # (said: the limit is lifted)
+        lifted["auth"]["protect_metrics"] = False
+        path.write_text(dump(lifted))
+        reply = httpx.post(gateway.url + "/admin/reload", headers=OPS)
+        assert reply.status_code == 200 and reply.json()["sections"] == ["auth"], reply.text
+        assert httpx.get(gateway.url + "/metrics").status_code == 200
+        path.write_text(dump(keyed(fleet, [])))  # (backends: [], said)
+        reply = httpx.post(gateway.url + "/admin/reload", headers=OPS)
+        assert reply.status_code == 200 and reply.json()["removed"] == ["va"], reply.text
+        contradiction = keyed(fleet, ["va"])
+        contradiction["auth"]["open"] = True
+        path.write_text(dump(contradiction))
+        reply = httpx.post(gateway.url + "/admin/reload", headers=OPS)
+        assert reply.status_code == 400 and "open: true says" in reply.json()["error"]["message"]
+        path.write_text(dump({**keyed(fleet, ["va"]), "auth": {"open": True}}))
+        reply = httpx.post(gateway.url + "/admin/reload", headers=OPS)
+        assert reply.status_code == 200 and reply.json()["added"] == ["va"], reply.text
+        deadline = time.monotonic() + 10
+        while anonymous_status(gateway.url) != 200:  # (once va's first probe passed)
+            assert time.monotonic() < deadline, "the open gateway never served an anonymous request"
+            time.sleep(0.05)
+        assert httpx.get(gateway.url + "/admin/config", headers=OPS).json()["error"]["code"] == "admin_disabled"
+
+
+def test_a_gateway_that_never_had_keys_reloads_as_before(fleet: FleetThread, tmp_path: Path) -> None:
+    path = tmp_path / "gateway.yaml"
+    open_config = {k: v for k, v in keyed(fleet, ["va"]).items() if k != "auth"}
+    path.write_text(dump(open_config))
+    with serving(path) as (gateway, app):
+        path.write_text(dump({**open_config, "backends": keyed(fleet, ["va", "vb"])["backends"]}))
+        result = gateway.call(app.gateway.control.reload("test"))
+        assert result["added"] == ["vb"]
