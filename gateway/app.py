@@ -19,8 +19,8 @@ from gateway.api.admin import ADMIN, CROSS_ORIGIN, NO_ADMIN, build_admin_router,
 from gateway.api.agent_apis import AgentApi, count_tokens_api, messages_api, responses_api
 from gateway.api.openapi import install_openapi
 from gateway.api.proxy_endpoint import EndpointSettings, ProxyEndpoint, request_id
+from gateway.api.response_store import ResponseStore
 from gateway.api.routes import CLIENT, build_router
-from gateway.api.translate.responses import ResponseStore
 from gateway.asgi import Message, Receive, Scope, Send, header, send_body
 from gateway.auth import KeyScope, KeyStore
 from gateway.config import ConfigError, Settings
@@ -127,9 +127,8 @@ class Gateway:
             self.metrics.watch_state(self.shared)
         self.recent = Recent()  # the operator's last minutes per backend (GET /admin/backends, /ui)
         self.accounting = Accounting(self.metrics, self.pipeline.observe, settings.access_log.enabled, self.recent)
-        responses = settings.responses
-        self.responses = ResponseStore(responses.store_entries, responses.store_bytes, responses.store_ttl_seconds,
-                                       shared=self.shared)
+        self.responses = ResponseStore.of(settings.responses,
+                                          shared=self.shared.responses if self.shared is not None else None)
         self.control = ControlPlane(lambda: self.settings, self.pool, self.admission, self.shared,
                                     self.metrics.registry, apply=self.reconfigure, config_path=config_path,
                                     recent=self.recent, models=lambda: self.dispatcher.models,

@@ -101,10 +101,17 @@ class LimitSettings(_Strict):
 
 class ResponsesSettings(_Strict):
     """``/v1/responses``: the gateway keeps recent responses itself, so ``previous_response_id`` continues a
-    conversation on whichever backend routing picks next. Bounded in entries and bytes; entries expire."""
+    conversation on whichever backend routing picks next. Bounded in entries and bytes, in all and per API key;
+    entries expire."""
 
     store_entries: int = Field(default=10_000, ge=0, description="most responses kept (0: none kept)")
-    store_bytes: int = Field(default=256 * 1024 * 1024, ge=0, description="most bytes kept (conversations as JSON)")
+    store_bytes: int = Field(default=256 * 1024 * 1024, ge=0,
+                             description="most bytes held (each conversation's JSON, its id and a fixed cost per "
+                                         "entry); per process, and in Redis for the whole fleet")
+    store_entries_per_key: int = Field(default=1_000, gt=0,
+                                       description="most responses kept of one API key (its own oldest go first)")
+    store_bytes_per_key: int = Field(default=32 * 1024 * 1024, gt=0,
+                                     description="most bytes held of one API key (its own oldest go first)")
     store_ttl_seconds: float = Field(default=3600.0, gt=0, description="a response is forgotten after this long")
 
 

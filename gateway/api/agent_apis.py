@@ -18,6 +18,7 @@ from typing import Any
 import orjson
 
 from gateway.api.native_apis import COUNT_TOKENS, MESSAGES, RESPONSES, StreamTap, chat_usage
+from gateway.api.response_store import ResponseStore
 from gateway.api.translate.messages import (
     MessagesStream,
     anthropic_error_from_openai,
@@ -27,7 +28,6 @@ from gateway.api.translate.messages import (
 )
 from gateway.api.translate.responses import (
     ResponsesStream,
-    ResponseStore,
     chat_to_response,
     input_messages,
     new_response_id,
@@ -277,12 +277,17 @@ class _Responses(Translation):
             if not isinstance(previous, str) or not previous:
                 raise GatewayError(400, "'previous_response_id' must be a non-empty string",
                                    param="previous_response_id", code="invalid_value")
-            history = await self._store.fetch(previous)
-            if history is None:
+            history = await self._store.fetch(self._owner(), previous)
+            if history is None:  # (unknown, expired, or another key's: the same answer)
                 raise GatewayError(404, f"Previous response with id '{previous}' not found.",
                                    type="invalid_request_error", param="previous_response_id",
                                    code="previous_response_not_found")
         return self._translate(body, history)
+
+    def _owner(self) -> str:
+        """Whose stored responses this request may continue and keeps to: its API key's ("" with auth off)."""
+        client = self.exchange.client if self.exchange is not None else None
+        return client.name if client is not None else ""
 
     def _translate(self, body: dict[str, Any], history: list[dict[str, Any]] | None) -> dict[str, Any]:
         chat = responses_to_chat(body, history)
@@ -325,7 +330,7 @@ class _Responses(Translation):
         if response is not None and self._request.get("store", True) is not False:
             # under the id the client was given (an engine's own, when it was passed through)
             rid = response.get("id")
-            self._store.put(rid if isinstance(rid, str) and rid else self._id,
+            self._store.put(self._owner(), rid if isinstance(rid, str) and rid else self._id,
                             [*self._conversation, *output_messages(response)])
 
     def answer(self, chat: dict[str, Any]) -> dict[str, Any]:

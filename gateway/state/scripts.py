@@ -1,14 +1,24 @@
 """The Lua scripts the shared state runs in Redis: each is one atomic step, one round trip.
 
 Token buckets are hashes ``{l: level, t: updated (ms, Redis's clock)}`` refilled continuously at
-``capacity / 60 s``; a bucket untouched for two minutes expires, which is what a full one would be. In-flight
+``capacity / 60 s``. They carry no TTL (each write PERSISTs one an older gateway set): a bucket in debt keeps
+its debt until it has refilled, however long that takes (an expiry used to forgive a key's overrun after two
+minutes), and Redis's ``volatile-*`` eviction never picks one (what it may evict carries a TTL: stored
+responses, settlements' ids). There is one per limited API key and kind. In-flight
 counts of a backend with a ``max_concurrency`` are a hash per backend, one field per replica (the slots it
 holds: in flight there, or kept free for its next request, see ``SharedState``), so a replica that dies can be
 reaped field by field. A replica that finds a backend full says so on the *wanted* channel, and the others
 give back the slots they keep.
+
+Every script here is declared ``allow-oom``: Redis runs it even past its ``maxmemory`` (under ``noeviction``, or
+``volatile-*`` with nothing left to evict), so a Redis filled by other things never stops the limits. What they
+write is small and bounded by the configuration (keys, backends, replicas), besides the settlements' ids, which
+expire in two minutes. The flags need Redis 7 (or Valkey).
 """
 
 from __future__ import annotations
+
+_FLAGS = "#!lua flags=allow-oom\n"  # (first line of every script)
 
 # ADMIT: rate limits and a slot on the first candidate with one, all or nothing.
 #   KEYS[1] requests bucket, KEYS[2] tokens bucket, KEYS[3] the key's in-flight hash,
@@ -38,7 +48,7 @@ local function level(key, cap)
 end
 """  # (the scripts' common start: Redis's clock in ms, and a bucket's level refilled to it)
 
-ADMIT = _LEVEL + """
+ADMIT = _FLAGS + _LEVEL + """
 local rpm, tpm, reserve = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
 local rl, tl
 if rpm > 0 then
@@ -78,13 +88,13 @@ local leased, tleased = 0, 0
 if rpm > 0 then
   if divisor > 0 then leased = math.max(0, math.min(tonumber(ARGV[9]), math.floor((rl - 1) / divisor))) end
   redis.call('HSET', KEYS[1], 'l', tostring(rl - 1 - leased), 't', now)
-  redis.call('PEXPIRE', KEYS[1], 120000)
+  redis.call('PERSIST', KEYS[1])
 end
 if tpm > 0 then
   if divisor > 0 then tleased = math.min(tonumber(ARGV[10]), math.floor((tl - reserve) / divisor)) end
   if tleased < math.max(1, reserve) then tleased = 0 end  -- (less than one such request's reservation: useless)
   redis.call('HSET', KEYS[2], 'l', tostring(tl - reserve - tleased), 't', now)
-  redis.call('PEXPIRE', KEYS[2], 120000)
+  redis.call('PERSIST', KEYS[2])
 end
 if chosen > 0 then return {0, chosen - 4, leased, tleased, kept} end
 return {0, 0, leased, tleased, 0}
@@ -97,7 +107,7 @@ return {0, 0, leased, tleased, 0}
 #   ARGV[1] requests per minute (0: none), ARGV[2] tokens per minute (0: none), ARGV[3] lease divisor,
 #   ARGV[4] the most requests, ARGV[5] the most tokens, ARGV[6] the fewest tokens worth leasing
 # Returns {requests leased, tokens leased}.
-LEASE = _LEVEL + """
+LEASE = _FLAGS + _LEVEL + """
 local rpm, tpm, divisor = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
 local leased, tleased = 0, 0
 if rpm > 0 then
@@ -105,7 +115,7 @@ if rpm > 0 then
   leased = math.max(0, math.min(tonumber(ARGV[4]), math.floor(rl / divisor)))
   if leased > 0 then
     redis.call('HSET', KEYS[1], 'l', tostring(rl - leased), 't', now)
-    redis.call('PEXPIRE', KEYS[1], 120000)
+    redis.call('PERSIST', KEYS[1])
   end
 end
 if tpm > 0 then
@@ -114,7 +124,7 @@ if tpm > 0 then
   if tleased < math.max(1, tonumber(ARGV[6])) then tleased = 0 end
   if tleased > 0 then
     redis.call('HSET', KEYS[2], 'l', tostring(tl - tleased), 't', now)
-    redis.call('PEXPIRE', KEYS[2], 120000)
+    redis.call('PERSIST', KEYS[2])
   end
 end
 return {leased, tleased}
@@ -124,7 +134,7 @@ return {leased, tleased}
 #   KEYS[1] the backend's in-flight hash; ARGV[1] replica id, ARGV[2] its max_concurrency,
 #   ARGV[3] the wanted channel, ARGV[4] its message
 # Returns 1 (taken) or 0 (full, announced on the wanted channel).
-ACQUIRE = """
+ACQUIRE = _FLAGS + """
 local total = 0
 for _, v in ipairs(redis.call('HVALS', KEYS[1])) do total = total + tonumber(v) end
 if total >= tonumber(ARGV[2]) then
@@ -145,7 +155,7 @@ return 1
 #   ARGV[1] replica id, ARGV[2] tokens per minute (0: none), ARGV[3] tokens used - reserved,
 #   ARGV[4] how many slots to give back, ARGV[5] the free-slot channel, ARGV[6] its message (backend and replica),
 #   ARGV[7] 1 to release the key's in-flight place
-SETTLE = """
+SETTLE = _FLAGS + """
 if not redis.call('SET', KEYS[3], 1, 'NX', 'PX', 120000) then return 0 end
 local tpm, delta = tonumber(ARGV[2]), tonumber(ARGV[3])
 if tpm > 0 and delta ~= 0 then
@@ -155,7 +165,7 @@ if tpm > 0 and delta ~= 0 then
   local l, t = tonumber(b[1]), tonumber(b[2])
   if l == nil then l = tpm else l = math.min(tpm, l + (now - t) * tpm / 60000) end
   redis.call('HSET', KEYS[1], 'l', tostring(math.min(tpm, l - delta)), 't', now)
-  redis.call('PEXPIRE', KEYS[1], 120000)
+  redis.call('PERSIST', KEYS[1])
 end
 local slots = tonumber(ARGV[4])
 if slots > 0 then
@@ -175,7 +185,7 @@ return 1
 #   ARGV[1] replica id, ARGV[2] TTL ms, ARGV[3] the free-slot channel (a reap announces '*': any backend),
 #   ARGV[4] 1: resync, ARGV[5..] own count per hash
 # Returns {the replicas it reaped, how many replicas are alive}.
-HEARTBEAT = """
+HEARTBEAT = _FLAGS + """
 local now_t = redis.call('TIME')
 local now = now_t[1] * 1000 + math.floor(now_t[2] / 1000)
 redis.call('ZADD', KEYS[1], now, ARGV[1])

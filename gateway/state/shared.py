@@ -31,7 +31,14 @@ What is shared, and how it stays off the hot path:
 * **Peers** (:meth:`publish`, :meth:`subscribe`): what routing learns (session -> backend, the prompt blocks
   routed to a backend) is published, batched every few milliseconds, and applied to every other replica's
   own tables, so routing reads only local memory.
-* **Stored responses** (``/v1/responses`` with ``previous_response_id``): kept in Redis with their TTL.
+* **Stored responses** (``/v1/responses`` with ``previous_response_id``): kept in Redis with their TTL, bound
+  to their API key and bounded in all and per key (:mod:`gateway.state.stored_responses`, ``self.responses``).
+  A failed read or write of one fails that operation alone (counted, logged at most once a minute), never the
+  state.
+
+Redis full: what limits keep (buckets, in-flight counts) carries no TTL, so ``volatile-*`` eviction never takes
+it, and its scripts run past ``maxmemory`` (:mod:`gateway.state.scripts`); a write Redis refuses for memory is a
+stored response's, which fails alone.
 
 Redis failing: every operation has a short timeout; the state is then *down* (``gateway_state_up`` 0,
 ``gateway_state_errors_total``, a log line per minute at most) until a heartbeat answers again. Meanwhile
@@ -55,13 +62,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 import msgpack
-import orjson
 
 from gateway.config import StateSettings
 from gateway.redaction import redact_url
 from gateway.state import scripts
 from gateway.state.autopipeline import AutoPipeline
+from gateway.state.errors import StateUnavailable as StateUnavailable  # (where callers import it from)
 from gateway.state.resp import RespConnection
+from gateway.state.stored_responses import StoredResponses
 
 if TYPE_CHECKING:
     import redis.asyncio as aioredis
@@ -79,10 +87,6 @@ LEASE_SHARE = 16  # a lease takes at most 1/(LEASE_SHARE x replicas) of what is 
 LEASE_MAX = 16  # ... and at most this many requests (of tokens: this many requests' worth, see _unit) at a time
 LEASE_LOW = LEASE_MAX  # a lease taken below this many requests('s worth) is topped up ahead of need: a burst's
 # worth is left while the top-up is on its way (a round trip that, in a burst, waits behind the burst's own work)
-
-
-class StateUnavailable(Exception):
-    """Redis could not be reached for an operation that needs it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -204,6 +208,7 @@ class SharedState:
         self.refills = 0  # leases topped up ahead of need (round trips in the background)
         self.dropped = 0  # settlements dropped (the queue was full while Redis was down)
         self._last_log = 0.0
+        self._last_alone_log = 0.0  # (operations that fail alone log apart: the state's own lines are not hidden)
         self._needs_resync = True
         self._held: dict[str, int] = {}  # backend -> slots this replica's requests hold (its own truth)
         # backend -> slots this replica holds in Redis but no request uses: kept for its next requests
@@ -234,6 +239,8 @@ class SharedState:
         # the backends with a max_concurrency (their in-flight is kept here), as the pool has them now
         self.slotted: Callable[[], set[str]] = set
         self._background: set[asyncio.Task[None]] = set()  # (referenced until done, as asyncio requires)
+        self.responses = StoredResponses(self._redis, p, self._timeout * 5, self._errors, self._failed_alone,
+                                         self._spawn)
 
     # -- keys ---------------------------------------------------------------------------------------------------
     def _bucket(self, key: str, kind: str) -> str:
@@ -291,7 +298,7 @@ class SharedState:
         under load is not an outage; the heartbeat decides that); anything else, and a heartbeat timing out,
         takes the state down until a heartbeat answers."""
         self.errors[operation] = self.errors.get(operation, 0) + 1
-        if isinstance(exc, TimeoutError) and operation in ("admit", "acquire", "lease", "get_response"):
+        if isinstance(exc, TimeoutError) and operation in ("admit", "acquire", "lease"):
             return
         if self.up:
             self._needs_resync = True
@@ -303,6 +310,17 @@ class SharedState:
             self._last_log = now
             log.warning("shared state (Redis) unavailable (%s: %s: %s); limits fail %s, routing uses local "
                         "state until it answers again", operation, type(exc).__name__, exc, self.settings.on_failure)
+
+    def _failed_alone(self, operation: str, exc: BaseException) -> None:
+        """An operation whose failure is its own (a stored response read or written: Redis past its maxmemory,
+        or slow) failed: counted, and logged at most once a minute; the state stays as it is (a stored response
+        must not switch every key's limits off; the heartbeat decides whether Redis is down)."""
+        self.errors[operation] = self.errors.get(operation, 0) + 1
+        now = time.monotonic()
+        if now - self._last_alone_log >= 60:
+            self._last_alone_log = now
+            log.warning("shared state: %s failed (%s: %s); that operation alone failed, limits and routing are "
+                        "unaffected", operation, type(exc).__name__, exc)
 
     async def _script(self, name: str, source: str, keys: list[str], args: list[Any]) -> Any:
         """Run a script, with whatever else is being run now, in one pipeline (:mod:`autopipeline`)."""
@@ -894,33 +912,6 @@ class SharedState:
             log.info("shared state (Redis) reachable at %s", redact_url(self.settings.url or ""))
         if self._pending:
             await self._drain()
-
-    # -- stored responses ---------------------------------------------------------------------------------------
-    async def get_response(self, response_id: str) -> list[dict[str, Any]] | None:
-        """A stored conversation; StateUnavailable when Redis cannot answer."""
-        try:
-            raw = await asyncio.wait_for(self._redis.get(f"{self.settings.prefix}response:{response_id}"),
-                                         self._timeout * 5)
-        except self._errors as exc:
-            self._failed("get_response", exc)
-            raise StateUnavailable(str(exc)) from None
-        if raw is None:
-            return None
-        value = orjson.loads(raw)
-        return value if isinstance(value, list) else None
-
-    def put_response(self, response_id: str, messages: list[dict[str, Any]], ttl_seconds: float) -> None:
-        """Keep a conversation (in the background)."""
-        raw = orjson.dumps(messages)
-
-        async def put() -> None:
-            try:
-                await asyncio.wait_for(self._redis.set(f"{self.settings.prefix}response:{response_id}", raw,
-                                                       px=max(1, int(ttl_seconds * 1000))), self._timeout * 5)
-            except self._errors as exc:
-                self._failed("put_response", exc)
-
-        self._spawn(put())
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(coro)

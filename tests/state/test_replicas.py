@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import itertools
+import json
 import random
 import time
 from collections import Counter
@@ -267,7 +268,7 @@ def test_a_backend_added_or_removed_on_one_replica_is_on_all(cluster: Cluster) -
                 httpx.delete(url + "/admin/backends/s1b", headers=ops)
 
 
-def test_stored_responses_continue_on_any_replica(cluster: Cluster) -> None:
+def test_stored_responses_continue_on_any_replica_for_their_key_alone(cluster: Cluster) -> None:
     headers = {"authorization": f"Bearer {KEYS['free']}"}
     first = httpx.post(cluster.url(0) + "/v1/responses", headers=headers, timeout=30,
                        json={"model": "s", "input": "Tell me about the gateway.", "max_output_tokens": 8})
@@ -282,6 +283,17 @@ def test_stored_responses_continue_on_any_replica(cluster: Cluster) -> None:
     unknown = httpx.post(cluster.url(1) + "/v1/responses", headers=headers, timeout=30,
                          json={"model": "s", "input": "x", "previous_response_id": "resp_unknown"})
     assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "previous_response_not_found"
+    # another key, on every replica (the one that made it holds it in memory, the others read Redis): told exactly
+    # what an unknown id is told
+    other = {"authorization": f"Bearer {KEYS['cap']}"}
+    made_up = "resp_" + "0" * 48
+    for i in range(3):
+        answers = [httpx.post(cluster.url(i) + "/v1/responses", headers=other, timeout=30,
+                              json={"model": "s", "input": "What did they say?", "previous_response_id": asked})
+                   for asked in (rid, made_up)]
+        theirs, unknown = answers
+        assert theirs.status_code == unknown.status_code == 404
+        assert theirs.json() == json.loads(unknown.text.replace(made_up, rid))
 
 
 def test_redis_killed_and_restarted_loses_no_request_and_limits_resume(cluster: Cluster) -> None:

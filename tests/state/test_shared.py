@@ -14,6 +14,7 @@ import pytest
 
 from gateway.config import StateSettings
 from gateway.state import Budget, SharedState, Slotted, StateUnavailable
+from gateway.state.stored_responses import StoreBounds
 from tests.state.conftest import RedisServer
 
 
@@ -163,11 +164,11 @@ async def test_peers_get_each_others_messages_not_their_own(pair: list[SharedSta
 @pytest.mark.anyio
 async def test_stored_responses_are_read_by_another_replica(pair: list[SharedState]) -> None:
     a, b = pair
-    a.put_response("resp_1", [{"role": "user", "content": "hi"}], ttl_seconds=0.3)
+    a.responses.put_response("", "resp_1", b'[{"role":"user","content":"hi"}]', StoreBounds(ttl_seconds=0.3))
     await until(lambda: not a._background)
-    assert await b.get_response("resp_1") == [{"role": "user", "content": "hi"}]
+    assert await b.responses.get_response("", "resp_1") == b'[{"role":"user","content":"hi"}]'
     await asyncio.sleep(0.4)
-    assert await b.get_response("resp_1") is None, "expired"
+    assert await b.responses.get_response("", "resp_1") is None, "expired"
 
 
 @pytest.mark.anyio

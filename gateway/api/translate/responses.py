@@ -1,4 +1,5 @@
-"""OpenAI Responses API <-> chat completions: requests, answers, stream events, and the conversation store.
+"""OpenAI Responses API <-> chat completions: requests, answers and stream events (the conversations kept for
+``previous_response_id`` are :mod:`gateway.api.response_store`'s).
 
 ``POST /v1/responses`` (``client.responses.create``, the Agents SDK, Codex) becomes a chat completions
 request every engine serves; its answer and each of its stream events are turned back into a Response and
@@ -34,14 +35,12 @@ from __future__ import annotations
 
 import secrets
 import time
-from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
 import orjson
 
 from gateway.errors import GatewayError
-from gateway.state.shared import StateUnavailable
 
 _PASSTHROUGH = ("top_k", "min_p", "seed", "stop", "presence_penalty", "frequency_penalty", "repetition_penalty")
 _INCLUDABLE = frozenset({
@@ -700,79 +699,3 @@ def _delta_logprob(entry: dict[str, Any]) -> dict[str, Any]:
     """An output_text logprob in the shape of the delta/done events (no ``bytes``)."""
     return {"token": entry["token"], "logprob": entry["logprob"],
             "top_logprobs": [{"token": t["token"], "logprob": t["logprob"]} for t in entry["top_logprobs"]]}
-
-
-# ---- store -------------------------------------------------------------------------------------------------
-
-class SharedResponses(Protocol):
-    """Where several replicas keep their responses (``gateway.state.SharedState``)."""
-
-    async def get_response(self, response_id: str) -> list[dict[str, Any]] | None: ...
-
-    def put_response(self, response_id: str, messages: list[dict[str, Any]], ttl_seconds: float) -> None: ...
-
-
-class ResponseStore:
-    """Recent responses, for ``previous_response_id``: per response id, the whole conversation as chat
-    messages (history + input + output). Bounded in entries and in bytes (the size of the messages' JSON);
-    the oldest go first, and an entry expires ``ttl_seconds`` after it was put. A conversation larger than
-    ``max_bytes`` on its own is not kept."""
-
-    def __init__(self, max_entries: int = 10_000, max_bytes: int = 256 * 1024 * 1024, ttl_seconds: float = 3600.0,
-                 clock: Callable[[], float] = time.monotonic, shared: SharedResponses | None = None) -> None:
-        self._shared = shared  # with shared state: every response is also kept there, for every replica
-        self._max_entries = max_entries
-        self._max_bytes = max_bytes
-        self._ttl = ttl_seconds
-        self._clock = clock
-        self._bytes = 0
-        # insertion order is expiry order: every entry lives equally long
-        self._entries: OrderedDict[str, tuple[float, int, list[dict[str, Any]]]] = OrderedDict()
-
-    def _drop(self, response_id: str) -> None:
-        self._bytes -= self._entries.pop(response_id)[1]
-
-    def _expire(self) -> None:
-        now = self._clock()
-        while self._entries:
-            oldest, (expires, _, _) = next(iter(self._entries.items()))
-            if expires > now:
-                break
-            self._drop(oldest)
-
-    def put(self, response_id: str, messages: list[dict[str, Any]]) -> None:
-        size = len(orjson.dumps(messages))
-        if response_id in self._entries:
-            self._drop(response_id)
-        self._expire()
-        if size > self._max_bytes:
-            return
-        while self._entries and (len(self._entries) >= self._max_entries or self._bytes + size > self._max_bytes):
-            self._drop(next(iter(self._entries)))
-        self._entries[response_id] = (self._clock() + self._ttl, size, list(messages))
-        self._bytes += size
-        if self._shared is not None:
-            self._shared.put_response(response_id, messages, self._ttl)
-
-    async def fetch(self, response_id: str) -> list[dict[str, Any]] | None:
-        """``get``, and where this process does not hold it, the shared store (another replica's response).
-        Raises a 503 GatewayError when the shared store cannot answer."""
-        found = self.get(response_id)
-        if found is not None or self._shared is None:
-            return found
-        try:
-            return await self._shared.get_response(response_id)
-        except StateUnavailable as exc:
-            raise GatewayError(503, "stored responses cannot be read now (the gateway's shared state does not "
-                                    "answer); retry shortly", code="state_unavailable",
-                               headers={"retry-after": "1"}) from exc
-
-    def get(self, response_id: str) -> list[dict[str, Any]] | None:
-        """The conversation up to and including that response; None when unknown or expired."""
-        self._expire()
-        entry = self._entries.get(response_id)
-        return list(entry[2]) if entry is not None else None
-
-    def __len__(self) -> int:
-        self._expire()
-        return len(self._entries)

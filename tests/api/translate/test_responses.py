@@ -1,4 +1,4 @@
-"""The Responses API <-> chat completions translation: requests, answers, stream events and the store.
+"""The Responses API <-> chat completions translation: requests, answers, and stream events.
 
 Every Response is validated with the SDK's ``Response`` model and every stream event with its
 ``ResponseStreamEvent`` type; one stream is also read by the real SDK client (``responses.stream``) through an
@@ -18,7 +18,6 @@ from pydantic import TypeAdapter
 
 from gateway.api.translate.responses import (
     ResponsesStream,
-    ResponseStore,
     chat_to_response,
     input_messages,
     new_response_id,
@@ -439,52 +438,6 @@ def test_the_sdk_client_reads_the_translated_stream() -> None:
     assert texts == ["Let me look."]
     assert [item.type for item in final.output] == ["reasoning", "message", "function_call"]
     assert final.output_text == "Let me look." and final.usage is not None and final.usage.total_tokens == 15
-
-
-# ---- store -------------------------------------------------------------------------------------------------
-
-class _Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def test_store_keeps_conversations_until_their_ttl() -> None:
-    clock = _Clock()
-    store = ResponseStore(ttl_seconds=10, clock=clock)
-    conversation = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
-    store.put("resp_a", conversation)
-    clock.now += 5
-    store.put("resp_b", conversation[:1])
-    assert store.get("resp_a") == conversation and len(store) == 2
-    clock.now += 5
-    assert store.get("resp_a") is None and store.get("resp_b") == conversation[:1] and len(store) == 1
-    clock.now += 5
-    assert store.get("resp_b") is None and len(store) == 0
-    assert store.get("resp_unknown") is None
-
-
-def test_store_evicts_the_oldest_beyond_its_entry_bound() -> None:
-    store = ResponseStore(max_entries=2)
-    for name in ("a", "b", "c"):
-        store.put(name, [{"role": "user", "content": name}])
-    assert store.get("a") is None and store.get("b") is not None and store.get("c") is not None and len(store) == 2
-
-
-def test_store_evicts_the_oldest_beyond_its_byte_bound() -> None:
-    one = [{"role": "user", "content": "x" * 100}]
-    size = len(orjson.dumps(one))
-    store = ResponseStore(max_bytes=2 * size)
-    store.put("a", one)
-    store.put("b", one)
-    store.put("c", one)
-    assert store.get("a") is None and store.get("b") == one and store.get("c") == one
-    store.put("huge", [{"role": "user", "content": "x" * 1000}])  # larger than the whole store: not kept
-    assert store.get("huge") is None and store.get("c") == one
-    store.put("c", one)  # putting again replaces, it does not count twice
-    assert len(store) == 2
 
 
 def test_new_response_ids_are_random_and_well_formed() -> None:

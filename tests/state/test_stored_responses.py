@@ -1,0 +1,166 @@
+"""Stored responses in a real redis-server: bound to the API key that made them on every replica, bounded per key
+and in all by what they hold of Redis's memory, and a read or write that fails failing alone."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import orjson
+import pytest
+import redis.asyncio
+
+from gateway.api.response_store import ResponseStore
+from gateway.api.translate.responses import new_response_id
+from gateway.errors import GatewayError
+from gateway.state import Budget, SharedState
+from gateway.state.stored_responses import OWNER_OVERHEAD, StoreBounds
+from tests.state.conftest import RedisServer
+from tests.state.test_shared import replicas, stop, until
+
+
+def bounds(**extra: Any) -> StoreBounds:
+    return StoreBounds(**{"entries": 10**7, "max_bytes": 10**9, "entries_per_key": 10**7, "bytes_per_key": 10**9,
+                          **extra})
+
+
+def message(text: str) -> list[dict[str, Any]]:
+    return [{"role": "user", "content": text}]
+
+
+@pytest.fixture
+async def admin(redis_server: RedisServer) -> AsyncIterator[redis.asyncio.Redis]:
+    client = redis.asyncio.Redis.from_url(redis_server.url)
+    yield client
+    await client.aclose()
+
+
+async def written(state: SharedState) -> None:
+    await until(lambda: not state.responses._waiting and not state.responses._writers)
+
+
+async def books(admin: redis.asyncio.Redis) -> tuple[int, int, int]:
+    """(responses counted, bytes counted, what the sizes and the owners' orders add up to)."""
+    sizes = await admin.hgetall("gateway:responses:sizes")
+    owners = {v.decode().partition(":")[2] for v in sizes.values()}
+    total = sum(int(v.decode().partition(":")[0]) for v in sizes.values()) + OWNER_OVERHEAD * len(owners)
+    used = await admin.hget("gateway:responses:usage", "*")
+    return int(await admin.zcard("gateway:responses:order")), int(used or 0), total
+
+
+@pytest.mark.anyio
+async def test_a_stored_response_is_bound_to_its_key_on_every_replica(redis_server: RedisServer) -> None:
+    """Another key asking for a response, on the replica that made it or on another, is told exactly what an
+    unknown id is told; the key that made it continues it anywhere."""
+    a, b = await replicas(redis_server, 2)
+    try:
+        here, there = ResponseStore(bounds(), shared=a.responses), ResponseStore(bounds(), shared=b.responses)
+        here.put("alice", "resp_1", message("secret"))
+        await written(a)
+        assert await there.fetch("alice", "resp_1") == message("secret")
+        for store in (here, there):
+            assert await store.fetch("mallory", "resp_1") is None
+            assert await store.fetch("mallory", "resp_unknown") is None
+            assert await store.fetch("", "resp_1") is None  # (nor with auth off)
+        assert await b.responses.get_response("mallory", "resp_1") is None
+        # a key's name may hold any character: one cannot be read as another's
+        here.put("al", "ice:resp_2", message("x"))
+        await written(a)
+        assert await b.responses.get_response("alice", "resp_2") is None
+    finally:
+        await stop([a, b])
+
+
+@pytest.mark.anyio
+async def test_one_key_past_its_bound_loses_its_own_oldest_in_redis_not_the_other_keys(
+        redis_server: RedisServer, admin: redis.asyncio.Redis) -> None:
+    (state,) = await replicas(redis_server, 1)
+    try:
+        limits = bounds(entries=40, entries_per_key=10)
+        state.responses.put_response("quiet", "resp_q", orjson.dumps(message("mine")), limits)
+        for i in range(100):
+            state.responses.put_response("loud", f"resp_{i}", orjson.dumps(message("x")), limits)
+        await written(state)
+        assert await state.responses.get_response("quiet", "resp_q") is not None
+        kept = [i for i in range(100) if await state.responses.get_response("loud", f"resp_{i}") is not None]
+        assert kept == list(range(90, 100))
+        count, used, total = await books(admin)
+        assert count == 11 and used == total
+        # in bytes: a key holds at most its bytes_per_key, the store at most max_bytes, the oldest going first
+        one = state.responses.counted("loud", "resp_000", orjson.dumps(message("x" * 1000)))
+        limits = bounds(max_bytes=40 * one, bytes_per_key=5 * one)
+        for i in range(100):
+            state.responses.put_response("loud", f"resp_{i:03}", orjson.dumps(message("x" * 1000)), limits)
+        for i in range(40):  # many keys, each within its own bound: the store's bound evicts the oldest of all
+            state.responses.put_response(f"k{i}", "resp_k", orjson.dumps(message("x" * 1000)), limits)
+        await written(state)
+        kept = [i for i in range(100) if await state.responses.get_response("loud", f"resp_{i:03}") is not None]
+        assert len(kept) <= 5 and kept == list(range(100 - len(kept), 100))
+        count, used, total = await books(admin)
+        assert used == total and used <= 40 * one
+        assert await state.responses.get_response("k39", "resp_k") is not None
+        assert await state.responses.get_response("quiet", "resp_q") is None, "the oldest of all went first"
+    finally:
+        await stop([state])
+
+
+@pytest.mark.parametrize("keys", [1, 300])
+@pytest.mark.anyio
+async def test_what_redis_holds_of_stored_responses_stays_within_the_byte_bound(
+        redis_server: RedisServer, admin: redis.asyncio.Redis, keys: int) -> None:
+    """The worst shape (empty conversations, as many as fit; one key, or one key each) filled past the bound:
+    Redis's own count of its memory grows by no more than the bound."""
+    (state,) = await replicas(redis_server, 1)
+    try:
+        bound = 2 * 1024 * 1024
+        limits = bounds(max_bytes=bound)
+        before = (await admin.info("memory"))["used_memory"]
+        for i in range(6000):
+            state.responses.put_response(f"key-{i % keys}", new_response_id(), b"[]", limits)
+            if i % 500 == 499:
+                await written(state)
+        await written(state)
+        grown = (await admin.info("memory"))["used_memory"] - before
+        count, used, total = await books(admin)
+        assert state.errors["put_response"] == 0 and count > 1000 and used == total and used <= bound
+        assert grown <= bound, f"Redis grew {grown} bytes for a bound of {bound}"
+    finally:
+        await stop([state])
+
+
+@pytest.mark.anyio
+async def test_a_write_redis_refuses_fails_alone_and_limits_still_hold(
+        redis_server: RedisServer, admin: redis.asyncio.Redis) -> None:
+    """Past its maxmemory (noeviction, Redis's default) Redis refuses the write: that write fails, counted; the
+    state stays up and a 5 requests/min key is still admitted exactly 5 times."""
+    (state,) = await replicas(redis_server, 1)
+    try:
+        await admin.config_set("maxmemory-policy", "noeviction")
+        await admin.set("filler", b"x" * 2_000_000)
+        await admin.config_set("maxmemory", str((await admin.info("memory"))["used_memory"] - 100_000))
+        state.responses.put_response("alice", "resp_1", orjson.dumps(message("hi")), bounds())
+        await written(state)
+        assert state.errors["put_response"] == 1 and state.up
+        budget = Budget("limited", 5, None)
+        results = [await state.admit(budget, 0, []) for _ in range(7)]
+        assert [r.limited for r in results] == [None] * 5 + ["requests"] * 2
+        assert state.up and state.fail_open == 0
+    finally:
+        await stop([state])
+
+
+@pytest.mark.anyio
+async def test_a_read_that_fails_fails_alone(redis_server: RedisServer, admin: redis.asyncio.Redis) -> None:
+    """A read Redis answers with an error (here: the name holds something else) is a 503 for that request; the
+    state stays up."""
+    (state,) = await replicas(redis_server, 1)
+    try:
+        store = ResponseStore(bounds(), shared=state.responses)
+        await admin.hset(state.responses.name("alice", "resp_1"), "not", "a string")
+        with pytest.raises(GatewayError) as failed:
+            await store.fetch("alice", "resp_1")
+        assert failed.value.status == 503 and failed.value.code == "state_unavailable"
+        assert state.errors["get_response"] == 1 and state.up
+        assert (await state.admit(Budget("k", 5, None), 0, [])).limited is None
+    finally:
+        await stop([state])
