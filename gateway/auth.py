@@ -139,6 +139,16 @@ class KeyStore:
         return found
 
     @staticmethod
+    def explains_routing(client: Client | None, debug: bytes | None) -> bool:
+        """Whether an answer may carry the routing internals (``x-gateway-policy``, ``x-gateway-route-reason``:
+        every scorer's value, which tells what other keys' prompts left in the caches): only when the request
+        asks (``x-gateway-debug: route``) and its key has the ``admin`` scope. Without keys there are no tenants
+        to hide them from: the header alone will do."""
+        if not debug or b"route" not in (part.strip() for part in debug.lower().split(b",")):
+            return False
+        return client is None or "admin" in client.settings.scopes
+
+    @staticmethod
     def check_model(client: Client, model: str) -> None:
         """Raises 403 when the key may not use ``model``."""
         if not client.allows(model):

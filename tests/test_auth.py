@@ -74,3 +74,15 @@ def test_max_in_flight_places_are_taken_and_given_back() -> None:
     KeyStore.release(client)
     assert KeyStore.hold(client)
     assert not KeyStore.hold(Client("u", ApiKeySettings(name="u", key_sha256="1" * 64), None, None))  # no cap
+
+
+def test_routing_internals_are_explained_only_to_an_admin_key_that_asks() -> None:
+    def client(*scopes: str) -> Client:
+        return Client("k", ApiKeySettings(name="k", key_sha256="0" * 64, scopes=list(scopes)), None, None)
+
+    admin, tenant = client("inference", "admin"), client("inference")
+    assert KeyStore.explains_routing(admin, b"route")
+    assert KeyStore.explains_routing(admin, b"timing, Route")
+    assert not KeyStore.explains_routing(admin, None) and not KeyStore.explains_routing(admin, b"timing")
+    assert not KeyStore.explains_routing(tenant, b"route")
+    assert KeyStore.explains_routing(None, b"route")  # no keys configured: no tenants to keep apart

@@ -168,6 +168,7 @@ class ProxyEndpoint:
                 raise GatewayError(405, f"{scope['path']} only accepts POST", code="method_not_allowed",
                                    headers={"allow": "POST"})
             exchange.client = self._keys.authenticate(header(scope, b"authorization"), header(scope, b"x-api-key"))
+            exchange.explain = KeyStore.explains_routing(exchange.client, header(scope, b"x-gateway-debug"))
             raw = await read_body(scope, receive, settings.max_body_bytes)
             if translation is not None:
                 raw = await translation.load(raw)

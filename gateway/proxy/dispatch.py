@@ -177,9 +177,10 @@ class Dispatcher:
             log.debug("request %s model=%s -> %s policy=%s reason=%s (%s) plugins: %s", exchange.request_id,
                       request.model, decision.ranked[0].name, decision.policy, decision.reason, decision.detail,
                       " ".join(f"{k}={v * 1e6:.0f}us" for k, v in decision.timings.items()))
-        headers: Headers = [(b"x-gateway-policy", decision.policy.encode()),
-                            (b"x-gateway-route-reason", f"{decision.reason}: {decision.detail}".encode()),
-                            (b"x-gateway-model", request.model.encode())]
+        headers: Headers = [(b"x-gateway-model", request.model.encode())]
+        if exchange.explain:  # (every scorer's value: what other keys' prompts left in the caches)
+            headers += [(b"x-gateway-policy", decision.policy.encode()),
+                        (b"x-gateway-route-reason", f"{decision.reason}: {decision.detail}".encode())]
         if exchange.fallback is not None:
             headers.append((b"x-gateway-fallback", exchange.fallback.encode()))
         settings = self._retries
