@@ -180,6 +180,7 @@ class ProxyEndpoint:
             session = header(scope, settings.session_header)
             request.session_key = (_bounded_session(session.decode("latin-1")) if session
                                    else _user_session(request.body))
+            request.cache_domain = KeyStore.cache_domain(exchange.client)
             exchange.stream = request.stream
             exchange.request = request
             if exchange.trace is not None:
