@@ -37,7 +37,8 @@ class RouteRequest:
     engine_slot: int | None = None  # prefix learner: the slot of ``cached_on`` to name in the request, if any
     token_ids: list[int] | None = None  # precise-prefix: the prompt as the model's token ids (if tokenized)
     tokenized: bool = False  # precise-prefix: tokenizing was tried (token_ids None: no tokenizer, or refused)
-    chunk_keys: dict[int, list[bytes]] | None = None  # precise-prefix: own keys of token_ids, per chunk size
+    # precise-prefix: own keys of token_ids, per chunk size and cache salt
+    chunk_keys: dict[tuple[int, str | None], list[bytes]] | None = None
     events_cached_tokens: int | None = None  # precise-prefix: tokens the engine's events say it holds there
     # an agent API request (Responses, Messages) translated to this chat request: it decides, per backend,
     # whether to pass the client's own request through instead (gateway.api.agent_apis.Translation.native)
