@@ -351,7 +351,7 @@ class AgentRoutes:
         word = None
         if gen.tool is None and isinstance(stops, list):
             gen.plan, word = cut_at_stop(gen.plan, [s for s in stops if isinstance(s, str)])
-        shape = messages_shapes.MessageShape(self.spec.messages, gen, word)
+        shape = messages_shapes.MessageShape(self.spec.messages, gen, word, self.engine.spec.cache_report)
         if await self.run(gen, ids, resp, shape if gen.stream else None) and not gen.stream:
             self.engine.send_json(resp, shape.message())
 

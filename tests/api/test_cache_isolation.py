@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -184,3 +185,27 @@ def test_one_engine_answers_the_right_guess_as_a_wrong_one(single: tuple[str, Si
         assert not {"cache_n", "prompt_n", "prompt_ms"} & set(right["timings"])
     else:
         assert right_hit == wrong_hit == cached and cached > 100, "B's own prefix, reported; never A's"
+
+
+def probe_messages(url: str, pin: str) -> tuple[str, dict[str, Any]]:
+    """Tenant A's request, then B's guess, both Anthropic Messages requests: the way B's went, and its usage."""
+    def send(key: str, system: str, question: str) -> Any:
+        c = anthropic.Anthropic(base_url=url, api_key=key, max_retries=0)
+        return c.messages.with_raw_response.create(model=MODEL, max_tokens=4, system=system,
+                                                   messages=[{"role": "user", "content": question}])
+
+    send("tenant-a", secret_prompt(PIN, "hotel"), "What can you do for me?")
+    raw = send("tenant-b", secret_prompt(pin, "hotel"), "hello")
+    return raw.headers["x-gateway-agent-api"], raw.parse().usage.model_dump()
+
+
+def test_an_agent_api_goes_natively_only_where_the_engine_keeps_it_to_the_domain(
+        single: tuple[str, SimServer]) -> None:
+    """vLLM's own /v1/messages takes cache_salt: passed through, salted. llama.cpp's cannot be isolated and
+    SGLang's drops the salt: translated to chat, whose answer the gateway cleans."""
+    url, server = single
+    probe_messages(url, "0000")
+    way, right = probe_messages(url, PIN)
+    _, wrong = probe_messages(url, "7305")
+    assert right == wrong
+    assert way == ("native" if server.spec.engine == "vllm" else "translated")
