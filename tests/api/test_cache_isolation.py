@@ -209,3 +209,22 @@ def test_an_agent_api_goes_natively_only_where_the_engine_keeps_it_to_the_domain
     _, wrong = probe_messages(url, "7305")
     assert right == wrong
     assert way == ("native" if server.spec.engine == "vllm" else "translated")
+
+
+def test_a_clients_own_salt_partitions_its_domain_and_a_bad_one_is_refused(single: tuple[str, SimServer]) -> None:
+    url, server = single
+    if server.spec.engine == "llamacpp":
+        pytest.skip("llama.cpp takes no salt (the field is ignored, as the engine ignores it)")
+    system = "You answer questions about salts." + FILLER * 30
+
+    def cached(salt: str | None) -> int:
+        extra = {"cache_salt": salt} if salt is not None else {}
+        _, body = ask(url, "tenant-b", system, "hi", extra_body=extra)
+        return int(body["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+    # (SGLang reuses any shared token: B's earlier prompts share the template's first few under B's salt)
+    assert cached("mine") < 16 and cached("mine") > 100
+    assert cached(None) < 16 and cached("other") < 16, "the client's salt partitions its domain's cache"
+    with pytest.raises(openai.BadRequestError) as refused:
+        ask(url, "tenant-b", system, "hi", extra_body={"cache_salt": ""})
+    assert refused.value.status_code == 400 and "cache_salt" in str(refused.value)
