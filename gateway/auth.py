@@ -22,12 +22,14 @@ import fnmatch
 import hashlib
 import hmac
 import math
+import os
 import time
 from dataclasses import dataclass
 from typing import Literal
 
 from gateway.config import ApiKeySettings, AuthSettings
 from gateway.errors import GatewayError
+from gateway.routing.cache_domain import SHARED, CacheDomain
 
 
 class TokenBucket:
@@ -70,6 +72,7 @@ class Client:
     requests: TokenBucket | None
     tokens: TokenBucket | None
     in_flight: int = 0  # requests of this key in flight in this process (kept while max_in_flight is set)
+    cache_domain: CacheDomain = SHARED  # whose cached prompts its requests may profit from (see cache_domains)
 
     def allows(self, model: str) -> bool:
         return any(fnmatch.fnmatchcase(model, pattern) for pattern in self.settings.models)
@@ -80,6 +83,30 @@ def _bucket(per_minute: int | None) -> TokenBucket | None:
 
 
 ANONYMOUS = "_anonymous"
+
+
+def cache_domains(settings: AuthSettings) -> dict[str, CacheDomain]:
+    """Key name -> its cache domain (:mod:`gateway.routing.cache_domain`): a key's ``cache_domain``, else its
+    own name. Keys that cannot send inference requests own no domain. While only one domain exists, every key
+    is in :data:`SHARED` (nothing to keep apart). A domain's salt is an HMAC of its name keyed with the
+    ``cache_salt_env`` secret when one is configured, else with its own keys' digests (secret from every other
+    domain's keys; one salt for every replica)."""
+    members: dict[str, list[ApiKeySettings]] = {}
+    for key in settings.keys:
+        if "inference" in key.scopes:
+            members.setdefault(key.cache_domain or key.name, []).append(key)
+    if len(members) <= 1:
+        return {key.name: SHARED for key in settings.keys}
+    secret = os.environ[settings.cache_salt_env].encode() if settings.cache_salt_env else None
+    domains: dict[str, CacheDomain] = {}
+    for name, keys in members.items():
+        keyed = secret if secret is not None else hashlib.sha256(
+            b"\0".join(sorted(k.digest().encode() for k in keys))).digest()
+        salt = hmac.new(keyed, b"gateway-cache-domain\0" + name.encode(), hashlib.sha256).hexdigest()
+        domains[name] = CacheDomain(name, salt)
+    return {key.name: domains.get(key.cache_domain or key.name, SHARED) for key in settings.keys}
+
+
 KeyScope = Literal["inference", "metrics", "admin"]  # what a key may reach (ApiKeySettings.scopes)
 
 
@@ -93,6 +120,7 @@ class KeyStore:
         flight count on) and, where its limit is unchanged, its bucket's level: a reload neither refills nor
         empties a budget. A key removed stops authenticating at once."""
         old = {client.name: client for _, client in self._clients}
+        domains = cache_domains(settings)
         clients = []
         for k in settings.keys:
             client = old.get(k.name)
@@ -104,6 +132,7 @@ class KeyStore:
                 if client.settings.tokens_per_minute != k.tokens_per_minute:
                     client.tokens = _bucket(k.tokens_per_minute)
                 client.settings = k
+            client.cache_domain = domains[k.name]
             clients.append((k.digest(), client))
         self.settings = settings
         self._clients = clients
@@ -138,6 +167,21 @@ class KeyStore:
             raise GatewayError(403, f"The API key '{found.name}' lacks the '{scope}' scope",
                                code="insufficient_scope")
         return found
+
+    @staticmethod
+    def cache_domain(client: Client | None) -> CacheDomain:
+        """The request's cache domain: its key's (no key: auth is off, one domain)."""
+        return client.cache_domain if client is not None else SHARED
+
+    @staticmethod
+    def explains_routing(client: Client | None, debug: bytes | None) -> bool:
+        """Whether an answer may carry the routing internals (``x-gateway-policy``, ``x-gateway-route-reason``:
+        every scorer's value, which tells what other keys' prompts left in the caches): only when the request
+        asks (``x-gateway-debug: route``) and its key has the ``admin`` scope. Without keys there are no tenants
+        to hide them from: the header alone will do."""
+        if not debug or b"route" not in (part.strip() for part in debug.lower().split(b",")):
+            return False
+        return client is None or "admin" in client.settings.scopes
 
     @staticmethod
     def check_model(client: Client, model: str) -> None:

@@ -246,6 +246,10 @@ class ApiKeySettings(_Strict):
                                   "its own priority, so the header can only lower it)")
     weight: float = Field(default=1.0, gt=0, le=1000,
                           description="its share among keys of one priority when a model's backends are full")
+    cache_domain: str | None = Field(
+        default=None, min_length=1, max_length=128,
+        description="keys in one cache domain profit from each other's cached prompts; a key profits from no "
+                    "other domain's (default: its own name, a domain of its own)")
 
     @model_validator(mode="after")
     def _one_source(self) -> ApiKeySettings:
@@ -275,6 +279,17 @@ class AuthSettings(_Strict):
     reserve_tokens: int = Field(
         default=1024, gt=0,
         description="tokens_per_minute: completion tokens reserved on admission for a request without max_tokens")
+    cache_salt_env: str | None = Field(
+        default=None,
+        description="environment variable holding a secret the cache domains' salts are keyed with (the same "
+                    "for every replica); default: each domain's salt is keyed with its own keys' digests, so "
+                    "rotating a domain's keys starts its engine caches afresh")
+
+    @model_validator(mode="after")
+    def _salt_secret(self) -> AuthSettings:
+        if self.cache_salt_env is not None and not os.environ.get(self.cache_salt_env):
+            raise ValueError(f"cache_salt_env: environment variable {self.cache_salt_env} is not set")
+        return self
 
     @model_validator(mode="after")
     def _open_or_keys(self) -> AuthSettings:

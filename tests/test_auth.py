@@ -9,6 +9,7 @@ import pytest
 from gateway.auth import Client, KeyStore, TokenBucket
 from gateway.config import ApiKeySettings, settings_from_mapping
 from gateway.errors import GatewayError
+from gateway.routing.cache_domain import SHARED, CacheDomain
 
 
 def store(monkeypatch: pytest.MonkeyPatch) -> KeyStore:
@@ -74,3 +75,40 @@ def test_max_in_flight_places_are_taken_and_given_back() -> None:
     KeyStore.release(client)
     assert KeyStore.hold(client)
     assert not KeyStore.hold(Client("u", ApiKeySettings(name="u", key_sha256="1" * 64), None, None))  # no cap
+
+
+def test_routing_internals_are_explained_only_to_an_admin_key_that_asks() -> None:
+    def client(*scopes: str) -> Client:
+        return Client("k", ApiKeySettings(name="k", key_sha256="0" * 64, scopes=list(scopes)), None, None)
+
+    admin, tenant = client("inference", "admin"), client("inference")
+    assert KeyStore.explains_routing(admin, b"route")
+    assert KeyStore.explains_routing(admin, b"timing, Route")
+    assert not KeyStore.explains_routing(admin, None) and not KeyStore.explains_routing(admin, b"timing")
+    assert not KeyStore.explains_routing(tenant, b"route")
+    assert KeyStore.explains_routing(None, b"route")  # no keys configured: no tenants to keep apart
+
+
+def test_each_key_is_a_cache_domain_of_its_own_unless_keys_share_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    def domains(*keys: dict[str, object]) -> dict[str, object]:
+        settings = settings_from_mapping({"auth": {"keys": [
+            {"key_sha256": hashlib.sha256(str(k["name"]).encode()).hexdigest(), **k} for k in keys]}})
+        return {name: client.cache_domain for name, client in
+                ((c.name, c) for _, c in KeyStore(settings.auth)._clients)}
+
+    one = domains({"name": "a"}, {"name": "ops", "scopes": ["admin", "metrics"]})
+    assert one == {"a": SHARED, "ops": SHARED}, "one domain (a key that cannot infer owns none): nothing to isolate"
+    together = domains({"name": "a", "cache_domain": "team"}, {"name": "b", "cache_domain": "team"})
+    assert set(together.values()) == {SHARED}
+    three = domains({"name": "a"}, {"name": "b", "cache_domain": "team"}, {"name": "c", "cache_domain": "team"})
+    a, b, c = (three[n] for n in "abc")
+    assert isinstance(a, CacheDomain) and isinstance(b, CacheDomain)
+    assert a.name == "a" and b.name == c.name == "team" and b == c
+    assert a.salt and b.salt and a.salt != b.salt and len(a.salt) == 64
+    again = domains({"name": "a"}, {"name": "b", "cache_domain": "team"}, {"name": "c", "cache_domain": "team"})
+    assert again == three, "every replica derives the same salts"
+    monkeypatch.setenv("SALT_SECRET", "s3cret")
+    settings = settings_from_mapping({"auth": {"cache_salt_env": "SALT_SECRET", "keys": [
+        {"name": n, "key_sha256": hashlib.sha256(n.encode()).hexdigest()} for n in "ab"]}})
+    keyed = {c.name: c.cache_domain.salt for _, c in KeyStore(settings.auth)._clients}
+    assert keyed["a"] not in (None, a.salt) and keyed["a"] != keyed["b"]

@@ -40,6 +40,7 @@ from gateway.config import LimitSettings
 from gateway.engines.spec import EngineSpec
 from gateway.errors import GatewayError
 from gateway.pool.backend import Backend
+from gateway.proxy.cache_isolation import isolate
 from gateway.proxy.exchange import Exchange
 from gateway.proxy.forward import NativeApi
 from gateway.routing.request import RouteRequest
@@ -97,8 +98,9 @@ class Translation:
         body = self.native_body()
         if body is None:
             return None
-        if body.get("model") != request.model:  # (an alias's target, or a fallback)
-            body = {**body, "model": request.model}
+        body = {**body, "model": request.model}  # (an alias's target, or a fallback)
+        if not isolate(body, request, backend.spec, self.api):  # (kept to its cache domain, else translated)
+            return None
         self.passthrough = True
         return orjson.dumps(body), self.native_api
 

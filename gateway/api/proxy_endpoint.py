@@ -238,6 +238,7 @@ class ProxyEndpoint:
                                    headers={"allow": "POST"})
             client = exchange.client = self._keys.authenticate(header(scope, b"authorization"),
                                                                header(scope, b"x-api-key"))
+            exchange.explain = KeyStore.explains_routing(client, header(scope, b"x-gateway-debug"))
             raw = await read_body(scope, receive, settings.max_body_bytes)
             body = decode_body(raw)
             model = requested_model(body)
@@ -258,6 +259,7 @@ class ProxyEndpoint:
             session = header(scope, settings.session_header)
             request.session_key = (_bounded_session(session.decode("latin-1")) if session
                                    else _user_session(request.body))
+            request.cache_domain = KeyStore.cache_domain(exchange.client)
             exchange.stream = request.stream
             exchange.request = request
             if exchange.trace is not None:

@@ -35,7 +35,15 @@ class Target:
     # chat request's messages and max_tokens in Anthropic's shape)
     api: str = "chat"
     replicas: tuple[str, ...] = ()
+    # several API keys (tenants of a gateway with keys): request i is sent with key i mod their number
+    tenant_keys: tuple[str, ...] = ()
     _turn: list[int] = field(default_factory=lambda: [0], compare=False, repr=False)
+
+    def key_for(self, req: BenchRequest) -> str | None:
+        """The API key ``req`` is sent with."""
+        if self.tenant_keys:
+            return self.tenant_keys[req.index % len(self.tenant_keys)]
+        return self.api_key
 
     @property
     def base(self) -> str:
@@ -196,8 +204,9 @@ async def send_streaming(session: aiohttp.ClientSession, target: Target, model: 
                          result: RequestResult, request_timeout: float = 600.0) -> RequestResult:
     """Send ``req`` to ``target`` streamed and fill ``result``; never raises for HTTP or network failures."""
     headers = {"Content-Type": "application/json"}
-    if target.api_key:
-        headers["Authorization"] = f"Bearer {target.api_key}"
+    key = target.key_for(req)
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
     messages = target.api == "messages"
     payload = request_body(req, model, api=target.api)
     result.structured = req.structured

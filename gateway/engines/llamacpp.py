@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 import httpx
 
 from gateway.engines.base import BackendError, EngineAdapter, as_int, get, get_json, native_grammar, parse_metrics
-from gateway.engines.spec import RERANK_ROUTES, EngineSpec
+from gateway.engines.spec import LLAMACPP_CACHE_FIGURES, RERANK_ROUTES, EngineSpec
 from gateway.pool.state import Capacity, LoadRecord, ShapeSeed
 from gateway.structured import Constraint
 from gateway.structured.syntax import gbnf_from_choices
@@ -41,6 +41,11 @@ SPEC = EngineSpec(
     cache="slots",
     slot_field="id_slot",  # a named slot that is busy defers the request until that slot is free
     timings="timings_ms",  # timings.prompt_ms / predicted_ms in every answer and the last streamed chunk
+    # no cache isolation (tools/server: no such field; cache_prompt only turns reuse off for the request itself):
+    # a slot's (or the host-RAM cache's) prompt is reused by any request sharing its prefix. Its answers report
+    # cache_n and the prompt's processing in timings, and return_progress streams prompt_progress.cache
+    cache_figures=LLAMACPP_CACHE_FIGURES,
+    cache_report_params=frozenset({"return_progress"}),
     # a few slots, each decoding at full speed alone; anchored to published figures for a 7B model at ~4 bits
     # on one RTX 4090 (the curve is the engine's scheduling: slots share the GPU)
     shape=ShapeSeed(tok_s=186.0, growth=0.3, prefill_tok_s=5_000.0),

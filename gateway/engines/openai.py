@@ -9,10 +9,11 @@ from __future__ import annotations
 from typing import ClassVar
 
 from gateway.engines.base import EngineAdapter
-from gateway.engines.spec import ALL_QUIRKS, EngineSpec
+from gateway.engines.spec import ALL_CACHE_FIGURES, ALL_QUIRKS, EngineSpec
 
 # the OpenAI API's own fields only: response_format and (strict) tools
-SPEC = EngineSpec(name="openai", health_path="/v1/models", stream=ALL_QUIRKS)
+# (an unknown make may report its cache in any of the known ways)
+SPEC = EngineSpec(name="openai", health_path="/v1/models", stream=ALL_QUIRKS, cache_figures=ALL_CACHE_FIGURES)
 
 
 class OpenAIAdapter(EngineAdapter):

@@ -37,6 +37,11 @@ SPEC = EngineSpec(
     # json_schema as a JSON string, regex, ebnf (xgrammar); choices as a regex alternation
     # /v1/responses and /v1/messages, served by the engine itself: python/sglang/srt/entrypoints/http_server.py (0.5.23)
     native_apis=frozenset({"responses", "messages", "count_tokens"}),
+    # cache_salt (0.5.23: chat, completions and responses requests; not its Anthropic messages, which build a chat
+    # request without it): the radix tree keys a salted prompt's nodes by (extra_key, salt)
+    # (srt/mem_cache/radix_cache.py), and BlockStored carries the salt (srt/disaggregation/kv_events.py)
+    cache_isolation="cache_salt",
+    isolated_native_apis=frozenset({"responses"}),
     structured=frozenset({"json_object", "json_schema", "regex", "choice", "grammar:ebnf", "tool_call"}),
     # continuous batching, like vLLM
     shape=ShapeSeed(tok_s=178.0, growth=0.011, prefill_tok_s=10_000.0),

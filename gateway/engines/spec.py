@@ -43,6 +43,16 @@ class StreamQuirks:
 
 ALL_QUIRKS = StreamQuirks(crlf=True, usage_with_choices=True)
 
+# Where answers report what the engine's prefix cache spared this prompt: cached tokens, and the prompt's measured
+# processing (which a cache hit shortens). Paths into the answer (and into a streamed chunk), outermost first.
+CACHED_TOKENS: tuple[str, ...] = ("usage", "prompt_tokens_details", "cached_tokens")
+LLAMACPP_CACHE_FIGURES: tuple[tuple[str, ...], ...] = (
+    CACHED_TOKENS, ("timings", "cache_n"), ("timings", "prompt_n"), ("timings", "prompt_ms"),
+    ("timings", "prompt_per_token_ms"), ("timings", "prompt_per_second"))
+TABBYAPI_CACHE_FIGURES: tuple[tuple[str, ...], ...] = (
+    CACHED_TOKENS, ("usage", "prompt_time"), ("usage", "prompt_tokens_per_sec"), ("usage", "total_time"))
+ALL_CACHE_FIGURES = tuple(dict.fromkeys(LLAMACPP_CACHE_FIGURES + TABBYAPI_CACHE_FIGURES))
+
 
 @dataclass(frozen=True, slots=True)
 class EngineSpec:
@@ -76,6 +86,16 @@ class EngineSpec:
     slot_field: str | None = None  # the request field that names the slot to run in (caches by slot only)
     cache_page_tokens: int = 1  # "blocks": a prefix is reused in whole pages of this many tokens
     kv_events: bool = False  # publishes its KV-cache events (ZMQ + msgpack; see gateway.kvcache.wire)
+    # Keeping tenants apart in its prefix cache (gateway.proxy.cache_isolation): the request field whose value
+    # partitions the cache (a salt mixed into the first block's hash, so a prefix cached under one salt is never
+    # reused under another), on chat and completions and on the native agent APIs in ``isolated_native_apis``;
+    # None: any request reuses whatever any other cached.
+    cache_isolation: str | None = None
+    isolated_native_apis: frozenset[str] = frozenset()
+    # what its answers report of the prefix cache's work (removed from an engine's answers that could reveal
+    # another cache domain's prompt), and request fields that ask for more such reports as it goes (not sent then)
+    cache_figures: tuple[tuple[str, ...], ...] = (CACHED_TOKENS,)
+    cache_report_params: frozenset[str] = frozenset()
     # with priority scheduling on, the request field "priority" orders its queue, this way by default (None:
     # the engine has no such field)
     priority_order: Literal["lower-first", "higher-first"] | None = None

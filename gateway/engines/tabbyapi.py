@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 import httpx
 
 from gateway.engines.base import BackendError, EngineAdapter, get_json, native_grammar
-from gateway.engines.spec import EngineSpec, StreamQuirks
+from gateway.engines.spec import TABBYAPI_CACHE_FIGURES, EngineSpec, StreamQuirks
 from gateway.pool.state import Capacity, LoadRecord, ShapeSeed
 from gateway.structured import Constraint
 from gateway.structured.syntax import regex_from_choices
@@ -29,6 +29,9 @@ SPEC = EngineSpec(
     # sse-starlette writes "\r\n"; the usage chunk also carries the last choices entry
     stream=StreamQuirks(crlf=True, usage_with_choices=True),
     timings="usage_seconds",  # usage.prompt_time / completion_time
+    # no cache isolation (no such request field); ExLlama reuses cached pages across requests, which shortens
+    # usage.prompt_time (and total_time)
+    cache_figures=TABBYAPI_CACHE_FIGURES,
     # ExLlamaV2/V3: fastest alone; per-token time grows almost linearly with the batch
     shape=ShapeSeed(tok_s=211.0, growth=0.9, prefill_tok_s=8_000.0),
 )

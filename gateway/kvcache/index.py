@@ -33,6 +33,7 @@ HOST_WEIGHT = 0.5
 MAX_NODES = 4_000_000  # engine blocks remembered per backend; beyond it the index is reset (lost removals)
 DEVICE, HOST = 0, 1
 MAX_SPECULATIVE = 100_000
+MAX_SEEDS = 10_000  # chain seeds kept (one per LoRA and cache salt seen); past it they are computed afresh
 SPECULATIVE_PRUNE_AGE = 60.0
 
 
@@ -41,9 +42,11 @@ def chunk_tokens(block_size: int) -> int:
     return block_size * max(1, -(-MIN_CHUNK_TOKENS // block_size))
 
 
-def seed_key(lora_name: str | None = None) -> bytes:
-    """The chain's starting key: base model, or one LoRA adapter (whose blocks the engine keys apart)."""
-    return hashlib.blake2b(b"kv-chain:" + (lora_name or "").encode(), digest_size=8).digest()
+def seed_key(lora_name: str | None = None, cache_salt: str | None = None) -> bytes:
+    """The chain's starting key: base model, or one LoRA adapter, under a cache salt or none (the engine keys
+    each apart: a prefix cached under one salt is no one else's)."""
+    salt = b"\0salt:" + cache_salt.encode("utf-8", "surrogatepass") if cache_salt else b""
+    return hashlib.blake2b(b"kv-chain:" + (lora_name or "").encode() + salt, digest_size=8).digest()
 
 
 def _next_key(previous: bytes, tokens: bytes) -> bytes:
@@ -54,10 +57,12 @@ def _pack(tokens: Sequence[int]) -> bytes:
     return array("I", tokens).tobytes()
 
 
-def request_keys(tokens: Sequence[int], chunk: int, lora_name: str | None = None) -> list[bytes]:
-    """Own keys of a prompt's full chunks, as :class:`EventIndex` keys the blocks the engine announces."""
+def request_keys(tokens: Sequence[int], chunk: int, lora_name: str | None = None,
+                 cache_salt: str | None = None) -> list[bytes]:
+    """Own keys of a prompt's full chunks, as :class:`EventIndex` keys the blocks the engine announces (under
+    ``cache_salt``: the salt the engine gets with it)."""
     keys: list[bytes] = []
-    key = seed_key(lora_name)
+    key = seed_key(lora_name, cache_salt)
     packed = _pack(tokens)
     step = chunk * 4
     for start in range(0, len(tokens) // chunk * step, step):
@@ -79,7 +84,7 @@ class EventIndex:
         self.chunk: int | None = chunk_tokens(block_size) if block_size else None
         self._nodes: dict[tuple[int, Hash], tuple[bytes, bytes, bool]] = {}
         self._held: tuple[dict[bytes, int], dict[bytes, int]] = ({}, {})
-        self._seeds: dict[str | None, bytes] = {}
+        self._seeds: dict[tuple[str | None, str | None], bytes] = {}  # (LoRA, salt) -> its chain's seed
         # chunks of prompts just routed here, until the engine has had time to announce them: own key -> expiry
         self._speculative: dict[bytes, float] = {}
         self.orphans = 0  # BlockStored events dropped: their parent was never announced (history missed)
@@ -121,9 +126,12 @@ class EventIndex:
         tier = DEVICE if ev.medium in (None, "GPU") else HOST
         nodes = self._nodes
         if ev.parent is None:
-            seed = self._seeds.get(ev.lora_name)
+            namespace = (ev.lora_name, ev.cache_salt)
+            seed = self._seeds.get(namespace)
             if seed is None:
-                seed = self._seeds[ev.lora_name] = seed_key(ev.lora_name)
+                if len(self._seeds) > MAX_SEEDS:
+                    self._seeds.clear()
+                seed = self._seeds[namespace] = seed_key(ev.lora_name, ev.cache_salt)
             key, pending = seed, b""
         else:
             state = nodes.get((tier, ev.parent)) or nodes.get((1 - tier, ev.parent))

@@ -7,7 +7,10 @@ batch ``[ts, events, dp_rank]`` (vLLM ``data_parallel_rank``, SGLang ``attn_dp_r
 vLLM). Each event is either a map tagged by ``"type"`` (vLLM >= 0.24, SGLang >= 0.5.20) or, in older
 releases, an array whose first element is the tag and whose fields follow in declaration order:
 
-* ``BlockStored``: ``block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium, lora_name, ...``
+* ``BlockStored``: ``block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium, lora_name, ...``;
+  a prefix cached under a ``cache_salt`` says so where its chain starts (no parent): SGLang in the event's
+  ``cache_salt`` (0.5.23), vLLM in ``extra_keys`` (0.34: one entry per block, the first block's holding the
+  salt after the LoRA name, untagged). Old array-form events carry no salt the gateway reads.
 * ``BlockRemoved``: ``block_hashes, medium, ...``
 * ``AllBlocksCleared``: no fields.
 
@@ -47,6 +50,7 @@ class BlockStored:
     medium: str | None = None  # "GPU" (or None: GPU in old releases), "CPU", "CPU_PINNED", "STORAGE", "DISK"
     lora_name: str | None = None
     group_idx: int | None = None  # the KV-cache group of hybrid models
+    cache_salt: str | None = None  # the salt a chain starting here (parent None) was cached under
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,10 +173,27 @@ def _event(item: Any) -> Event | None:
         if not all(type(t) is int for t in tokens):
             return None  # EAGLE bigram keys (tuples): not plain token ids
         lora = f.get("lora_name")
-        return BlockStored(hashes, parent, tuple(tokens), block_size, medium, lora if isinstance(lora, str) else None,
-                           group)
+        lora = lora if isinstance(lora, str) else None
+        return BlockStored(hashes, parent, tuple(tokens), block_size, medium, lora, group,
+                           _salt(f, lora) if parent is None and isinstance(item, dict) else None)
     if kind == "BlockRemoved":
         return BlockRemoved(_hashes(f.get("block_hashes")), medium, group)
     if kind == "AllBlocksCleared":
         return AllBlocksCleared()
     return None
+
+
+def _salt(f: dict[str, Any], lora: str | None) -> str | None:
+    """The ``cache_salt`` of a chain's first block: SGLang's field, or the string in vLLM's first ``extra_keys``
+    entry that is not the LoRA name (the others there are multimodal ``[id, offset]`` pairs and prompt-embedding
+    digests)."""
+    salt = f.get("cache_salt")
+    if isinstance(salt, str):
+        return salt or None
+    extra = f.get("extra_keys")
+    if not isinstance(extra, list) or not extra or not isinstance(extra[0], list):
+        return None
+    strings = [key for key in extra[0] if isinstance(key, str)]
+    if lora is not None and strings:
+        del strings[0]
+    return strings[-1] if strings else None

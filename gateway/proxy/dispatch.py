@@ -27,6 +27,7 @@ from gateway.engines.registry import ENGINES
 from gateway.errors import GatewayError, normalise_upstream_error
 from gateway.pool.backend import Backend
 from gateway.proxy.admission import Admission, Priorities, Refused, Ticket, retry_after
+from gateway.proxy.cache_isolation import hidden_figures, isolate
 from gateway.proxy.exchange import Exchange
 from gateway.proxy.forward import PATHS, AttemptOptions, Forwarder, InvalidOutput, NativeApi, RetryableStatus
 from gateway.proxy.models import FALLBACK_CODES, ModelMap
@@ -181,9 +182,10 @@ class Dispatcher:
             log.debug("request %s model=%s -> %s policy=%s reason=%s (%s) plugins: %s", exchange.request_id,
                       request.model, decision.ranked[0].name, decision.policy, decision.reason, decision.detail,
                       " ".join(f"{k}={v * 1e6:.0f}us" for k, v in decision.timings.items()))
-        headers: Headers = [(b"x-gateway-policy", decision.policy.encode()),
-                            (b"x-gateway-route-reason", f"{decision.reason}: {decision.detail}".encode()),
-                            (b"x-gateway-model", request.model.encode())]
+        headers: Headers = [(b"x-gateway-model", request.model.encode())]
+        if exchange.explain:  # (every scorer's value: what other keys' prompts left in the caches)
+            headers += [(b"x-gateway-policy", decision.policy.encode()),
+                        (b"x-gateway-route-reason", f"{decision.reason}: {decision.detail}".encode())]
         if exchange.fallback is not None:
             headers.append((b"x-gateway-fallback", exchange.fallback.encode()))
         settings = self._retries
@@ -379,6 +381,7 @@ class Dispatcher:
         to an engine that schedules by it (the gateway's, whatever the client wrote there)."""
         body = self._fleet.adapters[backend.name].prepare_body(request.route, dict(request.body),
                                                                  request.constraint)
+        isolate(body, request, backend.spec, request.route)  # (the request's cache domain: its salt, if any)
         field = backend.spec.slot_field
         if field is not None and request.engine_slot is not None and request.cached_on is backend:
             body[field] = request.engine_slot
@@ -429,7 +432,7 @@ class Dispatcher:
         options = AttemptOptions(
             keep_usage=native is not None or client_wants_usage(request.body), headers=headers, check=check,
             retry_invalid=retry_invalid, retry_statuses=frozenset() if last else backend.spec.retry_statuses,
-            writer=writer, native=native,
+            writer=writer, native=native, hidden=hidden_figures(request, backend.spec),
             rewrite=self._fleet.adapters[backend.name].rewrite_answer(request.route, request.model)
             if native is None else None,
             upstream_headers=(trace.upstream_start(backend.name, backend.engine, backend.url, path)

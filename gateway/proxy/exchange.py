@@ -47,6 +47,7 @@ class Exchange:
     invalid_output: str | None = None  # why the answer failed its structured-output check
     trace: RequestTrace | None = None  # the request's spans, when tracing is on
     route_reason: str | None = None
+    explain: bool = False  # the answer carries the routing internals (an admin asked: KeyStore.explains_routing)
     client: Client | None = None  # the gateway API key it came with, when keys are configured
     reserved_tokens: int = 0  # taken from the key's tokens per minute on admission, settled at the end
     reserve: int = 0  # the tokens its key's admission reserves (or would have), estimated on arrival

@@ -24,6 +24,7 @@ from gateway.asgi import EVENT_STREAM, FULL, ClientWriter, Headers, Message, Sen
 from gateway.config import TimeoutSettings
 from gateway.errors import error_body, normalise_upstream_error
 from gateway.pool.backend import Backend
+from gateway.proxy.cache_figures import FieldPath, without
 from gateway.proxy.exchange import Exchange
 from gateway.proxy.sse import InvalidStream, SSERelay, text_events_in
 from gateway.proxy.transport import BodySink, Transport, UpstreamResponse
@@ -74,6 +75,8 @@ class AttemptOptions:
     native: NativeApi | None = None  # the client's agent API, sent as it came to an engine that serves it
     # the engine's non-streamed answer in the shape the gateway serves (EngineAdapter.rewrite_answer)
     rewrite: Callable[[bytes], bytes] | None = None
+    # answer fields the client must not see (the engine's cache figures: gateway.proxy.cache_isolation)
+    hidden: Sequence[FieldPath] = ()
 
 
 class Forwarder:
@@ -137,9 +140,13 @@ class Forwarder:
                             except ValueError as exc:
                                 raise UpstreamError(f"the backend answered 200 with a body it should not: "
                                                     f"{exc}: {raw[:80]!r}") from None
-                        if not self._account_body(exchange, raw):
+                        doc = self._account_body(exchange, raw)
+                        if doc is None:
                             raise UpstreamError(f"the backend answered 200 with a body that is not a JSON object: "
                                                 f"{raw[:80]!r}")
+                        shown = without(doc, options.hidden) if options.hidden else None
+                        if shown is not None:
+                            raw = orjson.dumps(shown)
                         problem = options.check(raw) if options.check is not None else None
                         if problem is not None:
                             exchange.invalid_output = problem
@@ -152,7 +159,8 @@ class Forwarder:
                         return
                     relay = SSERelay(options.keep_usage, backend.secrets.scrub, backend.spec.stream,
                                      native.end if native is not None else None,
-                                     None if native is not None else partial(_reshape_error, backend))
+                                     None if native is not None else partial(_reshape_error, backend),
+                                     options.hidden)
                     stream = _Stream(exchange, relay, clock,
                                      native.generated if native is not None else text_events_in)
                     stream_to = getattr(response, "stream_to", None)
@@ -214,19 +222,19 @@ class Forwarder:
         await send({"type": "http.response.body", "body": tail, "more_body": False})
 
     @staticmethod
-    def _account_body(exchange: Exchange, raw: bytes) -> bool:
-        """Record usage and timings; False when the body is not a JSON object."""
+    def _account_body(exchange: Exchange, raw: bytes) -> dict[str, Any] | None:
+        """Record usage and timings; the body, or None when it is not a JSON object."""
         try:
             doc: Any = orjson.loads(raw)
         except orjson.JSONDecodeError:
-            return False
+            return None
         if not isinstance(doc, dict):
-            return False
+            return None
         usage = doc.get("usage")
         exchange.usage = usage if isinstance(usage, dict) else None
         timings = doc.get("timings")
         exchange.timings = timings if isinstance(timings, dict) else None
-        return True
+        return doc
 
     @staticmethod
     async def _end_with_error(send: Send, message: str, error: UpstreamError, native: NativeApi | None = None) -> None:

@@ -25,18 +25,22 @@ came); only a usage chunk or an error event is ever re-encoded:
 * TabbyAPI's usage chunk carries a non-empty ``choices`` entry; it is split into its content (forwarded as
   a normal chunk when it says anything) and a standard usage chunk with ``choices: []``.
 * An upstream error event is scrubbed of the backend's secrets (``redact``).
+* ``hidden`` fields (an engine's cache figures, where they could reveal another cache domain's prompt: see
+  :mod:`gateway.proxy.cache_figures`) are removed from the events that carry them (usage and timings events,
+  parsed anyway); the relay's own ``usage`` and ``timings`` keep the engine's figures.
 * ``\\r\\n`` line endings (TabbyAPI) become ``\\n``; comment pings pass through.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import orjson
 
 from gateway.engines.spec import ALL_QUIRKS, StreamQuirks
+from gateway.proxy.cache_figures import FieldPath, without
 
 # an upstream that sends this much without ending an event is not speaking SSE
 MAX_PENDING_BYTES = 1 << 20
@@ -128,13 +132,15 @@ def _parse(payload: bytes) -> dict[str, Any]:
 class SSERelay:
     """Feed it upstream bytes; it returns what to send to the client (possibly ``b""``)."""
 
-    __slots__ = ("_buf", "_crlf", "_end", "_head", "_head_key", "_redact", "_reshape", "_split_usage", "done",
-                 "error", "events", "keep_usage", "texts", "timings", "usage")
+    __slots__ = ("_buf", "_crlf", "_end", "_head", "_head_key", "_hidden", "_redact", "_reshape", "_split_usage",
+                 "done", "error", "events", "keep_usage", "texts", "timings", "usage")
 
     def __init__(self, keep_usage: bool, redact: Callable[[str], str] | None = None,
                  quirks: StreamQuirks = ALL_QUIRKS, end: re.Pattern[bytes] | None = None,
-                 reshape_error: Callable[[bytes], bytes] | None = None) -> None:
+                 reshape_error: Callable[[bytes], bytes] | None = None,
+                 hidden: Sequence[FieldPath] = ()) -> None:
         self.keep_usage = keep_usage
+        self._hidden = hidden  # fields removed from the events (only usage and timings events carry them)
         self._end = end  # an agent API's own last event (its streams have no [DONE]); None: OpenAI's [DONE]
         # an upstream error event's data in the shape the client expects (OpenAI's envelope, secrets scrubbed):
         # engines write their own (llama.cpp a numeric code and no param, TabbyAPI a trace); None: as it came,
@@ -303,20 +309,24 @@ class SSERelay:
         timings = doc.get("timings")
         if isinstance(timings, dict):
             self.timings = timings
+        shown = without(doc, self._hidden) if self._hidden else None  # (None: nothing hidden in it)
         usage = doc.get("usage")
         if not isinstance(usage, dict):
-            return None
+            return None if shown is None else [b"data: " + orjson.dumps(shown)]
         self.usage = usage
         choices = doc.get("choices")
         if not choices:
-            return None if self.keep_usage else []
+            if not self.keep_usage:
+                return []
+            return None if shown is None else [b"data: " + orjson.dumps(shown)]
         if not self._split_usage:  # not this engine's habit: an ordinary chunk that also says usage
-            return None
+            return None if shown is None else [b"data: " + orjson.dumps(shown)]
         # a usage chunk that also carries choices: split it
+        doc = shown if shown is not None else doc
         content = {k: v for k, v in doc.items() if k != "usage"}
         out = []
         if any(_has_content(c) for c in choices):
             out.append(b"data: " + orjson.dumps(content))
         if self.keep_usage:
-            out.append(b"data: " + orjson.dumps({**content, "choices": [], "usage": usage}))
+            out.append(b"data: " + orjson.dumps({**content, "choices": [], "usage": doc["usage"]}))
         return out

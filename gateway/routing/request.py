@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.pool.backend import Backend
+from gateway.routing.cache_domain import SHARED, CacheDomain
 from gateway.routing.prompt import BLOCK_BYTES, BlockKey, block_hashes, render
 from gateway.structured import Constraint
 
@@ -24,6 +25,8 @@ class RouteRequest:
     body: dict[str, Any]  # the parsed request, for plugins that need the prompt
     session_key: str | None = None  # from the session header or the body's "user"
     constraint: Constraint | None = None  # structured-output constraint, in whatever field it came
+    # whose cached prompts it may profit from (its key's; set by the front door before anything is routed)
+    cache_domain: CacheDomain = SHARED
     _prompt: bytes | None = field(default=None, repr=False)
     _blocks: list[BlockKey] | None = field(default=None, repr=False)
     # left by plugins for later stages (typed; add a field here for new data passed between plugins):
@@ -34,7 +37,8 @@ class RouteRequest:
     engine_slot: int | None = None  # prefix learner: the slot of ``cached_on`` to name in the request, if any
     token_ids: list[int] | None = None  # precise-prefix: the prompt as the model's token ids (if tokenized)
     tokenized: bool = False  # precise-prefix: tokenizing was tried (token_ids None: no tokenizer, or refused)
-    chunk_keys: dict[int, list[bytes]] | None = None  # precise-prefix: own keys of token_ids, per chunk size
+    # precise-prefix: own keys of token_ids, per chunk size and cache salt
+    chunk_keys: dict[tuple[int, str | None], list[bytes]] | None = None
     events_cached_tokens: int | None = None  # precise-prefix: tokens the engine's events say it holds there
     # an agent API request (Responses, Messages) translated to this chat request: it decides, per backend,
     # whether to pass the client's own request through instead (gateway.api.agent_apis.Translation.native)
@@ -63,10 +67,17 @@ class RouteRequest:
 
     @property
     def blocks(self) -> list[BlockKey]:
-        """Chained block keys of the canonical prompt (computed once, on first use)."""
+        """Chained block keys of the canonical prompt, seeded with the model and the cache domain (computed once,
+        on first use): one domain's prompts never match another's in the gateway's prefix indexes."""
         if self._blocks is None:
-            self._blocks = block_hashes(self.model, self.prompt, BLOCK_BYTES)
+            self._blocks = block_hashes(self.cache_domain.seed(self.model), self.prompt, BLOCK_BYTES)
         return self._blocks
+
+    @property
+    def engine_salt(self) -> str | None:
+        """The ``cache_salt`` an engine that isolates by one gets for this request (see
+        :meth:`CacheDomain.engine_salt`)."""
+        return self.cache_domain.engine_salt(self.body.get("cache_salt"))
 
     @property
     def planned_tokens(self) -> int:

@@ -45,6 +45,7 @@ class AgentSpec:
     count_tokens: bool = False
     input_tokens: bool = False
     store: int = 0
+    salted: frozenset[str] = frozenset()  # the routes ("responses", "messages") that pass cache_salt on
 
 
 class StreamWriter(Protocol):
@@ -247,6 +248,12 @@ class AgentRoutes:
         return None
 
     # -- shared: prompt, plan, run ---------------------------------------------------------------------------------
+    def salt(self, body: dict[str, Any], chat: dict[str, Any], route: str) -> None:
+        """The route's ``cache_salt`` onto the chat request it became, where the engine passes it on (vLLM's
+        Responses and Messages, SGLang's Responses; SGLang's Messages build a chat request without it)."""
+        if route in self.spec.salted and "cache_salt" in body:
+            chat["cache_salt"] = body["cache_salt"]
+
     def prompt_ids(self, chat: dict[str, Any]) -> list[int]:
         eng, hf = self.engine, self.engine.server.hf
         if hf is not None:
@@ -271,7 +278,7 @@ class AgentRoutes:
         except ContextTooLong as exc:
             raise eng.context_error(exc, len(ids), max_tokens) from exc
         gen = Gen(id=gen_id, model=eng.model, kind="agent", stream=stream, include_usage=True, plan=plan,
-                  prompt_len=len(ids), scale=eng.spec.time_scale, body=chat)
+                  prompt_len=len(ids), scale=eng.spec.time_scale, body=chat, salt=eng.cache_salt(chat))
         if tool is not None:
             gen.tool, gen.tool_id, gen.tool_finish = tool, eng.new_tool_id(), eng.tool_finish(tool)
         return gen, ids
@@ -283,6 +290,7 @@ class AgentRoutes:
         sink = (_StreamSink(writer, resp, done, server.faults.drop_mid_stream_after_tokens) if writer is not None
                 else CollectSink(done))
         seq = Sequence(ids, gen.plan.pieces, gen.plan.ids, gen.plan.finish_reason, sink)
+        seq.salt = gen.salt
         gen.seq = seq
 
         def on_close() -> None:
@@ -304,6 +312,7 @@ class AgentRoutes:
     async def responses(self, req: Request, resp: Responder) -> None:
         body = self.engine.parse_json(req)
         chat = responses_to_chat(body)
+        self.salt(body, chat, "responses")
         stream = bool(body.get("stream"))
         gen, ids = self.new_gen(chat, stream, new_id("resp_"), responses_constraint(body))
         assert self.spec.responses is not None
@@ -333,6 +342,7 @@ class AgentRoutes:
         try:
             body = self.engine.parse_json(req)
             chat = messages_to_chat(body)
+            self.salt(body, chat, "messages")
             stops = body.get("stop_sequences") or []
             gen, ids = self.new_gen(chat, bool(body.get("stream")), new_id("chatcmpl-"))
         except EngineError as err:
@@ -341,7 +351,7 @@ class AgentRoutes:
         word = None
         if gen.tool is None and isinstance(stops, list):
             gen.plan, word = cut_at_stop(gen.plan, [s for s in stops if isinstance(s, str)])
-        shape = messages_shapes.MessageShape(self.spec.messages, gen, word)
+        shape = messages_shapes.MessageShape(self.spec.messages, gen, word, self.engine.spec.cache_report)
         if await self.run(gen, ids, resp, shape if gen.stream else None) and not gen.stream:
             self.engine.send_json(resp, shape.message())
 

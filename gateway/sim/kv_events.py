@@ -9,7 +9,8 @@ The wire format is the engines' own (vLLM 0.33 ``vllm/distributed/kv_events.py``
   ``attn_dp_rank``; always 0 here), one batch per event-loop turn that produced events (the engines publish one
   per scheduler step; the emulator's scheduler step is one loop turn);
 * events are msgpack maps, ``"type"`` first: vLLM ``BlockStored{block_hashes, parent_block_hash, token_ids,
-  block_size, lora_id, medium, lora_name, group_idx}`` and ``BlockRemoved{block_hashes, medium, group_idx}``;
+  block_size, lora_id, medium, lora_name, group_idx}`` (and, as 0.34 sends it, ``extra_keys`` with a chain's
+  salted first block) and ``BlockRemoved{block_hashes, medium, group_idx}``;
   SGLang ``BlockStored{block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium, cache_salt,
   session_id, lora_name}`` and ``BlockRemoved{block_hashes, medium}``; both ``AllBlocksCleared{}``. The caches
   compute the hashes (:mod:`gateway.sim.prefix_cache`): vLLM's unsigned 64-bit, SGLang's signed. SGLang's
@@ -108,27 +109,32 @@ class KvEventPublisher:
         close_context(self._ctx)
 
     # -- what the cache reports --------------------------------------------------------------------------------
-    def stored(self, hashes: Sequence[int], parent: int | None, tokens: Sequence[int], block_size: int) -> None:
-        if self.engine == "sglang" and self._extend_last(hashes, parent, tokens):
+    def stored(self, hashes: Sequence[int], parent: int | None, tokens: Sequence[int], block_size: int,
+               salt: str | None = None) -> None:
+        """``salt``: the cache salt the blocks were stored under (vLLM: given with a chain's first block only)."""
+        if self.engine == "sglang" and self._extend_last(hashes, parent, tokens, salt):
             return
         event: dict[str, Any] = {"type": "BlockStored", "block_hashes": list(hashes), "parent_block_hash": parent,
                                  "token_ids": list(tokens), "block_size": block_size, "lora_id": None,
                                  "medium": "GPU"}
         if self.engine == "vllm":
             event["lora_name"] = None
+            if salt is not None:  # (0.34: one entry per block, untagged; the salt is the first block's extra key)
+                event["extra_keys"] = [[salt], *([None] * (len(hashes) - 1))]
             event["group_idx"] = 0
         else:
-            event["cache_salt"] = None
+            event["cache_salt"] = salt
             event["session_id"] = None
             event["lora_name"] = None
         self._add(event)
 
-    def _extend_last(self, hashes: Sequence[int], parent: int | None, tokens: Sequence[int]) -> bool:
-        """SGLang: pages that continue the last stored event's chain join that event."""
+    def _extend_last(self, hashes: Sequence[int], parent: int | None, tokens: Sequence[int],
+                     salt: str | None) -> bool:
+        """SGLang: pages that continue the last stored event's chain, under the same salt, join that event."""
         if not self._pending or parent is None:
             return False
         last = self._pending[-1]
-        if last["type"] != "BlockStored" or last["block_hashes"][-1] != parent:
+        if last["type"] != "BlockStored" or last["block_hashes"][-1] != parent or last.get("cache_salt") != salt:
             return False
         last["block_hashes"].extend(hashes)
         last["token_ids"].extend(tokens)

@@ -3,14 +3,17 @@
 ``"llamacpp"`` follows ``tools/server/server-task.cpp`` (``to_json_anthropic*``): ``message_start`` with the
 first token; blocks thinking (index 0), text, tool_use (no ``input`` in its start); every ``content_block_stop``
 at the end, a thinking block closed by an empty ``signature_delta``; ``message_delta`` usage has only
-``output_tokens``; a stop word is ``stop_reason: "end_turn"`` with ``stop_sequence`` set.
+``output_tokens``; a stop word is ``stop_reason: "end_turn"`` with ``stop_sequence`` set. Its usage (the body's,
+``message_start``'s) says ``cache_read_input_tokens`` and counts only the uncached rest as ``input_tokens``.
 ``"vllm"`` follows ``vllm/entrypoints/anthropic/serving_messages.py`` (SGLang's handler is a port of it):
 ``message_start`` first, dumped with ``exclude_unset`` (no ``type`` / ``role`` in its message); one block open
 at a time, closed before the next starts; a thinking block's ``signature_delta`` carries a uuid; tool_use starts
 with ``input: {}``; ``message_delta`` usage has input and output tokens; the finish reason maps stop ->
 end_turn (so a forced named tool, which vLLM finishes with ``stop``, is ``end_turn``), length -> max_tokens,
 tool_calls -> tool_use; ``stop_sequence`` is never filled. The full body always has a text block (``""`` when
-there is no text). Neither sends ``[DONE]``.
+there is no text). With ``--enable-prompt-tokens-details`` (``cache_report``) the body's and the final
+``message_delta``'s usage say ``cache_read_input_tokens`` and count only the uncached rest as ``input_tokens``
+(0.34 ``_build_anthropic_usage``). Neither sends ``[DONE]``.
 """
 
 from __future__ import annotations
@@ -28,11 +31,23 @@ STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_
 class MessageShape:
     """One message: the stream writer (``head`` / ``token`` / ``tail``) and the final body."""
 
-    def __init__(self, flavor: str, gen: Gen, stop_word: str | None) -> None:
+    def __init__(self, flavor: str, gen: Gen, stop_word: str | None, cache_report: bool = True) -> None:
         self.gen = gen
         self.llama = flavor == "llamacpp"
         self.stop_word = stop_word if self.llama else None
         self.signature = "" if self.llama else uuid.uuid4().hex
+        self.cache_report = self.llama or cache_report
+
+    def usage(self, output_tokens: int) -> dict[str, Any]:
+        """Input and output tokens, the cached part of the input as ``cache_read_input_tokens`` where reported."""
+        g = self.gen
+        if not self.cache_report:
+            return {"input_tokens": g.prompt_len, "output_tokens": output_tokens}
+        if self.llama:
+            return {"cache_read_input_tokens": g.cached, "input_tokens": g.prompt_len - g.cached,
+                    "output_tokens": output_tokens}
+        return {"input_tokens": g.prompt_len - g.cached, "output_tokens": output_tokens,
+                "cache_read_input_tokens": g.cached}
 
     def stop_reason(self) -> str:
         g = self.gen
@@ -64,14 +79,16 @@ class MessageShape:
                                 "model": g.model, "stop_reason": self.stop_reason()}
         if self.llama:
             body["stop_sequence"] = self.stop_word
-        body["usage"] = {"input_tokens": g.prompt_len, "output_tokens": g.completion_tokens}
+        body["usage"] = self.usage(g.completion_tokens)
         return body
 
     # -- stream ------------------------------------------------------------------------------------------------
     def _message_start(self) -> bytes:
         g = self.gen
         msg: dict[str, Any] = {"id": g.id, "content": [], "model": g.model, "stop_reason": None,
-                               "stop_sequence": None, "usage": {"input_tokens": g.prompt_len, "output_tokens": 0}}
+                               "stop_sequence": None,  # (vLLM's is sent before the prompt was scheduled)
+                               "usage": self.usage(0) if self.llama else {"input_tokens": g.prompt_len,
+                                                                          "output_tokens": 0}}
         if self.llama:
             msg = {"id": g.id, "type": "message", "role": "assistant", **msg}
         return sse({"type": "message_start", "message": msg})
@@ -135,6 +152,6 @@ class MessageShape:
         if self.llama:
             delta["stop_sequence"] = self.stop_word
         else:
-            usage = {"input_tokens": g.prompt_len, **usage}
+            usage = self.usage(g.completion_tokens)
         out += sse({"type": "message_delta", "delta": delta, "usage": usage})
         return out + sse({"type": "message_stop"})

@@ -42,7 +42,8 @@ class Sequence:
     """One generation: its prompt ids, its planned output pieces, and its progress and timestamps."""
 
     __slots__ = ("cached", "finish_reason", "generated", "id", "output", "output_ids", "prefill_left", "prompt",
-                 "rank", "sink", "slot", "state", "t_arrival", "t_finish", "t_first", "t_last", "t_scheduled")
+                 "rank", "salt", "sink", "slot", "state", "t_arrival", "t_finish", "t_first", "t_last",
+                 "t_scheduled")
 
     def __init__(self, prompt: list[int], output: list[str], output_ids: list[int], finish_reason: str,
                  sink: Sink) -> None:
@@ -53,6 +54,7 @@ class Sequence:
         self.finish_reason = finish_reason
         self.sink = sink
         self.slot: int | None = None  # the engine slot the request names (llama.cpp id_slot), if any
+        self.salt: str | None = None  # its cache salt (vLLM's and SGLang's cache_salt), if any
         self.rank = 0  # waiting order: lower first, arrival order within a rank (priority scheduling)
         self.state = "new"  # new -> waiting -> prefill -> decode -> done | aborted
         self.cached = 0
@@ -139,7 +141,7 @@ class Scheduler:
     def _retire(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.kv_used -= seq.kv_tokens
-        self.cache.release(seq.id, seq.prompt + seq.output_ids[: seq.generated])
+        self.cache.release(seq.id, seq.prompt + seq.output_ids[: seq.generated], seq.salt)
 
     def _sync_counts(self) -> None:
         self.stats.active_sequences = len(self.running)
@@ -153,7 +155,7 @@ class Scheduler:
             seq = self.waiting[i]
             if self.running and self.kv_used + seq.kv_tokens > p.kv_capacity_tokens:
                 break
-            cached = self.cache.admit(seq.id, seq.prompt, seq.slot)
+            cached = self.cache.admit(seq.id, seq.prompt, seq.slot, seq.salt)
             if cached is None:
                 if seq.slot is not None:  # its named slot is busy: deferred, the requests behind it go on
                     i += 1
@@ -219,7 +221,7 @@ class Scheduler:
                 if seq.state == "prefill":
                     seq.state = "decode"
                     seq.t_first = now
-                    self.cache.computed(seq.id, seq.prompt)
+                    self.cache.computed(seq.id, seq.prompt, seq.salt)
                     self.lat.ttft.observe(now - seq.t_arrival)
                     self._emit(seq, now)
 

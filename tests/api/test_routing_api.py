@@ -26,8 +26,10 @@ def quad() -> Iterator[Running]:
             yield Running(fleet, gateway, app)
 
 
-def ask(running: Running, system: str, question: str, **kwargs: object) -> httpx.Headers:
-    c = openai.OpenAI(base_url=running.url + "/v1", api_key="x", max_retries=0)
+def ask(running: Running, system: str, question: str, debug: str | None = "route", **kwargs: object
+        ) -> httpx.Headers:
+    c = openai.OpenAI(base_url=running.url + "/v1", api_key="x", max_retries=0,
+                      default_headers={"x-gateway-debug": debug} if debug else None)
     raw = c.chat.completions.with_raw_response.create(
         model="shared", max_tokens=2, messages=[{"role": "system", "content": system},
                                                 {"role": "user", "content": question}], **kwargs)
@@ -35,7 +37,10 @@ def ask(running: Running, system: str, question: str, **kwargs: object) -> httpx
     return raw.headers
 
 
-def test_decisions_are_explained_in_headers_and_counted(quad: Running) -> None:
+def test_decisions_are_explained_in_headers_when_asked_and_counted(quad: Running) -> None:
+    quiet = ask(quad, "short", "hi", debug=None)
+    assert "x-gateway-route-reason" not in quiet and "x-gateway-policy" not in quiet
+    assert quiet["x-gateway-backend"]
     headers = ask(quad, "short", "hi")
     assert headers["x-gateway-policy"] == "default"
     reason = headers["x-gateway-route-reason"]

@@ -31,7 +31,9 @@ from gateway.bench.routing import (
     sim_server,
     summarize_prefix,
 )
+from gateway.bench.routing.prefix import tenant_keys, tenants_auth, tenants_summary
 from gateway.bench.runner import Phase, RunResult
+from gateway.bench.workload import WorkloadConfig, build_workload
 from gateway.config import settings_from_mapping
 from gateway.sim.cli import load_fleet_yaml
 from gateway.sim.template import render_chat
@@ -202,3 +204,18 @@ def test_tiny_prefix_run_writes_a_complete_report(tmp_path: Path) -> None:
     assert (tmp_path / "prefix" / "gateway-prefix.yaml").exists()
     assert (tmp_path / "prefix" / "fleet-round-robin.log").exists()
     json.dumps(doc)  # serialisable as is
+
+
+def test_tenants_get_a_key_each_and_their_cost_is_a_share_of_one_domain() -> None:
+    settings = settings_from_mapping({"auth": tenants_auth(3)})
+    assert [k.name for k in settings.auth.keys] == tenant_keys(3)
+    target = Target("default /3 keys", "http://x", tenant_keys=tuple(tenant_keys(3)))
+    requests = build_workload(WorkloadConfig(kind="shared-prefix", groups=2, prompts_per_group=3))
+    assert [target.key_for(r) for r in requests[:4]] == [*tenant_keys(3), tenant_keys(3)[0]]
+    assert Target("plain", "http://x", api_key="k").key_for(requests[0]) == "k"
+    summaries = {"default": {"cache_hit_rate": 0.8}, "default /3 keys": {"cache_hit_rate": 0.4},
+                 "default /16 keys": {"cache_hit_rate": 0.0}, "default x2": {"cache_hit_rate": 0.7}}
+    out = tenants_summary(summaries, [3, 16])
+    assert out == {"default": {"hit_rate": {"1": 0.8, "3": 0.4, "16": 0.0},
+                               "share_of_one_domain": {"1": 1.0, "3": 0.5, "16": 0.0}}}
+    assert build_parser().parse_args(["prefix", "--tenants", "3,16"]).tenants == "3,16"

@@ -153,7 +153,8 @@ def test_requests_sharing_a_prefix_follow_the_engine_whose_events_hold_it(routed
     home = first.headers["x-gateway-backend"]
     time.sleep(0.3)  # its blocks announced
     for i in range(5):
-        r = httpx.post(f"{gateway.url}/v1/chat/completions", json=chat(f"question number {i}"))
+        r = httpx.post(f"{gateway.url}/v1/chat/completions", json=chat(f"question number {i}"),
+                       headers={"x-gateway-debug": "route"})
         assert r.headers["x-gateway-backend"] == home
         assert r.headers["x-gateway-route-reason"].startswith("precise-prefix")
         assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 300

@@ -92,3 +92,13 @@ def test_re_announced_blocks_count_once_and_other_block_sizes_are_ignored() -> N
     assert held(index, a) == 16
     index.apply(batch(stored(list(range(12)), 12, [3])))  # another block size, not a divisor: not comparable
     assert len(index) == 1
+
+
+def test_a_salted_chain_is_keyed_apart_from_the_same_tokens_unsalted_or_under_another_salt() -> None:
+    tokens = tuple(range(32))
+    index = EventIndex()
+    index.apply(Batch(0, 0.0, (BlockStored((1, 2), None, tokens, 16, cache_salt="a"),
+                               BlockStored((3,), 2, tuple(range(32, 48)), 16))))
+    assert index.match(request_keys(list(range(48)), 16, cache_salt="a")) == 3
+    assert index.match(request_keys(list(range(48)), 16, cache_salt="b")) == 0
+    assert index.match(request_keys(list(range(48)), 16)) == 0

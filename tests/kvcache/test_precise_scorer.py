@@ -10,7 +10,9 @@ from gateway.kvcache.index import EventIndex
 from gateway.kvcache.tokenizer import PromptTokenizer
 from gateway.kvcache.wire import Batch, BlockStored
 from gateway.pool.backend import Backend
+from gateway.routing.cache_domain import CacheDomain
 from gateway.routing.policies import BUILTIN, build_pipeline
+from gateway.routing.request import RouteRequest
 from gateway.routing.scorers.precise_prefix import PrecisePrefixScorer
 from gateway.routing.scorers.prefix_affinity import PrefixAffinityScorer
 from gateway.routing.state import RoutingState
@@ -144,3 +146,38 @@ def test_a_prompt_just_routed_counts_as_held_until_its_events_are_due(model_dir:
     assert follower[0] == 0.0 and follower[1] > 0.5  # the shared system prompt follows the first request
     time.sleep(0.25)
     assert scorer.score(chat(SYSTEM, "three"), [a, b]) == [0.0, 0.0]  # never announced: forgotten
+
+
+def salted(tokens: list[int], count: int, salt: str) -> View:
+    """A view whose engine announced the first ``count`` tokens under ``salt`` (the chain's first block says it)."""
+    view = View()
+    n = count // 16 * 16
+    view.index.apply(Batch(0, 0.0, (BlockStored(tuple(range(1, n // 16 + 1)), None, tuple(tokens[:n]), 16,
+                                                cache_salt=salt),)))
+    return view
+
+
+def test_only_what_the_requests_own_cache_domain_cached_earns_credit(model_dir: Path) -> None:
+    """Several domains: a prompt is keyed under the salt the engine gets with it, so blocks another domain's
+    salted request stored (or an unsalted one) earn nothing, and the domain's own do; a backend whose engine
+    cannot isolate is scored by the domain's own approximate index, never by its events."""
+    state, hub, tok = setup(model_dir)
+    a_domain, b_domain = CacheDomain("a", "salt-a"), CacheDomain("b", "salt-b")
+
+    def request(domain: CacheDomain) -> RouteRequest:
+        r = chat(SYSTEM, "hello")
+        r.cache_domain = domain
+        return r
+
+    tokens = tok.chat(request(a_domain).body)
+    assert tokens is not None and len(tokens) > 64
+    hub.views = {"v": salted(tokens, 64, "salt-a"), "w": holding(tokens, 64)}
+    v, w = backend("v"), backend("w", engine="sglang")
+    scorer = PrecisePrefixScorer(state)
+    assert scorer.score(request(a_domain), [v, w]) == [64 / len(tokens), 0.0]
+    assert scorer.score(request(b_domain), [v, w]) == [0.0, 0.0]
+    assert scorer.score(chat(SYSTEM, "hello"), [v, w]) == [0.0, 64 / len(tokens)]  # one domain: unsalted, as before
+
+    unsalted_engine = backend("x", engine="openai")  # (none publishes events today; a live stream is ignored)
+    hub.views["x"] = holding(tokens, 64)
+    assert scorer.score(request(b_domain), [v, unsalted_engine])[1] == 0.0

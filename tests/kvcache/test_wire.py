@@ -107,3 +107,22 @@ def test_replay_frames_with_and_without_topic_and_the_end_marker() -> None:
     assert decode_replay([b"", END_OF_REPLAY, b""]) is None
     with pytest.raises(WireError):
         decode_replay([b"x", (5).to_bytes(8, "big"), payload])
+
+
+def test_the_salt_a_chain_was_cached_under() -> None:
+    """SGLang 0.5.23 says it in cache_salt; vLLM 0.34 in the first block's extra_keys entry (untagged, after the
+    LoRA name; multimodal pairs are arrays, prompt-embedding digests bytes). Only a chain's first block matters."""
+    def stored(**fields: object) -> dict[str, object]:
+        return {"type": "BlockStored", "block_hashes": [1, 2], "parent_block_hash": None, "token_ids": [5, 6],
+                "block_size": 1, "lora_id": None, "medium": "GPU", **fields}
+
+    payload = msgpack.packb([1.0, [
+        stored(cache_salt="s1", session_id=None, lora_name=None),
+        stored(lora_name=None, extra_keys=[["s2"], None], group_idx=0),
+        stored(lora_name="adapter", extra_keys=[["adapter", ["mm", 0], b"\x01", "s3"], ["adapter"]]),
+        stored(lora_name="adapter", extra_keys=[["adapter"], ["adapter"]]),
+        stored(lora_name=None, extra_keys=[None, None]),
+        {**stored(cache_salt="s1"), "parent_block_hash": 7},
+    ], 0])
+    salts = [e.cache_salt for e in decode_batch(0, payload).events if isinstance(e, BlockStored)]
+    assert salts == ["s1", "s2", "s3", None, None, None]

@@ -160,7 +160,8 @@ def test_shared_long_prefix_lands_on_the_same_server_and_hits_its_cache(gateway:
     for question in ("What is a token?", "What is a prefix?", "Tell me about the cache."):
         raw = c.chat.completions.with_raw_response.create(
             model=model, max_tokens=4,
-            messages=[{"role": "system", "content": system}, {"role": "user", "content": question}])
+            messages=[{"role": "system", "content": system}, {"role": "user", "content": question}],
+            extra_headers={"x-gateway-debug": "route"})
         served.append(raw.headers["x-gateway-backend"])
         usage = raw.parse().usage
         assert usage is not None and usage.prompt_tokens_details is not None

@@ -373,3 +373,34 @@ def test_the_head_is_skipped_only_where_the_chunk_repeats_it() -> None:
     for c in (chunk(""), chunk(None, "stop"), chunk('"'), chunk("lo"), USAGE_CHUNK,
               chunk("x").replace(b'"id":"c"', b'"id":"d"')):
         assert relay._scan(c) == _SCAN.findall(c)
+
+
+LLAMACPP_HIDDEN = (("usage", "prompt_tokens_details", "cached_tokens"), ("timings", "cache_n"),
+                   ("timings", "prompt_n"), ("timings", "prompt_ms"))
+
+
+@pytest.mark.parametrize("keep_usage", [True, False])
+def test_hidden_cache_figures_leave_the_events_that_carry_them_and_nothing_else(keep_usage: bool) -> None:
+    """Only the events carrying the hidden fields are re-encoded, without them; every other event passes as the
+    very bytes that came; the relay itself keeps the engine's figures (for the gateway's own accounting)."""
+    timings = {"cache_n": 8, "prompt_n": 3, "prompt_ms": 12.5, "predicted_n": 3, "predicted_ms": 30.0}
+    final = b"data: " + orjson.dumps({"id": "c", "choices": [], "usage": USAGE, "timings": timings}) + b"\n\n"
+    text = chunk("Hel") + chunk("lo") + chunk(None, "stop")
+    relay = SSERelay(keep_usage, hidden=LLAMACPP_HIDDEN)
+    assert relay.feed(text) == text
+    out = relay.feed(final) + relay.feed(DONE)
+    if keep_usage:
+        event = orjson.loads(out.split(b"\n\n")[0][6:])
+        assert event["usage"] == {**USAGE, "prompt_tokens_details": {}}
+        assert event["timings"] == {"predicted_n": 3, "predicted_ms": 30.0}
+    else:
+        assert out == DONE
+    assert relay.usage == USAGE and relay.timings == timings
+    # a finish chunk carrying timings (llama.cpp without include_usage) loses them as well
+    last = b"data: " + orjson.dumps({"id": "c", "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}],
+                                     "timings": timings}) + b"\n\n"
+    shown = orjson.loads(SSERelay(keep_usage, hidden=LLAMACPP_HIDDEN).feed(last)[6:])
+    assert shown["timings"] == {"predicted_n": 3, "predicted_ms": 30.0} and shown["choices"][0]["finish_reason"]
+    # nothing hidden: the same event passes unchanged
+    assert SSERelay(keep_usage=True, hidden=LLAMACPP_HIDDEN).feed(USAGE_CHUNK.replace(b"cached", b"audio")) == \
+        USAGE_CHUNK.replace(b"cached", b"audio")

@@ -161,11 +161,12 @@ def held_hashes(server: SimServer) -> set[int]:
     if isinstance(cache, BlockCache):
         return set(cache._blocks)
     assert isinstance(cache, RadixCache)
-    out, stack = set(), [cache._root]
+    out, stack = set(), list(cache._roots.values())
     while stack:
         node = stack.pop()
         stack.extend(node.children.values())
-        out.update(int.from_bytes(d[:8], "big", signed=True) for d in node.digests or [])
+        if node.parent is not None:  # (a salted tree's root holds the salt's seed, no page)
+            out.update(int.from_bytes(d[:8], "big", signed=True) for d in node.digests or [])
     return out
 
 
@@ -464,3 +465,37 @@ def test_sglang_server_info_advertises_its_publisher(tokenizer_dir: Path) -> Non
                     "endpoint_port_base": int(server.kv_events_endpoint.rsplit(":", 1)[1]), "topic": TOPIC,
                     "block_size": 4, "dp_size": 1,
                     "replay_endpoint_port_base": int(server.kv_replay_endpoint.rsplit(":", 1)[1])}
+
+
+@pytest.mark.parametrize("param", ENGINES)
+def test_a_salted_prompt_is_published_with_its_salt_and_keyed_apart(param: tuple[str, dict[str, Any]],
+                                                                      tokenizer_dir: Path, hf: HFTokenizer) -> None:
+    """vLLM 0.34 puts the salt in the first block's ``extra_keys`` entry, SGLang in ``cache_salt``; the gateway's
+    index then holds the prompt under that salt only."""
+    from gateway.kvcache.index import EventIndex, request_keys
+    from gateway.kvcache.wire import decode_batch
+
+    engine, _ = param
+    body = {**chat("first question"), "cache_salt": "tenant-a"}
+    with FleetThread([engine_spec(param, tokenizer_dir)]) as fleet:
+        server = fleet.fleet["e"]
+        sub = Subscriber(server)
+        try:
+            post(server, body)
+            batches = sub.receive()
+        finally:
+            sub.close()
+    stored = events(batches, "BlockStored")[0]
+    if engine == "vllm":
+        assert stored["extra_keys"][0] == ["tenant-a"] and set(stored["extra_keys"][1:]) <= {None}
+    else:
+        assert stored["cache_salt"] == "tenant-a"
+    index = EventIndex()
+    for seq, batch in batches:
+        index.apply(decode_batch(seq, msgpack.packb(batch)))
+    ids = hf.chat_ids(body["messages"])
+    assert index.chunk is not None
+    held = index.match(request_keys(ids, index.chunk, cache_salt="tenant-a"))
+    assert held >= (len(ids) - index.chunk) // index.chunk
+    assert index.match(request_keys(ids, index.chunk)) == 0
+    assert index.match(request_keys(ids, index.chunk, cache_salt="tenant-b")) == 0

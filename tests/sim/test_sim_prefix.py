@@ -5,7 +5,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from gateway.sim import FleetThread
+from gateway.sim import FleetThread, SimSpec
 from gateway.sim.prefix_cache import BlockCache, RadixCache, SlotCache
 from gateway.sim.template import render_chat
 from gateway.sim.tokenizer import Tokenizer
@@ -130,3 +130,47 @@ def test_a_request_waiting_for_its_named_slot_does_not_hold_up_the_ones_behind_i
         return [running.state, pinned.state, free.state]
 
     assert asyncio.run(scenario()) == ["prefill", "waiting", "prefill"]
+
+
+def test_a_salt_keeps_block_and_radix_caches_apart_and_slots_ignore_it() -> None:
+    """vLLM mixes the salt into the first block's hash, SGLang keys a salted prompt's tree by it: a prompt cached
+    under one salt is reused under that salt only. llama.cpp has no salt."""
+    a = list(range(100))
+    for cache in (BlockCache(16, 16 * 100), RadixCache(capacity_tokens=1000)):
+        cache.computed(1, a, "tenant-a")
+        assert cache.admit(2, a, salt="tenant-b") == 0
+        assert cache.admit(3, a) == 0
+        assert cache.admit(4, a, salt="tenant-a") in (96, 99)
+        cache.computed(5, a)
+        assert cache.admit(6, a) in (96, 99) and cache.admit(7, a, salt="tenant-b") == 0
+    slots = SlotCache(1)
+    slots.admit(1, a, salt="tenant-a")
+    slots.release(1, a)
+    assert slots.admit(2, a, salt="tenant-b") == 99
+
+
+def test_vllm_and_sglang_honour_cache_salt_as_their_servers_check_it() -> None:
+    spec = [SimSpec(engine="vllm", model="m", name="v"), SimSpec(engine="sglang", model="m", name="s")]
+    system = "a long shared system prompt " * 20
+    with FleetThread(spec) as fleet:
+        for name in ("v", "s"):
+            url = fleet.fleet[name].url
+
+            def cached(salt: object = None, url: str = url) -> int:
+                body = {"model": "m", "max_tokens": 1, "messages": [{"role": "system", "content": system},
+                                                                   {"role": "user", "content": "hi"}]}
+                if salt is not None:
+                    body["cache_salt"] = salt
+                r = httpx.post(f"{url}/v1/chat/completions", json=body)
+                assert r.status_code == 200, r.text
+                return int(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+            assert cached("a") == 0 and cached("b") == 0 and cached() == 0
+            assert cached("a") > 100 and cached("b") > 100 and cached() > 100
+        url = fleet.fleet["v"].url
+        for bad, message in (("", "must be a non-empty string"), (7, "must be a non-empty string"),
+                             ("x" * 129, "at most 128 characters"), ("a/b", "must not contain")):
+            r = httpx.post(f"{url}/v1/chat/completions", json={"model": "m", "cache_salt": bad, "messages": [
+                {"role": "user", "content": "hi"}]})
+            assert r.status_code == 400 and message in r.json()["error"]["message"]
+            assert r.json()["error"]["param"] == "cache_salt"

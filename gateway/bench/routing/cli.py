@@ -123,6 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--replicas", type=int, default=d.replicas, metavar="N",
                    help="also each prefix-routing policy through N gateway replicas sharing a loopback "
                         "redis-server; reports their hit rate against one gateway's")
+    a.add_argument("--tenants", default="", metavar="N,M",
+                   help="also every policy through a gateway with N (then M) API keys, each its own cache domain "
+                        "(request i with key i mod N); reports the hit rate against one domain's")
 
     b = sub.add_parser("shape", parents=[common], help="(b) concurrency ramp on ExLlamaV2-like + vLLM-like",
                        description="least-load vs engine-shape, each with its own TabbyAPI-like + vLLM-like pair, "
@@ -221,7 +224,8 @@ def main(argv: list[str]) -> int:
                             question_len=args.question_len, output_len=args.output_len,
                             popularity=args.popularity, count=args.count, cache_share=args.cache_share,
                             concurrency=args.concurrency, round_size=args.round_size, time_scale=args.time_scale,
-                            replicas=max(1, args.replicas), include_requests=not args.no_requests, **common)
+                            replicas=max(1, args.replicas), include_requests=not args.no_requests,
+                            tenants=[int(n) for n in args.tenants.split(",") if n.strip()], **common)
         doc = run_prefix(pcfg)
         json_path = write_json(doc, out / "prefix.json")
         png = plot_policies(doc, out / "prefix.png",

@@ -3,10 +3,15 @@
 ``--replicas N`` adds, for each prefix-routing policy, the same policy through N gateway replicas sharing one
 loopback ``redis-server`` (``state.url``; each policy its own key prefix), with its own fleet, the client
 sending requests to the replicas in turn as a round-robin load balancer would: its cache-hit rate against one
-gateway's (target: at least 0.9 of it) says whether the replicas agree on where each prefix lives."""
+gateway's (target: at least 0.9 of it) says whether the replicas agree on where each prefix lives.
+
+``--tenants 3,16`` adds, for each policy, the same workload through a gateway with that many API keys, each its
+own cache domain (request i sent with key i mod N), with its own fleet: what keeping tenants apart in the caches
+costs in hit rate, against the one-domain run of the same policy."""
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -63,6 +68,7 @@ class PrefixConfig:
     base_port: int = 18700
     profiles: dict[str, Any] = field(default_factory=dict)  # extra routing.profiles for every gateway
     replicas: int = 1  # above 1: each prefix-routing policy also through that many replicas sharing a Redis
+    tenants: list[int] = field(default_factory=list)  # each above 1: every policy also with that many API keys
     out: Path = Path("reports/routing")
     include_requests: bool = True
 
@@ -110,6 +116,40 @@ REPLICATED_POLICIES = ("prefix", "default", "consistent-prefix")
 
 def replicated_name(policy: str, replicas: int) -> str:
     return f"{policy} x{replicas}"
+
+
+def tenants_name(policy: str, tenants: int) -> str:
+    return f"{policy} /{tenants} keys"
+
+
+def tenant_keys(tenants: int) -> list[str]:
+    return [f"bench-tenant-{i}" for i in range(tenants)]
+
+
+def tenants_auth(tenants: int) -> dict[str, Any]:
+    """The ``auth`` section of a gateway with ``tenants`` keys, each its own cache domain."""
+    return {"keys": [{"name": key, "key_sha256": hashlib.sha256(key.encode()).hexdigest()}
+                     for key in tenant_keys(tenants)]}
+
+
+def tenants_summary(summaries: dict[str, dict[str, Any]], tenants: Sequence[int]) -> dict[str, Any]:
+    """Per policy: its cache-hit rate with one cache domain and with each number of keys, and each as a share of
+    the one-domain rate (the cost of keeping the keys apart)."""
+    out: dict[str, Any] = {}
+    for policy, one in summaries.items():
+        if " /" in policy or " x" in policy:
+            continue
+        rates: dict[str, Any] = {"1": one["cache_hit_rate"]}
+        shares: dict[str, Any] = {"1": 1.0 if one["cache_hit_rate"] else None}
+        for n in tenants:
+            many = summaries.get(tenants_name(policy, n))
+            if many is None:
+                continue
+            rates[str(n)] = many["cache_hit_rate"]
+            shares[str(n)] = (many["cache_hit_rate"] / one["cache_hit_rate"]
+                              if many["cache_hit_rate"] is not None and one["cache_hit_rate"] else None)
+        out[policy] = {"hit_rate": rates, "share_of_one_domain": shares}
+    return out
 
 
 def replicas_summary(summaries: dict[str, dict[str, Any]], replicas: int) -> dict[str, Any]:
@@ -184,6 +224,19 @@ def run_prefix(cfg: PrefixConfig, log: Log = print) -> dict[str, Any]:
             targets.append(Target(one.name, one.url, SIM_MODEL, pid=one.pid))
         if cfg.replicas > 1:
             targets += _replicated(cfg, stack, ports, log)
+        for tenants in (n for n in cfg.tenants if n > 1):
+            for policy in cfg.policies:
+                name = tenants_name(policy, tenants)
+                servers = prefix_fleet(name, cfg, [ports.take() for _ in range(cfg.backends)])
+                urls = stack.fleet(name.replace(" /", "-").replace(" ", "-"), servers)
+                backends = [(s["name"], "vllm", u) for s, u in zip(servers, urls, strict=True)]
+                keyed = gateway_config(ports.take(), backends, policy, stack.scrape_interval,
+                                       profiles=stack.profiles)
+                keyed["auth"] = tenants_auth(tenants)
+                one = stack.gateway_from_doc(name.replace(" /", "-").replace(" ", "-"), int(keyed["server"]["port"]),
+                                             keyed, len(backends))
+                keys = tuple(tenant_keys(tenants))
+                targets.append(Target(name, one.url, SIM_MODEL, api_key=keys[0], pid=one.pid, tenant_keys=keys))
         log("all up; running (interleaved)")
         before = host_cpu_times()
         started = time.perf_counter()
@@ -200,6 +253,8 @@ def run_prefix(cfg: PrefixConfig, log: Log = print) -> dict[str, Any]:
                            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "config": config,
                            "host_busy_share": busy, "wall_s": elapsed, **summarize_prefix(bench, oracle=best),
                            "bench": bench, **phase_note(result)}
+    if any(n > 1 for n in cfg.tenants):
+        doc["tenants"] = tenants_summary(doc["policies"], [n for n in cfg.tenants if n > 1])
     if cfg.replicas > 1:
         doc["replicas"] = replicas_summary(doc["policies"], cfg.replicas)
         doc.setdefault("targets", [])
@@ -335,6 +390,11 @@ def print_policies(doc: dict[str, Any], title: str) -> None:
         console.print(f"oracle hit rate {100 * oracle['hit_rate']:.1f}% ({oracle['model']}; with unlimited caches "
                       f"{100 * (oracle['bound_hit_rate'] or 0):.1f}%): {oracle['definition']}")
     print_targets(console, doc.get("targets", []))
+    for policy, cost in (doc.get("tenants") or {}).items():
+        shares = cost["share_of_one_domain"]
+        console.print(f"{policy}: cache-hit rate by keys (cache domains), as a share of one domain's: " + ", ".join(
+            f"{n}: {fmt(None if rate is None else 100 * rate, 1, '%')} ({fmt(shares.get(n), 2, 'x')})"
+            for n, rate in cost["hit_rate"].items()))
     if doc.get("host_busy_share") is not None:
         console.print(f"host CPU busy during the run: {100 * doc['host_busy_share']:.0f}%")
     for name, s in doc["policies"].items():

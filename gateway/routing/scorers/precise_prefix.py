@@ -7,7 +7,7 @@ from gateway.kvcache.index import MIN_CHUNK_TOKENS, request_keys
 from gateway.pool.backend import Backend
 from gateway.routing.request import POOLING_ROUTES, RouteRequest
 from gateway.routing.scorers.prefix_affinity import PrefixAffinityScorer
-from gateway.routing.state import EventStreamView, RoutingState
+from gateway.routing.state import EventIndexes, EventStreamView, RoutingState
 
 
 class PrecisePrefixScorer:
@@ -22,6 +22,11 @@ class PrecisePrefixScorer:
     credit), so a hot prefix still spreads. A prompt just sent to a backend counts as held there for
     ``speculate_seconds`` (or until its events arrive), so the requests sharing it that arrive during its
     prefill follow it.
+
+    Cache domains: a prompt is keyed under the ``cache_salt`` the engine gets with it (its cache domain's, while
+    there are several: :mod:`gateway.routing.cache_domain`), as the engines announce salted prefixes, so only
+    what the request's own domain cached earns credit. An engine that cannot isolate by salt (none publishes
+    events today) is scored by its own domain's approximate index then, never by its events.
     """
 
     name = "precise-prefix"
@@ -45,23 +50,34 @@ class PrecisePrefixScorer:
         return request.token_ids
 
     @staticmethod
-    def _keys(request: RouteRequest, tokens: list[int], chunk: int) -> list[bytes]:
+    def _keys(request: RouteRequest, tokens: list[int], chunk: int, backend: Backend) -> list[bytes]:
+        salt = request.engine_salt if backend.spec.cache_isolation is not None else None
         keys = request.chunk_keys if request.chunk_keys is not None else {}
         request.chunk_keys = keys
-        if chunk not in keys:
-            keys[chunk] = request_keys(tokens, chunk)
-        return keys[chunk]
+        found = keys.get((chunk, salt))
+        if found is None:
+            found = keys[chunk, salt] = request_keys(tokens, chunk, cache_salt=salt)
+        return found
 
-    def _held_tokens(self, request: RouteRequest, tokens: list[int], stream: EventStreamView, now: float) -> int:
+    def _held_tokens(self, request: RouteRequest, tokens: list[int], stream: EventStreamView, now: float,
+                     backend: Backend) -> int:
         chunk = stream.index.chunk or self._default_chunk
-        return int(stream.index.match(self._keys(request, tokens, chunk), now) * chunk)
+        return int(stream.index.match(self._keys(request, tokens, chunk, backend), now) * chunk)
+
+    @staticmethod
+    def _stream(events: EventIndexes, request: RouteRequest, backend: Backend,
+                now: float | None = None) -> EventStreamView | None:
+        """The backend's live event stream, where its events can tell this request's domain apart."""
+        if request.cache_domain.isolated and backend.spec.cache_isolation is None:
+            return None
+        return events.live_index(backend, now)
 
     def score(self, request: RouteRequest, backends: Sequence[Backend]) -> list[float]:
         events = self._state.events
         if events is None or not events.enabled or request.route in POOLING_ROUTES:
             return self._approx.score(request, backends)
         now = time.monotonic()
-        streams = [events.live_index(b, now) for b in backends]
+        streams = [self._stream(events, request, b, now) for b in backends]
         if not any(streams):
             return self._approx.score(request, backends)
         tokens = self._tokens(request)
@@ -78,7 +94,7 @@ class PrecisePrefixScorer:
             elif long_queue[i] or no_room[i]:
                 scores.append(0.0)
             else:
-                scores.append(self._held_tokens(request, tokens, stream, now) / len(tokens))
+                scores.append(self._held_tokens(request, tokens, stream, now, backends[i]) / len(tokens))
         return scores
 
     def routed(self, request: RouteRequest, backend: Backend) -> None:
@@ -88,7 +104,7 @@ class PrecisePrefixScorer:
         request.events_cached_tokens = None
         if events is None or not events.enabled or request.route in POOLING_ROUTES:
             return
-        stream = events.live_index(backend)
+        stream = self._stream(events, request, backend)
         if stream is None:
             return
         tokens = self._tokens(request)  # (tokenized already, unless it was the only candidate: not scored)
@@ -96,7 +112,7 @@ class PrecisePrefixScorer:
             return
         index = stream.index
         chunk = index.chunk or self._default_chunk
-        keys = self._keys(request, tokens, chunk)
+        keys = self._keys(request, tokens, chunk, backend)
         announced = int(index.match(keys) * chunk)  # what the engine itself said, for the metrics
         request.events_cached_tokens = announced
         now = time.monotonic()

@@ -98,7 +98,7 @@ class SessionScorer:
             self._peers.subscribe("session", lambda payload: _remote(table, payload))
 
     def score(self, request: RouteRequest, backends: Sequence[Backend]) -> list[float]:
-        key = request.session_key
+        key = _key(request)
         if not key:
             return [0.0] * len(backends)
         sticky = self.sessions.get(key)
@@ -120,11 +120,18 @@ class SessionScorer:
         ]
 
     def routed(self, request: RouteRequest, backend: Backend) -> None:
-        key = request.session_key
+        key = _key(request)
         if key and self.sessions.put(key, backend.name):
             stamp = self.sessions.stamp(key)
             assert stamp is not None
             self._peers.publish("session", (key, backend.name, *stamp))
+
+
+def _key(request: RouteRequest) -> str | None:
+    """The request's session within its cache domain: another key's session of the same name is another
+    session (else a key could find out where, and that, another key's session runs)."""
+    key = request.session_key
+    return request.cache_domain.qualify(key) if key else None
 
 
 def _remote(table: SessionTable, payload: Any) -> None:

@@ -62,6 +62,7 @@ class Gen:
     tool_id: str = ""
     tool_finish: str = "tool_calls"  # finish_reason of a tool call that stopped on its own
     rank: int = 0  # its place in the engine's waiting queue: lower runs first (priority scheduling)
+    salt: str | None = None  # its cache salt, where the engine honours one (Engine.cache_salt)
 
     @property
     def completion_tokens(self) -> int:
@@ -153,6 +154,11 @@ class Engine:
         """Where the request waits in the scheduler's queue, lower first (engines with priority scheduling
         read the request's ``priority``; the others queue in arrival order)."""
         return 0
+
+    def cache_salt(self, body: dict[str, Any]) -> str | None:
+        """The request's cache salt, for engines that partition their prefix cache by one (vLLM's and SGLang's
+        ``cache_salt``); the others ignore the field. Raises EngineError where the engine refuses it."""
+        return None
 
     def requested_slot(self, gen: Gen) -> int | None:
         """The engine slot the request names, for engines that take one (llama.cpp's ``id_slot``)."""
@@ -320,6 +326,7 @@ async def drive(engine: Engine, gen: Gen, prompt: list[int], resp: Responder,
     seq = Sequence(prompt, plan.pieces, plan.ids, plan.finish_reason, sink)
     seq.slot = engine.requested_slot(gen)
     seq.rank = gen.rank
+    seq.salt = gen.salt
     gen.seq = seq
 
     def on_close() -> None:

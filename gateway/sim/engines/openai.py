@@ -118,6 +118,7 @@ class OpenAIEngine(Engine):
             ids = server.tokenizer.encode(prompt)
         if max_tokens is None:
             max_tokens = self.max_tokens(body)
+        salt = self.cache_salt(body)
         tool, reasoning = self.agent(body, ids) if kind == "chat" else (None, False)
         if tool is not None:
             constraint = Constraint("json", tool.schema)
@@ -136,7 +137,7 @@ class OpenAIEngine(Engine):
         gen = Gen(id=new_id("chatcmpl-" if kind == "chat" else "cmpl-"), model=self.model, kind=kind,
                   stream=bool(body.get("stream")) if stream is None else stream,
                   include_usage=bool(isinstance(opts, dict) and opts.get("include_usage")),
-                  plan=plan, prompt_len=len(ids), scale=self.spec.time_scale, body=body, rank=rank)
+                  plan=plan, prompt_len=len(ids), scale=self.spec.time_scale, body=body, rank=rank, salt=salt)
         if tool is not None:
             gen.tool, gen.tool_id = tool, self.new_tool_id()
             gen.tool_finish = self.tool_finish(tool)

@@ -38,7 +38,8 @@ class SglangEngine(OpenAIEngine):
     generation_paths = frozenset({"/v1/chat/completions", "/v1/completions", "/generate", "/v1/responses",
                                   "/v1/messages"})
     # http_server.py: /v1/responses (+ GET /v1/responses/{id}), /v1/messages, /v1/messages/count_tokens
-    agent_spec = AgentSpec(responses="openai", messages="vllm", count_tokens=True, store=256)
+    agent_spec = AgentSpec(responses="openai", messages="vllm", count_tokens=True, store=256,
+                           salted=frozenset({"responses"}))
     unauthorized_body = b'{"error":"Unauthorized"}'
     reasoning_key = "reasoning_content"
     tool_id_prefix = "call_"
@@ -81,6 +82,16 @@ class SglangEngine(OpenAIEngine):
 
     def stream_error(self, err: EngineError) -> dict[str, Any]:
         return {"error": orjson.loads(self.error_body(err))}
+
+    def cache_salt(self, body: dict[str, Any]) -> str | None:
+        """``cache_salt`` (0.5.23 protocol: ``Optional[Union[List[str], str]]``; io_struct normalises an empty
+        string to None and wants one list entry per prompt): the radix tree keys the prompt's nodes by it."""
+        salt = body.get("cache_salt")
+        if isinstance(salt, list) and len(salt) == 1 and isinstance(salt[0], str):
+            salt = salt[0]
+        if salt is not None and not isinstance(salt, str):
+            raise EngineError(400, "cache_salt: Input should be a valid string", param="cache_salt")
+        return salt or None
 
     def queue_rank(self, body: dict[str, Any]) -> int:
         """``priority`` with --enable-priority-scheduling: higher first (the default order); ignored without it

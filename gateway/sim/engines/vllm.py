@@ -55,7 +55,8 @@ class VllmEngine(OpenAIEngine):
     generation_paths = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages"})
     # openai/responses/api_router.py (GET /v1/responses/{id} needs VLLM_ENABLE_RESPONSES_API_STORE=1 there),
     # anthropic/api_router.py (/v1/messages, /v1/messages/count_tokens)
-    agent_spec = AgentSpec(responses="openai", messages="vllm", count_tokens=True, store=256)
+    agent_spec = AgentSpec(responses="openai", messages="vllm", count_tokens=True, store=256,
+                           salted=frozenset({"responses", "messages"}))
     unauthorized_body = b'{"error":"Unauthorized"}'
     rerank_shape = "vllm"  # pooling/scoring/api_router.py: /rerank, /v1/rerank, /v2/rerank
 
@@ -97,6 +98,21 @@ class VllmEngine(OpenAIEngine):
         if priority != 0 and not self.spec.priority_scheduling:
             raise EngineError(400, f"Got priority {priority} but Priority scheduling is not enabled.")
         return priority
+
+    def cache_salt(self, body: dict[str, Any]) -> str | None:
+        """``cache_salt`` as vLLM 0.34 validates it (entrypoints/generate/base/protocol.py validate_cache_salt,
+        before the field's own bounds): a non-empty string of at most 128 characters without '@', '/', '\\' or
+        NUL; the prefix cache mixes it into the first block's hash."""
+        salt = body.get("cache_salt")
+        if salt is None:
+            return None
+        if not isinstance(salt, str) or not salt:
+            raise EngineError(400, "Parameter 'cache_salt' must be a non-empty string if provided.",
+                              param="cache_salt")
+        if len(salt) > 128 or any(c in "@/\\\0" for c in salt):
+            raise EngineError(400, "Parameter 'cache_salt' must be at most 128 characters and must not contain "
+                              "'@', '/', '\\\\', or NUL.", param="cache_salt")
+        return salt
 
     def check_model(self, body: dict[str, Any]) -> None:
         model = body.get("model")
