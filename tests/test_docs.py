@@ -100,3 +100,13 @@ def test_readme_test_command_is_what_ci_runs() -> None:
         return command.removeprefix("./")
 
     assert normal(_readme_test_command()) == normal(_ci_command())
+
+
+def test_every_test_the_threat_model_names_exists() -> None:
+    """docs/security.md shows each promise by a test: a renamed or deleted test must take its row with it."""
+    page = (ROOT / "docs" / "security.md").read_text()
+    named = re.findall(r"`(tests/[\w/]+\.py)::(\w+)", page)
+    assert len(named) >= 30, "docs/security.md names too few tests"
+    missing = [f"{path}::{name}" for path, name in named
+               if not re.search(rf"^(async )?def {name}\(", (ROOT / path).read_text(), re.MULTILINE)]
+    assert not missing, f"docs/security.md names tests that do not exist: {missing}"
