@@ -84,7 +84,12 @@ class LimitSettings(_Strict):
     max_messages: int = Field(default=4096, gt=0, description="most messages in one chat or Anthropic Messages "
                                                               "request; most input items of one Responses request")
     max_documents: int = Field(default=1024, gt=0, description="most documents in one rerank request")
-    max_inputs: int = Field(default=2048, gt=0, description="most inputs in one embeddings request (OpenAI's cap)")
+    max_inputs: int = Field(default=2048, gt=0, description="most inputs in one embeddings request (OpenAI's cap), "
+                                                            "most prompts in one completions request")
+    max_tools: int = Field(default=512, gt=0, description="most tools one request offers")
+    max_json_containers: int = Field(
+        default=100_000, gt=0, description="most JSON objects and arrays in one request body (each costs the "
+                                           "gateway to decode and translate: 8 MiB of empty arrays, ~1 s)")
     max_tokens: int = Field(default=131072, gt=0, description="largest max_tokens / max_completion_tokens accepted")
     max_n: int = Field(default=128, gt=0, description="most choices (n, best_of) one request asks for (OpenAI's cap)")
     max_nesting: int = Field(default=64, ge=4, le=200,

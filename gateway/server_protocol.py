@@ -46,6 +46,7 @@ from gateway.asgi import BODY_WRITER, FULL, GONE, WRITTEN, Message, Send
 from gateway.errors import error_body, error_type_for
 
 ARRIVAL = "gateway.arrival"
+LINGER_SECONDS = 10.0  # a request answered before its body came whole: the rest must come within this long
 
 
 class _Refused(Exception):
@@ -198,6 +199,7 @@ class StampedHttpToolsProtocol(HttpToolsProtocol):
         self._body_pending = False  # head complete, body not yet
         self._body_seen = 0.0  # loop time of the last body piece
         self._body_timer: TimerHandle | None = None
+        self._lingering: TimerHandle | None = None  # answered before its body came whole: closes at the latest then
         self.on_writable: Callable[[], None] | None = None  # a BodyWriter's waiter (see when_writable)
         self.on_lost: Callable[[], None] | None = None  # a BodyWriter's watcher (see when_disconnected)
 
@@ -312,11 +314,20 @@ class StampedHttpToolsProtocol(HttpToolsProtocol):
         if self._body_timer is not None:
             self._body_timer.cancel()
             self._body_timer = None
+        if self._lingering is not None:  # (the body of a request answered already came whole in time)
+            self._lingering.cancel()
+            self._lingering = None
         # A pipelined head that follows in the same read is not counted; it is bounded by the read size.
         self._in_head = True
         super().on_message_complete()
 
     def on_response_complete(self) -> None:
+        if self._body_pending and not self.transport.is_closing() and self._lingering is None:
+            # Answered before its body was read whole (a refusal: no key, no budget, too large): the rest of the
+            # body is read and dropped as it comes (a client still sending it then reads its answer, and keeps
+            # its connection), but it must come within LINGER_SECONDS, or the connection closes: a client
+            # trickling a body nobody reads (a byte per body_timeout) held its connection for good.
+            self._lingering = self.loop.call_later(LINGER_SECONDS, self.transport.close)
         super().on_response_complete()
         # uvicorn armed its keep-alive clock: the connection waits for its next request, on that clock alone
         # unless part of the next head came while this response was written
@@ -415,7 +426,7 @@ class StampedHttpToolsProtocol(HttpToolsProtocol):
         cycle.message_event.set()
 
     def _cancel_timers(self) -> None:
-        for timer in (self._head_timer, self._body_timer):
+        for timer in (self._head_timer, self._body_timer, self._lingering):
             if timer is not None:
                 timer.cancel()
         self._head_timer = self._body_timer = None

@@ -11,6 +11,7 @@ answer, and every stream event.
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Callable
 from typing import Any
@@ -18,7 +19,7 @@ from typing import Any
 import orjson
 
 from gateway.api.native_apis import COUNT_TOKENS, MESSAGES, RESPONSES, StreamTap, chat_usage
-from gateway.api.response_store import ResponseStore
+from gateway.api.response_store import ResponseStore, decode_conversation
 from gateway.api.translate.messages import (
     MessagesStream,
     anthropic_error_from_openai,
@@ -46,6 +47,21 @@ from gateway.proxy.forward import NativeApi
 from gateway.routing.request import RouteRequest
 
 _JSON = b"application/json"
+log = logging.getLogger("gateway.proxy")
+
+
+def _translated(translate: Callable[[dict[str, Any]], dict[str, Any]], body: dict[str, Any]) -> dict[str, Any]:
+    """``translate(body)``, where a body of the right shape at the top but not further down (a number where a
+    list of content parts goes, a list where a string goes) is the client's 400, not a 500: the translations
+    read deep structures the validation after them sees only as translated."""
+    try:
+        return translate(body)
+    except GatewayError:
+        raise
+    except (TypeError, AttributeError, KeyError, ValueError, IndexError) as exc:
+        log.debug("translation failed", exc_info=True)
+        raise GatewayError(400, f"The request body cannot be read as this API's request ({type(exc).__name__}: "
+                                f"{str(exc)[:200]})", code="invalid_request") from None
 
 
 def _bounded(body: dict[str, Any], field: str, limits: LimitSettings) -> None:
@@ -63,6 +79,7 @@ class Translation:
 
     api = ""  # "messages" | "responses"
     items = ""  # the field holding the conversation's items (bounded by limits.max_messages)
+    history_size = 0  # bytes of the stored conversation the request continues (Responses), once loaded
     native_api: NativeApi
     exchange: Exchange | None = None
     route_request: RouteRequest | None = None
@@ -72,12 +89,13 @@ class Translation:
     def to_chat(self, body: dict[str, Any]) -> dict[str, Any]:
         raise NotImplementedError
 
-    async def load(self, body: dict[str, Any], limits: LimitSettings) -> dict[str, Any]:
+    async def load(self, body: dict[str, Any], limits: LimitSettings, room: int) -> dict[str, Any]:
         """The client's request (decoded, its key's checks passed) as a chat completions request, with whatever
-        it needs fetched first (a stored conversation). A 400 for a body past the limits, checked first."""
+        it needs fetched first (a stored conversation, of at most ``room`` bytes). A 400 for a body past the
+        limits, checked first, or one the translation cannot read."""
         check_depth(body, limits, constraints=False)
         _bounded(body, self.items, limits)
-        return self.to_chat(body)
+        return _translated(self.to_chat, body)
 
     def servable(self, spec: EngineSpec) -> bool:
         """Whether an engine can serve this request at all (routing keeps only those that can)."""
@@ -252,7 +270,9 @@ class _CountTokens(_Messages):
 
     def native(self, backend: Backend) -> tuple[bytes, NativeApi] | None:
         self.passthrough = True
-        return orjson.dumps(self._body), self.native_api
+        request = self.route_request  # (the model it resolved to: an alias's target, a fallback)
+        body = self._body if request is None else {**self._body, "model": request.model}
+        return orjson.dumps(body), self.native_api
 
     def passed(self, usage: Any, response: dict[str, Any] | None) -> None:
         if self.exchange is not None:  # a count generates nothing and reads no cache
@@ -270,7 +290,7 @@ class _Responses(Translation):
         self._conversation: list[dict[str, Any]] = []
         self._id = new_response_id()
 
-    async def load(self, body: dict[str, Any], limits: LimitSettings) -> dict[str, Any]:
+    async def load(self, body: dict[str, Any], limits: LimitSettings, room: int) -> dict[str, Any]:
         check_depth(body, limits, constraints=False)
         _bounded(body, self.items, limits)
         previous = body.get("previous_response_id")
@@ -279,12 +299,22 @@ class _Responses(Translation):
             if not isinstance(previous, str) or not previous:
                 raise GatewayError(400, "'previous_response_id' must be a non-empty string",
                                    param="previous_response_id", code="invalid_value")
-            history = await self._store.fetch(self._owner(), previous)
+            raw = await self._store.fetch_raw(self._owner(), previous)
+            history = decode_conversation(raw) if raw is not None else None
             if history is None:  # (unknown, expired, or another key's: the same answer)
                 raise GatewayError(404, f"Previous response with id '{previous}' not found.",
                                    type="invalid_request_error", param="previous_response_id",
                                    code="previous_response_not_found")
-        return self._translate(body, history)
+            if len(raw or b"") > room:
+                # (a conversation grows with every turn kept: it goes to the engine whole, so it is bounded as a
+                # request body is; reasoning items the engine counts as no tokens grew one to 4x the body limit)
+                raise GatewayError(400, f"The conversation up to '{previous}' is {len(raw or b'')} bytes, and with "
+                                        "this input more than the gateway's request body limit "
+                                        "(server.max_body_bytes): start a new conversation, or send the turns "
+                                        "you want kept as input", param="previous_response_id",
+                                   code="conversation_too_large")
+            self.history_size = len(raw or b"")
+        return _translated(lambda b: self._translate(b, history), body)
 
     def _owner(self) -> str:
         """Whose stored responses this request may continue and keeps to: its API key's ("" with auth off)."""
@@ -366,11 +396,17 @@ def _responses_field(name: str) -> str:
 
 class AgentApi:
     """One agent API route: its name (the route label in metrics, logs and traces) and a :class:`Translation`
-    per request."""
+    per request. ``history``: the bytes of the stored conversation a request of an owner continues, as this
+    process holds it (for its key's reservation, before the request is decoded); 0 when none."""
 
-    def __init__(self, name: str, new: Callable[[], Translation]) -> None:
+    def __init__(self, name: str, new: Callable[[], Translation],
+                 history: Callable[[str, str], int] | None = None) -> None:
         self.name = name
         self.new = new
+        self._history = history
+
+    def history_bytes(self, owner: str, previous: str | None) -> int:
+        return self._history(owner, previous) if self._history is not None and previous else 0
 
 
 def messages_api() -> AgentApi:
@@ -382,4 +418,4 @@ def count_tokens_api() -> AgentApi:
 
 
 def responses_api(store: ResponseStore) -> AgentApi:
-    return AgentApi("responses", lambda: _Responses(store))
+    return AgentApi("responses", lambda: _Responses(store), store.held_bytes)

@@ -21,7 +21,8 @@ from random import getrandbits
 from typing import Any
 
 from gateway.api.agent_apis import AgentApi
-from gateway.api.validation import decode_body, parse_body, requested_model, validate_heavy
+from gateway.api.body_head import BodyHead, check_containers, check_same
+from gateway.api.validation import decode_body, parse_body, validate_heavy
 from gateway.asgi import BODY_WRITER, Headers, Receive, Scope, Send, header, send_body
 from gateway.auth import ANONYMOUS, Client, KeyStore
 from gateway.config import LimitSettings, Settings
@@ -90,26 +91,22 @@ def _bounded_session(key: str) -> str:
 # bytes per prompt token when reserving a key's tokens: typical English tokenizes at ~4 bytes per token; the
 # reservation counts the whole body (prompt, inputs, documents, tools), as it comes, before anything is parsed
 _BYTES_PER_TOKEN = 4
-_OUTPUT_FIELDS = ("max_completion_tokens", "max_tokens", "max_output_tokens")  # chat, completions; Responses
 _NOTHING_GENERATED = POOLING_ROUTES | {"count_tokens"}
 
 
-def _positive(value: Any) -> int:
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
-
-
-def reservation(route: str, size: int, body: dict[str, Any], reserve_tokens: int, max_n: int) -> int:
-    """Tokens a request of ``size`` body bytes reserves of its key's tokens per minute on arrival, read from the
-    decoded body before any validation: its body's estimate (every prompt, input and document in it) plus,
-    for each choice it asks for (``n``, ``best_of``), what it may generate (``max_tokens`` or its spelling,
+def reservation(route: str, size: int, head: BodyHead, reserve_tokens: int, limits: LimitSettings,
+                history: int = 0) -> int:
+    """Tokens a request of ``size`` body bytes reserves of its key's tokens per minute on arrival, from its
+    head (read before the body is decoded or validated): the body's estimate (every prompt, input and document
+    in it) and the ``history`` bytes of the stored conversation it continues, plus, for each choice it asks
+    for (``n``, ``best_of``) of each prompt it sends, what it may generate (``max_tokens`` or its spelling,
     else ``reserve_tokens``); a pooling route generates nothing. Settled against the engine's usage at the
-    end. A value the validation will refuse counts as absent (the request is refused before it is sent)."""
-    prompt = size // _BYTES_PER_TOKEN
+    end. Counts past the limits count as the limits (such a request is refused before it is sent)."""
+    prompt = (size + history) // _BYTES_PER_TOKEN
     if route in _NOTHING_GENERATED:
         return prompt
-    output = next((n for n in map(_positive, map(body.get, _OUTPUT_FIELDS)) if n), reserve_tokens)
-    choices = min(max_n, max(1, _positive(body.get("n")), _positive(body.get("best_of"))))
-    return prompt + choices * output
+    output = min(head.output or reserve_tokens, limits.max_tokens)
+    return prompt + min(head.choices, limits.max_n) * min(head.prompts, limits.max_inputs) * output
 
 
 # the gateway's own refusals for want of capacity (not the client's fault): outcome "shed", which the error-rate
@@ -170,26 +167,27 @@ class ProxyEndpoint:
         """Reloaded settings, for the requests that arrive from now on."""
         self._settings = settings
 
-    async def _admit_key(self, exchange: Exchange, client: Client, model: str, size: int,
-                         body: dict[str, Any]) -> None:
-        """The key's checks, before anything else is done for the request: its model allow-list, then its
-        ``max_in_flight`` place and its requests and tokens per minute (in this process, or in the shared
-        state when there is one). Raises 403 / 429 (503 with shared limits down and ``on_failure: closed``);
-        what it takes is on ``exchange``, given back in ``__call__``'s ``finally``."""
-        KeyStore.check_model(client, model)
+    async def _admit_key(self, exchange: Exchange, client: Client, head: BodyHead, size: int) -> int:
+        """The key's checks, before its request's body is decoded: its model allow-list, then its requests and
+        tokens per minute (in this process, or in the shared state with its ``max_in_flight`` there). Raises
+        403 / 429 (503 with shared limits down and ``on_failure: closed``); what it takes is on ``exchange``,
+        given back in ``__call__``'s ``finally``. Returns the bytes of stored conversation reserved for (see
+        :meth:`_reserve_history`)."""
+        KeyStore.check_model(client, head.model)
         limits = client.settings
         settings = self._settings
-        reserve = (reservation(self._route, size, body, settings.reserve_tokens, settings.limits.max_n)
-                   if limits.tokens_per_minute else 0)
-        exchange.reserve = reserve
+        history = 0
+        if limits.tokens_per_minute:
+            history = self._api.history_bytes(client.name, head.previous) if self._api is not None else 0
+            exchange.reserve = reservation(self._route, size, head, settings.reserve_tokens, settings.limits,
+                                           history)
+        reserve = exchange.reserve
         shared = self._shared
         if shared is None:
-            if KeyStore.hold(client):  # (first: a refusal here charges no budget)
-                exchange.key_place = "local"
-            exchange.reserved_tokens = KeyStore.admit(client, model, reserve)
-            return
+            exchange.reserved_tokens = KeyStore.admit(client, head.model, reserve)
+            return history
         if not (limits.requests_per_minute or limits.tokens_per_minute or limits.max_in_flight):
-            return
+            return history
         budget = exchange.budget = Budget(client.name, limits.requests_per_minute, limits.tokens_per_minute,
                                           limits.max_in_flight)
         try:
@@ -204,7 +202,7 @@ class ProxyEndpoint:
                                         "answer); retry shortly", code="limits_unavailable",
                                    headers={"retry-after": "1"}) from None
             shared.fail_open += 1
-            return
+            return history
         if admitted.limited == "in_flight":
             raise KeyStore.too_many(client.name, limits.max_in_flight or 0)
         if admitted.limited is not None:
@@ -213,6 +211,21 @@ class ProxyEndpoint:
             exchange.key_place = "shared"
         if limits.tokens_per_minute:
             exchange.reserved_tokens = reserve
+        return history
+
+    def _reserve_history(self, exchange: Exchange, client: Client, loaded: int, reserved: int) -> None:
+        """The stored conversation a request continues was ``loaded`` bytes, ``reserved`` of them reserved on
+        arrival (what this process held): the rest is taken from the key's tokens now (from another replica's
+        store: not known on arrival), so the next requests see it."""
+        extra = (loaded - reserved) // _BYTES_PER_TOKEN
+        if extra <= 0 or not exchange.reserved_tokens:
+            return
+        exchange.reserved_tokens += extra
+        exchange.reserve += extra
+        if exchange.budget is not None and self._shared is not None:
+            self._shared.settle(exchange.budget, extra, None)
+        elif client.tokens is not None:
+            client.tokens.charge(extra)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         settings = self._settings
@@ -239,17 +252,24 @@ class ProxyEndpoint:
             client = exchange.client = self._keys.authenticate(header(scope, b"authorization"),
                                                                header(scope, b"x-api-key"))
             exchange.explain = KeyStore.explains_routing(client, header(scope, b"x-gateway-debug"))
+            if client is not None and KeyStore.hold(client):
+                # (before its body is read: a key trickling bodies holds at most max_in_flight connections here;
+                # with shared state, its places in Redis are taken with its budget below)
+                exchange.held_locally = True
             raw = await read_body(scope, receive, settings.max_body_bytes)
-            body = decode_body(raw)
-            model = requested_model(body)
+            head = BodyHead.read(raw)
             exchange.placement = self._dispatcher.priorities.place(
                 client.name if client is not None else None, header(scope, b"x-gateway-priority"),
                 header(scope, b"x-gateway-deadline-ms"))
-            if client is not None:
-                await self._admit_key(exchange, client, model, len(raw), body)
+            history = await self._admit_key(exchange, client, head, len(raw)) if client is not None else 0
+            check_containers(raw, settings.limits)
+            body = decode_body(raw)
+            check_same(head, body)
             # the request's own work, its key's checks passed
             if translation is not None:
-                body = await translation.load(body, settings.limits)
+                body = await translation.load(body, settings.limits, settings.max_body_bytes - len(raw))
+                if client is not None:
+                    self._reserve_history(exchange, client, translation.history_size, history)
             request = parse_body("chat" if translation is not None else self._route, body, settings.limits)
             if translation is not None:
                 translation.route_request = request
@@ -299,9 +319,17 @@ class ProxyEndpoint:
                                         key_place=exchange.key_place == "shared")
             elif exchange.client is not None and exchange.client.tokens is not None:
                 KeyStore.settle(exchange.client, exchange.reserved_tokens, _tokens_used(exchange))
-            if exchange.key_place == "local" and exchange.client is not None:
+            if exchange.held_locally and exchange.client is not None:
                 KeyStore.release(exchange.client)
             if exchange.trace is not None:
                 ttft = exchange.t_first_text - exchange.t_start if exchange.t_first_text is not None else None
                 exchange.trace.finish(exchange.status, exchange.outcome, exchange.usage, ttft)
             self._finish(exchange)
+            if translation is not None:
+                # the translation, its exchange and its request refer to each other: undone here, so what the
+                # request held (its body, its stored conversation) goes at once, not at the next full collection
+                # (a tenant's agent-API bodies piled up to 4.3 GB between them)
+                translation.exchange = None
+                translation.route_request = None
+                if exchange.request is not None:
+                    exchange.request.agent = None

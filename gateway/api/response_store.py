@@ -140,28 +140,41 @@ class ResponseStore:
         another owner's (the same None: no oracle)."""
         self._expire()
         entry = self._entries.get((owner, response_id))
-        return _decode(entry.raw) if entry is not None else None
+        return decode_conversation(entry.raw) if entry is not None else None
+
+    def held_bytes(self, owner: str, response_id: str) -> int:
+        """The size of ``owner``'s conversation under ``response_id`` as this process holds it (its JSON); 0 when
+        it holds none (unknown, expired, another owner's, or only in the shared store)."""
+        entry = self._entries.get((owner, response_id))
+        return len(entry.raw) if entry is not None and entry.expires > self._clock() else 0
 
     async def fetch(self, owner: str, response_id: str) -> list[dict[str, Any]] | None:
         """``get``, and where this process does not hold it, the shared store (another replica's response).
         Raises a 503 GatewayError when the shared store cannot answer."""
-        found = self.get(owner, response_id)
-        if found is not None or self._shared is None:
-            return found
+        raw = await self.fetch_raw(owner, response_id)
+        return decode_conversation(raw) if raw is not None else None
+
+    async def fetch_raw(self, owner: str, response_id: str) -> bytes | None:
+        """:meth:`fetch`'s conversation as its JSON, before it is decoded (a caller may first check its size)."""
+        self._expire()
+        entry = self._entries.get((owner, response_id))
+        if entry is not None:
+            return entry.raw
+        if self._shared is None:
+            return None
         try:
-            raw = await self._shared.get_response(owner, response_id)
+            return await self._shared.get_response(owner, response_id)
         except StateUnavailable as exc:
             raise GatewayError(503, "stored responses cannot be read now (the gateway's shared state does not "
                                     "answer); retry shortly", code="state_unavailable",
                                headers={"retry-after": "1"}) from exc
-        return _decode(raw) if raw is not None else None
 
     def __len__(self) -> int:
         self._expire()
         return len(self._entries)
 
 
-def _decode(raw: bytes) -> list[dict[str, Any]] | None:
+def decode_conversation(raw: bytes) -> list[dict[str, Any]] | None:
     try:
         value = orjson.loads(raw)
     except orjson.JSONDecodeError:

@@ -47,7 +47,19 @@ def _check_messages(messages: Any) -> None:
                        f"messages[{i}].content")
 
 
-def _check_prompt(prompt: Any) -> None:
+def _check_tools(tools: Any, limits: LimitSettings) -> None:
+    if tools is None:
+        return
+    if not isinstance(tools, list) or not all(isinstance(tool, dict) for tool in tools):
+        raise _bad("'tools' must be an array of tool objects", "tools")
+    if len(tools) > limits.max_tools:
+        raise _bad(f"'tools' has {len(tools)} entries; this gateway accepts at most {limits.max_tools}", "tools")
+
+
+def _check_prompt(prompt: Any, limits: LimitSettings) -> None:
+    if isinstance(prompt, list) and len(prompt) > limits.max_inputs and isinstance(prompt[0], str | list):
+        raise _bad(f"'prompt' holds {len(prompt)} prompts; this gateway accepts at most {limits.max_inputs}",
+                   "prompt")
     if isinstance(prompt, str):
         return
     if isinstance(prompt, list) and prompt and (
@@ -131,11 +143,12 @@ def parse_body(route: str, body: dict[str, Any], limits: LimitSettings | None = 
                        f"{limits.max_messages}", "messages")
         _check_messages(messages)
     elif route == "completions":
-        _check_prompt(body.get("prompt"))
+        _check_prompt(body.get("prompt"), limits)
     elif route == "rerank":
         _check_rerank(body, limits)
     else:
         _check_input(body.get("input"), limits)
+    _check_tools(body.get("tools"), limits)
     stream = body.get("stream", False)
     if stream is None:
         stream = False

@@ -55,7 +55,8 @@ class Exchange:
     # this request holds (taken after routing)
     budget: Budget | None = None
     shared_slot: str | None = None
-    key_place: str | None = None  # where it holds one of its key's max_in_flight places: "local" or "shared"
+    held_locally: bool = False  # it holds one of its key's max_in_flight places in this process
+    key_place: str | None = None  # "shared": it holds one of its key's max_in_flight places in the shared state
     placement: Placement | None = None  # its priority, weight and longest wait in admission (default: anonymous)
 
     def saw_text(self, events: int, now: float) -> None:

@@ -82,3 +82,23 @@ def test_requests_refused_by_the_queue_leave_no_cyclic_garbage() -> None:
     assert statuses.count(429) >= 5, statuses  # one slot, one place in the queue
     # a refusal kept on its ticket held the frames that held the ticket: a cycle per refused request
     assert found["Refused"] == 0, found.most_common(12)
+
+
+def test_agent_api_requests_leave_no_cyclic_garbage() -> None:
+    """A Responses or Messages request's translation, its exchange and its request referred to each other: every
+    body stayed until a full collection (a tenant pushed a gateway to 4.3 GB with continuations)."""
+    with FleetThread([SimSpec(engine="llamacpp", model="m", name="l", time_scale=20.0)]) as fleet:
+        app = create_app(gateway_settings(fleet.fleet.servers))
+        with serve_in_thread(app) as gateway, httpx.Client(base_url=gateway.url, timeout=30) as http:
+            http.get("/health")
+            with cyclic_garbage(gateway.port) as found:
+                for i in range(6):
+                    stream = i % 2 == 0
+                    r = http.post("/v1/responses", json={"model": "m", "input": "hi", "max_output_tokens": 8,
+                                                         "stream": stream})
+                    assert r.status_code == 200, r.text
+                    r = http.post("/v1/messages", json={"model": "m", "max_tokens": 8, "stream": stream,
+                                                        "messages": [{"role": "user", "content": "hi"}]})
+                    assert r.status_code == 200, r.text
+    assert not {kind for kind in found if kind.startswith(("_Responses", "_Messages", "Exchange", "RouteRequest"))}, \
+        found.most_common(12)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import socket
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -19,6 +20,7 @@ import pytest
 
 import gateway.api.agent_apis as agent_apis
 import gateway.api.proxy_endpoint as proxy_endpoint
+import gateway.server_protocol as server_protocol
 from gateway.app import create_app
 from gateway.sim import FleetThread, SimSpec
 from tests.api.conftest import TIME_SCALE, Running, gateway_settings
@@ -204,3 +206,38 @@ def test_the_grammar_flood_of_a_key_allowed_no_model_never_reaches_the_workers(
             stop.set()
     assert set(statuses) == {403} and sum(statuses.values()) >= 30, statuses
     assert work.done[("validate", "any")] == 3  # the victim's, and only those
+
+
+def _open_body(running: Running, key: str, declared: int) -> socket.socket:
+    """A connection that has sent a request's head and the first byte of a body of ``declared`` bytes."""
+    connection = socket.create_connection(("127.0.0.1", running.gateway.port), timeout=30)
+    connection.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: gateway\r\nContent-Type: application/json\r\n"
+                       b"Authorization: Bearer sk-" + key.encode() + b"\r\nContent-Length: "
+                       + str(declared).encode() + b"\r\n\r\n{")
+    return connection
+
+
+def test_a_key_trickling_bodies_holds_no_more_than_its_max_in_flight_connections(
+        keyed: Running, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A key's max_in_flight place is taken before its body is read: a key sending bodies a byte at a time (each
+    gap under server.body_timeout) held every connection the gateway had, and its refused connections stayed
+    open for as long as it trickled the rest of the body nobody read."""
+    monkeypatch.setattr(server_protocol, "LINGER_SECONDS", 0.5)
+    held = _open_body(keyed, "one-at-a-time", 1000)
+    refused = _open_body(keyed, "one-at-a-time", 1000)
+    try:
+        answer = refused.recv(65536)
+        assert answer.startswith(b"HTTP/1.1 429") and b"concurrency_limit" in answer, answer[:200]
+        refused.sendall(b" " * 10)  # the client goes on trickling the body nobody reads: the connection ends anyway
+        assert refused.recv(65536) == b""  # (closed LINGER_SECONDS after the answer, not after body_timeout)
+    finally:
+        held.close()
+        refused.close()
+
+
+def test_a_refused_upload_gets_its_answer_not_a_reset(keyed: Running) -> None:
+    """The rest of a body is read and dropped after an early refusal, so the client still sending it reads the
+    answer (closing with its bytes unread would reset the connection under it)."""
+    big = {"model": "m", "messages": [{"role": "user", "content": "x" * 4_000_000}]}
+    reply = post(keyed, "nobody", big)
+    assert reply.status_code == 401 and reply.json()["error"]["code"] == "invalid_api_key"

@@ -254,7 +254,7 @@ def _reasoning(reasoning: Any, chat: dict[str, Any]) -> None:
 
 
 def _include(include: Any, chat: dict[str, Any]) -> None:
-    if not isinstance(include, list) or any(value not in _INCLUDABLE for value in include):
+    if not isinstance(include, list) or not all(isinstance(v, str) and v in _INCLUDABLE for v in include):
         raise _refuse("include", f"'include' must list some of {sorted(_INCLUDABLE)}", "invalid_value")
     if "message.output_text.logprobs" in include:
         chat["logprobs"] = True
