@@ -14,15 +14,14 @@ from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import unquote, urlsplit, urlunsplit
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+# (ConfigError lives with the file's reading, a leaf; it is this module's error as much)
+from gateway.config_file import ConfigError as ConfigError
+from gateway.config_file import read_config_file, read_yaml
+
 Scope = Literal["inference", "metrics", "admin"]  # what a gateway API key may use
-
-
-class ConfigError(ValueError):
-    """The configuration cannot be used; the message names the fields at fault."""
 
 
 class _Strict(BaseModel):
@@ -720,57 +719,27 @@ def settings_from_mapping(raw: dict[str, Any], source: str = "configuration") ->
         raise ConfigError(f"{source} is invalid:\n" + "\n".join(lines)) from None
 
 
-# a quoted piece of a YAML error message: the document's text, unless it is one character or a token name
-_QUOTED = re.compile(r"'[^'\n]*'|\"[^\"\n]*\"")
-_TOKEN_NAME = re.compile(r"'<[a-z ]+>'")
-
-
-def _elide(words: str) -> str:
-    return _QUOTED.sub(lambda m: m[0] if len(m[0]) <= 4 or _TOKEN_NAME.fullmatch(m[0]) else "'...'", words)
-
-
-def _at(mark: yaml.Mark | None) -> str:
-    return f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-
-
-def _where(exc: yaml.YAMLError) -> str:
-    """Where and what, never the document's lines: PyYAML's own message quotes them, and they may hold a key.
-    Its problem texts can still quote a piece of the document (the tag or alias an unquoted secret starting
-    with '!' or '*' becomes), so quoted pieces are elided; token names such as '<stream end>' stay."""
-    if not isinstance(exc, yaml.MarkedYAMLError):
-        return ""
-    where = f": {_elide(exc.problem or 'syntax error')}{_at(exc.problem_mark)}"
-    if exc.context:
-        where += f" ({_elide(exc.context)}{_at(exc.context_mark)})"
-    return where
-
-
 def read_settings_file(path: str | Path) -> bytes:
-    """The configuration file's bytes, read once (ConfigError when it cannot be read)."""
-    try:
-        return Path(path).read_bytes()
-    except OSError as exc:
-        raise ConfigError(f"cannot read configuration {path}: {exc.strerror}") from None
+    """The configuration file's bytes, read once: a regular file, bounded (ConfigError when it cannot be read;
+    :func:`gateway.config_file.read_config_file`)."""
+    return read_config_file(path)
 
 
 def parse_settings(content: bytes, source: str) -> Settings:
     """Validate a configuration file's ``content`` (environment overrides applied); ``source`` names it in
-    errors. An empty document (nothing, or only comments and blank lines) is refused: it is what a file being
-    rewritten in place reads as at first, never a configuration (``{}`` says "every default" on purpose)."""
-    try:
-        raw = yaml.safe_load(content)
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{source} is not valid YAML{_where(exc)}") from None
-    except Exception:
-        # PyYAML's constructors fail with plain errors, the value in their message, on an explicit tag that does
-        # not fit it (``!!int sk-...``); deep nesting ends in RecursionError
-        raise ConfigError(f"{source} is not valid YAML: a value does not fit its explicit !! tag, or nesting is "
-                          "too deep") from None
+    errors. Refused besides what the schema refuses: a mapping key written twice, an empty document (nothing,
+    or only comments and blank lines: what a file being rewritten in place reads as at first, never a
+    configuration; ``{}`` says "every default" on purpose), and a document whose end looks cut short
+    (:mod:`gateway.config_file`)."""
+    document = read_yaml(content, source)
+    raw = document.data
     if raw is None:
         raise ConfigError(f"{source} is empty (nothing but comments or blank lines): a file being written, or "
-                          "emptied by mistake, is no configuration (for every default, write {{}})")
+                          "emptied by mistake, is no configuration (for every default, write {})")
     if not isinstance(raw, dict):
         raise ConfigError(f"{source}: the top level must be a mapping (server:, backends:, routing:, ...)")
+    if document.cut is not None:
+        raise ConfigError(f"{source} {document.cut}")
     return settings_from_mapping(raw, source)
 
 

@@ -24,7 +24,6 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Coroutine
-from pathlib import Path
 from typing import Any
 
 import orjson
@@ -135,12 +134,12 @@ class ControlPlane:
         is reloaded, exactly as read (an invalid one is refused, logged and counted like any reload, and not
         retried until the file changes again)."""
         assert self._path is not None
-        path = Path(self._path)
+        path = self._path
 
         def fingerprint() -> bytes | None:
-            try:
-                return path.read_bytes()
-            except OSError:
+            try:  # (bounded, and never waiting on a FIFO put in the file's place: one would stop the watch)
+                return read_settings_file(path)
+            except ConfigError:
                 return None
 
         async for content in stable_contents(lambda: asyncio.to_thread(fingerprint), every, settle):

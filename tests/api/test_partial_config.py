@@ -211,3 +211,25 @@ def test_a_gateway_that_never_had_keys_reloads_as_before(fleet: FleetThread, tmp
         path.write_text(dump({**open_config, "backends": keyed(fleet, ["va", "vb"])["backends"]}))
         result = gateway.call(app.gateway.control.reload("test"))
         assert result["added"] == ["vb"]
+
+
+@pytest.mark.timeout(60)
+def test_a_fifo_in_the_files_place_is_refused_at_once_and_the_watch_goes_on(fleet: FleetThread,
+                                                                           tmp_path: Path) -> None:
+    """A FIFO swapped in for the file made every later reload (and the watch) wait for a writer forever."""
+    path = tmp_path / "gateway.yaml"
+    config = keyed(fleet, ["va"])
+    config["server"]["reload_settle_seconds"] = 0.2
+    path.write_text(dump(config))
+    with serving(path) as (gateway, app):
+        fifo = tmp_path / "fifo"
+        os.mkfifo(fifo)
+        os.replace(fifo, path)
+        reply = httpx.post(gateway.url + "/admin/reload", headers=OPS, timeout=20)
+        assert reply.status_code == 400 and "not a regular file" in reply.json()["error"]["message"], reply.text
+        path.unlink()
+        path.write_text(dump({**config, "backends": keyed(fleet, ["va", "vb"])["backends"]}))
+        deadline = time.monotonic() + 20
+        while {b.name for b in app.gateway.pool} != {"va", "vb"}:  # (the watch, still reading)
+            assert time.monotonic() < deadline, "the file watch stopped at the FIFO"
+            time.sleep(0.05)
