@@ -291,6 +291,22 @@ class AuthSettings(_Strict):
         return self
 
     @model_validator(mode="after")
+    def _each_key_once(self) -> AuthSettings:
+        # a key is known by its name to everything that outlives a request (a reload's kept keys and their
+        # buckets, the shared state's counters, the logs): two of one name were merged into one on reload, the
+        # limited key taking the other's scopes; and one key under two names is either of them
+        names: dict[str, str] = {}
+        for key in self.keys:
+            if key.name in names.values():
+                raise ValueError(f"keys: two keys are named {key.name!r}: give each key a name of its own")
+            digest = key.digest()
+            if digest in names:
+                raise ValueError(f"keys: {names[digest]!r} and {key.name!r} are the same key (the same key_sha256, "
+                                 "or key_env values that are equal): list each key once")
+            names[digest] = key.name
+        return self
+
+    @model_validator(mode="after")
     def _open_or_keys(self) -> AuthSettings:
         if self.open and self.keys:
             raise ValueError(f"open: true says the gateway serves without API keys, but keys lists {len(self.keys)}: "

@@ -58,6 +58,12 @@ def test_good_file_with_environment_overrides(tmp_path: pathlib.Path, monkeypatc
         ("backends: {name: a}", "backends: Input should be a valid list"),
         ("- just\n- a list", "the top level must be a mapping"),
         ("backends: [unclosed", "is not valid YAML"),
+        # a key's name is what a reload keeps it by: two of one name were merged, the limited key taking the
+        # other's admin scope (and one key under two names was either)
+        (f"auth: {{keys: [{{name: t, key_sha256: '{'a' * 64}', requests_per_minute: 2}}, "
+         f"{{name: t, key_sha256: '{'b' * 64}', scopes: [admin]}}]}}", "auth: keys: two keys are named 't'"),
+        (f"auth: {{keys: [{{name: t, key_sha256: '{'a' * 64}'}}, {{name: u, key_sha256: '{'a' * 64}'}}]}}",
+         "'t' and 'u' are the same key"),
         # YAML keeps the second of two equal keys silently: the first auth section, and its keys, were gone
         ("auth: {keys: []}\nbackends: []\nauth: {open: true}\n",
          "'auth' is written twice in one mapping (lines 1 and 3)"),

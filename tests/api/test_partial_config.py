@@ -213,6 +213,29 @@ def test_a_gateway_that_never_had_keys_reloads_as_before(fleet: FleetThread, tmp
         assert result["added"] == ["vb"]
 
 
+def test_a_key_name_or_a_section_written_twice_is_refused_by_a_reload(fleet: FleetThread, tmp_path: Path) -> None:
+    """Two keys of one name were merged by a reload: the limited client key took the other's admin scope and lost
+    its limit. A section written twice kept the second silently."""
+    path = tmp_path / "gateway.yaml"
+    config = keyed(fleet, ["va"])
+    config["auth"]["keys"][0]["requests_per_minute"] = 600
+    path.write_text(dump(config))
+    twin = {"name": "client", "key_sha256": digest("sk-twin-89ab"), "scopes": ["admin", "inference"],
+            "requests_per_minute": None}
+    twice = {**config, "auth": {**config["auth"], "keys": [*config["auth"]["keys"], twin]}}
+    client = {"authorization": f"Bearer {CLIENT_KEY}"}
+    with serving(path) as (gateway, _app):
+        before = httpx.get(gateway.url + "/admin/config", headers=OPS).json()
+        for content, why in ((dump(twice), "auth: keys: two keys are named 'client'"),
+                             (dump(config) + "auth: {open: true}\n", "'auth' is written twice in one mapping")):
+            path.write_text(content)
+            reply = httpx.post(gateway.url + "/admin/reload", headers=OPS)
+            assert reply.status_code == 400 and why in reply.json()["error"]["message"], reply.text
+            assert httpx.get(gateway.url + "/admin/config", headers=OPS).json() == before
+            assert httpx.get(gateway.url + "/admin/config", headers=client).status_code == 403
+            assert anonymous_status(gateway.url) == 401
+
+
 @pytest.mark.timeout(60)
 def test_a_fifo_in_the_files_place_is_refused_at_once_and_the_watch_goes_on(fleet: FleetThread,
                                                                            tmp_path: Path) -> None:
