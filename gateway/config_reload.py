@@ -5,25 +5,30 @@ prefix of itself while it is written, and most prefixes of a YAML file are valid
 it parses as a configuration whose later sections are simply absent. A reload of such a prefix used to apply it:
 with ``auth`` near the end, every key was gone and the gateway open to anyone.
 
-Two defences, one for when a reload happens and one for what it may do:
+Three defences, one for when a reload happens, one for how a file is read and one for what a reload may do:
 
 * :func:`stable_contents`: the file watch hands on a changed content only once it has read that same content for
   ``settle`` seconds, and hands on those bytes: the reload parses them and never reads the file again (a
   content checked and then re-read would be a different one);
+* :func:`gateway.config_file.read_yaml`: a document that ends inside a value (no line break after its last plain
+  value) or with a field that has no value (``requests_per_minute:``, which YAML reads as null) is refused: a cut
+  can only be taken for a file if it falls at a line's end;
 * :func:`check_reload`: whatever triggered it (the watch, SIGHUP, the admin API), a reload may not widen access
   by leaving something out. Every API key taken away needs ``auth.open: true``; every backend taken away needs
   ``backends: []`` (not a missing section); a kept key's restriction in force (``models``, ``scopes``,
-  ``requests_per_minute``, ``tokens_per_minute``, ``max_in_flight``) needs the field written to change it
-  (``requests_per_minute: null`` lifts a limit), and ``auth.protect_health``/``protect_metrics`` need an explicit
-  ``false``. A cut file can write none of these: what it lost is absent, not emptied. (A cut inside a value
-  mostly narrows it or makes it invalid: ``600`` cut is ``60``, a block list cut is shorter, a hash cut is no
-  hash.)
+  ``requests_per_minute``, ``tokens_per_minute``, ``max_in_flight``, ``priority``, ``max_priority``,
+  ``weight``) needs the field written to change it (``requests_per_minute: null`` lifts a limit), and so do
+  ``auth.reserve_tokens``, ``admission.default_priority`` and ``admission.bands``, which set every key's budget
+  or priority; ``auth.protect_health``/``protect_metrics`` need an explicit ``false``. A cut file can write none
+  of these: what it lost is absent, not emptied.
 
-What a cut cannot be told from a change, and so still applies (docs/operating.md#reloading-the-configuration):
-a cut inside the ``keys`` list revokes the keys after the cut, a cut inside ``backends`` removes (drains) the later
-backends or drops a backend's settings after the cut (its key, ``max_concurrency``), any other section after the
-cut returns to its defaults, and a model name in a key's ``models`` cut short may name another model
-(``llama-3-8b-instruct`` cut to ``llama-3-8b``).
+What a cut at a line's end cannot be told from a change, and so still applies
+(docs/operating.md#reloading-the-configuration): a cut inside the ``keys`` list revokes the keys after the cut; a
+new key cut after its ``key_sha256`` line has the defaults for the fields it lost (every model, no limit, the
+``inference`` scope only); a cut inside ``backends`` removes (drains) the later backends or drops a backend's
+settings after the cut (its key, ``max_concurrency``); any other section after the cut returns to its defaults
+(``limits``, ``routing``, the ``models`` aliases); a block list cut short is shorter (fewer ``models``, fewer
+``scopes``).
 """
 
 from __future__ import annotations
@@ -34,8 +39,12 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 from gateway.config import ConfigError, Settings
 
-# a key's fields that restrict it: left out of a kept key's entry, each would fall back to its widest default
-RESTRICTIONS = ("models", "scopes", "requests_per_minute", "tokens_per_minute", "max_in_flight")
+# a key's fields that restrict it or set its share: left out of a kept key's entry, each would fall back to its
+# default (the widest, for most)
+RESTRICTIONS = ("models", "scopes", "requests_per_minute", "tokens_per_minute", "max_in_flight", "priority",
+                "max_priority", "weight")
+# what, beside a key's own fields, sets every key's budget or priority: left out, it returns to its default
+SHARED_RESTRICTIONS = (("auth", "reserve_tokens"), ("admission", "default_priority"), ("admission", "bands"))
 
 
 def check_reload(running: Settings, new: Settings) -> None:
@@ -66,6 +75,12 @@ def check_reload(running: Settings, new: Settings) -> None:
         if getattr(running.auth, flag) and flag not in new.auth.model_fields_set:
             raise ConfigError(f"auth.{flag}: left out of the file while it is on: it may have been read "
                               f"half-written; to turn it off, say {flag}: false")
+    for section, field in SHARED_RESTRICTIONS:
+        before, after = getattr(running, section), getattr(new, section)
+        if field not in after.model_fields_set and getattr(after, field) != getattr(before, field):
+            raise ConfigError(f"{section}.{field}: left out of the file, which would set it back to its default "
+                              "(it sets the keys' budgets or priorities): it may have been read half-written; to "
+                              "change it, write it")
 
 
 async def stable_contents(read: Callable[[], Awaitable[bytes | None]], every: float, settle: float, *,
