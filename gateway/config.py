@@ -8,6 +8,7 @@ Environment variables win over the file and nest with ``__``: ``GATEWAY_SERVER__
 from __future__ import annotations
 
 import base64
+import ipaddress
 import os
 import re
 from pathlib import Path
@@ -26,6 +27,17 @@ Scope = Literal["inference", "metrics", "admin"]  # what a gateway API key may u
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def is_loopback(host: str) -> bool:
+    """``localhost`` or a loopback address; anything else (``0.0.0.0``, a name, an interface's address) may be
+    reached from other machines."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 class ServerSettings(_Strict):
@@ -63,6 +75,11 @@ class ServerSettings(_Strict):
     workers: int | Literal["auto"] = Field(
         default=1, description="processes serving the port (SO_REUSEPORT), or auto: one per CPU this process may "
                                "use; more than one needs state.url (limits, slots and sessions live there)")
+
+    def admin_on_network(self) -> bool:
+        """Whether the admin listener is configured, on an address other than loopback (reachable from other
+        machines)."""
+        return self.admin_port is not None and not is_loopback(self.admin_host)
 
     def worker_count(self) -> int:
         if self.workers == "auto":
@@ -289,6 +306,9 @@ class AuthSettings(_Strict):
         if self.cache_salt_env is not None and not os.environ.get(self.cache_salt_env):
             raise ValueError(f"cache_salt_env: environment variable {self.cache_salt_env} is not set")
         return self
+
+    def has_admin_key(self) -> bool:
+        return any("admin" in key.scopes for key in self.keys)
 
     @model_validator(mode="after")
     def _each_key_once(self) -> AuthSettings:
@@ -626,6 +646,12 @@ class ModelSettings(_Strict):
                     "are not followed)")
 
 
+ADMIN_ON_NETWORK = (
+    "server.admin_host: the admin listener on {host} can be reached from other machines, and no API key has the "
+    "'admin' scope, so it would ask none: anyone reaching it could drain, reconfigure and reload the gateway; add a "
+    "key with scopes: [admin], or keep admin_host on loopback (127.0.0.1, reached from afar with ssh -L)")
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix="GATEWAY_", env_nested_delimiter="__", extra="forbid", frozen=True
@@ -681,6 +707,12 @@ class Settings(BaseSettings):
             if self.server.port == 0:
                 raise ValueError("server.workers: more than one worker needs a fixed server.port (0 would give "
                                  "each worker a port of its own)")
+        return self
+
+    @model_validator(mode="after")
+    def _admin_listener_keyed(self) -> Settings:
+        if self.server.admin_on_network() and not self.auth.has_admin_key():
+            raise ValueError(ADMIN_ON_NETWORK.format(host=self.server.admin_host))
         return self
 
     @model_validator(mode="after")

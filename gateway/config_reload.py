@@ -20,7 +20,8 @@ Three defences, one for when a reload happens, one for how a file is read and on
   ``weight``) needs the field written to change it (``requests_per_minute: null`` lifts a limit), and so do
   ``auth.reserve_tokens``, ``admission.default_priority`` and ``admission.bands``, which set every key's budget
   or priority; ``auth.protect_health``/``protect_metrics`` need an explicit ``false``. A cut file can write none
-  of these: what it lost is absent, not emptied.
+  of these: what it lost is absent, not emptied. A running admin listener on a non-loopback address
+  (``server.admin_host``) keeps an ``admin`` key.
 
 What a cut at a line's end cannot be told from a change, and so still applies
 (docs/operating.md#reloading-the-configuration): a cut inside the ``keys`` list revokes the keys after the cut; a
@@ -37,7 +38,7 @@ import asyncio
 import math
 from collections.abc import AsyncIterator, Awaitable, Callable
 
-from gateway.config import ConfigError, Settings
+from gateway.config import ADMIN_ON_NETWORK, ConfigError, Settings
 
 # a key's fields that restrict it or set its share: left out of a kept key's entry, each would fall back to its
 # default (the widest, for most)
@@ -58,6 +59,9 @@ def check_reload(running: Settings, new: Settings) -> None:
         raise ConfigError(
             f"backends: the file has no backends section, and {len(running.backends)} backends are configured: it "
             "may have been read half-written; to remove every backend on purpose, say backends: []")
+    if running.server.admin_on_network() and not new.auth.has_admin_key():
+        # (the listener runs as started: a restart-only section's new value is not what is listening)
+        raise ConfigError(ADMIN_ON_NETWORK.format(host=running.server.admin_host))
     if not new.auth.keys:
         return
     kept = {key.name: key for key in running.auth.keys}

@@ -183,3 +183,21 @@ def test_only_a_regular_file_of_bounded_size_is_read(tmp_path: pathlib.Path) -> 
     linked = tmp_path / "linked.yaml"  # a ConfigMap volume's file is a link to a regular file: read as before
     linked.symlink_to(write(tmp_path, "routing: {policy: round-robin}\n"))
     assert load_settings(linked).routing.policy == "round-robin"
+
+
+def test_an_admin_listener_reachable_from_other_machines_needs_an_admin_key(tmp_path: pathlib.Path,
+                                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """Without a key of the admin scope the admin listener asks for none: on 0.0.0.0 it was open to the network
+    (drains, reloads, backends added at an address of the caller's choice)."""
+    client = f"{{name: c, key_sha256: '{'c' * 64}'}}"
+    ops = f"{{name: ops, key_sha256: '{'d' * 64}', scopes: [admin]}}"
+    for host in ("0.0.0.0", "10.0.0.7", "::", "gateway.internal"):
+        path = write(tmp_path, f"server: {{admin_port: 9001, admin_host: '{host}'}}\nauth: {{keys: [{client}]}}\n")
+        assert main(["check-config", str(path)]) == 2
+        assert (f"server.admin_host: the admin listener on {host} can be reached from other machines, and no API "
+                "key has the 'admin' scope") in capsys.readouterr().err
+        path.write_text(f"server: {{admin_port: 9001, admin_host: '{host}'}}\nauth: {{keys: [{client}, {ops}]}}\n")
+        assert load_settings(path).server.admin_host == host
+    for host in ("127.0.0.1", "127.0.0.2", "::1", "localhost"):  # loopback: trusted by address, as before
+        assert load_settings(write(tmp_path, f"server: {{admin_port: 9001, admin_host: '{host}'}}\n"))
+    assert load_settings(write(tmp_path, "server: {admin_host: 0.0.0.0}\n"))  # (no admin listener)

@@ -233,3 +233,16 @@ def test_a_new_key_cut_inside_its_entry_is_refused_unless_the_cut_falls_at_a_lin
         key = next(k for k in new.auth.keys if k.name == "new")
         assert key.scopes == ["inference"]
     assert added and added[-1] == len(full)
+
+
+def test_a_reload_keeps_an_admin_key_while_the_admin_listener_is_on_the_network() -> None:
+    on_network = KEYED.replace("admin_port: 9001}", "admin_port: 9001, admin_host: 0.0.0.0}")
+    running = parse_settings(on_network.encode(), "gateway.yaml")
+    no_admin = on_network.replace("scopes: [admin, metrics]", "scopes: [metrics]")
+    with pytest.raises(ConfigError, match=r"the admin listener on 0\.0\.0\.0 can be reached from other machines"):
+        parse_settings(no_admin.encode(), "gateway.yaml")
+    # the server section is restart-only: a file moving the listener home does not move the one that runs
+    moved = no_admin.replace("admin_host: 0.0.0.0", "admin_host: 127.0.0.1")
+    with pytest.raises(ConfigError, match=r"the admin listener on 0\.0\.0\.0 can be reached from other machines"):
+        check_reload(running, parse_settings(moved.encode(), "gateway.yaml"))
+    check_reload(running, parse_settings(on_network.encode(), "gateway.yaml"))
