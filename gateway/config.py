@@ -533,6 +533,11 @@ class ProfileSettings(_Strict):
     picker: str | PluginSettings = "max-score"
 
 
+# request headers that carry a client's credentials, and words that say a header does
+CREDENTIAL_HEADERS = frozenset({"authorization", "proxy-authorization", "cookie", "x-api-key", "api-key"})
+CREDENTIAL_WORDS = ("auth", "cookie", "api-key", "apikey", "api_key", "token", "secret", "password")
+
+
 class RoutingSettings(_Strict):
     policy: str = Field(default="default", description="a built-in policy or a profile defined under profiles")
     profiles: dict[str, ProfileSettings] = Field(default_factory=dict)
@@ -544,6 +549,17 @@ class RoutingSettings(_Strict):
                                           "precise-prefix scorer on backends with kv_events")
     tokenize_max_chars: int = Field(default=64 * 1024, ge=1024,
                                     description="route on at most this many characters of a prompt's text")
+
+    @field_validator("session_header")
+    @classmethod
+    def _not_a_credential(cls, value: str) -> str:
+        # a session's name is kept in the session tables, published to every replica through Redis and may be
+        # logged: a header that carries a client's credentials would put them there
+        name = value.strip().lower()
+        if name in CREDENTIAL_HEADERS or any(word in name for word in CREDENTIAL_WORDS):
+            raise ValueError(f"{value!r} carries credentials: a session header's values are kept, shared with "
+                             "every replica and may be logged; name a header of its own (x-session-id)")
+        return value
 
     @field_validator("tokenizers")
     @classmethod

@@ -24,7 +24,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Coroutine
-from typing import Any
+from typing import Any, NoReturn
 
 import orjson
 from prometheus_client import CollectorRegistry, Counter
@@ -48,6 +48,18 @@ log = logging.getLogger("gateway.admin")
 # configuration fields whose values are secrets or lead to one (a key's hash can be brute-forced offline); a
 # URL's credentials (a backend's, state.url's) are taken out wherever a URL stands
 SECRET_FIELDS = frozenset({"api_key", "basic_auth", "key_sha256"})
+# the routing fields that name files on the gateway's machine: read at start only, never set through the API
+STARTUP_ROUTING = ("tokenizers", "engine_profile", "tokenize_max_chars")
+
+
+def environment_fields(raw: Any) -> list[str]:
+    """The fields of ``raw`` (at any depth) that name an environment variable (``api_key_env``, any ``*_env``)."""
+    if isinstance(raw, dict):
+        own = [k for k in raw if isinstance(k, str) and k.endswith("_env")]
+        return own + [f for v in raw.values() for f in environment_fields(v)]
+    if isinstance(raw, list):
+        return [f for v in raw for f in environment_fields(v)]
+    return []
 
 
 Apply = Callable[[Settings], Awaitable[dict[str, Any]]]
@@ -222,6 +234,11 @@ class ControlPlane:
         if raw.get("dns") is not None:
             raise GatewayError(400, "a DNS entry (dns:) is read at start only: add it to the file and restart",
                                param="dns", code="invalid_config")
+        named = environment_fields(raw)
+        if named:  # (api_key_env: AWS_SECRET_ACCESS_KEY sent that variable's value to a URL of the caller's)
+            self._refused(who, "backend", f"{named[0]} names an environment variable of the gateway: a backend added "
+                          "at runtime may not read the gateway's environment; send api_key, or add the backend to "
+                          "the file and reload", param=named[0])
         current = self._settings()
         name = raw.get("name")
         if isinstance(name, str) and self._pool.find(name) is not None:
@@ -357,6 +374,11 @@ class ControlPlane:
         current = self._settings()
         if not isinstance(raw, dict):
             raise GatewayError(400, "the body must be a JSON object: the routing section", code="invalid_config")
+        running = current.routing.model_dump(mode="json")
+        for field in STARTUP_ROUTING:
+            if field in raw and raw[field] != running[field]:  # (paths on the gateway's machine, read at start)
+                self._refused(who, "routing", f"routing.{field} names files on the gateway's machine and is read at "
+                              "start only: set it in the file and restart", param=field)
         merged = {**current.routing.model_dump(mode="json", exclude_defaults=True), **raw}
 
         def build() -> Settings:
@@ -367,6 +389,12 @@ class ControlPlane:
         if tell and self._shared is not None:
             self._shared.publish("routing", [raw, who])
         return await self._applied(new, who, "routing")
+
+    def _refused(self, who: str, what: str, why: str, *, param: str) -> NoReturn:
+        self.reloads.labels("rejected").inc()
+        log.error("%s change by %s rejected: %s", what, who, why)
+        raise GatewayError(400, f"{what} rejected, the running configuration stays: {why}", param=param,
+                           code="invalid_config")
 
     def _validated(self, build: Callable[[], Settings], who: str, what: str) -> Settings:
         """``build()``'s settings, checked as a whole; a refusal is logged, counted and raised as a 400."""

@@ -69,6 +69,8 @@ def test_good_file_with_environment_overrides(tmp_path: pathlib.Path, monkeypatc
          "'auth' is written twice in one mapping (lines 1 and 3)"),
         ("backends:\n  - name: a\n    engine: vllm\n    url: http://x\n    url: http://y\n",
          "'url' is written twice in one mapping (lines 4 and 5)"),
+        # a session's header value is kept, published to every replica and may be logged: never a credential
+        ("routing: {session_header: Authorization}", "routing.session_header: 'Authorization' carries credentials"),
     ],
 )
 def test_bad_files_name_the_field(tmp_path: pathlib.Path, text: str, expected: str) -> None:
