@@ -36,7 +36,7 @@ import uvicorn
 from gateway import gcpolicy
 from gateway.api.admin import AdminApp
 from gateway.app import GatewayApp, create_app
-from gateway.config import ConfigError, Settings, load_settings, settings_from_mapping
+from gateway.config import ConfigError, Settings, is_loopback, load_settings, settings_from_mapping
 from gateway.proxy.accounting import AccessLogHandler, AccessLogWriter
 from gateway.routing.policies import check_settings
 from gateway.server_limits import raise_nofile_limit, uvicorn_config
@@ -106,7 +106,25 @@ def _reload_on_sighup(app: GatewayApp) -> None:
     signal.signal(signal.SIGHUP, lambda signum, frame: app.gateway.control.request_reload("SIGHUP"))
 
 
+def warn_if_open(settings: Settings) -> None:
+    """One WARNING when the gateway serves without API keys, louder when other machines can reach it."""
+    if settings.auth.keys:
+        return
+    server = settings.server
+    where = f"{server.host or '*'}:{server.port}"
+    how = ("to require keys, list them under auth.keys (name, key_sha256: the SHA-256 of the key, scopes) and reload "
+           "(docs/operating.md#api-keys-and-what-a-client-never-sees)")
+    said = " (auth.open: true)" if settings.auth.open else ""
+    if is_loopback(server.host):
+        log.warning("no API keys%s: the gateway on %s serves anyone who can connect to it on this machine; %s",
+                    said, where, how)
+    else:
+        log.warning("NO API KEYS%s, AND %s CAN BE REACHED FROM OTHER MACHINES: anyone who can connect may use every "
+                    "model and spend the engines' capacity; %s", said, where, how)
+
+
 def _run(settings: Settings, log_level: str, config_path: str | None = None) -> None:
+    warn_if_open(settings)
     count = settings.server.worker_count()
     if count > 1:
         raise SystemExit(supervise(settings, log_level, count, config_path))
