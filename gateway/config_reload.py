@@ -88,12 +88,14 @@ def check_reload(running: Settings, new: Settings) -> None:
 
 
 async def stable_contents(read: Callable[[], Awaitable[bytes | None]], every: float, settle: float, *,
+                          in_force: bytes | None = None,
                           sleep: Callable[[float], Awaitable[None]] = asyncio.sleep) -> AsyncIterator[bytes]:
     """Read the file every ``every`` seconds (``read``: its bytes, None when it cannot be read) and yield each new
-    content once consecutive reads have found it unchanged for at least ``settle`` seconds. The first read is
-    the content already in force; a content that goes back to it before settling is no change."""
+    content once consecutive reads have found it unchanged for at least ``settle`` seconds. ``in_force``: the
+    content the running configuration was read from (None: the first read is taken for it); a content that goes
+    back to it before settling is no change."""
     steady = max(1, math.ceil(settle / every))  # reads that must agree after the first, each ``every`` apart
-    seen = await read()
+    seen = in_force if in_force is not None else await read()
     candidate: bytes | None = None
     agreed = 0
     while True:

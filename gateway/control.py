@@ -41,7 +41,7 @@ from gateway.routing.policies import check_settings
 from gateway.state.shared import SharedState
 from gateway.tasks import cancel_and_wait
 from gateway.telemetry.recent import Recent, empty, merge, series, summary
-from gateway.workers import Siblings
+from gateway.workers import InForce, Siblings
 
 log = logging.getLogger("gateway.admin")
 
@@ -69,10 +69,14 @@ class ControlPlane:
     def __init__(self, settings: Callable[[], Settings], pool: Pool, admission: Admission,
                  shared: SharedState | None, registry: CollectorRegistry, *, apply: Apply,
                  config_path: str | None = None, recent: Recent | None = None,
-                 models: Callable[[], ModelMap] | None = None, siblings: Siblings | None = None) -> None:
+                 models: Callable[[], ModelMap] | None = None, siblings: Siblings | None = None,
+                 config_content: bytes | None = None, on_applied: Callable[[InForce], None] | None = None) -> None:
         self._settings = settings  # the configuration in effect now
         self._reconfigure = apply
         self._path = config_path
+        self._content = config_content  # the file's bytes the configuration in effect was read from
+        self._on_applied = on_applied  # told what is in force after each change (a worker's supervisor)
+        self._reporting = asyncio.Lock()  # (one report at a time, so that the last one told is the latest)
         self._pool = pool
         self._admission = admission
         self._shared = shared
@@ -154,7 +158,8 @@ class ControlPlane:
             except ConfigError:
                 return None
 
-        async for content in stable_contents(lambda: asyncio.to_thread(fingerprint), every, settle):
+        async for content in stable_contents(lambda: asyncio.to_thread(fingerprint), every, settle,
+                                             in_force=self._content):
             with contextlib.suppress(GatewayError):  # (refused: logged and counted already)
                 await self.reload("file watch", content=content)
 
@@ -364,7 +369,7 @@ class ControlPlane:
             log.error("reload (%s) rejected, the running configuration stays: %s", source, exc)
             raise GatewayError(400, f"configuration rejected, the running one stays: {exc}",
                                code="invalid_config") from None
-        return await self._applied(new, source, "reload")
+        return await self._applied(new, source, "reload", content)
 
     async def set_routing(self, raw: Any, who: str, *, tell: bool = True) -> dict[str, Any]:
         """Replace the routing section (policy, profiles, weights): validated as a whole; lasts until the next
@@ -408,8 +413,18 @@ class ControlPlane:
                                code="invalid_config") from None
         return new
 
-    async def _applied(self, new: Settings, who: str, action: str) -> dict[str, Any]:
+    async def _applied(self, new: Settings, who: str, action: str, content: bytes | None = None) -> dict[str, Any]:
+        """Apply ``new`` (``content``: the file's bytes it was read from, for a reload), then tell who asked to be
+        told what is in force now."""
         result = await self._reconfigure(new)
+        if content is not None:
+            self._content = content
+        if self._on_applied is not None:
+            async with self._reporting:
+                try:
+                    await asyncio.to_thread(self._on_applied, InForce(self._settings(), self._content))
+                except OSError as exc:  # (the supervisor is gone: this worker is about to stop too)
+                    log.warning("could not tell the supervisor what is in force: %s", exc)
         self.reloads.labels("applied").inc()
         self.changes.labels(action).inc()
         log.info("%s by %s applied: sections %s; backends added %s, removed %s, changed %s%s", action, who,

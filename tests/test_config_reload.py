@@ -18,7 +18,8 @@ class Exhausted(Exception):
     pass
 
 
-def contents_handed_on(reads: list[bytes | None], every: float = 0.1, settle: float = 0.3) -> list[bytes]:
+def contents_handed_on(reads: list[bytes | None], every: float = 0.1, settle: float = 0.3,
+                       in_force: bytes | None = None) -> list[bytes]:
     """What the watch hands on when successive reads of the file give ``reads`` (the first: the content in
     force); time is the sleeps' count, so no test waits."""
     script = iter(reads)
@@ -36,7 +37,7 @@ def contents_handed_on(reads: list[bytes | None], every: float = 0.1, settle: fl
     async def run() -> list[bytes]:
         out: list[bytes] = []
         try:
-            async for content in stable_contents(read, every, settle, sleep=sleep):
+            async for content in stable_contents(read, every, settle, in_force=in_force, sleep=sleep):
                 out.append(content)
         except Exhausted:
             pass
@@ -61,6 +62,13 @@ def test_a_content_that_goes_back_or_cannot_be_read_is_no_change() -> None:
     assert contents_handed_on([OLD, FULL, FULL, None, FULL, FULL, FULL]) == [], "an unreadable moment restarts"
     assert contents_handed_on([OLD, FULL, FULL, None, FULL, FULL, FULL, FULL]) == [FULL]
     assert contents_handed_on([OLD, FULL, FULL, FULL, FULL, OLD, OLD, OLD, OLD]) == [FULL, OLD]
+
+
+def test_the_watch_compares_the_file_with_the_content_in_force_not_with_its_first_read() -> None:
+    """A worker started again (or a file changed between the start's read and the watch's) took the file as it
+    found it for the content in force, and never applied it."""
+    assert contents_handed_on([FULL, FULL, FULL, FULL, FULL], in_force=OLD) == [FULL]
+    assert contents_handed_on([OLD, OLD, OLD, OLD, OLD], in_force=OLD) == []
 
 
 def test_a_settle_shorter_than_the_poll_still_needs_two_reads() -> None:
