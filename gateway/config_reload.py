@@ -18,8 +18,9 @@ Three defences, one for when a reload happens, one for how a file is read and on
   ``backends: []`` (not a missing section); a kept key's restriction in force (``models``, ``scopes``,
   ``requests_per_minute``, ``tokens_per_minute``, ``max_in_flight``, ``priority``, ``max_priority``,
   ``weight``) needs the field written to change it (``requests_per_minute: null`` lifts a limit), and so do
-  ``auth.reserve_tokens``, ``admission.default_priority`` and ``admission.bands``, which set every key's budget
-  or priority; ``auth.protect_health``/``protect_metrics`` need an explicit ``false``. A cut file can write none
+  ``auth.reserve_tokens`` and the ``limits`` and ``admission`` fields in force, which bound every key (its
+  budget, priority, queue, what one request may ask); ``auth.protect_health``/``protect_metrics`` need an
+  explicit ``false``. A cut file can write none
   of these: what it lost is absent, not emptied. A running admin listener on a non-loopback address
   (``server.admin_host``) keeps an ``admin`` key.
 
@@ -28,8 +29,8 @@ What a cut at a line's end cannot be told from a change, and so still applies
 new key cut after its ``key_sha256`` line has the defaults for the fields it lost (every model, no limit, the
 ``inference`` scope only); a cut inside ``backends`` removes (drains) the later backends or drops a backend's
 settings after the cut (its key, ``max_concurrency``); any other section after the cut returns to its defaults
-(``limits``, ``routing``, the ``models`` aliases); a block list cut short is shorter (fewer ``models``, fewer
-``scopes``).
+(``routing``, ``timeouts``, ``retries``, the ``models`` aliases); a block list cut short is shorter (fewer
+``models``, fewer ``scopes``).
 """
 
 from __future__ import annotations
@@ -44,8 +45,10 @@ from gateway.config import ADMIN_ON_NETWORK, ConfigError, Settings
 # default (the widest, for most)
 RESTRICTIONS = ("models", "scopes", "requests_per_minute", "tokens_per_minute", "max_in_flight", "priority",
                 "max_priority", "weight")
-# what, beside a key's own fields, sets every key's budget or priority: left out, it returns to its default
-SHARED_RESTRICTIONS = (("auth", "reserve_tokens"), ("admission", "default_priority"), ("admission", "bands"))
+# what, beside a key's own fields, bounds every key (its budget, its priority, what one request may ask, how many
+# may wait): left out, each would return to its default, the widest for most (``None``: every field of the section)
+SHARED_RESTRICTIONS: dict[str, tuple[str, ...] | None] = {"auth": ("reserve_tokens",), "admission": None,
+                                                          "limits": None}
 
 
 def check_reload(running: Settings, new: Settings) -> None:
@@ -79,12 +82,13 @@ def check_reload(running: Settings, new: Settings) -> None:
         if getattr(running.auth, flag) and flag not in new.auth.model_fields_set:
             raise ConfigError(f"auth.{flag}: left out of the file while it is on: it may have been read "
                               f"half-written; to turn it off, say {flag}: false")
-    for section, field in SHARED_RESTRICTIONS:
+    for section, fields in SHARED_RESTRICTIONS.items():
         before, after = getattr(running, section), getattr(new, section)
-        if field not in after.model_fields_set and getattr(after, field) != getattr(before, field):
-            raise ConfigError(f"{section}.{field}: left out of the file, which would set it back to its default "
-                              "(it sets the keys' budgets or priorities): it may have been read half-written; to "
-                              "change it, write it")
+        for field in fields or type(after).model_fields:
+            if field not in after.model_fields_set and getattr(after, field) != getattr(before, field):
+                raise ConfigError(f"{section}.{field}: left out of the file, which would set it back to its default "
+                                  f"{getattr(after, field)!r} (it bounds every key): it may have been read "
+                                  "half-written; to change it, write it")
 
 
 async def stable_contents(read: Callable[[], Awaitable[bytes | None]], every: float, settle: float, *,

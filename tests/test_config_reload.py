@@ -182,6 +182,7 @@ def test_no_prefix_of_a_keyed_file_widens_a_key_or_opens_the_gateway() -> None:
         assert at_a_line_end(KEYED, n), f"a cut inside a line was taken for a file: {KEYED[n - 40:n]!r}"
         assert new.auth.keys and not new.auth.open and new.auth.protect_metrics and new.auth.protect_health
         assert new.auth.reserve_tokens == running.auth.reserve_tokens
+        assert new.limits == running.limits and new.admission == running.admission
         after = restrictions(new)
         assert after.keys() <= before.keys()
         for name, what in after.items():
@@ -214,6 +215,18 @@ def test_a_kept_keys_priority_ceiling_and_share_are_not_reset_by_leaving_them_ou
              or ("-100" not in line and "0.15" not in line)]
     with pytest.raises(ConfigError, match=rf"auth.keys \(batch\).{field}: left out of the file"):
         check_reload(running, parse_settings("".join(lines).encode(), "gateway.yaml"))
+
+
+def test_the_limits_and_admission_in_force_are_not_reset_by_leaving_them_out() -> None:
+    """A file cut before its last sections set limits.max_tokens 64 back to 131072, max_n 1 to 128 and the
+    queue's size 8 to 1024."""
+    running = parse_settings(KEYED.encode(), "gateway.yaml")
+    without = KEYED.replace("limits: {max_tokens: 64}\n", "")
+    with pytest.raises(ConfigError, match=r"limits.max_tokens: left out of the file, which would set it back to "
+                                          r"its default 131072"):
+        check_reload(running, parse_settings(without.encode(), "gateway.yaml"))
+    reset = KEYED.replace("limits: {max_tokens: 64}", "limits: {max_tokens: 131072}")  # (said: it is reset)
+    assert reload_of(running, reset.encode()) is not None
 
 
 def test_the_default_priority_and_bands_are_not_reset_by_leaving_them_out() -> None:
