@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 from fastapi import FastAPI
@@ -46,7 +46,7 @@ from gateway.tasks import cancel_and_wait
 from gateway.telemetry.metrics import GatewayMetrics
 from gateway.telemetry.recent import Recent
 from gateway.telemetry.tracing import Tracing, provider_from_environment
-from gateway.workers import Siblings, WorkerIdentity
+from gateway.workers import InForce, Siblings, WorkerIdentity
 
 log = logging.getLogger("gateway")
 
@@ -70,6 +70,8 @@ class Gateway:
         transport: Transport | None = None,
         worker: WorkerIdentity | None = None,
         config_path: str | None = None,
+        config_content: bytes | None = None,
+        on_applied: Callable[[InForce], None] | None = None,
     ) -> None:
         self.settings = settings
         self.config_path = config_path  # the YAML file a reload (SIGHUP, the admin API, the file watch) reads
@@ -132,7 +134,7 @@ class Gateway:
         self.control = ControlPlane(lambda: self.settings, self.pool, self.admission, self.shared,
                                     self.metrics.registry, apply=self.reconfigure, config_path=config_path,
                                     recent=self.recent, models=lambda: self.dispatcher.models,
-                                    siblings=self.siblings)
+                                    siblings=self.siblings, config_content=config_content, on_applied=on_applied)
         self._endpoints: list[ProxyEndpoint] = []
         self.started_at = int(time.time())
 
@@ -268,9 +270,15 @@ def create_app(
     transport: Transport | None = None,
     worker: WorkerIdentity | None = None,
     config_path: str | None = None,
+    config_content: bytes | None = None,
+    on_applied: Callable[[InForce], None] | None = None,
 ) -> GatewayApp:
+    """The gateway's ASGI app. ``config_path``: the file a reload reads, ``config_content`` the bytes of it that
+    ``settings`` came from (what the file watch compares the file with); ``on_applied`` is told what is in force
+    after each change (a worker tells its supervisor)."""
     gateway = Gateway(settings, client_factory=client_factory, registry=registry, resolver=resolver,
-                      tracer_provider=tracer_provider, transport=transport, worker=worker, config_path=config_path)
+                      tracer_provider=tracer_provider, transport=transport, worker=worker, config_path=config_path,
+                      config_content=config_content, on_applied=on_applied)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -56,6 +56,15 @@ class TokenBucket:
             return 0.0
         return (needed - self.level) / self.rate
 
+    def resized(self, per_minute: int, now: float | None = None) -> TokenBucket:
+        """A bucket of another limit holding this one's level (up to its capacity), a debt included: a changed
+        limit neither refills a spent budget nor forgives what was overdrawn."""
+        now = time.monotonic() if now is None else now
+        self._refill(now)
+        bucket = TokenBucket(per_minute, now)
+        bucket.level = min(bucket.capacity, self.level)
+        return bucket
+
     def charge(self, amount: float, now: float | None = None) -> None:
         """Take ``amount`` unconditionally (the level may go below zero); a negative amount gives back, up to
         the capacity."""
@@ -80,6 +89,14 @@ class Client:
 
 def _bucket(per_minute: int | None) -> TokenBucket | None:
     return TokenBucket(per_minute) if per_minute else None
+
+
+def _rebucket(old: TokenBucket | None, per_minute: int | None) -> TokenBucket | None:
+    """The bucket for a changed limit: ``old``'s, resized, where there was one (a limit set where there was
+    none starts full)."""
+    if old is None or not per_minute:
+        return _bucket(per_minute)
+    return old.resized(per_minute)
 
 
 ANONYMOUS = "_anonymous"
@@ -117,8 +134,8 @@ class KeyStore:
 
     def update(self, settings: AuthSettings) -> None:
         """Take a reloaded ``auth`` section. A key kept under the same name keeps its client (its requests in
-        flight count on) and, where its limit is unchanged, its bucket's level: a reload neither refills nor
-        empties a budget. A key removed stops authenticating at once."""
+        flight count on) and its buckets' levels (where its limit changed, up to the new capacity, a debt
+        included): a reload neither refills nor forgives a budget. A key removed stops authenticating at once."""
         old = {client.name: client for _, client in self._clients}
         domains = cache_domains(settings)
         clients = []
@@ -128,9 +145,9 @@ class KeyStore:
                 client = Client(k.name, k, _bucket(k.requests_per_minute), _bucket(k.tokens_per_minute))
             else:
                 if client.settings.requests_per_minute != k.requests_per_minute:
-                    client.requests = _bucket(k.requests_per_minute)
+                    client.requests = _rebucket(client.requests, k.requests_per_minute)
                 if client.settings.tokens_per_minute != k.tokens_per_minute:
-                    client.tokens = _bucket(k.tokens_per_minute)
+                    client.tokens = _rebucket(client.tokens, k.tokens_per_minute)
                 client.settings = k
             client.cache_domain = domains[k.name]
             clients.append((k.digest(), client))

@@ -8,25 +8,36 @@ Environment variables win over the file and nest with ``__``: ``GATEWAY_SERVER__
 from __future__ import annotations
 
 import base64
+import ipaddress
 import os
 import re
 from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import unquote, urlsplit, urlunsplit
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+# (ConfigError lives with the file's reading, a leaf; it is this module's error as much)
+from gateway.config_file import ConfigError as ConfigError
+from gateway.config_file import read_config_file, read_yaml
 
 Scope = Literal["inference", "metrics", "admin"]  # what a gateway API key may use
 
 
-class ConfigError(ValueError):
-    """The configuration cannot be used; the message names the fields at fault."""
-
-
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def is_loopback(host: str) -> bool:
+    """``localhost`` or a loopback address; anything else (``0.0.0.0``, a name, an interface's address) may be
+    reached from other machines."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 class ServerSettings(_Strict):
@@ -64,6 +75,11 @@ class ServerSettings(_Strict):
     workers: int | Literal["auto"] = Field(
         default=1, description="processes serving the port (SO_REUSEPORT), or auto: one per CPU this process may "
                                "use; more than one needs state.url (limits, slots and sessions live there)")
+
+    def admin_on_network(self) -> bool:
+        """Whether the admin listener is configured, on an address other than loopback (reachable from other
+        machines)."""
+        return self.admin_port is not None and not is_loopback(self.admin_host)
 
     def worker_count(self) -> int:
         if self.workers == "auto":
@@ -296,6 +312,25 @@ class AuthSettings(_Strict):
             raise ValueError(f"cache_salt_env: environment variable {self.cache_salt_env} is not set")
         return self
 
+    def has_admin_key(self) -> bool:
+        return any("admin" in key.scopes for key in self.keys)
+
+    @model_validator(mode="after")
+    def _each_key_once(self) -> AuthSettings:
+        # a key is known by its name to everything that outlives a request (a reload's kept keys and their
+        # buckets, the shared state's counters, the logs): two of one name were merged into one on reload, the
+        # limited key taking the other's scopes; and one key under two names is either of them
+        names: dict[str, str] = {}
+        for key in self.keys:
+            if key.name in names.values():
+                raise ValueError(f"keys: two keys are named {key.name!r}: give each key a name of its own")
+            digest = key.digest()
+            if digest in names:
+                raise ValueError(f"keys: {names[digest]!r} and {key.name!r} are the same key (the same key_sha256, "
+                                 "or key_env values that are equal): list each key once")
+            names[digest] = key.name
+        return self
+
     @model_validator(mode="after")
     def _open_or_keys(self) -> AuthSettings:
         if self.open and self.keys:
@@ -503,6 +538,11 @@ class ProfileSettings(_Strict):
     picker: str | PluginSettings = "max-score"
 
 
+# request headers that carry a client's credentials, and words that say a header does
+CREDENTIAL_HEADERS = frozenset({"authorization", "proxy-authorization", "cookie", "x-api-key", "api-key"})
+CREDENTIAL_WORDS = ("auth", "cookie", "api-key", "apikey", "api_key", "token", "secret", "password")
+
+
 class RoutingSettings(_Strict):
     policy: str = Field(default="default", description="a built-in policy or a profile defined under profiles")
     profiles: dict[str, ProfileSettings] = Field(default_factory=dict)
@@ -514,6 +554,17 @@ class RoutingSettings(_Strict):
                                           "precise-prefix scorer on backends with kv_events")
     tokenize_max_chars: int = Field(default=64 * 1024, ge=1024,
                                     description="route on at most this many characters of a prompt's text")
+
+    @field_validator("session_header")
+    @classmethod
+    def _not_a_credential(cls, value: str) -> str:
+        # a session's name is kept in the session tables, published to every replica through Redis and may be
+        # logged: a header that carries a client's credentials would put them there
+        name = value.strip().lower()
+        if name in CREDENTIAL_HEADERS or any(word in name for word in CREDENTIAL_WORDS):
+            raise ValueError(f"{value!r} carries credentials: a session header's values are kept, shared with "
+                             "every replica and may be logged; name a header of its own (x-session-id)")
+        return value
 
     @field_validator("tokenizers")
     @classmethod
@@ -616,6 +667,12 @@ class ModelSettings(_Strict):
                     "are not followed)")
 
 
+ADMIN_ON_NETWORK = (
+    "server.admin_host: the admin listener on {host} can be reached from other machines, and no API key has the "
+    "'admin' scope, so it would ask none: anyone reaching it could drain, reconfigure and reload the gateway; add a "
+    "key with scopes: [admin], or keep admin_host on loopback (127.0.0.1, reached from afar with ssh -L)")
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix="GATEWAY_", env_nested_delimiter="__", extra="forbid", frozen=True
@@ -674,6 +731,12 @@ class Settings(BaseSettings):
         return self
 
     @model_validator(mode="after")
+    def _admin_listener_keyed(self) -> Settings:
+        if self.server.admin_on_network() and not self.auth.has_admin_key():
+            raise ValueError(ADMIN_ON_NETWORK.format(host=self.server.admin_host))
+        return self
+
+    @model_validator(mode="after")
     def _key_priorities(self) -> Settings:
         for key in self.auth.keys:
             own = self.admission.priority_of(key.priority if key.priority is not None
@@ -725,57 +788,27 @@ def settings_from_mapping(raw: dict[str, Any], source: str = "configuration") ->
         raise ConfigError(f"{source} is invalid:\n" + "\n".join(lines)) from None
 
 
-# a quoted piece of a YAML error message: the document's text, unless it is one character or a token name
-_QUOTED = re.compile(r"'[^'\n]*'|\"[^\"\n]*\"")
-_TOKEN_NAME = re.compile(r"'<[a-z ]+>'")
-
-
-def _elide(words: str) -> str:
-    return _QUOTED.sub(lambda m: m[0] if len(m[0]) <= 4 or _TOKEN_NAME.fullmatch(m[0]) else "'...'", words)
-
-
-def _at(mark: yaml.Mark | None) -> str:
-    return f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-
-
-def _where(exc: yaml.YAMLError) -> str:
-    """Where and what, never the document's lines: PyYAML's own message quotes them, and they may hold a key.
-    Its problem texts can still quote a piece of the document (the tag or alias an unquoted secret starting
-    with '!' or '*' becomes), so quoted pieces are elided; token names such as '<stream end>' stay."""
-    if not isinstance(exc, yaml.MarkedYAMLError):
-        return ""
-    where = f": {_elide(exc.problem or 'syntax error')}{_at(exc.problem_mark)}"
-    if exc.context:
-        where += f" ({_elide(exc.context)}{_at(exc.context_mark)})"
-    return where
-
-
 def read_settings_file(path: str | Path) -> bytes:
-    """The configuration file's bytes, read once (ConfigError when it cannot be read)."""
-    try:
-        return Path(path).read_bytes()
-    except OSError as exc:
-        raise ConfigError(f"cannot read configuration {path}: {exc.strerror}") from None
+    """The configuration file's bytes, read once: a regular file, bounded (ConfigError when it cannot be read;
+    :func:`gateway.config_file.read_config_file`)."""
+    return read_config_file(path)
 
 
 def parse_settings(content: bytes, source: str) -> Settings:
     """Validate a configuration file's ``content`` (environment overrides applied); ``source`` names it in
-    errors. An empty document (nothing, or only comments and blank lines) is refused: it is what a file being
-    rewritten in place reads as at first, never a configuration (``{}`` says "every default" on purpose)."""
-    try:
-        raw = yaml.safe_load(content)
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{source} is not valid YAML{_where(exc)}") from None
-    except Exception:
-        # PyYAML's constructors fail with plain errors, the value in their message, on an explicit tag that does
-        # not fit it (``!!int sk-...``); deep nesting ends in RecursionError
-        raise ConfigError(f"{source} is not valid YAML: a value does not fit its explicit !! tag, or nesting is "
-                          "too deep") from None
+    errors. Refused besides what the schema refuses: a mapping key written twice, an empty document (nothing,
+    or only comments and blank lines: what a file being rewritten in place reads as at first, never a
+    configuration; ``{}`` says "every default" on purpose), and a document whose end looks cut short
+    (:mod:`gateway.config_file`)."""
+    document = read_yaml(content, source)
+    raw = document.data
     if raw is None:
         raise ConfigError(f"{source} is empty (nothing but comments or blank lines): a file being written, or "
-                          "emptied by mistake, is no configuration (for every default, write {{}})")
+                          "emptied by mistake, is no configuration (for every default, write {})")
     if not isinstance(raw, dict):
         raise ConfigError(f"{source}: the top level must be a mapping (server:, backends:, routing:, ...)")
+    if document.cut is not None:
+        raise ConfigError(f"{source} {document.cut}")
     return settings_from_mapping(raw, source)
 
 

@@ -24,8 +24,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Coroutine
-from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import orjson
 from prometheus_client import CollectorRegistry, Counter
@@ -42,13 +41,25 @@ from gateway.routing.policies import check_settings
 from gateway.state.shared import SharedState
 from gateway.tasks import cancel_and_wait
 from gateway.telemetry.recent import Recent, empty, merge, series, summary
-from gateway.workers import Siblings
+from gateway.workers import InForce, Siblings
 
 log = logging.getLogger("gateway.admin")
 
 # configuration fields whose values are secrets or lead to one (a key's hash can be brute-forced offline); a
 # URL's credentials (a backend's, state.url's) are taken out wherever a URL stands
 SECRET_FIELDS = frozenset({"api_key", "basic_auth", "key_sha256"})
+# the routing fields that name files on the gateway's machine: read at start only, never set through the API
+STARTUP_ROUTING = ("tokenizers", "engine_profile", "tokenize_max_chars")
+
+
+def environment_fields(raw: Any) -> list[str]:
+    """The fields of ``raw`` (at any depth) that name an environment variable (``api_key_env``, any ``*_env``)."""
+    if isinstance(raw, dict):
+        own = [k for k in raw if isinstance(k, str) and k.endswith("_env")]
+        return own + [f for v in raw.values() for f in environment_fields(v)]
+    if isinstance(raw, list):
+        return [f for v in raw for f in environment_fields(v)]
+    return []
 
 
 Apply = Callable[[Settings], Awaitable[dict[str, Any]]]
@@ -58,10 +69,14 @@ class ControlPlane:
     def __init__(self, settings: Callable[[], Settings], pool: Pool, admission: Admission,
                  shared: SharedState | None, registry: CollectorRegistry, *, apply: Apply,
                  config_path: str | None = None, recent: Recent | None = None,
-                 models: Callable[[], ModelMap] | None = None, siblings: Siblings | None = None) -> None:
+                 models: Callable[[], ModelMap] | None = None, siblings: Siblings | None = None,
+                 config_content: bytes | None = None, on_applied: Callable[[InForce], None] | None = None) -> None:
         self._settings = settings  # the configuration in effect now
         self._reconfigure = apply
         self._path = config_path
+        self._content = config_content  # the file's bytes the configuration in effect was read from
+        self._on_applied = on_applied  # told what is in force after each change (a worker's supervisor)
+        self._reporting = asyncio.Lock()  # (one report at a time, so that the last one told is the latest)
         self._pool = pool
         self._admission = admission
         self._shared = shared
@@ -135,15 +150,16 @@ class ControlPlane:
         is reloaded, exactly as read (an invalid one is refused, logged and counted like any reload, and not
         retried until the file changes again)."""
         assert self._path is not None
-        path = Path(self._path)
+        path = self._path
 
         def fingerprint() -> bytes | None:
-            try:
-                return path.read_bytes()
-            except OSError:
+            try:  # (bounded, and never waiting on a FIFO put in the file's place: one would stop the watch)
+                return read_settings_file(path)
+            except ConfigError:
                 return None
 
-        async for content in stable_contents(lambda: asyncio.to_thread(fingerprint), every, settle):
+        async for content in stable_contents(lambda: asyncio.to_thread(fingerprint), every, settle,
+                                             in_force=self._content):
             with contextlib.suppress(GatewayError):  # (refused: logged and counted already)
                 await self.reload("file watch", content=content)
 
@@ -223,6 +239,11 @@ class ControlPlane:
         if raw.get("dns") is not None:
             raise GatewayError(400, "a DNS entry (dns:) is read at start only: add it to the file and restart",
                                param="dns", code="invalid_config")
+        named = environment_fields(raw)
+        if named:  # (api_key_env: AWS_SECRET_ACCESS_KEY sent that variable's value to a URL of the caller's)
+            self._refused(who, "backend", f"{named[0]} names an environment variable of the gateway: a backend added "
+                          "at runtime may not read the gateway's environment; send api_key, or add the backend to "
+                          "the file and reload", param=named[0])
         current = self._settings()
         name = raw.get("name")
         if isinstance(name, str) and self._pool.find(name) is not None:
@@ -348,7 +369,7 @@ class ControlPlane:
             log.error("reload (%s) rejected, the running configuration stays: %s", source, exc)
             raise GatewayError(400, f"configuration rejected, the running one stays: {exc}",
                                code="invalid_config") from None
-        return await self._applied(new, source, "reload")
+        return await self._applied(new, source, "reload", content)
 
     async def set_routing(self, raw: Any, who: str, *, tell: bool = True) -> dict[str, Any]:
         """Replace the routing section (policy, profiles, weights): validated as a whole; lasts until the next
@@ -358,6 +379,11 @@ class ControlPlane:
         current = self._settings()
         if not isinstance(raw, dict):
             raise GatewayError(400, "the body must be a JSON object: the routing section", code="invalid_config")
+        running = current.routing.model_dump(mode="json")
+        for field in STARTUP_ROUTING:
+            if field in raw and raw[field] != running[field]:  # (paths on the gateway's machine, read at start)
+                self._refused(who, "routing", f"routing.{field} names files on the gateway's machine and is read at "
+                              "start only: set it in the file and restart", param=field)
         merged = {**current.routing.model_dump(mode="json", exclude_defaults=True), **raw}
 
         def build() -> Settings:
@@ -368,6 +394,12 @@ class ControlPlane:
         if tell and self._shared is not None:
             self._shared.publish("routing", [raw, who])
         return await self._applied(new, who, "routing")
+
+    def _refused(self, who: str, what: str, why: str, *, param: str) -> NoReturn:
+        self.reloads.labels("rejected").inc()
+        log.error("%s change by %s rejected: %s", what, who, why)
+        raise GatewayError(400, f"{what} rejected, the running configuration stays: {why}", param=param,
+                           code="invalid_config")
 
     def _validated(self, build: Callable[[], Settings], who: str, what: str) -> Settings:
         """``build()``'s settings, checked as a whole; a refusal is logged, counted and raised as a 400."""
@@ -381,8 +413,18 @@ class ControlPlane:
                                code="invalid_config") from None
         return new
 
-    async def _applied(self, new: Settings, who: str, action: str) -> dict[str, Any]:
+    async def _applied(self, new: Settings, who: str, action: str, content: bytes | None = None) -> dict[str, Any]:
+        """Apply ``new`` (``content``: the file's bytes it was read from, for a reload), then tell who asked to be
+        told what is in force now."""
         result = await self._reconfigure(new)
+        if content is not None:
+            self._content = content
+        if self._on_applied is not None:
+            async with self._reporting:
+                try:
+                    await asyncio.to_thread(self._on_applied, InForce(self._settings(), self._content))
+                except OSError as exc:  # (the supervisor is gone: this worker is about to stop too)
+                    log.warning("could not tell the supervisor what is in force: %s", exc)
         self.reloads.labels("applied").inc()
         self.changes.labels(action).inc()
         log.info("%s by %s applied: sections %s; backends added %s, removed %s, changed %s%s", action, who,

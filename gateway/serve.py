@@ -28,6 +28,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
+from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from types import FrameType
 
@@ -36,11 +37,11 @@ import uvicorn
 from gateway import gcpolicy
 from gateway.api.admin import AdminApp
 from gateway.app import GatewayApp, create_app
-from gateway.config import ConfigError, Settings, load_settings, settings_from_mapping
+from gateway.config import ConfigError, Settings, is_loopback, parse_settings, read_settings_file, settings_from_mapping
 from gateway.proxy.accounting import AccessLogHandler, AccessLogWriter
 from gateway.routing.policies import check_settings
 from gateway.server_limits import raise_nofile_limit, uvicorn_config
-from gateway.workers import WorkerIdentity
+from gateway.workers import InForce, WorkerIdentity
 
 log = logging.getLogger("gateway.serve")
 
@@ -106,17 +107,35 @@ def _reload_on_sighup(app: GatewayApp) -> None:
     signal.signal(signal.SIGHUP, lambda signum, frame: app.gateway.control.request_reload("SIGHUP"))
 
 
-def _run(settings: Settings, log_level: str, config_path: str | None = None) -> None:
+def warn_if_open(settings: Settings) -> None:
+    """One WARNING when the gateway serves without API keys, louder when other machines can reach it."""
+    if settings.auth.keys:
+        return
+    server = settings.server
+    where = f"{server.host or '*'}:{server.port}"
+    how = ("to require keys, list them under auth.keys (name, key_sha256: the SHA-256 of the key, scopes) and reload "
+           "(docs/operating.md#api-keys-and-what-a-client-never-sees)")
+    said = " (auth.open: true)" if settings.auth.open else ""
+    if is_loopback(server.host):
+        log.warning("no API keys%s: the gateway on %s serves anyone who can connect to it on this machine; %s",
+                    said, where, how)
+    else:
+        log.warning("NO API KEYS%s, AND %s CAN BE REACHED FROM OTHER MACHINES: anyone who can connect may use every "
+                    "model and spend the engines' capacity; %s", said, where, how)
+
+
+def _run(settings: Settings, log_level: str, config_path: str | None = None, content: bytes | None = None) -> None:
+    warn_if_open(settings)
     count = settings.server.worker_count()
     if count > 1:
-        raise SystemExit(supervise(settings, log_level, count, config_path))
+        raise SystemExit(supervise(settings, log_level, count, config_path, content))
     # uvicorn shuts down gracefully on SIGINT/SIGTERM and then re-raises the signal to the handlers that were
     # installed before it. Make those end the process by unwinding, so that every ``finally`` runs (the
     # embedded fleet's child process is stopped) and the exit status is 0.
     signal.signal(signal.SIGINT, _stop)
     signal.signal(signal.SIGTERM, _stop)
     raise_nofile_limit()  # before the connection cap is worked out from it
-    app = create_app(settings, config_path=config_path)
+    app = create_app(settings, config_path=config_path, config_content=content)
     _reload_on_sighup(app)
     gcpolicy.quiet()
     _serve(app, settings, log_level)
@@ -178,22 +197,62 @@ def _orphan_watch(parent: int) -> None:
     os.kill(os.getpid(), signal.SIGTERM)
 
 
-def _worker(settings: Settings, identity: WorkerIdentity, log_level: str, parent: int,
-            config_path: str | None = None) -> None:
+def _worker(in_force: InForce, identity: WorkerIdentity, log_level: str, parent: int, config_path: str | None,
+            report: Connection) -> None:
+    """One worker: serves ``in_force`` and tells the supervisor, over ``report``, what it applies later."""
     configure_logging(log_level)
     signal.signal(signal.SIGINT, _stop)
     signal.signal(signal.SIGTERM, _stop)
     threading.Thread(target=_orphan_watch, args=(parent,), name="orphan-watch", daemon=True).start()
     raise_nofile_limit()
-    app = create_app(settings, worker=identity, config_path=config_path)
+    settings = in_force.settings
+    app = create_app(settings, worker=identity, config_path=config_path, config_content=in_force.content,
+                     on_applied=report.send)
     _reload_on_sighup(app)
     gcpolicy.quiet()
     _serve(app, settings, log_level, reuseport_socket(settings.server.host, settings.server.port))
 
 
-def supervise(settings: Settings, log_level: str, count: int, config_path: str | None = None) -> int:
+class _Applied:
+    """What the workers report they applied, the latest kept: a worker started again runs what is in force now
+    (the last reload, and the admin API's changes since), not the configuration the gateway started with."""
+
+    def __init__(self, first: InForce) -> None:
+        self.latest = first
+        self._reports: dict[int, Connection] = {}  # worker index -> its pipe's reading end
+
+    def channel(self, index: int) -> Connection:
+        """A new pipe for worker ``index`` (started or started again): the end its process writes to."""
+        self.close(index)
+        receive, send = multiprocessing.get_context("spawn").Pipe(duplex=False)
+        self._reports[index] = receive
+        return send
+
+    def waitables(self) -> list[Connection]:
+        return list(self._reports.values())
+
+    def take(self) -> None:
+        """Read every report waiting (a worker that died has said its last)."""
+        for index, conn in list(self._reports.items()):
+            try:
+                while conn.poll():
+                    report = conn.recv()
+                    if isinstance(report, InForce):
+                        self.latest = report
+            except (EOFError, OSError):
+                self.close(index)
+
+    def close(self, index: int) -> None:
+        conn = self._reports.pop(index, None)
+        if conn is not None:
+            conn.close()
+
+
+def supervise(settings: Settings, log_level: str, count: int, config_path: str | None = None,
+              content: bytes | None = None) -> int:
     """Run ``count`` workers until SIGINT or SIGTERM (SIGHUP is passed to every worker, each of which reloads
-    the configuration file); the exit status (1: a worker kept failing to start)."""
+    the configuration file); the exit status (1: a worker kept failing to start). ``content``: the file's bytes
+    ``settings`` came from. A worker started again runs what the workers last applied (:class:`_Applied`)."""
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s:     %(message)s")
     try:  # the port, checked once here rather than by every worker failing alike
         reuseport_socket(settings.server.host, settings.server.port).close()
@@ -216,11 +275,16 @@ def supervise(settings: Settings, log_level: str, count: int, config_path: str |
             if proc.pid is not None and proc.is_alive():
                 os.kill(proc.pid, signal.SIGHUP)
 
+    applied = _Applied(InForce(settings, content))
+
     def start(index: int) -> BaseProcess:
         identity = WorkerIdentity(index, count, run_dir)
-        proc = ctx.Process(target=_worker, args=(settings, identity, log_level, parent, config_path),
+        applied.take()  # (what a worker said before it died, or just now)
+        report = applied.channel(index)
+        proc = ctx.Process(target=_worker, args=(applied.latest, identity, log_level, parent, config_path, report),
                            name=f"worker-{index}")
         proc.start()
+        report.close()  # (the worker holds its own copy)
         return proc
 
     procs: dict[int, BaseProcess] = {}
@@ -233,8 +297,12 @@ def supervise(settings: Settings, log_level: str, count: int, config_path: str |
     try:
         while not stopping.is_set():
             sentinels = {p.sentinel: i for i, p in procs.items()}
-            for sentinel in multiprocessing.connection.wait(list(sentinels), timeout=0.5):
-                index = sentinels[sentinel]  # type: ignore[index]
+            ready = multiprocessing.connection.wait([*sentinels, *applied.waitables()], timeout=0.5)
+            applied.take()
+            for sentinel in ready:
+                if not isinstance(sentinel, int):
+                    continue
+                index = sentinels[sentinel]
                 proc = procs[index]
                 proc.join()
                 if stopping.is_set():
@@ -253,6 +321,8 @@ def supervise(settings: Settings, log_level: str, count: int, config_path: str |
                 procs[index] = start(index)
     finally:
         _stop_all(list(procs.values()), settings.server.shutdown_timeout + 10.0)
+        for index in procs:
+            applied.close(index)
         shutil.rmtree(run_dir, ignore_errors=True)
     return status
 
@@ -290,9 +360,10 @@ def serve(config_path: str | None, *, host: str | None, port: int | None, log_le
         # 'server' and answered restart_needed though nothing had changed.
         for key, value in server_overrides.items():
             os.environ[f"GATEWAY_SERVER__{key.upper()}"] = str(value)
-        settings = load_settings(config_path)
+        content = read_settings_file(config_path)
+        settings = parse_settings(content, config_path)
         check_settings(settings)
-        _run(settings, log_level, config_path)
+        _run(settings, log_level, config_path, content)
         return 0
     settings = settings_from_mapping({"server": server_overrides, "backends": [dict(b) for b in emulated]})
     check_settings(settings)

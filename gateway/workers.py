@@ -8,6 +8,10 @@ can enter, and answers one question per connection:
 * ``pool``: its pool's last readings of every backend. Only the first worker scrapes the engines; the others
   take its readings every scrape interval (and scrape for themselves while it has none to give), so a pod
   scrapes each engine once, whatever its number of workers.
+
+And each worker tells its supervisor what it applied (:class:`InForce`: after a reload, or a change through the
+admin API), over a pipe of its own: a worker the supervisor starts again runs that, never the configuration the
+gateway started with (a key revoked by a reload worked again on a restarted worker).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from pathlib import Path
 import orjson
 from prometheus_client import CollectorRegistry, generate_latest
 
+from gateway.config import Settings
 from gateway.pool.pool import Pool
 from gateway.telemetry.merge import merge_expositions
 
@@ -30,6 +35,15 @@ log = logging.getLogger("gateway.workers")
 
 _QUESTIONS = (b"metrics", b"pool", b"recent")
 _MAX_ANSWER = 64 * 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class InForce:
+    """The configuration a worker runs: its effective settings, and the file's bytes they were read from (what
+    its file watch compares the file with; None: read the file when the watch starts)."""
+
+    settings: Settings
+    content: bytes | None
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,7 +7,7 @@ import hashlib
 import pytest
 
 from gateway.auth import Client, KeyStore, TokenBucket
-from gateway.config import ApiKeySettings, settings_from_mapping
+from gateway.config import ApiKeySettings, AuthSettings, settings_from_mapping
 from gateway.errors import GatewayError
 from gateway.routing.cache_domain import SHARED, CacheDomain
 
@@ -112,3 +112,31 @@ def test_each_key_is_a_cache_domain_of_its_own_unless_keys_share_one(monkeypatch
         {"name": n, "key_sha256": hashlib.sha256(n.encode()).hexdigest()} for n in "ab"]}})
     keyed = {c.name: c.cache_domain.salt for _, c in KeyStore(settings.auth)._clients}
     assert keyed["a"] not in (None, a.salt) and keyed["a"] != keyed["b"]
+
+
+def test_a_reload_that_lowers_a_limit_neither_refills_nor_forgives_the_budget() -> None:
+    """Lowering a key's limit in process made it a new, full bucket: a key that had spent its requests or
+    overdrawn its tokens was let in again at once."""
+    def auth(rpm: int | None, tpm: int | None) -> AuthSettings:
+        return settings_from_mapping({"auth": {"keys": [
+            {"name": "a", "key_sha256": hashlib.sha256(b"sk-a").hexdigest(), "requests_per_minute": rpm,
+             "tokens_per_minute": tpm}]}}).auth
+
+    keys = KeyStore(auth(2, 6000))
+    a = keys.authenticate(b"Bearer sk-a", None)
+    assert a is not None
+    KeyStore.admit(a, "m")
+    KeyStore.admit(a, "m")  # both requests of the minute spent (one comes back every 30 s)
+    for rpm, tpm in ((1, 6000), (60, 6000)):  # lowered, then raised: the spent budget stays spent
+        keys.update(auth(rpm, tpm))
+        with pytest.raises(GatewayError) as spent:
+            KeyStore.admit(a, "m")
+        assert spent.value.code == "rate_limit_requests"
+    keys.update(auth(None, 6000))
+    KeyStore.settle(a, KeyStore.admit(a, "m", reserve=100), 30_000)  # 24,000 tokens overdrawn
+    keys.update(auth(None, 3000))  # (the debt is owed at 50 tokens/s now: 8 minutes)
+    with pytest.raises(GatewayError) as owed:
+        KeyStore.admit(a, "m", reserve=1)
+    assert owed.value.code == "rate_limit_tokens" and float(owed.value.headers["retry-after"]) > 400
+    keys.update(auth(None, None))  # a limit lifted is lifted
+    assert KeyStore.admit(a, "m", reserve=1) == 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import pathlib
 import subprocess
 import sys
@@ -10,6 +11,7 @@ import pytest
 
 from gateway.cli import main
 from gateway.config import ConfigError, load_settings
+from gateway.config_file import MAX_CONFIG_BYTES
 
 GOOD = """
 server: {host: 0.0.0.0, port: 8080}
@@ -56,6 +58,19 @@ def test_good_file_with_environment_overrides(tmp_path: pathlib.Path, monkeypatc
         ("backends: {name: a}", "backends: Input should be a valid list"),
         ("- just\n- a list", "the top level must be a mapping"),
         ("backends: [unclosed", "is not valid YAML"),
+        # a key's name is what a reload keeps it by: two of one name were merged, the limited key taking the
+        # other's admin scope (and one key under two names was either)
+        (f"auth: {{keys: [{{name: t, key_sha256: '{'a' * 64}', requests_per_minute: 2}}, "
+         f"{{name: t, key_sha256: '{'b' * 64}', scopes: [admin]}}]}}", "auth: keys: two keys are named 't'"),
+        (f"auth: {{keys: [{{name: t, key_sha256: '{'a' * 64}'}}, {{name: u, key_sha256: '{'a' * 64}'}}]}}",
+         "'t' and 'u' are the same key"),
+        # YAML keeps the second of two equal keys silently: the first auth section, and its keys, were gone
+        ("auth: {keys: []}\nbackends: []\nauth: {open: true}\n",
+         "'auth' is written twice in one mapping (lines 1 and 3)"),
+        ("backends:\n  - name: a\n    engine: vllm\n    url: http://x\n    url: http://y\n",
+         "'url' is written twice in one mapping (lines 4 and 5)"),
+        # a session's header value is kept, published to every replica and may be logged: never a credential
+        ("routing: {session_header: Authorization}", "routing.session_header: 'Authorization' carries credentials"),
     ],
 )
 def test_bad_files_name_the_field(tmp_path: pathlib.Path, text: str, expected: str) -> None:
@@ -81,8 +96,9 @@ def test_an_empty_file_is_refused_not_read_as_every_default(tmp_path: pathlib.Pa
     """An empty file (or one of comments only) is what a file being rewritten reads as at first: no keys, no
     backends. It was a valid configuration; ``{}`` still says "every default" on purpose."""
     path = write(tmp_path, text)
-    with pytest.raises(ConfigError, match="is empty"):
+    with pytest.raises(ConfigError, match="is empty") as err:
         load_settings(path)
+    assert "(for every default, write {})" in str(err.value)  # (it said {{}})
     assert main(["check-config", str(path)]) == 2
     assert "is empty" in capsys.readouterr().err
 
@@ -138,3 +154,52 @@ def test_a_bare_off_in_yaml_is_off_not_an_error(tmp_path: pathlib.Path) -> None:
                     "structured_output: {validate_outputs: on}\n")
     with pytest.raises(ConfigError):
         load_settings(str(path))
+
+
+def test_check_config_names_a_key_written_twice_and_a_merge_still_overrides(tmp_path: pathlib.Path,
+                                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    path = write(tmp_path, "routing: {policy: round-robin}\ntimeouts: {connect: 2}\nrouting: {policy: default}\n")
+    assert main(["check-config", str(path)]) == 2
+    assert "'routing' is written twice in one mapping (lines 1 and 3)" in capsys.readouterr().err
+    # a merge key's values are overridden by the keys beside it, on purpose: no duplicate
+    merged = write(tmp_path, "timeouts:\n  <<: {connect: 2, idle: 5}\n  connect: 3\n")
+    assert load_settings(merged).timeouts.connect == 3
+
+
+@pytest.mark.timeout(60)
+def test_only_a_regular_file_of_bounded_size_is_read(tmp_path: pathlib.Path) -> None:
+    """The path swapped for /dev/zero was read until the process held gigabytes; for a FIFO, the read waited
+    for a writer forever (every later reload with it)."""
+    fifo = tmp_path / "fifo.yaml"
+    os.mkfifo(fifo)
+    zero = tmp_path / "zero.yaml"
+    zero.symlink_to("/dev/zero")
+    for path in (fifo, zero, tmp_path):
+        with pytest.raises(ConfigError, match="not a regular file"):
+            load_settings(path)
+    huge = tmp_path / "huge.yaml"
+    with huge.open("wb") as file:
+        file.truncate(MAX_CONFIG_BYTES + 1)  # (sparse: no disk used)
+    with pytest.raises(ConfigError, match="more than the 16777216 bytes"):
+        load_settings(huge)
+    linked = tmp_path / "linked.yaml"  # a ConfigMap volume's file is a link to a regular file: read as before
+    linked.symlink_to(write(tmp_path, "routing: {policy: round-robin}\n"))
+    assert load_settings(linked).routing.policy == "round-robin"
+
+
+def test_an_admin_listener_reachable_from_other_machines_needs_an_admin_key(tmp_path: pathlib.Path,
+                                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """Without a key of the admin scope the admin listener asks for none: on 0.0.0.0 it was open to the network
+    (drains, reloads, backends added at an address of the caller's choice)."""
+    client = f"{{name: c, key_sha256: '{'c' * 64}'}}"
+    ops = f"{{name: ops, key_sha256: '{'d' * 64}', scopes: [admin]}}"
+    for host in ("0.0.0.0", "10.0.0.7", "::", "gateway.internal"):
+        path = write(tmp_path, f"server: {{admin_port: 9001, admin_host: '{host}'}}\nauth: {{keys: [{client}]}}\n")
+        assert main(["check-config", str(path)]) == 2
+        assert (f"server.admin_host: the admin listener on {host} can be reached from other machines, and no API "
+                "key has the 'admin' scope") in capsys.readouterr().err
+        path.write_text(f"server: {{admin_port: 9001, admin_host: '{host}'}}\nauth: {{keys: [{client}, {ops}]}}\n")
+        assert load_settings(path).server.admin_host == host
+    for host in ("127.0.0.1", "127.0.0.2", "::1", "localhost"):  # loopback: trusted by address, as before
+        assert load_settings(write(tmp_path, f"server: {{admin_port: 9001, admin_host: '{host}'}}\n"))
+    assert load_settings(write(tmp_path, "server: {admin_host: 0.0.0.0}\n"))  # (no admin listener)

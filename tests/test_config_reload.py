@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
+from typing import Any
 
-from gateway.config_reload import stable_contents
+import pytest
+
+from gateway.config import ConfigError, Settings, parse_settings
+from gateway.config_reload import check_reload, stable_contents
 
 OLD, FULL = b"auth: {keys: [...]}\nbackends: [...]\n", b"auth: {keys: [...]}\nbackends: [..., ...]\n"
 
@@ -13,7 +18,8 @@ class Exhausted(Exception):
     pass
 
 
-def contents_handed_on(reads: list[bytes | None], every: float = 0.1, settle: float = 0.3) -> list[bytes]:
+def contents_handed_on(reads: list[bytes | None], every: float = 0.1, settle: float = 0.3,
+                       in_force: bytes | None = None) -> list[bytes]:
     """What the watch hands on when successive reads of the file give ``reads`` (the first: the content in
     force); time is the sleeps' count, so no test waits."""
     script = iter(reads)
@@ -31,7 +37,7 @@ def contents_handed_on(reads: list[bytes | None], every: float = 0.1, settle: fl
     async def run() -> list[bytes]:
         out: list[bytes] = []
         try:
-            async for content in stable_contents(read, every, settle, sleep=sleep):
+            async for content in stable_contents(read, every, settle, in_force=in_force, sleep=sleep):
                 out.append(content)
         except Exhausted:
             pass
@@ -58,6 +64,206 @@ def test_a_content_that_goes_back_or_cannot_be_read_is_no_change() -> None:
     assert contents_handed_on([OLD, FULL, FULL, FULL, FULL, OLD, OLD, OLD, OLD]) == [FULL, OLD]
 
 
+def test_the_watch_compares_the_file_with_the_content_in_force_not_with_its_first_read() -> None:
+    """A worker started again (or a file changed between the start's read and the watch's) took the file as it
+    found it for the content in force, and never applied it."""
+    assert contents_handed_on([FULL, FULL, FULL, FULL, FULL], in_force=OLD) == [FULL]
+    assert contents_handed_on([OLD, OLD, OLD, OLD, OLD], in_force=OLD) == []
+
+
 def test_a_settle_shorter_than_the_poll_still_needs_two_reads() -> None:
     assert contents_handed_on([OLD, FULL], every=1.0, settle=0.1) == []
     assert contents_handed_on([OLD, FULL, FULL], every=1.0, settle=0.1) == [FULL]
+
+
+# -- a file read half-written: every byte prefix of it, applied as a reload ----------------------------------------
+H = [hashlib.sha256(f"sk-{n}".encode()).hexdigest() for n in ("ops", "batch", "team", "lim", "new")]
+# block style, each key's hash before its restrictions (the order a cut hurts most), negative priorities (a cut
+# of -100 is -10), lists in both styles, a band and the default priority of the operator's own
+KEYED = f"""\
+server: {{port: 8000, admin_port: 9001}}
+backends:
+  - {{name: v1, engine: vllm, url: "http://127.0.0.1:48101", models: [m1], max_concurrency: 4}}
+admission:
+  default_priority: bulk
+  bands:
+    critical: {{priority: 100}}
+    standard: {{priority: 0}}
+    bulk: {{priority: -100, max_saturation: 0.5}}
+limits: {{max_tokens: 64}}
+auth:
+  protect_metrics: true
+  protect_health: true
+  reserve_tokens: 8000
+  keys:
+    - name: ops
+      key_sha256: {H[0]}
+      scopes: [admin, metrics]
+    - name: batch
+      key_sha256: {H[1]}
+      tokens_per_minute: 20000
+      priority: -100
+      max_priority: -100
+      weight: 0.15
+      max_in_flight: 12
+    - name: team
+      key_sha256: {H[2]}
+      models:
+        - llama-3-8b-instruct
+        - m1
+      scopes:
+        - inference
+      requests_per_minute: 600
+      priority: standard
+    - name: lim
+      key_sha256: {H[3]}
+      requests_per_minute: 30
+      max_in_flight: 2
+"""
+NEW_KEY = f"""\
+    - name: new
+      key_sha256: {H[4]}
+      models: [m1]
+      requests_per_minute: 5
+"""
+
+
+def reload_of(running: Settings, content: bytes) -> Settings | None:
+    """The settings a reload of ``content`` would apply over ``running``, or None when it is refused."""
+    try:
+        new = parse_settings(content, "gateway.yaml")
+        check_reload(running, new)
+    except ConfigError:
+        return None
+    return new
+
+
+def at_a_line_end(full: str, n: int) -> bool:
+    """Whether a cut of ``full`` after ``n`` characters falls between lines' contents: at a line's start (or in
+    its indentation), or after its last value (at most blanks and a comment left of it)."""
+    rest_of_line = full[n:].split("\n", 1)[0].strip()
+    return not full[:n].rsplit("\n", 1)[-1].strip() or not rest_of_line or rest_of_line.startswith("#")
+
+
+def restrictions(settings: Settings) -> dict[str, tuple[Any, ...]]:
+    """Per key, what it may do: models, scopes, limits, effective priority and ceiling, weight."""
+    out = {}
+    for key in settings.auth.keys:
+        admission = settings.admission
+        own = admission.priority_of(key.priority if key.priority is not None else admission.default_priority)
+        ceiling = admission.priority_of(key.max_priority) if key.max_priority is not None else own
+        out[key.name] = (set(key.models), set(key.scopes), key.requests_per_minute, key.tokens_per_minute,
+                         key.max_in_flight, own, ceiling, key.weight)
+    return out
+
+
+def no_wider(before: tuple[Any, ...], after: tuple[Any, ...]) -> bool:
+    models, scopes, *limits, own, ceiling, weight = before
+    new_models, new_scopes, *new_limits, new_own, new_ceiling, new_weight = after
+    return (new_models <= models and new_scopes <= scopes and new_own <= own and new_ceiling <= ceiling
+            and new_weight <= weight and all(old is None or (new is not None and new <= old)
+                                             for old, new in zip(limits, new_limits, strict=True)))
+
+
+def test_no_prefix_of_a_keyed_file_widens_a_key_or_opens_the_gateway() -> None:
+    """The sweep cut the file at every byte and applied each prefix as the watch would: a cut right after
+    ``requests_per_minute:`` (YAML reads the empty value at the end as null) lifted the limit, a cut inside
+    ``priority: -100`` raised it to -10 or -1, and a cut before ``priority``, ``max_priority`` or ``weight``
+    set them back to their defaults. Now no prefix a reload takes lifts a limit, allows a model, adds a scope,
+    raises a priority or share, turns a protection off or opens the gateway."""
+    running = parse_settings(KEYED.encode(), "gateway.yaml")
+    before = restrictions(running)
+    taken = 0
+    for n in range(len(KEYED)):
+        new = reload_of(running, KEYED[:n].encode())
+        if new is None:
+            continue
+        taken += 1
+        assert at_a_line_end(KEYED, n), f"a cut inside a line was taken for a file: {KEYED[n - 40:n]!r}"
+        assert new.auth.keys and not new.auth.open and new.auth.protect_metrics and new.auth.protect_health
+        assert new.auth.reserve_tokens == running.auth.reserve_tokens
+        assert new.limits == running.limits and new.admission == running.admission
+        after = restrictions(new)
+        assert after.keys() <= before.keys()
+        for name, what in after.items():
+            assert no_wider(before[name], what), (name, before[name], what, KEYED[n - 60:n])
+    assert taken > 0  # (cuts inside the key list, at a line's end, narrow: they are taken)
+    assert reload_of(running, KEYED.encode()) is not None
+
+
+def test_a_cut_that_ends_on_an_empty_value_or_inside_one_is_refused_naming_it() -> None:
+    running = parse_settings(KEYED.encode(), "gateway.yaml")
+    lim = KEYED.index("requests_per_minute: 30")
+    with pytest.raises(ConfigError, match=r"ends with 'requests_per_minute:' at line \d+, which has no value.*"
+                                          r"write null"):
+        parse_settings(KEYED[:lim + len("requests_per_minute:")].encode(), "gateway.yaml")
+    batch_priority = KEYED.index("      priority: -100")
+    with pytest.raises(ConfigError, match=r"ends inside a value .* end the file with a line break"):
+        parse_settings(KEYED[:batch_priority + len("      priority: -10")].encode(), "gateway.yaml")
+    # written on purpose, null is null: the limit is lifted
+    lifted = reload_of(running, KEYED.replace("requests_per_minute: 30", "requests_per_minute: null").encode())
+    assert lifted is not None and restrictions(lifted)["lim"][2] is None
+    # and an empty value inside the file (not at its end) is YAML's null as before
+    inside = KEYED.replace("      requests_per_minute: 30\n", "      requests_per_minute:\n")
+    assert restrictions(parse_settings(inside.encode(), "gateway.yaml"))["lim"][2] is None
+
+
+@pytest.mark.parametrize("field", ["priority", "max_priority", "weight"])
+def test_a_kept_keys_priority_ceiling_and_share_are_not_reset_by_leaving_them_out(field: str) -> None:
+    running = parse_settings(KEYED.encode(), "gateway.yaml")
+    lines = [line for line in KEYED.splitlines(keepends=True) if not line.startswith(f"      {field}: ")
+             or ("-100" not in line and "0.15" not in line)]
+    with pytest.raises(ConfigError, match=rf"auth.keys \(batch\).{field}: left out of the file"):
+        check_reload(running, parse_settings("".join(lines).encode(), "gateway.yaml"))
+
+
+def test_the_limits_and_admission_in_force_are_not_reset_by_leaving_them_out() -> None:
+    """A file cut before its last sections set limits.max_tokens 64 back to 131072, max_n 1 to 128 and the
+    queue's size 8 to 1024."""
+    running = parse_settings(KEYED.encode(), "gateway.yaml")
+    without = KEYED.replace("limits: {max_tokens: 64}\n", "")
+    with pytest.raises(ConfigError, match=r"limits.max_tokens: left out of the file, which would set it back to "
+                                          r"its default 131072"):
+        check_reload(running, parse_settings(without.encode(), "gateway.yaml"))
+    reset = KEYED.replace("limits: {max_tokens: 64}", "limits: {max_tokens: 131072}")  # (said: it is reset)
+    assert reload_of(running, reset.encode()) is not None
+
+
+def test_the_default_priority_and_bands_are_not_reset_by_leaving_them_out() -> None:
+    running = parse_settings(KEYED.encode(), "gateway.yaml")
+    bands = KEYED[KEYED.index("  bands:\n"):KEYED.index("auth:\n")]
+    for text, field in ((KEYED.replace("  default_priority: bulk\n", ""), "default_priority"),
+                        (KEYED.replace(bands, "").replace("default_priority: bulk", "default_priority: standard"),
+                         "bands")):
+        with pytest.raises(ConfigError, match=rf"admission.{field}: left out of the file"):
+            check_reload(running, parse_settings(text.encode(), "gateway.yaml"))
+
+
+def test_a_new_key_cut_inside_its_entry_is_refused_unless_the_cut_falls_at_a_line_end() -> None:
+    """What stays undetectable (docs/operating.md): a new key cut at a line's end after its hash has the
+    defaults for what it lost (every model, no limit) but never a scope it was not written with."""
+    running = parse_settings(KEYED.encode(), "gateway.yaml")
+    full = KEYED + NEW_KEY
+    added = []
+    for n in range(len(KEYED), len(full) + 1):
+        new = reload_of(running, full[:n].encode())
+        if new is None or "new" not in {k.name for k in new.auth.keys}:
+            continue
+        added.append(n)
+        assert at_a_line_end(full, n), f"a cut inside a line added the key: {full[n - 40:n]!r}"
+        key = next(k for k in new.auth.keys if k.name == "new")
+        assert key.scopes == ["inference"]
+    assert added and added[-1] == len(full)
+
+
+def test_a_reload_keeps_an_admin_key_while_the_admin_listener_is_on_the_network() -> None:
+    on_network = KEYED.replace("admin_port: 9001}", "admin_port: 9001, admin_host: 0.0.0.0}")
+    running = parse_settings(on_network.encode(), "gateway.yaml")
+    no_admin = on_network.replace("scopes: [admin, metrics]", "scopes: [metrics]")
+    with pytest.raises(ConfigError, match=r"the admin listener on 0\.0\.0\.0 can be reached from other machines"):
+        parse_settings(no_admin.encode(), "gateway.yaml")
+    # the server section is restart-only: a file moving the listener home does not move the one that runs
+    moved = no_admin.replace("admin_host: 0.0.0.0", "admin_host: 127.0.0.1")
+    with pytest.raises(ConfigError, match=r"the admin listener on 0\.0\.0\.0 can be reached from other machines"):
+        check_reload(running, parse_settings(moved.encode(), "gateway.yaml"))
+    check_reload(running, parse_settings(on_network.encode(), "gateway.yaml"))

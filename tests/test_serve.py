@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
@@ -14,6 +15,8 @@ import openai
 import pytest
 import yaml
 
+from gateway.config import settings_from_mapping
+from gateway.serve import warn_if_open
 from gateway.sim import FleetThread, SimSpec
 from tests.conftest import free_port_block
 from tests.test_admin_listener import wait_ready
@@ -92,3 +95,32 @@ def test_a_standard_error_nobody_reads_never_stalls_the_gateway(tmp_path: Path) 
         finally:
             proc.kill()
             proc.communicate(timeout=30)
+
+
+def test_a_gateway_without_keys_says_once_that_it_is_open(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """It served everyone without a word; on a non-loopback address it now says so loudly, and how to add keys."""
+    with FleetThread([SimSpec(engine="vllm", model="m", name="v", time_scale=50.0)]) as fleet:
+        port = free_port_block(1)
+        config = tmp_path / "gateway.yaml"
+        config.write_text(yaml.safe_dump({"server": {"host": "0.0.0.0", "port": port},
+                                          "backends": [{"name": "v", "engine": "vllm",
+                                                        "url": fleet.fleet.servers[0].url}]}))
+        proc = subprocess.Popen([sys.executable, "-m", "gateway", "serve", "--config", str(config)],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        try:
+            wait_ready(proc, f"http://127.0.0.1:{port}")
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            _, errors = proc.communicate(timeout=30)
+    warnings = [line for line in errors.splitlines() if "API KEYS" in line.upper()]
+    assert len(warnings) == 1 and " WARNING " in warnings[0], errors[-3000:]
+    assert f"NO API KEYS, AND 0.0.0.0:{port} CAN BE REACHED FROM OTHER MACHINES" in warnings[0]
+    assert "list them under auth.keys" in warnings[0]
+    # on loopback it is said too, plainly; with keys, nothing
+    open_here = settings_from_mapping({"server": {"port": 8000}})
+    keyed = settings_from_mapping({"auth": {"keys": [{"name": "a", "key_sha256": "a" * 64}]}})
+    with caplog.at_level(logging.WARNING, logger="gateway.serve"):
+        warn_if_open(open_here)
+        warn_if_open(keyed)
+    assert [r.getMessage()[:58] for r in caplog.records] == [
+        "no API keys: the gateway on 127.0.0.1:8000 serves anyone w"]

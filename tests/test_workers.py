@@ -10,6 +10,7 @@ refused before anything starts.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import math
 import os
 import signal
@@ -19,6 +20,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -61,13 +63,18 @@ def samples(url: str, name: str) -> dict[tuple[tuple[str, str], ...], float]:
             for s in f.samples if s.name == name}
 
 
-def start_pod(tmp: Path, fleet: FleetThread, redis: RedisServer, port: int, **server: object) -> Pod:
+def pod_config(fleet: FleetThread, redis: RedisServer, port: int, **server: object) -> dict[str, Any]:
     servers = {s.spec.name: s for s in fleet.fleet.servers}
-    config = {"server": {"host": "127.0.0.1", "port": port, "workers": 2, "shutdown_timeout": 10, **server},
+    return {"server": {"host": "127.0.0.1", "port": port, "workers": 2, "shutdown_timeout": 10, **server},
               "backends": [{"name": n, "engine": "vllm", "url": servers[n].url} for n in ("a", "b")],
               # (a 5 s scrape timeout: under a loaded CI machine 1 s once took both backends for down: 503s)
               "scrape": {"interval": SCRAPE_INTERVAL, "timeout": 5.0},
               "state": {"url": redis.url, "heartbeat_seconds": 0.2, "replica_ttl_seconds": 3}}
+
+
+def start_pod(tmp: Path, fleet: FleetThread, redis: RedisServer, port: int, config: dict[str, Any] | None = None,
+              **server: object) -> Pod:
+    config = config or pod_config(fleet, redis, port, **server)
     path = tmp / "gateway.yaml"
     path.write_text(yaml.safe_dump(config))
     log = tmp / "gateway.log"
@@ -80,6 +87,26 @@ def start_pod(tmp: Path, fleet: FleetThread, redis: RedisServer, port: int, **se
         assert time.monotonic() < deadline, log.read_text()[-3000:]
         time.sleep(0.2)
     return pod
+
+
+def wait_restarted(pod: Pod, killed: list[int]) -> None:
+    """Until both workers run again (none of ``killed`` among them), each answers the others and /ready holds on
+    ten fresh connections in a row (either worker), as a load balancer's check would."""
+    deadline = time.monotonic() + 60
+    while len(now := pod.workers()) != 2 or set(now) & set(killed):
+        assert time.monotonic() < deadline, (killed, now)
+        time.sleep(0.1)
+    passed = 0
+    while passed < 10:
+        assert time.monotonic() < deadline
+        try:  # (with both killed, nothing listens until one has started)
+            ready = (samples(pod.url, "gateway_workers") == {(): 2.0} and httpx.get(
+                pod.url + "/ready", headers={"connection": "close"}, timeout=10).status_code == 200)
+        except httpx.TransportError:
+            ready = False
+        passed = passed + 1 if ready else 0
+        if not ready:
+            time.sleep(0.1)
 
 
 @pytest.fixture(scope="module")
@@ -173,24 +200,9 @@ def test_the_engines_are_scraped_once_per_pod_not_once_per_worker(pod: Pod) -> N
 def test_a_worker_that_dies_is_started_again_and_the_port_keeps_serving(pod: Pod) -> None:
     first = pod.workers()
     os.kill(first[0], signal.SIGKILL)
-    deadline = time.monotonic() + 30
-    while True:
-        now = pod.workers()
-        if len(now) == 2 and first[0] not in now:
-            break
-        assert time.monotonic() < deadline, (first, now)
-        time.sleep(0.1)
-    while samples(pod.url, "gateway_workers") != {(): 2.0}:
-        assert time.monotonic() < deadline
-        time.sleep(0.2)
-    # as a load balancer's readiness check would: /ready on fresh connections (either worker) until ten in a
-    # row pass (a worker that has just started may find a backend slow to answer its first probe, here where
-    # the test, the emulators and both workers share two cores)
-    passed = 0
-    while passed < 10:
-        assert time.monotonic() < deadline
-        ready = httpx.get(pod.url + "/ready", headers={"connection": "close"}, timeout=10).status_code == 200
-        passed = passed + 1 if ready else 0
+    # (a worker that has just started may find a backend slow to answer its first probe, here where the test,
+    # the emulators and both workers share two cores: wait_restarted waits for ten /ready in a row)
+    wait_restarted(pod, first[:1])
     assert asyncio.run(_chats(pod.url, 60, 8)) == [200] * 60
     assert first[1] in pod.workers()  # the other worker was left alone
 
@@ -266,3 +278,48 @@ def test_the_merge_adds_counts_and_histograms_and_takes_shared_facts_once() -> N
     assert got[("gateway_time_to_first_token_seconds_sum", ())] == pytest.approx(2.55)
     assert got[("gateway_workers", ())] == 2
     assert "# TYPE gateway_time_to_first_token_seconds histogram" in merged
+
+
+@pytest.mark.slow
+def test_a_worker_started_again_runs_the_configuration_in_force_not_the_one_the_gateway_started_with(
+        tmp_path: Path) -> None:
+    """A key revoked by a reload worked again on a restarted worker (6 of 6 requests after both were killed):
+    the supervisor started it with the configuration the gateway started with, and its file watch took the
+    file for already applied."""
+    base = free_port_block(2)
+    redis = RedisServer(base, tmp_path).start()
+    ops, team = "sk-ops-0123", "sk-team-4567"
+
+    def key(name: str, secret: str, scopes: list[str]) -> dict[str, Any]:
+        return {"name": name, "key_sha256": hashlib.sha256(secret.encode()).hexdigest(), "scopes": scopes}
+
+    def statuses(secret: str, path: str = "/v1/models", count: int = 30) -> set[int]:
+        # fresh connections, which the kernel spreads over both workers
+        return {httpx.get(pod.url + path, headers={"authorization": f"Bearer {secret}", "connection": "close"},
+                          timeout=10).status_code for _ in range(count)}
+
+    try:
+        with FleetThread([SimSpec(engine="vllm", model="m", name=n, time_scale=20) for n in ("a", "b")]) as fleet:
+            config = pod_config(fleet, redis, base + 1)
+            config["auth"] = {"keys": [key("ops", ops, ["admin"]), key("team", team, ["inference"])]}
+            pod = start_pod(tmp_path, fleet, redis, base + 1, config)
+            try:
+                assert statuses(team) == {200}
+                config["auth"]["keys"] = config["auth"]["keys"][:1]  # team revoked
+                (tmp_path / "gateway.yaml").write_text(yaml.safe_dump(config))
+                reply = httpx.post(pod.url + "/admin/reload", headers={"authorization": f"Bearer {ops}"}, timeout=10)
+                assert reply.status_code == 200, reply.text
+                deadline = time.monotonic() + 30
+                while statuses(team, count=10) != {401}:  # (the other worker reloads on the shared state's word)
+                    assert time.monotonic() < deadline, "the reload did not reach both workers"
+                for how_many in (1, 2):  # one worker, then both
+                    killed = pod.workers()[:how_many]
+                    for pid in killed:
+                        os.kill(pid, signal.SIGKILL)
+                    wait_restarted(pod, killed)
+                    assert statuses(team) == {401}, f"the revoked key works again after {len(killed)} restarted"
+                    assert statuses(ops, "/admin/config") == {200}
+            finally:
+                pod.supervisor.stop()
+    finally:
+        redis.kill()

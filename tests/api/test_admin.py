@@ -13,6 +13,7 @@ import orjson
 import pytest
 
 from gateway.app import create_app
+from gateway.errors import GatewayError
 from gateway.sim import FleetThread, SimSpec
 from tests.api.conftest import Running, gateway_settings
 from tests.conftest import serve_in_thread
@@ -261,3 +262,34 @@ def test_backends_added_and_removed_at_runtime() -> None:
             metrics = httpx.get(url + "/metrics").text
             assert 'gateway_admin_changes_total{action="add_backend"} 1.0' in metrics
             assert 'gateway_admin_changes_total{action="remove_backend"} 1.0' in metrics
+
+
+def test_the_admin_api_reads_no_environment_variable_and_no_file_of_the_gateway(
+        two: Running, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An admin key added a backend with ``api_key_env: AWS_SECRET_ACCESS_KEY`` at a URL of its own and was sent
+    the variable's value; a routing change named any file to read (engine_profile) or probe (tokenizers), and
+    could make the session header a credential one."""
+    monkeypatch.setenv("GATEWAY_TEST_SECRET", "aws-secret-0123")
+    catcher = {"name": "catch", "engine": "vllm", "url": "http://127.0.0.1:9", "models": ["m"]}
+    before = httpx.get(two.url + "/admin/config", headers=OPS).json()
+    for body in ({**catcher, "api_key_env": "GATEWAY_TEST_SECRET"},
+                 {**catcher, "kv_events": {"port": 5557, "endpoint_env": "GATEWAY_TEST_SECRET"}}):
+        reply = httpx.post(two.url + "/admin/backends", headers=OPS, json=body)
+        assert reply.status_code == 400 and reply.json()["error"]["code"] == "invalid_config", reply.text
+        assert "send api_key, or add the backend to the file" in reply.json()["error"]["message"]
+        # the same body from another replica (the shared state's message) is refused alike
+        with pytest.raises(GatewayError) as remote:
+            two.gateway.call(two.app.gateway.control.add_backend(body, "another replica (r2)", tell=False))
+        assert remote.value.status == 400
+    assert [b.name for b in two.app.gateway.pool] == ["va", "vb"]
+    answers = set()
+    for field, value in (("engine_profile", "/etc/passwd"), ("engine_profile", "/no/such/file"),
+                         ("engine_profile", "/dev/zero"), ("tokenizers", {"m": "/etc"})):
+        reply = httpx.put(two.url + "/admin/routing", headers=OPS, json={field: value}, timeout=20)
+        assert reply.status_code == 400, reply.text
+        answers.add(reply.json()["error"]["message"].replace(field, "FIELD"))
+    assert len(answers) == 1 and "read at start only" in answers.pop()  # (nothing tells a file exists)
+    for header in ("Authorization", "x-api-key", "Cookie", "proxy-authorization"):
+        reply = httpx.put(two.url + "/admin/routing", headers=OPS, json={"session_header": header})
+        assert reply.status_code == 400 and "carries credentials" in reply.json()["error"]["message"], reply.text
+    assert httpx.get(two.url + "/admin/config", headers=OPS).json() == before

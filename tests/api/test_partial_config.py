@@ -211,3 +211,48 @@ def test_a_gateway_that_never_had_keys_reloads_as_before(fleet: FleetThread, tmp
         path.write_text(dump({**open_config, "backends": keyed(fleet, ["va", "vb"])["backends"]}))
         result = gateway.call(app.gateway.control.reload("test"))
         assert result["added"] == ["vb"]
+
+
+def test_a_key_name_or_a_section_written_twice_is_refused_by_a_reload(fleet: FleetThread, tmp_path: Path) -> None:
+    """Two keys of one name were merged by a reload: the limited client key took the other's admin scope and lost
+    its limit. A section written twice kept the second silently."""
+    path = tmp_path / "gateway.yaml"
+    config = keyed(fleet, ["va"])
+    config["auth"]["keys"][0]["requests_per_minute"] = 600
+    path.write_text(dump(config))
+    twin = {"name": "client", "key_sha256": digest("sk-twin-89ab"), "scopes": ["admin", "inference"],
+            "requests_per_minute": None}
+    twice = {**config, "auth": {**config["auth"], "keys": [*config["auth"]["keys"], twin]}}
+    client = {"authorization": f"Bearer {CLIENT_KEY}"}
+    with serving(path) as (gateway, _app):
+        before = httpx.get(gateway.url + "/admin/config", headers=OPS).json()
+        for content, why in ((dump(twice), "auth: keys: two keys are named 'client'"),
+                             (dump(config) + "auth: {open: true}\n", "'auth' is written twice in one mapping")):
+            path.write_text(content)
+            reply = httpx.post(gateway.url + "/admin/reload", headers=OPS)
+            assert reply.status_code == 400 and why in reply.json()["error"]["message"], reply.text
+            assert httpx.get(gateway.url + "/admin/config", headers=OPS).json() == before
+            assert httpx.get(gateway.url + "/admin/config", headers=client).status_code == 403
+            assert anonymous_status(gateway.url) == 401
+
+
+@pytest.mark.timeout(60)
+def test_a_fifo_in_the_files_place_is_refused_at_once_and_the_watch_goes_on(fleet: FleetThread,
+                                                                           tmp_path: Path) -> None:
+    """A FIFO swapped in for the file made every later reload (and the watch) wait for a writer forever."""
+    path = tmp_path / "gateway.yaml"
+    config = keyed(fleet, ["va"])
+    config["server"]["reload_settle_seconds"] = 0.2
+    path.write_text(dump(config))
+    with serving(path) as (gateway, app):
+        fifo = tmp_path / "fifo"
+        os.mkfifo(fifo)
+        os.replace(fifo, path)
+        reply = httpx.post(gateway.url + "/admin/reload", headers=OPS, timeout=20)
+        assert reply.status_code == 400 and "not a regular file" in reply.json()["error"]["message"], reply.text
+        path.unlink()
+        path.write_text(dump({**config, "backends": keyed(fleet, ["va", "vb"])["backends"]}))
+        deadline = time.monotonic() + 20
+        while {b.name for b in app.gateway.pool} != {"va", "vb"}:  # (the watch, still reading)
+            assert time.monotonic() < deadline, "the file watch stopped at the FIFO"
+            time.sleep(0.05)
