@@ -2,8 +2,10 @@
 engine emulator produces on purpose: bytes that are not HTTP, an error body echoing the credentials it was
 sent, an auth refusal, a stream of nothing but comment pings, a stream that never sends its usage.
 
-``GET`` answers the model list (so discovery and the health probe pass). ``seen_headers`` keeps the headers
-of the last POST. :func:`gateway_over` puts a gateway in front of one.
+``GET`` answers the model list (so discovery and the health probe pass), or, for a path in ``get_answers``,
+the status and body set there (an engine's ``/metrics`` or ``/health`` turning hostile); ``gets`` counts the
+GETs of each path. ``seen_headers`` keeps the headers of the last POST. :func:`gateway_over` puts a gateway in
+front of one.
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ class ScriptedUpstream:
         self.port = 0
         self.posts = 0
         self.seen_headers: dict[str, str] = {}
+        self.get_answers: dict[str, tuple[int, bytes]] = {}  # path -> (status, body), set from the test's thread
+        self.gets: dict[str, int] = {}
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self._server: asyncio.Server | None = None
@@ -85,9 +89,12 @@ class ScriptedUpstream:
                 if length:
                     await reader.readexactly(int(length.group(1)))
                 if head.startswith(b"GET"):
-                    models = orjson.dumps({"object": "list", "data": [{"id": self.model, "object": "model"}]})
-                    writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
-                                 % len(models) + models)
+                    path = head.split(b" ", 2)[1].decode()
+                    self.gets[path] = self.gets.get(path, 0) + 1
+                    status, answer = self.get_answers.get(path, (200, orjson.dumps(
+                        {"object": "list", "data": [{"id": self.model, "object": "model"}]})))
+                    writer.write(b"HTTP/1.1 %d X\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+                                 % (status, len(answer)) + answer)
                     await writer.drain()
                     continue
                 self.posts += 1
