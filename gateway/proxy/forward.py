@@ -139,11 +139,11 @@ class Forwarder:
                                 raw = options.rewrite(raw)
                             except ValueError as exc:
                                 raise UpstreamError(f"the backend answered 200 with a body it should not: "
-                                                    f"{exc}: {raw[:80]!r}") from None
+                                                    f"{exc}: {backend.secrets.excerpt(raw, 80)!r}") from None
                         doc = self._account_body(exchange, raw)
                         if doc is None:
                             raise UpstreamError(f"the backend answered 200 with a body that is not a JSON object: "
-                                                f"{raw[:80]!r}")
+                                                f"{backend.secrets.excerpt(raw, 80)!r}")
                         shown = without(doc, options.hidden) if options.hidden else None
                         if shown is not None:
                             raw = orjson.dumps(shown)
@@ -190,7 +190,8 @@ class Forwarder:
         except (InvalidOutput, RetryableStatus):
             raise
         except Exception as exc:  # map_error re-raises what is not an upstream failure
-            error = (UpstreamError(f"the backend's stream is malformed: {exc}") if isinstance(exc, InvalidStream)
+            error = (UpstreamError(f"the backend's stream is malformed: {exc.described(backend.secrets)}")
+                     if isinstance(exc, InvalidStream)
                      else self._transport.map_error(exc)).redacted(backend.secrets)
             if stream is None or not stream.started:
                 raise error from None
