@@ -36,11 +36,15 @@ class ScriptedUpstream:
     that are not an HTTP response), ``echo_500``
     (HTTP 500 whose message repeats the Authorization header it got and the backend's own address), ``echo_token_500``
     (the same with only the header's credentials, its scheme left off),
-    ``status_401``, ``pings`` (200 SSE, then ``: ping`` every ``every`` s until the client leaves)."""
+    ``status_401``, ``pings`` (200 SSE, then ``: ping`` every ``every`` s until the client leaves), ``huge_error``
+    (a 400 whose JSON body is ``size`` bytes) and ``huge_answer`` (a non-streamed 200 of ``size`` bytes), each with
+    a ``Content-Length`` or, with ``chunked``, without; ``sent`` counts the body bytes the gateway took of it."""
 
     def __init__(self, mode: str = "stream", model: str = "m", tokens: int = 8, every: float = 0.01,
-                 usage_after: float = 0.0) -> None:
+                 usage_after: float = 0.0, size: int = 0, chunked: bool = False) -> None:
         self.mode, self.model, self.tokens, self.every = mode, model, tokens, every
+        self.size, self.chunked = size, chunked
+        self.sent = 0
         self.usage_after = usage_after  # seconds between the last token and the usage chunk
         self.port = 0
         self.posts = 0
@@ -129,6 +133,9 @@ class ScriptedUpstream:
                          % len(body) + body)
             await writer.drain()
             return True
+        if mode in ("huge_error", "huge_answer"):
+            await self._huge(writer)
+            return False
         usage: dict[str, Any] = {"prompt_tokens": 10, "completion_tokens": self.tokens,
                                  "total_tokens": 10 + self.tokens}
         if mode == "complete":
@@ -167,6 +174,26 @@ class ScriptedUpstream:
         writer.write(b"data: [DONE]\n\n")
         await writer.drain()
         return False
+
+    async def _huge(self, writer: asyncio.StreamWriter) -> None:
+        """A body of ``size`` bytes, written a MiB at a time as the gateway takes it."""
+        if self.mode == "huge_error":
+            status, head, tail = b"400 Bad Request", b'{"error": {"message": "', b'"}}'
+        else:
+            status = b"200 OK"
+            head = b'{"id": "c", "object": "chat.completion", "choices": [{"index": 0, "message": {"content": "'
+            tail = b'"}}], "usage": {"prompt_tokens": 1, "completion_tokens": 1}}'
+        framing = b"Transfer-Encoding: chunked" if self.chunked else b"Content-Length: %d" % self.size
+        writer.write(b"HTTP/1.1 " + status + b"\r\nContent-Type: application/json\r\n" + framing + b"\r\n\r\n")
+        body = head + b"E" * (self.size - len(head) - len(tail)) + tail
+        for at in range(0, len(body), 1 << 20):
+            piece = body[at:at + (1 << 20)]
+            writer.write(b"%x\r\n%s\r\n" % (len(piece), piece) if self.chunked else piece)
+            await writer.drain()
+            self.sent += len(piece)
+        if self.chunked:
+            writer.write(b"0\r\n\r\n")
+            await writer.drain()
 
 
 def gateway_over(upstream: ScriptedUpstream, **extra: Any) -> tuple[GatewayApp, Any]:
