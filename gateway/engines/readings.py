@@ -1,4 +1,4 @@
-"""What one figure of an engine's load, capacity or model list is worth: checked, or no reading at all.
+"""What one figure of an engine's load, capacity, model list or usage is worth: checked, or no reading at all.
 
 The engines are the operator's and are trusted not to lie on purpose, but their answers can be garbage: ``NaN``
 or ``+Inf`` in ``/metrics`` (a gauge divided by zero), a negative count, a string or a boolean where a number
@@ -24,6 +24,8 @@ MAX_TOKENS = 1 << 40
 MAX_MODELS = 1000
 # characters in a model's name (Hugging Face ids are at most 96; a local path to a GGUF file is longer)
 MAX_MODEL_NAME = 1024
+# tokens one request's usage may say, in any one figure: past any context window times any n a request may ask for
+MAX_USAGE_TOKENS = 1 << 27
 # bytes of one answer to a health, load, capacity or models request: the largest /metrics an engine writes
 # (vLLM with data parallelism and many LoRA adapters) is a few hundred KiB
 MAX_ANSWER_BYTES = 4 << 20
@@ -79,6 +81,15 @@ def histogram(
     if all(math.isfinite(f) and 0 <= f <= MAX_TOKENS for f in figures):
         return found
     return None
+
+
+def usage_tokens(value: Any) -> int:
+    """A usage figure (prompt, completion, cached or reasoning tokens) as accounting takes it: a whole number held
+    to [0, MAX_USAGE_TOKENS], anything else 0. A backend reporting ``prompt_tokens: -1000000`` refilled the key's
+    token bucket by a million."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        return 0
+    return min(max(value, 0), MAX_USAGE_TOKENS)
 
 
 def model_name(value: Any) -> str | None:

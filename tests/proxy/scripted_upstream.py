@@ -45,6 +45,7 @@ class ScriptedUpstream:
         self.mode, self.model, self.tokens, self.every = mode, model, tokens, every
         self.size, self.chunked = size, chunked
         self.sent = 0
+        self.usage: dict[str, Any] | None = None  # what ``complete`` and ``stream`` report (None: the true counts)
         self.usage_after = usage_after  # seconds between the last token and the usage chunk
         self.port = 0
         self.posts = 0
@@ -136,8 +137,8 @@ class ScriptedUpstream:
         if mode in ("huge_error", "huge_answer"):
             await self._huge(writer)
             return False
-        usage: dict[str, Any] = {"prompt_tokens": 10, "completion_tokens": self.tokens,
-                                 "total_tokens": 10 + self.tokens}
+        usage: dict[str, Any] = self.usage or {"prompt_tokens": 10, "completion_tokens": self.tokens,
+                                               "total_tokens": 10 + self.tokens}
         if mode == "complete":
             body = orjson.dumps({"id": "c", "object": "chat.completion", "created": 0, "model": self.model,
                                  "choices": [{"index": 0, "finish_reason": "stop", "message": {

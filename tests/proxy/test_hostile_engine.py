@@ -3,12 +3,16 @@ security sweep's findings on the gateway -> engine boundary, end to end."""
 
 from __future__ import annotations
 
+import hashlib
 import re
 import time
 from collections.abc import Callable
+from typing import Any
 
 import httpx
+import orjson
 
+from gateway.engines.readings import MAX_MODELS
 from tests.proxy.scripted_upstream import ScriptedUpstream, gateway_over
 
 NAN = b"vllm:num_requests_running NaN\nvllm:num_requests_waiting -1e308\nvllm:kv_cache_usage_perc NaN\n"
@@ -54,3 +58,47 @@ def test_a_gateway_starts_in_front_of_an_engine_reporting_nan_load() -> None:
             r = httpx.post(gw.url + "/v1/chat/completions",
                            json={"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True})
             assert r.status_code == 200 and "data: [DONE]" in r.text
+
+
+def keyed(tokens_per_minute: int) -> dict[str, Any]:
+    return {"auth": {"keys": [{"name": "team", "key_sha256": hashlib.sha256(b"sk-team").hexdigest(),
+                               "tokens_per_minute": tokens_per_minute}]}}
+
+
+def test_a_backend_reporting_negative_usage_does_not_refill_the_keys_token_budget() -> None:
+    """The sweep's backend answered ``prompt_tokens: -1000000``: settling against it refilled the key's token
+    bucket to the full, whatever the key had spent. Held to zero, it is charged what it says it generated."""
+    honest = {"prompt_tokens": 45, "completion_tokens": 45, "total_tokens": 90}
+    with ScriptedUpstream(mode="complete", tokens=8) as upstream:
+        _app, server = gateway_over(upstream, **keyed(300))
+        with server as gw:
+            def ask() -> int:
+                return httpx.post(gw.url + "/v1/chat/completions", headers={"authorization": "Bearer sk-team"},
+                                  json={"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                                        "max_tokens": 8}).status_code
+
+            upstream.usage = honest
+            spent = [ask() for _ in range(3)]  # 270 of the key's 300 tokens
+            upstream.usage = {"prompt_tokens": -1_000_000, "completion_tokens": 8, "total_tokens": -999_992}
+            hostile = ask()
+            upstream.usage = honest
+            after = [ask() for _ in range(6)]
+    assert spent == [200] * 3 and hostile == 200
+    # 22 tokens left: one more request is admitted (and puts the key in debt), then 429 until it has refilled;
+    # refilled to 300 by the hostile answer, the key had four more
+    assert after == [200] + [429] * 5, after
+
+
+def test_a_backend_listing_many_models_is_served_for_a_thousand_and_one_listing_300000_is_no_backend() -> None:
+    many = orjson.dumps({"object": "list", "data": [{"id": f"m-{i:06d}", "object": "model"} for i in range(5000)]})
+    flood = orjson.dumps({"object": "list", "data": [{"id": f"m-{i:09d}", "object": "model"}
+                                                     for i in range(300_000)]})
+    with ScriptedUpstream() as upstream:
+        upstream.get_answers["/v1/models"] = (200, many)
+        _app, server = gateway_over(upstream)
+        with server as gw:
+            listed = httpx.get(gw.url + "/v1/models").json()["data"]
+            assert len(listed) == MAX_MODELS and listed[0]["id"] == "m-000000"
+            upstream.get_answers["/v1/models"] = (200, flood)  # ~11 MB: more than any models answer may be
+            until(lambda: httpx.get(gw.url + "/ready").status_code == 503, "the flooding backend is down")
+            assert httpx.get(gw.url + "/v1/models").json()["data"] == []
