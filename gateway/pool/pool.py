@@ -128,6 +128,8 @@ class Pool:
             await client.aclose()
         self._settings.pop(name, None)
         self._probed_at.pop(name, None)
+        self._complained.pop(name, None)
+        self._overlisted.discard(name)
         log.info("backend %s removed (%s)", name, why)
 
     async def reconcile(self, backends: list[BackendSettings], drain_seconds: float) -> dict[str, list[str]]:
