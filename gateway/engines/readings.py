@@ -87,9 +87,11 @@ def usage_tokens(value: Any) -> int:
     """A usage figure (prompt, completion, cached or reasoning tokens) as accounting takes it: a whole number held
     to [0, MAX_USAGE_TOKENS], anything else 0. A backend reporting ``prompt_tokens: -1000000`` refilled the key's
     token bucket by a million."""
-    if isinstance(value, bool) or not isinstance(value, int):
+    if type(value) is not int:  # (a bool's type is bool; an int subclass from JSON there is none)
         return 0
-    return min(max(value, 0), MAX_USAGE_TOKENS)
+    if 0 <= value <= MAX_USAGE_TOKENS:
+        return value
+    return 0 if value < 0 else MAX_USAGE_TOKENS
 
 
 def model_name(value: Any) -> str | None:
