@@ -107,7 +107,7 @@ class Gateway:
         if several and worker is not None:
             self.siblings = Siblings(worker, self.metrics.registry, self.pool)
         self._kv_task: asyncio.Task[None] | None = None
-        self.forwarder = Forwarder(self.transport, settings.timeouts)
+        self.forwarder = Forwarder(self.transport, settings.timeouts, settings.server.max_response_bytes)
         self.dispatcher = Dispatcher(self.pool, self.pipeline, self.admission,
                                      self.forwarder, self.metrics, settings.retries,
                                      settings.structured_output, shared=self.shared,

@@ -44,6 +44,7 @@ class ServerSettings(_Strict):
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65535)
     max_body_bytes: int = Field(default=8 * 1024 * 1024, gt=0, description="larger request bodies get 413")
+    max_response_bytes: int = Field(default=64 << 20, ge=1 << 20, description="larger non-streamed answers: 502")
     shutdown_timeout: float = Field(default=30.0, ge=0, description="seconds in-flight streams get to finish")
     max_header_bytes: int = Field(default=64 * 1024, ge=1024,
                                   description="request line plus headers at most; larger requests get 431")

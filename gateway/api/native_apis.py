@@ -14,6 +14,7 @@ from typing import Any
 import orjson
 
 from gateway.api.translate.messages import anthropic_error
+from gateway.engines.readings import usage_tokens
 from gateway.proxy.forward import NativeApi
 
 # Anthropic: every content_block_delta carries one of these; message_stop is the last event
@@ -48,7 +49,7 @@ RESPONSES = NativeApi("/v1/responses", _count(_RESPONSES_DELTA), _RESPONSES_END,
 
 
 def _int(value: Any) -> int:
-    return value if isinstance(value, int) and not isinstance(value, bool) else 0
+    return usage_tokens(value)  # (never negative: accounting settles a key's budget with it)
 
 
 def chat_usage(api: str, usage: Any) -> dict[str, Any] | None:

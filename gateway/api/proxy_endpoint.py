@@ -115,7 +115,8 @@ SHED_CODES = frozenset({"queue_full", "queue_deadline", "queue_timeout", "backen
 
 
 def _tokens_used(exchange: Exchange) -> int:
-    """What a finished request is charged against its key's tokens per minute: the engine's usage, else
+    """What a finished request is charged against its key's tokens per minute: the engine's usage (each figure
+    held to [0, MAX_USAGE_TOKENS]: a negative one would refill the bucket), else
     (a stream cut before its usage chunk, a backend that reports none) the prompt's estimate plus one token
     per generated-text event relayed. Nothing when no backend was reached."""
     if exchange.usage:

@@ -9,13 +9,15 @@ lives here, so engine quirks never leak into the proxy.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable, Iterable
 from typing import Any, ClassVar
 
 import httpx
+import orjson
 
-from gateway.engines import exposition
+from gateway.engines import exposition, readings
 from gateway.engines.spec import EngineSpec
 from gateway.pool.state import Capacity, Health, LoadRecord, Probe
 from gateway.structured import CONSTRAINT_FIELDS, Constraint, grammar_in
@@ -61,24 +63,25 @@ class EngineAdapter:
             raise BackendError(f"/metrics answered HTTP {response.status_code}")
         values = parse_metrics(response.text, names.values())
         queue = names.get("queue_histogram")
-        return LoadRecord(
-            running=as_int(values.get(names.get("running", ""))),
-            waiting=as_int(values.get(names.get("waiting", ""))),
-            kv_usage=values.get(names.get("kv_usage", "")),
-            read_at=time.monotonic(),
-            queue_histogram=parse_histogram(response.text, queue) if queue else None,
-        )
+        figures = readings.Figures()
+        running = figures.count("running", values.get(names.get("running", "")))
+        waiting = figures.count("waiting", values.get(names.get("waiting", "")))
+        kv_usage = figures.fraction("kv_usage", values.get(names.get("kv_usage", "")))
+        histogram = figures.histogram("queue_histogram", parse_histogram(response.text, queue) if queue else None)
+        return LoadRecord(running, waiting, kv_usage, time.monotonic(), histogram, tuple(figures.rejected))
 
     async def read_capacity(self, client: httpx.AsyncClient) -> Capacity:
         return Capacity(slots=self.spec.default_slots)
 
     async def list_models(self, client: httpx.AsyncClient) -> list[str]:
+        """The models the backend serves, as listed: at most ``readings.MAX_MODELS`` + 1 names (one more than the
+        pool keeps, so it can tell that some were left out)."""
         path = self.spec.models_path
         doc = await get_json(client, path)
         data = doc.get("data") if isinstance(doc, dict) else None
         if not isinstance(data, list):
             raise BackendError(f"{path} has no 'data' list")
-        return [item["id"] for item in data if isinstance(item, dict) and isinstance(item.get("id"), str)]
+        return listed_models(item.get("id") for item in data if isinstance(item, dict))
 
     # --- data plane ----------------------------------------------------------------------------------
     def prepare_body(self, route: str, body: dict[str, Any], constraint: Constraint | None = None) -> dict[str, Any]:
@@ -126,27 +129,67 @@ class EngineAdapter:
 
 # --- helpers ----------------------------------------------------------------------------------------------
 async def get(client: httpx.AsyncClient, path: str) -> httpx.Response:
+    """``GET path``, its body read whole up to ``readings.MAX_ANSWER_BYTES`` (a larger answer is a BackendError:
+    no health, load or models answer is that large, and reading one would hold memory and the event loop)."""
+    limit = readings.MAX_ANSWER_BYTES
     try:
-        return await client.get(path)
+        async with client.stream("GET", path) as response:
+            declared = response.headers.get("content-length", "")
+            if declared.isdecimal() and len(declared) < 20 and int(declared) > limit:
+                raise BackendError(f"GET {path} answered {int(declared)} bytes, more than the {limit} a health, "
+                                   f"load or models answer may be")
+            body = bytearray()
+            async for piece in response.aiter_bytes():
+                body += piece
+                if len(body) > limit:
+                    raise BackendError(f"GET {path} answered more than the {limit} bytes a health, load or models "
+                                       f"answer may be")
     except httpx.TimeoutException as exc:
         raise BackendError(f"GET {path} timed out ({type(exc).__name__})") from None
     except httpx.HTTPError as exc:
         raise BackendError(f"GET {path} failed: {type(exc).__name__}: {exc}") from None
+    # (the body as read, decoded: its content-encoding, if any, is not carried over)
+    return httpx.Response(response.status_code, content=bytes(body), request=response.request,
+                          headers={"content-type": response.headers.get("content-type", "")})
 
 
 async def get_json(client: httpx.AsyncClient, path: str) -> Any:
     response = await get(client, path)
     if response.status_code != 200:
         raise BackendError(f"GET {path} answered HTTP {response.status_code}")
+    return json_of(response, path)
+
+
+def json_of(response: httpx.Response, path: str) -> Any:
+    """The answer's JSON document; BackendError when it is not JSON (an HTML maintenance page, a cut body).
+    Python's own reader takes what orjson refuses but a Python engine writes: ``NaN`` and ``Infinity`` (read as
+    None) and integers past 64 bits (then left out by :mod:`gateway.engines.readings`)."""
     try:
-        return response.json()
-    except ValueError:
+        return orjson.loads(response.content)
+    except orjson.JSONDecodeError:
+        pass
+    try:
+        return json.loads(response.content, parse_constant=lambda _: None)
+    except ValueError:  # (JSONDecodeError, an integer of more than 4,300 digits, bytes that are not UTF-8)
         raise BackendError(f"GET {path} did not answer JSON") from None
+
+
+def listed_models(ids: Iterable[Any]) -> list[str]:
+    """The well-formed model names among ``ids``, in order, at most ``readings.MAX_MODELS`` + 1 of them."""
+    names: list[str] = []
+    for value in ids:
+        name = readings.model_name(value)
+        if name is not None:
+            names.append(name)
+            if len(names) > readings.MAX_MODELS:
+                break
+    return names
 
 
 def parse_histogram(text: str, name: str) -> tuple[tuple[tuple[str, float], ...], float, float] | None:
     """A histogram family summed across its label sets (engine ranks, models): ((le, cumulative), ...), sum,
-    count; None when the family is absent. Only its own lines are read (:mod:`gateway.engines.exposition`)."""
+    count, as the engine wrote them (see ``readings.histogram``); None when the family is absent. Only its own
+    lines are read (:mod:`gateway.engines.exposition`)."""
     try:
         return exposition.histogram(text, name)
     except ValueError as exc:
@@ -162,10 +205,6 @@ def parse_metrics(text: str, wanted: Iterable[str]) -> dict[str, float]:
         return exposition.summed(text, tuple(wanted))
     except ValueError as exc:
         raise BackendError(f"/metrics is not Prometheus text: {exc}") from None
-
-
-def as_int(value: float | None) -> int | None:
-    return None if value is None else round(value)
 
 
 def native_grammar(constraint: Constraint, dialects: tuple[str, ...]) -> str:

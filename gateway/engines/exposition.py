@@ -40,7 +40,9 @@ def samples(text: str, names: Collection[str]) -> Iterator[tuple[str, str, float
                     # quoted label value does not end them early
                     close = rest.rfind("}")
                     if close < 0:
-                        raise ValueError(f"{name}: labels without their closing brace: {rest[:80]!r}")
+                        # (the line itself is not quoted: an engine's text reaches the logs only whole and scrubbed)
+                        raise ValueError(f"{name}: labels without their closing brace (line "
+                                         f"{text.count(chr(10), 0, at) + 1})")
                     labels, tail = rest[1:close], rest[close + 1:]
                 elif rest[:1].isspace():
                     labels, tail = "", rest
@@ -50,7 +52,12 @@ def samples(text: str, names: Collection[str]) -> Iterator[tuple[str, str, float
                     value = tail.split(None, 1)
                     if not value:
                         raise ValueError(f"{name}: a sample without a value")
-                    yield name, labels, float(value[0])  # (ValueError: not a number)
+                    try:
+                        number = float(value[0])
+                    except ValueError:
+                        raise ValueError(f"{name}: a value that is not a number (line "
+                                         f"{text.count(chr(10), 0, at) + 1})") from None
+                    yield name, labels, number
             at = text.find(name, line_end)
 
 

@@ -15,7 +15,8 @@ from typing import Any, ClassVar
 
 import httpx
 
-from gateway.engines.base import BackendError, EngineAdapter, as_int, get, get_json, native_grammar, parse_metrics
+from gateway.engines import readings
+from gateway.engines.base import BackendError, EngineAdapter, get, get_json, json_of, native_grammar, parse_metrics
 from gateway.engines.spec import LLAMACPP_CACHE_FIGURES, RERANK_ROUTES, EngineSpec
 from gateway.pool.state import Capacity, LoadRecord, ShapeSeed
 from gateway.structured import Constraint
@@ -72,6 +73,7 @@ class LlamaCppAdapter(EngineAdapter):
     async def read_load(self, client: httpx.AsyncClient) -> LoadRecord | None:
         running: int | None = None
         waiting: int | None = None
+        figures = readings.Figures()
         if self._slots_enabled:
             response = await get(client, "/slots")
             if response.status_code == 501:
@@ -79,10 +81,11 @@ class LlamaCppAdapter(EngineAdapter):
             elif response.status_code != 200:
                 raise BackendError(f"/slots answered HTTP {response.status_code}")
             else:
-                slots = response.json()
+                slots = json_of(response, "/slots")
                 if not isinstance(slots, list):
                     raise BackendError("/slots is not a list")
-                running = sum(1 for slot in slots if isinstance(slot, dict) and slot.get("is_processing"))
+                running = figures.count("running", sum(1 for slot in slots if isinstance(slot, dict)
+                                                       and slot.get("is_processing") is True))
         if self._metrics_enabled:
             response = await get(client, "/metrics")
             if response.status_code == 501:
@@ -92,12 +95,13 @@ class LlamaCppAdapter(EngineAdapter):
             else:
                 names = self.spec.metric_names
                 values = parse_metrics(response.text, names.values())
-                waiting = as_int(values.get(names["waiting"]))
+                waiting = figures.count("waiting", values.get(names["waiting"]))
                 if running is None:
-                    running = as_int(values.get(names["running"]))
-        if running is None and waiting is None:
+                    running = figures.count("running", values.get(names["running"]))
+        if running is None and waiting is None and not figures.rejected:
             return None
-        return LoadRecord(running=running, waiting=waiting, kv_usage=None, read_at=time.monotonic())
+        return LoadRecord(running=running, waiting=waiting, kv_usage=None, read_at=time.monotonic(),
+                          rejected=tuple(figures.rejected))
 
     async def read_capacity(self, client: httpx.AsyncClient) -> Capacity:
         props: Any = await get_json(client, "/props")
@@ -105,8 +109,8 @@ class LlamaCppAdapter(EngineAdapter):
             raise BackendError("/props is not an object")
         settings = props.get("default_generation_settings")
         n_ctx = settings.get("n_ctx") if isinstance(settings, dict) else None
-        slots = props.get("total_slots")
-        slots = slots if isinstance(slots, int) and slots > 0 else None
-        n_ctx = n_ctx if isinstance(n_ctx, int) and n_ctx > 0 else None
+        slots = readings.positive(props.get("total_slots"), readings.MAX_COUNT)
+        n_ctx = readings.positive(n_ctx)
         # each slot caches its own last prompt: the server's prefix cache is the slots' contexts together
-        return Capacity(slots=slots, context_length=n_ctx, cache_tokens=slots * n_ctx if slots and n_ctx else None)
+        return Capacity(slots=slots, context_length=n_ctx,
+                        cache_tokens=readings.positive(slots * n_ctx) if slots and n_ctx else None)

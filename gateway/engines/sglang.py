@@ -15,6 +15,7 @@ from typing import Any, ClassVar
 import httpx
 import orjson
 
+from gateway.engines import readings
 from gateway.engines.base import BackendError, EngineAdapter, get, get_json, native_grammar, parse_histogram
 from gateway.engines.spec import RERANK_ROUTES, EngineSpec
 from gateway.engines.vllm import max_model_len
@@ -71,28 +72,28 @@ class SGLangAdapter(EngineAdapter):
 
     async def read_load(self, client: httpx.AsyncClient) -> LoadRecord | None:
         loads = await _loads(client)
-        usages = [float(x["token_usage"]) for x in loads if isinstance(x.get("token_usage"), int | float)]
+        figures = readings.Figures()
+        usages = [figures.fraction("kv_usage", x["token_usage"]) for x in loads if x.get("token_usage") is not None]
         queue = None
         if self._metrics_enabled:
             response = await get(client, "/metrics")
             if response.status_code == 200:
-                queue = parse_histogram(response.text, self.spec.metric_names["queue_histogram"])
+                queue = figures.histogram("queue_histogram",
+                                          parse_histogram(response.text, self.spec.metric_names["queue_histogram"]))
             else:
                 self._metrics_enabled = False
-        return LoadRecord(
-            running=_sum(loads, "num_running_reqs"),
-            waiting=_sum(loads, "num_waiting_reqs"),
-            kv_usage=max(usages) if usages else None,
-            read_at=time.monotonic(),
-            queue_histogram=queue,
-        )
+        running = figures.total("running", _reported(loads, "num_running_reqs"))
+        waiting = figures.total("waiting", _reported(loads, "num_waiting_reqs"))
+        known = [u for u in usages if u is not None]
+        kv_usage = max(known) if known and len(known) == len(usages) else None  # (a rank's garbage: no reading)
+        return LoadRecord(running, waiting, kv_usage, time.monotonic(), queue, tuple(dict.fromkeys(figures.rejected)))
 
     async def read_capacity(self, client: httpx.AsyncClient) -> Capacity:
         loads = await _loads(client)
         return Capacity(
             slots=_sum(loads, "max_running_requests") or None,
             context_length=await max_model_len(client),
-            cache_tokens=_sum(loads, "max_total_num_tokens") or None,
+            cache_tokens=_sum(loads, "max_total_num_tokens", readings.MAX_TOKENS) or None,
         )
 
 
@@ -104,9 +105,14 @@ async def _loads(client: httpx.AsyncClient) -> list[dict[str, Any]]:
     return [item for item in loads if isinstance(item, dict)]
 
 
-def _sum(loads: list[dict[str, Any]], key: str) -> int | None:
-    values = [item[key] for item in loads if isinstance(item.get(key), int)]
-    return sum(values) if values else None
+def _reported(loads: list[dict[str, Any]], key: str) -> list[Any]:
+    """``key`` of each rank that reports it."""
+    return [item[key] for item in loads if item.get(key) is not None]
+
+
+def _sum(loads: list[dict[str, Any]], key: str, limit: int = readings.MAX_COUNT) -> int | None:
+    """``key`` summed over the ranks that report it; None when none does or one reports garbage."""
+    return readings.total(_reported(loads, key), limit)
 
 
 def rerank_answer(raw: bytes, model: str) -> bytes:

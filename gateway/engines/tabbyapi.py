@@ -13,6 +13,7 @@ from typing import Any, ClassVar
 
 import httpx
 
+from gateway.engines import readings
 from gateway.engines.base import BackendError, EngineAdapter, get_json, native_grammar
 from gateway.engines.spec import TABBYAPI_CACHE_FIGURES, EngineSpec, StreamQuirks
 from gateway.pool.state import Capacity, LoadRecord, ShapeSeed
@@ -59,9 +60,10 @@ class TabbyAPIAdapter(EngineAdapter):
 
     async def list_models(self, client: httpx.AsyncClient) -> list[str]:
         card: Any = await get_json(client, "/v1/model")
-        if not isinstance(card, dict) or not isinstance(card.get("id"), str):
+        name = readings.model_name(card.get("id")) if isinstance(card, dict) else None
+        if name is None:
             raise BackendError("/v1/model names no loaded model")
-        return [card["id"]]
+        return [name]
 
     async def read_capacity(self, client: httpx.AsyncClient) -> Capacity:
         props: Any = await get_json(client, "/props")
@@ -71,7 +73,7 @@ class TabbyAPIAdapter(EngineAdapter):
         max_seq_len = params.get("max_seq_len") if isinstance(params, dict) else None
         cache_size = params.get("cache_size") if isinstance(params, dict) else None
         return Capacity(
-            slots=slots if isinstance(slots, int) and slots > 0 else None,
-            context_length=max_seq_len if isinstance(max_seq_len, int) and max_seq_len > 0 else None,
-            cache_tokens=cache_size if isinstance(cache_size, int) and cache_size > 0 else None,
+            slots=readings.positive(slots, readings.MAX_COUNT),
+            context_length=readings.positive(max_seq_len),
+            cache_tokens=readings.positive(cache_size),
         )

@@ -11,7 +11,7 @@ from typing import Any, ClassVar
 
 import httpx
 
-from gateway.engines import exposition
+from gateway.engines import exposition, readings
 from gateway.engines.base import EngineAdapter, get, get_json, native_grammar
 from gateway.engines.spec import RERANK_ROUTES, EngineSpec
 from gateway.pool.state import Capacity, ShapeSeed
@@ -80,8 +80,8 @@ async def _kv_tokens(client: httpx.AsyncClient) -> int | None:
     try:
         for _, labels, _ in exposition.samples(response.text, ("vllm:cache_config_info",)):
             blocks, size = exposition.label(labels, "num_gpu_blocks"), exposition.label(labels, "block_size")
-            if blocks and size and blocks.isdigit() and size.isdigit():
-                return int(blocks) * int(size)
+            if blocks and size and blocks.isdecimal() and size.isdecimal() and len(blocks) + len(size) < 30:
+                return readings.positive(int(blocks) * int(size))
     except ValueError:
         return None
     return None
@@ -90,9 +90,8 @@ async def _kv_tokens(client: httpx.AsyncClient) -> int | None:
 async def max_model_len(client: httpx.AsyncClient) -> int | None:
     """vLLM and SGLang list ``max_model_len`` with each model in ``/v1/models``."""
     doc: Any = await get_json(client, "/v1/models")
-    lengths = [
-        item["max_model_len"]
-        for item in (doc.get("data") or [] if isinstance(doc, dict) else [])
-        if isinstance(item, dict) and isinstance(item.get("max_model_len"), int)
-    ]
-    return min(lengths) if lengths else None
+    data = doc.get("data") if isinstance(doc, dict) else None
+    lengths = [readings.positive(item.get("max_model_len")) for item in (data if isinstance(data, list) else [])
+               if isinstance(item, dict)]
+    known = [length for length in lengths if length is not None]
+    return min(known) if known else None

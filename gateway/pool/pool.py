@@ -13,6 +13,7 @@ import orjson
 
 from gateway.config import BackendSettings, BreakerSettings, DiscoverySettings, ScrapeSettings
 from gateway.engines.base import BackendError, EngineAdapter
+from gateway.engines.readings import MAX_MODELS
 from gateway.engines.registry import create_adapter
 from gateway.errors import Redactor
 from gateway.pool.backend import Backend
@@ -25,6 +26,8 @@ log = logging.getLogger("gateway.pool")
 ClientFactory = Callable[[BackendSettings, EngineAdapter], httpx.AsyncClient]
 # a follower's way to the pool snapshot of the worker that scrapes for the whole pod (None: no answer)
 Leader = Callable[[], Awaitable[bytes | None]]
+# a backend answering garbage is logged at most this often (each failed reading is still counted)
+COMPLAINT_SECONDS = 60.0
 
 
 def default_client_factory(scrape: ScrapeSettings) -> ClientFactory:
@@ -55,8 +58,12 @@ class Pool:
         resolver: Resolver | None = None,
         breaker: BreakerSettings | None = None,
         leader: Leader | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._scrape = scrape
+        self._clock = clock  # (for the logging of failed readings only)
+        self._complained: dict[str, float] = {}  # backend -> when its last failed reading was logged
+        self._overlisted: set[str] = set()  # backends that listed more than MAX_MODELS models (logged once)
         # a worker of several (server.workers) that is not the first takes the first one's readings instead of
         # scraping every engine itself: one set of scrapes per pod, whatever the number of workers
         self._leader = leader
@@ -121,6 +128,8 @@ class Pool:
             await client.aclose()
         self._settings.pop(name, None)
         self._probed_at.pop(name, None)
+        self._complained.pop(name, None)
+        self._overlisted.discard(name)
         log.info("backend %s removed (%s)", name, why)
 
     async def reconcile(self, backends: list[BackendSettings], drain_seconds: float) -> dict[str, list[str]]:
@@ -301,7 +310,7 @@ class Pool:
     async def _loop(self, backend: Backend) -> None:
         while True:
             await asyncio.sleep(self._scrape.interval)
-            await self.scrape_once(backend)
+            await self.scrape_once(backend)  # (never raises: a loop that died would freeze its backend's health)
 
     async def _follow_loop(self) -> None:
         """A follower's loop: every scrape interval, the leader's readings; while the leader has none to give
@@ -373,7 +382,27 @@ class Pool:
 
     async def scrape_once(self, backend: Backend) -> None:
         """Probe one backend; when ready, refresh its models (on recovery and every few cycles), its capacity
-        (on recovery) and its load. Never raises: every failure becomes state."""
+        (on recovery) and its load. Never raises, whatever the backend answers: every failure becomes state
+        (a reading that failed is counted in ``scrape_errors`` and logged at most once a minute per backend)."""
+        try:
+            await self._read(backend)
+        except Exception as exc:  # (a fault no adapter foresaw: the next cycle tries again)
+            backend.scrape_errors += 1
+            self._complain(backend, f"reading it failed: {type(exc).__name__}: {exc}")
+
+    def _complain(self, backend: Backend, what: str) -> None:
+        """Log a failed reading: a warning at most every COMPLAINT_SECONDS per backend, else at debug level.
+        The backend's address and credentials are scrubbed from the whole message."""
+        now = self._clock()
+        last = self._complained.get(backend.name)
+        quiet = last is not None and now - last < COMPLAINT_SECONDS
+        if not quiet:
+            self._complained[backend.name] = now
+        log.log(logging.DEBUG if quiet else logging.WARNING, "backend %s: %s%s", backend.name,
+                backend.secrets.scrub(what), "" if quiet else " (such failures of this backend are logged at most "
+                                                              "once a minute)")
+
+    async def _read(self, backend: Backend) -> None:
         adapter = self.adapters[backend.name]
         client = self._clients[backend.name]
         cycle = self._cycles.get(backend.name, 0)
@@ -382,7 +411,7 @@ class Pool:
         try:
             probe = await asyncio.wait_for(adapter.probe(client), self._scrape.timeout)
         except BackendError as exc:
-            probe = Probe(Health.DOWN, str(exc) or "health check failed")
+            probe = Probe(Health.DOWN, backend.secrets.scrub(str(exc)) or "health check failed")
         except TimeoutError:
             if backend.answered != answered and backend.health is Health.READY:
                 # It answered the proxy while the probe waited: the time ran out in this process (an event loop
@@ -395,6 +424,10 @@ class Pool:
                         backend.name, backend.answered - answered)
                 return
             probe = Probe(Health.DOWN, "health check timed out")
+        except Exception as exc:  # an answer the adapter did not foresee: no health either
+            probe = Probe(Health.DOWN, f"health check failed: {type(exc).__name__}")
+            backend.scrape_errors += 1
+            self._complain(backend, f"health check failed: {type(exc).__name__}: {exc}")
         self._late.discard(backend.name)
         if backend.marked_down != marks:
             return  # the proxy saw it fail while this probe was out: the probe's answer is older news
@@ -407,23 +440,40 @@ class Pool:
         try:
             if recovering or cycle % self._scrape.models_every == 0:
                 if backend.configured_models is None:
-                    backend.models = frozenset(await adapter.list_models(client))
+                    backend.models = self._listed(backend, await adapter.list_models(client))
                 backend.capacity = await adapter.read_capacity(client)
-        except BackendError as exc:
+        except Exception as exc:  # (BackendError, or an answer the adapter did not foresee)
             backend.scrape_errors += 1
             if recovering:
-                self._transition(backend, Probe(Health.DOWN, f"healthy but unusable: {exc}"))
+                self._transition(backend, Probe(Health.DOWN, f"healthy but unusable: "
+                                                             f"{backend.secrets.scrub(_why(exc))}"))
                 return
-            log.warning("backend %s: refreshing models/capacity failed: %s", backend.name, exc)
+            self._complain(backend, f"refreshing models/capacity failed: {_why(exc)}")
         if not backend.models:
             self._transition(backend, Probe(Health.DOWN, "serves no model"))
             return
         try:
-            backend.record_load(await adapter.read_load(client))
-        except BackendError as exc:
+            load = await adapter.read_load(client)
+        except Exception as exc:  # (the last reading goes stale: routing falls back to the in-flight count)
             backend.scrape_errors += 1
-            log.debug("backend %s: load reading failed: %s", backend.name, exc)
+            self._complain(backend, f"load reading failed: {_why(exc)}")
+        else:
+            backend.record_load(load)
+            if load is not None and load.rejected:
+                backend.scrape_errors += 1
+                self._complain(backend, f"its load reading had garbage for {', '.join(load.rejected)} (taken as no "
+                                        f"reading)")
         self._transition(backend, probe)
+
+    def _listed(self, backend: Backend, models: list[str]) -> frozenset[str]:
+        """The models a backend listed, at most MAX_MODELS of them (the excess logged once)."""
+        if len(models) <= MAX_MODELS:
+            return frozenset(models)
+        if backend.name not in self._overlisted:
+            self._overlisted.add(backend.name)
+            log.warning("backend %s lists more than %d models: only the first %d are served through it (set its "
+                        "models in the configuration to choose them)", backend.name, MAX_MODELS, MAX_MODELS)
+        return frozenset(models[:MAX_MODELS])
 
     @staticmethod
     def _transition(backend: Backend, probe: Probe, *, quiet: bool = False) -> None:
@@ -434,3 +484,8 @@ class Pool:
             level = logging.DEBUG if quiet else logging.INFO if probe.health is Health.READY else logging.WARNING
             log.log(level, "backend %s (%s) is %s%s", backend.name, backend.engine, probe.health.value,
                     f": {probe.detail}" if probe.detail else "")
+
+
+def _why(exc: Exception) -> str:
+    """A failed reading's message: the adapter's own for a BackendError, else the exception's kind too."""
+    return str(exc) if isinstance(exc, BackendError) else f"{type(exc).__name__}: {exc}"

@@ -27,6 +27,8 @@ class LoadRecord:
     read_at: float  # time.monotonic() of the reading
     # the engine's own queue-time histogram, when it keeps one: ((le, cumulative count), ...), sum, count
     queue_histogram: tuple[tuple[tuple[str, float], ...], float, float] | None = None
+    # the fields the engine gave garbage for (NaN, Inf, negative, not a number), left None above
+    rejected: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

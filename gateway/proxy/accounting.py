@@ -215,8 +215,8 @@ def access_record(exchange: Exchange) -> bytes:
         "ttft_ms": round((exchange.t_first_text - exchange.t_start) * 1000, 2)
         if exchange.t_first_text is not None else None,
         "duration_ms": round((end - exchange.t_start) * 1000, 2),
-        "prompt_tokens": usage.get("prompt_tokens"),
-        "completion_tokens": usage.get("completion_tokens"),
+        "prompt_tokens": exchange.usage_int("prompt_tokens") if "prompt_tokens" in usage else None,
+        "completion_tokens": exchange.usage_int("completion_tokens") if "completion_tokens" in usage else None,
         "cached_tokens": exchange.cached_tokens() if usage else None,
         "route_reason": exchange.route_reason,
     })

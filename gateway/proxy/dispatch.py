@@ -31,7 +31,7 @@ from gateway.proxy.cache_isolation import hidden_figures, isolate
 from gateway.proxy.exchange import Exchange
 from gateway.proxy.forward import PATHS, AttemptOptions, Forwarder, InvalidOutput, NativeApi, RetryableStatus
 from gateway.proxy.models import FALLBACK_CODES, ModelMap
-from gateway.proxy.upstream import UpstreamError
+from gateway.proxy.upstream import ResponseTooLarge, UpstreamError
 from gateway.routing.pipeline import Decision, NoRoute, Pipeline
 from gateway.routing.request import RouteRequest
 from gateway.state.shared import SharedState, Slotted, StateUnavailable
@@ -462,8 +462,18 @@ class Dispatcher:
                 breaker.record(exc.status == 429)
             settled = True
             final = GatewayError(exc.status, "", headers={"x-gateway-backend": backend.name},
-                                 body=normalise_upstream_error(exc.status, exc.body, backend.name, backend.secrets))
+                                 body=normalise_upstream_error(exc.status, exc.body, backend.name, backend.secrets,
+                                                               cut_short=exc.cut_short))
             raise self._retry(exchange, backend, f"status_{exc.status}", final) from None
+        except ResponseTooLarge as exc:
+            # the backend answered; the answer is more than the gateway holds: any backend would answer as much
+            breaker.record(True)
+            settled = True
+            if trace is not None:
+                trace.upstream_end(None, str(exc))
+            exchange.outcome = exc.code
+            raise GatewayError(502, f"backend {backend.name}: {exc}", code=exc.code,
+                               headers={"x-gateway-backend": backend.name}) from None
         except UpstreamError as exc:
             breaker.record(False)
             settled = True

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gateway.auth import Client
+from gateway.engines.readings import usage_tokens
 from gateway.pool.backend import Backend
 from gateway.proxy.admission import Placement
 from gateway.routing.request import RouteRequest
@@ -76,18 +77,19 @@ class Exchange:
         self.text_events += events
 
     def usage_int(self, key: str) -> int:
-        value = (self.usage or {}).get(key)
-        return value if isinstance(value, int) else 0
+        """A figure of the engine's usage as accounting takes it (never negative, never absurdly large: see
+        ``readings.usage_tokens``); 0 when it did not say."""
+        return usage_tokens((self.usage or {}).get(key))
 
     def reported_cached_tokens(self) -> int | None:
         """Prompt tokens the engine says it served from its cache (OpenAI usage details, or llama.cpp's
-        ``timings.cache_n``); None when it did not say."""
+        ``timings.cache_n``), held like any usage figure; None when it did not say."""
         details = (self.usage or {}).get("prompt_tokens_details")
         cached = details.get("cached_tokens") if isinstance(details, dict) else None
-        if isinstance(cached, int):
-            return cached
+        if isinstance(cached, int) and not isinstance(cached, bool):
+            return usage_tokens(cached)
         cache_n = (self.timings or {}).get("cache_n")
-        return cache_n if isinstance(cache_n, int) else None
+        return usage_tokens(cache_n) if isinstance(cache_n, int) and not isinstance(cache_n, bool) else None
 
     def reasoning_tokens(self) -> int:
         """Completion tokens spent reasoning, where the engine says (0 where it does not)."""
@@ -95,8 +97,8 @@ class Exchange:
         if not usage:
             return 0
         details = usage.get("completion_tokens_details")
-        value = details.get("reasoning_tokens") if isinstance(details, dict) else usage.get("reasoning_tokens")
-        return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
+        return usage_tokens(details.get("reasoning_tokens") if isinstance(details, dict) else usage.get(
+            "reasoning_tokens"))
 
     def cached_tokens(self) -> int:
         return self.reported_cached_tokens() or 0

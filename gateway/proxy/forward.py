@@ -30,6 +30,10 @@ from gateway.proxy.sse import InvalidStream, SSERelay, text_events_in
 from gateway.proxy.transport import BodySink, Transport, UpstreamResponse
 from gateway.proxy.upstream import UpstreamError
 
+# what is read of a backend's error body (the rest is never read, and its connection closed): an error worth
+# relaying says what went wrong in far fewer bytes, and one of hundreds of MB held memory and the event loop
+ERROR_BODY_BYTES = 64 * 1024
+
 PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions", "embeddings": "/v1/embeddings",
          "rerank": "/v1/rerank"}
 # other paths clients use for a route (the engines' own aliases): served as the route, sent on its path
@@ -44,10 +48,11 @@ class RetryableStatus(Exception):
     """The backend answered a status worth trying elsewhere, and the caller may still do so. Nothing was sent
     to the client."""
 
-    def __init__(self, status: int, body: bytes) -> None:
+    def __init__(self, status: int, body: bytes, cut_short: bool = False) -> None:
         super().__init__(f"HTTP {status}")
         self.status = status
         self.body = body
+        self.cut_short = cut_short  # ``body`` is the beginning of a longer one (ERROR_BODY_BYTES)
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,9 +85,14 @@ class AttemptOptions:
 
 
 class Forwarder:
-    def __init__(self, transport: Transport, timeouts: TimeoutSettings) -> None:
+    """Forwards attempts through ``transport``. A non-streamed answer is read up to ``max_response_bytes`` (past it:
+    :class:`~gateway.proxy.upstream.ResponseTooLarge`, found without reading the rest), an error body up to
+    ``ERROR_BODY_BYTES`` (the rest cut)."""
+
+    def __init__(self, transport: Transport, timeouts: TimeoutSettings, max_response_bytes: int = 64 << 20) -> None:
         self._transport = transport
         self._timeouts = timeouts
+        self._max_response_bytes = max_response_bytes
 
     def set_timeouts(self, timeouts: TimeoutSettings) -> None:
         """Reloaded timeouts, for the requests that start from now on."""
@@ -118,32 +128,33 @@ class Forwarder:
                     if response.status < 500:
                         backend.answered += 1  # it is up, whatever its health check says (Pool.scrape_once)
                     if response.status != 200:
-                        raw = await response.read()
+                        raw, cut_short = await response.read_prefix(ERROR_BODY_BYTES)
                         if response.status in (401, 403):
                             # the backend refused the gateway's own credentials for it: the client's key was
                             # fine, so never show it the engine's 401 as if it were about its key
                             raise UpstreamError(f"the backend refused the gateway's credentials for it (HTTP "
                                                 f"{response.status}); check its api_key", auth=True)
                         if response.status in options.retry_statuses:
-                            raise RetryableStatus(response.status, raw)
+                            raise RetryableStatus(response.status, raw, cut_short)
                         exchange.outcome = "upstream_error"
                         exchange.responded = True
-                        body = normalise_upstream_error(response.status, raw, backend.name, backend.secrets)
+                        body = normalise_upstream_error(response.status, raw, backend.name, backend.secrets,
+                                                        cut_short=cut_short)
                         await send_body(send, response.status, body, client_headers, writer=options.writer)
                         return
                     content_type = response.headers.get("Content-Type", "")
                     if not exchange.stream or not content_type.startswith("text/event-stream"):
-                        raw = await response.read()
+                        raw = await response.read(self._max_response_bytes)
                         if options.rewrite is not None:
                             try:
                                 raw = options.rewrite(raw)
                             except ValueError as exc:
                                 raise UpstreamError(f"the backend answered 200 with a body it should not: "
-                                                    f"{exc}: {raw[:80]!r}") from None
+                                                    f"{exc}: {backend.secrets.excerpt(raw, 80)!r}") from None
                         doc = self._account_body(exchange, raw)
                         if doc is None:
                             raise UpstreamError(f"the backend answered 200 with a body that is not a JSON object: "
-                                                f"{raw[:80]!r}")
+                                                f"{backend.secrets.excerpt(raw, 80)!r}")
                         shown = without(doc, options.hidden) if options.hidden else None
                         if shown is not None:
                             raw = orjson.dumps(shown)
@@ -190,7 +201,8 @@ class Forwarder:
         except (InvalidOutput, RetryableStatus):
             raise
         except Exception as exc:  # map_error re-raises what is not an upstream failure
-            error = (UpstreamError(f"the backend's stream is malformed: {exc}") if isinstance(exc, InvalidStream)
+            error = (UpstreamError(f"the backend's stream is malformed: {exc.described(backend.secrets)}")
+                     if isinstance(exc, InvalidStream)
                      else self._transport.map_error(exc)).redacted(backend.secrets)
             if stream is None or not stream.started:
                 raise error from None

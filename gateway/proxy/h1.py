@@ -13,8 +13,9 @@ introduced it for the figures.
 What it does: ``POST`` with a ``Content-Length`` body; responses with a length, chunked or close-delimited;
 keep-alive per the response and the request's ``Connection`` header; a stale pooled connection (closed by the
 backend while idle) is retried once on a fresh one, as aiohttp does; TCP_NODELAY (asyncio's default); TLS for
-``https`` URLs. Bounds: the response head (``max_header_bytes``), a body read whole (``max_body_bytes``), and,
-when nobody reads, the buffered body (reading from the backend pauses at 1 MiB). What it does not: redirects,
+``https`` URLs. Bounds: the response head (``max_header_bytes``), a body read whole (the caller's limit, else
+``max_body_bytes``), a body's beginning (``read_prefix``: the rest is never read), and, when nobody reads, the
+buffered body (reading from the backend pauses at 1 MiB). What it does not: redirects,
 cookies, proxies from the environment, compression (the gateway never asks for it), HTTP/2.
 """
 
@@ -31,7 +32,7 @@ import httptools
 
 from gateway.config import TimeoutSettings
 from gateway.proxy.transport import BodySink, map_common
-from gateway.proxy.upstream import UpstreamError
+from gateway.proxy.upstream import ResponseTooLarge, UpstreamError
 
 # buffered body bytes at which reading from the backend pauses when nothing consumes them yet
 _HIGH_WATER = 1 << 20
@@ -65,8 +66,8 @@ class _Target:
 class H1Response:
     """One response. Its body goes to a sink (``stream_to``), or is buffered for ``read``/``chunks``."""
 
-    __slots__ = ("_buffered", "_conn", "_pieces", "_sink", "_waiter", "_whole", "complete", "error", "headers",
-                 "keep_alive", "status")
+    __slots__ = ("_buffered", "_conn", "_limit", "_pieces", "_prefix", "_sink", "_waiter", "_whole", "complete",
+                 "error", "headers", "keep_alive", "status")
 
     def __init__(self, conn: _Connection, status: int, headers: dict[str, str], keep_alive: bool) -> None:
         self._conn = conn
@@ -79,7 +80,9 @@ class H1Response:
         self._buffered = 0
         self._sink: BodySink | None = None
         self._waiter: asyncio.Future[None] | None = None
-        self._whole = False  # read() wants the whole body: never paused (max_body_bytes bounds it)
+        self._whole = False  # read() wants the whole body: never paused (its limit bounds it)
+        self._limit = conn.owner.max_body_bytes  # buffered bytes past which the response fails
+        self._prefix: int | None = None  # read_prefix()'s limit: past it, reading stops
 
     # -- from the connection ----------------------------------------------------------------------------
     def _data(self, chunk: bytes) -> None:
@@ -93,12 +96,13 @@ class H1Response:
             return
         self._pieces.append(chunk)
         self._buffered += len(chunk)
-        limit = self._conn.owner.max_body_bytes
-        if self._buffered > limit:
-            self._fail(UpstreamError(f"the backend's response is larger than {limit} bytes"))
+        if self._buffered > self._limit:
+            self._pieces.clear()  # (held no longer than it takes to say so)
+            self._fail(ResponseTooLarge(self._limit))
             self._conn.close()
             return
-        if self._buffered > _HIGH_WATER and not self._whole:
+        if (self._buffered > _HIGH_WATER and not self._whole) or (
+                self._prefix is not None and self._buffered > self._prefix):
             self._conn.pause_reading()
         self._wake()
 
@@ -135,16 +139,36 @@ class H1Response:
             self._waiter = None
 
     # -- for the caller ---------------------------------------------------------------------------------
-    async def read(self) -> bytes:
-        # A whole-body read needs every byte, up to max_body_bytes: no pause from here on. (It was paused again
+    async def read(self, limit: int | None = None) -> bytes:
+        # A whole-body read needs every byte, up to its limit: no pause from here on. (It was paused again
         # past 1 MiB and never resumed: a non-streamed answer over ~1 MiB hung until timeouts.total.)
+        if limit is not None:
+            declared = self.headers.get("content-length", "")
+            if declared.isdecimal() and int(declared) > limit:
+                raise ResponseTooLarge(limit)  # (unread: release() closes the connection)
+            self._limit = limit
+            if self._buffered > limit:
+                raise ResponseTooLarge(limit)
         self._whole = True
         self._conn.resume_reading()
         while not self.complete:
             if self.error is not None:
                 raise self.error
             await self._wait()
-        return b"".join(self._pieces)
+        body = b"".join(self._pieces)
+        self._pieces.clear()  # (the pieces go as soon as they are joined: a large answer is held once, not twice)
+        return body
+
+    async def read_prefix(self, limit: int) -> tuple[bytes, bool]:
+        self._prefix = limit
+        self._conn.resume_reading()
+        while not self.complete and self._buffered <= limit:
+            if self.error is not None:
+                raise self.error
+            await self._wait()
+        body = b"".join(self._pieces)
+        # (more than limit, or not complete: the rest stays unread, and release() closes the connection)
+        return body[:limit], len(body) > limit
 
     async def chunks(self) -> AsyncIterator[bytes]:
         while True:

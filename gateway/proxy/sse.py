@@ -40,6 +40,7 @@ from typing import Any
 import orjson
 
 from gateway.engines.spec import ALL_QUIRKS, StreamQuirks
+from gateway.errors import Redactor
 from gateway.proxy.cache_figures import FieldPath, without
 
 # an upstream that sends this much without ending an event is not speaking SSE
@@ -47,7 +48,17 @@ MAX_PENDING_BYTES = 1 << 20
 
 
 class InvalidStream(Exception):
-    """The upstream's stream is not well-formed SSE carrying JSON."""
+    """The upstream's stream is not well-formed SSE carrying JSON. Its text says what is wrong; the offending
+    bytes are kept apart (``sample``), for whoever shows them to scrub first (:meth:`described`): an engine may
+    echo its credentials in anything it writes."""
+
+    def __init__(self, problem: str, sample: bytes = b"") -> None:
+        super().__init__(problem)
+        self.sample = sample
+
+    def described(self, redactor: Redactor) -> str:
+        """What is wrong, and the start of the offending bytes, scrubbed of the backend's secrets before cut."""
+        return f"{self}: {redactor.excerpt(self.sample, 80)!r}" if self.sample else str(self)
 
 
 # a key whose non-empty string value is generated output: text, reasoning, or a tool call's arguments;
@@ -93,13 +104,13 @@ def _payload(event: bytes) -> bytes:
     if event.find(b"\n") < 0:
         if event.startswith(b"data:"):
             return event[5:].strip()
-        raise InvalidStream(f"not an SSE data event: {event[:80]!r}")
+        raise InvalidStream("not an SSE data event", event)
     data = []
     for line in event.split(b"\n"):
         if line.startswith(b"data:"):
             data.append(line[5:].strip())
         elif not line.startswith((b":", b"event:", b"id:", b"retry:")):
-            raise InvalidStream(f"not an SSE line: {line[:80]!r}")
+            raise InvalidStream("not an SSE line", line)
     if not data:
         raise InvalidStream("an SSE event without data")
     return b"\n".join(data)
@@ -123,9 +134,9 @@ def _parse(payload: bytes) -> dict[str, Any]:
     try:
         doc = orjson.loads(payload)
     except orjson.JSONDecodeError:
-        raise InvalidStream(f"an event that is not JSON: {payload[:80]!r}") from None
+        raise InvalidStream("an event that is not JSON", payload) from None
     if not isinstance(doc, dict):
-        raise InvalidStream(f"an event that is not a JSON object: {payload[:80]!r}")
+        raise InvalidStream("an event that is not a JSON object", payload)
     return doc
 
 
@@ -292,7 +303,7 @@ class SSERelay:
         if payload == b"[DONE]":
             self.done = True
             return None
-        raise InvalidStream(f"an event that is not a JSON object: {payload[:80]!r}")
+        raise InvalidStream("an event that is not a JSON object", payload)
 
     def _act(self, payload: bytes) -> list[bytes] | None:
         """An event that may carry usage, timings or an error: parsed, noted, and rewritten where needed."""

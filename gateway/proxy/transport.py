@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mappin
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from gateway.proxy.upstream import UpstreamError
+from gateway.proxy.upstream import ResponseTooLarge, UpstreamError
 
 
 class BodySink(Protocol):
@@ -31,12 +31,20 @@ class BodySink(Protocol):
 
 
 class UpstreamResponse(Protocol):
-    """A backend's answer. ``read`` or ``chunks`` consume the body (once); ``release`` must always be called."""
+    """A backend's answer. ``read``, ``read_prefix`` or ``chunks`` consume the body (once); ``release`` must always
+    be called."""
 
     status: int
     headers: Mapping[str, str]
 
-    async def read(self) -> bytes: ...
+    async def read(self, limit: int | None = None) -> bytes:
+        """The whole body; past ``limit`` bytes :class:`~gateway.proxy.upstream.ResponseTooLarge`, as soon as
+        that is known (its ``Content-Length``, or the bytes as they arrive), without reading the rest."""
+        ...
+
+    async def read_prefix(self, limit: int) -> tuple[bytes, bool]:
+        """The body's first ``limit`` bytes at most, and whether there was more (which is then never read)."""
+        ...
 
     def chunks(self) -> AsyncIterator[bytes]: ...
 
@@ -92,8 +100,15 @@ class MockResponse:
     delay: float = 0.0
     released: bool = False
 
-    async def read(self) -> bytes:
-        return self.body + b"".join(await _collect(self.chunks()))
+    async def read(self, limit: int | None = None) -> bytes:
+        body = self.body + b"".join(await _collect(self.chunks()))
+        if limit is not None and len(body) > limit:
+            raise ResponseTooLarge(limit)
+        return body
+
+    async def read_prefix(self, limit: int) -> tuple[bytes, bool]:
+        body = self.body + b"".join(await _collect(self.chunks()))
+        return body[:limit], len(body) > limit
 
     async def chunks(self) -> AsyncIterator[bytes]:
         for piece in self.pieces:

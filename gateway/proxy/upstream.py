@@ -34,3 +34,22 @@ class UpstreamError(Exception):
 
     def redacted(self, redactor: Redactor) -> UpstreamError:
         return UpstreamError(redactor.scrub(str(self)), connect=self.connect, timeout=self.timeout, auth=self.auth)
+
+
+class ResponseTooLarge(UpstreamError):
+    """The backend's non-streamed answer is larger than the gateway holds (``server.max_response_bytes``): found
+    from its ``Content-Length`` or as it arrives, and the connection closed, so no more of it is read. The
+    backend did nothing wrong, and another would answer the same request as largely: not worth a retry, and no
+    failure of the backend's."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"the backend's answer is larger than {limit} bytes (server.max_response_bytes): ask for "
+                         f"less in one request (fewer inputs, a streamed answer), or have the operator raise it")
+        self.limit = limit
+
+    @property
+    def code(self) -> str:
+        return "upstream_response_too_large"
+
+    def redacted(self, redactor: Redactor) -> UpstreamError:
+        return self

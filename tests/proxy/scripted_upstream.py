@@ -2,8 +2,10 @@
 engine emulator produces on purpose: bytes that are not HTTP, an error body echoing the credentials it was
 sent, an auth refusal, a stream of nothing but comment pings, a stream that never sends its usage.
 
-``GET`` answers the model list (so discovery and the health probe pass). ``seen_headers`` keeps the headers
-of the last POST. :func:`gateway_over` puts a gateway in front of one.
+``GET`` answers the model list (so discovery and the health probe pass), or, for a path in ``get_answers``,
+the status and body set there (an engine's ``/metrics`` or ``/health`` turning hostile); ``gets`` counts the
+GETs of each path. ``seen_headers`` keeps the headers of the last POST. :func:`gateway_over` puts a gateway in
+front of one.
 """
 
 from __future__ import annotations
@@ -34,15 +36,22 @@ class ScriptedUpstream:
     that are not an HTTP response), ``echo_500``
     (HTTP 500 whose message repeats the Authorization header it got and the backend's own address), ``echo_token_500``
     (the same with only the header's credentials, its scheme left off),
-    ``status_401``, ``pings`` (200 SSE, then ``: ping`` every ``every`` s until the client leaves)."""
+    ``status_401``, ``pings`` (200 SSE, then ``: ping`` every ``every`` s until the client leaves), ``huge_error``
+    (a 400 whose JSON body is ``size`` bytes) and ``huge_answer`` (a non-streamed 200 of ``size`` bytes), each with
+    a ``Content-Length`` or, with ``chunked``, without; ``sent`` counts the body bytes the gateway took of it."""
 
     def __init__(self, mode: str = "stream", model: str = "m", tokens: int = 8, every: float = 0.01,
-                 usage_after: float = 0.0) -> None:
+                 usage_after: float = 0.0, size: int = 0, chunked: bool = False) -> None:
         self.mode, self.model, self.tokens, self.every = mode, model, tokens, every
+        self.size, self.chunked = size, chunked
+        self.sent = 0
+        self.usage: dict[str, Any] | None = None  # what ``complete`` and ``stream`` report (None: the true counts)
         self.usage_after = usage_after  # seconds between the last token and the usage chunk
         self.port = 0
         self.posts = 0
         self.seen_headers: dict[str, str] = {}
+        self.get_answers: dict[str, tuple[int, bytes]] = {}  # path -> (status, body), set from the test's thread
+        self.gets: dict[str, int] = {}
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self._server: asyncio.Server | None = None
@@ -85,9 +94,12 @@ class ScriptedUpstream:
                 if length:
                     await reader.readexactly(int(length.group(1)))
                 if head.startswith(b"GET"):
-                    models = orjson.dumps({"object": "list", "data": [{"id": self.model, "object": "model"}]})
-                    writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
-                                 % len(models) + models)
+                    path = head.split(b" ", 2)[1].decode()
+                    self.gets[path] = self.gets.get(path, 0) + 1
+                    status, answer = self.get_answers.get(path, (200, orjson.dumps(
+                        {"object": "list", "data": [{"id": self.model, "object": "model"}]})))
+                    writer.write(b"HTTP/1.1 %d X\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+                                 % (status, len(answer)) + answer)
                     await writer.drain()
                     continue
                 self.posts += 1
@@ -122,8 +134,11 @@ class ScriptedUpstream:
                          % len(body) + body)
             await writer.drain()
             return True
-        usage: dict[str, Any] = {"prompt_tokens": 10, "completion_tokens": self.tokens,
-                                 "total_tokens": 10 + self.tokens}
+        if mode in ("huge_error", "huge_answer"):
+            await self._huge(writer)
+            return False
+        usage: dict[str, Any] = self.usage or {"prompt_tokens": 10, "completion_tokens": self.tokens,
+                                               "total_tokens": 10 + self.tokens}
         if mode == "complete":
             body = orjson.dumps({"id": "c", "object": "chat.completion", "created": 0, "model": self.model,
                                  "choices": [{"index": 0, "finish_reason": "stop", "message": {
@@ -160,6 +175,26 @@ class ScriptedUpstream:
         writer.write(b"data: [DONE]\n\n")
         await writer.drain()
         return False
+
+    async def _huge(self, writer: asyncio.StreamWriter) -> None:
+        """A body of ``size`` bytes, written a MiB at a time as the gateway takes it."""
+        if self.mode == "huge_error":
+            status, head, tail = b"400 Bad Request", b'{"error": {"message": "', b'"}}'
+        else:
+            status = b"200 OK"
+            head = b'{"id": "c", "object": "chat.completion", "choices": [{"index": 0, "message": {"content": "'
+            tail = b'"}}], "usage": {"prompt_tokens": 1, "completion_tokens": 1}}'
+        framing = b"Transfer-Encoding: chunked" if self.chunked else b"Content-Length: %d" % self.size
+        writer.write(b"HTTP/1.1 " + status + b"\r\nContent-Type: application/json\r\n" + framing + b"\r\n\r\n")
+        body = head + b"E" * (self.size - len(head) - len(tail)) + tail
+        for at in range(0, len(body), 1 << 20):
+            piece = body[at:at + (1 << 20)]
+            writer.write(b"%x\r\n%s\r\n" % (len(piece), piece) if self.chunked else piece)
+            await writer.drain()
+            self.sent += len(piece)
+        if self.chunked:
+            writer.write(b"0\r\n\r\n")
+            await writer.drain()
 
 
 def gateway_over(upstream: ScriptedUpstream, **extra: Any) -> tuple[GatewayApp, Any]:

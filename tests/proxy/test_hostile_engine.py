@@ -1,0 +1,104 @@
+"""A gateway in front of an engine that answers garbage on its control plane (a raw scripted backend): the
+security sweep's findings on the gateway -> engine boundary, end to end."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import time
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+import orjson
+
+from gateway.engines.readings import MAX_MODELS
+from tests.proxy.scripted_upstream import ScriptedUpstream, gateway_over
+
+NAN = b"vllm:num_requests_running NaN\nvllm:num_requests_waiting -1e308\nvllm:kv_cache_usage_perc NaN\n"
+
+
+def until(check: Callable[[], bool], what: str, within: float = 20.0) -> None:
+    """Wait for a state change the scrape loop (every 0.1 s here) brings about."""
+    deadline = time.monotonic() + within
+    while not check():
+        assert time.monotonic() < deadline, f"still not: {what}"
+        time.sleep(0.05)
+
+
+def test_a_backend_whose_load_turns_to_nan_and_then_goes_down_is_marked_down() -> None:
+    with ScriptedUpstream() as upstream:
+        upstream.get_answers["/metrics"] = (200, b"vllm:num_requests_running 0\nvllm:num_requests_waiting 0\n")
+        _app, server = gateway_over(upstream, backend={"engine": "vllm"})
+        with server as gw:
+            assert httpx.get(gw.url + "/ready").json()["backends"]["scripted"]["routable"] is True
+            upstream.get_answers["/metrics"] = (200, NAN)
+            seen = upstream.gets.get("/metrics", 0)
+            until(lambda: upstream.gets.get("/metrics", 0) >= seen + 3, "the NaN load read three times")
+            ready = httpx.get(gw.url + "/ready")
+            assert ready.status_code == 200 and ready.json()["backends"]["scripted"]["routable"] is True
+            errors = re.search(r'gateway_backend_scrape_errors_total\{backend="scripted",engine="vllm"\} (\S+)',
+                               httpx.get(gw.url + "/metrics").text)
+            assert errors is not None and float(errors[1]) >= 3, "each garbage reading is counted"
+
+            upstream.get_answers["/health"] = (503, b'{"error": "engine dead"}')
+            until(lambda: httpx.get(gw.url + "/ready").status_code == 503, "/ready says not ready")
+            assert httpx.get(gw.url + "/ready").json()["backends"]["scripted"]["health"] == "down"
+            r = httpx.post(gw.url + "/v1/chat/completions",
+                           json={"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+            assert r.status_code == 503, r.text
+
+
+def test_a_gateway_starts_in_front_of_an_engine_reporting_nan_load() -> None:
+    with ScriptedUpstream() as upstream:
+        upstream.get_answers["/metrics"] = (200, NAN)
+        _app, server = gateway_over(upstream, backend={"engine": "vllm"})
+        with server as gw:
+            assert httpx.get(gw.url + "/ready").status_code == 200
+            r = httpx.post(gw.url + "/v1/chat/completions",
+                           json={"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True})
+            assert r.status_code == 200 and "data: [DONE]" in r.text
+
+
+def keyed(tokens_per_minute: int) -> dict[str, Any]:
+    return {"auth": {"keys": [{"name": "team", "key_sha256": hashlib.sha256(b"sk-team").hexdigest(),
+                               "tokens_per_minute": tokens_per_minute}]}}
+
+
+def test_a_backend_reporting_negative_usage_does_not_refill_the_keys_token_budget() -> None:
+    """The sweep's backend answered ``prompt_tokens: -1000000``: settling against it refilled the key's token
+    bucket to the full, whatever the key had spent. Held to zero, it is charged what it says it generated."""
+    honest = {"prompt_tokens": 45, "completion_tokens": 45, "total_tokens": 90}
+    with ScriptedUpstream(mode="complete", tokens=8) as upstream:
+        _app, server = gateway_over(upstream, **keyed(300))
+        with server as gw:
+            def ask() -> int:
+                return httpx.post(gw.url + "/v1/chat/completions", headers={"authorization": "Bearer sk-team"},
+                                  json={"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                                        "max_tokens": 8}).status_code
+
+            upstream.usage = honest
+            spent = [ask() for _ in range(3)]  # 270 of the key's 300 tokens
+            upstream.usage = {"prompt_tokens": -1_000_000, "completion_tokens": 8, "total_tokens": -999_992}
+            hostile = ask()
+            upstream.usage = honest
+            after = [ask() for _ in range(6)]
+    assert spent == [200] * 3 and hostile == 200
+    # 22 tokens left: one more request is admitted (and puts the key in debt), then 429 until it has refilled;
+    # refilled to 300 by the hostile answer, the key had four more
+    assert after == [200] + [429] * 5, after
+
+
+def test_a_backend_listing_many_models_is_served_for_a_thousand_and_one_listing_300000_is_no_backend() -> None:
+    many = orjson.dumps({"object": "list", "data": [{"id": f"m-{i:06d}", "object": "model"} for i in range(5000)]})
+    flood = orjson.dumps({"object": "list", "data": [{"id": f"m-{i:09d}", "object": "model"}
+                                                     for i in range(300_000)]})
+    with ScriptedUpstream() as upstream:
+        upstream.get_answers["/v1/models"] = (200, many)
+        _app, server = gateway_over(upstream)
+        with server as gw:
+            listed = httpx.get(gw.url + "/v1/models").json()["data"]
+            assert len(listed) == MAX_MODELS and listed[0]["id"] == "m-000000"
+            upstream.get_answers["/v1/models"] = (200, flood)  # ~11 MB: more than any models answer may be
+            until(lambda: httpx.get(gw.url + "/ready").status_code == 503, "the flooding backend is down")
+            assert httpx.get(gw.url + "/v1/models").json()["data"] == []

@@ -1,0 +1,60 @@
+"""What the gateway reads of a backend's answer is bounded: an error body up to 64 KiB (the rest never read), a
+non-streamed answer up to ``server.max_response_bytes`` (past it a 502 naming the setting, found without reading
+the rest). The security sweep saw two 400s of 200 MB relayed whole take 1.15 GB and stall a healthy backend's
+request for 3.5 s, and four 200 answers of 200 MB take 1.7 GB."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from gateway.proxy.forward import ERROR_BODY_BYTES
+from gateway.proxy.transport import MockResponse
+from tests.proxy.scripted_upstream import ScriptedUpstream, gateway_over
+from tests.proxy.test_forward import forward
+
+ASK = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+SIZE = 64 << 20  # far past what socket buffers hold: what the gateway did not take, the backend could not send
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_a_huge_error_body_is_relayed_cut_short_and_never_read_whole(chunked: bool) -> None:
+    with ScriptedUpstream(mode="huge_error", size=SIZE, chunked=chunked) as upstream:
+        _app, server = gateway_over(upstream)
+        with server as gw:
+            r = httpx.post(gw.url + "/v1/chat/completions", json=ASK, timeout=30)
+    assert r.status_code == 400 and r.headers["x-gateway-backend"] == "scripted"
+    assert len(r.content) < 1024, "the client gets what an error says, not 64 MB of it"
+    assert r.json()["error"]["message"].startswith('{"error": {"message": "EEEE')
+    assert upstream.sent < SIZE // 2, f"the gateway took {upstream.sent} bytes of the error body"
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_an_answer_past_max_response_bytes_is_a_502_naming_the_setting_and_is_not_read_whole(chunked: bool) -> None:
+    with ScriptedUpstream(mode="huge_answer", size=SIZE, chunked=chunked) as upstream:
+        app, server = gateway_over(upstream, server={"max_response_bytes": 4 << 20})
+        with server as gw:
+            r = httpx.post(gw.url + "/v1/chat/completions", json=ASK, timeout=30)
+            metrics = httpx.get(gw.url + "/metrics").text
+    assert r.status_code == 502, r.text
+    error = r.json()["error"]
+    assert error["code"] == "upstream_response_too_large" and "server.max_response_bytes" in error["message"]
+    assert upstream.sent < SIZE // 2, f"the gateway took {upstream.sent} bytes of the answer"
+    assert upstream.posts == 1, "not retried: any backend would answer as much"
+    assert app.gateway.pool.get("scripted").breaker.state.value == "closed"
+    assert 'outcome="upstream_response_too_large"' in metrics
+
+
+def test_an_answer_within_max_response_bytes_is_served_whole() -> None:
+    with ScriptedUpstream(mode="huge_answer", size=3 << 20) as upstream:
+        _app, server = gateway_over(upstream, server={"max_response_bytes": 4 << 20})
+        with server as gw:
+            r = httpx.post(gw.url + "/v1/chat/completions", json=ASK, timeout=30)
+    assert r.status_code == 200 and len(r.content) == 3 << 20
+
+
+def test_an_error_body_past_the_bound_is_cut_before_it_is_parsed() -> None:
+    body = b'{"error": {"message": "' + b"E" * (2 * ERROR_BODY_BYTES) + b'"}}'
+    exchange, sink, _ = forward("vllm", MockResponse(400, body=body), stream=False)
+    assert sink.status == 400 and exchange.outcome == "upstream_error"
+    assert len(sink.body) < 1024, "a cut JSON body is shown as text: its first 500 characters"
