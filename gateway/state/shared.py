@@ -167,10 +167,11 @@ class SharedState:
         from redis.asyncio.retry import Retry
         from redis.backoff import NoBackoff
         from redis.exceptions import ConnectionError as RedisConnectionError
-        from redis.exceptions import NoScriptError, RedisError
+        from redis.exceptions import NoScriptError, RedisError, ResponseError
 
         self._errors: tuple[type[BaseException], ...] = (RedisError, OSError, TimeoutError)
         self._no_script = NoScriptError
+        self._refused = ResponseError  # an error reply: Redis answered, and refused that one command
         # a bounded pool: a burst of requests shares a few connections instead of opening one each (opening one
         # takes several round trips, which is what timed out under bursts)
         pool = redis.asyncio.BlockingConnectionPool.from_url(
@@ -295,8 +296,12 @@ class SharedState:
     # -- failures -----------------------------------------------------------------------------------------------
     def _failed(self, operation: str, exc: BaseException) -> None:
         """An operation failed. A timeout of one request's operation only fails that request (a slow moment
-        under load is not an outage; the heartbeat decides that); anything else, and a heartbeat timing out,
-        takes the state down until a heartbeat answers."""
+        under load is not an outage; the heartbeat decides that); an error reply (Redis answered, and refused
+        that one command: a key holding what the script cannot read) fails that operation alone; anything else,
+        and any failure of the heartbeat, takes the state down until a heartbeat answers."""
+        if isinstance(exc, self._refused) and operation != "heartbeat":
+            self._failed_alone(operation, exc)
+            return
         self.errors[operation] = self.errors.get(operation, 0) + 1
         if isinstance(exc, TimeoutError) and operation in ("admit", "acquire", "lease"):
             return
@@ -313,14 +318,15 @@ class SharedState:
 
     def _failed_alone(self, operation: str, exc: BaseException) -> None:
         """An operation whose failure is its own (a stored response read or written: Redis past its maxmemory,
-        or slow) failed: counted, and logged at most once a minute; the state stays as it is (a stored response
-        must not switch every key's limits off; the heartbeat decides whether Redis is down)."""
+        or slow; any command Redis answered with an error) failed: counted, and logged at most once a minute;
+        the state stays as it is (one stored response, or one key's corrupt data, must not switch every key's
+        limits off; the heartbeat decides whether Redis is down)."""
         self.errors[operation] = self.errors.get(operation, 0) + 1
         now = time.monotonic()
         if now - self._last_alone_log >= 60:
             self._last_alone_log = now
-            log.warning("shared state: %s failed (%s: %s); that operation alone failed, limits and routing are "
-                        "unaffected", operation, type(exc).__name__, exc)
+            log.warning("shared state: %s failed (%s: %s); that operation alone failed, the state stays up",
+                        operation, type(exc).__name__, exc)
 
     async def _script(self, name: str, source: str, keys: list[str], args: list[Any]) -> Any:
         """Run a script, with whatever else is being run now, in one pipeline (:mod:`autopipeline`)."""
@@ -680,20 +686,27 @@ class SharedState:
             self._draining = False
 
     async def _settle_batch(self, batch: list[tuple[str, list[str], list[Any]]]) -> None:
+        """Send ``batch``; raises if it must be sent again (Redis unreachable). One that Redis refuses with an
+        error reply (its keys hold what the script cannot read) never applies: it is counted and dropped."""
+        todo = [(keys, args) for _, keys, args in batch]
         sha = self._shas.get("settle")
         if sha is None:
             sha = self._shas["settle"] = await self._redis.script_load(scripts.SETTLE)
         for attempt in (1, 2):
             pipe = self._redis.pipeline(transaction=False)
-            for _, keys, args in batch:
+            for keys, args in todo:
                 pipe.evalsha(sha, len(keys), *keys, *args)
-            try:
-                await pipe.execute()
+            replies = await pipe.execute(raise_on_error=False)
+            # (Redis restarted: those did not run, its script cache is empty)
+            todo = [sent for sent, reply in zip(todo, replies, strict=True) if isinstance(reply, self._no_script)]
+            for reply in replies:
+                if isinstance(reply, self._refused) and not isinstance(reply, self._no_script):
+                    self._failed_alone("settle", reply)
+            if not todo:
                 return
-            except self._no_script:  # Redis restarted: none of them ran (its script cache is empty)
-                if attempt == 2:
-                    raise
-                sha = self._shas["settle"] = await self._redis.script_load(scripts.SETTLE)
+            if attempt == 2:
+                raise self._no_script("the settlement script is missing after it was loaded")
+            sha = self._shas["settle"] = await self._redis.script_load(scripts.SETTLE)
 
     @property
     def pending(self) -> int:
@@ -831,8 +844,12 @@ class SharedState:
         pipe = self._redis.pipeline(transaction=False)
         pipe.exists(self._drained_mark)
         pipe.smembers(self._drained_key)
-        marked, members = await asyncio.wait_for(pipe.execute(), self._timeout * 5)
-        now = {m.decode() if isinstance(m, bytes) else str(m) for m in members}
+        marked, members = await asyncio.wait_for(pipe.execute(raise_on_error=False), self._timeout * 5)
+        if isinstance(members, self._refused):  # (not a set: garbage, replaced by what this replica read last)
+            self._failed_alone("drain", members)
+            await asyncio.wait_for(self._redis.delete(self._drained_key), self._timeout * 5)
+            marked, members = False, set()
+        now = {m.decode("utf-8", "replace") if isinstance(m, bytes) else str(m) for m in members}
         before = self._drained_read
         if not marked and before is not None:
             # Redis lost what it held (or no drain was ever written): the set this replica read last is the truth,
@@ -887,19 +904,13 @@ class SharedState:
         # the settlements waiting now: a resync writes the slots they give back as given back already
         waiting = list(self._pending) if resync else []
         try:
-            _, alive = await asyncio.wait_for(self._script("heartbeat", scripts.HEARTBEAT, keys, args),
-                                              self._timeout * 5)
+            _, alive, others = await asyncio.wait_for(self._script("heartbeat", scripts.HEARTBEAT, keys, args),
+                                                      self._timeout * 5)
             for _, _, settle_args in waiting:
                 settle_args[3] = "0"
             self.replicas = int(alive)
-            if slotted:
-                pipe = self._redis.pipeline(transaction=False)
-                for backend in slotted:
-                    pipe.hgetall(self._inflight(backend))
-                counts = await asyncio.wait_for(pipe.execute(), self._timeout * 5)
-                mine = self.replica.encode()
-                for backend, fields in zip(slotted, counts, strict=True):
-                    self.remote[backend] = sum(int(v) for k, v in fields.items() if k != mine)
+            for backend, count in zip(slotted, others, strict=True):  # (the others' counts, read by the script)
+                self.remote[backend] = int(count)
             if self._on_drained:
                 await self._read_drained()
         except self._errors as exc:
