@@ -268,6 +268,9 @@ STATE = RowSpec("Shared state (Redis)", (
               (Query(f"sum(rate(gateway_state_fail_open_total[{RATE}]))", "passed unchecked/s"),
                Query(f"sum(rate(gateway_state_settlements_dropped_total[{RATE}]))", "dropped/s"),
                Query("sum(gateway_state_settlements_pending)", "waiting"))),
+    PanelSpec("Given back/s", "Round trips to Redis answered after their request gave up (timed out or left) or "
+              "after a resync, whose slots, places and charges were given back.", "short",
+              (Query(f"sum(rate(gateway_state_abandoned_total[{RATE}]))", "given back"),), width=16),
 ))
 
 ROWS = (TRAFFIC, LATENCY, THROUGHPUT, BACKENDS, ROUTING, KV_EVENTS, STATE)

@@ -40,6 +40,9 @@ Redis full: what limits keep (buckets, in-flight counts) carries no TTL, so ``vo
 it, and its scripts run past ``maxmemory`` (:mod:`gateway.state.scripts`); a write Redis refuses for memory is a
 stored response's, which fails alone.
 
+Redis stalling: an admission that timed out (or whose client left) still runs in Redis when it resumes; its
+answer, when it comes, has the replica give back what it took (:meth:`SharedState._admission_abandoned`).
+
 Redis failing: every operation has a short timeout; the state is then *down* (``gateway_state_up`` 0,
 ``gateway_state_errors_total``, a log line per minute at most) until a heartbeat answers again. Meanwhile
 limits pass (``on_failure: open``, counted in ``gateway_state_fail_open_total``) or refuse with 503
@@ -59,6 +62,7 @@ import uuid
 from collections import deque
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, Any, Protocol
 
 import msgpack
@@ -208,9 +212,15 @@ class SharedState:
         self.admissions: dict[str, int] = {"local": 0, "waited": 0, "redis": 0}
         self.refills = 0  # leases topped up ahead of need (round trips in the background)
         self.dropped = 0  # settlements dropped (the queue was full while Redis was down)
+        # round trips answered after their request gave up (timed out, or left) or after a resync: what they took
+        # was given back
+        self.abandoned = 0
         self._last_log = 0.0
         self._last_alone_log = 0.0  # (operations that fail alone log apart: the state's own lines are not hidden)
         self._needs_resync = True
+        # counts each resync: what was queued (a settlement) or sent (an admission) before the latest resync is in
+        # the counts it wrote, so its slots and places are not given back on top of them
+        self._epoch = 0
         self._held: dict[str, int] = {}  # backend -> slots this replica's requests hold (its own truth)
         # backend -> slots this replica holds in Redis but no request uses: kept for its next requests
         self._kept: dict[str, int] = {}
@@ -228,7 +238,8 @@ class SharedState:
         self._reserves: dict[str, int] = {}  # key name -> the tokens its latest request reserved
         self._dry: dict[str, float] = {}  # key name -> when a top-up last brought nothing (monotonic)
         self.remote: dict[str, int] = {}  # backend -> slots the other replicas hold, as last read
-        self._pending: deque[tuple[str, list[str], list[Any]]] = deque()  # settlements waiting for Redis
+        # settlements waiting for Redis: (the epoch they were queued in, keys, args)
+        self._pending: deque[tuple[int, list[str], list[Any]]] = deque()
         self._draining = False
         self._settlements = 0  # (numbers this replica's settlements: their ids)
         self.replicas = 1  # replicas alive, as the last heartbeat counted them (this one included)
@@ -296,15 +307,22 @@ class SharedState:
     # -- failures -----------------------------------------------------------------------------------------------
     def _failed(self, operation: str, exc: BaseException) -> None:
         """An operation failed. A timeout of one request's operation only fails that request (a slow moment
-        under load is not an outage; the heartbeat decides that); an error reply (Redis answered, and refused
-        that one command: a key holding what the script cannot read) fails that operation alone; anything else,
-        and any failure of the heartbeat, takes the state down until a heartbeat answers."""
+        under load is not an outage; the heartbeat decides that; what Redis gives it when it answers after all
+        goes back: see the ``late`` of :meth:`_script`); an error reply (Redis answered, and refused that one
+        command: a key holding what the script cannot read) fails that operation alone; anything else, and any
+        failure of the heartbeat, takes the state down until a heartbeat answers."""
+        if isinstance(exc, TimeoutError) and operation in ("admit", "acquire", "lease"):
+            self.errors[operation] = self.errors.get(operation, 0) + 1
+            return
         if isinstance(exc, self._refused) and operation != "heartbeat":
             self._failed_alone(operation, exc)
             return
+        self._lost(operation, exc)
+
+    def _lost(self, operation: str, exc: BaseException) -> None:
+        """Redis is unreachable (or may have run a command whose answer is lost): the state is down until a
+        heartbeat answers, which then writes this replica's counts afresh."""
         self.errors[operation] = self.errors.get(operation, 0) + 1
-        if isinstance(exc, TimeoutError) and operation in ("admit", "acquire", "lease"):
-            return
         if self.up:
             self._needs_resync = True
             # the resync writes what this replica's requests hold: the kept slots go with it
@@ -328,16 +346,19 @@ class SharedState:
             log.warning("shared state: %s failed (%s: %s); that operation alone failed, the state stays up",
                         operation, type(exc).__name__, exc)
 
-    async def _script(self, name: str, source: str, keys: list[str], args: list[Any]) -> Any:
-        """Run a script, with whatever else is being run now, in one pipeline (:mod:`autopipeline`)."""
+    async def _script(self, name: str, source: str, keys: list[str], args: list[Any],
+                      late: Callable[[Any], None] | None = None) -> Any:
+        """Run a script, with whatever else is being run now, in one pipeline (:mod:`autopipeline`). ``late``:
+        called with Redis's answer should it come after the caller gave up (timed out, or was cancelled), to give
+        back what the script took."""
         sha = self._shas.get(name)
         if sha is None:
             sha = self._shas[name] = await self._redis.script_load(source)
         try:
-            return await self._pipeline.call("EVALSHA", sha, len(keys), *keys, *args)
+            return await self._pipeline.call("EVALSHA", sha, len(keys), *keys, *args, late=late)
         except self._no_script:  # Redis restarted (its script cache is empty)
             self._shas[name] = await self._redis.script_load(source)
-            return await self._pipeline.call("EVALSHA", self._shas[name], len(keys), *keys, *args)
+            return await self._pipeline.call("EVALSHA", self._shas[name], len(keys), *keys, *args, late=late)
 
     # -- admission ----------------------------------------------------------------------------------------------
     def needed(self, budget: Budget | None, candidates: Sequence[Candidate]) -> bool:
@@ -409,13 +430,17 @@ class SharedState:
         args = [self.replica, rpm, tpm, reserve, cap, self._wanted_channel, self._wanted_message(chosen_from),
                 divisor, LEASE_MAX, LEASE_MAX * self._unit(name, reserve), room,
                 *(c.max_concurrency or 0 for c in chosen_from)]
+        if not self.up:  # (it went down while this waited: a resync is due, and nothing may be sent before it)
+            raise StateUnavailable("down")
         self.admissions["redis"] += 1
         done: asyncio.Future[None] | None = None
         if not cap and flight not in self._admitting:
             done = self._admitting[flight] = asyncio.get_running_loop().create_future()
+        epoch = self._epoch
+        undo = partial(self._admission_abandoned, name, rpm, tpm, reserve, cap, chosen_from, epoch)
         try:
             async with asyncio.timeout(self._timeout):  # (not wait_for: it makes a task per call)
-                status, value, *more = await self._script("admit", scripts.ADMIT, keys, args)
+                reply = await self._script("admit", scripts.ADMIT, keys, args, undo)
         except self._errors as exc:
             self._failed("admit", exc)
             raise StateUnavailable(str(exc)) from None
@@ -423,6 +448,10 @@ class SharedState:
             if done is not None:
                 del self._admitting[flight]
                 done.set_result(None)
+        if epoch != self._epoch:  # a resync was sent meanwhile: it wrote this replica's counts without this one
+            undo(reply)
+            raise StateUnavailable("the shared state was resynchronised during the admission")
+        status, value, *more = reply
         if status == 0 and len(more) >= 2:
             for kind, limit, amount in (("requests", rpm, int(more[0])), ("tokens", tpm, int(more[1]))):
                 if amount > 0:
@@ -444,6 +473,32 @@ class SharedState:
             if extra > 0:
                 self._kept_extra(chosen_from[index], extra)
         return Admitted(chosen=index, slot=slot, key_place=bool(cap))
+
+    def _admission_abandoned(self, name: str, rpm: int, tpm: int, reserve: int, cap: int,
+                             chosen_from: list[Candidate], epoch: int, reply: Any) -> None:
+        """Redis's answer to an admission no request uses (its request gave up: timed out or left; or a resync
+        was sent meanwhile): what it took goes back, the key's requests and tokens included (the request was
+        not admitted by it). A slot or place it took is not given back after a resync: the resync wrote this
+        replica's counts without it. No answer at all (the connection broke): it may have run, so the state
+        goes down, and the heartbeat that brings it back writes the counts afresh."""
+        self.abandoned += 1
+        if isinstance(reply, BaseException):
+            if not isinstance(reply, self._refused):  # (an error reply: it took nothing)
+                self._lost("admit", reply)
+            return
+        status, index, *more = reply
+        if status != 0:
+            return  # (refused: it took nothing)
+        leased, tleased, kept = (int(m) for m in more[:3])
+        if rpm:
+            self._queue_settle(name, rpm, -(1 + leased), None, 0, None, bucket="requests")
+        counted = epoch == self._epoch
+        slot = chosen_from[int(index)] if chosen_from and counted else None
+        backend = slot.name if slot is not None and slot.max_concurrency else None
+        place = key_place_of(name) if cap and counted else None
+        tokens = -(reserve + tleased) if tpm else 0
+        if tokens or backend is not None or place is not None:
+            self._queue_settle(name, tpm, tokens, backend, 1 + kept if backend is not None else 0, place)
 
     def _local(self, name: str, rpm: int, tpm: int, reserve: int, head: Candidate | None) -> bool:
         """Admit from what this replica has, without a round trip, if it has what the request needs: a leased
@@ -501,7 +556,8 @@ class SharedState:
             args = [rpm, tpm, LEASE_SHARE * max(1, self.replicas), want, want_tokens, reserve]
             try:
                 async with asyncio.timeout(self._timeout):
-                    leased, tokens = await self._script("lease", scripts.LEASE, keys, args)
+                    leased, tokens = await self._script("lease", scripts.LEASE, keys, args,
+                                                        partial(self._lease_abandoned, name, rpm, tpm))
             except self._errors as exc:
                 self._failed("lease", exc)
                 return
@@ -515,22 +571,47 @@ class SharedState:
             del self._refilling[name]
             done.set_result(None)
 
+    def _lease_abandoned(self, name: str, rpm: int, tpm: int, reply: Any) -> None:
+        """Redis's answer to a top-up that gave up waiting: what it leased goes back to the buckets."""
+        self.abandoned += 1
+        if isinstance(reply, BaseException):
+            return  # (no answer: what it may have leased is lost to the key until its buckets refill)
+        for kind, limit, amount in (("requests", rpm, int(reply[0])), ("tokens", tpm, int(reply[1]))):
+            if amount > 0:
+                self._queue_settle(name, limit, -amount, None, 0, None, bucket=kind)
+
     async def acquire(self, backend: Candidate) -> bool:
         """A slot on one backend with a ``max_concurrency`` (a failover attempt). Raises StateUnavailable."""
         assert backend.max_concurrency
         if self._take_kept(backend):
             return True
+        if not self.up:
+            raise StateUnavailable("down")
+        epoch = self._epoch
+        undo = partial(self._slot_abandoned, backend.name, epoch)
         try:
             async with asyncio.timeout(self._timeout):
                 taken = await self._script("acquire", scripts.ACQUIRE, [self._inflight(backend.name)],
                                            [self.replica, backend.max_concurrency, self._wanted_channel,
-                                            self._wanted_message([backend])])
+                                            self._wanted_message([backend])], undo)
         except self._errors as exc:
             self._failed("acquire", exc)
             raise StateUnavailable(str(exc)) from None
+        if epoch != self._epoch:  # (as in admit_remote)
+            undo(taken)
+            raise StateUnavailable("the shared state was resynchronised while a slot was taken")
         if taken:
             self._took(backend)
         return bool(taken)
+
+    def _slot_abandoned(self, backend: str, epoch: int, reply: Any) -> None:
+        """Redis's answer to a slot taken for no request (as :meth:`_admission_abandoned`)."""
+        self.abandoned += 1
+        if isinstance(reply, BaseException):
+            if not isinstance(reply, self._refused):
+                self._lost("acquire", reply)
+        elif reply == 1 and epoch == self._epoch:
+            self._queue_settle("_", 0, 0, backend, 1, None)
 
     # -- kept slots ---------------------------------------------------------------------------------------------
     def _took(self, backend: Candidate) -> None:
@@ -662,7 +743,7 @@ class SharedState:
         if len(self._pending) >= MAX_PENDING:
             self._pending.popleft()
             self.dropped += 1
-        self._pending.append(("settle", keys, args))
+        self._pending.append((self._epoch, keys, args))
         if not self._draining:
             self._spawn(self._drain())
 
@@ -685,10 +766,16 @@ class SharedState:
         finally:
             self._draining = False
 
-    async def _settle_batch(self, batch: list[tuple[str, list[str], list[Any]]]) -> None:
+    async def _settle_batch(self, batch: list[tuple[int, list[str], list[Any]]]) -> None:
         """Send ``batch``; raises if it must be sent again (Redis unreachable). One that Redis refuses with an
         error reply (its keys hold what the script cannot read) never applies: it is counted and dropped."""
-        todo = [(keys, args) for _, keys, args in batch]
+        todo = []
+        for epoch, keys, args in batch:
+            if epoch != self._epoch:
+                # queued before the latest resync, which wrote this replica's counts without what it gives back:
+                # only its tokens are still to settle
+                args = [*args[:3], "0", args[4], "", "0"]
+            todo.append((keys, args))
         sha = self._shas.get("settle")
         if sha is None:
             sha = self._shas["settle"] = await self._redis.script_load(scripts.SETTLE)
@@ -899,15 +986,14 @@ class SharedState:
         slotted = sorted(self.slotted())
         keys = [self._replicas_key, *(self._inflight(b) for b in slotted)]
         resync = self._needs_resync
+        if resync:
+            # what was queued or sent before now is in the counts this writes: see _settle_batch, admit_remote
+            self._epoch += 1
         args = [self.replica, int(1000 * self.settings.replica_ttl_seconds), self._freed_channel,
                 "1" if resync else "0", *(self._held.get(b, 0) + self._kept.get(b, 0) for b in slotted)]
-        # the settlements waiting now: a resync writes the slots they give back as given back already
-        waiting = list(self._pending) if resync else []
         try:
             _, alive, others = await asyncio.wait_for(self._script("heartbeat", scripts.HEARTBEAT, keys, args),
                                                       self._timeout * 5)
-            for _, _, settle_args in waiting:
-                settle_args[3] = "0"
             self.replicas = int(alive)
             for backend, count in zip(slotted, others, strict=True):  # (the others' counts, read by the script)
                 self.remote[backend] = int(count)

@@ -277,3 +277,7 @@ class StateCollector(Collector):
             "waited while the shared state was down.", value=float(shared.dropped))
         yield GaugeMetricFamily("gateway_state_settlements_pending",
                                 "Settlements waiting for the shared state to answer.", value=float(shared.pending))
+        yield CounterMetricFamily(
+            "gateway_state_abandoned", "Round trips to Redis (admissions, slots, lease top-ups) answered after their "
+            "request gave up (timed out or left) or after a resync: what they took was given back.",
+            value=float(shared.abandoned))
