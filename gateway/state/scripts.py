@@ -74,18 +74,18 @@ local function wait(ms) return math.min(ms, 1e15) end
 #   KEYS[4..] each candidate's in-flight hash
 #   ARGV[1] replica id, ARGV[2] requests per minute (0: none), ARGV[3] tokens per minute (0: none),
 #   ARGV[4] tokens to reserve, ARGV[5] the key's max_in_flight (0: none),
-#   ARGV[6] the wanted channel, ARGV[7] its message (the replica, then the candidates' names),
-#   ARGV[8] lease divisor (0: no lease), ARGV[9] the most requests leased at once, ARGV[10] the most tokens,
-#   ARGV[11] the most slots to keep besides the request's own,
-#   ARGV[12..] each candidate's max_concurrency (0: no limit, no slot taken)
-# A lease: besides what the request takes, up to ARGV[9] more of the requests bucket's requests and ARGV[10] of
-# the tokens bucket's tokens (never more than a bucket's level / ARGV[8]: none as it runs low, nor tokens
+#   ARGV[6] lease divisor (0: no lease), ARGV[7] the most requests leased at once, ARGV[8] the most tokens,
+#   ARGV[9] the most slots to keep besides the request's own,
+#   ARGV[10..] each candidate's max_concurrency (0: no limit, no slot taken)
+# A lease: besides what the request takes, up to ARGV[7] more of the requests bucket's requests and ARGV[8] of
+# the tokens bucket's tokens (never more than a bucket's level / ARGV[6]: none as it runs low, nor tokens
 # fewer than this request reserved), for the replica's next requests to take without a round trip. Kept slots
-# likewise: up to ARGV[11] more slots of the chosen candidate (never more than half of those still free after
+# likewise: up to ARGV[9] more slots of the chosen candidate (never more than half of those still free after
 # the request's own), for the replica to keep for its next requests.
 # Returns {0, i, requests leased, tokens leased, slots kept}: admitted on candidate i (0-based); {1, ms} / {2, ms}:
-# requests / tokens per minute exhausted, retry in ms; {3, 0}: every candidate is full (nothing was taken;
-# announced on the wanted channel); {4, 0}: the key has max_in_flight requests in flight (nothing was taken).
+# requests / tokens per minute exhausted, retry in ms; {3, 0}: every candidate is full (nothing was taken; the
+# replica announces it on the wanted channel); {4, 0}: the key has max_in_flight requests in flight (nothing was
+# taken).
 ADMIT = _FLAGS + _ROBUST + _LEVEL + """
 local rpm, tpm, reserve = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
 local rl, tl
@@ -101,30 +101,27 @@ local cap = tonumber(ARGV[5])
 if cap > 0 and held(KEYS[3]) >= cap then return {4, 0} end
 local chosen, kept = 0, 0
 for i = 4, #KEYS do
-  local limit = tonumber(ARGV[i + 8])
+  local limit = tonumber(ARGV[i + 6])
   if limit == 0 then chosen = i break end
   local total = held(KEYS[i])
   if total < limit then
-    kept = math.max(0, math.min(tonumber(ARGV[11]), math.floor((limit - total - 1) / 2)))
+    kept = math.max(0, math.min(tonumber(ARGV[9]), math.floor((limit - total - 1) / 2)))
     add(KEYS[i], ARGV[1], 1 + kept)
     chosen = i
     break
   end
 end
-if #KEYS > 3 and chosen == 0 then
-  redis.call('PUBLISH', ARGV[6], ARGV[7])
-  return {3, 0}
-end
+if #KEYS > 3 and chosen == 0 then return {3, 0} end
 if cap > 0 then add(KEYS[3], ARGV[1], 1) end
-local divisor = tonumber(ARGV[8])
+local divisor = tonumber(ARGV[6])
 local leased, tleased = 0, 0
 if rpm > 0 then
-  if divisor > 0 then leased = math.max(0, math.min(tonumber(ARGV[9]), math.floor((rl - 1) / divisor))) end
+  if divisor > 0 then leased = math.max(0, math.min(tonumber(ARGV[7]), math.floor((rl - 1) / divisor))) end
   redis.call('HSET', KEYS[1], 'l', tostring(rl - 1 - leased), 't', now)
   redis.call('PERSIST', KEYS[1])
 end
 if tpm > 0 then
-  if divisor > 0 then tleased = math.min(tonumber(ARGV[10]), math.floor((tl - reserve) / divisor)) end
+  if divisor > 0 then tleased = math.min(tonumber(ARGV[8]), math.floor((tl - reserve) / divisor)) end
   if tleased < math.max(1, reserve) then tleased = 0 end  -- (less than one such request's reservation: useless)
   redis.call('HSET', KEYS[2], 'l', tostring(tl - reserve - tleased), 't', now)
   redis.call('PERSIST', KEYS[2])
@@ -164,14 +161,10 @@ return {leased, tleased}
 """
 
 # ACQUIRE: a slot on one backend (a failover attempt), if it has one free.
-#   KEYS[1] the backend's in-flight hash; ARGV[1] replica id, ARGV[2] its max_concurrency,
-#   ARGV[3] the wanted channel, ARGV[4] its message
-# Returns 1 (taken) or 0 (full, announced on the wanted channel).
+#   KEYS[1] the backend's in-flight hash; ARGV[1] replica id, ARGV[2] its max_concurrency
+# Returns 1 (taken) or 0 (full: the replica announces it on the wanted channel).
 ACQUIRE = _FLAGS + _ROBUST + """
-if held(KEYS[1]) >= tonumber(ARGV[2]) then
-  redis.call('PUBLISH', ARGV[3], ARGV[4])
-  return 0
-end
+if held(KEYS[1]) >= tonumber(ARGV[2]) then return 0 end
 add(KEYS[1], ARGV[1], 1)
 return 1
 """
@@ -184,8 +177,8 @@ return 1
 #   KEYS[1] tokens bucket, KEYS[2] in-flight hash, KEYS[3] the settlement's id key, KEYS[4] the key's
 #   in-flight hash
 #   ARGV[1] replica id, ARGV[2] tokens per minute (0: none), ARGV[3] tokens used - reserved,
-#   ARGV[4] how many slots to give back, ARGV[5] the free-slot channel, ARGV[6] its message (backend and replica),
-#   ARGV[7] 1 to release the key's in-flight place
+#   ARGV[4] how many slots to give back, ARGV[5] the free-slot channel, ARGV[6] its message (sealed: the backend,
+#   from the replica), ARGV[7] 1 to release the key's in-flight place
 SETTLE = _FLAGS + _ROBUST + _LEVEL + """
 if not redis.call('SET', KEYS[3], 1, 'NX', 'PX', 120000) then return 0 end
 local tpm, delta = tonumber(ARGV[2]), tonumber(ARGV[3])
@@ -203,11 +196,11 @@ return 1
 """
 
 # HEARTBEAT: this replica is alive (now, Redis's clock); replicas silent past the TTL are forgotten and their
-# slots freed. With ARGV[4] = 1 its own counts are written as they are (after Redis was unreachable, when
+# slots freed. With ARGV[5] = 1 its own counts are written as they are (after Redis was unreachable, when
 # some increments or decrements may have been lost). Then the counts the other replicas hold, per hash.
 #   KEYS[1] replicas sorted set, KEYS[2..] every in-flight hash
-#   ARGV[1] replica id, ARGV[2] TTL ms, ARGV[3] the free-slot channel (a reap announces '*': any backend),
-#   ARGV[4] 1: resync, ARGV[5..] own count per hash
+#   ARGV[1] replica id, ARGV[2] TTL ms, ARGV[3] the free-slot channel, ARGV[4] the message a reap announces there
+#   (sealed: any backend), ARGV[5] 1: resync, ARGV[6..] own count per hash
 # Returns {the replicas it reaped, how many replicas are alive, {the others' count per hash}}.
 HEARTBEAT = _FLAGS + _ROBUST + """
 local now_t = redis.call('TIME')
@@ -222,12 +215,12 @@ for _, replica in ipairs(dead) do
     if read('HDEL', KEYS[i], replica) > 0 then freed = true end
   end
 end
-if freed then redis.call('PUBLISH', ARGV[3], '*') end
+if freed then redis.call('PUBLISH', ARGV[3], ARGV[4]) end
 local others = {}
 for i = 2, #KEYS do
-  if ARGV[4] == '1' then
+  if ARGV[5] == '1' then
     read('HLEN', KEYS[i])
-    redis.call('HSET', KEYS[i], ARGV[1], ARGV[i + 3])
+    redis.call('HSET', KEYS[i], ARGV[1], ARGV[i + 4])
   end
   local n = 0
   local fields = read('HGETALL', KEYS[i])

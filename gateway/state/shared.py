@@ -30,7 +30,9 @@ What is shared, and how it stays off the hot path:
   queue) wake and route again.
 * **Peers** (:meth:`publish`, :meth:`subscribe`): what routing learns (session -> backend, the prompt blocks
   routed to a backend) is published, batched every few milliseconds, and applied to every other replica's
-  own tables, so routing reads only local memory.
+  own tables, so routing reads only local memory. Every message between replicas (these, the operator's
+  changes, freed slots, backends wanted) is sealed with a secret they share and Redis does not hold
+  (:mod:`gateway.state.sealing`): whoever else can publish to Redis is not heard.
 * **Stored responses** (``/v1/responses`` with ``previous_response_id``): kept in Redis with their TTL, bound
   to their API key and bounded in all and per key (:mod:`gateway.state.stored_responses`, ``self.responses``).
   A failed read or write of one fails that operation alone (counted, logged at most once a minute), never the
@@ -73,6 +75,7 @@ from gateway.state import scripts
 from gateway.state.autopipeline import AutoPipeline
 from gateway.state.errors import StateUnavailable as StateUnavailable  # (where callers import it from)
 from gateway.state.resp import RespConnection
+from gateway.state.sealing import PUBLIC, REASONS, WINDOW, Rejected, Seal, fleet_secret
 from gateway.state.stored_responses import StoredResponses
 
 if TYPE_CHECKING:
@@ -150,6 +153,11 @@ def _limits(budget: Budget | None) -> tuple[str, int, int, int]:
             budget.max_in_flight or 0)
 
 
+def _consumed(reply: asyncio.Future[Any]) -> None:
+    if not reply.cancelled():
+        reply.exception()  # (read, so that asyncio does not log it as never retrieved)
+
+
 def key_place_of(key: str) -> str:
     """The in-flight hash name (as a backend's) that counts a key's requests for its ``max_in_flight``."""
     return f"key:{key}"
@@ -160,7 +168,9 @@ class SharedState:
     subscriber; every operation is safe to call while Redis is down (see the module docstring)."""
 
     def __init__(self, settings: StateSettings, *, replica_id: str | None = None,
-                 client: aioredis.Redis | None = None) -> None:
+                 client: aioredis.Redis | None = None, secret: bytes | None = None) -> None:
+        """``secret``: what the messages to the other replicas are sealed with (:mod:`gateway.state.sealing`;
+        the composition root derives it from the configuration: :func:`fleet_secret`)."""
         assert settings.url is not None or client is not None
         self.settings = settings
         self.replica = replica_id or f"{os.uname().nodename}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
@@ -193,8 +203,15 @@ class SharedState:
         p = settings.prefix
         self._freed_channel = f"{p}freed"
         self._wanted_channel = f"{p}wanted"  # a replica found these backends full: give back the kept slots
-        self._sender = self.replica.encode() + b"\0"  # heads every peer message (own ones are skipped unread)
+        self._sender = self.replica.encode() + b"\0"  # heads every message it seals (its own are skipped unread)
         self._peers_channel = f"{p}peers"
+        self._channels = {c.encode(): c for c in (self._peers_channel, self._freed_channel, self._wanted_channel)}
+        secret = secret if secret is not None else fleet_secret(settings)
+        self._weak_secret = secret is None
+        self._seal = Seal(secret or PUBLIC, self.replica)
+        self.rejected: dict[str, int] = dict.fromkeys(REASONS, 0)  # messages dropped, by why
+        self._last_reject_log = 0.0
+        self._flushing = asyncio.Lock()  # (peer messages go one at a time, in order: see sealing's "replayed")
         self._replicas_key = f"{p}replicas"
         self._drained_key = f"{p}drained"  # the backends an operator drained (a set), for every replica
         # set with the first write of that set: its absence says Redis lost its data (restarted without
@@ -263,6 +280,11 @@ class SharedState:
 
     # -- lifecycle ----------------------------------------------------------------------------------------------
     async def start(self) -> None:
+        if self._weak_secret:
+            log.warning("shared state: neither state.secret_env nor a Redis password or API keys to derive a secret "
+                        "from: the messages between replicas are sealed with a key anyone who can reach Redis can "
+                        "compute, so whoever can PUBLISH there can drain, add or change backends on every replica; "
+                        "set state.secret_env (docs/scaling.md)")
         await self._heartbeat()  # (down is fine: it retries)
         # the admission scripts, loaded before the first burst of requests (each would load them otherwise)
         with contextlib.suppress(*self._errors):
@@ -301,7 +323,7 @@ class SharedState:
         pipe.zrem(self._replicas_key, self.replica)
         for backend in self.slotted():
             pipe.hdel(self._inflight(backend), self.replica)
-        pipe.publish(self._freed_channel, "*")
+        pipe.publish(self._freed_channel, self._seal.seal(self._freed_channel.encode(), b"*"))
         await pipe.execute()
 
     # -- failures -----------------------------------------------------------------------------------------------
@@ -427,8 +449,7 @@ class SharedState:
                 *(self._inflight(c.name) for c in chosen_from)]
         divisor = LEASE_SHARE * max(1, self.replicas) if (rpm or tpm) and not cap else 0
         room = self._keep_room(chosen_from[0].name, chosen_from[0].max_concurrency) if chosen_from else 0
-        args = [self.replica, rpm, tpm, reserve, cap, self._wanted_channel, self._wanted_message(chosen_from),
-                divisor, LEASE_MAX, LEASE_MAX * self._unit(name, reserve), room,
+        args = [self.replica, rpm, tpm, reserve, cap, divisor, LEASE_MAX, LEASE_MAX * self._unit(name, reserve), room,
                 *(c.max_concurrency or 0 for c in chosen_from)]
         if not self.up:  # (it went down while this waited: a resync is due, and nothing may be sent before it)
             raise StateUnavailable("down")
@@ -459,6 +480,7 @@ class SharedState:
         if status == 1 or status == 2:
             return Admitted(limited="requests" if status == 1 else "tokens", retry_after=int(value) / 1000)
         if status == 3:
+            self._announce(self._wanted_channel, self._wanted_message(chosen_from))
             return Admitted(full=True)
         if status == 4:
             return Admitted(limited="in_flight")
@@ -592,8 +614,7 @@ class SharedState:
         try:
             async with asyncio.timeout(self._timeout):
                 taken = await self._script("acquire", scripts.ACQUIRE, [self._inflight(backend.name)],
-                                           [self.replica, backend.max_concurrency, self._wanted_channel,
-                                            self._wanted_message([backend])], undo)
+                                           [self.replica, backend.max_concurrency], undo)
         except self._errors as exc:
             self._failed("acquire", exc)
             raise StateUnavailable(str(exc)) from None
@@ -602,6 +623,8 @@ class SharedState:
             raise StateUnavailable("the shared state was resynchronised while a slot was taken")
         if taken:
             self._took(backend)
+        else:
+            self._announce(self._wanted_channel, self._wanted_message([backend]))
         return bool(taken)
 
     def _slot_abandoned(self, backend: str, epoch: int, reply: Any) -> None:
@@ -692,7 +715,13 @@ class SharedState:
         return int(lease[0]) if lease is not None else 0
 
     def _wanted_message(self, candidates: Sequence[Candidate]) -> str:
-        return "\0".join([self.replica, *(c.name for c in candidates if c.max_concurrency)])
+        return "\0".join(c.name for c in candidates if c.max_concurrency)
+
+    def _announce(self, channel: str, body: str) -> None:
+        """Publish ``body``, sealed, on ``channel`` with the next commands sent, not waited for (a message lost
+        costs at most a heartbeat: the replicas look again)."""
+        self._pipeline.call("PUBLISH", channel, self._seal.seal(channel.encode(), body.encode())).add_done_callback(
+            _consumed)
 
     def kept(self, backend: str) -> int:
         """The slots of ``backend`` this replica keeps for its next requests."""
@@ -738,8 +767,9 @@ class SharedState:
         self._settlements += 1
         keys = [self._bucket(key, bucket), self._inflight(slot_backend or "_"),
                 f"{self.settings.prefix}settled:{self.replica}:{self._settlements}", self._inflight(place or "_")]
-        args = [self.replica, tpm, tokens_delta, str(slots), self._freed_channel,
-                f"{slot_backend or ''}\0{self.replica}", "1" if place is not None else "0"]
+        # (the free-slot message is sealed as it is sent: see _settle_batch)
+        args = [self.replica, tpm, tokens_delta, str(slots), self._freed_channel, slot_backend or "",
+                "1" if place is not None else "0"]
         if len(self._pending) >= MAX_PENDING:
             self._pending.popleft()
             self.dropped += 1
@@ -769,12 +799,15 @@ class SharedState:
     async def _settle_batch(self, batch: list[tuple[int, list[str], list[Any]]]) -> None:
         """Send ``batch``; raises if it must be sent again (Redis unreachable). One that Redis refuses with an
         error reply (its keys hold what the script cannot read) never applies: it is counted and dropped."""
+        freed = self._freed_channel.encode()
         todo = []
         for epoch, keys, args in batch:
             if epoch != self._epoch:
                 # queued before the latest resync, which wrote this replica's counts without what it gives back:
                 # only its tokens are still to settle
                 args = [*args[:3], "0", args[4], "", "0"]
+            elif args[3] != "0":
+                args = [*args[:5], self._seal.seal(freed, args[5].encode()), *args[6:]]
             todo.append((keys, args))
         sha = self._shas.get("settle")
         if sha is None:
@@ -830,16 +863,17 @@ class SharedState:
         self._spawn(self._flush())
 
     async def _flush(self) -> None:
-        if not self._outbox:
-            return
-        batch, self._outbox = self._outbox, []
-        if not self.up:
-            return  # (routing is local while Redis is down: the others will learn from their own requests)
-        message = self._sender + msgpack.packb(batch)
-        try:
-            await asyncio.wait_for(self._redis.publish(self._peers_channel, message), self._timeout * 5)
-        except self._errors as exc:
-            self._failed("publish", exc)
+        async with self._flushing:  # (one at a time: the others take a message older than the last for a replay)
+            if not self._outbox:
+                return
+            batch, self._outbox = self._outbox, []
+            if not self.up:
+                return  # (routing is local while Redis is down: the others will learn from their own requests)
+            message = self._seal.seal(self._peers_channel.encode(), msgpack.packb(batch))
+            try:
+                await asyncio.wait_for(self._redis.publish(self._peers_channel, message), self._timeout * 5)
+            except self._errors as exc:
+                self._failed("publish", exc)
 
     async def _subscribe_loop(self) -> None:
         while True:
@@ -847,7 +881,10 @@ class SharedState:
             try:
                 await pubsub.subscribe(self._peers_channel, self._freed_channel, self._wanted_channel)
                 async for message in pubsub.listen():
-                    self._received(message)
+                    try:
+                        self._received(message)
+                    except Exception:  # (a message that is not one must not end the subscriber)
+                        self._reject("malformed", message.get("channel"))
             except asyncio.CancelledError:
                 raise
             except self._errors as exc:
@@ -861,33 +898,34 @@ class SharedState:
             await asyncio.sleep(self.settings.heartbeat_seconds)
 
     def _received(self, message: dict[str, Any]) -> None:
-        channel = message.get("channel")
-        data = message.get("data")
-        if not isinstance(data, bytes):
+        """A message another replica published: applied if its seal holds (:mod:`gateway.state.sealing`), else
+        dropped and counted. Its own are skipped unread (its own release woke its own waiters already)."""
+        channel, data = message.get("channel"), message.get("data")
+        if not isinstance(channel, bytes) or not isinstance(data, bytes) or data.startswith(self._sender):
             return
-        if channel == self._freed_channel.encode():
-            backend, _, sender = data.decode().partition("\0")
-            if sender == self.replica:
-                return  # (its own release woke its own waiters already)
+        name = self._channels.get(channel)
+        if name is None:
+            return
+        try:
+            body = self._seal.open(channel, data, ordered=name == self._peers_channel).body
+        except Rejected as rejected:
+            self._reject(rejected.reason, channel)
+            return
+        if name == self._freed_channel:
+            backend = body.decode("utf-8", "replace")
             for callback in self._on_freed:
                 callback(backend)
             return
-        if channel == self._wanted_channel.encode():
-            sender, *backends = data.decode().split("\0")
-            if sender == self.replica:
-                return
+        if name == self._wanted_channel:
             now = time.monotonic()
-            for backend in backends:
+            for backend in body.decode("utf-8", "replace").split("\0"):
                 self._wanted[backend] = now
                 self._give_back_kept(backend)
             return
-        if data.startswith(self._sender):
-            return
-        _, _, packed = data.partition(b"\0")
         try:
-            batch = msgpack.unpackb(packed)
+            batch = msgpack.unpackb(body)
         except (ValueError, TypeError, msgpack.UnpackException):
-            log.debug("a peer message that is not one: %r", data[:80])
+            self._reject("malformed", channel)
             return
         for topic, payload in batch:
             for handler in self._handlers.get(topic, ()):
@@ -895,6 +933,18 @@ class SharedState:
                     handler(payload)
                 except Exception:  # a malformed message must not end the subscriber
                     log.debug("peer message on %s failed", topic, exc_info=True)
+
+    def _reject(self, reason: str, channel: object) -> None:
+        """A message dropped (see :data:`gateway.state.sealing.REASONS`): counted, and logged at most once a
+        minute."""
+        self.rejected[reason] = self.rejected.get(reason, 0) + 1
+        now = time.monotonic()
+        if now - self._last_reject_log >= 60:
+            self._last_reject_log = now
+            shown = channel.decode("utf-8", "replace") if isinstance(channel, bytes) else channel
+            log.warning("shared state: dropped a message on %s (%s): one sealed with another secret (a replica "
+                        "whose state.secret_env, Redis password or API keys differ), a clock over %d s off, or "
+                        "someone else publishing to this Redis", shown, reason, int(WINDOW))
 
     # -- drained backends ---------------------------------------------------------------------------------------
     def on_drained(self, callback: Callable[[str, bool], None]) -> None:
@@ -983,6 +1033,7 @@ class SharedState:
                 self._give_back_kept(backend)  # unused for a heartbeat
         for which in [w for w, lease in self._leases.items() if now - lease[2] >= self.settings.heartbeat_seconds]:
             self._give_back_lease(which)  # (likewise)
+        self._seal.forget_old()
         slotted = sorted(self.slotted())
         keys = [self._replicas_key, *(self._inflight(b) for b in slotted)]
         resync = self._needs_resync
@@ -990,18 +1041,22 @@ class SharedState:
             # what was queued or sent before now is in the counts this writes: see _settle_batch, admit_remote
             self._epoch += 1
         args = [self.replica, int(1000 * self.settings.replica_ttl_seconds), self._freed_channel,
-                "1" if resync else "0", *(self._held.get(b, 0) + self._kept.get(b, 0) for b in slotted)]
+                self._seal.seal(self._freed_channel.encode(), b"*"), "1" if resync else "0",
+                *(self._held.get(b, 0) + self._kept.get(b, 0) for b in slotted)]
         try:
-            _, alive, others = await asyncio.wait_for(self._script("heartbeat", scripts.HEARTBEAT, keys, args),
-                                                      self._timeout * 5)
+            dead, alive, others = await asyncio.wait_for(self._script("heartbeat", scripts.HEARTBEAT, keys, args),
+                                                         self._timeout * 5)
             self.replicas = int(alive)
-            for backend, count in zip(slotted, others, strict=True):  # (the others' counts, read by the script)
+            for backend, count in zip(slotted, others, strict=True):
                 self.remote[backend] = int(count)
             if self._on_drained:
                 await self._read_drained()
         except self._errors as exc:
             self._failed("heartbeat", exc)
             return
+        if dead:  # (the others hear of the slots it freed on the channel; its own waiters, deaf to its own, here)
+            for callback in self._on_freed:
+                callback("*")
         if resync:
             self._needs_resync = False
         if not self.up:
