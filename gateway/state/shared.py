@@ -1062,8 +1062,24 @@ class SharedState:
         if not self.up:
             self.up = True
             log.info("shared state (Redis) reachable at %s", redact_url(self.settings.url or ""))
+            self._spawn(self._check_eviction())
         if self._pending:
             await self._drain()
+
+    async def _check_eviction(self) -> None:
+        """Warn when Redis may evict any key (``maxmemory-policy allkeys-*``): a key's bucket (its debt forgiven)
+        or a backend's in-flight counts. Said at start and each time Redis answers again; nothing when Redis
+        does not let its configuration be read (a managed Redis often refuses CONFIG)."""
+        try:
+            reply = await asyncio.wait_for(self._redis.config_get("maxmemory-policy"), self._timeout * 5)
+        except self._errors:
+            return
+        policy = next(iter(reply.values()), b"") if isinstance(reply, dict) else b""
+        policy = policy.decode("utf-8", "replace") if isinstance(policy, bytes) else str(policy)
+        if policy.startswith("allkeys-"):
+            log.warning("shared state: Redis evicts any key when it is full (maxmemory-policy %s): it may evict a "
+                        "key's token bucket (its debt forgiven) or a backend's in-flight count (its max_concurrency "
+                        "then exceeded); use volatile-lru or noeviction (docs/scaling.md)", policy)
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(coro)
