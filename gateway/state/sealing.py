@@ -3,11 +3,14 @@ sessions, prompt blocks, drains, backends added or removed, routing changes, rel
 wanted) carries an HMAC keyed with a secret every replica holds and Redis does not. Whoever can PUBLISH to the
 gateways' Redis cannot speak for a replica: a message that fails its seal is dropped and counted.
 
-The envelope is ``sender \\0 stamp mac body``: ``stamp`` the sender's clock in microseconds (8 bytes, strictly
-increasing per process), ``mac`` the first 16 bytes of HMAC-SHA256 over the channel, the sender, the stamp and
-the body (so a message can be neither changed nor moved to another channel). A message stamped more than
-:data:`WINDOW` seconds from the receiver's clock is dropped (stale); on an ordered channel (the peers', which a
-replica publishes one message at a time) one no newer than the last of its sender is dropped (replayed).
+The envelope is ``sender \\0 stamp mac body``: ``stamp`` the sender's clock in microseconds (16 hex digits,
+strictly increasing per process), ``mac`` the first 16 bytes of HMAC-SHA256 over the channel, the sender, the
+stamp and the body (32 hex digits), so a message can be neither changed nor moved to another channel. Hex, so
+that a replica of the version before sealing reads a sealed message as text it ignores (a backend or a batch it
+does not know) during a rolling upgrade, rather than failing on bytes that are not UTF-8. A message stamped
+more than :data:`WINDOW` seconds from the receiver's clock is dropped (stale); on an ordered channel (the
+peers', which a replica publishes one message at a time) one no newer than the last of its sender is dropped
+(replayed).
 
 The secret: the environment variable ``state.secret_env`` names, else one derived from what every replica's
 configuration holds and Redis does not (:func:`fleet_secret`).
@@ -27,6 +30,7 @@ from gateway.config import StateSettings
 
 WINDOW = 60.0  # seconds a message's stamp may be from the receiver's clock (delivery takes milliseconds)
 MAC_BYTES = 16
+_HEAD = 16 + 2 * MAC_BYTES  # (the stamp's and the MAC's hex digits)
 REASONS = ("unauthenticated", "stale", "replayed", "malformed")  # why a message was dropped
 
 
@@ -57,22 +61,22 @@ class Seal:
 
     def _mac(self, channel: bytes, sender: bytes, stamp: bytes, body: bytes) -> bytes:
         signed = len(channel).to_bytes(2, "big") + channel + sender + b"\0" + stamp + body
-        return hmac.digest(self._secret, signed, "sha256")[:MAC_BYTES]
+        return hmac.digest(self._secret, signed, "sha256")[:MAC_BYTES].hex().encode()
 
     def seal(self, channel: bytes, body: bytes) -> bytes:
         self._stamp = max(self._stamp + 1, int(self._clock() * 1e6))
-        stamp = self._stamp.to_bytes(8, "big")
+        stamp = b"%016x" % self._stamp
         return self._sender + b"\0" + stamp + self._mac(channel, self._sender, stamp, body) + body
 
     def open(self, channel: bytes, data: bytes, *, ordered: bool = False) -> Opened:
         """The sender and body of ``data`` received on ``channel``; raises :class:`Rejected`."""
         sender, _, rest = data.partition(b"\0")
-        if len(rest) < 8 + MAC_BYTES:
+        if len(rest) < _HEAD:
             raise Rejected("unauthenticated")
-        stamp, mac, body = rest[:8], rest[8:8 + MAC_BYTES], rest[8 + MAC_BYTES:]
+        stamp, mac, body = rest[:16], rest[16:_HEAD], rest[_HEAD:]
         if not hmac.compare_digest(mac, self._mac(channel, sender, stamp, body)):
             raise Rejected("unauthenticated")
-        when = int.from_bytes(stamp, "big")
+        when = int(stamp, 16)  # (hex digits: the MAC held, so this replica's fleet wrote them)
         if abs(when - self._clock() * 1e6) > WINDOW * 1e6:
             raise Rejected("stale")
         if ordered:

@@ -152,6 +152,20 @@ def test_a_seal_binds_its_channel_and_body() -> None:
         Seal(b"another", "r1").open(b"gateway:peers", message)
 
 
+def test_a_replica_of_the_version_before_sealing_reads_sealed_messages_as_text_it_ignores() -> None:
+    """During a rolling upgrade the replicas not yet upgraded still subscribe: they decoded a free-slot or wanted
+    message as UTF-8 (bytes that were not ended their subscriber, and took their state down each time) and read
+    a peer message's batch after its first NUL (which then is not msgpack: ignored)."""
+    seal = Seal(FLEET, "host-1234-abcdef")
+    for body in (b"good", b"*", b"a\0b", "gpu-\u00e9".encode()):
+        for _ in range(200):
+            message = seal.seal(b"gateway:freed", body)
+            backend = message.decode().partition("\0")[0]  # (what the older replicas did)
+            assert backend == "host-1234-abcdef"  # (a backend it does not have: nothing happens)
+    with pytest.raises((ValueError, msgpack.UnpackException)):
+        msgpack.unpackb(seal.seal(b"gateway:peers", msgpack.packb([["drain", ["b", True]]])).partition(b"\0")[2])
+
+
 def test_the_secret_is_the_environments_or_derived_from_what_redis_does_not_hold(
         monkeypatch: pytest.MonkeyPatch) -> None:
     digests = [hashlib.sha256(b"sk-ops").hexdigest()]
