@@ -40,6 +40,7 @@ from gateway.proxy.models import ModelMap
 from gateway.proxy.transport import Transport
 from gateway.routing.policies import build_pipeline
 from gateway.routing.state import RoutingState
+from gateway.state.sealing import fleet_secret
 from gateway.state.shared import SharedState, key_place_of
 from gateway.structured.offload import ValidationWorkers
 from gateway.tasks import cancel_and_wait
@@ -79,7 +80,11 @@ class Gateway:
         self.tracing = Tracing(tracer_provider if tracer_provider is not None else provider_from_environment())
         self.kv_events = EventHub()
         # limits and routing state shared with the other processes and replicas, when a store is configured
-        self.shared = SharedState(settings.state) if settings.state.url is not None else None
+        # (its messages to the others sealed with a secret they share: state.secret_env, else derived from the
+        # Redis password and the keys configured at start)
+        self.shared = (SharedState(settings.state, secret=fleet_secret(settings.state,
+                                                                       [k.digest() for k in settings.auth.keys]))
+                       if settings.state.url is not None else None)
         routing_state = RoutingState(settings.routing.engine_profile, events=self.kv_events,
                                      tokenizers=load_tokenizers(settings))
         if self.shared is not None:

@@ -639,6 +639,16 @@ class StateSettings(_Strict):
     heartbeat_seconds: float = Field(default=1.0, gt=0, description="how often a replica renews its presence")
     replica_ttl_seconds: float = Field(
         default=10.0, gt=0, description="a replica silent this long is gone: its slots are freed for the others")
+    secret_env: str | None = Field(
+        default=None, description="environment variable holding the secret every replica seals its messages to the "
+                                  "others with (the same for all); default: derived from the Redis password and the "
+                                  "API keys' digests")
+
+    @model_validator(mode="after")
+    def _secret_set(self) -> StateSettings:
+        if self.secret_env is not None and not os.environ.get(self.secret_env):
+            raise ValueError(f"secret_env: environment variable {self.secret_env} is not set")
+        return self
 
 
 class AccessLogSettings(_Strict):

@@ -268,6 +268,14 @@ STATE = RowSpec("Shared state (Redis)", (
               (Query(f"sum(rate(gateway_state_fail_open_total[{RATE}]))", "passed unchecked/s"),
                Query(f"sum(rate(gateway_state_settlements_dropped_total[{RATE}]))", "dropped/s"),
                Query("sum(gateway_state_settlements_pending)", "waiting"))),
+    PanelSpec("Given back, and messages dropped/s", "Round trips to Redis answered after their request gave up (timed "
+              "out or left) or after a resync, whose slots, places and charges were given back; and messages on the "
+              "replicas' channels dropped, by reason (unauthenticated: not sealed with this fleet's secret, from a "
+              "replica with another one or from someone else publishing to Redis; stale; replayed; malformed).",
+              "short",
+              (Query(f"sum(rate(gateway_state_abandoned_total[{RATE}]))", "given back"),
+               Query(f"sum by (reason) (rate(gateway_state_messages_rejected_total[{RATE}]))", "dropped {{reason}}")),
+              width=16),
 ))
 
 ROWS = (TRAFFIC, LATENCY, THROUGHPUT, BACKENDS, ROUTING, KV_EVENTS, STATE)

@@ -30,7 +30,9 @@ What is shared, and how it stays off the hot path:
   queue) wake and route again.
 * **Peers** (:meth:`publish`, :meth:`subscribe`): what routing learns (session -> backend, the prompt blocks
   routed to a backend) is published, batched every few milliseconds, and applied to every other replica's
-  own tables, so routing reads only local memory.
+  own tables, so routing reads only local memory. Every message between replicas (these, the operator's
+  changes, freed slots, backends wanted) is sealed with a secret they share and Redis does not hold
+  (:mod:`gateway.state.sealing`): whoever else can publish to Redis is not heard.
 * **Stored responses** (``/v1/responses`` with ``previous_response_id``): kept in Redis with their TTL, bound
   to their API key and bounded in all and per key (:mod:`gateway.state.stored_responses`, ``self.responses``).
   A failed read or write of one fails that operation alone (counted, logged at most once a minute), never the
@@ -39,6 +41,9 @@ What is shared, and how it stays off the hot path:
 Redis full: what limits keep (buckets, in-flight counts) carries no TTL, so ``volatile-*`` eviction never takes
 it, and its scripts run past ``maxmemory`` (:mod:`gateway.state.scripts`); a write Redis refuses for memory is a
 stored response's, which fails alone.
+
+Redis stalling: an admission that timed out (or whose client left) still runs in Redis when it resumes; its
+answer, when it comes, has the replica give back what it took (:meth:`SharedState._admission_abandoned`).
 
 Redis failing: every operation has a short timeout; the state is then *down* (``gateway_state_up`` 0,
 ``gateway_state_errors_total``, a log line per minute at most) until a heartbeat answers again. Meanwhile
@@ -59,6 +64,7 @@ import uuid
 from collections import deque
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, Any, Protocol
 
 import msgpack
@@ -69,6 +75,7 @@ from gateway.state import scripts
 from gateway.state.autopipeline import AutoPipeline
 from gateway.state.errors import StateUnavailable as StateUnavailable  # (where callers import it from)
 from gateway.state.resp import RespConnection
+from gateway.state.sealing import PUBLIC, REASONS, WINDOW, Rejected, Seal, fleet_secret
 from gateway.state.stored_responses import StoredResponses
 
 if TYPE_CHECKING:
@@ -146,6 +153,11 @@ def _limits(budget: Budget | None) -> tuple[str, int, int, int]:
             budget.max_in_flight or 0)
 
 
+def _consumed(reply: asyncio.Future[Any]) -> None:
+    if not reply.cancelled():
+        reply.exception()  # (read, so that asyncio does not log it as never retrieved)
+
+
 def key_place_of(key: str) -> str:
     """The in-flight hash name (as a backend's) that counts a key's requests for its ``max_in_flight``."""
     return f"key:{key}"
@@ -156,7 +168,9 @@ class SharedState:
     subscriber; every operation is safe to call while Redis is down (see the module docstring)."""
 
     def __init__(self, settings: StateSettings, *, replica_id: str | None = None,
-                 client: aioredis.Redis | None = None) -> None:
+                 client: aioredis.Redis | None = None, secret: bytes | None = None) -> None:
+        """``secret``: what the messages to the other replicas are sealed with (:mod:`gateway.state.sealing`;
+        the composition root derives it from the configuration: :func:`fleet_secret`)."""
         assert settings.url is not None or client is not None
         self.settings = settings
         self.replica = replica_id or f"{os.uname().nodename}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
@@ -167,10 +181,11 @@ class SharedState:
         from redis.asyncio.retry import Retry
         from redis.backoff import NoBackoff
         from redis.exceptions import ConnectionError as RedisConnectionError
-        from redis.exceptions import NoScriptError, RedisError
+        from redis.exceptions import NoScriptError, RedisError, ResponseError
 
         self._errors: tuple[type[BaseException], ...] = (RedisError, OSError, TimeoutError)
         self._no_script = NoScriptError
+        self._refused = ResponseError  # an error reply: Redis answered, and refused that one command
         # a bounded pool: a burst of requests shares a few connections instead of opening one each (opening one
         # takes several round trips, which is what timed out under bursts)
         pool = redis.asyncio.BlockingConnectionPool.from_url(
@@ -188,8 +203,15 @@ class SharedState:
         p = settings.prefix
         self._freed_channel = f"{p}freed"
         self._wanted_channel = f"{p}wanted"  # a replica found these backends full: give back the kept slots
-        self._sender = self.replica.encode() + b"\0"  # heads every peer message (own ones are skipped unread)
+        self._sender = self.replica.encode() + b"\0"  # heads every message it seals (its own are skipped unread)
         self._peers_channel = f"{p}peers"
+        self._channels = {c.encode(): c for c in (self._peers_channel, self._freed_channel, self._wanted_channel)}
+        secret = secret if secret is not None else fleet_secret(settings)
+        self._weak_secret = secret is None
+        self._seal = Seal(secret or PUBLIC, self.replica)
+        self.rejected: dict[str, int] = dict.fromkeys(REASONS, 0)  # messages dropped, by why
+        self._last_reject_log = 0.0
+        self._flushing = asyncio.Lock()  # (peer messages go one at a time, in order: see sealing's "replayed")
         self._replicas_key = f"{p}replicas"
         self._drained_key = f"{p}drained"  # the backends an operator drained (a set), for every replica
         # set with the first write of that set: its absence says Redis lost its data (restarted without
@@ -207,9 +229,15 @@ class SharedState:
         self.admissions: dict[str, int] = {"local": 0, "waited": 0, "redis": 0}
         self.refills = 0  # leases topped up ahead of need (round trips in the background)
         self.dropped = 0  # settlements dropped (the queue was full while Redis was down)
+        # round trips answered after their request gave up (timed out, or left) or after a resync: what they took
+        # was given back
+        self.abandoned = 0
         self._last_log = 0.0
         self._last_alone_log = 0.0  # (operations that fail alone log apart: the state's own lines are not hidden)
         self._needs_resync = True
+        # counts each resync: what was queued (a settlement) or sent (an admission) before the latest resync is in
+        # the counts it wrote, so its slots and places are not given back on top of them
+        self._epoch = 0
         self._held: dict[str, int] = {}  # backend -> slots this replica's requests hold (its own truth)
         # backend -> slots this replica holds in Redis but no request uses: kept for its next requests
         self._kept: dict[str, int] = {}
@@ -227,7 +255,8 @@ class SharedState:
         self._reserves: dict[str, int] = {}  # key name -> the tokens its latest request reserved
         self._dry: dict[str, float] = {}  # key name -> when a top-up last brought nothing (monotonic)
         self.remote: dict[str, int] = {}  # backend -> slots the other replicas hold, as last read
-        self._pending: deque[tuple[str, list[str], list[Any]]] = deque()  # settlements waiting for Redis
+        # settlements waiting for Redis: (the epoch they were queued in, keys, args)
+        self._pending: deque[tuple[int, list[str], list[Any]]] = deque()
         self._draining = False
         self._settlements = 0  # (numbers this replica's settlements: their ids)
         self.replicas = 1  # replicas alive, as the last heartbeat counted them (this one included)
@@ -251,6 +280,11 @@ class SharedState:
 
     # -- lifecycle ----------------------------------------------------------------------------------------------
     async def start(self) -> None:
+        if self._weak_secret:
+            log.warning("shared state: neither state.secret_env nor a Redis password or API keys to derive a secret "
+                        "from: the messages between replicas are sealed with a key anyone who can reach Redis can "
+                        "compute, so whoever can PUBLISH there can drain, add or change backends on every replica; "
+                        "set state.secret_env (docs/scaling.md)")
         await self._heartbeat()  # (down is fine: it retries)
         # the admission scripts, loaded before the first burst of requests (each would load them otherwise)
         with contextlib.suppress(*self._errors):
@@ -289,17 +323,28 @@ class SharedState:
         pipe.zrem(self._replicas_key, self.replica)
         for backend in self.slotted():
             pipe.hdel(self._inflight(backend), self.replica)
-        pipe.publish(self._freed_channel, "*")
+        pipe.publish(self._freed_channel, self._seal.seal(self._freed_channel.encode(), b"*"))
         await pipe.execute()
 
     # -- failures -----------------------------------------------------------------------------------------------
     def _failed(self, operation: str, exc: BaseException) -> None:
         """An operation failed. A timeout of one request's operation only fails that request (a slow moment
-        under load is not an outage; the heartbeat decides that); anything else, and a heartbeat timing out,
-        takes the state down until a heartbeat answers."""
-        self.errors[operation] = self.errors.get(operation, 0) + 1
+        under load is not an outage; the heartbeat decides that; what Redis gives it when it answers after all
+        goes back: see the ``late`` of :meth:`_script`); an error reply (Redis answered, and refused that one
+        command: a key holding what the script cannot read) fails that operation alone; anything else, and any
+        failure of the heartbeat, takes the state down until a heartbeat answers."""
         if isinstance(exc, TimeoutError) and operation in ("admit", "acquire", "lease"):
+            self.errors[operation] = self.errors.get(operation, 0) + 1
             return
+        if isinstance(exc, self._refused) and operation != "heartbeat":
+            self._failed_alone(operation, exc)
+            return
+        self._lost(operation, exc)
+
+    def _lost(self, operation: str, exc: BaseException) -> None:
+        """Redis is unreachable (or may have run a command whose answer is lost): the state is down until a
+        heartbeat answers, which then writes this replica's counts afresh."""
+        self.errors[operation] = self.errors.get(operation, 0) + 1
         if self.up:
             self._needs_resync = True
             # the resync writes what this replica's requests hold: the kept slots go with it
@@ -313,25 +358,29 @@ class SharedState:
 
     def _failed_alone(self, operation: str, exc: BaseException) -> None:
         """An operation whose failure is its own (a stored response read or written: Redis past its maxmemory,
-        or slow) failed: counted, and logged at most once a minute; the state stays as it is (a stored response
-        must not switch every key's limits off; the heartbeat decides whether Redis is down)."""
+        or slow; any command Redis answered with an error) failed: counted, and logged at most once a minute;
+        the state stays as it is (one stored response, or one key's corrupt data, must not switch every key's
+        limits off; the heartbeat decides whether Redis is down)."""
         self.errors[operation] = self.errors.get(operation, 0) + 1
         now = time.monotonic()
         if now - self._last_alone_log >= 60:
             self._last_alone_log = now
-            log.warning("shared state: %s failed (%s: %s); that operation alone failed, limits and routing are "
-                        "unaffected", operation, type(exc).__name__, exc)
+            log.warning("shared state: %s failed (%s: %s); that operation alone failed, the state stays up",
+                        operation, type(exc).__name__, exc)
 
-    async def _script(self, name: str, source: str, keys: list[str], args: list[Any]) -> Any:
-        """Run a script, with whatever else is being run now, in one pipeline (:mod:`autopipeline`)."""
+    async def _script(self, name: str, source: str, keys: list[str], args: list[Any],
+                      late: Callable[[Any], None] | None = None) -> Any:
+        """Run a script, with whatever else is being run now, in one pipeline (:mod:`autopipeline`). ``late``:
+        called with Redis's answer should it come after the caller gave up (timed out, or was cancelled), to give
+        back what the script took."""
         sha = self._shas.get(name)
         if sha is None:
             sha = self._shas[name] = await self._redis.script_load(source)
         try:
-            return await self._pipeline.call("EVALSHA", sha, len(keys), *keys, *args)
+            return await self._pipeline.call("EVALSHA", sha, len(keys), *keys, *args, late=late)
         except self._no_script:  # Redis restarted (its script cache is empty)
             self._shas[name] = await self._redis.script_load(source)
-            return await self._pipeline.call("EVALSHA", self._shas[name], len(keys), *keys, *args)
+            return await self._pipeline.call("EVALSHA", self._shas[name], len(keys), *keys, *args, late=late)
 
     # -- admission ----------------------------------------------------------------------------------------------
     def needed(self, budget: Budget | None, candidates: Sequence[Candidate]) -> bool:
@@ -400,16 +449,19 @@ class SharedState:
                 *(self._inflight(c.name) for c in chosen_from)]
         divisor = LEASE_SHARE * max(1, self.replicas) if (rpm or tpm) and not cap else 0
         room = self._keep_room(chosen_from[0].name, chosen_from[0].max_concurrency) if chosen_from else 0
-        args = [self.replica, rpm, tpm, reserve, cap, self._wanted_channel, self._wanted_message(chosen_from),
-                divisor, LEASE_MAX, LEASE_MAX * self._unit(name, reserve), room,
+        args = [self.replica, rpm, tpm, reserve, cap, divisor, LEASE_MAX, LEASE_MAX * self._unit(name, reserve), room,
                 *(c.max_concurrency or 0 for c in chosen_from)]
+        if not self.up:  # (it went down while this waited: a resync is due, and nothing may be sent before it)
+            raise StateUnavailable("down")
         self.admissions["redis"] += 1
         done: asyncio.Future[None] | None = None
         if not cap and flight not in self._admitting:
             done = self._admitting[flight] = asyncio.get_running_loop().create_future()
+        epoch = self._epoch
+        undo = partial(self._admission_abandoned, name, rpm, tpm, reserve, cap, chosen_from, epoch)
         try:
             async with asyncio.timeout(self._timeout):  # (not wait_for: it makes a task per call)
-                status, value, *more = await self._script("admit", scripts.ADMIT, keys, args)
+                reply = await self._script("admit", scripts.ADMIT, keys, args, undo)
         except self._errors as exc:
             self._failed("admit", exc)
             raise StateUnavailable(str(exc)) from None
@@ -417,6 +469,10 @@ class SharedState:
             if done is not None:
                 del self._admitting[flight]
                 done.set_result(None)
+        if epoch != self._epoch:  # a resync was sent meanwhile: it wrote this replica's counts without this one
+            undo(reply)
+            raise StateUnavailable("the shared state was resynchronised during the admission")
+        status, value, *more = reply
         if status == 0 and len(more) >= 2:
             for kind, limit, amount in (("requests", rpm, int(more[0])), ("tokens", tpm, int(more[1]))):
                 if amount > 0:
@@ -424,6 +480,7 @@ class SharedState:
         if status == 1 or status == 2:
             return Admitted(limited="requests" if status == 1 else "tokens", retry_after=int(value) / 1000)
         if status == 3:
+            self._announce(self._wanted_channel, self._wanted_message(chosen_from))
             return Admitted(full=True)
         if status == 4:
             return Admitted(limited="in_flight")
@@ -438,6 +495,32 @@ class SharedState:
             if extra > 0:
                 self._kept_extra(chosen_from[index], extra)
         return Admitted(chosen=index, slot=slot, key_place=bool(cap))
+
+    def _admission_abandoned(self, name: str, rpm: int, tpm: int, reserve: int, cap: int,
+                             chosen_from: list[Candidate], epoch: int, reply: Any) -> None:
+        """Redis's answer to an admission no request uses (its request gave up: timed out or left; or a resync
+        was sent meanwhile): what it took goes back, the key's requests and tokens included (the request was
+        not admitted by it). A slot or place it took is not given back after a resync: the resync wrote this
+        replica's counts without it. No answer at all (the connection broke): it may have run, so the state
+        goes down, and the heartbeat that brings it back writes the counts afresh."""
+        self.abandoned += 1
+        if isinstance(reply, BaseException):
+            if not isinstance(reply, self._refused):  # (an error reply: it took nothing)
+                self._lost("admit", reply)
+            return
+        status, index, *more = reply
+        if status != 0:
+            return  # (refused: it took nothing)
+        leased, tleased, kept = (int(m) for m in more[:3])
+        if rpm:
+            self._queue_settle(name, rpm, -(1 + leased), None, 0, None, bucket="requests")
+        counted = epoch == self._epoch
+        slot = chosen_from[int(index)] if chosen_from and counted else None
+        backend = slot.name if slot is not None and slot.max_concurrency else None
+        place = key_place_of(name) if cap and counted else None
+        tokens = -(reserve + tleased) if tpm else 0
+        if tokens or backend is not None or place is not None:
+            self._queue_settle(name, tpm, tokens, backend, 1 + kept if backend is not None else 0, place)
 
     def _local(self, name: str, rpm: int, tpm: int, reserve: int, head: Candidate | None) -> bool:
         """Admit from what this replica has, without a round trip, if it has what the request needs: a leased
@@ -495,7 +578,8 @@ class SharedState:
             args = [rpm, tpm, LEASE_SHARE * max(1, self.replicas), want, want_tokens, reserve]
             try:
                 async with asyncio.timeout(self._timeout):
-                    leased, tokens = await self._script("lease", scripts.LEASE, keys, args)
+                    leased, tokens = await self._script("lease", scripts.LEASE, keys, args,
+                                                        partial(self._lease_abandoned, name, rpm, tpm))
             except self._errors as exc:
                 self._failed("lease", exc)
                 return
@@ -509,22 +593,48 @@ class SharedState:
             del self._refilling[name]
             done.set_result(None)
 
+    def _lease_abandoned(self, name: str, rpm: int, tpm: int, reply: Any) -> None:
+        """Redis's answer to a top-up that gave up waiting: what it leased goes back to the buckets."""
+        self.abandoned += 1
+        if isinstance(reply, BaseException):
+            return  # (no answer: what it may have leased is lost to the key until its buckets refill)
+        for kind, limit, amount in (("requests", rpm, int(reply[0])), ("tokens", tpm, int(reply[1]))):
+            if amount > 0:
+                self._queue_settle(name, limit, -amount, None, 0, None, bucket=kind)
+
     async def acquire(self, backend: Candidate) -> bool:
         """A slot on one backend with a ``max_concurrency`` (a failover attempt). Raises StateUnavailable."""
         assert backend.max_concurrency
         if self._take_kept(backend):
             return True
+        if not self.up:
+            raise StateUnavailable("down")
+        epoch = self._epoch
+        undo = partial(self._slot_abandoned, backend.name, epoch)
         try:
             async with asyncio.timeout(self._timeout):
                 taken = await self._script("acquire", scripts.ACQUIRE, [self._inflight(backend.name)],
-                                           [self.replica, backend.max_concurrency, self._wanted_channel,
-                                            self._wanted_message([backend])])
+                                           [self.replica, backend.max_concurrency], undo)
         except self._errors as exc:
             self._failed("acquire", exc)
             raise StateUnavailable(str(exc)) from None
+        if epoch != self._epoch:  # (as in admit_remote)
+            undo(taken)
+            raise StateUnavailable("the shared state was resynchronised while a slot was taken")
         if taken:
             self._took(backend)
+        else:
+            self._announce(self._wanted_channel, self._wanted_message([backend]))
         return bool(taken)
+
+    def _slot_abandoned(self, backend: str, epoch: int, reply: Any) -> None:
+        """Redis's answer to a slot taken for no request (as :meth:`_admission_abandoned`)."""
+        self.abandoned += 1
+        if isinstance(reply, BaseException):
+            if not isinstance(reply, self._refused):
+                self._lost("acquire", reply)
+        elif reply == 1 and epoch == self._epoch:
+            self._queue_settle("_", 0, 0, backend, 1, None)
 
     # -- kept slots ---------------------------------------------------------------------------------------------
     def _took(self, backend: Candidate) -> None:
@@ -605,7 +715,13 @@ class SharedState:
         return int(lease[0]) if lease is not None else 0
 
     def _wanted_message(self, candidates: Sequence[Candidate]) -> str:
-        return "\0".join([self.replica, *(c.name for c in candidates if c.max_concurrency)])
+        return "\0".join(c.name for c in candidates if c.max_concurrency)
+
+    def _announce(self, channel: str, body: str) -> None:
+        """Publish ``body``, sealed, on ``channel`` with the next commands sent, not waited for (a message lost
+        costs at most a heartbeat: the replicas look again)."""
+        self._pipeline.call("PUBLISH", channel, self._seal.seal(channel.encode(), body.encode())).add_done_callback(
+            _consumed)
 
     def kept(self, backend: str) -> int:
         """The slots of ``backend`` this replica keeps for its next requests."""
@@ -651,12 +767,13 @@ class SharedState:
         self._settlements += 1
         keys = [self._bucket(key, bucket), self._inflight(slot_backend or "_"),
                 f"{self.settings.prefix}settled:{self.replica}:{self._settlements}", self._inflight(place or "_")]
-        args = [self.replica, tpm, tokens_delta, str(slots), self._freed_channel,
-                f"{slot_backend or ''}\0{self.replica}", "1" if place is not None else "0"]
+        # (the free-slot message is sealed as it is sent: see _settle_batch)
+        args = [self.replica, tpm, tokens_delta, str(slots), self._freed_channel, slot_backend or "",
+                "1" if place is not None else "0"]
         if len(self._pending) >= MAX_PENDING:
             self._pending.popleft()
             self.dropped += 1
-        self._pending.append(("settle", keys, args))
+        self._pending.append((self._epoch, keys, args))
         if not self._draining:
             self._spawn(self._drain())
 
@@ -679,21 +796,37 @@ class SharedState:
         finally:
             self._draining = False
 
-    async def _settle_batch(self, batch: list[tuple[str, list[str], list[Any]]]) -> None:
+    async def _settle_batch(self, batch: list[tuple[int, list[str], list[Any]]]) -> None:
+        """Send ``batch``; raises if it must be sent again (Redis unreachable). One that Redis refuses with an
+        error reply (its keys hold what the script cannot read) never applies: it is counted and dropped."""
+        freed = self._freed_channel.encode()
+        todo = []
+        for epoch, keys, args in batch:
+            if epoch != self._epoch:
+                # queued before the latest resync, which wrote this replica's counts without what it gives back:
+                # only its tokens are still to settle
+                args = [*args[:3], "0", args[4], "", "0"]
+            elif args[3] != "0":
+                args = [*args[:5], self._seal.seal(freed, args[5].encode()), *args[6:]]
+            todo.append((keys, args))
         sha = self._shas.get("settle")
         if sha is None:
             sha = self._shas["settle"] = await self._redis.script_load(scripts.SETTLE)
         for attempt in (1, 2):
             pipe = self._redis.pipeline(transaction=False)
-            for _, keys, args in batch:
+            for keys, args in todo:
                 pipe.evalsha(sha, len(keys), *keys, *args)
-            try:
-                await pipe.execute()
+            replies = await pipe.execute(raise_on_error=False)
+            # (Redis restarted: those did not run, its script cache is empty)
+            todo = [sent for sent, reply in zip(todo, replies, strict=True) if isinstance(reply, self._no_script)]
+            for reply in replies:
+                if isinstance(reply, self._refused) and not isinstance(reply, self._no_script):
+                    self._failed_alone("settle", reply)
+            if not todo:
                 return
-            except self._no_script:  # Redis restarted: none of them ran (its script cache is empty)
-                if attempt == 2:
-                    raise
-                sha = self._shas["settle"] = await self._redis.script_load(scripts.SETTLE)
+            if attempt == 2:
+                raise self._no_script("the settlement script is missing after it was loaded")
+            sha = self._shas["settle"] = await self._redis.script_load(scripts.SETTLE)
 
     @property
     def pending(self) -> int:
@@ -730,16 +863,17 @@ class SharedState:
         self._spawn(self._flush())
 
     async def _flush(self) -> None:
-        if not self._outbox:
-            return
-        batch, self._outbox = self._outbox, []
-        if not self.up:
-            return  # (routing is local while Redis is down: the others will learn from their own requests)
-        message = self._sender + msgpack.packb(batch)
-        try:
-            await asyncio.wait_for(self._redis.publish(self._peers_channel, message), self._timeout * 5)
-        except self._errors as exc:
-            self._failed("publish", exc)
+        async with self._flushing:  # (one at a time: the others take a message older than the last for a replay)
+            if not self._outbox:
+                return
+            batch, self._outbox = self._outbox, []
+            if not self.up:
+                return  # (routing is local while Redis is down: the others will learn from their own requests)
+            message = self._seal.seal(self._peers_channel.encode(), msgpack.packb(batch))
+            try:
+                await asyncio.wait_for(self._redis.publish(self._peers_channel, message), self._timeout * 5)
+            except self._errors as exc:
+                self._failed("publish", exc)
 
     async def _subscribe_loop(self) -> None:
         while True:
@@ -747,7 +881,10 @@ class SharedState:
             try:
                 await pubsub.subscribe(self._peers_channel, self._freed_channel, self._wanted_channel)
                 async for message in pubsub.listen():
-                    self._received(message)
+                    try:
+                        self._received(message)
+                    except Exception:  # (a message that is not one must not end the subscriber)
+                        self._reject("malformed", message.get("channel"))
             except asyncio.CancelledError:
                 raise
             except self._errors as exc:
@@ -761,33 +898,34 @@ class SharedState:
             await asyncio.sleep(self.settings.heartbeat_seconds)
 
     def _received(self, message: dict[str, Any]) -> None:
-        channel = message.get("channel")
-        data = message.get("data")
-        if not isinstance(data, bytes):
+        """A message another replica published: applied if its seal holds (:mod:`gateway.state.sealing`), else
+        dropped and counted. Its own are skipped unread (its own release woke its own waiters already)."""
+        channel, data = message.get("channel"), message.get("data")
+        if not isinstance(channel, bytes) or not isinstance(data, bytes) or data.startswith(self._sender):
             return
-        if channel == self._freed_channel.encode():
-            backend, _, sender = data.decode().partition("\0")
-            if sender == self.replica:
-                return  # (its own release woke its own waiters already)
+        name = self._channels.get(channel)
+        if name is None:
+            return
+        try:
+            body = self._seal.open(channel, data, ordered=name == self._peers_channel).body
+        except Rejected as rejected:
+            self._reject(rejected.reason, channel)
+            return
+        if name == self._freed_channel:
+            backend = body.decode("utf-8", "replace")
             for callback in self._on_freed:
                 callback(backend)
             return
-        if channel == self._wanted_channel.encode():
-            sender, *backends = data.decode().split("\0")
-            if sender == self.replica:
-                return
+        if name == self._wanted_channel:
             now = time.monotonic()
-            for backend in backends:
+            for backend in body.decode("utf-8", "replace").split("\0"):
                 self._wanted[backend] = now
                 self._give_back_kept(backend)
             return
-        if data.startswith(self._sender):
-            return
-        _, _, packed = data.partition(b"\0")
         try:
-            batch = msgpack.unpackb(packed)
+            batch = msgpack.unpackb(body)
         except (ValueError, TypeError, msgpack.UnpackException):
-            log.debug("a peer message that is not one: %r", data[:80])
+            self._reject("malformed", channel)
             return
         for topic, payload in batch:
             for handler in self._handlers.get(topic, ()):
@@ -795,6 +933,18 @@ class SharedState:
                     handler(payload)
                 except Exception:  # a malformed message must not end the subscriber
                     log.debug("peer message on %s failed", topic, exc_info=True)
+
+    def _reject(self, reason: str, channel: object) -> None:
+        """A message dropped (see :data:`gateway.state.sealing.REASONS`): counted, and logged at most once a
+        minute."""
+        self.rejected[reason] = self.rejected.get(reason, 0) + 1
+        now = time.monotonic()
+        if now - self._last_reject_log >= 60:
+            self._last_reject_log = now
+            shown = channel.decode("utf-8", "replace") if isinstance(channel, bytes) else channel
+            log.warning("shared state: dropped a message on %s (%s): one sealed with another secret (a replica "
+                        "whose state.secret_env, Redis password or API keys differ), a clock over %d s off, or "
+                        "someone else publishing to this Redis", shown, reason, int(WINDOW))
 
     # -- drained backends ---------------------------------------------------------------------------------------
     def on_drained(self, callback: Callable[[str, bool], None]) -> None:
@@ -831,8 +981,12 @@ class SharedState:
         pipe = self._redis.pipeline(transaction=False)
         pipe.exists(self._drained_mark)
         pipe.smembers(self._drained_key)
-        marked, members = await asyncio.wait_for(pipe.execute(), self._timeout * 5)
-        now = {m.decode() if isinstance(m, bytes) else str(m) for m in members}
+        marked, members = await asyncio.wait_for(pipe.execute(raise_on_error=False), self._timeout * 5)
+        if isinstance(members, self._refused):  # (not a set: garbage, replaced by what this replica read last)
+            self._failed_alone("drain", members)
+            await asyncio.wait_for(self._redis.delete(self._drained_key), self._timeout * 5)
+            marked, members = False, set()
+        now = {m.decode("utf-8", "replace") if isinstance(m, bytes) else str(m) for m in members}
         before = self._drained_read
         if not marked and before is not None:
             # Redis lost what it held (or no drain was ever written): the set this replica read last is the truth,
@@ -879,39 +1033,53 @@ class SharedState:
                 self._give_back_kept(backend)  # unused for a heartbeat
         for which in [w for w, lease in self._leases.items() if now - lease[2] >= self.settings.heartbeat_seconds]:
             self._give_back_lease(which)  # (likewise)
+        self._seal.forget_old()
         slotted = sorted(self.slotted())
         keys = [self._replicas_key, *(self._inflight(b) for b in slotted)]
         resync = self._needs_resync
+        if resync:
+            # what was queued or sent before now is in the counts this writes: see _settle_batch, admit_remote
+            self._epoch += 1
         args = [self.replica, int(1000 * self.settings.replica_ttl_seconds), self._freed_channel,
-                "1" if resync else "0", *(self._held.get(b, 0) + self._kept.get(b, 0) for b in slotted)]
-        # the settlements waiting now: a resync writes the slots they give back as given back already
-        waiting = list(self._pending) if resync else []
+                self._seal.seal(self._freed_channel.encode(), b"*"), "1" if resync else "0",
+                *(self._held.get(b, 0) + self._kept.get(b, 0) for b in slotted)]
         try:
-            _, alive = await asyncio.wait_for(self._script("heartbeat", scripts.HEARTBEAT, keys, args),
-                                              self._timeout * 5)
-            for _, _, settle_args in waiting:
-                settle_args[3] = "0"
+            dead, alive, others = await asyncio.wait_for(self._script("heartbeat", scripts.HEARTBEAT, keys, args),
+                                                         self._timeout * 5)
             self.replicas = int(alive)
-            if slotted:
-                pipe = self._redis.pipeline(transaction=False)
-                for backend in slotted:
-                    pipe.hgetall(self._inflight(backend))
-                counts = await asyncio.wait_for(pipe.execute(), self._timeout * 5)
-                mine = self.replica.encode()
-                for backend, fields in zip(slotted, counts, strict=True):
-                    self.remote[backend] = sum(int(v) for k, v in fields.items() if k != mine)
+            for backend, count in zip(slotted, others, strict=True):
+                self.remote[backend] = int(count)
             if self._on_drained:
                 await self._read_drained()
         except self._errors as exc:
             self._failed("heartbeat", exc)
             return
+        if dead:  # (the others hear of the slots it freed on the channel; its own waiters, deaf to its own, here)
+            for callback in self._on_freed:
+                callback("*")
         if resync:
             self._needs_resync = False
         if not self.up:
             self.up = True
             log.info("shared state (Redis) reachable at %s", redact_url(self.settings.url or ""))
+            self._spawn(self._check_eviction())
         if self._pending:
             await self._drain()
+
+    async def _check_eviction(self) -> None:
+        """Warn when Redis may evict any key (``maxmemory-policy allkeys-*``): a key's bucket (its debt forgiven)
+        or a backend's in-flight counts. Said at start and each time Redis answers again; nothing when Redis
+        does not let its configuration be read (a managed Redis often refuses CONFIG)."""
+        try:
+            reply = await asyncio.wait_for(self._redis.config_get("maxmemory-policy"), self._timeout * 5)
+        except self._errors:
+            return
+        policy = next(iter(reply.values()), b"") if isinstance(reply, dict) else b""
+        policy = policy.decode("utf-8", "replace") if isinstance(policy, bytes) else str(policy)
+        if policy.startswith("allkeys-"):
+            log.warning("shared state: Redis evicts any key when it is full (maxmemory-policy %s): it may evict a "
+                        "key's token bucket (its debt forgiven) or a backend's in-flight count (its max_concurrency "
+                        "then exceeded); use volatile-lru or noeviction (docs/scaling.md)", policy)
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(coro)

@@ -277,3 +277,14 @@ class StateCollector(Collector):
             "waited while the shared state was down.", value=float(shared.dropped))
         yield GaugeMetricFamily("gateway_state_settlements_pending",
                                 "Settlements waiting for the shared state to answer.", value=float(shared.pending))
+        rejected = CounterMetricFamily(
+            "gateway_state_messages_rejected", "Messages on the replicas' channels dropped, by why: unauthenticated "
+            "(not sealed with this fleet's secret: another fleet's replica, or someone else publishing to Redis), "
+            "stale (stamped over a minute from this clock), replayed, malformed.", labels=["reason"])
+        for reason, count in shared.rejected.items():
+            rejected.add_metric([reason], float(count))
+        yield rejected
+        yield CounterMetricFamily(
+            "gateway_state_abandoned", "Round trips to Redis (admissions, slots, lease top-ups) answered after their "
+            "request gave up (timed out or left) or after a resync: what they took was given back.",
+            value=float(shared.abandoned))

@@ -3,6 +3,7 @@ never what Redis evicts, and the limits' scripts run on in a Redis past its maxm
 
 from __future__ import annotations
 
+import signal
 from collections.abc import AsyncIterator
 
 import pytest
@@ -110,3 +111,39 @@ async def test_limits_hold_in_a_redis_past_its_maxmemory(redis_server: RedisServ
         assert await admin.exists("filler") == 1, "what carries no TTL is never evicted"
     finally:
         await stop([a, b])
+
+
+@pytest.mark.anyio
+async def test_a_policy_that_evicts_limits_is_warned_about_at_start_and_when_redis_answers_again(
+        redis_server: RedisServer, admin: redis.asyncio.Redis, caplog: pytest.LogCaptureFixture) -> None:
+    """allkeys-* may evict a key's bucket (its debt forgiven) or a backend's in-flight count: unsupported, and
+    said so at start and each time Redis answers again (it may have been configured anew); a Redis that does
+    not let its configuration be read (a managed one) gets no word."""
+    await admin.config_set("maxmemory-policy", "allkeys-lru")
+    (state,) = await replicas(redis_server, 1, timeout_ms=100)
+
+    def warnings() -> list[str]:
+        return [r.getMessage() for r in caplog.records if "maxmemory-policy" in r.getMessage()]
+
+    try:
+        await until(lambda: len(warnings()) == 1)
+        assert "allkeys-lru" in warnings()[0] and "volatile-lru or noeviction" in warnings()[0]
+        await admin.config_set("maxmemory-policy", "allkeys-lfu")
+        assert redis_server.proc is not None
+        redis_server.proc.send_signal(signal.SIGSTOP)  # (long enough for a heartbeat to time out)
+        try:
+            await until(lambda: not state.up)
+        finally:
+            redis_server.proc.send_signal(signal.SIGCONT)
+        await until(lambda: state.up and len(warnings()) == 2)
+        assert "allkeys-lfu" in warnings()[1]
+    finally:
+        await stop([state])
+    await admin.execute_command("ACL", "SETUSER", "gw", "on", ">pw", "~*", "&*", "+@all", "-config")
+    caplog.clear()
+    (refused,) = await replicas(redis_server, 1, url=f"redis://gw:pw@127.0.0.1:{redis_server.port}/0")
+    try:
+        await until(lambda: refused.up and not refused._background)  # (its look at the policy is done)
+        assert warnings() == [] and refused.errors == dict.fromkeys(refused.errors, 0)
+    finally:
+        await stop([refused])

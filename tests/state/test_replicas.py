@@ -16,7 +16,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
+import msgpack
 import pytest
+import redis
 
 from gateway.bench.procs import ChildProcess
 from gateway.sim import FleetThread, SimSpec
@@ -266,6 +268,38 @@ def test_a_backend_added_or_removed_on_one_replica_is_on_all(cluster: Cluster) -
         for url in cluster.urls:
             if "s1b" in names(url):
                 httpx.delete(url + "/admin/backends/s1b", headers=ops)
+
+
+def test_what_anyone_else_publishes_to_redis_changes_no_replica(cluster: Cluster) -> None:
+    """The sweep's redis-inject.py, redis-envexfil.py and redis-harvest.py as they were: anyone who could
+    PUBLISH to the replicas' Redis added a backend of its own (fed the environment variable it named as its key),
+    drained the real one, and made the clients' Authorization the session key. Now the replicas' messages are
+    sealed with a secret Redis does not hold (here derived from their API keys), and these are dropped."""
+    ops = {"authorization": f"Bearer {KEYS['ops']}"}
+    evil = {"name": "evil", "engine": "openai", "url": "http://127.0.0.1:9", "models": ["s"], "api_key_env": "HOME"}
+    attacker = redis.Redis(port=cluster.redis.port)
+    try:
+        for batch in ([["backends", ["add", evil, "key ops"]]], [["drain", ["s0", True]]],
+                      [["routing", [{"session_header": "authorization"}, "key ops"]]]):
+            attacker.publish("gateway:peers", b"attacker\0" + msgpack.packb(batch))
+        attacker.publish("gateway:freed", b"s0\0attacker")
+    finally:
+        attacker.close()
+    try:  # a real change after them: once every replica has it, each has read what came before it
+        assert httpx.put(cluster.url(0) + "/admin/routing", headers=ops, json={"policy": "round-robin"}).is_success
+        until(lambda: all(httpx.get(u + "/admin/config", headers=ops).json()["routing"]["policy"] == "round-robin"
+                          for u in cluster.urls))
+        for url in cluster.urls:
+            backends = httpx.get(url + "/admin/backends", headers=ops).json()["backends"]
+            assert "evil" not in {b["name"] for b in backends}
+            assert not any(b["drained"] for b in backends)
+            assert httpx.get(url + "/admin/config", headers=ops).json()["routing"]["session_header"] != "authorization"
+            metrics = httpx.get(url + "/metrics").text
+            assert 'gateway_state_messages_rejected_total{reason="unauthenticated"} 4.0' in metrics, url
+    finally:
+        httpx.put(cluster.url(2) + "/admin/routing", headers=ops, json={"policy": "default"})
+    until(lambda: all(httpx.get(u + "/admin/config", headers=ops).json()["routing"]["policy"] == "default"
+                      for u in cluster.urls))
 
 
 def test_stored_responses_continue_on_any_replica_for_their_key_alone(cluster: Cluster) -> None:

@@ -1,0 +1,83 @@
+"""A Redis that stalls (here: stopped with SIGSTOP, then resumed) runs the admissions that waited in its socket
+once it resumes, after their requests gave up. What they took (a backend's slot, a key's max_in_flight place,
+its requests and tokens) must come back: a stall of half a second used to leak them for good, and every later
+request of the key was refused."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+from collections.abc import Awaitable, Callable
+
+import pytest
+import redis.asyncio
+
+from gateway.state import Budget, SharedState, Slotted, StateUnavailable
+from tests.state.conftest import RedisServer
+from tests.state.test_shared import replicas, stop
+
+CAP = Budget("cap", None, None, max_in_flight=2)
+LIM = Budget("lim", 5, None)
+FOUR = [Slotted("b", 4)]  # (too few slots to keep any: every admission asks Redis)
+
+
+async def eventually(check: Callable[[], Awaitable[bool]], seconds: float = 10.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not await check():
+        if time.monotonic() > deadline:
+            raise AssertionError("timed out")
+        await asyncio.sleep(0.02)
+
+
+async def stalled(server: RedisServer, seconds: float, *admissions: Awaitable[object]) -> list[object]:
+    """``admissions`` sent to a Redis stopped for ``seconds`` (each times out long before it resumes)."""
+    assert server.proc is not None
+    server.proc.send_signal(signal.SIGSTOP)
+    try:
+        sent = asyncio.gather(*admissions, return_exceptions=True)
+        await asyncio.sleep(seconds)
+        return await sent
+    finally:
+        server.proc.send_signal(signal.SIGCONT)
+
+
+async def after_the_stall(state: SharedState) -> tuple[list[str | None], list[str | None], list[bool]]:
+    """What the next requests get: the capped key's, the limited key's, and slots of the backend."""
+    capped = [(await state.admit(CAP, 0, [])).limited for _ in range(2)]
+    limited = [(await state.admit(LIM, 0, [])).limited for _ in range(5)]
+    slots = [(await state.admit(None, 0, FOUR)).slot for _ in range(2)]
+    return capped, limited, slots
+
+
+# (a short stall: only the admissions time out, the state stays up; a long one: the heartbeat times out too, the
+# state goes down, and the heartbeat that brings it back writes the replica's counts afresh)
+@pytest.mark.parametrize(("stall", "heartbeat"), [(0.6, 5.0), (1.6, 0.05)], ids=["short", "long"])
+@pytest.mark.anyio
+async def test_admissions_that_time_out_in_a_stall_give_back_what_redis_gave_them(
+        redis_server: RedisServer, stall: float, heartbeat: float) -> None:
+    (state,) = await replicas(redis_server, 1, {"b", "key:cap"}, timeout_ms=100, heartbeat_seconds=heartbeat)
+    admin = redis.asyncio.Redis.from_url(redis_server.url)
+    try:
+        # one of the key's two places and three of the backend's four slots are held through the stall, two of
+        # the key's five requests a minute are spent
+        assert (await state.admit(CAP, 0, [])).key_place
+        assert all([(await state.admit(None, 0, FOUR)).slot for _ in range(3)])
+        assert [(await state.admit(LIM, 0, [])).limited for _ in range(2)] == [None, None]
+        # (the limited key's last: its requests coming back says Redis's answers to all of them came back)
+        results = await stalled(redis_server, stall, *(state.admit(CAP, 0, []) for _ in range(4)),
+                                *(state.admit(None, 0, FOUR) for _ in range(4)),
+                                *(state.admit(LIM, 0, []) for _ in range(4)))
+        assert all(isinstance(r, StateUnavailable) for r in results), results
+        assert state.errors["heartbeat"] == 0 if heartbeat > 1 else state.errors["heartbeat"] > 0
+
+        async def settled() -> bool:  # (Redis ran them all on resuming; what they took came back)
+            level = await admin.hget(state._bucket("lim", "requests"), "l")
+            return state.up and not state.pending and level is not None and float(level) >= 2.9
+
+        await eventually(settled)
+        # exactly what was left before the stall: one place, three requests, one slot
+        assert await after_the_stall(state) == ([None, "in_flight"], [None] * 3 + ["requests"] * 2, [True, False])
+    finally:
+        await admin.aclose()
+        await stop([state])
