@@ -119,6 +119,8 @@ def _prompts(raw: msgspec.Raw) -> int:
 
 def _short_value(value: Any) -> Any:
     """``value`` as :func:`_short` would have read it from the raw text."""
+    if value is None or isinstance(value, bool | int | float):  # (the common cases, without encoding them)
+        return value if not isinstance(value, int) or abs(value) < 10**200 else None
     return value if len(orjson.dumps(value)) <= _SHORT else None
 
 

@@ -82,8 +82,13 @@ def test_a_hanging_backend_costs_at_most_the_first_byte_timeout() -> None:
 
 @pytest.fixture(scope="module")
 def garbage() -> tuple[faults.ScenarioReport, dict[str, list[Outcome]]]:
-    logging.getLogger("gateway").setLevel(logging.CRITICAL)
-    return faults.garbage_backend(per_mode=2, timeout=10.0)
+    logger = logging.getLogger("gateway")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)  # (given back after: later tests read the gateway's warnings)
+    try:
+        return faults.garbage_backend(per_mode=2, timeout=10.0)
+    finally:
+        logger.setLevel(level)
 
 
 def test_a_garbage_backend_never_makes_a_client_hang(

@@ -34,11 +34,16 @@ SCHEMA = schemathesis.openapi.from_dict(
 
 @pytest.fixture(scope="module")
 def gateway() -> Iterator[ServerThread]:
-    logging.getLogger("gateway").setLevel(logging.CRITICAL)
+    logger = logging.getLogger("gateway")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)  # (given back after: later tests read the gateway's warnings)
     # vLLM's emulator serves all three routes; fast, so that large max_tokens finish quickly
     specs = [SimSpec(engine="vllm", model=MODEL, name="v", time_scale=500.0)]
-    with FleetThread(specs) as fleet, serve_in_thread(create_app(settings_for(fleet.fleet.servers))) as server:
-        yield server
+    try:
+        with FleetThread(specs) as fleet, serve_in_thread(create_app(settings_for(fleet.fleet.servers))) as server:
+            yield server
+    finally:
+        logger.setLevel(level)
 
 
 def check(status: int, content_type: str, body: bytes, what: str) -> None:

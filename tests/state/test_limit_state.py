@@ -3,6 +3,7 @@ never what Redis evicts, and the limits' scripts run on in a Redis past its maxm
 
 from __future__ import annotations
 
+import logging
 import signal
 from collections.abc import AsyncIterator
 
@@ -119,6 +120,7 @@ async def test_a_policy_that_evicts_limits_is_warned_about_at_start_and_when_red
     """allkeys-* may evict a key's bucket (its debt forgiven) or a backend's in-flight count: unsupported, and
     said so at start and each time Redis answers again (it may have been configured anew); a Redis that does
     not let its configuration be read (a managed one) gets no word."""
+    caplog.set_level(logging.WARNING, logger="gateway.state")
     await admin.config_set("maxmemory-policy", "allkeys-lru")
     (state,) = await replicas(redis_server, 1, timeout_ms=100)
 
