@@ -21,7 +21,7 @@ from random import getrandbits
 from typing import Any
 
 from gateway.api.agent_apis import AgentApi
-from gateway.api.body_head import BodyHead, check_containers, check_same
+from gateway.api.body_head import SMALL_BODY, BodyHead, check_containers, check_same, head_of
 from gateway.api.validation import decode_body, parse_body, validate_heavy
 from gateway.asgi import BODY_WRITER, Headers, Receive, Scope, Send, header, send_body
 from gateway.auth import ANONYMOUS, Client, KeyStore
@@ -258,14 +258,16 @@ class ProxyEndpoint:
                 # with shared state, its places in Redis are taken with its budget below)
                 exchange.held_locally = True
             raw = await read_body(scope, receive, settings.max_body_bytes)
-            head = BodyHead.read(raw)
+            body: dict[str, Any] | None = decode_body(raw) if len(raw) <= SMALL_BODY else None
+            head = head_of(body) if body is not None else BodyHead.read(raw)
             exchange.placement = self._dispatcher.priorities.place(
                 client.name if client is not None else None, header(scope, b"x-gateway-priority"),
                 header(scope, b"x-gateway-deadline-ms"))
             history = await self._admit_key(exchange, client, head, len(raw)) if client is not None else 0
-            check_containers(raw, settings.limits)
-            body = decode_body(raw)
-            check_same(head, body)
+            if body is None:  # (a large body: decoded whole once its key passed its checks)
+                check_containers(raw, settings.limits)
+                body = decode_body(raw)
+                check_same(head, body)
             # the request's own work, its key's checks passed
             if translation is not None:
                 body = await translation.load(body, settings.limits, settings.max_body_bytes - len(raw))

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from typing import Any
 
+import httpx
 import pytest
 
 from gateway.app import GatewayApp, create_app
@@ -55,3 +59,28 @@ def pair() -> Iterator[Running]:
         app = create_app(gateway_settings(fleet.fleet.servers))
         with serve_in_thread(app) as gateway:
             yield Running(fleet, gateway, app)
+
+
+@contextmanager
+def streaming(url: str, key: str, body: dict[str, Any]) -> Iterator[None]:
+    """A stream of ``body`` with API key ``key`` open (its first bytes come) for the time of the block, read as it
+    comes in a thread (a client that stops reading is cut off, and what its request held is given back)."""
+    begun, done = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=60,
+                          headers={"authorization": f"Bearer {key}"}) as held:
+            assert held.status_code == 200, held.read()
+            for _ in held.iter_raw():
+                begun.set()
+                if done.is_set():
+                    break
+
+    with ThreadPoolExecutor(1) as pool:
+        holding = pool.submit(hold)
+        assert begun.wait(30), "the stream did not begin"
+        try:
+            yield
+        finally:
+            done.set()
+        holding.result()

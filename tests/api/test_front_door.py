@@ -23,7 +23,7 @@ import gateway.api.proxy_endpoint as proxy_endpoint
 import gateway.server_protocol as server_protocol
 from gateway.app import create_app
 from gateway.sim import FleetThread, SimSpec
-from tests.api.conftest import TIME_SCALE, Running, gateway_settings
+from tests.api.conftest import TIME_SCALE, Running, gateway_settings, streaming
 from tests.api.test_bounded_validation import long_grammar
 from tests.conftest import free_port, serve_in_thread
 from tests.state.conftest import RedisServer
@@ -142,25 +142,8 @@ def test_a_key_at_its_max_in_flight_is_refused_before_its_constraint_is_validate
         keyed: Running, monkeypatch: pytest.MonkeyPatch) -> None:
     work = Work(monkeypatch, keyed)
     body = {"model": "m-slow", "messages": ASK, "max_tokens": 2000, "ignore_eos": True, "stream": True}
-    begun, done = threading.Event(), threading.Event()
-
-    def hold() -> None:  # (read as it comes: a client that stops reading is cut off, and its place freed)
-        with httpx.stream("POST", keyed.url + "/v1/chat/completions", json=body, timeout=60,
-                          headers={"authorization": "Bearer sk-one-at-a-time"}) as held:
-            assert held.status_code == 200
-            for _ in held.iter_raw():
-                begun.set()
-                if done.is_set():
-                    break
-
-    with ThreadPoolExecutor(1) as pool:
-        holding = pool.submit(hold)
-        assert begun.wait(30)  # the stream has begun: the key's one place is taken
-        try:
-            reply = post(keyed, "one-at-a-time", heavy(1))
-        finally:
-            done.set()
-        holding.result()
+    with streaming(keyed.url, "sk-one-at-a-time", body):  # the key's one place is taken
+        reply = post(keyed, "one-at-a-time", heavy(1))
     assert reply.status_code == 429 and reply.json()["error"]["code"] == "concurrency_limit"
     assert work.done[("validate", "any")] == 0 and work.done[("parse", "any")] == 1
 

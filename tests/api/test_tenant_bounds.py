@@ -7,9 +7,7 @@ may use."""
 from __future__ import annotations
 
 import hashlib
-import threading
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -24,7 +22,7 @@ from gateway.app import create_app
 from gateway.config import LimitSettings
 from gateway.errors import GatewayError
 from gateway.sim import FleetThread, SimSpec
-from tests.api.conftest import TIME_SCALE, Running, gateway_settings
+from tests.api.conftest import TIME_SCALE, Running, gateway_settings, streaming
 from tests.conftest import serve_in_thread
 
 ASK: Any = [{"role": "user", "content": "Answer."}]
@@ -82,26 +80,9 @@ def test_the_token_reservation_counts_every_choice_and_every_input() -> None:
 def test_a_burst_of_many_choice_requests_is_held_to_the_key_s_budget(running: Running) -> None:
     """A stream asking for 8 choices of 1,000 tokens reserves 8,000 of the key's 5,000 tokens/min: while it
     runs, the key's next request waits for the budget to refill (429), where it used to pass."""
-    begun, done = threading.Event(), threading.Event()
     body = {"model": "m-slow", "messages": ASK, "max_tokens": 1000, "n": 8, "ignore_eos": True, "stream": True}
-
-    def hold() -> None:
-        with httpx.stream("POST", running.url + "/v1/chat/completions", json=body, timeout=60,
-                          headers={"authorization": "Bearer sk-tokens"}) as held:
-            assert held.status_code == 200, held.read()
-            for _ in held.iter_raw():
-                begun.set()
-                if done.is_set():
-                    break
-
-    with ThreadPoolExecutor(1) as pool:
-        holding = pool.submit(hold)
-        assert begun.wait(30)
-        try:
-            reply = post(running, "tokens", {"model": "m", "messages": ASK, "max_tokens": 2})
-        finally:
-            done.set()
-        holding.result()
+    with streaming(running.url, "sk-tokens", body):
+        reply = post(running, "tokens", {"model": "m", "messages": ASK, "max_tokens": 2})
     assert reply.status_code == 429 and reply.json()["error"]["code"] == "rate_limit_tokens", reply.text
 
 
