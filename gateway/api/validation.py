@@ -16,6 +16,8 @@ from gateway.structured import Constraint, ConstraintInvalid, extract
 from gateway.structured.offload import ValidationBusy, ValidationWorkers
 
 _MAX_DEPTH = 254  # the deepest nesting orjson encodes
+# what a request may generate, however an engine spells it (OpenAI chat, completions, llama.cpp)
+OUTPUT_FIELDS = ("max_completion_tokens", "max_tokens", "n_predict")
 _ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
 
 
@@ -166,13 +168,15 @@ def parse_body(route: str, body: dict[str, Any], limits: LimitSettings | None = 
         choices = _positive_int(body, key)
         if choices is not None and choices > limits.max_n:
             raise _bad(f"'{key}' is {choices}; this gateway accepts at most {limits.max_n}", key)
-    max_completion_tokens = _positive_int(body, "max_completion_tokens")
-    max_tokens = _positive_int(body, "max_tokens")
-    if max_completion_tokens is not None:
-        max_tokens = max_completion_tokens
-    if max_tokens is not None and max_tokens > limits.max_tokens:
-        field = "max_completion_tokens" if max_completion_tokens is not None else "max_tokens"
-        raise _bad(f"'{field}' is {max_tokens}; this gateway accepts at most {limits.max_tokens}", field)
+    # Engines read different fields (TabbyAPI max_tokens, llama.cpp n_predict before max_tokens): each is bounded,
+    # and the request may generate the most any of them says.
+    max_tokens: int | None = None
+    for field in OUTPUT_FIELDS:
+        value = _positive_int(body, field)
+        if value is not None and value > limits.max_tokens:
+            raise _bad(f"'{field}' is {value}; this gateway accepts at most {limits.max_tokens}", field)
+        if value is not None:
+            max_tokens = max(max_tokens or 0, value)
     constraint = _constraint(body, limits) if route not in POOLING_ROUTES else None
     return RouteRequest(route=route, model=model, stream=stream, max_tokens=max_tokens, body=body,
                         constraint=constraint)

@@ -148,10 +148,10 @@ def _check_depth(schema: Any, param: str, bounds: Bounds, max_nodes: int | None)
     return depth
 
 
-def _schema(text: bytes, param: str, bounds: Bounds, inline: bool) -> None:
-    value = orjson.loads(text)
-    if _check_depth(value, param, bounds, None) > INLINE_SCHEMA_DEPTH and inline:
-        raise Offload
+def check_patterns(value: Any, param: str, bounds: Bounds) -> int:
+    """The schema's regexes (``pattern``, ``patternProperties``) within what engines can build automata of, as a
+    regex constraint is; their compile cost. Invalid ones are left to the metaschema check (which judges them,
+    if they are a schema's and not data that looks like one)."""
     compiling = 0
     for at, pattern, data in _patterns(value):
         try:
@@ -159,7 +159,7 @@ def _schema(text: bytes, param: str, bounds: Bounds, inline: bool) -> None:
         except ConstraintInvalid as exc:
             if exc.code != "invalid_constraint":
                 raise
-            continue  # the metaschema check judges it, if it is a schema's pattern and not data that looks like one
+            continue
         problem = None if data else automaton_problem(tree)
         if problem:  # (as for a regex constraint: llama.cpp, for one, drops such a pattern and accepts any string)
             raise ConstraintInvalid(f"{param}: the pattern at {at[:200]} has {problem}, which no engine can enforce "
@@ -168,6 +168,14 @@ def _schema(text: bytes, param: str, bounds: Bounds, inline: bool) -> None:
         if problem:
             raise ConstraintInvalid(f"{param}: the pattern at {at[:200]} has {problem}", param, "constraint_too_large")
         compiling += parsed_compile_cost(tree, pattern)
+    return compiling
+
+
+def _schema(text: bytes, param: str, bounds: Bounds, inline: bool) -> None:
+    value = orjson.loads(text)
+    if _check_depth(value, param, bounds, None) > INLINE_SCHEMA_DEPTH and inline:
+        raise Offload
+    compiling = check_patterns(value, param, bounds)
     if inline and compiling > INLINE_COMPILE_COST:
         raise Offload
     problem = _unsatisfiable(value)
@@ -258,7 +266,7 @@ def _unsatisfiable(root: Any) -> str | None:
                 return f"{low} {lo} is above {high} {hi} at {at or '/'}: no value satisfies it"
         kinds = node.get("type")
         kinds = [kinds] if isinstance(kinds, str) else kinds
-        if isinstance(kinds, list) and all(k in _TYPE_OF for k in kinds):
+        if isinstance(kinds, list) and all(isinstance(k, str) and k in _TYPE_OF for k in kinds):
             values = node["enum"] if isinstance(node.get("enum"), list) else (
                 [node["const"]] if "const" in node else None)
             if values is not None and not any(_TYPE_OF[k](v) for v in values for k in kinds):

@@ -17,9 +17,11 @@ Accepted spellings (at most one constraint per request, as vLLM and SGLang requi
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any, Literal
+
+import orjson
 
 from gateway.config import LimitSettings
 from gateway.structured.bounds import Bounds, ConstraintInvalid, Offload, check_size, json_depth, too_deep
@@ -28,6 +30,7 @@ from gateway.structured.checks import (
     Renderings,
     check_choices,
     check_grammar,
+    check_patterns,
     check_regex,
     check_schema,
     parse_schema,
@@ -129,37 +132,43 @@ def _from_tools(body: dict[str, Any], bounds: Bounds) -> Constraint | None:
     tools, choice = body.get("tools"), body.get("tool_choice")
     if not tools:
         return None
+    # every tool's parameter schema is bounded, whatever the tool_choice: an engine may compile any of them into
+    # a grammar (a forced or strict call; llama.cpp builds a lazy grammar of every tool for an optional call too)
+    _bound_parameters(tools, bounds)
     if choice == "required" or (isinstance(choice, dict) and choice.get("type") == "function"):
-        named = choice.get("function") if isinstance(choice, dict) else None
-        name = named.get("name") if isinstance(named, dict) else None
-        _bound_parameters(tools, bounds, lambda function: name is None or function.get("name") == name)
         return Constraint("tool_call", "tool_choice")
     strict = any(isinstance(t, dict) and isinstance(t.get("function"), dict) and t["function"].get("strict") is True
                  for t in tools)
     if strict and choice in (None, "auto"):
-        _bound_parameters(tools, bounds, lambda function: function.get("strict") is True)
         return Constraint("strict_tools", "tools[].function.strict")
     return None
 
 
-def _bound_parameters(tools: Any, bounds: Bounds, constrained: Callable[[dict[str, Any]], bool]) -> None:
-    """The parameter schemas the engine compiles into its grammar for a forced or strict tool call are a
-    constraint like any other: within ``limits.max_constraint_bytes`` together and ``limits.max_nesting``."""
+def _bound_parameters(tools: Any, bounds: Bounds) -> None:
+    """The tools' parameter schemas are a constraint like any other: within ``limits.max_constraint_bytes``
+    together and ``limits.max_nesting`` each, their regexes within what engines can build automata of. An agent
+    sends the same tools with every turn: each schema's verdict is remembered by its text."""
     if not isinstance(tools, list):
         return
     total = 0
     for i, tool in enumerate(tools):
         function = tool.get("function") if isinstance(tool, dict) else None
-        if not isinstance(function, dict) or not constrained(function) or function.get("parameters") is None:
+        if not isinstance(function, dict) or function.get("parameters") is None:
             continue
         param = f"tools[{i}].function.parameters"
-        schema, text = parse_schema(function["parameters"], param, bounds)
+        _, text = parse_schema(function["parameters"], param, bounds)
         total += len(text)
         check_size(total, "tools' parameter schemas", param, bounds)
-        depth, where, _ = json_depth(schema, bounds.max_nesting)
-        if depth > bounds.max_nesting:
-            raise too_deep("JSON schema", f" (objects and arrays, at {where[:200] or '/'})", param,
-                           bounds.max_nesting)
+        _checked_parameters(text, param, bounds)
+
+
+@lru_cache(maxsize=512)
+def _checked_parameters(text: bytes, param: str, bounds: Bounds) -> None:
+    schema = orjson.loads(text)
+    depth, where, _ = json_depth(schema, bounds.max_nesting)
+    if depth > bounds.max_nesting:
+        raise too_deep("JSON schema", f" (objects and arrays, at {where[:200] or '/'})", param, bounds.max_nesting)
+    check_patterns(schema, param, bounds)  # (regexes the engine builds automata of, as for any schema)
 
 
 def _from_vllm(so: Any, bounds: Bounds) -> list[Constraint]:

@@ -12,7 +12,7 @@ import sys
 import orjson
 
 from gateway.structured.bounds import Bounds
-from gateway.structured.checks import prepare_worker, run_check
+from gateway.structured.checks import Verdict, prepare_worker, run_check
 
 
 def main() -> None:
@@ -22,7 +22,12 @@ def main() -> None:
     out.flush()
     for line in sys.stdin.buffer:
         kind, payload, dialect, param, bounds = orjson.loads(line)
-        verdict = run_check(kind, payload, dialect, param, Bounds(*bounds))
+        try:
+            verdict = run_check(kind, payload, dialect, param, Bounds(*bounds))
+        except Exception as exc:  # a check that fails on a client's odd input must not end the worker (a restart
+            # costs the next request of every key a second): the client hears its constraint is not valid
+            verdict = Verdict((), f"{param} could not be validated ({type(exc).__name__}); it is not a valid "
+                                  "constraint", "invalid_constraint")
         out.write(orjson.dumps([verdict.renderings, verdict.problem, verdict.code]) + b"\n")
         out.flush()
 

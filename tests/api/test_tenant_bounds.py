@@ -141,7 +141,7 @@ def test_a_body_nested_too_deep_is_a_400_on_the_agent_apis_too(running: Running,
     assert reply.status_code == 400, reply.text[:300]
 
 
-def test_the_parameter_schemas_of_a_forced_tool_call_are_bounded_like_any_constraint(running: Running) -> None:
+def test_the_parameter_schemas_of_tools_are_bounded_like_any_constraint(running: Running) -> None:
     def tool(name: str, parameters: Any) -> dict[str, Any]:
         return {"type": "function", "function": {"name": name, "parameters": parameters}}
 
@@ -161,8 +161,13 @@ def test_the_parameter_schemas_of_a_forced_tool_call_are_bounded_like_any_constr
                                        "tool_choice": choice})
         assert reply.status_code == 400, reply.text[:300]
         assert reply.json()["error"]["code"] == code and "tools[" in reply.json()["error"]["param"]
-    # an unforced call of the same tool is the engine's to judge, as before
-    fine = post(running, "open", {"model": "m", "messages": ASK, "max_tokens": 4, "tools": [tool("f", deep)]})
+    # an optional call too: an engine may compile every tool (llama.cpp builds a lazy grammar of them all)
+    bomb = {"type": "object", "properties": {"a": {"type": "string", "pattern": "((a{999}){999}){999}"}}}
+    for tools in ([tool("f", deep)], [tool("f", bomb)]):
+        reply = post(running, "open", {"model": "m", "messages": ASK, "max_tokens": 4, "tools": tools})
+        assert reply.status_code == 400 and "tools[0]" in reply.json()["error"]["param"], reply.text[:300]
+    fine = post(running, "open", {"model": "m", "messages": ASK, "max_tokens": 4,
+                                  "tools": [tool("f", {"type": "object", "properties": {"a": {"type": "string"}}})]})
     assert fine.status_code == 200, fine.text[:300]
 
 
@@ -174,7 +179,7 @@ def test_an_embeddings_request_of_more_inputs_than_the_limit_is_a_400(running: R
 
 def test_a_body_of_a_million_empty_arrays_is_never_decoded(running: Running, monkeypatch: pytest.MonkeyPatch) -> None:
     """8 MiB of ``[[],[],...]`` is 2.8 million Python lists, 0.3 to 1.5 s of the event loop to decode: the key's
-    checks read the body's head without decoding the rest, and a body of more JSON objects and arrays than
+    checks read the body's head without decoding the rest, and a body of more ``[`` and ``{`` than
     limits.max_json_containers is refused before it is decoded."""
     decoded: list[int] = []
     original = proxy_endpoint.decode_body
@@ -187,10 +192,11 @@ def test_a_body_of_a_million_empty_arrays_is_never_decoded(running: Running, mon
         assert reply.status_code == status, reply.text[:300]
     assert "max_json_containers" in reply.json()["error"]["message"]
     assert decoded == []
-    # brackets inside strings are no structure: a prompt of pasted code is counted for what it is
-    code = "[{" * 60_000
+    # brackets in strings count too (telling them apart cost 0.4 s for 8 MiB of short strings): a prompt holding
+    # 100,000 of them in its text would fit no model's context anyway
+    code = "[{" * 25_000
     fine = post(running, "open", {"model": "m", "messages": [{"role": "user", "content": code}], "max_tokens": 2})
-    assert fine.status_code != 400 or "max_json_containers" not in fine.text, fine.text[:300]
+    assert "max_json_containers" not in fine.text, fine.text[:300]
     assert decoded
 
 
@@ -257,3 +263,33 @@ def test_a_conversation_grown_past_the_body_limit_is_not_continued() -> None:
             assert second.status_code == 400, second.text[:300]
             assert second.json()["error"]["code"] == "conversation_too_large"
             assert turn("short", first.json()["id"]).status_code == 200
+
+
+def test_what_a_request_may_generate_is_the_most_any_of_its_fields_says(running: Running) -> None:
+    """TabbyAPI generates max_tokens and llama.cpp n_predict (before max_tokens) where the gateway read
+    max_completion_tokens: {"max_completion_tokens": 1, "max_tokens": 1500} reserved one token and generated 1,500."""
+    limits = LimitSettings()
+    head = BodyHead.read(orjson.dumps({"model": "m", "max_completion_tokens": 1, "max_tokens": 1500, "n_predict": 9}))
+    assert reservation("chat", 400, head, 1024, limits) == 100 + 1500
+    for extra, param in (({"max_completion_tokens": 1, "max_tokens": 10**9}, "max_tokens"),
+                         ({"n_predict": -1}, "n_predict"), ({"max_tokens": 1, "n_predict": 10**9}, "n_predict")):
+        reply = post(running, "open", {"model": "m", "messages": ASK, **extra})
+        assert reply.status_code == 400 and reply.json()["error"]["param"] == param, reply.text[:300]
+
+
+def test_a_large_body_nested_past_what_its_head_reader_takes_is_a_400() -> None:
+    deep = b'{"model":"m","pad":"' + b"x" * 20_000 + b'","x":' + b"[" * 5000 + b"]" * 5000 + b"}"
+    with pytest.raises(GatewayError) as refused:
+        BodyHead.read(deep)
+    assert refused.value.status == 400
+
+
+@pytest.mark.parametrize("padding", [0, 2000])  # (small: checked on the event loop; large: in a worker)
+def test_a_schema_whose_type_is_not_a_name_is_a_400(running: Running, padding: int) -> None:
+    schema = {"type": "object", "description": "d" * padding,
+              "properties": {"a": {"type": [[]], "enum": [1]}, "b": {"type": ["string", {}]}}}
+    reply = post(running, "open", {"model": "m", "messages": ASK, "max_tokens": 4,
+                                   "response_format": {"type": "json_schema",
+                                                       "json_schema": {"name": "x", "schema": schema}}})
+    assert reply.status_code == 400, reply.text[:300]
+    assert reply.json()["error"]["param"].startswith("response_format")
