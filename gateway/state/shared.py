@@ -159,8 +159,10 @@ def _consumed(reply: asyncio.Future[Any]) -> None:
 
 
 def key_place_of(key: str) -> str:
-    """The in-flight hash name (as a backend's) that counts a key's requests for its ``max_in_flight``."""
-    return f"key:{key}"
+    """What a key's ``max_in_flight`` count is named among the in-flight counts, beside the backends' slots (the
+    backends are named by their names): ``#key:<key>``, a name no backend can have (a backend's name begins with
+    a letter or a digit). In Redis its hash is ``inflight:key:<key>`` (see :meth:`SharedState._inflight`)."""
+    return f"#key:{key}"
 
 
 class SharedState:
@@ -275,8 +277,17 @@ class SharedState:
     def _bucket(self, key: str, kind: str) -> str:
         return f"{self.settings.prefix}bucket:{kind}:{key}"
 
-    def _inflight(self, backend: str) -> str:
-        return f"{self.settings.prefix}inflight:{backend}"
+    def _inflight(self, name: str) -> str:
+        """The in-flight hash of a backend (``name``: its name) or of a key's places (:func:`key_place_of`). A key's
+        is ``inflight:key:<key>``, where it always was; a backend's ``inflight:<name>``, but for a name that
+        begins with ``key:`` (or ``#``): ``inflight:#<name>``. So no backend shares a key's count (a backend named
+        ``key:lim`` counted key lim's requests as its slots, and its slots as lim's requests in flight), and a
+        backend of any other name keeps its hash across an upgrade."""
+        if name.startswith("#key:"):
+            return f"{self.settings.prefix}inflight:{name[1:]}"
+        if name.startswith(("key:", "#")):
+            return f"{self.settings.prefix}inflight:#{name}"
+        return f"{self.settings.prefix}inflight:{name}"
 
     # -- lifecycle ----------------------------------------------------------------------------------------------
     async def start(self) -> None:

@@ -11,6 +11,7 @@ import pytest
 import redis.asyncio
 
 from gateway.state import Budget, SharedState, Slotted, StateUnavailable
+from gateway.state.shared import key_place_of
 from tests.state.conftest import RedisServer
 from tests.state.test_shared import replicas, stop, until
 
@@ -55,7 +56,7 @@ async def limits_of(state: SharedState) -> dict[str, list[Any]]:
 async def test_a_corrupt_key_is_repaired_and_no_other_key_notices(redis_server: RedisServer,
                                                                   admin: redis.asyncio.Redis,
                                                                   command: list[str]) -> None:
-    a, b = await replicas(redis_server, 2, {"b", "key:cap"})
+    a, b = await replicas(redis_server, 2, {"b", key_place_of("cap")})
     a.on_drained(lambda backend, drained: None)  # (so that its heartbeat reads the drained backends too)
     try:
         await admin.execute_command(*command)

@@ -14,6 +14,7 @@ import pytest
 import redis.asyncio
 
 from gateway.state import Budget, SharedState, Slotted, StateUnavailable
+from gateway.state.shared import key_place_of
 from tests.state.conftest import RedisServer
 from tests.state.test_shared import replicas, stop
 
@@ -56,7 +57,7 @@ async def after_the_stall(state: SharedState) -> tuple[list[str | None], list[st
 @pytest.mark.anyio
 async def test_admissions_that_time_out_in_a_stall_give_back_what_redis_gave_them(
         redis_server: RedisServer, stall: float, heartbeat: float) -> None:
-    (state,) = await replicas(redis_server, 1, {"b", "key:cap"}, timeout_ms=100, heartbeat_seconds=heartbeat)
+    (state,) = await replicas(redis_server, 1, {"b", key_place_of("cap")}, timeout_ms=100, heartbeat_seconds=heartbeat)
     admin = redis.asyncio.Redis.from_url(redis_server.url)
     try:
         # one of the key's two places and three of the backend's four slots are held through the stall, two of

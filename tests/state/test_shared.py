@@ -14,6 +14,7 @@ import pytest
 
 from gateway.config import StateSettings
 from gateway.state import Budget, SharedState, Slotted, StateUnavailable
+from gateway.state.shared import key_place_of
 from gateway.state.stored_responses import StoreBounds
 from tests.state.conftest import RedisServer
 
@@ -93,6 +94,28 @@ async def test_a_keys_max_in_flight_holds_across_replicas_and_a_refusal_takes_no
     await until(lambda: not b.pending)
     again = await a.admit(budget, 0, [])
     assert again.limited is None and again.key_place
+
+
+@pytest.mark.anyio
+async def test_a_backend_named_like_a_keys_places_shares_no_count_with_that_key(redis_server: RedisServer) -> None:
+    """The sweep (t22-coll.yaml): a backend "key:lim" holding two requests of another key, and key lim got 429
+    concurrency_limit with nothing in flight: both were counted in one hash, inflight:key:lim."""
+    lim, backend = Budget("lim", None, None, max_in_flight=2), [Slotted("key:lim", 2)]
+    a, b = await replicas(redis_server, 2, {"key:lim", key_place_of("lim")})
+    try:
+        assert (await b.admit(None, 0, backend)).slot and (await b.admit(None, 0, backend)).slot
+        assert [(await a.admit(lim, 0, [])).limited for _ in range(3)] == [None, None, "in_flight"]
+        assert (await a.admit(None, 0, backend)).full, "lim's requests took none of the backend's slots either"
+        await until(lambda: a.remote_in_flight("key:lim") == 2 and b.remote_in_flight(key_place_of("lim")) == 2)
+        assert a.holds("key:lim") == 0 and a.holds(key_place_of("lim")) == 2
+        assert a.remote_in_flight(key_place_of("lim")) == 0 and b.remote_in_flight("key:lim") == 0
+        # the key's places stay where replicas of the version before count them (a rolling upgrade keeps them)
+        assert await a._redis.hget("gateway:inflight:key:lim", "r0") == b"2"
+        b.settle(None, 0, "key:lim")
+        await until(lambda: not b.pending)
+        assert (await a.admit(None, 0, backend)).slot
+    finally:
+        await stop([a, b])
 
 
 @pytest.mark.anyio
