@@ -164,3 +164,62 @@ async def test_a_read_that_fails_fails_alone(redis_server: RedisServer, admin: r
         assert (await state.admit(Budget("k", 5, None), 0, [])).limited is None
     finally:
         await stop([state])
+
+
+GARBAGE = {  # (in a store that holds alice's resp_1 and bob's resp_2)
+    "the usage that is a string": ["SET", "gateway:responses:usage", "zzz"],  # (the sweep's)
+    "the usage of all that is no number": ["HSET", "gateway:responses:usage", "*", "zzz"],
+    "the usage of all below zero": ["HSET", "gateway:responses:usage", "*", "-99999999"],
+    "the owner's usage that is no whole number": ["HSET", "gateway:responses:usage", "oalice", "1.5"],
+    "another owner's usage that is no number": ["HSET", "gateway:responses:usage", "obob", "zzz"],
+    "the usage gone": ["DEL", "gateway:responses:usage"],
+    "a size that is no number": ["HSET", "gateway:responses:sizes", "gateway:response:5:alice:resp_1", "zzz"],
+    "the sizes that are a string": ["SET", "gateway:responses:sizes", "zzz"],
+    "the order that is a string": ["SET", "gateway:responses:order", "zzz"],
+    "an owner's order that is a list": ["EVAL", "redis.call('DEL', KEYS[1]) redis.call('RPUSH', KEYS[1], 'x')", "1",
+                                        "gateway:responses:key:alice"],
+    "the order naming another key": ["ZADD", "gateway:responses:order", "0", "gateway:bucket:requests:lim"],
+}
+
+
+async def consistent(admin: redis.asyncio.Redis) -> None:
+    """The books agree with each other: the order, the sizes and the owners' orders name the same responses, and
+    the usage is what their sizes add up to (so each bound is what it says)."""
+    sizes = {k.decode(): v.decode().partition(":") for k, v in (await admin.hgetall("gateway:responses:sizes")).items()}
+    per: dict[str, int] = {}
+    for n, _, who in sizes.values():
+        per[who] = per.get(who, 0) + int(n)
+    usage = {k.decode(): int(v) for k, v in (await admin.hgetall("gateway:responses:usage")).items()}
+    assert usage == {"*": sum(per.values()) + OWNER_OVERHEAD * len(per), **{"o" + w: n for w, n in per.items()}}
+    assert {m.decode() for m in await admin.zrange("gateway:responses:order", 0, -1)} == set(sizes)
+    for who in per:
+        mine = {m.decode() for m in await admin.zrange(f"gateway:responses:key:{who}", 0, -1)}
+        assert mine == {member for member, (_, _, owner) in sizes.items() if owner == who}
+
+
+@pytest.mark.parametrize("command", GARBAGE.values(), ids=GARBAGE.keys())
+@pytest.mark.anyio
+async def test_garbage_in_the_books_is_repaired_and_every_write_goes_on(
+        redis_server: RedisServer, admin: redis.asyncio.Redis, command: list[str]) -> None:
+    """The sweep: with a store holding anything, SET gateway:responses:usage zzz failed every stored response's
+    write, for every key and every replica, until someone deleted it by hand. Garbage in any of the books (or a
+    figure that would lift the bound) is repaired by the next write; it never fails a write, nor deletes a key
+    that is not a stored response."""
+    (state,) = await replicas(redis_server, 1)
+    try:
+        await admin.set("gateway:bucket:requests:lim", "a key the books do not own")
+        state.responses.put_response("alice", "resp_1", orjson.dumps(message("one")), bounds())
+        state.responses.put_response("bob", "resp_2", orjson.dumps(message("two")), bounds())
+        await written(state)
+        await admin.execute_command(*command)
+        one_each = bounds(entries_per_key=1)  # (each key's next response forgets its last: the garbage is read)
+        for owner, response_id in (("alice", "resp_3"), ("bob", "resp_4"), ("carol", "resp_5")):
+            state.responses.put_response(owner, response_id, orjson.dumps(message(response_id)), one_each)
+        await written(state)
+        assert state.errors["put_response"] == 0 and state.up
+        for owner, response_id in (("alice", "resp_3"), ("bob", "resp_4"), ("carol", "resp_5")):
+            assert await state.responses.get_response(owner, response_id) == orjson.dumps(message(response_id))
+        await consistent(admin)
+        assert await admin.get("gateway:bucket:requests:lim") == b"a key the books do not own"
+    finally:
+        await stop([state])
