@@ -10,7 +10,10 @@ that a replica of the version before sealing reads a sealed message as text it i
 does not know) during a rolling upgrade, rather than failing on bytes that are not UTF-8. A message stamped
 more than :data:`WINDOW` seconds from the receiver's clock is dropped (stale); on an ordered channel (the
 peers', which a replica publishes one message at a time) one no newer than the last of its sender is dropped
-(replayed).
+(replayed), and on any channel one sealed before the receiver began to listen (:meth:`Seal.listening`): it
+was heard then, or sent while the receiver was not listening, so what arrives now is a copy (replayed). A worker
+started again, or a replica that started a moment ago, knew nothing of its senders' last messages, and took a
+drain recorded and replayed within the minute for new (sweep 2).
 
 The secret: the environment variable ``state.secret_env`` names, else one derived from what every replica's
 configuration holds and Redis does not (:func:`fleet_secret`).
@@ -58,6 +61,7 @@ class Seal:
         self._clock = clock
         self._stamp = 0
         self._last: dict[tuple[bytes, bytes], int] = {}  # (channel, sender) -> its newest stamp (ordered channels)
+        self._since = int(clock() * 1e6)  # (a message sealed before is a copy: see listening)
 
     def _mac(self, channel: bytes, sender: bytes, stamp: bytes, body: bytes) -> bytes:
         signed = len(channel).to_bytes(2, "big") + channel + sender + b"\0" + stamp + body
@@ -67,6 +71,14 @@ class Seal:
         self._stamp = max(self._stamp + 1, int(self._clock() * 1e6))
         stamp = b"%016x" % self._stamp
         return self._sender + b"\0" + stamp + self._mac(channel, self._sender, stamp, body) + body
+
+    def listening(self) -> None:
+        """This process is about to (re)subscribe: from now on it hears every message sealed for it, so one sealed
+        before now that reaches it later is a copy (it heard the original, or the original was sent while it did
+        not listen) and is dropped. The replicas' clocks must agree: a sender whose clock runs ahead by a second
+        leaves its messages of the second before this process listened open to a replay, one whose clock runs
+        behind has its first second's messages dropped (workers of one machine share one clock)."""
+        self._since = int(self._clock() * 1e6)
 
     def open(self, channel: bytes, data: bytes, *, ordered: bool = False) -> Opened:
         """The sender and body of ``data`` received on ``channel``; raises :class:`Rejected`."""
@@ -79,6 +91,8 @@ class Seal:
         when = int(stamp, 16)  # (hex digits: the MAC held, so this replica's fleet wrote them)
         if abs(when - self._clock() * 1e6) > WINDOW * 1e6:
             raise Rejected("stale")
+        if when < self._since:
+            raise Rejected("replayed")
         if ordered:
             last = self._last.get((channel, sender))
             if last is not None and when <= last:

@@ -222,6 +222,9 @@ class SharedState:
         self._drained_read: set[str] | None = None  # as the last heartbeat read it (None: not read yet)
         self._on_drained: list[Callable[[str, bool], None]] = []
         self._drain_writes: dict[str, int] = {}  # backend -> this replica's writes of it not yet answered
+        self._drained_reading = asyncio.Lock()
+        self._drained_due = False  # (another replica changed the set since the read on its way began)
+        self._drained_rereading = False
         self._shas: dict[str, str] = {}
         self.up = False
         self.errors: dict[str, int] = dict.fromkeys(OPERATIONS, 0)  # operation -> failures (all from zero)
@@ -890,6 +893,7 @@ class SharedState:
         while True:
             pubsub = self._redis.pubsub(ignore_subscribe_messages=True)
             try:
+                self._seal.listening()  # (what was sealed before this subscription is a copy when it comes)
                 await pubsub.subscribe(self._peers_channel, self._freed_channel, self._wanted_channel)
                 async for message in pubsub.listen():
                     try:
@@ -959,16 +963,39 @@ class SharedState:
 
     # -- drained backends ---------------------------------------------------------------------------------------
     def on_drained(self, callback: Callable[[str, bool], None]) -> None:
-        """``callback(backend, drained)`` when another replica drains or undrains a backend: at once by a peer
-        message, and at the latest by the next heartbeat (which reads the shared set, so a replica that starts
-        later, or missed the message, learns it too)."""
+        """``callback(backend, drained)`` when the shared set of drained backends changes (another replica drained
+        or undrained one): read at once when a replica says it changed it, and by every heartbeat (so a replica
+        that starts later, or missed the message, learns it too). Only the set is the truth: a message applies
+        nothing of its own, so one replayed, or one whose write Redis refused, drains nothing, and no change a
+        replica applies outlasts the set."""
+        if not self._on_drained:
+            self.subscribe("drain", self._drain_heard)
         self._on_drained.append(callback)
-        self.subscribe("drain", lambda payload: callback(str(payload[0]), bool(payload[1])))
+
+    def _drain_heard(self, _payload: Any) -> None:
+        """A replica changed the drained set (the message's own ``[backend, drained]`` is for the replicas of the
+        versions before, which apply it): read it now, once for any number of messages heard meanwhile."""
+        self._drained_due = True
+        if not self._drained_rereading:
+            self._drained_rereading = True
+            self._spawn(self._reread_drained())
+
+    async def _reread_drained(self) -> None:
+        try:
+            while self._drained_due:
+                self._drained_due = False
+                try:
+                    await self._read_drained()
+                except self._errors as exc:  # (the heartbeat reads it again, and decides whether Redis is down)
+                    self._failed_alone("drain", exc)
+                    return
+        finally:
+            self._drained_rereading = False
 
     def set_drained(self, backend: str, drained: bool) -> None:
-        """Record an operator's drain (or undrain) of ``backend`` for every replica (in the background; while
-        Redis is down it stays this replica's alone, and a line is logged)."""
-        self.publish("drain", [backend, drained])
+        """Record an operator's drain (or undrain) of ``backend`` for every replica, in the background: written to
+        the shared set, then the other replicas are told to read it (while Redis is down, or refuses the write,
+        it stays this replica's alone, and a line is logged)."""
 
         async def write() -> None:
             try:
@@ -976,6 +1003,7 @@ class SharedState:
                 (pipe.sadd if drained else pipe.srem)(self._drained_key, backend)
                 pipe.set(self._drained_mark, "1")
                 await asyncio.wait_for(pipe.execute(), self._timeout * 5)
+                self.publish("drain", [backend, drained])
             except self._errors as exc:
                 self._failed("drain", exc)
                 log.warning("shared state: the %s of backend %s holds on this replica only (%s)",
@@ -989,6 +1017,10 @@ class SharedState:
         self._spawn(write())
 
     async def _read_drained(self) -> None:
+        async with self._drained_reading:  # (one read at a time: an older read's answer never follows a newer's)
+            await self._read_drained_once()
+
+    async def _read_drained_once(self) -> None:
         pipe = self._redis.pipeline(transaction=False)
         pipe.exists(self._drained_mark)
         pipe.smembers(self._drained_key)

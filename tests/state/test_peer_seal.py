@@ -95,9 +95,9 @@ async def test_a_message_replayed_or_stamped_long_ago_is_dropped(redis_server: R
     recorder = attacker.pubsub()
     await recorder.subscribe("gateway:peers")
     try:
-        a.publish("drain", ["b", True])
+        a.set_drained("b", True)
         await until(lambda: got == [("drain", "b", True)])
-        a.publish("drain", ["b", False])
+        a.set_drained("b", False)
         await until(lambda: got[-1] == ("drain", "b", False))
         recorded = []
         while len(recorded) < 2:
@@ -114,6 +114,60 @@ async def test_a_message_replayed_or_stamped_long_ago_is_dropped(redis_server: R
         assert b.rejected["replayed"] == 1 and b.rejected["stale"] == 1
     finally:
         await recorder.aclose()
+        await stop([a, b])
+
+
+@pytest.mark.anyio
+async def test_a_message_sealed_before_a_replica_listened_is_dropped(redis_server: RedisServer,
+                                                                    attacker: redis.asyncio.Redis) -> None:
+    """The sweep (rec.py, replay.py): an operator's drain of a backend and its undrain recorded, a worker
+    killed and started again, the drain replayed within the minute: the new worker had heard nothing of its
+    sender, took the copy for new, and stayed drained (the shared set never changed). A replica or worker drops
+    what was sealed before it began to listen."""
+    a, b = await sealed(redis_server, ["r0", "r1"])
+    recorder = attacker.pubsub()
+    await recorder.subscribe("gateway:peers")
+    late: list[SharedState] = []
+    try:
+        got_b = heard(b)
+        a.set_drained("good", True)
+        await until(lambda: got_b == [("drain", "good", True)])
+        a.set_drained("good", False)
+        await until(lambda: got_b[-1] == ("drain", "good", False))
+        a.publish("routing", [{"policy": "round-robin"}, "ops"])
+        await until(lambda: got_b[-1] == ("routing", [{"policy": "round-robin"}, "ops"]))
+        recorded: list[bytes] = []
+        while len(recorded) < 3:
+            message = await recorder.get_message(ignore_subscribe_messages=True, timeout=1.0)
+            if message is not None:
+                recorded.append(message["data"])
+        late = await sealed(redis_server, ["r2"])  # (the worker started again)
+        got = heard(late[0])
+        for message in recorded:  # the drain (the sweep's), and the rest of what it recorded
+            await attacker.publish("gateway:peers", message)
+        a.publish("reload", "ops")  # (after them: what the new worker hears from now on)
+        await until(lambda: ("reload", "ops") in got)
+        assert got == [("reload", "ops")] and late[0].rejected["replayed"] == 3
+        assert got_b[-1] == ("reload", "ops") and b.rejected["replayed"] == 3
+    finally:
+        await recorder.aclose()
+        await stop([a, b, *late])
+
+
+@pytest.mark.anyio
+async def test_a_drain_follows_the_shared_set_not_the_message(redis_server: RedisServer) -> None:
+    """A replica's drain message that passes the seal but changed nothing in the shared set (a replica of the
+    version before whose write Redis refused, or a copy of a message sent while the receiver's subscription was
+    down) drains nothing: a message only says the set changed, and the set is what every replica applies."""
+    a, b = await sealed(redis_server, ["r0", "r1"])
+    got = heard(b)
+    try:
+        a.publish("drain", ["x", True])  # (what the versions before sent, the set left as it was)
+        a.set_drained("y", True)
+        await until(lambda: ("drain", "y", True) in got)
+        assert got == [("drain", "y", True)]
+        assert {m.decode() for m in await b._redis.smembers("gateway:drained")} == {"y"}
+    finally:
         await stop([a, b])
 
 
