@@ -35,7 +35,8 @@ SPEC = EngineSpec(
     # /metrics only with --enable-metrics; running and waiting come from /v1/loads (see read_load)
     routes=RERANK_ROUTES,
     metric_names={"queue_histogram": "sglang:queue_time_seconds"},
-    # json_schema as a JSON string, regex, ebnf (xgrammar); choices as a regex alternation
+    # chat: response_format json_schema (strict); completions: json_schema as a JSON string; regex, ebnf (xgrammar);
+    # choices as a regex alternation
     # /v1/responses and /v1/messages, served by the engine itself: python/sglang/srt/entrypoints/http_server.py (0.5.23)
     native_apis=frozenset({"responses", "messages", "count_tokens"}),
     # cache_salt (0.5.23: chat, completions and responses requests; not its Anthropic messages, which build a chat
@@ -52,9 +53,20 @@ SPEC = EngineSpec(
 class SGLangAdapter(EngineAdapter):
     spec: ClassVar[EngineSpec] = SPEC
 
+    def prepare_body(self, route: str, body: dict[str, Any], constraint: Constraint | None = None) -> dict[str, Any]:
+        body = super().prepare_body(route, body, constraint)
+        if constraint is not None and constraint.kind == "json_schema" and route != "completions":
+            # SGLang's ChatCompletionRequest has no json_schema field (only CompletionRequest has): pydantic drops
+            # it, and the answer comes back unconstrained. A chat schema is read from response_format alone, and
+            # only with strict not false (protocol.py 0.5.23, ChatCompletionRequest.to_sampling_params)
+            del body["json_schema"]
+            body["response_format"] = {"type": "json_schema", "json_schema": {
+                "name": constraint.name, "schema": constraint.schema, "strict": True}}
+        return body
+
     def constraint_fields(self, constraint: Constraint) -> dict[str, Any]:
         kind = constraint.kind
-        if kind == "json_schema":
+        if kind == "json_schema":  # (CompletionRequest's field; see prepare_body for chat)
             return {"json_schema": orjson.dumps(constraint.schema).decode()}
         if kind == "regex":
             return {"regex": constraint.pattern}

@@ -44,7 +44,7 @@ NATIVE: dict[str, dict[str, Any]] = {
     "llamacpp": {"json_object": "response_format", "json_schema": "json_schema", "choice": "grammar",
                  "gbnf": "grammar"},
     "vllm": {c: "structured_outputs" for c in ("json_object", "json_schema", "regex", "choice", "gbnf", "lark")},
-    "sglang": {"json_object": "response_format", "json_schema": "json_schema", "regex": "regex", "choice": "regex",
+    "sglang": {"json_object": "response_format", "json_schema": "response_format", "regex": "regex", "choice": "regex",
                "gbnf": "ebnf"},
     "tabbyapi": {"json_object": "json_schema", "json_schema": "json_schema", "regex": "regex_pattern",
                  "choice": "regex_pattern", "gbnf": "grammar_string", "lark": "grammar_string"},

@@ -33,7 +33,7 @@ RF_SCHEMA = {"response_format": {"type": "json_schema", "json_schema": {"name": 
 
 @pytest.mark.parametrize(("engine", "extra"), [
     ("vllm", {"structured_outputs": {"json": SCHEMA}}), ("vllm", RF_SCHEMA),
-    ("sglang", {"json_schema": json.dumps(SCHEMA)}), ("sglang", RF_SCHEMA),
+    ("sglang", RF_SCHEMA),
     ("llamacpp", {"json_schema": SCHEMA}), ("llamacpp", RF_SCHEMA),
     ("tabbyapi", {"json_schema": SCHEMA}), ("tabbyapi", RF_SCHEMA),
 ])
@@ -77,6 +77,21 @@ def test_tabbyapi_ignores_json_object(fleet: FleetThread) -> None:
         json.loads(text)
 
 
+def test_sglang_reads_a_top_level_json_schema_on_completions_only(fleet: FleetThread) -> None:
+    """SGLang 0.5.23: ``json_schema`` is a CompletionRequest field; ChatCompletionRequest has none, and pydantic
+    drops it (200, unconstrained), so a chat schema comes from ``response_format`` alone."""
+    text = content(chat(fleet, "sglang", {"json_schema": json.dumps(SCHEMA)}))
+    with pytest.raises((json.JSONDecodeError, jsonschema.ValidationError)):
+        jsonschema.validate(json.loads(text), SCHEMA)
+    body = {"model": "sim-llama-2-7b", "prompt": "a person:", "max_tokens": 500, "json_schema": json.dumps(SCHEMA)}
+    r = httpx.post(fleet.fleet["sim-sglang"].url + "/v1/completions", json=body, timeout=10)
+    assert r.status_code == 200, r.text
+    jsonschema.validate(json.loads(r.json()["choices"][0]["text"]), SCHEMA)
+    nameless = {"response_format": {"type": "json_schema", "json_schema": {"schema": SCHEMA}}}
+    r = chat(fleet, "sglang", nameless)
+    assert r.status_code == 400 and "name" in r.text
+
+
 def test_vllm_ignores_removed_guided_fields(fleet: FleetThread) -> None:
     r = chat(fleet, "vllm", {"guided_json": SCHEMA, "guided_regex": r"\d+"})
     text = content(r)
@@ -87,7 +102,7 @@ def test_vllm_ignores_removed_guided_fields(fleet: FleetThread) -> None:
 
 @pytest.mark.parametrize(("engine", "extra", "needle"), [
     ("vllm", {"structured_outputs": {"json": SCHEMA, "regex": "a+"}}, "one kind"),
-    ("sglang", {"json_schema": json.dumps(SCHEMA), "regex": "a+"}, "Only one of"),
+    ("sglang", {**RF_SCHEMA, "regex": "a+"}, "Only one of"),
     ("llamacpp", {"json_schema": SCHEMA, "grammar": 'root ::= "a"'}, "not both"),
 ])
 def test_rejected_combinations(fleet: FleetThread, engine: str, extra: dict[str, object], needle: str) -> None:

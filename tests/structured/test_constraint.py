@@ -155,7 +155,8 @@ def test_adapters_write_native_fields_and_drop_every_other_spelling() -> None:
         ("vllm", json_object, {"structured_outputs": {"json_object": True}}),
         ("vllm", choice, {"structured_outputs": {"choice": ["a", "b"]}}),
         ("sglang", regex, {"regex": "[0-9]+"}),
-        ("sglang", schema, {"json_schema": sglang_schema}),
+        ("sglang", schema, {"response_format": {"type": "json_schema", "json_schema": {
+            "name": "response", "schema": SCHEMA, "strict": True}}}),
         ("sglang", json_object, {"response_format": {"type": "json_object"}}),
         ("llamacpp", schema, {"json_schema": SCHEMA}),
         ("llamacpp", gbnf, {"grammar": GBNF}),
@@ -168,6 +169,8 @@ def test_adapters_write_native_fields_and_drop_every_other_spelling() -> None:
     for engine, constraint, fields in expect:
         body = create_adapter(engine).prepare_body("chat", {"model": "m", "messages": [], **noise}, constraint)
         assert {k: v for k, v in body.items() if k not in ("model", "messages")} == fields, engine
+    # SGLang reads a top-level json_schema on completions only (its ChatCompletionRequest has no such field)
+    assert create_adapter("sglang").prepare_body("completions", {}, schema) == {"json_schema": sglang_schema}
     # choices become a GBNF alternation (llama.cpp) or a regex alternation (SGLang, TabbyAPI)
     assert "::=" in create_adapter("llamacpp").prepare_body("chat", {}, choice)["grammar"]
     assert create_adapter("sglang").prepare_body("chat", {}, choice)["regex"].count("|") == 1

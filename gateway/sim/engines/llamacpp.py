@@ -105,7 +105,7 @@ class LlamaCppEngine(OpenAIEngine):
                 return None if value < 0 else max(1, value)
         return None
 
-    def constraint(self, body: dict[str, Any]) -> Constraint | None:
+    def constraint(self, body: dict[str, Any], kind: str) -> Constraint | None:
         schema, grammar = body.get("json_schema"), body.get("grammar")
         rf = body.get("response_format")
         if isinstance(rf, dict):
@@ -316,7 +316,7 @@ class LlamaCppEngine(OpenAIEngine):
         mt = self.max_tokens(body)
         p = self.server.profile
         plan = plan_output(self.server.tokenizer, request_rng(self.spec.seed, ids, self.server.stats.requests), mt,
-                           (p.natural_min_tokens, p.natural_max_tokens), self.constraint(body),
+                           (p.natural_min_tokens, p.natural_max_tokens), self.constraint(body, "native"),
                            bool(body.get("ignore_eos")))
         try:
             self.server.scheduler.check(len(ids), mt or len(plan.ids))

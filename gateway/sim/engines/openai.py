@@ -55,7 +55,9 @@ class OpenAIEngine(Engine):
         return self.agent_api.match(method, path) if self.agent_api is not None else None
 
     # -- request hooks -----------------------------------------------------------------------------------------
-    def constraint(self, body: dict[str, Any]) -> Constraint | None:
+    def constraint(self, body: dict[str, Any], kind: str) -> Constraint | None:
+        """The constraint the engine reads from ``body`` of a request of ``kind`` (chat, completion, native),
+        from exactly the fields the engine reads there: any other is ignored, as the engine ignores it."""
         return None
 
     def max_tokens(self, body: dict[str, Any]) -> int | None:
@@ -123,7 +125,7 @@ class OpenAIEngine(Engine):
         if tool is not None:
             constraint = Constraint("json", tool.schema)
         if constraint is None:
-            constraint = self.constraint(body)
+            constraint = self.constraint(body, kind)
         try:
             plan = self.plan(ids, max_tokens, constraint, bool(body.get("ignore_eos")), reasoning=reasoning)
         except ValueError as exc:  # ConstraintError is a ValueError

@@ -1,6 +1,7 @@
 """SGLang's HTTP server as a gateway sees it: routes, auth, error bodies, chunks, ``/v1/loads``, metrics.
 
-Quirks kept: one of ``json_schema`` (a JSON string) / ``regex`` / ``ebnf`` per request; ``/health`` runs a
+Quirks kept: one of ``json_schema`` (a JSON string; read on completions and /generate, ignored on chat, whose
+schema comes from ``response_format`` alone) / ``regex`` / ``ebnf`` per request; ``/health`` runs a
 one-token generation (it is not free); ``/metrics`` only with ``--enable-metrics`` (else 404); ``cached_tokens``
 only with ``--enable-cache-report``; not listening for the first half of the load, then 503 until warm;
 ``[DONE]`` always ends a stream. Not emulated: the ~2 s delay before a streamed request's abort.
@@ -103,9 +104,12 @@ class SglangEngine(OpenAIEngine):
             raise EngineError(400, "priority: Input should be a valid integer", param="priority")
         return -priority if self.spec.priority_scheduling else 0
 
-    def constraint(self, body: dict[str, Any]) -> Constraint | None:
+    def constraint(self, body: dict[str, Any], kind: str) -> Constraint | None:
+        """A top-level ``json_schema`` (a JSON string) is a field of CompletionRequest and of /generate's sampling
+        params only: ChatCompletionRequest has none, and pydantic ignores it (0.5.23 protocol.py). A chat schema
+        comes from ``response_format`` alone."""
         found: list[Constraint] = []
-        if body.get("json_schema") is not None:
+        if body.get("json_schema") is not None and kind != "chat":
             schema = body["json_schema"]
             found.append(Constraint("json", orjson.loads(schema) if isinstance(schema, str) else schema))
         if body.get("regex") is not None:
@@ -113,6 +117,9 @@ class SglangEngine(OpenAIEngine):
         if body.get("ebnf") is not None:
             found.append(Constraint("ebnf", body["ebnf"]))
         rf = openai_constraint(body)
+        named = body["response_format"].get("json_schema") if rf is not None and rf.kind == "json" else None
+        if isinstance(named, dict) and not isinstance(named.get("name"), str):  # (JsonSchemaResponseFormat.name: str)
+            raise EngineError(400, "response_format.json_schema.name: Field required", param="response_format")
         if rf is not None:
             found.append(rf)
         if len(found) > 1:
@@ -220,7 +227,7 @@ class SglangEngine(OpenAIEngine):
             raise EngineError(400, "Either text or input_ids should be provided.")
         mt = sp.get("max_new_tokens", 128)
         try:
-            plan = self.plan(ids, mt, self.constraint(sp), bool(sp.get("ignore_eos")))
+            plan = self.plan(ids, mt, self.constraint(sp, "native"), bool(sp.get("ignore_eos")))
         except ValueError as exc:
             raise self.constraint_error(exc) from exc
         gen = Gen(id=new_id(""), model=self.model, kind="native", stream=bool(body.get("stream")),

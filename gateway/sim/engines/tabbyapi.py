@@ -76,7 +76,7 @@ class TabbyEngine(OpenAIEngine):
         value = body.get("max_tokens", body.get("max_completion_tokens"))
         return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
-    def constraint(self, body: dict[str, Any]) -> Constraint | None:
+    def constraint(self, body: dict[str, Any], kind: str) -> Constraint | None:
         candidates: list[Constraint] = []
         rf = body.get("response_format")
         if isinstance(rf, dict) and rf.get("type") == "json_schema":  # "json_object" is ignored, as in TabbyAPI

@@ -119,7 +119,7 @@ class VllmEngine(OpenAIEngine):
         if model is not None and model != self.model:
             raise EngineError(404, f"The model `{model}` does not exist.", "not_found", param="model")
 
-    def constraint(self, body: dict[str, Any]) -> Constraint | None:
+    def constraint(self, body: dict[str, Any], kind: str) -> Constraint | None:
         # guided_json / guided_regex / guided_choice / guided_grammar were removed: vLLM ignores them silently.
         so = body.get("structured_outputs")
         found: list[Constraint] = []
