@@ -45,12 +45,14 @@ class EngineAdapter:
     # --- control plane -------------------------------------------------------------------------------
     async def probe(self, client: httpx.AsyncClient) -> Probe:
         path = self.spec.health_path
-        response = await get(client, path)
+        return self.read_probe(path, await get(client, path))
+
+    def read_probe(self, path: str, response: httpx.Response, loading: str = "is loading its model") -> Probe:
+        """What ``response`` to a health probe of ``path`` says (``loading``: what its loading status means)."""
         if response.status_code == 200:
             return Probe(Health.READY)
         if response.status_code == self.spec.loading_status:
-            return Probe(Health.LOADING, f"{self.spec.name} is loading its model ({path} answered "
-                                         f"HTTP {response.status_code})")
+            return Probe(Health.LOADING, f"{self.spec.name} {loading} ({path} answered HTTP {response.status_code})")
         return Probe(Health.DOWN, f"{path} answered HTTP {response.status_code}")
 
     async def read_load(self, client: httpx.AsyncClient) -> LoadRecord | None:

@@ -1,8 +1,10 @@
 """SGLang's server.
 
-Health: not ``/health``, which by default runs a one-token generation; the gateway probes ``/v1/models``
-(503 while warming up). Load: ``/v1/loads`` (works without ``--enable-metrics``): running and waiting
-requests and ``token_usage`` per data-parallel rank, summed. Capacity: ``max_running_requests`` from the
+Health: not ``/health``, which by default runs a one-token generation; the gateway probes ``/ready`` (0.5.20
+and later: 503 while warming up, while generation is paused, and while draining after SIGTERM; ``/v1/models``
+answers 200 through all of it), and ``/v1/models`` on an older SGLang (no ``/ready``; 503 while warming up).
+Load: ``/v1/loads`` (works without ``--enable-metrics``): running and waiting requests and ``token_usage`` per
+data-parallel rank, summed. Capacity: ``max_running_requests`` from the
 same document, ``max_model_len`` from ``/v1/models``.
 """
 
@@ -19,14 +21,14 @@ from gateway.engines import readings
 from gateway.engines.base import BackendError, EngineAdapter, get, get_json, native_grammar, parse_histogram
 from gateway.engines.spec import RERANK_ROUTES, EngineSpec
 from gateway.engines.vllm import max_model_len
-from gateway.pool.state import Capacity, LoadRecord, ShapeSeed
+from gateway.pool.state import Capacity, LoadRecord, Probe, ShapeSeed
 from gateway.structured import Constraint
 from gateway.structured.syntax import regex_from_choices
 
 SPEC = EngineSpec(
     name="sglang",
-    health_path="/v1/models",  # /health runs a one-token generation by default
-    loading_status=503,  # warming up
+    health_path="/ready",  # /health runs a one-token generation by default (see probe for SGLang before 0.5.20)
+    loading_status=503,  # warming up, paused or draining
     cache_page_tokens=1,  # the radix tree reuses any prefix, token by token (--page-size 1, its default)
     kv_events=True,  # --kv-events-config
     # "priority" with --enable-priority-scheduling: higher first unless --schedule-low-priority-values-first;
@@ -81,6 +83,15 @@ class SGLangAdapter(EngineAdapter):
 
     def __init__(self) -> None:
         self._metrics_enabled = True  # learned: without --enable-metrics /metrics is not served
+        self._has_ready = True  # learned: SGLang before 0.5.20 has no /ready
+
+    async def probe(self, client: httpx.AsyncClient) -> Probe:
+        if self._has_ready:
+            response = await get(client, "/ready")
+            if response.status_code != 404:
+                return self.read_probe("/ready", response, "is warming up, paused or draining")
+            self._has_ready = False  # (before 0.5.20: its models list is 503 while warming up)
+        return self.read_probe("/v1/models", await get(client, "/v1/models"))
 
     async def read_load(self, client: httpx.AsyncClient) -> LoadRecord | None:
         loads = await _loads(client)

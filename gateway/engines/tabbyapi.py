@@ -1,6 +1,8 @@
 """TabbyAPI (ExLlamaV2 / ExLlamaV3).
 
-Health: ``/health`` (503 with ``issues`` when unhealthy). Load: none at all, so the gateway's own in-flight
+Health: ``/v1/model`` answering 200, not ``/health``: that answers 503 for good once any generation raised, even
+a context overflow (its issue list is never cleared), while the server goes on serving; read as down, one bad
+request would eject the backend until TabbyAPI restarts. Load: none at all, so the gateway's own in-flight
 count against ``/props.total_slots`` (= the generator's ``max_batch_size``) is the load signal.
 Models: ``/v1/models`` lists every model in the model directory, not what is loaded; the loaded model is
 ``/v1/model``. Capacity: ``/props.total_slots``, ``/v1/model`` ``parameters.max_seq_len``.
@@ -23,6 +25,7 @@ from gateway.structured.syntax import regex_from_choices
 SPEC = EngineSpec(
     name="tabbyapi",
     auth="x-api-key",
+    health_path="/v1/model",  # (see the module's docstring)
     cache_page_tokens=256,  # ExLlamaV2/V3 cache pages: a prefix is reused 256 tokens at a time
     # json_schema, regex_pattern, grammar_string (GBNF with ::=, else Lark). It IGNORES response_format
     # json_object, so that becomes json_schema {"type": "object"}. No tool-call enforcement.
@@ -40,6 +43,16 @@ SPEC = EngineSpec(
 
 class TabbyAPIAdapter(EngineAdapter):
     spec: ClassVar[EngineSpec] = SPEC
+
+    def prepare_body(self, route: str, body: dict[str, Any], constraint: Constraint | None = None) -> dict[str, Any]:
+        body = super().prepare_body(route, body, constraint)
+        if route in ("chat", "completions") and body.get("stream") is not True:
+            # since its rework of 2026-03-30 a non-streamed answer carries usage only when asked for it
+            # (stream_options is accepted without stream there; vLLM refuses it, so this is TabbyAPI's alone)
+            options = body.get("stream_options")
+            body["stream_options"] = {**options, "include_usage": True} if isinstance(options, dict) else {
+                "include_usage": True}
+        return body
 
     def constraint_fields(self, constraint: Constraint) -> dict[str, Any]:
         kind = constraint.kind

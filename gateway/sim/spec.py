@@ -11,6 +11,12 @@ from gateway.sim.profiles import DEFAULT_PROFILE, PROFILES, Profile
 EngineName = Literal["llamacpp", "vllm", "sglang", "tabbyapi"]
 ENGINES: tuple[EngineName, ...] = ("llamacpp", "vllm", "sglang", "tabbyapi")
 KV_EVENTS_KEYS = frozenset({"endpoint", "replay_endpoint", "topic", "buffer_steps", "page_size"})
+# the releases an emulator can behave as, where they differ in what the gateway relies on (the newest first)
+VERSIONS: dict[str, tuple[str, ...]] = {
+    "sglang": ("0.5.23", "0.5.19"),  # /ready (503 while warming up or paused) from 0.5.20
+    # its chat and completion rework of 2026-03-30: usage on a non-streamed answer only when asked
+    "tabbyapi": ("e632af4", "2026-03-29"),
+}
 
 
 @dataclass
@@ -39,6 +45,11 @@ class SimSpec:
     ``priority_scheduling`` (vLLM and SGLang only) runs the engine as with vLLM's ``--scheduling-policy priority``
     or SGLang's ``--enable-priority-scheduling``: the request's ``priority`` orders the waiting queue (vLLM: lower
     first; SGLang: higher first). Without it vLLM refuses a ``priority`` other than 0 (400) and SGLang ignores it.
+
+    ``version`` is the release the emulator behaves as where releases differ in what the gateway relies on
+    (:data:`VERSIONS`; None: the newest): SGLang ``0.5.19`` has no ``/ready``; TabbyAPI ``2026-03-29`` (before its
+    rework) puts ``usage`` in every non-streamed answer, ``e632af4`` only when ``stream_options.include_usage``
+    asks for it.
     """
 
     engine: EngineName
@@ -59,6 +70,7 @@ class SimSpec:
     reasoning: bool = False
     tool_call_rate: float = 0.0
     priority_scheduling: bool = False
+    version: str | None = None
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -67,6 +79,12 @@ class SimSpec:
             raise ValueError("time_scale must be > 0")
         if self.priority_scheduling and self.engine not in ("vllm", "sglang"):
             raise ValueError(f"priority_scheduling: {self.engine} does not schedule by priority")
+        known = VERSIONS.get(self.engine, ())
+        if self.version is not None and self.version not in known:
+            raise ValueError(f"version: the {self.engine} emulator behaves as one of {list(known)}, not "
+                             f"{self.version!r}")
+        if self.version is None and self.engine in VERSIONS:
+            self.version = VERSIONS[self.engine][0]
         if not 0.0 <= self.tool_call_rate <= 1.0:
             raise ValueError("tool_call_rate must be between 0 and 1")
         if self.profile is None:

@@ -12,6 +12,12 @@ ENGINES = ("llamacpp", "vllm", "sglang", "tabbyapi")
 MODEL = "sim-llama-2-7b"
 
 
+def ask_usage(engine: str) -> dict[str, object]:
+    """What a non-streamed request must carry for the engine to put ``usage`` in its answer: TabbyAPI (since its
+    rework of 2026-03-30) answers without it unless ``stream_options.include_usage`` asks; the others always do."""
+    return {"stream_options": {"include_usage": True}} if engine.endswith("tabbyapi") else {}
+
+
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"

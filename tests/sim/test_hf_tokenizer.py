@@ -20,6 +20,7 @@ import pytest
 from gateway.sim import FleetThread, SimSpec
 from gateway.sim.hf_tokenizer import HFTokenizer, prepare_tools
 from gateway.sim.tokenizer_files import SPECIAL_TOKENS, VERSION, ensure_tokenizer, tokenizer_json
+from tests.sim.conftest import ask_usage
 
 MODEL = "m"
 SYSTEM = "You are assistant seven." + " kalo mine ruta wenso bade fezu" * 10
@@ -167,7 +168,7 @@ def test_usage_counts_the_models_tokens(fleet: Any, tokenizer_dir: Path, hf: HFT
     tools = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]
     r = httpx.post(server.url + "/v1/chat/completions", timeout=5,
                    json={"model": MODEL, "messages": conversation, "tools": tools, "max_tokens": 7,
-                         "ignore_eos": True})
+                         "ignore_eos": True, **ask_usage(engine)})
     assert r.status_code == 200, r.text
     body = r.json()
     model = HFTokenizer.from_dir(tokenizer_dir, "sglang" if engine == "sglang" else "vllm")
@@ -175,8 +176,8 @@ def test_usage_counts_the_models_tokens(fleet: Any, tokenizer_dir: Path, hf: HFT
     text = body["choices"][0]["message"]["content"]
     assert len(hf.encode(text, add_special_tokens=False)) == body["usage"]["completion_tokens"] == 7
     prompt = "kalo mine ruta 12 34"
-    r = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 2},
-                   timeout=5)
+    r = httpx.post(server.url + "/v1/completions", timeout=5,
+                   json={"model": MODEL, "prompt": prompt, "max_tokens": 2, **ask_usage(engine)})
     assert r.json()["usage"]["prompt_tokens"] == len(hf.encode(prompt))
 
 

@@ -11,6 +11,7 @@ import jsonschema
 import pytest
 
 from gateway.sim import FleetThread, SimSpec
+from tests.sim.conftest import ask_usage
 
 ENGINES = ("llamacpp", "vllm", "sglang", "tabbyapi")
 MODEL = "sim-llama-2-7b"
@@ -37,7 +38,7 @@ def agents() -> Iterator[FleetThread]:
 
 
 def post(ft: FleetThread, name: str, **extra: Any) -> httpx.Response:
-    body = {"model": MODEL, "messages": MSG, "max_tokens": 300, **extra}
+    body = {"model": MODEL, "messages": MSG, "max_tokens": 300, **ask_usage(name), **extra}
     with httpx.Client(timeout=20) as c:
         return c.post(ft.fleet[name].url + "/v1/chat/completions", json=body)
 

@@ -8,6 +8,7 @@ import pytest
 from gateway.sim import Fleet, FleetThread, default_fleet_specs
 from gateway.sim.template import render_chat
 from gateway.sim.tokenizer import Tokenizer
+from tests.sim.conftest import ask_usage
 
 ENGINES = ("llamacpp", "vllm", "sglang", "tabbyapi")
 MODEL = "sim-llama-2-7b"
@@ -21,7 +22,8 @@ def client(fleet: FleetThread, engine: str) -> openai.OpenAI:
 @pytest.mark.parametrize("engine", ENGINES)
 def test_chat_non_streamed_usage_is_exact(fleet: FleetThread, engine: str) -> None:
     with client(fleet, engine) as c:
-        out = c.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=7)  # type: ignore[arg-type]
+        out = c.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=7,  # type: ignore[arg-type]
+                                        extra_body=ask_usage(engine))
     expected_prompt = len(Tokenizer().encode(render_chat(MESSAGES)))
     assert out.choices[0].finish_reason == "length"
     assert out.choices[0].message.content
@@ -65,7 +67,8 @@ async def test_async_sdk_streamed_and_not(engine: str) -> None:
     await fleet.start()
     try:
         async with openai.AsyncOpenAI(base_url=fleet.servers[0].url + "/v1", api_key="x", max_retries=0) as c:
-            whole = await c.completions.create(model=MODEL, prompt="Tell me", max_tokens=5)
+            whole = await c.completions.create(model=MODEL, prompt="Tell me", max_tokens=5,
+                                               extra_body=ask_usage(engine))
             assert whole.usage is not None and whole.usage.completion_tokens == 5
             stream = await c.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=6, stream=True)  # type: ignore[arg-type]
             pieces = [ch.choices[0].delta.content async for ch in stream if ch.choices and ch.choices[0].delta.content]
@@ -88,7 +91,8 @@ def test_vllm_unknown_model_is_404_in_vllm_shape(fleet: FleetThread) -> None:
 @pytest.mark.parametrize("engine", ["llamacpp", "tabbyapi", "sglang"])
 def test_engines_that_ignore_the_model_field(fleet: FleetThread, engine: str) -> None:
     with client(fleet, engine) as c:
-        out = c.chat.completions.create(model="whatever", messages=MESSAGES, max_tokens=2)  # type: ignore[arg-type]
+        out = c.chat.completions.create(model="whatever", messages=MESSAGES, max_tokens=2,  # type: ignore[arg-type]
+                                        extra_body=ask_usage(engine))
     assert out.usage is not None and out.usage.completion_tokens == 2
 
 

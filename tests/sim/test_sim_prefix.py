@@ -9,6 +9,7 @@ from gateway.sim import FleetThread, SimSpec
 from gateway.sim.prefix_cache import BlockCache, RadixCache, SlotCache
 from gateway.sim.template import render_chat
 from gateway.sim.tokenizer import Tokenizer
+from tests.sim.conftest import ask_usage
 
 
 def test_block_cache_reuses_whole_chained_blocks_only() -> None:
@@ -56,7 +57,7 @@ LONG = " ".join(f"w{i}" for i in range(300))  # ~600 tokens of shared system pro
 
 
 def chat(url: str, question: str, engine: str) -> dict:  # type: ignore[type-arg]
-    body = {"model": "sim-llama-2-7b", "max_tokens": 2, "stream": False,
+    body = {"model": "sim-llama-2-7b", "max_tokens": 2, "stream": False, **ask_usage(engine),
             "messages": [{"role": "system", "content": LONG}, {"role": "user", "content": question}]}
     with httpx.Client(timeout=10) as c:
         r = c.post(url + "/v1/chat/completions", json=body)

@@ -3,15 +3,18 @@
 Quirks kept: one of ``json_schema`` (a JSON string; read on completions and /generate, ignored on chat, whose
 schema comes from ``response_format`` alone) / ``regex`` / ``ebnf`` per request; ``/health`` runs a
 one-token generation (it is not free); ``/metrics`` only with ``--enable-metrics`` (else 404); ``cached_tokens``
-only with ``--enable-cache-report``; not listening for the first half of the load, then 503 until warm;
+only with ``--enable-cache-report``; not listening for the first half of the load, then warming up: from
+0.5.20 ``/v1/models`` answers 200 at once and ``/ready`` 503 (also while generation is paused with
+``/pause_generation``, whose requests wait until ``/continue_generation``), before it every path 503;
 ``[DONE]`` always ends a stream. Not emulated: the ~2 s delay before a streamed request's abort.
 """
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
@@ -27,7 +30,9 @@ from gateway.sim.profiles import Profile
 from gateway.sim.scheduler import Sequence
 from gateway.sim.template import render_chat
 
-VERSION = "0.5.10"
+if TYPE_CHECKING:
+    from gateway.sim.server import SimServer
+
 ERROR_TYPES = {400: "BadRequestError", 401: "Unauthorized", 404: "NotFoundError", 500: "InternalServerError",
                503: "ServiceUnavailable"}
 
@@ -45,6 +50,23 @@ class SglangEngine(OpenAIEngine):
     reasoning_key = "reasoning_content"
     tool_id_prefix = "call_"
     rerank_shape = "sglang"  # http_server.py: /v1/rerank (POST and PUT), a bare list of results
+
+    def __init__(self, server: SimServer) -> None:
+        super().__init__(server)
+        self.paused = False  # /pause_generation: /ready answers 503, and new requests wait for /continue_generation
+        self.resumed = asyncio.Event()
+
+    def has_ready(self) -> bool:
+        return self.spec.version != "0.5.19"
+
+    def loading(self, req: Request, resp: Responder) -> None:
+        """Warming up: from 0.5.20 the server answers (``/v1/models`` 200, ``/ready`` and ``/health`` 503)."""
+        if self.has_ready() and (req.method, req.path) == ("GET", "/v1/models"):
+            self.models_now(resp)
+        elif self.has_ready() and req.path in ("/ready", "/health", "/health_generate"):
+            resp.send(503, b"")
+        else:
+            super().loading(req, resp)
 
     def make_cache(self, profile: Profile) -> PrefixCache:
         kv = self.spec.kv_events or {}
@@ -64,13 +86,17 @@ class SglangEngine(OpenAIEngine):
         }
         if self.spec.metrics:
             r[("GET", "/metrics")] = self.metrics
+        if self.has_ready():
+            r[("GET", "/ready")] = self.ready
+            r[("POST", "/pause_generation")] = self.pause_generation
+            r[("POST", "/continue_generation")] = self.continue_generation
         r.update(self.agent_routes())
         r.update(self.rerank_routes())
         return r
 
     def authorized(self, req: Request) -> bool:
         key = self.spec.api_key
-        if not key or req.path.startswith("/health") or req.path.startswith("/metrics"):
+        if not key or req.path.startswith("/health") or req.path.startswith("/metrics") or req.path == "/ready":
             return True
         return req.headers.get("authorization", "") == f"Bearer {key}"
 
@@ -234,7 +260,30 @@ class SglangEngine(OpenAIEngine):
                   include_usage=False, plan=plan, prompt_len=len(ids), scale=self.spec.time_scale, body=body)
         await drive(self, gen, ids, resp)
 
+    async def generate(self, resp: Responder, body: dict[str, Any], kind: str, prompt: str,
+                       max_tokens: int | None = None, constraint: Constraint | None = None,
+                       stream: bool | None = None, ids: list[int] | None = None) -> None:
+        while self.paused:  # (tokenizer_manager: a request waits on is_pause_cond)
+            self.resumed.clear()
+            await self.resumed.wait()
+        await super().generate(resp, body, kind, prompt, max_tokens, constraint, stream, ids)
+
+    async def ready(self, req: Request, resp: Responder) -> None:
+        resp.send(503 if self.paused else 200, b"")
+
+    async def pause_generation(self, req: Request, resp: Responder) -> None:
+        self.paused = True
+        self.send_json(resp, {"message": "Generation paused successfully."})
+
+    async def continue_generation(self, req: Request, resp: Responder) -> None:
+        self.paused = False
+        self.resumed.set()
+        self.send_json(resp, {"message": "Generation continued successfully."})
+
     async def models(self, req: Request, resp: Responder) -> None:
+        self.models_now(resp)
+
+    def models_now(self, resp: Responder) -> None:
         self.send_json(resp, {"object": "list", "data": [{
             "id": self.model, "object": "model", "created": int(time.time()), "owned_by": "sglang",
             "root": self.model, "max_model_len": self.server.profile.context_length}]})
@@ -281,7 +330,7 @@ class SglangEngine(OpenAIEngine):
             "max_running_requests": p.max_seqs, "max_total_tokens": p.kv_capacity_tokens,
             "chunked_prefill_size": p.prefill_chunk_tokens, "enable_metrics": self.spec.metrics,
             "enable_cache_report": self.spec.cache_report, "api_key": None, "port": self.server.port,
-            "version": VERSION, "status": "ready", **self._kv_events_info(),
+            "version": self.spec.version, "status": "ready", **self._kv_events_info(),
             "internal_states": [{"max_total_num_tokens": p.kv_capacity_tokens, "last_gen_throughput": 0.0,
                                  "load": len(self.server.scheduler.running)}]})
 

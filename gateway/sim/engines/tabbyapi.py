@@ -4,7 +4,10 @@ Quirks kept: SSE lines end ``\\r\\n`` and a ``: ping`` comment opens a stream (s
 after an in-stream error; the ``include_usage`` chunk has a non-empty ``choices`` entry; ``response_format``
 ``json_object`` is ignored (only ``json_schema`` is honoured); an unparseable schema/regex/grammar is logged and
 skipped (unconstrained output); no ``/metrics`` and no load endpoint; ``x-api-key`` or ``Authorization:
-Bearer``; the model field is ignored; the port is not served until the model has loaded.
+Bearer``; the model field is ignored; the port is not served until the model has loaded. Since its chat and
+completion rework (2026-03-30) a non-streamed answer carries ``usage`` only when ``stream_options.include_usage``
+asks for it (accepted without ``stream``); ``/health`` answers 503 for good once any generation raised, even a
+context overflow (its issue list is never cleared), while the server goes on serving.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
@@ -24,6 +27,9 @@ from gateway.sim.prefix_cache import BlockCache, PrefixCache
 from gateway.sim.profiles import Profile
 from gateway.sim.scheduler import ContextTooLong
 from gateway.sim.template import render_chat
+
+if TYPE_CHECKING:
+    from gateway.sim.server import SimServer
 
 PAGE_SIZE = 256
 log = logging.getLogger("gateway.sim")
@@ -39,6 +45,19 @@ class TabbyEngine(OpenAIEngine):
     unauthorized_body = b'{"detail":"Invalid API key"}'
     reasoning_key = "reasoning_content"  # with the model's ``reasoning: true`` (config.yml)
     tool_id_prefix = "call_"
+
+    def __init__(self, server: SimServer) -> None:
+        super().__init__(server)
+        self.issues: list[dict[str, Any]] = []  # what generations raised: /health is 503 from the first on
+
+    async def generate(self, resp: Responder, body: dict[str, Any], kind: str, prompt: str,
+                       max_tokens: int | None = None, constraint: Constraint | None = None,
+                       stream: bool | None = None, ids: list[int] | None = None) -> None:
+        try:
+            await super().generate(resp, body, kind, prompt, max_tokens, constraint, stream, ids)
+        except EngineError as err:
+            self.issues.append({"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "description": err.message})
+            raise
 
     def make_cache(self, profile: Profile) -> PrefixCache:
         return BlockCache(PAGE_SIZE, profile.kv_capacity_tokens)
@@ -167,8 +186,10 @@ class TabbyEngine(OpenAIEngine):
         else:
             choice = {"index": 0, "finish_reason": gen.finish_reason, "logprobs": None, "text": gen.text}
             obj = "text_completion"
-        return {"id": gen.id, "choices": [choice], "created": gen.created, "model": gen.model, "object": obj,
-                "usage": self.usage(gen)}
+        out = {"id": gen.id, "choices": [choice], "created": gen.created, "model": gen.model, "object": obj}
+        if gen.include_usage or self.spec.version == "2026-03-29":
+            out["usage"] = self.usage(gen)
+        return out
 
     # -- native ----------------------------------------------------------------------------------------------
     def card(self) -> dict[str, Any]:
@@ -187,7 +208,10 @@ class TabbyEngine(OpenAIEngine):
         self.send_json(resp, {"object": "list", "data": [self.card()]})
 
     async def health(self, req: Request, resp: Responder) -> None:
-        self.send_json(resp, {"status": "healthy", "issues": []})
+        if self.issues:
+            resp.send(503, orjson.dumps({"status": "unhealthy", "issues": self.issues}), "application/json")
+        else:
+            self.send_json(resp, {"status": "healthy", "issues": []})
 
     async def props(self, req: Request, resp: Responder) -> None:
         p = self.server.profile
