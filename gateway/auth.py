@@ -10,7 +10,8 @@ admitted while the bucket is positive and takes its reservation at once (its pro
 bytes, plus ``max_tokens`` or ``auth.reserve_tokens``), so one large request may take the bucket below zero
 and hold the next ones back until it refills, and a burst of concurrent requests cannot all pass on one
 positive reading. At the end the difference to the real prompt + completion tokens is given back (or
-charged); a stream cut before its usage chunk is charged what was streamed. Each gateway process keeps its
+charged); a stream cut before its usage chunk, or an answer whose usage is no count, is charged the gateway's
+estimate (``gateway.api.proxy_endpoint._tokens_used``). Each gateway process keeps its
 own buckets, unless ``state.url`` names a shared store: then the buckets live there (:mod:`gateway.state`),
 one set for every process and replica. Either way a key's checks come first, before its request is validated,
 translated or routed (``gateway.api.proxy_endpoint``).

@@ -7,7 +7,8 @@ Every error a client sees, whether the gateway raised it or an upstream answered
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from functools import partial
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -28,6 +29,48 @@ _TYPE_BY_STATUS = {
 # the shortest beginning of a credential redacted at the end of a text cut short (one character says nothing, and
 # redacting every text that ends in a letter some credential starts with would garble messages for nothing)
 _MIN_PARTIAL = 2
+# the short escapes JSON has for a character (any character may also be written \uXXXX)
+_SHORT_ESCAPES = {'"': '\\"', "\\": "\\\\", "/": "\\/", "\b": "\\b", "\f": "\\f", "\n": "\\n", "\r": "\\r",
+                  "\t": "\\t"}
+
+
+def _spelled(secret: str) -> str:
+    """A regular expression for ``secret`` in every spelling a JSON string may give it: each character as itself,
+    as a ``\\uXXXX`` escape (hex digits in either case; past U+FFFF, its surrogate pair) or as its short escape
+    (``\\/``, ``\\"``, ...). A client's JSON decoder turns each of them back into the secret."""
+    parts = []
+    for ch in secret:
+        code = ord(ch)
+        units = [code] if code <= 0xFFFF else [0xD800 + ((code - 0x10000) >> 10), 0xDC00 + ((code - 0x10000) & 0x3FF)]
+        forms = [re.escape(ch), "".join(rf"\\u(?i:{unit:04x})" for unit in units)]
+        if ch in _SHORT_ESCAPES:
+            forms.append(re.escape(_SHORT_ESCAPES[ch]))
+        parts.append("(?:" + "|".join(forms) + ")")
+    return "".join(parts)
+
+
+def _marks(secrets: list[str]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(raw forms, escapes): at least one of them is in any spelling of any of ``secrets``. The raw forms are the
+    fewest (a secret holding another is found by it: the password in ``user:password``); the escapes are those a
+    spelling of them can use (``\\u``, and ``\\/`` where one holds a ``/``). None in a text: none of the secrets
+    is there, in any spelling."""
+    raw = tuple(s for s in secrets if not any(other != s and other in s for other in secrets))
+    escapes = {"\\u"} | {_SHORT_ESCAPES[ch] for s in secrets for ch in s if ch in _SHORT_ESCAPES}
+    return raw, tuple(sorted(escapes))
+
+
+def _holds(text: str | bytes, raw: tuple[Any, ...], escapes: tuple[Any, ...], backslash: Any) -> bool:
+    """Whether ``text`` holds one of the ``raw`` forms, or one of the ``escapes`` (looked for only where it has a
+    backslash at all: one ``memchr``). ``find`` rather than ``in``: see gateway.proxy.sse._payload."""
+    for mark in raw:
+        if text.find(mark) >= 0:
+            return True
+    if text.find(backslash) < 0:
+        return False
+    for mark in escapes:  # noqa: SIM110  (a loop: no generator made per call)
+        if text.find(mark) >= 0:
+            return True
+    return False
 
 
 class Redactor:
@@ -35,14 +78,20 @@ class Redactor:
 
     Upstream libraries and faulty engines put them in error messages (aiohttp's ``url='http://10.0.0.7:8000
     /v1/chat/completions'``, an engine echoing the Authorization header it rejected); a client learns the
-    backend's name instead, which is what it sees in ``x-gateway-backend`` anyway.
+    backend's name instead, which is what it sees in ``x-gateway-backend`` anyway. A credential is found in
+    every spelling a JSON string may give it (``\\u0073k-...``, ``\\/``): a client's JSON decoder reads each
+    as the credential.
 
     Text is scrubbed whole, before it is cut: a cut first can fall inside a credential and leave its beginning,
     which no longer matches (:meth:`excerpt`). Where the text itself is the beginning of a longer one (a body
     read up to a bound), ``scrub(..., cut_short=True)`` also redacts a credential's beginning at its end.
+
+    What an engine answers that is not an error (a 200 answer, a stream's usage event) is looked at for the
+    credentials alone (:meth:`echoed`, :meth:`scrub_json`): a model's answer may name any address.
     """
 
-    __slots__ = ("_longest", "_name", "_pattern", "_secrets")
+    __slots__ = ("_address", "_byte_marks", "_longest", "_marks", "_name", "_pattern", "_secret_pattern",
+                 "_secrets")
 
     def __init__(self, name: str, url: str, secrets: Iterable[str | None] = ()) -> None:
         self._name = f"backend {name}"
@@ -54,27 +103,82 @@ class Redactor:
                 alternatives.append(re.escape(f"{host}:{port}"))
                 alternatives.append(rf"\(\s*'{re.escape(host)}',\s*{port}\s*\)")  # ('10.0.0.7', 8000)
             alternatives.append(re.escape(host))
+        self._address = alternatives
         self._secrets = sorted({s for s in secrets if s and len(s) >= 4}, key=len, reverse=True)
-        alternatives += [re.escape(s) for s in self._secrets]
-        self._pattern = re.compile("|".join(alternatives))
+        # what an echo of them must hold (see _holds), in a decoded string and in the bytes that spell one
+        self._marks = _marks(self._secrets)
+        self._byte_marks = tuple(tuple(m.encode() for m in marks) for marks in self._marks)
+        # (compiled when first needed: a credential's every spelling is a long expression, and most backends'
+        # texts never need scrubbing)
+        self._pattern: re.Pattern[str] | None = None
+        self._secret_pattern: re.Pattern[str] | None = None
         self._longest = max([len(url), *(len(s) for s in self._secrets)])
+
+    def _patterns(self) -> tuple[re.Pattern[str], re.Pattern[str] | None]:
+        """(address and credentials, credentials alone); a credential matches as the group ``secret``."""
+        if self._pattern is None:
+            secret = f"(?P<secret>{'|'.join(_spelled(s) for s in self._secrets)})" if self._secrets else None
+            self._pattern = re.compile("|".join([secret, *self._address] if secret else self._address))
+            self._secret_pattern = re.compile(secret) if secret else None
+        return self._pattern, self._secret_pattern
 
     def scrub(self, text: str, *, cut_short: bool = False) -> str:
         """``text`` without the backend's address and credentials. ``cut_short``: ``text`` is the beginning of a
         longer text, so it may end inside a credential: a beginning of one at its end is redacted as well."""
         if not text:
             return text
-        scrubbed = self._pattern.sub(self._replacement, text)
+        scrubbed = self._patterns()[0].sub(self._replacement, text)
         return self._without_partial(scrubbed) if cut_short else scrubbed
 
     def excerpt(self, text: str | bytes, limit: int, *, cut_short: bool = False) -> str:
         """At most ``limit`` characters of ``text`` (bytes are decoded as UTF-8) for a message, scrubbed before
         they are cut. Only a window a credential's length past the cut is read, so a large body costs no more
         than a small one; ``cut_short``: ``text`` is itself the beginning of a longer text."""
-        window = text[:limit + self._longest]
+        window = text[:limit + 6 * self._longest]  # (6: a character spelled \uXXXX)
         cut_short = cut_short or len(window) < len(text)
         decoded = window.decode("utf-8", "replace") if isinstance(window, bytes) else window
         return self.scrub(decoded, cut_short=cut_short)[:limit]
+
+    def echoed(self, data: bytes) -> bool:
+        """Whether ``data`` may hold one of the credentials, in any spelling: a few ``bytes.find`` (C), no parsing.
+        False for certain when it holds none (and always for a backend without credentials)."""
+        raw, escapes = self._byte_marks
+        return bool(raw) and _holds(data, raw, escapes, b"\\")
+
+    def scrub_json(self, doc: Any, *, address: bool = False) -> bool:
+        """Scrub every string of a decoded JSON document in place, object keys too, at any depth: the credentials
+        (the decoder has turned their escapes back into them; a spelling left in the text itself is found too),
+        and with ``address`` the backend's address (an error's text). True when anything was taken out."""
+        everything, secrets = self._patterns()
+        pattern = everything if address else secrets
+        if pattern is None:
+            return False
+        sub = partial(pattern.sub, self._replacement)
+        raw, escapes = self._marks
+        # (only a string that may hold a credential goes through the expression: a credential's every spelling is
+        # slow to try at every character; an error's few strings all do, for its address)
+        looked: Callable[[str], bool] = (bool if address  # (every string but the empty one)
+                                         else partial(_holds, raw=raw, escapes=escapes, backslash="\\"))
+        changed = False
+        stack = [doc]
+        while stack:  # (not recursive: a document may be nested deeper than Python recurses)
+            node = stack.pop()
+            items = list(node.items()) if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+            for key, value in items:
+                if isinstance(value, str) and looked(value):
+                    scrubbed = sub(value)
+                    if scrubbed != value:
+                        node[key] = value = scrubbed
+                        changed = True
+                elif isinstance(value, dict | list):
+                    stack.append(value)
+                if isinstance(key, str) and looked(key):
+                    renamed = sub(key)
+                    if renamed != key:
+                        del node[key]
+                        node[renamed] = value
+                        changed = True
+        return changed
 
     def _without_partial(self, text: str) -> str:
         """``text`` with a credential's beginning at its very end (at least _MIN_PARTIAL characters) redacted."""
@@ -85,7 +189,7 @@ class Redactor:
         return text
 
     def _replacement(self, match: re.Match[str]) -> str:
-        return "[redacted]" if match.group(0) in self._secrets else self._name
+        return "[redacted]" if match.lastgroup == "secret" else self._name
 
 
 def error_type_for(status: int) -> str:

@@ -14,7 +14,7 @@ from typing import Any
 import orjson
 
 from gateway.api.translate.messages import anthropic_error
-from gateway.engines.readings import usage_tokens
+from gateway.engines.readings import usage_figure, usage_tokens
 from gateway.proxy.forward import NativeApi
 
 # Anthropic: every content_block_delta carries one of these; message_stop is the last event
@@ -52,21 +52,35 @@ def _int(value: Any) -> int:
     return usage_tokens(value)  # (never negative: accounting settles a key's budget with it)
 
 
+def _optional(usage: dict[str, Any], key: str) -> int | None:
+    """A figure the API may leave out or write null (Anthropic's cache figures): 0 then; garbage is None."""
+    value = usage.get(key)
+    return 0 if value is None else usage_figure(value)
+
+
+def _sum(*figures: int | None) -> int | None:
+    return None if None in figures else sum(f for f in figures if f is not None)
+
+
 def chat_usage(api: str, usage: Any) -> dict[str, Any] | None:
     """An agent API's usage in chat completions' names (what accounting reads). Anthropic's input tokens
-    exclude those read from (or written to) the cache; OpenAI's include them."""
+    exclude those read from (or written to) the cache; OpenAI's include them. A figure that is no reading
+    (``readings.usage_figure``) leaves the prompt or completion count None, and the key is charged the gateway's
+    own estimate (``gateway.api.proxy_endpoint``)."""
     if not isinstance(usage, dict):
         return None
     if api == "messages":
-        cached = _int(usage.get("cache_read_input_tokens"))
-        prompt = _int(usage.get("input_tokens")) + cached + _int(usage.get("cache_creation_input_tokens"))
+        cached = _optional(usage, "cache_read_input_tokens")
+        prompt = _sum(usage_figure(usage.get("input_tokens")), cached,
+                      _optional(usage, "cache_creation_input_tokens"))
     else:
         details = usage.get("input_tokens_details")
         cached = _int(details.get("cached_tokens")) if isinstance(details, dict) else 0
-        prompt = _int(usage.get("input_tokens"))
-    completion = _int(usage.get("output_tokens"))
+        prompt = usage_figure(usage.get("input_tokens"))
+    completion = usage_figure(usage.get("output_tokens"))
     out: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": completion,
-                           "total_tokens": prompt + completion, "prompt_tokens_details": {"cached_tokens": cached}}
+                           "total_tokens": _sum(prompt, completion),
+                           "prompt_tokens_details": {"cached_tokens": cached or 0}}
     details = usage.get("output_tokens_details")
     if isinstance(details, dict) and _int(details.get("reasoning_tokens")):
         out["completion_tokens_details"] = {"reasoning_tokens": _int(details["reasoning_tokens"])}

@@ -26,10 +26,11 @@ from gateway.api.validation import decode_body, parse_body, validate_heavy
 from gateway.asgi import BODY_WRITER, Headers, Receive, Scope, Send, header, send_body
 from gateway.auth import ANONYMOUS, Client, KeyStore
 from gateway.config import LimitSettings, Settings
+from gateway.engines.readings import usage_figure
 from gateway.errors import GatewayError
 from gateway.proxy.dispatch import Dispatcher
 from gateway.proxy.exchange import Exchange
-from gateway.routing.request import POOLING_ROUTES
+from gateway.routing.request import POOLING_ROUTES, RouteRequest
 from gateway.server_protocol import ARRIVAL
 from gateway.state.shared import Budget, SharedState, StateUnavailable
 from gateway.structured.offload import ValidationWorkers
@@ -115,17 +116,33 @@ SHED_CODES = frozenset({"queue_full", "queue_deadline", "queue_timeout", "backen
 
 
 def _tokens_used(exchange: Exchange) -> int:
-    """What a finished request is charged against its key's tokens per minute: the engine's usage (each figure
-    held to [0, MAX_USAGE_TOKENS]: a negative one would refill the bucket), else
-    (a stream cut before its usage chunk, a backend that reports none) the prompt's estimate plus one token
-    per generated-text event relayed. Nothing when no backend was reached."""
-    if exchange.usage:
-        return exchange.usage_int("prompt_tokens") + exchange.usage_int("completion_tokens")
+    """What a finished request is charged against its key's tokens per minute: the engine's usage where its prompt
+    and completion figures are both readings (``readings.usage_figure``: a whole number in [0, MAX_USAGE_TOKENS];
+    a pooling answer says no completion), else the gateway's own estimate (:func:`_estimated`). Garbage is no
+    reading: held to zero, ``prompt_tokens: -1000000`` refilled the bucket and ``"12"`` or ``1e30`` cost
+    nothing. Nothing when no backend was reached."""
+    usage = exchange.usage
+    if usage:
+        prompt = usage_figure(usage.get("prompt_tokens"))
+        completion = usage.get("completion_tokens")
+        completion = 0 if completion is None and exchange.route in POOLING_ROUTES else usage_figure(completion)
+        if prompt is not None and completion is not None:
+            return prompt + completion
     if exchange.backend is None or exchange.request is None:
         return 0
-    if exchange.request.route in POOLING_ROUTES:
-        return exchange.reserve  # (its inputs, as estimated on arrival: a pooling request's prompt is not rendered)
-    return len(exchange.request.prompt) // _BYTES_PER_TOKEN + exchange.text_events
+    return _estimated(exchange, exchange.request)
+
+
+def _estimated(exchange: Exchange, request: RouteRequest) -> int:
+    """The gateway's own count of a request whose engine said no usable usage (none, a stream cut before its usage
+    chunk, garbage): a pooling request's inputs as reserved on arrival (its prompt is not rendered); a stream's
+    prompt estimate plus one token per generated-text event relayed; a whole answer, at least what its key
+    reserved on arrival (its body's estimate plus ``max_tokens``: its output is not counted on the way). Never
+    less than one token."""
+    if request.route in POOLING_ROUTES:
+        return exchange.reserve
+    relayed = len(request.prompt) // _BYTES_PER_TOKEN + exchange.text_events
+    return max(1, relayed if exchange.stream else max(relayed, exchange.reserve))
 
 
 @dataclass(frozen=True, slots=True)

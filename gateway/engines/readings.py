@@ -83,15 +83,20 @@ def histogram(
     return None
 
 
-def usage_tokens(value: Any) -> int:
-    """A usage figure (prompt, completion, cached or reasoning tokens) as accounting takes it: a whole number held
-    to [0, MAX_USAGE_TOKENS], anything else 0. A backend reporting ``prompt_tokens: -1000000`` refilled the key's
-    token bucket by a million."""
+def usage_figure(value: Any) -> int | None:
+    """A usage figure (prompt, completion, cached or reasoning tokens) as the engine should write it: a whole number
+    in [0, MAX_USAGE_TOKENS], else None, no reading (a float, a string, a boolean, null, an object, a negative or
+    larger number). A backend reporting ``prompt_tokens: -1000000`` refilled the key's token bucket by a million;
+    one reporting ``"12"`` or ``1e30`` was charged nothing."""
     if type(value) is not int:  # (a bool's type is bool; an int subclass from JSON there is none)
-        return 0
-    if 0 <= value <= MAX_USAGE_TOKENS:
-        return value
-    return 0 if value < 0 else MAX_USAGE_TOKENS
+        return None
+    return value if 0 <= value <= MAX_USAGE_TOKENS else None
+
+
+def usage_tokens(value: Any) -> int:
+    """A usage figure as the metrics count it: :func:`usage_figure`, 0 where it is no reading."""
+    found = usage_figure(value)
+    return 0 if found is None else found
 
 
 def model_name(value: Any) -> str | None:

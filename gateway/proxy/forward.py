@@ -156,6 +156,10 @@ class Forwarder:
                             raise UpstreamError(f"the backend answered 200 with a body that is not a JSON object: "
                                                 f"{backend.secrets.excerpt(raw, 80)!r}")
                         shown = without(doc, options.hidden) if options.hidden else None
+                        if backend.secrets.echoed(raw):  # (bytes.find; the answer is walked only where it matches)
+                            target = shown if shown is not None else doc
+                            if backend.secrets.scrub_json(target):
+                                shown = target
                         if shown is not None:
                             raw = orjson.dumps(shown)
                         problem = options.check(raw) if options.check is not None else None
@@ -168,7 +172,7 @@ class Forwarder:
                         exchange.responded = True
                         await send_body(send, 200, raw, client_headers, writer=options.writer)
                         return
-                    relay = SSERelay(options.keep_usage, backend.secrets.scrub, backend.spec.stream,
+                    relay = SSERelay(options.keep_usage, backend.secrets, backend.spec.stream,
                                      native.end if native is not None else None,
                                      None if native is not None else partial(_reshape_error, backend),
                                      options.hidden)

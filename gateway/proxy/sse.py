@@ -24,7 +24,13 @@ came); only a usage chunk or an error event is ever re-encoded:
 * The gateway always asks the upstream for usage. When the client did not, the usage chunk is removed.
 * TabbyAPI's usage chunk carries a non-empty ``choices`` entry; it is split into its content (forwarded as
   a normal chunk when it says anything) and a standard usage chunk with ``choices: []``.
-* An upstream error event is scrubbed of the backend's secrets (``redact``).
+* An upstream error event, in any shape (``{"error": ...}`` with or without ``choices``, the old vLLM ``{"object":
+  "error", "message": ...}``, an agent API's ``{"type": "error", ...}``), is scrubbed of the backend's address and
+  credentials (``secrets``), every string of it as the client's decoder will read it (``\\u`` escapes
+  included); on chat streams it is reshaped into OpenAI's envelope (``reshape_error``). Every other event
+  parsed (usage, timings) whose bytes may hold a credential (:meth:`~gateway.errors.Redactor.echoed`, a few
+  ``bytes.find``) is scrubbed of the credentials. An ordinary chunk that passes unchanged is not looked at for
+  them: that would cost every chunk a scan (see docs/security.md).
 * ``hidden`` fields (an engine's cache figures, where they could reveal another cache domain's prompt: see
   :mod:`gateway.proxy.cache_figures`) are removed from the events that carry them (usage and timings events,
   parsed anyway); the relay's own ``usage`` and ``timings`` keep the engine's figures.
@@ -130,6 +136,19 @@ _SCAN = re.compile(rb'"' + _first_of(_TEXT_KEYS + _ACTS) + rb"(?:" + _TEXT_KEY +
 _MAX_HEAD = 2048
 
 
+def _error_message(doc: dict[str, Any]) -> str | None:
+    """The message of an upstream error event in any of the shapes engines write one, else None: an ``error``
+    object or string (beside ``choices`` too: the OpenAI SDK raises on it there as well; ``"error": null`` beside
+    them is no error), the old vLLM ``{"object": "error", "message": ...}``, an agent API's ``{"type": "error"}``."""
+    err = doc.get("error")
+    if not (err or ("error" in doc and "choices" not in doc) or doc.get("object") == "error"
+            or doc.get("type") == "error"):
+        return None
+    if isinstance(err, dict):
+        err = err.get("message", err)
+    return str(err if err is not None else doc.get("message"))
+
+
 def _parse(payload: bytes) -> dict[str, Any]:
     try:
         doc = orjson.loads(payload)
@@ -143,10 +162,10 @@ def _parse(payload: bytes) -> dict[str, Any]:
 class SSERelay:
     """Feed it upstream bytes; it returns what to send to the client (possibly ``b""``)."""
 
-    __slots__ = ("_buf", "_crlf", "_end", "_head", "_head_key", "_hidden", "_redact", "_reshape", "_split_usage",
+    __slots__ = ("_buf", "_crlf", "_end", "_head", "_head_key", "_hidden", "_reshape", "_secrets", "_split_usage",
                  "done", "error", "events", "keep_usage", "texts", "timings", "usage")
 
-    def __init__(self, keep_usage: bool, redact: Callable[[str], str] | None = None,
+    def __init__(self, keep_usage: bool, secrets: Redactor | None = None,
                  quirks: StreamQuirks = ALL_QUIRKS, end: re.Pattern[bytes] | None = None,
                  reshape_error: Callable[[bytes], bytes] | None = None,
                  hidden: Sequence[FieldPath] = ()) -> None:
@@ -155,11 +174,11 @@ class SSERelay:
         self._end = end  # an agent API's own last event (its streams have no [DONE]); None: OpenAI's [DONE]
         # an upstream error event's data in the shape the client expects (OpenAI's envelope, secrets scrubbed):
         # engines write their own (llama.cpp a numeric code and no param, TabbyAPI a trace); None: as it came,
-        # scrubbed with ``redact``
+        # scrubbed with ``secrets``
         self._reshape = reshape_error
         self._crlf = quirks.crlf
         self._split_usage = quirks.usage_with_choices
-        self._redact = redact  # applied to the upstream's error events (they may name its address or key)
+        self._secrets = secrets  # the backend's address and credentials, taken out of the events it echoes them in
         self._buf = b""
         self._head = b""  # a one-event chunk's bytes to its first match, generated text (see _scan)
         self._head_key = b""  # that match's key
@@ -299,7 +318,15 @@ class SSERelay:
         if payload.startswith(b"{") and payload.endswith(b"}"):
             if self._end is not None and self._end.search(payload) is not None:
                 self.done = True
-            return None if _MATTERS.search(payload) is None else self._act(payload)
+            if _MATTERS.search(payload) is None:
+                return None
+            new = self._act(payload)
+            if not new:
+                return new
+            # its other fields go with what replaces it: an agent API's client dispatches on ``event:`` (the
+            # Anthropic SDK ignores an error or a message_delta without its ``event:`` line)
+            fields = b"\n".join(line for line in event.split(b"\n") if not line.startswith(b"data:"))
+            return [fields + b"\n" + e for e in new] if fields else new
         if payload == b"[DONE]":
             self.done = True
             return None
@@ -308,19 +335,22 @@ class SSERelay:
     def _act(self, payload: bytes) -> list[bytes] | None:
         """An event that may carry usage, timings or an error: parsed, noted, and rewritten where needed."""
         doc = _parse(payload)
-        if "error" in doc and "choices" not in doc:
-            err = doc["error"]
-            self.error = str(err.get("message") if isinstance(err, dict) else err)
-            if self._reshape is not None:
+        message = _error_message(doc)
+        if message is not None:
+            self.error = message
+            if self._reshape is not None and not doc.get("choices"):
                 return [b"data: " + self._reshape(payload)]
-            if self._redact is not None:
-                scrubbed = self._redact(payload.decode("utf-8", "replace")).encode()
-                if scrubbed != payload:
-                    return [b"data: " + scrubbed]
+        secrets = self._secrets
+        # an error's every string (it may name the backend's address too), else the credentials where the bytes
+        # may hold one (a look in C first: a usage event rarely does)
+        scrubbed = secrets is not None and (secrets.scrub_json(doc, address=True) if message is not None else
+                                            secrets.echoed(payload) and secrets.scrub_json(doc))
         timings = doc.get("timings")
         if isinstance(timings, dict):
             self.timings = timings
         shown = without(doc, self._hidden) if self._hidden else None  # (None: nothing hidden in it)
+        if shown is None and scrubbed:
+            shown = doc
         usage = doc.get("usage")
         if not isinstance(usage, dict):
             return None if shown is None else [b"data: " + orjson.dumps(shown)]

@@ -98,6 +98,18 @@ def test_anthropic_input_tokens_exclude_the_cache_and_chat_prompt_tokens_include
     assert chat_usage("messages", None) is None
 
 
+def test_an_agent_apis_usage_figure_that_is_no_count_leaves_its_chat_figure_unread() -> None:
+    """Held to zero, ``input_tokens: "12"`` became a reading of 0 prompt tokens, charged as such; unread, the key
+    is charged the gateway's estimate (tests/proxy/test_garbage_usage.py). A cache figure left out or null is 0."""
+    assert chat_usage("messages", {"input_tokens": "12", "output_tokens": 7})["prompt_tokens"] is None
+    assert chat_usage("messages", {"input_tokens": 5, "cache_read_input_tokens": -3, "output_tokens": 7})[
+        "prompt_tokens"] is None
+    usage = {"input_tokens": 5, "cache_creation_input_tokens": None, "output_tokens": 1.5}
+    assert chat_usage("messages", usage) == {"prompt_tokens": 5, "completion_tokens": None, "total_tokens": None,
+                                             "prompt_tokens_details": {"cached_tokens": 0}}
+    assert chat_usage("responses", {"input_tokens": True, "output_tokens": 1 << 40})["total_tokens"] is None
+
+
 def test_the_gateways_own_error_events_are_in_each_apis_shape() -> None:
     event = MESSAGES.error_event("backend a: read timed out", "timeout_error", "timeout")
     assert event.startswith(b"event: error\ndata: ") and event.endswith(b"\n\n")

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import re
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import orjson
@@ -38,7 +39,9 @@ class ScriptedUpstream:
     (the same with only the header's credentials, its scheme left off),
     ``status_401``, ``pings`` (200 SSE, then ``: ping`` every ``every`` s until the client leaves), ``huge_error``
     (a 400 whose JSON body is ``size`` bytes) and ``huge_answer`` (a non-streamed 200 of ``size`` bytes), each with
-    a ``Content-Length`` or, with ``chunked``, without; ``sent`` counts the body bytes the gateway took of it."""
+    a ``Content-Length`` or, with ``chunked``, without; ``sent`` counts the body bytes the gateway took of it;
+    ``script`` (the answer ``script`` returns for the request's headers: its status, content type and body pieces,
+    each written on its own, ``every`` s apart, so that each is a read of its own)."""
 
     def __init__(self, mode: str = "stream", model: str = "m", tokens: int = 8, every: float = 0.01,
                  usage_after: float = 0.0, size: int = 0, chunked: bool = False) -> None:
@@ -51,6 +54,8 @@ class ScriptedUpstream:
         self.posts = 0
         self.seen_headers: dict[str, str] = {}
         self.get_answers: dict[str, tuple[int, bytes]] = {}  # path -> (status, body), set from the test's thread
+        # mode "script": the request's headers -> (status, content type, body pieces), set from the test's thread
+        self.script: Callable[[dict[str, str]], tuple[int, str, list[bytes]]] | None = None
         self.gets: dict[str, int] = {}
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
@@ -134,6 +139,17 @@ class ScriptedUpstream:
                          % len(body) + body)
             await writer.drain()
             return True
+        if mode == "script":
+            assert self.script is not None
+            status, content_type, pieces = self.script(self.seen_headers)
+            writer.write(b"HTTP/1.1 %d X\r\nContent-Type: %s\r\nContent-Length: %d\r\nConnection: close\r\n\r\n"
+                         % (status, content_type.encode(), sum(map(len, pieces))))
+            for piece in pieces:
+                await writer.drain()
+                await asyncio.sleep(self.every)
+                writer.write(piece)
+            await writer.drain()
+            return False
         if mode in ("huge_error", "huge_answer"):
             await self._huge(writer)
             return False

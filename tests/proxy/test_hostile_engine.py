@@ -67,7 +67,8 @@ def keyed(tokens_per_minute: int) -> dict[str, Any]:
 
 def test_a_backend_reporting_negative_usage_does_not_refill_the_keys_token_budget() -> None:
     """The sweep's backend answered ``prompt_tokens: -1000000``: settling against it refilled the key's token
-    bucket to the full, whatever the key had spent. Held to zero, it is charged what it says it generated."""
+    bucket to the full, whatever the key had spent. No reading, it is charged the gateway's own estimate (its body's
+    18 tokens and max_tokens: 26, where the answer said 8 generated; tests/proxy/test_garbage_usage.py)."""
     honest = {"prompt_tokens": 45, "completion_tokens": 45, "total_tokens": 90}
     with ScriptedUpstream(mode="complete", tokens=8) as upstream:
         _app, server = gateway_over(upstream, **keyed(300))
