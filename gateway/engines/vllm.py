@@ -1,8 +1,12 @@
 """vLLM's OpenAI server.
 
 Health: ``/health`` (the port is not served until the engine is ready). Load: ``/metrics`` gauges.
-Capacity: ``max_model_len`` from ``/v1/models``; vLLM does not publish its ``max_num_seqs``, so the slot
-count is the configured ``max_concurrency`` or vLLM's default of 256.
+Capacity: ``max_model_len`` from ``/v1/models``; KV cache size and block size from ``vllm:cache_config_info``;
+vLLM does not publish its ``max_num_seqs``, so the slot count is the configured ``max_concurrency`` or 1024:
+vLLM's default on GPUs of 70 GiB and more other than the A100 (H100, H200, B200), where 256 (its default on
+smaller GPUs and the A100) would hold such a server to a quarter of what it schedules. Too many slots only
+leaves requests waiting in vLLM's own queue, which its ``num_requests_waiting`` shows the router; too few
+leave its batch slots idle with nothing telling.
 """
 
 from __future__ import annotations
@@ -25,8 +29,8 @@ SPEC = EngineSpec(
         "kv_usage": "vllm:kv_cache_usage_perc",
         "queue_histogram": "vllm:request_queue_time_seconds",
     },
-    default_slots=256,  # vLLM's default max_num_seqs, which it does not publish
-    cache_page_tokens=16,  # --block-size's default
+    default_slots=1024,  # vLLM's default max_num_seqs on large GPUs, which it does not publish (see above)
+    cache_page_tokens=64,  # --block-size's default from 0.34 (16 before); read from cache_config_info where shown
     routes=RERANK_ROUTES,
     kv_events=True,  # --kv-events-config
     # "priority" (lower first) with --scheduling-policy priority; any other value than 0 without it is a 400
@@ -68,23 +72,26 @@ class VLLMAdapter(EngineAdapter):
         return super().constraint_fields(constraint)
 
     async def read_capacity(self, client: httpx.AsyncClient) -> Capacity:
+        cache_tokens, page_tokens = await _kv_cache(client)
         return Capacity(slots=self.spec.default_slots, context_length=await max_model_len(client),
-                        cache_tokens=await _kv_tokens(client))
+                        cache_tokens=cache_tokens, page_tokens=page_tokens)
 
 
-async def _kv_tokens(client: httpx.AsyncClient) -> int | None:
-    """KV cache size in tokens, from the labels of ``vllm:cache_config_info`` (num_gpu_blocks x block_size)."""
+async def _kv_cache(client: httpx.AsyncClient) -> tuple[int | None, int | None]:
+    """KV cache size in tokens (num_gpu_blocks x block_size) and its block size, from the labels of
+    ``vllm:cache_config_info``."""
     response = await get(client, "/metrics")
     if response.status_code != 200:
-        return None
+        return None, None
     try:
         for _, labels, _ in exposition.samples(response.text, ("vllm:cache_config_info",)):
             blocks, size = exposition.label(labels, "num_gpu_blocks"), exposition.label(labels, "block_size")
             if blocks and size and blocks.isdecimal() and size.isdecimal() and len(blocks) + len(size) < 30:
-                return readings.positive(int(blocks) * int(size))
+                page = readings.positive(int(size), 1 << 20)
+                return readings.positive(int(blocks) * int(size)), page
     except ValueError:
-        return None
-    return None
+        return None, None
+    return None, None
 
 
 async def max_model_len(client: httpx.AsyncClient) -> int | None:

@@ -38,6 +38,7 @@ class Capacity:
     slots: int | None = None  # concurrent sequences it will run
     context_length: int | None = None  # tokens per sequence
     cache_tokens: int | None = None  # tokens its KV / prefix cache holds in all
+    page_tokens: int | None = None  # tokens per cache page (vLLM's block size), where it says
 
 
 @dataclass(frozen=True, slots=True)

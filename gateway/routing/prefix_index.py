@@ -110,7 +110,7 @@ class PrefixIndexes:
     def _whole_pages(self, backend: Backend, blocks: int) -> int:
         """Of ``blocks`` shared leading blocks, those the engine reuses: its cache keeps whole pages of
         ``cache_page_tokens`` tokens, so a shared prefix counts down to its last whole page."""
-        page = backend.spec.cache_page_tokens
+        page = backend.capacity.page_tokens or backend.spec.cache_page_tokens
         if page <= 1 or not blocks:
             return blocks
         tokens = blocks * BLOCK_BYTES / self.bytes_per_token

@@ -105,7 +105,8 @@ async def test_vllm_metrics_are_summed_across_engines_and_capacity_from_models()
     load = await adapter.read_load(client)
     assert load is not None and (load.running, load.waiting, load.kv_usage) == (7, 4, 0.25)
     capacity = await adapter.read_capacity(client)
-    assert (capacity.slots, capacity.context_length, capacity.cache_tokens) == (256, 8192, 2048 * 16)
+    assert (capacity.slots, capacity.context_length, capacity.cache_tokens) == (1024, 8192, 2048 * 16)
+    assert capacity.page_tokens == 16  # (its block size: 64 by default from 0.34)
     assert await adapter.list_models(client) == ["m"]
 
 

@@ -189,10 +189,12 @@ def test_the_request_names_the_slot_only_where_the_gateway_placed_it(policy: str
 
 def test_a_shared_prefix_counts_in_the_engines_whole_pages() -> None:
     """ExLlama reuses 256-token pages: a 300-token shared prefix is 256 cached tokens there, all of it on
-    SGLang's radix tree (4 bytes a token: 128-byte blocks of 32 tokens)."""
+    SGLang's radix tree (4 bytes a token: 128-byte blocks of 32 tokens). vLLM's block size is what its
+    cache_config_info shows (16 here), else its default from 0.34 (64): 288 shared tokens are 256 there, not 288."""
     indexes = PrefixIndexes(bytes_per_token=4.0)
     blocks = prompt("g", "q", n=40)  # 40 shared blocks of 32 tokens = 1,280 tokens, then the question
-    for engine, shared, expected in (("tabbyapi", 10, 8), ("tabbyapi", 7, 0), ("sglang", 10, 10), ("vllm", 9, 9)):
-        b = backend(f"{engine}-{shared}", engine=engine, cache_tokens=1_000_000)
+    for engine, shared, expected, page in (("tabbyapi", 10, 8, None), ("tabbyapi", 7, 0, None),
+                                           ("sglang", 10, 10, None), ("vllm", 9, 9, 16), ("vllm", 9, 8, None)):
+        b = backend(f"{engine}-{shared}-{page}", engine=engine, cache_tokens=1_000_000, page_tokens=page)
         indexes.assign(b, blocks[:shared], "warm")
         assert indexes.match(b, blocks) == expected, (engine, shared)
