@@ -4,15 +4,23 @@ Both engines publish the same scheme (vLLM ``vllm/distributed/kv_events.py``, SG
 ``srt/disaggregation/kv_events.py``): a ZMQ PUB message of three frames ``[topic, seq, payload]``, ``seq`` an
 unsigned 64-bit big-endian counter that starts at 0 when the engine process starts, ``payload`` one msgpack
 batch ``[ts, events, dp_rank]`` (vLLM ``data_parallel_rank``, SGLang ``attn_dp_rank``; two elements in old
-vLLM). Each event is either a map tagged by ``"type"`` (vLLM >= 0.24, SGLang >= 0.5.20) or, in older
-releases, an array whose first element is the tag and whose fields follow in declaration order:
+vLLM). Each event is either a map tagged by ``"type"`` (vLLM >= 0.24, SGLang >= 0.5.20), read by field name,
+or, in older releases, an array whose first element is the tag and whose fields follow in declaration order
+(``_ARRAY_FIELDS``; vLLM omits trailing fields left at their default):
 
-* ``BlockStored``: ``block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium, lora_name, ...``;
-  a prefix cached under a ``cache_salt`` says so where its chain starts (no parent): SGLang in the event's
-  ``cache_salt`` (0.5.23), vLLM in ``extra_keys`` (0.34: one entry per block, the first block's holding the
-  salt after the LoRA name, untagged). Old array-form events carry no salt the gateway reads.
-* ``BlockRemoved``: ``block_hashes, medium, ...``
+* ``BlockStored``: vLLM 0.23 ``block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium,
+  lora_name, extra_keys, group_idx, kv_cache_spec_kind, kv_cache_spec_sliding_window``; SGLang 0.5.19 the
+  first six, and a salted block is a ``BlockStoredWithMetadata`` (same tag) with one more field, ``metadata``,
+  a map ``{cache_salt}``, where vLLM has ``lora_name`` (a string or nil, never a map: that tells them apart).
+* ``BlockRemoved``: ``block_hashes, medium, group_idx`` (SGLang: the first two).
 * ``AllBlocksCleared``: no fields.
+
+A prefix cached under a ``cache_salt`` says so where its chain starts (no parent), in both forms: SGLang in the
+event's ``cache_salt`` (0.5.23) or ``metadata.cache_salt`` (0.5.19); vLLM in ``extra_keys`` (0.23 and 0.34
+alike: one entry per block, the first block's holding the salt as a bare string after the LoRA name, multimodal
+``[identifier, offset]`` pairs before it, prompt-embedding digests, bytes, after it). ``group_idx`` is the
+KV-cache group of a hybrid model; ``kv_cache_spec_*`` describe that group and are not used (the index keys
+group 0 only).
 
 Hashes are opaque: vLLM sends unsigned 64-bit ints (or the raw digest bytes with
 ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``), SGLang signed 64-bit ints. They are only ever compared with other
@@ -130,8 +138,16 @@ def decode_batch(seq: int, payload: bytes) -> Batch:
     return Batch(seq=seq, ts=float(ts), events=tuple(events), dp_rank=dp_rank, skipped=skipped)
 
 
-_STORED_ORDER = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name")
-_REMOVED_ORDER = ("block_hashes", "medium")
+# Array-form events (vLLM < 0.24, SGLang < 0.5.20): field names by position after the tag, as declared in
+# vLLM 0.23 (SGLang 0.5.19 sends a prefix of each; values past a table's end are ignored).
+_ARRAY_FIELDS: dict[str, tuple[str, ...]] = {
+    "BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
+                    "lora_name", "extra_keys", "group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window"),
+    "BlockRemoved": ("block_hashes", "medium", "group_idx"),
+    "AllBlocksCleared": (),
+}
+# SGLang 0.5.19's BlockStoredWithMetadata: tagged "BlockStored", its kw-only ``metadata`` after ``medium``
+_SGLANG_STORED_WITH_METADATA = (*_ARRAY_FIELDS["BlockStored"][:6], "metadata")
 
 
 def _fields(item: Any) -> tuple[str, dict[str, Any]] | None:
@@ -140,9 +156,11 @@ def _fields(item: Any) -> tuple[str, dict[str, Any]] | None:
         kind = item.get("type")
         return (kind, item) if isinstance(kind, str) else None
     if isinstance(item, list) and item and isinstance(item[0], str):
-        kind = item[0]
-        order = _STORED_ORDER if kind == "BlockStored" else _REMOVED_ORDER if kind == "BlockRemoved" else ()
-        return kind, dict(zip(order, item[1:], strict=False))
+        kind, values = item[0], item[1:]
+        names = _ARRAY_FIELDS.get(kind, ())
+        if kind == "BlockStored" and len(values) == 7 and isinstance(values[6], dict):
+            names = _SGLANG_STORED_WITH_METADATA
+        return kind, dict(zip(names, values, strict=False))
     raise WireError(f"event is a {type(item).__name__}, not a map or array")
 
 
@@ -175,7 +193,7 @@ def _event(item: Any) -> Event | None:
         lora = f.get("lora_name")
         lora = lora if isinstance(lora, str) else None
         return BlockStored(hashes, parent, tuple(tokens), block_size, medium, lora, group,
-                           _salt(f, lora) if parent is None and isinstance(item, dict) else None)
+                           _salt(f, lora) if parent is None else None)
     if kind == "BlockRemoved":
         return BlockRemoved(_hashes(f.get("block_hashes")), medium, group)
     if kind == "AllBlocksCleared":
@@ -184,10 +202,11 @@ def _event(item: Any) -> Event | None:
 
 
 def _salt(f: dict[str, Any], lora: str | None) -> str | None:
-    """The ``cache_salt`` of a chain's first block: SGLang's field, or the string in vLLM's first ``extra_keys``
-    entry that is not the LoRA name (the others there are multimodal ``[id, offset]`` pairs and prompt-embedding
-    digests)."""
-    salt = f.get("cache_salt")
+    """The ``cache_salt`` of a chain's first block: SGLang's field (0.5.23) or its metadata's (0.5.19), or the
+    string in vLLM's first ``extra_keys`` entry that is not the LoRA name (the others there are multimodal
+    ``[id, offset]`` pairs and prompt-embedding digests)."""
+    metadata = f.get("metadata")
+    salt = metadata.get("cache_salt") if isinstance(metadata, dict) else f.get("cache_salt")
     if isinstance(salt, str):
         return salt or None
     extra = f.get("extra_keys")

@@ -1,5 +1,5 @@
-"""KV event batches decoded from bytes built to each engine's documented schema (vLLM 0.33 and older, SGLang
-0.5.23 and older): see gateway/kvcache/wire.py for the sources."""
+"""KV event batches decoded from bytes built to each engine's released schema (vLLM 0.34 back to 0.23, SGLang
+0.5.23 back to 0.5.19): see gateway/kvcache/wire.py for the sources."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import struct
 import msgpack
 import pytest
 
+from gateway.kvcache.index import EventIndex, request_keys
 from gateway.kvcache.wire import (
     END_OF_REPLAY,
     AllBlocksCleared,
@@ -43,14 +44,47 @@ def test_vllm_033_map_events_from_hand_built_bytes() -> None:
     assert batch.events == (BlockStored((2**64 - 5,), None, (1, 2, 3, 4), 4, "GPU", None, 0),)
 
 
-def test_vllm_023_array_events() -> None:
-    """vLLM before 0.24: events are arrays, tag first, fields in declaration order (extra trailing fields)."""
-    payload = msgpack.packb([2.0, [["BlockStored", [11, 12], 10, list(range(8)), 4, None, "GPU", None, None, 0],
-                                   ["BlockRemoved", [11], "GPU", 0], ["AllBlocksCleared"]]])
+def test_vllm_023_array_events_read_every_field_by_position() -> None:
+    """vLLM before 0.24: events are arrays, tag first, fields as declared in 0.23's kv_events.py (BlockStored:
+    block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium, lora_name, extra_keys, group_idx,
+    kv_cache_spec_kind, kv_cache_spec_sliding_window; BlockRemoved: block_hashes, medium, group_idx), trailing
+    defaults omitted. 0.23's block_pool.py fills extra_keys per block with the LoRA name, multimodal
+    (identifier, offset) pairs, then the bare cache_salt (first block only), then prompt-embedding digests."""
+    salted = ["BlockStored", [11, 12], None, list(range(8)), 4, 3, "GPU", "adapter",
+              [["adapter", ["mm-hash", 0], "salt-1", b"\x07" * 32], ["adapter"]], 1, "full_attention", None]
+    continued = ["BlockStored", [13], 12, list(range(8, 12)), 4, None, "GPU", None, None, 0]
+    oldest = ["BlockStored", [14], None, list(range(4)), 4, None, "GPU", None]  # nothing past lora_name
+    payload = msgpack.packb([2.0, [salted, continued, oldest, ["BlockRemoved", [11], "GPU", 1],
+                                   ["BlockRemoved", [13], "CPU"], ["AllBlocksCleared"]]])
     batch = decode_batch(3, payload)
     assert batch.dp_rank is None  # two-element batch of old vLLM
-    assert batch.events == (BlockStored((11, 12), 10, tuple(range(8)), 4, "GPU"),
-                            BlockRemoved((11,), "GPU"), AllBlocksCleared())
+    assert batch.events == (BlockStored((11, 12), None, tuple(range(8)), 4, "GPU", "adapter", 1, "salt-1"),
+                            BlockStored((13,), 12, tuple(range(8, 12)), 4, "GPU", None, 0),
+                            BlockStored((14,), None, tuple(range(4)), 4, "GPU"),
+                            BlockRemoved((11,), "GPU", 1), BlockRemoved((13,), "CPU"), AllBlocksCleared())
+
+
+def test_sglang_0519_array_events_and_the_salt_in_metadata() -> None:
+    """SGLang before 0.5.20: arrays without omitted defaults (BlockStored: block_hashes, parent_block_hash,
+    token_ids, block_size, lora_id, medium; BlockRemoved: block_hashes, medium). A salted page is a
+    BlockStoredWithMetadata, tagged BlockStored, with its kw-only ``metadata`` map {cache_salt} after medium;
+    mem_cache/events.py attaches it to every salted page, the chain's first one included. The salted chain is
+    keyed apart: a request without that salt (another cache domain) does not match it."""
+    salted = ["BlockStored", [-5, 7], None, list(range(32)), 16, None, "GPU", {"cache_salt": "salt-1"}]
+    continued = ["BlockStored", [8], 7, list(range(32, 48)), 16, None, "GPU", {"cache_salt": "salt-1"}]
+    plain = ["BlockStored", [9], None, list(range(16)), 16, None, "CPU_PINNED"]
+    payload = msgpack.packb([1.0, [salted, continued, plain, ["BlockRemoved", [9], "CPU_PINNED"]], 0])
+    batch = decode_batch(0, payload)
+    assert batch.events == (BlockStored((-5, 7), None, tuple(range(32)), 16, "GPU", None, None, "salt-1"),
+                            BlockStored((8,), 7, tuple(range(32, 48)), 16, "GPU"),  # (its salt: where the chain starts)
+                            BlockStored((9,), None, tuple(range(16)), 16, "CPU_PINNED"),
+                            BlockRemoved((9,), "CPU_PINNED"))
+    index = EventIndex()
+    index.apply(batch)
+    assert index.chunk == 16
+    assert index.match(request_keys(list(range(48)), 16, cache_salt="salt-1")) == 3
+    assert index.match(request_keys(list(range(48)), 16)) == 0
+    assert index.match(request_keys(list(range(48)), 16, cache_salt="salt-2")) == 0
 
 
 def test_sglang_0523_signed_hashes_and_extra_fields() -> None:
