@@ -33,8 +33,7 @@ SPEC = EngineSpec(
     cache_page_tokens=64,  # --block-size's default from 0.34 (16 before); read from cache_config_info where shown
     routes=RERANK_ROUTES,
     kv_events=True,  # --kv-events-config
-    # "priority" (lower first) with --scheduling-policy priority; any other value than 0 without it is a 400
-    # ("Got priority 1 but Priority scheduling is not enabled.", vllm/v1/engine/processor.py)
+    # "priority" (lower first) with --scheduling-policy priority; ignored without it (0.34; it was a 400 before)
     priority_order="lower-first",
     # structured_outputs (xgrammar): JSON, regex, choice, EBNF and Lark grammars. Never the removed guided_*
     # fields, which vLLM ignores with a 200.

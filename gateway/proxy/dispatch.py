@@ -378,7 +378,10 @@ class Dispatcher:
     def _payload(self, request: RouteRequest, backend: Backend, priority: int) -> bytes:
         """The body in the backend's dialect (the request's validation made sure it encodes), naming the
         engine slot routing placed it in, where the engine takes one, and carrying the request's priority
-        to an engine that schedules by it (the gateway's, whatever the client wrote there)."""
+        to an engine that schedules by it (the gateway's, whatever the client wrote there). A client's own
+        ``priority`` reaches no engine: vLLM and SGLang order their queue by it under a policy the gateway may
+        not have been told of, and a key would then reorder every tenant's requests there (the gateway's
+        priorities are its keys' and the x-gateway-priority header's, see docs/flow-control.md)."""
         body = self._fleet.adapters[backend.name].prepare_body(request.route, dict(request.body),
                                                                  request.constraint)
         isolate(body, request, backend.spec, request.route)  # (the request's cache domain: its salt, if any)
@@ -388,6 +391,8 @@ class Dispatcher:
         order = backend.priority_order
         if order is not None:
             body["priority"] = -priority if order == "lower-first" else priority
+        else:
+            body.pop("priority", None)
         return orjson.dumps(body)
 
     async def _attempt(self, exchange: Exchange, request: RouteRequest, backend: Backend, last: bool,

@@ -65,6 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--no-cache-report", action="store_true")
     s.add_argument("--load-seconds", type=float, default=0.0)
     s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--engine-version", help="the release to behave as, where releases differ (SimSpec.version)")
     s.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a profile parameter")
     s.add_argument("--tokenizer", type=Path, help="a Hugging Face tokenizer directory (chat template + tokenizer)")
     s.add_argument("--kv-events", metavar="ENDPOINT",
@@ -130,7 +131,8 @@ def main(argv: list[str] | None = None) -> int:
                              profile=args.profile, api_key=args.api_key, time_scale=args.time_scale,
                              metrics=not args.no_metrics, cache_report=not args.no_cache_report,
                              load_seconds=args.load_seconds, seed=args.seed, overrides=_parse_set(args.set),
-                             kv_events=kv, tokenizer=str(args.tokenizer) if args.tokenizer else None)]
+                             kv_events=kv, tokenizer=str(args.tokenizer) if args.tokenizer else None,
+                             version=args.engine_version)]
         except ValueError as exc:
             raise SystemExit(f"gateway sim serve: {exc}") from None
     elif args.config is not None:

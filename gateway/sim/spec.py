@@ -11,8 +11,12 @@ from gateway.sim.profiles import DEFAULT_PROFILE, PROFILES, Profile
 EngineName = Literal["llamacpp", "vllm", "sglang", "tabbyapi"]
 ENGINES: tuple[EngineName, ...] = ("llamacpp", "vllm", "sglang", "tabbyapi")
 KV_EVENTS_KEYS = frozenset({"endpoint", "replay_endpoint", "topic", "buffer_steps", "page_size"})
-# the releases an emulator can behave as, where they differ in what the gateway relies on (the newest first)
+# the releases an emulator can behave as, where they differ in what the gateway relies on (the default first)
 VERSIONS: dict[str, tuple[str, ...]] = {
+    # --block-size's default: 16 before 0.34, 64 from it. The default stays 16, the size the emulated workloads
+    # (prompts of a few hundred tokens) and the prefix benchmark's figures were built on; the gateway reads the
+    # block size vLLM shows, and the tests cover both
+    "vllm": ("0.33.0", "0.34.0"),
     "sglang": ("0.5.23", "0.5.19"),  # /ready (503 while warming up or paused) from 0.5.20
     # its chat and completion rework of 2026-03-30: usage on a non-streamed answer only when asked
     "tabbyapi": ("e632af4", "2026-03-29"),
@@ -44,10 +48,11 @@ class SimSpec:
 
     ``priority_scheduling`` (vLLM and SGLang only) runs the engine as with vLLM's ``--scheduling-policy priority``
     or SGLang's ``--enable-priority-scheduling``: the request's ``priority`` orders the waiting queue (vLLM: lower
-    first; SGLang: higher first). Without it vLLM refuses a ``priority`` other than 0 (400) and SGLang ignores it.
+    first; SGLang: higher first). Without it both ignore the field.
 
     ``version`` is the release the emulator behaves as where releases differ in what the gateway relies on
-    (:data:`VERSIONS`; None: the newest): SGLang ``0.5.19`` has no ``/ready``; TabbyAPI ``2026-03-29`` (before its
+    (:data:`VERSIONS`; None: the first listed there): vLLM ``0.34.0`` caches in blocks of 64 tokens (16 before);
+    SGLang ``0.5.19`` has no ``/ready``; TabbyAPI ``2026-03-29`` (before its
     rework) puts ``usage`` in every non-streamed answer, ``e632af4`` only when ``stream_options.include_usage``
     asks for it.
     """

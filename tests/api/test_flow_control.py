@@ -213,14 +213,20 @@ def test_an_engine_with_priority_scheduling_gets_the_priority_in_its_own_order()
         assert sent_priorities(r, "s") == [100, -100, 0]
 
 
-def test_an_engine_without_it_gets_no_priority_field_from_the_gateway() -> None:
-    specs = [SimSpec(engine="vllm", model="m", name="v", time_scale=40.0)]  # vLLM refuses priority != 0 here
+def test_an_engine_without_it_gets_no_priority_field_from_the_gateway_nor_from_the_client() -> None:
+    """Without ``priority_scheduling`` declared the gateway sends no priority, and removes the client's: an engine
+    run with a priority policy the gateway was not told of would let a key reorder every tenant's requests in its
+    queue (vLLM 0.34 no longer refuses the field without its policy, so nothing else would stop it)."""
+    specs = [SimSpec(engine="vllm", model="m", name="v", time_scale=40.0)]
     for r in running(specs, auth=AUTH):
-        answer = httpx.post(r.url + "/v1/chat/completions", timeout=30,
-                            headers={"authorization": f"Bearer {KEYS['ops']}", "x-gateway-priority": "critical"},
-                            json={"model": "m", "messages": ASK, "max_tokens": 2})
+        headers = {"authorization": f"Bearer {KEYS['ops']}", "x-gateway-priority": "critical"}
+        answer = httpx.post(r.url + "/v1/chat/completions", timeout=30, headers=headers,
+                            json={"model": "m", "messages": ASK, "max_tokens": 2, "priority": -1000})
         assert answer.status_code == 200, answer.text
         assert sent_priorities(r, "v") == ["absent"]
+        answer = httpx.post(r.url + "/v1/responses", timeout=30, headers=headers,  # (no such Responses field)
+                            json={"model": "m", "input": "hi", "max_output_tokens": 2, "priority": -1000})
+        assert answer.status_code == 400 and answer.json()["error"]["param"] == "priority", answer.text
 
 
 def test_priority_scheduling_is_refused_for_an_engine_without_it() -> None:

@@ -5,6 +5,8 @@ the newest release and as an older one (``SimSpec.version``), behind one gateway
   ``stream_options.include_usage`` asks for it: the gateway asks, and the request is counted.
 * TabbyAPI's ``/health`` answers 503 for good once a generation raised (a context overflow): the backend keeps
   serving, and stays in rotation.
+* vLLM's default block size is 64 from 0.34 (16 before): the prefix index counts a shared prefix in the pages
+  the server shows in ``vllm:cache_config_info``.
 * SGLang 0.5.20 and later: ``/ready`` is 503 while generation is paused (requests then wait), and ``/v1/models``
   200 all along; the backend leaves rotation while paused. SGLang 0.5.19 has no ``/ready``.
 """
@@ -24,7 +26,7 @@ from gateway.sim import FleetThread, SimSpec
 from tests.api.conftest import TIME_SCALE, Running, gateway_settings
 from tests.conftest import serve_in_thread
 
-VERSIONS = {"tabbyapi": ("e632af4", "2026-03-29"), "sglang": ("0.5.23", "0.5.19")}
+VERSIONS = {"tabbyapi": ("e632af4", "2026-03-29"), "sglang": ("0.5.23", "0.5.19"), "vllm": ("0.34.0", "0.33.0")}
 ASK = [{"role": "user", "content": "Say something."}]
 KEY = {"authorization": "Bearer k"}
 
@@ -119,3 +121,10 @@ def test_an_sglang_without_ready_is_probed_on_its_models_list(fleet: Running) ->
     probed = {s.spec.name: {x.path for x in s.received} for s in (old, new)}
     assert "/v1/models" in probed["sglang-0.5.19"] and "/ready" in probed["sglang-0.5.23"]
     assert "/health" not in probed["sglang-0.5.19"] | probed["sglang-0.5.23"]  # (it generates a token)
+
+
+def test_vllms_block_size_is_read_from_what_it_shows(fleet: Running) -> None:
+    pool = fleet.app.gateway.pool
+    until(lambda: all(pool.find(f"vllm-{v}").capacity.page_tokens is not None  # type: ignore[union-attr]
+                      for v in VERSIONS["vllm"]))
+    assert [pool.find(f"vllm-{v}").capacity.page_tokens for v in VERSIONS["vllm"]] == [64, 16]  # type: ignore[union-attr]

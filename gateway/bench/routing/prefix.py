@@ -101,14 +101,15 @@ def prefix_fleet(policy: str, cfg: PrefixConfig, ports: Sequence[int]) -> list[d
 
 def emulated_oracle(requests: Sequence[BenchRequest], cfg: PrefixConfig) -> OracleResult:
     """The oracle (see ``oracle.py``) over the emulated vLLM caches: prompts tokenized as the emulators do."""
-    from gateway.sim.engines.vllm import BLOCK_SIZE
+    from gateway.sim.engines.vllm import block_size
     from gateway.sim.template import render_chat
     from gateway.sim.tokenizer import Tokenizer
 
     tokenizer = Tokenizer()
     prompts = [tokenizer.encode(render_chat(r.body["messages"])) for r in requests]
     kv = kv_capacity_for(cfg.groups, cfg.system_len, cfg.cache_share, cfg.question_len, cfg.output_len)
-    return vllm_emulator_oracle(prompts, [r.output_len for r in requests], cfg.backends, kv, BLOCK_SIZE)
+    block = block_size("0.33.0")  # (the release prefix_fleet's servers run: the emulator's default)
+    return vllm_emulator_oracle(prompts, [r.output_len for r in requests], cfg.backends, kv, block)
 
 
 REPLICATED_POLICIES = ("prefix", "default", "consistent-prefix")

@@ -25,8 +25,11 @@ from gateway.sim.prefix_cache import BlockCache, PrefixCache
 from gateway.sim.profiles import Profile
 from gateway.sim.template import render_chat
 
-VERSION = "0.33.0"
-BLOCK_SIZE = 16
+
+def block_size(version: str | None) -> int:
+    """``--block-size``'s default: 64 from 0.34, 16 before."""
+    return 64 if version == "0.34.0" else 16
+
 ERROR_TYPES = {400: "BadRequestError", 401: "Unauthorized", 404: "NotFoundError", 500: "InternalServerError",
                503: "ServiceUnavailableError"}
 STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
@@ -61,7 +64,7 @@ class VllmEngine(OpenAIEngine):
     rerank_shape = "vllm"  # pooling/scoring/api_router.py: /rerank, /v1/rerank, /v2/rerank
 
     def make_cache(self, profile: Profile) -> PrefixCache:
-        return BlockCache(BLOCK_SIZE, profile.kv_capacity_tokens, self.server.kv_events)
+        return BlockCache(block_size(self.spec.version), profile.kv_capacity_tokens, self.server.kv_events)
 
     def routes(self) -> dict[tuple[str, str], Handler]:
         return {
@@ -90,14 +93,12 @@ class VllmEngine(OpenAIEngine):
                                        "param": err.param, "code": err.status}})
 
     def queue_rank(self, body: dict[str, Any]) -> int:
-        """``priority``: lower first with --scheduling-policy priority; without it anything but 0 is refused
-        (vllm/v1/engine/processor.py)."""
+        """``priority``: lower first with --scheduling-policy priority; ignored without it (0.34: no longer
+        refused)."""
         priority = body.get("priority", 0)
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise EngineError(400, "priority: Input should be a valid integer", param="priority")
-        if priority != 0 and not self.spec.priority_scheduling:
-            raise EngineError(400, f"Got priority {priority} but Priority scheduling is not enabled.")
-        return priority
+        return priority if self.spec.priority_scheduling else 0
 
     def cache_salt(self, body: dict[str, Any]) -> str | None:
         """``cache_salt`` as vLLM 0.34 validates it (entrypoints/generate/base/protocol.py validate_cache_salt,
@@ -154,7 +155,7 @@ class VllmEngine(OpenAIEngine):
         resp.send(200, b"")
 
     async def version(self, req: Request, resp: Responder) -> None:
-        self.send_json(resp, {"version": VERSION})
+        self.send_json(resp, {"version": self.spec.version})
 
     async def load(self, req: Request, resp: Responder) -> None:
         sched = self.server.scheduler
@@ -227,6 +228,7 @@ class VllmEngine(OpenAIEngine):
         e.histogram("vllm:request_prompt_tokens", lat.prompt_len, "Number of prefill tokens processed.")
         e.histogram("vllm:request_generation_tokens", lat.gen_len, "Number of generation tokens processed.")
         e.gauge("vllm:cache_config_info", 1.0, "Information of the LLMEngine CacheConfig", {
-            "block_size": str(BLOCK_SIZE), "num_gpu_blocks": str(p.kv_capacity_tokens // BLOCK_SIZE),
+            "block_size": str(block_size(self.spec.version)),
+            "num_gpu_blocks": str(p.kv_capacity_tokens // block_size(self.spec.version)),
             "enable_prefix_caching": "True", "cache_dtype": "auto", "gpu_memory_utilization": "0.9"})
         resp.send(200, e.render(), "text/plain; version=0.0.4; charset=utf-8")
