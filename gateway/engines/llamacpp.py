@@ -28,6 +28,8 @@ SPEC = EngineSpec(
     # only with --metrics; read beside /slots (see read_load)
     metric_names={"running": "llamacpp:requests_processing", "waiting": "llamacpp:requests_deferred"},
     # GBNF natively (json_schema is compiled to GBNF by the server); no regex; choices as a GBNF alternation
+    # no "beside_tools": a grammar (a choice is one) beside tools the model may call is a 400 there ("Cannot use
+    # custom grammar constraints with tools.", tools/server/server-common.cpp); a schema is not
     structured=frozenset({"json_object", "json_schema", "choice", "grammar:gbnf", "tool_call"}),
     # cpp-httplib closes the connection after a chunked (streamed) response while answering "Keep-Alive:
     # timeout=5, max=100"; a pooled connection then fails the next request ("Can not write request body")

@@ -46,7 +46,8 @@ SPEC = EngineSpec(
     # (srt/mem_cache/radix_cache.py), and BlockStored carries the salt (srt/disaggregation/kv_events.py)
     cache_isolation="cache_salt",
     isolated_native_apis=frozenset({"responses"}),
-    structured=frozenset({"json_object", "json_schema", "regex", "choice", "grammar:ebnf", "tool_call"}),
+    structured=frozenset({"json_object", "json_schema", "regex", "choice", "grammar:ebnf", "tool_call",
+                          "beside_tools"}),
     # continuous batching, like vLLM
     shape=ShapeSeed(tok_s=178.0, growth=0.011, prefill_tok_s=10_000.0),
 )

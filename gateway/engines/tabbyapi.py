@@ -29,7 +29,8 @@ SPEC = EngineSpec(
     cache_page_tokens=256,  # ExLlamaV2/V3 cache pages: a prefix is reused 256 tokens at a time
     # json_schema, regex_pattern, grammar_string (GBNF with ::=, else Lark). It IGNORES response_format
     # json_object, so that becomes json_schema {"type": "object"}. No tool-call enforcement.
-    structured=frozenset({"json_object", "json_schema", "regex", "choice", "grammar:gbnf", "grammar:lark"}),
+    structured=frozenset({"json_object", "json_schema", "regex", "choice", "grammar:gbnf", "grammar:lark",
+                          "beside_tools"}),
     # sse-starlette writes "\r\n"; the usage chunk also carries the last choices entry
     stream=StreamQuirks(crlf=True, usage_with_choices=True),
     timings="usage_seconds",  # usage.prompt_time / completion_time

@@ -47,7 +47,7 @@ SPEC = EngineSpec(
     cache_isolation="cache_salt",
     isolated_native_apis=frozenset({"responses", "messages"}),
     structured=frozenset({"json_object", "json_schema", "regex", "choice", "grammar:ebnf", "grammar:lark",
-                          "tool_call"}),
+                          "tool_call", "beside_tools"}),
     # continuous batching: barely slower per token at 64 sequences than alone
     shape=ShapeSeed(tok_s=175.0, growth=0.012, prefill_tok_s=10_000.0),
 )

@@ -17,7 +17,7 @@ Accepted spellings (at most one constraint per request, as vLLM and SGLang requi
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Any, Literal
 
@@ -66,11 +66,14 @@ class Constraint:
     # the field whose validation was too much work for the event loop and waits for a worker process
     # (gateway.api.validation.validate_heavy); None once validated
     pending: str | None = None
+    # a choice or grammar in a request that offers tools the model may call (tool_choice not "none")
+    beside_tools: bool = False
 
     def describe(self) -> str:
+        beside = " beside tools" if self.beside_tools else ""
         if self.kind == "grammar":
-            return f"grammar ({self.dialect}, from {self.source})"
-        return f"{self.kind} (from {self.source})"
+            return f"grammar ({self.dialect}, from {self.source}){beside}"
+        return f"{self.kind} (from {self.source}){beside}"
 
 
 def _schema(source: str, value: Any, param: str, bounds: Bounds, **extra: Any) -> Constraint:
@@ -247,4 +250,11 @@ def extract(body: dict[str, Any], limits: LimitSettings | None = None) -> Constr
     if len(found) > 1:
         raise ConstraintInvalid("only one structured-output constraint per request; got "
                                 + ", ".join(c.source for c in found), found[1].source)
-    return found[0] if found else None
+    if not found:
+        return None
+    constraint = found[0]
+    tools = body.get("tools")
+    if constraint.kind in ("choice", "grammar") and isinstance(tools, list) and tools and \
+            body.get("tool_choice") != "none":
+        return replace(constraint, beside_tools=True)
+    return constraint

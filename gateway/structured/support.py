@@ -2,7 +2,8 @@
 
 An engine's support is a set of words: ``json_object``, ``json_schema``, ``regex``, ``choice``,
 ``tool_call`` (a forced tool call), ``strict_tools`` (strict argument schemas under ``tool_choice: auto``),
-and ``grammar:<dialect>`` for each grammar dialect it parses natively. A grammar in another dialect is
+``grammar:<dialect>`` for each grammar dialect it parses natively, and ``beside_tools`` where a choice or
+grammar may come with tools the model may call (llama.cpp refuses that). A grammar in another dialect is
 honoured where a faithful conversion exists: GBNF -> xgrammar EBNF always (a rewrite, see
 ``gateway.structured.syntax.gbnf_to_ebnf``); EBNF -> GBNF when the grammar is already valid GBNF (xgrammar's
 EBNF is a superset); Lark never. Validation finds the conversions once (``Constraint.renderings``): routing
@@ -28,6 +29,8 @@ def grammar_in(constraint: Constraint, dialects: Iterable[str]) -> tuple[Dialect
 
 
 def can_honour(constraint: Constraint, support: frozenset[str]) -> bool:
+    if constraint.beside_tools and "beside_tools" not in support:
+        return False
     if constraint.kind == "grammar":
         dialects = [word.split(":", 1)[1] for word in support if word.startswith("grammar:")]
         return grammar_in(constraint, dialects) is not None

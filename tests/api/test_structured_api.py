@@ -195,3 +195,29 @@ def test_tool_constraints_go_only_where_tool_calls_are_enforced(engines: Running
                                          max_tokens=5)
     sent = last_generation(engines, "sim-vllm")
     assert sent["tool_choice"] == "required" and sent["tools"] == tools
+
+
+def test_a_choice_beside_tools_goes_where_the_engine_takes_both(engines: Running) -> None:
+    """llama.cpp answers 400 ("Cannot use custom grammar constraints with tools.") to a grammar beside tools the
+    model may call, and a choice reaches it as a grammar: such a request is refused up front, naming the engines
+    that take it, where only llama.cpp serves the model, and is served by one of those engines elsewhere."""
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]
+    body = {"messages": ASK, "max_tokens": 20, "tools": tools, "choice": ["red", "green"]}
+    r = httpx.post(engines.url + "/v1/chat/completions", json={"model": "m-llamacpp", **body}, timeout=20)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["code"] == "unsupported_constraint" and "beside tools" in error["message"], error
+    assert "sglang, tabbyapi, vllm" in error["message"]
+    r = httpx.post(engines.url + "/v1/chat/completions", json={"model": "m-vllm", **body}, timeout=20)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] in ("red", "green")
+    # with tool_choice "none" llama.cpp takes the grammar
+    r = httpx.post(engines.url + "/v1/chat/completions", json={"model": "m-llamacpp", **body, "tool_choice": "none"},
+                   timeout=20)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] in ("red", "green")
+    # and the emulator refuses what llama-server refuses
+    r = httpx.post(engines.server("sim-llamacpp").url + "/v1/chat/completions", timeout=20,
+                   headers={"authorization": "Bearer key-llamacpp"},
+                   json={"model": "m-llamacpp", "messages": ASK, "tools": tools, "grammar": 'root ::= "a"'})
+    assert r.status_code == 400 and "Cannot use custom grammar constraints with tools." in r.text

@@ -118,7 +118,12 @@ MATRIX = {
     "lark": {"vllm", "tabbyapi"},
     "tool_call": {"llamacpp", "vllm", "sglang", "openai"},
     "strict_tools": {"openai"},
+    "choice-beside-tools": {"vllm", "sglang", "tabbyapi"},  # (llama.cpp: "Cannot use custom grammar ... tools")
+    "gbnf-beside-tools": {"vllm", "sglang", "tabbyapi"},
+    "gbnf-tool-choice-none": {"llamacpp", "vllm", "sglang", "tabbyapi"},
+    "json_schema-beside-tools": {"llamacpp", "vllm", "sglang", "tabbyapi", "openai"},
 }
+TOOLS = [{"type": "function", "function": {"name": "f"}}]
 BODIES = {
     "json_object": {"response_format": {"type": "json_object"}},
     "json_schema": {"json_schema": SCHEMA},
@@ -130,6 +135,10 @@ BODIES = {
     "lark": {"grammar": 'start: "a" | "b"', "grammar_syntax": "lark"},
     "tool_call": {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"},
     "strict_tools": {"tools": [{"type": "function", "function": {"name": "f", "strict": True}}]},
+    "choice-beside-tools": {"choice": ["a", "b"], "tools": TOOLS},
+    "gbnf-beside-tools": {"grammar": GBNF, "tools": TOOLS, "tool_choice": "auto"},
+    "gbnf-tool-choice-none": {"grammar": GBNF, "tools": TOOLS, "tool_choice": "none"},
+    "json_schema-beside-tools": {"json_schema": SCHEMA, "tools": TOOLS},
 }
 
 
@@ -168,7 +177,7 @@ def test_adapters_write_native_fields_and_drop_every_other_spelling() -> None:
     ]
     for engine, constraint, fields in expect:
         body = create_adapter(engine).prepare_body("chat", {"model": "m", "messages": [], **noise}, constraint)
-        assert {k: v for k, v in body.items() if k not in ("model", "messages")} == fields, engine
+        assert {k: v for k, v in body.items() if k not in ("model", "messages", "stream_options")} == fields, engine
     # SGLang reads a top-level json_schema on completions only (its ChatCompletionRequest has no such field)
     assert create_adapter("sglang").prepare_body("completions", {}, schema) == {"json_schema": sglang_schema}
     # choices become a GBNF alternation (llama.cpp) or a regex alternation (SGLang, TabbyAPI)

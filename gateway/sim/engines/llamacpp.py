@@ -119,6 +119,10 @@ class LlamaCppEngine(OpenAIEngine):
                                   + str(rf.get("type")))
         if schema is not None and grammar:
             raise EngineError(400, 'Either "json_schema" or "grammar" can be specified, but not both')
+        tools = body.get("tools")
+        if kind == "chat" and "grammar" in body and isinstance(tools, list) and tools and \
+                body.get("tool_choice") != "none":  # (server-common.cpp, oaicompat_chat_params_parse)
+            raise EngineError(400, "Cannot use custom grammar constraints with tools.")
         if schema is not None:
             return Constraint("json", schema)
         if grammar:
