@@ -63,7 +63,8 @@ class EngineAdapter:
         response = await get(client, "/metrics")
         if response.status_code != 200:
             raise BackendError(f"/metrics answered HTTP {response.status_code}")
-        values = parse_metrics(response.text, names.values())
+        # (vLLM under data parallelism writes kv_cache_usage_perc per engine rank: the fullest is the reading)
+        values = parse_metrics(response.text, names.values(), [names["kv_usage"]] if "kv_usage" in names else [])
         queue = names.get("queue_histogram")
         figures = readings.Figures()
         running = figures.count("running", values.get(names.get("running", "")))
@@ -198,13 +199,14 @@ def parse_histogram(text: str, name: str) -> tuple[tuple[tuple[str, float], ...]
         raise BackendError(f"/metrics is not Prometheus text: {exc}") from None
 
 
-def parse_metrics(text: str, wanted: Iterable[str]) -> dict[str, float]:
+def parse_metrics(text: str, wanted: Iterable[str], largest: Iterable[str] = ()) -> dict[str, float]:
     """Sum the samples of the wanted metrics across their labels (e.g. one per model or engine rank), by
-    sample name as the exposition writes it (a counter's with its ``_total``). Only their own lines are read
+    sample name as the exposition writes it (a counter's with its ``_total``); of those in ``largest`` (shares
+    per rank) take the largest. Only their own lines are read
     (:mod:`gateway.engines.exposition`): parsing a whole vLLM exposition with prometheus_client stalled the
     event loop for milliseconds per scrape."""
     try:
-        return exposition.summed(text, tuple(wanted))
+        return exposition.summed(text, tuple(wanted), frozenset(largest))
     except ValueError as exc:
         raise BackendError(f"/metrics is not Prometheus text: {exc}") from None
 

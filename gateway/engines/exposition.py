@@ -68,12 +68,18 @@ def label(labels: str, name: str) -> str | None:
     return found.group(1) if found is not None else None
 
 
-def summed(text: str, names: Collection[str]) -> dict[str, float]:
-    """Each wanted sample name's values summed across its label sets (engine ranks, models); absent names
-    are left out."""
+def summed(text: str, names: Collection[str], largest: Collection[str] = ()) -> dict[str, float]:
+    """Each wanted sample name's values summed across its label sets (engine ranks, models), or for a name in
+    ``largest`` the largest of them (a share per rank, as KV-cache use: two ranks at 60% are 60%, not 120%);
+    absent names are left out."""
     out: dict[str, float] = {}
     for name, _, value in samples(text, names):
-        out[name] = out.get(name, 0.0) + value
+        if name not in out:
+            out[name] = value
+        elif name in largest:
+            out[name] = max(out[name], value)
+        else:
+            out[name] += value
     return out
 
 
