@@ -1,4 +1,4 @@
-"""TabbyAPI (ExLlamaV2 / ExLlamaV3).
+"""TabbyAPI: ExLlamaV3 at e632af4, the commit read for this adapter (its releases before also ran ExLlamaV2).
 
 Health: ``/v1/model`` answering 200, not ``/health``: that answers 503 for good once any generation raised, even
 a context overflow (its issue list is never cleared), while the server goes on serving; read as down, one bad

@@ -5,7 +5,7 @@ first token; blocks thinking (index 0), text, tool_use (no ``input`` in its star
 at the end, a thinking block closed by an empty ``signature_delta``; ``message_delta`` usage has only
 ``output_tokens``; a stop word is ``stop_reason: "end_turn"`` with ``stop_sequence`` set. Its usage (the body's,
 ``message_start``'s) says ``cache_read_input_tokens`` and counts only the uncached rest as ``input_tokens``.
-``"vllm"`` follows ``vllm/entrypoints/anthropic/serving_messages.py`` (SGLang's handler is a port of it):
+``"vllm"`` follows ``vllm/entrypoints/anthropic/serving.py`` (SGLang's handler is a port of it):
 ``message_start`` first, dumped with ``exclude_unset`` (no ``type`` / ``role`` in its message); one block open
 at a time, closed before the next starts; a thinking block's ``signature_delta`` carries a uuid; tool_use starts
 with ``input: {}``; ``message_delta`` usage has input and output tokens; the finish reason maps stop ->

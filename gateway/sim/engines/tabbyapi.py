@@ -1,4 +1,5 @@
-"""TabbyAPI (ExLlamaV2/V3) as a gateway sees it: routes, auth, error bodies, chunks, structured output.
+"""TabbyAPI (ExLlamaV3 at e632af4; ExLlamaV2 before) as a gateway sees it: routes, auth, error bodies, chunks,
+structured output.
 
 Quirks kept: SSE lines end ``\\r\\n`` and a ``: ping`` comment opens a stream (sse-starlette); no ``[DONE]``
 after an in-stream error; the ``include_usage`` chunk has a non-empty ``choices`` entry; ``response_format``
