@@ -30,7 +30,7 @@ import orjson
 from prometheus_client import CollectorRegistry, Counter
 
 from gateway.config import ConfigError, Settings, parse_settings, read_settings_file, settings_from_mapping
-from gateway.config_reload import check_reload, stable_contents
+from gateway.config_reload import KnownKeys, check_reload, stable_contents
 from gateway.errors import GatewayError
 from gateway.pool.backend import Backend
 from gateway.pool.pool import Pool
@@ -81,6 +81,8 @@ class ControlPlane:
         # after a newer one and brought a revoked key back)
         self._changing = asyncio.Lock()
         self._reload_waiting = False  # a SIGHUP's reload waits for its turn (more SIGHUPs meanwhile: that one)
+        # every key in force since the start: one a change removed and a reload brings back is held to what it had
+        self._known = KnownKeys(settings().auth.keys)
         self._on_applied = on_applied  # told what is in force after each change (a worker's supervisor)
         self._reporting = asyncio.Lock()  # (one report at a time, so that the last one told is the latest)
         self._pool = pool
@@ -405,7 +407,7 @@ class ControlPlane:
             if content is None:
                 content = await asyncio.to_thread(read_settings_file, self._path)
             new = await asyncio.to_thread(parse_settings, content, self._path)
-            check_reload(self._settings(), new)
+            check_reload(self._settings(), new, self._known)
             check_settings(new)
         except ConfigError as exc:
             self.reloads.labels("rejected").inc()
@@ -463,6 +465,7 @@ class ControlPlane:
         """Apply ``new`` (``content``: the file's bytes it was read from, for a reload), then tell who asked to be
         told what is in force now."""
         result = await self._reconfigure(new)
+        self._known.saw(self._settings().auth.keys)
         if content is not None:
             self._content = content
         if self._on_applied is not None:

@@ -14,9 +14,12 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 import gateway.control
-from gateway.config import ConfigError, Settings, parse_settings
-from gateway.config_reload import check_reload, stable_contents
+from gateway.app import Gateway
+from gateway.auth import KeyStore
+from gateway.config import AuthSettings, ConfigError, Settings, parse_settings
+from gateway.config_reload import KnownKeys, check_reload, stable_contents
 from gateway.control import ControlPlane
+from gateway.errors import GatewayError
 from gateway.pool.pool import Pool
 from gateway.proxy.admission import Admission
 
@@ -423,3 +426,75 @@ def test_sighups_meanwhile_read_the_file_once_more_and_an_older_reading_is_not_a
     applier = asyncio.run(run())
     assert len(applier.applied) == 3  # the first, one for ten SIGHUPs, the second; not the watch's older reading
     assert "lim" not in names(applier.settings)
+
+
+# -- a key removed by a cut file, then brought back by a later reading of it --------------------------------------
+def test_a_key_a_cut_file_removed_comes_back_only_as_it_was_and_with_its_budget_spent(tmp_path: Path) -> None:
+    """The file read half-written twice: first cut before key ``lim`` (valid, ``lim`` just removed), then cut
+    right after ``lim``'s ``key_sha256`` line. The second reading re-added ``lim`` as a new key, with no limit
+    and a full bucket. Now a key that comes back is held to what it had when it was in force, by name or by
+    hash, and takes back its buckets (a debt with them); what the operator writes (``null``) still applies."""
+    path = tmp_path / "gateway.yaml"
+    path.write_text(KEYED)
+    without = KEYED[:KEYED.index("    - name: lim\n")]
+    bare = KEYED[:KEYED.index("      requests_per_minute: 30\n")]
+    assert bare.endswith(f"key_sha256: {H[3]}\n")
+    lim = {"authorization": b"Bearer sk-lim"}
+
+    async def run() -> None:
+        gw = Gateway(parse_settings(KEYED.encode(), "gateway.yaml"), config_path=str(path),
+                     config_content=KEYED.encode())
+        client = gw.keys.authenticate(lim["authorization"], None)
+        assert client is not None
+        for _ in range(30):  # (its 30 requests a minute, spent)
+            gw.keys.admit(client, "m1")
+        with pytest.raises(GatewayError, match="Rate limit reached"):
+            gw.keys.admit(client, "m1")
+
+        path.write_text(without)
+        await gw.control.reload("file watch")
+        assert "lim" not in names(gw.settings)
+        with pytest.raises(GatewayError, match="Incorrect API key"):
+            gw.keys.authenticate(lim["authorization"], None)
+
+        path.write_text(bare)
+        with pytest.raises(GatewayError, match=r"auth.keys \(lim\).requests_per_minute: left out of the file, which "
+                                               r"would change it from 30 \(as it had when 'lim' was in force before\)"):
+            await gw.control.reload("file watch")
+        renamed = bare.replace("name: lim", "name: lim2")  # (its hash, under another name)
+        path.write_text(renamed)
+        with pytest.raises(GatewayError, match=r"auth.keys \(lim2\).requests_per_minute: left out"):
+            await gw.control.reload("file watch")
+        assert "lim" not in names(gw.settings) and "lim2" not in names(gw.settings)
+
+        path.write_text(KEYED)  # (the whole file: back as it was, its budget still spent)
+        await gw.control.reload("file watch")
+        back = gw.keys.authenticate(lim["authorization"], None)
+        assert back is not None and back.settings.requests_per_minute == 30
+        with pytest.raises(GatewayError, match="Rate limit reached"):
+            gw.keys.admit(back, "m1")
+
+        path.write_text(without)
+        await gw.control.reload("file watch")
+        lifted = bare + "      requests_per_minute: null\n      max_in_flight: null\n"
+        path.write_text(lifted)  # (written on purpose: the limits are lifted)
+        await gw.control.reload("file watch")
+        free = gw.keys.authenticate(lim["authorization"], None)
+        assert free is not None and free.settings.requests_per_minute is None
+        gw.keys.admit(free, "m1")
+        await gw.control.stop()
+
+    asyncio.run(run())
+
+
+def test_the_keys_remembered_are_bounded() -> None:
+    keys = [parse_settings(f"auth: {{keys: [{{name: k{n}, key_sha256: {hashlib.sha256(str(n).encode()).hexdigest()}, "
+                           f"requests_per_minute: 5}}]}}\n".encode(), "gateway.yaml").auth.keys[0] for n in range(4)]
+    known = KnownKeys(keys[:1], removed=2)
+    for key in keys[1:]:
+        known.saw([key])
+    assert [known.last(k) is not None for k in keys] == [False, True, True, True]
+    store = KeyStore(AuthSettings(keys=keys[:1]), removed=2)
+    for key in keys[1:]:
+        store.update(AuthSettings(keys=[key]))
+    assert len(store._gone) == 2
