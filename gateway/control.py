@@ -81,6 +81,7 @@ class ControlPlane:
         # after a newer one and brought a revoked key back)
         self._changing = asyncio.Lock()
         self._reload_waiting = False  # a SIGHUP's reload waits for its turn (more SIGHUPs meanwhile: that one)
+        self._reload_at_start: str | None = None  # a SIGHUP came before start(): a reload once started
         # every key in force since the start: one a change removed and a reload brings back is held to what it had
         self._known = KnownKeys(settings().auth.keys)
         self._on_applied = on_applied  # told what is in force after each change (a worker's supervisor)
@@ -114,6 +115,8 @@ class ControlPlane:
         it held still ``settle_seconds``) when asked for."""
         self._loop = asyncio.get_running_loop()
         self._spawn(self._sample_forever())
+        if self._reload_at_start is not None:
+            self._reload_once_more(self._reload_at_start)
         if watch_seconds and self._path is not None:
             self._spawn(self._watch_config(watch_seconds, settle_seconds))
 
@@ -146,10 +149,13 @@ class ControlPlane:
         """Re-read the configuration file (SIGHUP): safe to call from a signal handler on the loop's thread or
         from another thread."""
         loop = self._loop
+        if loop is None and self._path is not None and self._closing is None:
+            log.info("reload (%s): once the gateway has started", source)  # (the file may have changed meanwhile)
+            self._reload_at_start = source
+            return
         if loop is None or self._path is None or self._closing is not None:
-            log.warning("reload (%s) ignored: %s", source, "not started" if loop is None else
-                        "the gateway runs without a configuration file" if self._path is None else
-                        f"shutting down ({self._closing})")
+            log.warning("reload (%s) ignored: %s", source, "the gateway runs without a configuration file"
+                        if self._path is None else f"shutting down ({self._closing})")
             return
         loop.call_soon_threadsafe(self._reload_once_more, source)
 

@@ -10,6 +10,7 @@ refused before anything starts.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import math
 import os
@@ -49,7 +50,14 @@ class Pod:
     def workers(self) -> list[int]:
         """The supervisor's worker processes (its children but multiprocessing's resource tracker)."""
         children = Path(f"/proc/{self.supervisor.pid}/task/{self.supervisor.pid}/children").read_text().split()
-        return [int(p) for p in children if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes()]
+        return [int(p) for p in children if b"spawn_main" in cmdline(int(p))]
+
+
+def cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except (FileNotFoundError, ProcessLookupError):  # (gone since the supervisor's children were listed)
+        return b""
 
 
 def cpu_ticks(pid: int) -> int:
@@ -323,3 +331,74 @@ def test_a_worker_started_again_runs_the_configuration_in_force_not_the_one_the_
                 pod.supervisor.stop()
     finally:
         redis.kill()
+
+
+def test_sighups_while_workers_start_kill_none_and_the_file_is_reloaded(tmp_path: Path) -> None:
+    """A SIGHUP sent to the process group (``kill -HUP`` under systemd or Kubernetes), or forwarded while a worker
+    started again, reached a worker before it had installed its handler, and SIGHUP's default action ended it.
+    Here every process of the gateway gets a SIGHUP every 20 ms from the supervisor's first worker until both
+    serve, and again while one is started again: none dies of it, and the file changed meanwhile is reloaded."""
+    base = free_port_block(2)
+    redis = RedisServer(base, tmp_path).start()
+    ops, team = "sk-ops-0123", "sk-team-4567"
+
+    def key(name: str, secret: str, scopes: list[str]) -> dict[str, Any]:
+        return {"name": name, "key_sha256": hashlib.sha256(secret.encode()).hexdigest(), "scopes": scopes}
+
+    try:
+        with FleetThread([SimSpec(engine="vllm", model="m", name=n, time_scale=20) for n in ("a", "b")]) as fleet:
+            config = pod_config(fleet, redis, base + 1)
+            config["auth"] = {"keys": [key("ops", ops, ["admin"]), key("team", team, ["inference"])]}
+            path = tmp_path / "gateway.yaml"
+            path.write_text(yaml.safe_dump(config))
+            log = tmp_path / "gateway.log"
+            supervisor = ChildProcess("gateway", [sys.executable, "-m", "gateway", "serve", "--config", str(path),
+                                                  "--log-level", "warning"], log).start()
+            pod = Pod(f"http://127.0.0.1:{base + 1}", base + 1, supervisor, fleet, log)
+            sent = 0
+
+            def hangup_all() -> None:
+                nonlocal sent
+                children = Path(f"/proc/{supervisor.pid}/task/{supervisor.pid}/children").read_text().split()
+                for pid in [supervisor.pid, *map(int, children)]:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGHUP)
+                        sent += 1
+
+            def serving() -> bool:
+                try:
+                    return samples(pod.url, "gateway_workers") == {(): 2.0}
+                except httpx.TransportError:
+                    return False
+
+            try:
+                deadline = time.monotonic() + 60
+                while not pod.workers():  # (the supervisor's own handler is in place before its first worker)
+                    assert time.monotonic() < deadline and supervisor.proc is not None
+                    assert supervisor.proc.poll() is None, log.read_text()[-3000:]
+                    time.sleep(0.01)
+                config["auth"]["keys"] = config["auth"]["keys"][:1]  # team revoked, the workers starting
+                path.write_text(yaml.safe_dump(config))
+                while not serving():
+                    assert time.monotonic() < deadline, log.read_text()[-3000:]
+                    hangup_all()
+                    time.sleep(0.02)
+                killed = pod.workers()[:1]
+                os.kill(killed[0], signal.SIGKILL)
+                while len(now := pod.workers()) != 2 or set(now) & set(killed) or not serving():
+                    assert time.monotonic() < deadline, log.read_text()[-3000:]
+                    hangup_all()
+                    time.sleep(0.02)
+                assert sent > 20
+                assert "exited with status" not in log.read_text().replace(f"(pid {killed[0]}) exited", ""), \
+                    log.read_text()[-3000:]
+                wait_restarted(pod, killed)
+                statuses = {httpx.get(pod.url + "/v1/models", headers={"authorization": f"Bearer {team}",
+                                                                       "connection": "close"}, timeout=10).status_code
+                            for _ in range(20)}
+                assert statuses == {401}, "a worker did not reload the file it was sent a SIGHUP for"
+            finally:
+                supervisor.stop()
+    finally:
+        redis.kill()
+
