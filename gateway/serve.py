@@ -41,6 +41,7 @@ from gateway.config import ConfigError, Settings, is_loopback, parse_settings, r
 from gateway.proxy.accounting import AccessLogHandler, AccessLogWriter
 from gateway.routing.policies import check_settings
 from gateway.server_limits import raise_nofile_limit, uvicorn_config
+from gateway.state.sealing import fleet_secret
 from gateway.workers import InForce, WorkerIdentity
 
 log = logging.getLogger("gateway.serve")
@@ -278,9 +279,10 @@ def supervise(settings: Settings, log_level: str, count: int, config_path: str |
                 os.kill(proc.pid, signal.SIGHUP)
 
     applied = _Applied(InForce(settings, content))
+    secret = fleet_secret(settings.state, [k.digest() for k in settings.auth.keys])
 
     def start(index: int) -> BaseProcess:
-        identity = WorkerIdentity(index, count, run_dir)
+        identity = WorkerIdentity(index, count, run_dir, secret)
         applied.take()  # (what a worker said before it died, or just now)
         report = applied.channel(index)
         proc = ctx.Process(target=_worker, args=(applied.latest, identity, log_level, parent, config_path, report),

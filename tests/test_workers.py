@@ -29,10 +29,13 @@ import yaml
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from gateway.app import Gateway
 from gateway.bench.procs import ChildProcess
-from gateway.config import ConfigError, settings_from_mapping
+from gateway.config import ConfigError, Settings, settings_from_mapping
 from gateway.sim import FleetThread, SimSpec
+from gateway.state.sealing import fleet_secret
 from gateway.telemetry.merge import merge_expositions
+from gateway.workers import WorkerIdentity
 from tests.conftest import free_port_block
 from tests.state.conftest import RedisServer
 
@@ -402,3 +405,26 @@ def test_sighups_while_workers_start_kill_none_and_the_file_is_reloaded(tmp_path
     finally:
         redis.kill()
 
+
+def test_every_worker_seals_with_the_supervisors_secret_whatever_the_keys_it_runs() -> None:
+    """The seal's secret was derived by each worker from the keys it started with: a worker started again after
+    a reload that revoked a key derived another, and it and the others dropped each other's messages (drains,
+    reloads, sessions, freed slots). Now the supervisor derives it once and hands it to every worker."""
+
+    def settings(keys: int) -> Settings:
+        return settings_from_mapping({
+            "server": {"workers": 2}, "state": {"url": "redis://127.0.0.1:1"},
+            "backends": [{"name": "a", "engine": "vllm", "url": "http://127.0.0.1:9", "models": ["m"]}],
+            "auth": {"keys": [{"name": f"k{n}", "key_sha256": hashlib.sha256(b"%d" % n).hexdigest()}
+                              for n in range(keys)]}})
+
+    started, reloaded = settings(2), settings(1)  # (a reload revoked one key; then worker 1 was started again)
+    assert fleet_secret(started.state, [k.digest() for k in started.auth.keys]) != fleet_secret(
+        reloaded.state, [k.digest() for k in reloaded.auth.keys])  # (what each derived before)
+    secret = fleet_secret(started.state, [k.digest() for k in started.auth.keys])
+    first, again = (Gateway(s, worker=WorkerIdentity(i, 2, "/nonexistent", secret))
+                    for i, s in enumerate((started, reloaded)))
+    assert first.shared is not None and again.shared is not None
+    for sender, receiver in ((first.shared, again.shared), (again.shared, first.shared)):
+        sealed = sender._seal.seal(b"peers", b"drain a")
+        assert receiver._seal.open(b"peers", sealed).body == b"drain a"
