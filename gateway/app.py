@@ -81,10 +81,10 @@ class Gateway:
         self.kv_events = EventHub()
         # limits and routing state shared with the other processes and replicas, when a store is configured
         # (its messages to the others sealed with a secret they share: state.secret_env, else derived from the
-        # Redis password and the keys configured at start)
-        self.shared = (SharedState(settings.state, secret=fleet_secret(settings.state,
-                                                                       [k.digest() for k in settings.auth.keys]))
-                       if settings.state.url is not None else None)
+        # Redis password and the keys configured at start; a worker's: its supervisor's, one for all its workers)
+        secret = (worker.seal_secret if worker is not None
+                  else fleet_secret(settings.state, [k.digest() for k in settings.auth.keys]))
+        self.shared = SharedState(settings.state, secret=secret) if settings.state.url is not None else None
         routing_state = RoutingState(settings.routing.engine_profile, events=self.kv_events,
                                      tokenizers=load_tokenizers(settings))
         if self.shared is not None:

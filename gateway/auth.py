@@ -25,10 +25,12 @@ import hmac
 import math
 import os
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Literal
 
 from gateway.config import ApiKeySettings, AuthSettings
+from gateway.config_reload import REMEMBERED_KEYS
 from gateway.errors import GatewayError
 from gateway.routing.cache_domain import SHARED, CacheDomain
 
@@ -129,19 +131,24 @@ KeyScope = Literal["inference", "metrics", "admin"]  # what a key may reach (Api
 
 
 class KeyStore:
-    def __init__(self, settings: AuthSettings) -> None:
+    def __init__(self, settings: AuthSettings, removed: int = REMEMBERED_KEYS) -> None:
         self._clients: list[tuple[str, Client]] = []
+        # the clients of keys a change removed, by name, the longest gone first: the last ``removed`` are kept
+        self._gone: OrderedDict[str, Client] = OrderedDict()
+        self._removed = removed
         self.update(settings)
 
     def update(self, settings: AuthSettings) -> None:
         """Take a reloaded ``auth`` section. A key kept under the same name keeps its client (its requests in
         flight count on) and its buckets' levels (where its limit changed, up to the new capacity, a debt
-        included): a reload neither refills nor forgives a budget. A key removed stops authenticating at once."""
+        included): a reload neither refills nor forgives a budget. A key removed stops authenticating at once;
+        its client is kept (the last ``REMEMBERED_KEYS``), and a key added again under its name takes it back,
+        buckets and debt with it (as the shared store's buckets, which carry no TTL, do)."""
         old = {client.name: client for _, client in self._clients}
         domains = cache_domains(settings)
         clients = []
         for k in settings.keys:
-            client = old.get(k.name)
+            client = old.pop(k.name, None) or self._gone.pop(k.name, None)
             if client is None:
                 client = Client(k.name, k, _bucket(k.requests_per_minute), _bucket(k.tokens_per_minute))
             else:
@@ -152,6 +159,9 @@ class KeyStore:
                 client.settings = k
             client.cache_domain = domains[k.name]
             clients.append((k.digest(), client))
+        self._gone.update(old)
+        while len(self._gone) > self._removed:
+            self._gone.popitem(last=False)
         self.settings = settings
         self._clients = clients
 

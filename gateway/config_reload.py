@@ -21,8 +21,11 @@ Three defences, one for when a reload happens, one for how a file is read and on
   ``auth.reserve_tokens`` and the ``limits`` and ``admission`` fields in force, which bound every key (its
   budget, priority, queue, what one request may ask); ``auth.protect_health``/``protect_metrics`` need an
   explicit ``false``. A cut file can write none
-  of these: what it lost is absent, not emptied. A running admin listener on a non-loopback address
-  (``server.admin_host``) keeps an ``admin`` key.
+  of these: what it lost is absent, not emptied. A key that comes back (by name or by key hash) after an
+  earlier change removed it counts as kept, with the restrictions it last had (:class:`KnownKeys`): a file cut
+  before the key and then read again cut right after its ``key_sha256`` line removed the key and re-added it
+  with no limit. A running admin listener on a non-loopback address (``server.admin_host``) keeps an ``admin``
+  key.
 
 What a cut at a line's end cannot be told from a change, and so still applies
 (docs/operating.md#reloading-the-configuration): a cut inside the ``keys`` list revokes the keys after the cut; a
@@ -37,9 +40,10 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 
-from gateway.config import ADMIN_ON_NETWORK, ConfigError, Settings
+from gateway.config import ADMIN_ON_NETWORK, ApiKeySettings, ConfigError, Settings
 
 # a key's fields that restrict it or set its share: left out of a kept key's entry, each would fall back to its
 # default (the widest, for most)
@@ -51,9 +55,49 @@ SHARED_RESTRICTIONS: dict[str, tuple[str, ...] | None] = {"auth": ("reserve_toke
                                                           "limits": None}
 
 
-def check_reload(running: Settings, new: Settings) -> None:
+REMEMBERED_KEYS = 10_000  # removed keys whose last settings are kept (the oldest forgotten first)
+
+
+class KnownKeys:
+    """Every API key that has been in force in this process, by name and by key hash, with the settings it last
+    had: those in force now and the last ``removed`` taken away."""
+
+    def __init__(self, keys: Iterable[ApiKeySettings] = (), removed: int = REMEMBERED_KEYS) -> None:
+        self._removed = removed
+        # by name: the settings last in force and the key's hash, the longest gone first
+        self._last: OrderedDict[str, tuple[ApiKeySettings, str]] = OrderedDict()
+        self._names: dict[str, str] = {}  # key hash -> the name it was last in force under
+        self.saw(keys)
+
+    def saw(self, keys: Iterable[ApiKeySettings]) -> None:
+        """``keys`` are in force now (after each change applied)."""
+        now = 0
+        for key in keys:
+            digest = key.digest()
+            earlier = self._last.pop(key.name, None)
+            if earlier is not None and self._names.get(earlier[1]) == key.name:
+                del self._names[earlier[1]]
+            self._last[key.name] = (key, digest)
+            self._names[digest] = key.name
+            now += 1
+        while len(self._last) > now + self._removed:
+            name, (_, digest) = self._last.popitem(last=False)
+            if self._names.get(digest) == name:
+                del self._names[digest]
+
+    def last(self, key: ApiKeySettings) -> ApiKeySettings | None:
+        """The settings ``key`` (its name, else its hash) last had in force, or None for a key never seen."""
+        seen = self._last.get(key.name)
+        if seen is None:
+            name = self._names.get(key.digest())
+            seen = self._last.get(name) if name is not None else None
+        return None if seen is None else seen[0]
+
+
+def check_reload(running: Settings, new: Settings, known: KnownKeys | None = None) -> None:
     """Raise ConfigError when ``new`` would widen access, or drop every backend, by what it leaves out rather
-    than by what it says (see the module's docstring)."""
+    than by what it says (see the module's docstring); ``known``: the keys in force before, a key that comes back
+    held to what it last had."""
     if running.auth.keys and not new.auth.keys and not new.auth.open:
         raise ConfigError(
             f"auth.keys: the file has no API keys, and {len(running.auth.keys)} are in use: it may have been "
@@ -70,14 +114,18 @@ def check_reload(running: Settings, new: Settings) -> None:
     kept = {key.name: key for key in running.auth.keys}
     for key in new.auth.keys:
         before = kept.get(key.name)
+        back = ""
+        if before is None and known is not None:
+            before = known.last(key)
+            back = f" (as it had when '{before.name}' was in force before)" if before is not None else ""
         if before is None:
             continue
         for field in RESTRICTIONS:
             if field not in key.model_fields_set and getattr(key, field) != getattr(before, field):
                 raise ConfigError(
                     f"auth.keys ({key.name}).{field}: left out of the file, which would change it from "
-                    f"{getattr(before, field)!r} to the default {getattr(key, field)!r}: it may have been read "
-                    f"half-written; to change it, write it ({field}: null lifts a limit)")
+                    f"{getattr(before, field)!r}{back} to the default {getattr(key, field)!r}: it may have been "
+                    f"read half-written; to change it, write it ({field}: null lifts a limit)")
     for flag in ("protect_health", "protect_metrics"):
         if getattr(running.auth, flag) and flag not in new.auth.model_fields_set:
             raise ConfigError(f"auth.{flag}: left out of the file while it is on: it may have been read "

@@ -30,7 +30,7 @@ import orjson
 from prometheus_client import CollectorRegistry, Counter
 
 from gateway.config import ConfigError, Settings, parse_settings, read_settings_file, settings_from_mapping
-from gateway.config_reload import check_reload, stable_contents
+from gateway.config_reload import KnownKeys, check_reload, stable_contents
 from gateway.errors import GatewayError
 from gateway.pool.backend import Backend
 from gateway.pool.pool import Pool
@@ -75,6 +75,15 @@ class ControlPlane:
         self._reconfigure = apply
         self._path = config_path
         self._content = config_content  # the file's bytes the configuration in effect was read from
+        self._read_at = 0.0  # when they were read (time.monotonic(); 0: before this process)
+        # one change at a time, in the order asked: a reload reads the file when its turn comes, and every change
+        # is worked out from the configuration in force when it is applied (a slow reload started first landed
+        # after a newer one and brought a revoked key back)
+        self._changing = asyncio.Lock()
+        self._reload_waiting = False  # a SIGHUP's reload waits for its turn (more SIGHUPs meanwhile: that one)
+        self._reload_at_start: str | None = None  # a SIGHUP came before start(): a reload once started
+        # every key in force since the start: one a change removed and a reload brings back is held to what it had
+        self._known = KnownKeys(settings().auth.keys)
         self._on_applied = on_applied  # told what is in force after each change (a worker's supervisor)
         self._reporting = asyncio.Lock()  # (one report at a time, so that the last one told is the latest)
         self._pool = pool
@@ -106,6 +115,8 @@ class ControlPlane:
         it held still ``settle_seconds``) when asked for."""
         self._loop = asyncio.get_running_loop()
         self._spawn(self._sample_forever())
+        if self._reload_at_start is not None:
+            self._reload_once_more(self._reload_at_start)
         if watch_seconds and self._path is not None:
             self._spawn(self._watch_config(watch_seconds, settle_seconds))
 
@@ -138,12 +149,32 @@ class ControlPlane:
         """Re-read the configuration file (SIGHUP): safe to call from a signal handler on the loop's thread or
         from another thread."""
         loop = self._loop
-        if loop is None or self._path is None or self._closing is not None:
-            log.warning("reload (%s) ignored: %s", source, "not started" if loop is None else
-                        "the gateway runs without a configuration file" if self._path is None else
-                        f"shutting down ({self._closing})")
+        if loop is None and self._path is not None and self._closing is None:
+            log.info("reload (%s): once the gateway has started", source)  # (the file may have changed meanwhile)
+            self._reload_at_start = source
             return
-        loop.call_soon_threadsafe(lambda: self._spawn(self.reload(source)))
+        if loop is None or self._path is None or self._closing is not None:
+            log.warning("reload (%s) ignored: %s", source, "the gateway runs without a configuration file"
+                        if self._path is None else f"shutting down ({self._closing})")
+            return
+        loop.call_soon_threadsafe(self._reload_once_more, source)
+
+    def _reload_once_more(self, source: str) -> None:
+        if not self._reload_waiting:  # (one waiting reads the file after whatever runs now: enough for any number)
+            self._reload_waiting = True
+            self._spawn(self._reload_in_turn(source))
+
+    async def _reload_in_turn(self, source: str) -> None:
+        turn = False
+        try:
+            self._open_for_changes()
+            async with self._changing:
+                turn = True
+                self._reload_waiting = False  # (a signal from now on reads the file after this reading)
+                await self._reload_now(source, None, None)
+        finally:
+            if not turn:
+                self._reload_waiting = False
 
     async def _watch_config(self, every: float, settle: float) -> None:
         """Read the file every ``every`` seconds; a changed content that then stays the same for ``settle`` seconds
@@ -152,7 +183,11 @@ class ControlPlane:
         assert self._path is not None
         path = self._path
 
+        read_at = 0.0
+
         def fingerprint() -> bytes | None:
+            nonlocal read_at
+            read_at = time.monotonic()
             try:  # (bounded, and never waiting on a FIFO put in the file's place: one would stop the watch)
                 return read_settings_file(path)
             except ConfigError:
@@ -161,7 +196,7 @@ class ControlPlane:
         async for content in stable_contents(lambda: asyncio.to_thread(fingerprint), every, settle,
                                              in_force=self._content):
             with contextlib.suppress(GatewayError):  # (refused: logged and counted already)
-                await self.reload("file watch", content=content)
+                await self.reload("file watch", content=content, read_at=read_at)
 
     # -- backends -------------------------------------------------------------------------------------------
     async def backends(self) -> list[dict[str, Any]]:
@@ -244,17 +279,18 @@ class ControlPlane:
             self._refused(who, "backend", f"{named[0]} names an environment variable of the gateway: a backend added "
                           "at runtime may not read the gateway's environment; send api_key, or add the backend to "
                           "the file and reload", param=named[0])
-        current = self._settings()
-        name = raw.get("name")
-        if isinstance(name, str) and self._pool.find(name) is not None:
-            raise GatewayError(409, f"a backend named '{name}' exists: remove it first, or change it in the file "
-                               "and reload", param="name", code="backend_exists")
-        fields = {field: getattr(current, field) for field in type(current).model_fields}
-        fields["backends"] = [*current.backends, raw]
-        new = self._validated(lambda: settings_from_mapping(fields, "the new backend"), who, "backend")
-        if tell and self._shared is not None:
-            self._shared.publish("backends", ["add", raw, who])
-        result = await self._applied(new, who, "add_backend")
+        async with self._changing:
+            current = self._settings()
+            name = raw.get("name")
+            if isinstance(name, str) and self._pool.find(name) is not None:
+                raise GatewayError(409, f"a backend named '{name}' exists: remove it first, or change it in the "
+                                   "file and reload", param="name", code="backend_exists")
+            fields = {field: getattr(current, field) for field in type(current).model_fields}
+            fields["backends"] = [*current.backends, raw]
+            new = self._validated(lambda: settings_from_mapping(fields, "the new backend"), who, "backend")
+            if tell and self._shared is not None:
+                self._shared.publish("backends", ["add", raw, who])
+            result = await self._applied(new, who, "add_backend")
         added = new.backends[-1].name
         backend = self._pool.find(added)
         return {**result, "backend": None if backend is None else self._describe(backend, time.monotonic(), None)}
@@ -264,15 +300,16 @@ class ControlPlane:
         most), then dropped. Answers at once, with the backend ``removing`` until it is gone. Lasts until the
         next reload of the file. ``tell``: every other worker and replica removes it too."""
         self._open_for_changes()
-        backend = self._find(name)
-        if self._pool.discovered(name):
-            raise GatewayError(400, f"backend '{name}' is a replica found by DNS: drain it, or change its DNS "
-                               "entry in the file and restart", param="name", code="invalid_config")
-        current = self._settings()
-        new = current.model_copy(update={"backends": [b for b in current.backends if b.name != name]})
-        if tell and self._shared is not None:
-            self._shared.publish("backends", ["remove", name, who])
-        result = await self._applied(new, who, "remove_backend")
+        async with self._changing:
+            backend = self._find(name)
+            if self._pool.discovered(name):
+                raise GatewayError(400, f"backend '{name}' is a replica found by DNS: drain it, or change its DNS "
+                                   "entry in the file and restart", param="name", code="invalid_config")
+            current = self._settings()
+            new = current.model_copy(update={"backends": [b for b in current.backends if b.name != name]})
+            if tell and self._shared is not None:
+                self._shared.publish("backends", ["remove", name, who])
+            result = await self._applied(new, who, "remove_backend")
         return {**result, "backend": self._describe(backend, time.monotonic(), None)}
 
     async def _remote_backends(self, raw: Any) -> None:
@@ -345,55 +382,72 @@ class ControlPlane:
         if error is not None and not isinstance(error, GatewayError):  # (a refusal is logged and counted already)
             log.error("control plane task %s failed", task.get_name(), exc_info=error)
 
-    async def reload(self, source: str, *, tell: bool = False, content: bytes | None = None) -> dict[str, Any]:
-        """Re-read the configuration file and apply it (``content``: the file's bytes as already read, by the
-        watch; the file is then not read again); ``tell``: have every other worker and replica re-read theirs too
-        (the admin API; a signal or the file watch reaches each process itself). Raises GatewayError (400
-        ``invalid_config`` naming the field, 409 ``no_config_file``) and changes nothing when it cannot: an
-        invalid file, an empty one, or one that would take away every key or every backend without saying so."""
+    async def reload(self, source: str, *, tell: bool = False, content: bytes | None = None,
+                     read_at: float | None = None) -> dict[str, Any]:
+        """Re-read the configuration file and apply it, once every change asked before it is done (the file is
+        read when its turn comes); ``content``: the file's bytes as the watch read them at ``read_at``
+        (``time.monotonic()``), not read again, and not applied over a later reading already in force; ``tell``:
+        have every other worker and replica re-read theirs too (the admin API; a signal or the file watch reaches
+        each process itself). Raises GatewayError (400 ``invalid_config`` naming the field, 409
+        ``no_config_file``) and changes nothing when it cannot: an invalid file, an empty one, or one that would
+        take away every key or every backend without saying so."""
         self._open_for_changes()
         if tell and self._shared is not None:
             self._shared.publish("reload", source)
         if self._path is None:
             raise GatewayError(409, "the gateway was started without a configuration file: nothing to reload",
                                code="no_config_file")
-        path = self._path
+        async with self._changing:
+            return await self._reload_now(source, content, read_at)
+
+    async def _reload_now(self, source: str, content: bytes | None, read_at: float | None) -> dict[str, Any]:
+        """The reload's work, its turn come (``self._changing`` held)."""
+        assert self._path is not None
+        self._open_for_changes()  # (the gateway may have begun stopping while this waited)
+        if content is None or read_at is None:
+            read_at = time.monotonic()
+        elif read_at < self._read_at:
+            log.info("reload (%s) skipped: the file as read later is in force", source)
+            return {"added": [], "removed": [], "changed": [], "sections": [], "restart_needed": []}
         try:
             if content is None:
-                content = await asyncio.to_thread(read_settings_file, path)
-            new = await asyncio.to_thread(parse_settings, content, path)
-            check_reload(self._settings(), new)
+                content = await asyncio.to_thread(read_settings_file, self._path)
+            new = await asyncio.to_thread(parse_settings, content, self._path)
+            check_reload(self._settings(), new, self._known)
             check_settings(new)
         except ConfigError as exc:
             self.reloads.labels("rejected").inc()
             log.error("reload (%s) rejected, the running configuration stays: %s", source, exc)
             raise GatewayError(400, f"configuration rejected, the running one stays: {exc}",
                                code="invalid_config") from None
-        return await self._applied(new, source, "reload", content)
+        result = await self._applied(new, source, "reload", content)
+        self._read_at = read_at
+        return result
 
     async def set_routing(self, raw: Any, who: str, *, tell: bool = True) -> dict[str, Any]:
         """Replace the routing section (policy, profiles, weights): validated as a whole; lasts until the next
         reload of the file, which sets it back to the file's. ``tell``: every other worker and replica makes
         the same change."""
         self._open_for_changes()
-        current = self._settings()
         if not isinstance(raw, dict):
             raise GatewayError(400, "the body must be a JSON object: the routing section", code="invalid_config")
-        running = current.routing.model_dump(mode="json")
-        for field in STARTUP_ROUTING:
-            if field in raw and raw[field] != running[field]:  # (paths on the gateway's machine, read at start)
-                self._refused(who, "routing", f"routing.{field} names files on the gateway's machine and is read at "
-                              "start only: set it in the file and restart", param=field)
-        merged = {**current.routing.model_dump(mode="json", exclude_defaults=True), **raw}
+        async with self._changing:
+            current = self._settings()
+            running = current.routing.model_dump(mode="json")
+            for field in STARTUP_ROUTING:
+                if field in raw and raw[field] != running[field]:  # (paths on the gateway's machine, read at start)
+                    self._refused(who, "routing", f"routing.{field} names files on the gateway's machine and is read "
+                                  "at start only: set it in the file and restart", param=field)
+            merged = {**current.routing.model_dump(mode="json", exclude_defaults=True), **raw}
 
-        def build() -> Settings:
-            routing = settings_from_mapping({"routing": merged}, "the routing section").routing
-            return current.model_copy(update={"routing": routing})
+            def build() -> Settings:
+                routing = settings_from_mapping({"routing": merged}, "the routing section").routing
+                return current.model_copy(update={"routing": routing})
 
-        new = self._validated(build, who, "routing")
-        if tell and self._shared is not None:
-            self._shared.publish("routing", [raw, who])
-        return await self._applied(new, who, "routing")
+            new = self._validated(build, who, "routing")
+            if tell and self._shared is not None:
+                self._shared.publish("routing", [raw, who])
+            return await self._applied(new, who, "routing")
 
     def _refused(self, who: str, what: str, why: str, *, param: str) -> NoReturn:
         self.reloads.labels("rejected").inc()
@@ -417,6 +471,7 @@ class ControlPlane:
         """Apply ``new`` (``content``: the file's bytes it was read from, for a reload), then tell who asked to be
         told what is in force now."""
         result = await self._reconfigure(new)
+        self._known.saw(self._settings().auth.keys)
         if content is not None:
             self._content = content
         if self._on_applied is not None:

@@ -41,6 +41,7 @@ from gateway.config import ConfigError, Settings, is_loopback, parse_settings, r
 from gateway.proxy.accounting import AccessLogHandler, AccessLogWriter
 from gateway.routing.policies import check_settings
 from gateway.server_limits import raise_nofile_limit, uvicorn_config
+from gateway.state.sealing import fleet_secret
 from gateway.workers import InForce, WorkerIdentity
 
 log = logging.getLogger("gateway.serve")
@@ -103,8 +104,10 @@ def _serve(app: GatewayApp, settings: Settings, log_level: str, sock: socket.soc
 
 
 def _reload_on_sighup(app: GatewayApp) -> None:
-    """SIGHUP re-reads the configuration file (see Gateway.reconfigure)."""
+    """SIGHUP re-reads the configuration file (see Gateway.reconfigure). A worker starts with SIGHUP blocked (see
+    ``supervise``): one sent meanwhile is delivered here, and reloads once the gateway has started."""
     signal.signal(signal.SIGHUP, lambda signum, frame: app.gateway.control.request_reload("SIGHUP"))
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGHUP})
 
 
 def warn_if_open(settings: Settings) -> None:
@@ -276,14 +279,23 @@ def supervise(settings: Settings, log_level: str, count: int, config_path: str |
                 os.kill(proc.pid, signal.SIGHUP)
 
     applied = _Applied(InForce(settings, content))
+    secret = fleet_secret(settings.state, [k.digest() for k in settings.auth.keys])
 
     def start(index: int) -> BaseProcess:
-        identity = WorkerIdentity(index, count, run_dir)
+        identity = WorkerIdentity(index, count, run_dir, secret)
         applied.take()  # (what a worker said before it died, or just now)
         report = applied.channel(index)
         proc = ctx.Process(target=_worker, args=(applied.latest, identity, log_level, parent, config_path, report),
                            name=f"worker-{index}")
-        proc.start()
+        # SIGHUP's default action ends a process, and a worker's handler is installed only once its app is built:
+        # a reload signal sent to the process group, or forwarded while a worker started (again), killed it. The
+        # mask is inherited across fork and exec: the worker unblocks SIGHUP once its handler is in place, and a
+        # pending one is then a reload (so is multiprocessing's resource tracker, started here the first time)
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGHUP})
+        try:
+            proc.start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         report.close()  # (the worker holds its own copy)
         return proc
 

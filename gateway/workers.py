@@ -21,7 +21,7 @@ import contextlib
 import logging
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import orjson
@@ -51,6 +51,11 @@ class WorkerIdentity:
     index: int  # 0 is the first worker: the one that scrapes the engines
     count: int
     run_dir: str  # the supervisor's directory (mode 0700) holding every worker's socket
+    # what every worker seals its messages to the others with (gateway.state.sealing), derived once by the
+    # supervisor from the configuration it started with: derived by each worker from its own, a worker started
+    # again after a reload that changed the keys sealed with another secret, and it and the others dropped each
+    # other's messages (None: none derived; the state section alone, which no reload changes, gives the same)
+    seal_secret: bytes | None = field(default=None, repr=False)
 
     def socket_path(self, index: int) -> str:
         return str(Path(self.run_dir) / f"worker-{index}.sock")

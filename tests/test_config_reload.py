@@ -4,12 +4,24 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import threading
+import time
+from collections.abc import Awaitable
+from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client import CollectorRegistry
 
-from gateway.config import ConfigError, Settings, parse_settings
-from gateway.config_reload import check_reload, stable_contents
+import gateway.control
+from gateway.app import Gateway
+from gateway.auth import KeyStore
+from gateway.config import AuthSettings, ConfigError, Settings, parse_settings
+from gateway.config_reload import KnownKeys, check_reload, stable_contents
+from gateway.control import ControlPlane
+from gateway.errors import GatewayError
+from gateway.pool.pool import Pool
+from gateway.proxy.admission import Admission
 
 OLD, FULL = b"auth: {keys: [...]}\nbackends: [...]\n", b"auth: {keys: [...]}\nbackends: [..., ...]\n"
 
@@ -267,3 +279,222 @@ def test_a_reload_keeps_an_admin_key_while_the_admin_listener_is_on_the_network(
     with pytest.raises(ConfigError, match=r"the admin listener on 0\.0\.0\.0 can be reached from other machines"):
         check_reload(running, parse_settings(moved.encode(), "gateway.yaml"))
     check_reload(running, parse_settings(on_network.encode(), "gateway.yaml"))
+
+
+# -- changes one at a time, in the order asked ------------------------------------------------------------------
+class Turns(asyncio.Lock):
+    """The control plane's lock for changes, saying when one has had to wait for its turn."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.waiting = asyncio.Event()
+
+    async def acquire(self) -> bool:
+        if self.locked():
+            self.waiting.set()
+        return await super().acquire()
+
+
+class Applier:
+    """The composition root's ``reconfigure`` as the control plane sees it: what it applies becomes the settings
+    in force; ``hold``: the next change waits for it (a slow one: a new backend probed)."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.applied: list[Settings] = []
+        self.landed = asyncio.Event()
+        self.holding = asyncio.Event()
+        self.hold: asyncio.Event | None = None
+
+    async def __call__(self, new: Settings) -> dict[str, Any]:
+        hold, self.hold = self.hold, None
+        if hold is not None:
+            self.holding.set()
+            await hold.wait()
+        self.settings = new
+        self.applied.append(new)
+        self.landed.set()
+        return {"added": [], "removed": [], "changed": [], "sections": [], "restart_needed": []}
+
+
+def control_plane(path: Path, applier: Applier) -> tuple[ControlPlane, Turns]:
+    settings = applier.settings
+    control = ControlPlane(lambda: applier.settings, Pool([], settings.scrape), Admission(settings.admission), None,
+                           CollectorRegistry(), apply=applier, config_path=str(path),
+                           config_content=path.read_bytes())
+    turns = control._changing = Turns()  # (the test waits for the event it needs: a change waiting its turn)
+    return control, turns
+
+
+async def first_of(*waits: Awaitable[Any]) -> None:
+    tasks = [asyncio.ensure_future(w) for w in waits]
+    await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    for task in tasks:
+        task.cancel()
+
+
+def names(settings: Settings) -> set[str]:
+    return {key.name for key in settings.auth.keys}
+
+
+def test_a_slow_reload_asked_first_never_lands_after_a_newer_one(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """A reload parsing a large file (or reading a slow disk) took longer than one asked after it, which read the
+    file with key ``lim`` revoked and applied it; the slow one landed last and brought ``lim`` back. Now the
+    second reads the file when the first is done, and what is in force at the end is the file as last written."""
+    path = tmp_path / "gateway.yaml"
+    path.write_text(KEYED)
+    revoked = KEYED[:KEYED.index("    - name: lim\n")]
+    parsing, release = threading.Event(), threading.Event()
+
+    def slow_parse(content: bytes, source: str) -> Settings:
+        if b"name: lim" in content:  # (the first reading: held until the second has landed or waits its turn)
+            parsing.set()
+            release.wait(10.0)
+        return parse_settings(content, source)
+
+    monkeypatch.setattr(gateway.control, "parse_settings", slow_parse)
+
+    async def run() -> Applier:
+        applier = Applier(parse_settings(KEYED.encode(), "gateway.yaml"))
+        control, turns = control_plane(path, applier)
+        first = asyncio.create_task(control.reload("the admin API (first)"))
+        await asyncio.to_thread(parsing.wait, 10.0)
+        path.write_text(revoked)
+        applier.landed.clear()
+        second = asyncio.create_task(control.reload("the admin API (second)"))
+        await first_of(applier.landed.wait(), turns.waiting.wait())
+        release.set()
+        await asyncio.gather(first, second)
+        return applier
+
+    applier = asyncio.run(run())
+    assert [names(s) for s in applier.applied] == [{"ops", "batch", "team", "lim"}, {"ops", "batch", "team"}]
+    assert "lim" not in names(applier.settings)
+
+
+def test_admin_changes_made_together_apply_one_after_the_other(tmp_path: Path) -> None:
+    """A backend added (its probe takes a while) and the routing policy changed meanwhile: each was worked out
+    from the configuration before either, so the one applied last took the other's change back. Now both hold."""
+    path = tmp_path / "gateway.yaml"
+    path.write_text(KEYED)
+
+    async def run() -> Settings:
+        applier = Applier(parse_settings(KEYED.encode(), "gateway.yaml"))
+        control, turns = control_plane(path, applier)
+        probing = applier.hold = asyncio.Event()
+        added = asyncio.create_task(control.add_backend(
+            {"name": "v2", "engine": "vllm", "url": "http://127.0.0.1:48102", "models": ["m1"]}, "ops", tell=False))
+        await applier.holding.wait()
+        routed = asyncio.create_task(control.set_routing({"policy": "round-robin"}, "ops", tell=False))
+        await first_of(applier.landed.wait(), turns.waiting.wait())
+        probing.set()
+        await asyncio.gather(added, routed)
+        return applier.settings
+
+    settings = asyncio.run(run())
+    assert [b.name for b in settings.backends] == ["v1", "v2"]
+    assert settings.routing.policy == "round-robin"
+
+
+def test_sighups_meanwhile_read_the_file_once_more_and_an_older_reading_is_not_applied(tmp_path: Path) -> None:
+    path = tmp_path / "gateway.yaml"
+    path.write_text(KEYED)
+    revoked = KEYED[:KEYED.index("    - name: lim\n")]
+
+    async def run() -> Applier:
+        applier = Applier(parse_settings(KEYED.encode(), "gateway.yaml"))
+        control, turns = control_plane(path, applier)
+        await control.start()
+        try:
+            held = applier.hold = asyncio.Event()
+            first = asyncio.create_task(control.reload("the admin API"))
+            await applier.holding.wait()
+            for _ in range(10):
+                control.request_reload("SIGHUP")
+            await first_of(applier.landed.wait(), turns.waiting.wait())
+            held.set()
+            await first
+            path.write_text(revoked)  # (a change asked now runs after the SIGHUPs' reload: the lock is fair)
+            watched_before = time.monotonic()
+            await control.reload("the admin API (again)")
+            await control.reload("file watch", content=KEYED.encode(), read_at=watched_before)
+        finally:
+            await control.stop()
+        return applier
+
+    applier = asyncio.run(run())
+    assert len(applier.applied) == 3  # the first, one for ten SIGHUPs, the second; not the watch's older reading
+    assert "lim" not in names(applier.settings)
+
+
+# -- a key removed by a cut file, then brought back by a later reading of it --------------------------------------
+def test_a_key_a_cut_file_removed_comes_back_only_as_it_was_and_with_its_budget_spent(tmp_path: Path) -> None:
+    """The file read half-written twice: first cut before key ``lim`` (valid, ``lim`` just removed), then cut
+    right after ``lim``'s ``key_sha256`` line. The second reading re-added ``lim`` as a new key, with no limit
+    and a full bucket. Now a key that comes back is held to what it had when it was in force, by name or by
+    hash, and takes back its buckets (a debt with them); what the operator writes (``null``) still applies."""
+    path = tmp_path / "gateway.yaml"
+    path.write_text(KEYED)
+    without = KEYED[:KEYED.index("    - name: lim\n")]
+    bare = KEYED[:KEYED.index("      requests_per_minute: 30\n")]
+    assert bare.endswith(f"key_sha256: {H[3]}\n")
+    lim = {"authorization": b"Bearer sk-lim"}
+
+    async def run() -> None:
+        gw = Gateway(parse_settings(KEYED.encode(), "gateway.yaml"), config_path=str(path),
+                     config_content=KEYED.encode())
+        client = gw.keys.authenticate(lim["authorization"], None)
+        assert client is not None
+        for _ in range(30):  # (its 30 requests a minute, spent)
+            gw.keys.admit(client, "m1")
+        with pytest.raises(GatewayError, match="Rate limit reached"):
+            gw.keys.admit(client, "m1")
+
+        path.write_text(without)
+        await gw.control.reload("file watch")
+        assert "lim" not in names(gw.settings)
+        with pytest.raises(GatewayError, match="Incorrect API key"):
+            gw.keys.authenticate(lim["authorization"], None)
+
+        path.write_text(bare)
+        with pytest.raises(GatewayError, match=r"auth.keys \(lim\).requests_per_minute: left out of the file, which "
+                                               r"would change it from 30 \(as it had when 'lim' was in force before\)"):
+            await gw.control.reload("file watch")
+        renamed = bare.replace("name: lim", "name: lim2")  # (its hash, under another name)
+        path.write_text(renamed)
+        with pytest.raises(GatewayError, match=r"auth.keys \(lim2\).requests_per_minute: left out"):
+            await gw.control.reload("file watch")
+        assert "lim" not in names(gw.settings) and "lim2" not in names(gw.settings)
+
+        path.write_text(KEYED)  # (the whole file: back as it was, its budget still spent)
+        await gw.control.reload("file watch")
+        back = gw.keys.authenticate(lim["authorization"], None)
+        assert back is not None and back.settings.requests_per_minute == 30
+        with pytest.raises(GatewayError, match="Rate limit reached"):
+            gw.keys.admit(back, "m1")
+
+        path.write_text(without)
+        await gw.control.reload("file watch")
+        lifted = bare + "      requests_per_minute: null\n      max_in_flight: null\n"
+        path.write_text(lifted)  # (written on purpose: the limits are lifted)
+        await gw.control.reload("file watch")
+        free = gw.keys.authenticate(lim["authorization"], None)
+        assert free is not None and free.settings.requests_per_minute is None
+        gw.keys.admit(free, "m1")
+        await gw.control.stop()
+
+    asyncio.run(run())
+
+
+def test_the_keys_remembered_are_bounded() -> None:
+    keys = [parse_settings(f"auth: {{keys: [{{name: k{n}, key_sha256: {hashlib.sha256(str(n).encode()).hexdigest()}, "
+                           f"requests_per_minute: 5}}]}}\n".encode(), "gateway.yaml").auth.keys[0] for n in range(4)]
+    known = KnownKeys(keys[:1], removed=2)
+    for key in keys[1:]:
+        known.saw([key])
+    assert [known.last(k) is not None for k in keys] == [False, True, True, True]
+    store = KeyStore(AuthSettings(keys=keys[:1]), removed=2)
+    for key in keys[1:]:
+        store.update(AuthSettings(keys=[key]))
+    assert len(store._gone) == 2

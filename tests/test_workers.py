@@ -10,6 +10,7 @@ refused before anything starts.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import math
 import os
@@ -28,10 +29,13 @@ import yaml
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from gateway.app import Gateway
 from gateway.bench.procs import ChildProcess
-from gateway.config import ConfigError, settings_from_mapping
+from gateway.config import ConfigError, Settings, settings_from_mapping
 from gateway.sim import FleetThread, SimSpec
+from gateway.state.sealing import fleet_secret
 from gateway.telemetry.merge import merge_expositions
+from gateway.workers import WorkerIdentity
 from tests.conftest import free_port_block
 from tests.state.conftest import RedisServer
 
@@ -49,7 +53,14 @@ class Pod:
     def workers(self) -> list[int]:
         """The supervisor's worker processes (its children but multiprocessing's resource tracker)."""
         children = Path(f"/proc/{self.supervisor.pid}/task/{self.supervisor.pid}/children").read_text().split()
-        return [int(p) for p in children if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes()]
+        return [int(p) for p in children if b"spawn_main" in cmdline(int(p))]
+
+
+def cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except (FileNotFoundError, ProcessLookupError):  # (gone since the supervisor's children were listed)
+        return b""
 
 
 def cpu_ticks(pid: int) -> int:
@@ -323,3 +334,97 @@ def test_a_worker_started_again_runs_the_configuration_in_force_not_the_one_the_
                 pod.supervisor.stop()
     finally:
         redis.kill()
+
+
+def test_sighups_while_workers_start_kill_none_and_the_file_is_reloaded(tmp_path: Path) -> None:
+    """A SIGHUP sent to the process group (``kill -HUP`` under systemd or Kubernetes), or forwarded while a worker
+    started again, reached a worker before it had installed its handler, and SIGHUP's default action ended it.
+    Here every process of the gateway gets a SIGHUP every 20 ms from the supervisor's first worker until both
+    serve, and again while one is started again: none dies of it, and the file changed meanwhile is reloaded."""
+    base = free_port_block(2)
+    redis = RedisServer(base, tmp_path).start()
+    ops, team = "sk-ops-0123", "sk-team-4567"
+
+    def key(name: str, secret: str, scopes: list[str]) -> dict[str, Any]:
+        return {"name": name, "key_sha256": hashlib.sha256(secret.encode()).hexdigest(), "scopes": scopes}
+
+    try:
+        with FleetThread([SimSpec(engine="vllm", model="m", name=n, time_scale=20) for n in ("a", "b")]) as fleet:
+            config = pod_config(fleet, redis, base + 1)
+            config["auth"] = {"keys": [key("ops", ops, ["admin"]), key("team", team, ["inference"])]}
+            path = tmp_path / "gateway.yaml"
+            path.write_text(yaml.safe_dump(config))
+            log = tmp_path / "gateway.log"
+            supervisor = ChildProcess("gateway", [sys.executable, "-m", "gateway", "serve", "--config", str(path),
+                                                  "--log-level", "warning"], log).start()
+            pod = Pod(f"http://127.0.0.1:{base + 1}", base + 1, supervisor, fleet, log)
+            sent = 0
+
+            def hangup_all() -> None:
+                nonlocal sent
+                children = Path(f"/proc/{supervisor.pid}/task/{supervisor.pid}/children").read_text().split()
+                for pid in [supervisor.pid, *map(int, children)]:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGHUP)
+                        sent += 1
+
+            def serving() -> bool:
+                try:
+                    return samples(pod.url, "gateway_workers") == {(): 2.0}
+                except httpx.TransportError:
+                    return False
+
+            try:
+                deadline = time.monotonic() + 60
+                while not pod.workers():  # (the supervisor's own handler is in place before its first worker)
+                    assert time.monotonic() < deadline and supervisor.proc is not None
+                    assert supervisor.proc.poll() is None, log.read_text()[-3000:]
+                    time.sleep(0.01)
+                config["auth"]["keys"] = config["auth"]["keys"][:1]  # team revoked, the workers starting
+                path.write_text(yaml.safe_dump(config))
+                while not serving():
+                    assert time.monotonic() < deadline, log.read_text()[-3000:]
+                    hangup_all()
+                    time.sleep(0.02)
+                killed = pod.workers()[:1]
+                os.kill(killed[0], signal.SIGKILL)
+                while len(now := pod.workers()) != 2 or set(now) & set(killed) or not serving():
+                    assert time.monotonic() < deadline, log.read_text()[-3000:]
+                    hangup_all()
+                    time.sleep(0.02)
+                assert sent > 20
+                assert "exited with status" not in log.read_text().replace(f"(pid {killed[0]}) exited", ""), \
+                    log.read_text()[-3000:]
+                wait_restarted(pod, killed)
+                statuses = {httpx.get(pod.url + "/v1/models", headers={"authorization": f"Bearer {team}",
+                                                                       "connection": "close"}, timeout=10).status_code
+                            for _ in range(20)}
+                assert statuses == {401}, "a worker did not reload the file it was sent a SIGHUP for"
+            finally:
+                supervisor.stop()
+    finally:
+        redis.kill()
+
+
+def test_every_worker_seals_with_the_supervisors_secret_whatever_the_keys_it_runs() -> None:
+    """The seal's secret was derived by each worker from the keys it started with: a worker started again after
+    a reload that revoked a key derived another, and it and the others dropped each other's messages (drains,
+    reloads, sessions, freed slots). Now the supervisor derives it once and hands it to every worker."""
+
+    def settings(keys: int) -> Settings:
+        return settings_from_mapping({
+            "server": {"workers": 2}, "state": {"url": "redis://127.0.0.1:1"},
+            "backends": [{"name": "a", "engine": "vllm", "url": "http://127.0.0.1:9", "models": ["m"]}],
+            "auth": {"keys": [{"name": f"k{n}", "key_sha256": hashlib.sha256(b"%d" % n).hexdigest()}
+                              for n in range(keys)]}})
+
+    started, reloaded = settings(2), settings(1)  # (a reload revoked one key; then worker 1 was started again)
+    assert fleet_secret(started.state, [k.digest() for k in started.auth.keys]) != fleet_secret(
+        reloaded.state, [k.digest() for k in reloaded.auth.keys])  # (what each derived before)
+    secret = fleet_secret(started.state, [k.digest() for k in started.auth.keys])
+    first, again = (Gateway(s, worker=WorkerIdentity(i, 2, "/nonexistent", secret))
+                    for i, s in enumerate((started, reloaded)))
+    assert first.shared is not None and again.shared is not None
+    for sender, receiver in ((first.shared, again.shared), (again.shared, first.shared)):
+        sealed = sender._seal.seal(b"peers", b"drain a")
+        assert receiver._seal.open(b"peers", sealed).body == b"drain a"

@@ -13,7 +13,9 @@ import orjson
 import pytest
 
 from gateway.app import create_app
+from gateway.config import ConfigError, settings_from_mapping
 from gateway.errors import GatewayError
+from gateway.routing.policies import check_settings
 from gateway.sim import FleetThread, SimSpec
 from tests.api.conftest import Running, gateway_settings
 from tests.conftest import serve_in_thread
@@ -293,3 +295,28 @@ def test_the_admin_api_reads_no_environment_variable_and_no_file_of_the_gateway(
         reply = httpx.put(two.url + "/admin/routing", headers=OPS, json={"session_header": header})
         assert reply.status_code == 400 and "carries credentials" in reply.json()["error"]["message"], reply.text
     assert httpx.get(two.url + "/admin/config", headers=OPS).json() == before
+
+
+@pytest.mark.parametrize(("plugin", "param"), [
+    ({"filters": ["healthy", {"name": "fits-context", "bytes_per_token": 0}]}, "bytes_per_token"),
+    ({"scorers": [{"name": "session", "ttl": "an hour"}]}, "ttl"),
+    ({"scorers": [{"name": "prefix", "wait_credit": 7}]}, "wait_credit"),
+    ({"picker": {"name": "consistent-hash", "vnodes": 10**9}}, "vnodes"),
+    ({"picker": {"name": "max-score", "rng": 5}}, "rng"),
+])
+def test_a_routing_change_with_a_bad_plugin_parameter_is_refused_naming_it(two: Running, plugin: dict[str, object],
+                                                                          param: str) -> None:
+    """Plugin parameters were handed to the plugin unchecked, and each of these was applied (200): with
+    ``bytes_per_token: 0`` every request then divided by zero in the filter (a 500), ``vnodes: 10**9`` left a ring
+    of a billion points per backend to build at the next request. Now the change is refused naming the parameter,
+    as the file's is, and nothing changes."""
+    before = httpx.get(two.url + "/admin/config", headers=OPS).json()
+    body = {"policy": "mine", "profiles": {"mine": plugin}}
+    reply = httpx.put(two.url + "/admin/routing", headers=OPS, json=body)
+    assert reply.status_code == 400 and reply.json()["error"]["code"] == "invalid_config", reply.text
+    assert f": {param}: " in reply.json()["error"]["message"]
+    assert httpx.get(two.url + "/admin/config", headers=OPS).json() == before
+    ask = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    assert httpx.post(two.url + "/v1/chat/completions", headers=CLIENT, json=ask).status_code == 200
+    with pytest.raises(ConfigError, match=rf": {param}: "):  # (the file's load refuses it alike)
+        check_settings(settings_from_mapping({"routing": body}))

@@ -1,6 +1,9 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Annotated
+
+from annotated_types import Gt
 
 from gateway.pool.backend import Backend
 from gateway.routing.request import POOLING_ROUTES, RouteRequest
@@ -17,7 +20,7 @@ class FitsContextFilter:
 
     name = "fits-context"
 
-    def __init__(self, state: RoutingState, bytes_per_token: float = 6.0) -> None:
+    def __init__(self, state: RoutingState, bytes_per_token: Annotated[float, Gt(0)] = 6.0) -> None:
         self._bytes_per_token = bytes_per_token
 
     def filter(self, request: RouteRequest, backends: Sequence[Backend]) -> list[Backend]:

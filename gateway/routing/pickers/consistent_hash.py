@@ -5,6 +5,9 @@ import hashlib
 import math
 import time
 from collections.abc import Sequence
+from typing import Annotated
+
+from annotated_types import Ge, Gt, Le
 
 from gateway.pool.backend import Backend
 from gateway.routing.request import RouteRequest
@@ -13,6 +16,9 @@ from gateway.routing.state import RoutingState
 
 def _point(data: bytes) -> int:
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big")
+
+# points per backend on the ring: more spread the keys no better, and each costs a hash when the ring is built
+MAX_VNODES = 1024
 
 
 class ConsistentHashPicker:
@@ -28,7 +34,9 @@ class ConsistentHashPicker:
 
     name = "consistent-hash"
 
-    def __init__(self, state: RoutingState, key_blocks: int = 4, vnodes: int = 64, load_factor: float = 1.25) -> None:
+    def __init__(self, state: RoutingState, key_blocks: Annotated[int, Ge(1)] = 4,
+                 vnodes: Annotated[int, Ge(1), Le(MAX_VNODES)] = 64,
+                 load_factor: Annotated[float, Gt(0)] = 1.25) -> None:
         self._key_blocks = key_blocks
         self._vnodes = vnodes
         self._load_factor = load_factor

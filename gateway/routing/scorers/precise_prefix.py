@@ -2,11 +2,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from typing import Annotated
+
+from annotated_types import Ge
 
 from gateway.kvcache.index import MIN_CHUNK_TOKENS, request_keys
 from gateway.pool.backend import Backend
 from gateway.routing.request import POOLING_ROUTES, RouteRequest
-from gateway.routing.scorers.prefix_affinity import PrefixAffinityScorer
+from gateway.routing.scorers.prefix_affinity import Credit, PrefixAffinityScorer
 from gateway.routing.state import EventIndexes, EventStreamView, RoutingState
 
 
@@ -31,8 +34,9 @@ class PrecisePrefixScorer:
 
     name = "precise-prefix"
 
-    def __init__(self, state: RoutingState, gate_abs: int = 12, gate_rel: float = 3.0,
-                 wait_credit: float = 0.5, empty_credit: float = 0.1, speculate_seconds: float = 5.0) -> None:
+    def __init__(self, state: RoutingState, gate_abs: Annotated[int, Ge(0)] = 12,
+                 gate_rel: Annotated[float, Ge(0)] = 3.0, wait_credit: Credit = 0.5, empty_credit: Credit = 0.1,
+                 speculate_seconds: Annotated[float, Ge(0)] = 5.0) -> None:
         self._approx = PrefixAffinityScorer(state, gate_abs, gate_rel, wait_credit, empty_credit)
         self._state = state
         self._speculate_seconds = speculate_seconds

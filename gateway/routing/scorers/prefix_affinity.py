@@ -2,10 +2,15 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from typing import Annotated
+
+from annotated_types import Ge, Le
 
 from gateway.pool.backend import Backend
 from gateway.routing.request import RouteRequest
 from gateway.routing.state import RoutingState
+
+Credit = Annotated[float, Ge(0), Le(1)]  # a share of a score (the credit for a prefix cached behind a queue)
 
 
 class PrefixAffinityScorer:
@@ -25,8 +30,9 @@ class PrefixAffinityScorer:
 
     name = "prefix"
 
-    def __init__(self, state: RoutingState, gate_abs: int = 12, gate_rel: float = 3.0,
-                 wait_credit: float = 0.5, empty_credit: float = 0.1) -> None:
+    def __init__(self, state: RoutingState, gate_abs: Annotated[int, Ge(0)] = 12,
+                 gate_rel: Annotated[float, Ge(0)] = 3.0, wait_credit: Credit = 0.5,
+                 empty_credit: Credit = 0.1) -> None:
         self._prefix = state.prefix  # attaches the shared prefix learner
         self._gate_abs = gate_abs
         self._gate_rel = gate_rel

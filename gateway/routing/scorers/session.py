@@ -5,7 +5,9 @@ import math
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Any
+from typing import Annotated, Any
+
+from annotated_types import Ge, Gt
 
 from gateway.pool.backend import Backend
 from gateway.routing.request import RouteRequest
@@ -83,8 +85,8 @@ class SessionScorer:
 
     name = "session"
 
-    def __init__(self, state: RoutingState, overload: float = 1.5, ttl: float = 3600.0,
-                 max_sessions: int = 100_000) -> None:
+    def __init__(self, state: RoutingState, overload: Annotated[float, Gt(0)] = 1.5,
+                 ttl: Annotated[float, Gt(0)] = 3600.0, max_sessions: Annotated[int, Ge(1)] = 100_000) -> None:
         self._overload = overload
         self._peers = state.peers
         self._replicated = not isinstance(state.peers, NoPeers)
