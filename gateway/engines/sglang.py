@@ -46,8 +46,9 @@ SPEC = EngineSpec(
     # (srt/mem_cache/radix_cache.py), and BlockStored carries the salt (srt/disaggregation/kv_events.py)
     cache_isolation="cache_salt",
     isolated_native_apis=frozenset({"responses"}),
-    structured=frozenset({"json_object", "json_schema", "regex", "choice", "grammar:ebnf", "tool_call",
-                          "beside_tools"}),
+    # structural_tag: response_format only (the legacy form's at_least_one too; no top-level field)
+    structured=frozenset({"json_object", "json_schema", "regex", "choice", "grammar:ebnf", "structural_tag",
+                          "at_least_one", "tool_call", "beside_tools"}),
     # continuous batching, like vLLM
     shape=ShapeSeed(tok_s=178.0, growth=0.011, prefill_tok_s=10_000.0),
 )
@@ -77,6 +78,8 @@ class SGLangAdapter(EngineAdapter):
             return {"regex": regex_from_choices(list(constraint.choices))}
         if kind == "grammar":
             return {"ebnf": native_grammar(constraint, ("ebnf",))}
+        if kind == "structural_tag":  # (ChatCompletionRequest and CompletionRequest read it only here)
+            return {"response_format": constraint.tag}
         return super().constraint_fields(constraint)
 
     def rewrite_answer(self, route: str, model: str) -> Callable[[bytes], bytes] | None:

@@ -14,12 +14,14 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 import httpx
+import orjson
 
 from gateway.engines import exposition, readings
 from gateway.engines.base import EngineAdapter, get, get_json, native_grammar
 from gateway.engines.spec import RERANK_ROUTES, EngineSpec
 from gateway.pool.state import Capacity, ShapeSeed
 from gateway.structured import Constraint
+from gateway.structured.constraint import OPTIONS
 
 SPEC = EngineSpec(
     name="vllm",
@@ -46,8 +48,10 @@ SPEC = EngineSpec(
     # BlockStored.extra_keys
     cache_isolation="cache_salt",
     isolated_native_apis=frozenset({"responses", "messages"}),
+    # structural_tag: structured_outputs.structural_tag (a JSON string; response_format structural_tag becomes
+    # the same). The options of StructuredOutputsParams (sampling_params.py, 0.23-0.34) are its alone.
     structured=frozenset({"json_object", "json_schema", "regex", "choice", "grammar:ebnf", "grammar:lark",
-                          "tool_call", "beside_tools"}),
+                          "structural_tag", "tool_call", "beside_tools", *OPTIONS}),
     # continuous batching: barely slower per token at 64 sequences than alone
     shape=ShapeSeed(tok_s=175.0, growth=0.012, prefill_tok_s=10_000.0),
 )
@@ -57,23 +61,32 @@ class VLLMAdapter(EngineAdapter):
     spec: ClassVar[EngineSpec] = SPEC
 
     def constraint_fields(self, constraint: Constraint) -> dict[str, Any]:
-        kind = constraint.kind
-        if kind == "json_object":
-            return {"structured_outputs": {"json_object": True}}
-        if kind == "json_schema":
-            return {"structured_outputs": {"json": constraint.schema}}
-        if kind == "regex":
-            return {"structured_outputs": {"regex": constraint.pattern}}
-        if kind == "choice":
-            return {"structured_outputs": {"choice": list(constraint.choices)}}
-        if kind == "grammar":
-            return {"structured_outputs": {"grammar": native_grammar(constraint, ("ebnf", "lark"))}}
-        return super().constraint_fields(constraint)
+        # the client's options (disable_any_whitespace, ...) travel with the constraint: the gateway rewrote
+        # structured_outputs, and vLLM reads them nowhere else
+        return {"structured_outputs": {**_constraint(constraint), **dict(constraint.options)}}
 
     async def read_capacity(self, client: httpx.AsyncClient) -> Capacity:
         cache_tokens, page_tokens = await _kv_cache(client)
         return Capacity(slots=self.spec.default_slots, context_length=await max_model_len(client),
                         cache_tokens=cache_tokens, page_tokens=page_tokens)
+
+
+def _constraint(constraint: Constraint) -> dict[str, Any]:
+    """The constraint as a field of vLLM's StructuredOutputsParams."""
+    kind = constraint.kind
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind == "json_schema":
+        return {"json": constraint.schema}
+    if kind == "regex":
+        return {"regex": constraint.pattern}
+    if kind == "choice":
+        return {"choice": list(constraint.choices)}
+    if kind == "grammar":
+        return {"grammar": native_grammar(constraint, ("ebnf", "lark"))}
+    if kind == "structural_tag":  # (a string: what vLLM makes of response_format's structural_tag too)
+        return {"structural_tag": orjson.dumps(constraint.tag).decode()}
+    raise ValueError(f"vllm cannot express {constraint.describe()}")
 
 
 async def _kv_cache(client: httpx.AsyncClient) -> tuple[int | None, int | None]:

@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from gateway.sim.tokenizer import Tokenizer
 
-ConstraintKind = Literal["json", "json_object", "regex", "choice", "gbnf", "ebnf", "lark"]
+ConstraintKind = Literal["json", "json_object", "regex", "choice", "gbnf", "ebnf", "lark", "structural_tag"]
 
 # every word is at most 6 letters, so each is exactly one token of the sim tokenizer
 _WORDS = ("the", "a", "model", "token", "server", "cache", "batch", "prefix", "slot", "fast", "slow", "queue",
@@ -66,6 +66,8 @@ def constrained_text(constraint: Constraint, rng: random.Random) -> str:
         return c.gbnf_sample(value, rng)
     if kind == "ebnf":
         return c.ebnf_sample(value, rng)
+    if kind == "structural_tag":  # (vLLM and SGLang hand on a JSON string)
+        return c.structural_tag_sample(json.loads(value) if isinstance(value, str) else value, rng)
     return c.lark_sample(value, rng)
 
 

@@ -3,11 +3,14 @@
 Accepted spellings (at most one constraint per request, as vLLM and SGLang require):
 
 * OpenAI: ``response_format`` ``{"type": "json_object"}`` or ``{"type": "json_schema", "json_schema":
-  {"name", "schema", "strict"}}``; ``tools`` with ``tool_choice`` ``"required"`` or a named function
+  {"name", "schema", "strict"}}``; vLLM's and SGLang's ``{"type": "structural_tag", ...}`` (see
+  ``structural_tag``); ``tools`` with ``tool_choice`` ``"required"`` or a named function
   (a forced tool call), or tools marked ``strict: true`` under ``tool_choice: "auto"``.
 * The gateway's own: ``regex``, ``choice`` (a list of strings), ``grammar`` with ``grammar_syntax``
   (``gbnf``, the default, ``ebnf`` for xgrammar's EBNF, or ``lark``), ``json_schema`` (object or string).
-* vLLM: ``structured_outputs: {json | json_object | regex | choice | grammar}`` and its removed
+* vLLM: ``structured_outputs: {json | json_object | regex | choice | grammar | structural_tag}``, with its
+  options (``disable_any_whitespace``, ``disable_additional_properties``, ``whitespace_pattern``: only vLLM has
+  them, so a request that sets one is routed to vLLM alone; see ``Constraint.requires``), and its removed
   ``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar`` (which vLLM itself ignores
   with a 200; the gateway honours them instead).
 * SGLang: ``json_schema`` (a JSON string), ``regex``, ``ebnf``.
@@ -26,6 +29,7 @@ import orjson
 from gateway.config import LimitSettings
 from gateway.structured.bounds import Bounds, ConstraintInvalid, Offload, check_size, json_depth, too_deep
 from gateway.structured.checks import (
+    INLINE_REGEX_CHARS,
     Dialect,
     Renderings,
     check_choices,
@@ -35,8 +39,14 @@ from gateway.structured.checks import (
     check_schema,
     parse_schema,
 )
+from gateway.structured.structural_tag import at_least_one, parse_tag
 
-Kind = Literal["json_object", "json_schema", "regex", "choice", "grammar", "tool_call", "strict_tools"]
+Kind = Literal["json_object", "json_schema", "regex", "choice", "grammar", "structural_tag", "tool_call",
+               "strict_tools"]
+
+# vLLM's StructuredOutputsParams options (0.23-0.34 sampling_params.py): not constraints, but how it enforces one;
+# each is also the support word of the engines that honour it (gateway.structured.support)
+OPTIONS = ("disable_any_whitespace", "disable_additional_properties", "whitespace_pattern")
 
 # every request field that carries a constraint in some dialect; all are removed before the adapter writes
 # the engine's own
@@ -47,7 +57,7 @@ CONSTRAINT_FIELDS = (
 )
 _DEFAULT_BOUNDS = Bounds.of(LimitSettings())
 
-__all__ = ["CONSTRAINT_FIELDS", "Constraint", "ConstraintInvalid", "Dialect", "Kind", "extract"]
+__all__ = ["CONSTRAINT_FIELDS", "OPTIONS", "Constraint", "ConstraintInvalid", "Dialect", "Kind", "extract"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,12 +78,26 @@ class Constraint:
     pending: str | None = None
     # a choice or grammar in a request that offers tools the model may call (tool_choice not "none")
     beside_tools: bool = False
+    tag: Any = None  # structural_tag: the object, {"type": "structural_tag", ...} (see structural_tag.py)
+    # vLLM's structured_outputs options the client set (name, value), carried to vLLM with the constraint
+    options: tuple[tuple[str, Any], ...] = ()
+
+    @property
+    def requires(self) -> frozenset[str]:
+        """Support words beyond the kind that an engine must have to honour this constraint as asked: each option
+        set, and ``at_least_one`` for a legacy structural tag that asks for it (an engine without them would
+        drop them silently)."""
+        words = {name for name, _ in self.options}
+        if self.kind == "structural_tag" and at_least_one(self.tag):
+            words.add("at_least_one")
+        return frozenset(words)
 
     def describe(self) -> str:
         beside = " beside tools" if self.beside_tools else ""
+        extra = "".join(f" with {word}" for word in sorted(self.requires))
         if self.kind == "grammar":
-            return f"grammar ({self.dialect}, from {self.source}){beside}"
-        return f"{self.kind} (from {self.source}){beside}"
+            return f"grammar ({self.dialect}, from {self.source}){extra}{beside}"
+        return f"{self.kind} (from {self.source}){extra}{beside}"
 
 
 def _schema(source: str, value: Any, param: str, bounds: Bounds, **extra: Any) -> Constraint:
@@ -120,6 +144,8 @@ def _from_response_format(rf: Any, bounds: Bounds) -> Constraint | None:
         return None
     if kind == "json_object":
         return Constraint("json_object", "response_format")
+    if kind == "structural_tag":
+        return Constraint("structural_tag", "response_format", tag=parse_tag(rf, "response_format", bounds))
     if kind == "json_schema":
         spec = rf.get("json_schema")
         if not isinstance(spec, dict) or "schema" not in spec:
@@ -127,7 +153,8 @@ def _from_response_format(rf: Any, bounds: Bounds) -> Constraint | None:
                                     "response_format.json_schema")
         return _schema("response_format", spec["schema"], "response_format.json_schema.schema", bounds,
                        strict=spec.get("strict") is True, name=str(spec.get("name") or "response"))
-    raise ConstraintInvalid(f"response_format.type must be text, json_object or json_schema, not {kind!r}",
+    raise ConstraintInvalid(f"response_format.type must be text, json_object, json_schema or structural_tag, not "
+                            f"{kind!r}",
                             "response_format.type")
 
 
@@ -194,10 +221,37 @@ def _from_vllm(so: Any, bounds: Bounds) -> list[Constraint]:
             found.append(_choices(param, value, param, bounds))
         elif key == "grammar":
             found.append(_grammar(param, value, _bnf_or(value, "lark", "ebnf"), param, bounds))
-        elif key not in ("disable_fallback", "disable_any_whitespace", "disable_additional_properties",
-                         "whitespace_pattern"):
-            raise ConstraintInvalid(f"unknown structured_outputs field {key!r}", param)
+        elif key == "structural_tag":
+            found.append(Constraint("structural_tag", param, tag=parse_tag(value, param, bounds)))
+        elif key not in OPTIONS:
+            raise ConstraintInvalid(f"unknown structured_outputs field {key!r} (vLLM's are json, regex, choice, "
+                                    f"grammar, json_object, structural_tag and the options {', '.join(OPTIONS)})",
+                                    param)
     return found
+
+
+def _options(so: Any, bounds: Bounds) -> tuple[tuple[str, Any], ...]:
+    """The vLLM options set in ``structured_outputs`` (at their defaults they ask nothing, and are left out)."""
+    if not isinstance(so, dict):
+        return ()
+    options: list[tuple[str, Any]] = []
+    for name in OPTIONS:
+        value = so.get(name)
+        param = f"structured_outputs.{name}"
+        if name == "whitespace_pattern":
+            if value is None:
+                continue
+            try:
+                check_regex(value, param, bounds, inline=True)
+            except Offload:  # (whitespace: a short pattern; a long one is not worth a worker process)
+                raise ConstraintInvalid(f"{param}: a whitespace pattern of more than {INLINE_REGEX_CHARS} "
+                                        "characters", param, "constraint_too_large") from None
+        elif value is None or value is False:
+            continue
+        elif value is not True:
+            raise ConstraintInvalid(f"{param} must be a boolean", param)
+        options.append((name, value))
+    return tuple(options)
 
 
 # every field of a request body that a constraint is read from (``extract`` looks at nothing else)
@@ -250,9 +304,15 @@ def extract(body: dict[str, Any], limits: LimitSettings | None = None) -> Constr
     if len(found) > 1:
         raise ConstraintInvalid("only one structured-output constraint per request; got "
                                 + ", ".join(c.source for c in found), found[1].source)
+    options = _options(body.get("structured_outputs"), bounds)
+    if options and (not found or found[0].kind in ("tool_call", "strict_tools")):
+        # (vLLM itself refuses options without a constraint: "You must use one kind of structured outputs")
+        raise ConstraintInvalid(f"structured_outputs.{options[0][0]} is an option of a structured-output "
+                                "constraint, and this request has none the gateway writes (json, regex, choice, "
+                                "grammar, json_object or structural_tag)", f"structured_outputs.{options[0][0]}")
     if not found:
         return None
-    constraint = found[0]
+    constraint = replace(found[0], options=options) if options else found[0]
     tools = body.get("tools")
     if constraint.kind in ("choice", "grammar") and isinstance(tools, list) and tools and \
             body.get("tool_choice") != "none":

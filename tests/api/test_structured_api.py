@@ -22,6 +22,14 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength
                                            "age": {"type": "integer", "minimum": 0, "maximum": 120}},
           "required": ["name", "age"], "additionalProperties": False}
 ASK = [{"role": "user", "content": "Describe a person."}]
+TAG = {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": ["<person="], "tags": [
+    {"type": "tag", "begin": "<person=json>", "content": {"type": "json_schema", "json_schema": SCHEMA},
+     "end": "</person>"}]}}
+
+
+def _tagged(text: str) -> bool:
+    match = re.fullmatch("<person=json>(.*)</person>", text, re.DOTALL)
+    return match is not None and jsonschema.validate(json.loads(match.group(1)), SCHEMA) is None
 
 # (case, request fields through the SDK, check of the answer)
 CASES: dict[str, tuple[dict[str, Any], Any]] = {
@@ -38,14 +46,16 @@ CASES: dict[str, tuple[dict[str, Any], Any]] = {
     "lark": ({"extra_body": {"grammar": 'start: ("yes" | "no") " " DIGIT\n%import common.DIGIT',
                              "grammar_syntax": "lark"}},
              lambda text: re.fullmatch("(yes|no) [0-9]", text) is not None),
+    "structural_tag": ({"response_format": TAG}, _tagged),
 }
 # what each engine must have received, by case
 NATIVE: dict[str, dict[str, Any]] = {
     "llamacpp": {"json_object": "response_format", "json_schema": "json_schema", "choice": "grammar",
                  "gbnf": "grammar"},
-    "vllm": {c: "structured_outputs" for c in ("json_object", "json_schema", "regex", "choice", "gbnf", "lark")},
+    "vllm": {c: "structured_outputs" for c in ("json_object", "json_schema", "regex", "choice", "gbnf", "lark",
+                                               "structural_tag")},
     "sglang": {"json_object": "response_format", "json_schema": "response_format", "regex": "regex", "choice": "regex",
-               "gbnf": "ebnf"},
+               "gbnf": "ebnf", "structural_tag": "response_format"},
     "tabbyapi": {"json_object": "json_schema", "json_schema": "json_schema", "regex": "regex_pattern",
                  "choice": "regex_pattern", "gbnf": "grammar_string", "lark": "grammar_string"},
 }
@@ -101,6 +111,10 @@ def test_removed_vllm_guided_fields_are_honoured_not_forwarded(engines: Running)
     ("llamacpp", {"grammar": 'start: "a"', "grammar_syntax": "lark"}, "tabbyapi, vllm"),
     ("sglang", {"grammar": 'start: "a"', "grammar_syntax": "lark"}, "tabbyapi, vllm"),
     ("tabbyapi", {"ebnf": 'root ::= Regex("[a-z]+")'}, "sglang, vllm"),
+    ("llamacpp", {"response_format": TAG}, "sglang, vllm"),
+    ("tabbyapi", {"structured_outputs": {"structural_tag": json.dumps(TAG)}}, "sglang, vllm"),
+    # vLLM's options: SGLang has none, and would drop them
+    ("sglang", {"structured_outputs": {"json": SCHEMA, "disable_any_whitespace": True}}, "vllm"),
 ])
 def test_a_constraint_no_backend_of_the_model_can_honour_is_refused(engines: Running, engine: str,
                                                                     fields: dict[str, Any], able: str) -> None:
@@ -117,11 +131,26 @@ def test_a_constraint_no_backend_of_the_model_can_honour_is_refused(engines: Run
         "nothing was forwarded"
 
 
+def test_vllms_options_reach_vllm_with_the_constraint_the_gateway_rewrote(engines: Running) -> None:
+    reply = sdk(engines).chat.completions.create(
+        model="m-vllm", messages=ASK, max_tokens=100, response_format={"type": "json_schema", "json_schema": {
+            "name": "person", "schema": SCHEMA}},
+        extra_body={"structured_outputs": {"disable_any_whitespace": True, "whitespace_pattern": "[ ]?"}})
+    jsonschema.validate(json.loads(reply.choices[0].message.content or ""), SCHEMA)
+    sent = last_generation(engines, "sim-vllm")
+    assert sent["structured_outputs"] == {"json": SCHEMA, "disable_any_whitespace": True, "whitespace_pattern": "[ ]?"}
+    assert "response_format" not in sent
+
+
 def test_malformed_constraints_are_400_before_any_backend(engines: Running) -> None:
     for fields, param in [({"regex": "(unclosed"}, "regex"),
                           ({"response_format": {"type": "json_schema", "json_schema": {
                               "name": "x", "schema": {"type": "objec"}}}}, "response_format.json_schema.schema"),
-                          ({"regex": "a", "choice": ["a"]}, "choice")]:
+                          ({"regex": "a", "choice": ["a"]}, "choice"),
+                          ({"response_format": {"type": "structural_tag", "format": {"type": "json_schema"}}},
+                           "response_format.format.json_schema"),
+                          ({"structured_outputs": {"json": SCHEMA, "disable_fallback": True}},
+                           "structured_outputs.disable_fallback")]:
         response = httpx.post(engines.url + "/v1/chat/completions",
                               json={"model": "m-vllm", "messages": ASK, **fields})
         assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
@@ -221,3 +250,30 @@ def test_a_choice_beside_tools_goes_where_the_engine_takes_both(engines: Running
                    headers={"authorization": "Bearer key-llamacpp"},
                    json={"model": "m-llamacpp", "messages": ASK, "tools": tools, "grammar": 'root ::= "a"'})
     assert r.status_code == 400 and "Cannot use custom grammar constraints with tools." in r.text
+
+
+def test_a_structural_tag_or_vllms_options_go_only_to_the_engines_that_honour_them() -> None:
+    """Beside SGLang and llama.cpp serving the same model: a structural tag never goes to llama.cpp, a legacy tag's
+    at_least_one only to SGLang, vLLM's options only to vLLM."""
+    specs = [SimSpec(engine=engine, model="shared", name=engine, time_scale=TIME_SCALE)
+             for engine in ("llamacpp", "sglang", "vllm")]
+    legacy = {"type": "structural_tag", "triggers": ["<person="], "at_least_one": True,
+              "structures": [{"begin": "<person=json>", "schema": SCHEMA, "end": "</person>"}]}
+    asked: list[tuple[dict[str, Any], set[str]]] = [
+        ({"response_format": TAG}, {"sglang", "vllm"}),
+        ({"response_format": legacy}, {"sglang"}),
+        ({"structured_outputs": {"structural_tag": json.dumps(TAG), "disable_any_whitespace": True}}, {"vllm"}),
+    ]
+    with FleetThread(specs) as fleet:
+        backends = [{"name": s.spec.name, "engine": s.spec.engine, "url": s.url} for s in fleet.fleet.servers]
+        settings = settings_from_mapping({"backends": backends, "routing": {"policy": "round-robin"}})
+        with serve_in_thread(create_app(settings)) as gw:
+            c = openai.OpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0)
+            for fields, where in asked:
+                served = set()
+                for _ in range(6):
+                    raw = c.chat.completions.with_raw_response.create(model="shared", messages=ASK, max_tokens=200,
+                                                                       extra_body=fields)
+                    assert _tagged(raw.parse().choices[0].message.content or "")
+                    served.add(raw.headers["x-gateway-backend"])
+                assert served == where, fields

@@ -9,11 +9,15 @@ the stubs below are only what that code imports and does not run on this path.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from types import ModuleType
+from typing import Any, Literal
+
+from pydantic import BaseModel
 
 from tests.released.loader import EngineCode
 from tests.released.sources import Release
@@ -26,6 +30,7 @@ class Parsed:
 
     request: Any
     constraint: dict[str, Any]
+    options: dict[str, Any] = dataclasses.field(default_factory=dict)  # vLLM's StructuredOutputsParams options
 
 
 class RequestSide:
@@ -43,6 +48,21 @@ class RequestSide:
 _SGLANG_CONSTRAINT_KEYS = ("json_schema", "regex", "ebnf", "structural_tag")
 
 
+class _StructuralTag(BaseModel):
+    """A stand-in for ``xgrammar.StructuralTag`` (xgrammar is not installed here, and SGLang's protocol then
+    types the new structural-tag form ``Any``, leaving it a dict its code cannot read): its two fields as xgrammar
+    declares them (``type: Literal["structural_tag"]``, ``format``), the format tree itself unchecked."""
+
+    type: Literal["structural_tag"] = "structural_tag"
+    format: dict[str, Any]
+
+
+def _xgrammar() -> ModuleType:
+    module = ModuleType("xgrammar")
+    module.StructuralTag = _StructuralTag  # type: ignore[attr-defined]
+    return module
+
+
 class SGLangRequests(RequestSide):
     """``srt/entrypoints/openai/protocol.py`` whole; chat's sampling parameters from
     ``ChatCompletionRequest.to_sampling_params``, completions' from ``OpenAIServingCompletion.
@@ -57,6 +77,7 @@ class SGLangRequests(RequestSide):
             partial={"sglang.utils": ["convert_json_schema_to_str"],
                      "sglang.srt.entrypoints.openai.serving_completions": [
                          "OpenAIServingCompletion._build_sampling_params"]},
+            external={"xgrammar": _xgrammar()},
         )
         with self.code.active():
             self._protocol = self.code.module("sglang.srt.entrypoints.openai.protocol")
@@ -76,6 +97,7 @@ class SGLangRequests(RequestSide):
 
 # --- vLLM --------------------------------------------------------------------------------------------------
 _VLLM_CONSTRAINT_KEYS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+_VLLM_OPTION_KEYS = ("disable_any_whitespace", "disable_additional_properties", "whitespace_pattern")
 
 
 class _VLLMLogger(logging.LoggerAdapter):  # type: ignore[type-arg]
@@ -99,7 +121,9 @@ class VLLMRequests(RequestSide):
     {chat_completion,completion}/protocol.py``), the shared request protocol they import (0.34: ``entrypoints/
     generate/base`` and ``serve/engine``; 0.23: ``entrypoints/openai/engine``), ``sampling_params.py``
     (``SamplingParams``, ``StructuredOutputsParams``), ``envs.py`` and ``exceptions.py``; of
-    ``v1/serial_utils.py`` only ``PydanticMsgspecMixin`` (the rest imports torch)."""
+    ``v1/serial_utils.py`` only ``PydanticMsgspecMixin`` (the rest imports torch). ``v1/structured_output/
+    backend_xgrammar.py`` stays a stub: the structural-tag check it does (xgrammar compiling the tag) is not run
+    here, only the request models' own validation and the path the tag takes into the sampling parameters."""
 
     def __init__(self, release: Release, root: Path) -> None:
         self.release = release
@@ -126,4 +150,5 @@ class VLLMRequests(RequestSide):
             params = request.to_sampling_params(max_tokens=16, default_sampling_params={})
         so = params.structured_outputs
         found = {} if so is None else {k: getattr(so, k) for k in _VLLM_CONSTRAINT_KEYS if getattr(so, k) is not None}
-        return Parsed(request, found)
+        options = {} if so is None else {k: getattr(so, k) for k in _VLLM_OPTION_KEYS}
+        return Parsed(request, found, options)

@@ -35,17 +35,29 @@ CHOICES = ["red", "green", "blue (dark)"]  # (a regex metacharacter: the alterna
 GBNF = 'root ::= "yes" | "no"'
 EBNF = 'root ::= "yes" | "no" | Regex("[0-9]+")'  # xgrammar's Regex macro: EBNF, not GBNF
 LARK = 'start: "yes" | "no"'
+TAG = {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": ["<f="], "tags": [
+    {"type": "tag", "begin": "<f=get>", "content": {"type": "json_schema", "json_schema": SCHEMA}, "end": "</f>"}]}}
+LEGACY_TAG = {"type": "structural_tag", "triggers": ["<f="],
+              "structures": [{"begin": "<f=get>", "schema": SCHEMA, "end": "</f>"}]}
+OPTIONS = {"disable_any_whitespace": True, "disable_additional_properties": True, "whitespace_pattern": "[ ]?"}
 
+ASKED_SCHEMA = {"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA, "strict": True}}
 # what a client asks, in the spellings the gateway accepts, by the support word an engine must have
 ASKED: dict[str, dict[str, Any]] = {
     "json_object": {"response_format": {"type": "json_object"}},
-    "json_schema": {"response_format": {"type": "json_schema",
-                                        "json_schema": {"name": "answer", "schema": SCHEMA, "strict": True}}},
+    "json_schema": {"response_format": ASKED_SCHEMA},
     "regex": {"regex": REGEX},
     "choice": {"choice": CHOICES},
     "grammar:gbnf": {"grammar": GBNF},
     "grammar:ebnf": {"grammar": EBNF, "grammar_syntax": "ebnf"},
     "grammar:lark": {"grammar": LARK, "grammar_syntax": "lark"},
+    "structural_tag": {"response_format": TAG},
+    "structural_tag:vllm": {"structured_outputs": {"structural_tag": json.dumps(TAG)}},
+    "structural_tag:legacy": {"response_format": LEGACY_TAG},
+    "structural_tag:at_least_one": {"response_format": {**LEGACY_TAG, "at_least_one": True}},
+    # vLLM's options, beside a constraint from another field (vLLM merges the two) and with one of its own
+    "options": {"response_format": ASKED_SCHEMA, "structured_outputs": OPTIONS},
+    "options:regex": {"structured_outputs": {"regex": REGEX, "disable_any_whitespace": True}},
 }
 
 
@@ -77,11 +89,13 @@ def _sent(release: Release, route: str, kind: str) -> dict[str, Any]:
 
 
 def _carried(found: dict[str, Any]) -> dict[str, Any]:
-    """The engine's constraint fields in one vocabulary: a schema parsed, SGLang's ``ebnf`` as ``grammar``."""
+    """The engine's constraint fields in one vocabulary: a schema or tag parsed, SGLang's ``ebnf`` as ``grammar``."""
     carried: dict[str, Any] = {}
     for key, value in found.items():
         if key in ("json", "json_schema"):
             carried["json"] = json.loads(value) if isinstance(value, str) else value
+        elif key == "structural_tag":  # (a JSON string in both engines' sampling parameters)
+            carried[key] = json.loads(value)
         elif key == "ebnf":
             carried["grammar"] = value
         else:
@@ -97,9 +111,23 @@ def test_the_constraint_reaches_the_engines_sampling_params(
     request_side: Callable[[Release], RequestSide], release: Release, route: str, kind: str
 ) -> None:
     sent = _sent(release, route, kind)
-    carried = _carried(request_side(release).parse(route, sent).constraint)
+    parsed = request_side(release).parse(route, sent)
+    carried = _carried(parsed.constraint)
     engine = release.package
-    if kind == "json_schema":
+    if kind.startswith("structural_tag"):
+        asked = extract(ASKED[kind])
+        assert asked is not None
+        # SGLang's legacy model adds its at_least_one default: the same tag
+        legacy = engine == "sglang" and "structures" in asked.tag
+        expect = {"at_least_one": False, **asked.tag} if legacy else asked.tag
+        assert carried == {"structural_tag": expect}, sent
+    elif kind.startswith("options"):  # (vLLM's alone: routing sends them nowhere else)
+        asked = extract(ASKED[kind])
+        assert asked is not None
+        assert parsed.options == {"disable_any_whitespace": False, "disable_additional_properties": False,
+                                  "whitespace_pattern": None, **dict(asked.options)}, sent
+        assert carried == ({"json": SCHEMA} if kind == "options" else {"regex": REGEX}), sent
+    elif kind == "json_schema":
         assert carried == {"json": SCHEMA}, f"sent {sent}"
     elif kind == "json_object":
         assert carried == ({"json_object": True} if engine == "vllm" else {"json": {"type": "object"}}), sent
@@ -177,3 +205,19 @@ def test_the_engines_modules_stay_out_of_sys_modules(request_side: Callable[[Rel
         request_side(release).parse("chat", _sent(release, "chat", "regex"))
     assert not [name for name in sys.modules if name.split(".")[0] in ("vllm", "sglang")]
     assert sys.modules.get("regex") is not re  # (the stand-in vLLM 0.23 is given for the regex package)
+
+
+@pytest.mark.parametrize("release", RELEASES, ids=[r.label for r in RELEASES])
+def test_what_the_gateway_keeps_from_an_engine_is_what_that_engine_drops(
+    request_side: Callable[[Release], RequestSide], release: Release
+) -> None:
+    """Why a legacy tag's ``at_least_one`` goes to SGLang alone and ``disable_fallback`` is refused: vLLM's legacy
+    model has no ``at_least_one`` (its xgrammar backend reads structures and triggers only), and no released
+    ``StructuredOutputsParams`` has a ``disable_fallback``; SGLang's legacy model reads ``at_least_one``."""
+    side = request_side(release)
+    body = {**_base("chat"), "response_format": {**LEGACY_TAG, "at_least_one": True}}
+    lost = dropped(body, side.parse("chat", body).request)
+    assert lost == (["response_format.at_least_one"] if release.package == "vllm" else [])
+    if release.package == "vllm":
+        body = {**_base("chat"), "structured_outputs": {"json": SCHEMA, "disable_fallback": True}}
+        assert dropped(body, side.parse("chat", body).request) == ["structured_outputs.disable_fallback"]

@@ -117,3 +117,29 @@ def test_tabbyapi_skips_an_unparseable_constraint(fleet: FleetThread) -> None:
 def test_invalid_schema_is_refused_by_vllm(fleet: FleetThread) -> None:
     r = chat(fleet, "vllm", {"structured_outputs": {"regex": "(unclosed"}})
     assert r.status_code == 400 and r.json()["error"]["type"] == "BadRequestError"
+
+
+TAG = {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": ["<person="], "tags": [
+    {"type": "tag", "begin": "<person=json>", "content": {"type": "json_schema", "json_schema": SCHEMA},
+     "end": "</person>"}]}}
+LEGACY_TAG = {"type": "structural_tag", "triggers": ["<person="],
+              "structures": [{"begin": "<person=json>", "schema": SCHEMA, "end": "</person>"}]}
+TAGGED = re.compile(r"<person=json>(.*)</person>", re.DOTALL)
+
+
+@pytest.mark.parametrize(("engine", "extra"), [
+    ("vllm", {"response_format": TAG}), ("vllm", {"response_format": LEGACY_TAG}),
+    ("vllm", {"structured_outputs": {"structural_tag": json.dumps(TAG)}}),
+    ("sglang", {"response_format": TAG}), ("sglang", {"response_format": LEGACY_TAG}),
+])
+def test_a_structural_tag_yields_its_begin_a_valid_instance_and_its_end(fleet: FleetThread, engine: str,
+                                                                         extra: dict[str, object]) -> None:
+    match = TAGGED.fullmatch(content(chat(fleet, engine, extra)))
+    assert match is not None
+    jsonschema.validate(json.loads(match.group(1)), SCHEMA)
+
+
+def test_sglang_reads_a_structural_tag_from_response_format_alone(fleet: FleetThread) -> None:
+    """Its ChatCompletionRequest has no structured_outputs and no top-level structural_tag: both ignored."""
+    for extra in ({"structured_outputs": {"structural_tag": json.dumps(TAG)}}, {"structural_tag": json.dumps(TAG)}):
+        assert TAGGED.fullmatch(content(chat(fleet, "sglang", extra))) is None

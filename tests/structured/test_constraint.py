@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from gateway.engines.registry import ENGINES, create_adapter
@@ -65,7 +67,8 @@ def test_no_constraint() -> None:
         ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "strin"}}}},
          "response_format.json_schema.schema", "not a valid JSON schema"),
         ({"response_format": {"type": "json_schema"}}, "response_format.json_schema", "must be an object"),
-        ({"response_format": {"type": "yaml"}}, "response_format.type", "must be text, json_object or json_schema"),
+        ({"response_format": {"type": "yaml"}}, "response_format.type",
+         "must be text, json_object, json_schema or structural_tag"),
         ({"json_schema": "{not json"}, "json_schema", "not valid JSON"),
         ({"regex": "(unclosed"}, "regex", "not a valid regular expression"),
         ({"regex": "(?=a)b"}, "regex", "lookahead and lookbehind assertions"),
@@ -212,3 +215,121 @@ def test_long_counted_repetitions_that_real_patterns_use_are_accepted() -> None:
     with pytest.raises(ConstraintInvalid) as err:
         extract({"regex": "((a{999}){999}){999}"})
     assert err.value.code == "constraint_too_large"
+
+
+# -- structural tags (vLLM, SGLang) and vLLM's structured_outputs options ---------------------------------------
+TAG = {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": ["<f="], "tags": [
+    {"type": "tag", "begin": "<f=get>", "content": {"type": "json_schema", "json_schema": SCHEMA}, "end": "</f>"}]}}
+LEGACY_TAG = {"type": "structural_tag", "triggers": ["<f="],
+              "structures": [{"begin": "<f=get>", "schema": SCHEMA, "end": "</f>"}]}
+
+
+@pytest.mark.parametrize(
+    ("body", "source"),
+    [
+        ({"response_format": TAG}, "response_format"),
+        ({"response_format": LEGACY_TAG}, "response_format"),
+        ({"structured_outputs": {"structural_tag": json.dumps(TAG)}}, "structured_outputs.structural_tag"),
+        # (vLLM's string form may leave the type out; the gateway adds it)
+        ({"structured_outputs": {"structural_tag": json.dumps({k: v for k, v in LEGACY_TAG.items() if k != "type"})}},
+         "structured_outputs.structural_tag"),
+    ],
+)
+def test_a_structural_tag_is_one_constraint_that_only_vllm_and_sglang_honour(body: dict[str, object],
+                                                                             source: str) -> None:
+    constraint = extract(body)
+    assert constraint is not None and constraint.kind == "structural_tag" and constraint.source == source
+    assert constraint.tag["type"] == "structural_tag"
+    assert {name for name, spec in ENGINES.items() if can_honour(constraint, spec.structured)} == {"vllm", "sglang"}
+
+
+def test_structural_tags_are_written_where_each_engine_reads_them() -> None:
+    constraint = extract({"response_format": TAG})
+    assert constraint is not None
+    vllm = create_adapter("vllm").prepare_body("chat", {"response_format": TAG}, constraint)
+    assert vllm == {"structured_outputs": {"structural_tag": json.dumps(TAG, separators=(",", ":"))}}
+    sglang = create_adapter("sglang").prepare_body("chat", {"structured_outputs": {"structural_tag": "{}"}},
+                                                   constraint)
+    assert sglang == {"response_format": TAG}
+
+
+def test_a_legacy_tags_at_least_one_goes_only_where_it_is_read() -> None:
+    """SGLang reads a legacy tag's at_least_one; vLLM's legacy model has no such field and would drop it."""
+    constraint = extract({"response_format": {**LEGACY_TAG, "at_least_one": True}})
+    assert constraint is not None and constraint.requires == {"at_least_one"}
+    assert {name for name, spec in ENGINES.items() if can_honour(constraint, spec.structured)} == {"sglang"}
+    assert "with at_least_one" in constraint.describe()
+
+
+DEEP = {"type": "object"}
+for _ in range(70):
+    DEEP = {"type": "array", "items": DEEP}
+DEEPER = {"type": "sequence", "elements": [DEEP] * 1}
+for _ in range(10):
+    DEEPER = {"type": "sequence", "elements": [DEEPER]}
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "words"),
+    [
+        ({"response_format": {"type": "structural_tag"}}, "response_format", "'format' object, or 'structures'"),
+        ({"response_format": {"type": "structural_tag", "format": {"type": "tag", "begin": "<a>", "end": "</a>",
+                                                                    "content": {"type": "json_schema"}}}},
+         "response_format.format.content.json_schema", "must be a JSON schema"),
+        ({"response_format": {**LEGACY_TAG, "triggers": []}}, "response_format.triggers", "non-empty array"),
+        ({"response_format": {**LEGACY_TAG, "structures": [{"begin": "<a>", "end": "</a>"}]}},
+         "response_format.structures[0].schema", "must be a JSON schema object"),
+        ({"response_format": {**LEGACY_TAG, "stop": True}}, "response_format", "unknown field 'stop'"),
+        ({"structured_outputs": {"structural_tag": "{not json"}}, "structured_outputs.structural_tag",
+         "not valid JSON"),
+        # the schemas inside are bounded as tool parameter schemas are: nesting, and their regexes
+        ({"response_format": {"type": "structural_tag", "format": {"type": "json_schema", "json_schema": DEEP}}},
+         "response_format.format.json_schema", "limits.max_nesting = 64"),
+        ({"response_format": {**LEGACY_TAG, "structures": [{"begin": "<a>", "end": "</a>", "schema": {
+            "type": "string", "pattern": "^(?=a)a$"}}]}},
+         "response_format.structures[0].schema", "lookahead and lookbehind assertions"),
+        ({"response_format": {"type": "structural_tag", "format": {"type": "regex", "pattern": r"(a)\1"}}},
+         "response_format.format.pattern", "backreferences"),
+        # and so is the whole tag: its size, and its nesting (vLLM allows 16 levels of wrapping around a schema)
+        ({"response_format": {"type": "structural_tag", "format": {
+            "type": "const_string", "value": "x" * 200_000}}}, "response_format", "limits.max_constraint_bytes"),
+        ({"response_format": {"type": "structural_tag", "format": DEEPER}},
+         "response_format", "limits.max_nesting = 80"),
+        ({"structured_outputs": {"structural_tag": json.dumps(TAG), "regex": "a"}}, "structured_outputs.regex",
+         "only one"),
+        # vLLM's options: of a constraint, typed as vLLM types them; no such thing as disable_fallback
+        ({"structured_outputs": {"disable_any_whitespace": True}}, "structured_outputs.disable_any_whitespace",
+         "has none the gateway writes"),
+        ({"structured_outputs": {"json": SCHEMA, "disable_any_whitespace": "yes"}},
+         "structured_outputs.disable_any_whitespace", "must be a boolean"),
+        ({"structured_outputs": {"json": SCHEMA, "whitespace_pattern": "(?= )"}},
+         "structured_outputs.whitespace_pattern", "lookahead"),
+        ({"structured_outputs": {"json": SCHEMA, "disable_fallback": True}}, "structured_outputs.disable_fallback",
+         "unknown structured_outputs field"),
+        ({"tools": TOOLS, "tool_choice": "required", "structured_outputs": {"disable_any_whitespace": True}},
+         "structured_outputs.disable_any_whitespace", "has none the gateway writes"),
+    ],
+)
+def test_malformed_or_unbounded_structural_tags_and_options_are_refused(body: dict[str, object], param: str,
+                                                                        words: str) -> None:
+    with pytest.raises(ConstraintInvalid) as err:
+        extract(body)
+    assert err.value.param == param and words in str(err.value)
+
+
+def test_vllm_options_ride_with_the_constraint_to_vllm_alone() -> None:
+    body = {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}},
+            "structured_outputs": {"disable_any_whitespace": True, "whitespace_pattern": "[ ]?",
+                                   "disable_additional_properties": False}}
+    constraint = extract(body)
+    assert constraint is not None and constraint.kind == "json_schema"
+    assert constraint.requires == {"disable_any_whitespace", "whitespace_pattern"}
+    assert {name for name, spec in ENGINES.items() if can_honour(constraint, spec.structured)} == {"vllm"}
+    sent = create_adapter("vllm").prepare_body("chat", dict(body), constraint)
+    assert sent == {"structured_outputs": {"json": SCHEMA, "disable_any_whitespace": True,
+                                           "whitespace_pattern": "[ ]?"}}
+    # at their defaults they ask for nothing: any engine will do
+    plain = extract({"structured_outputs": {"regex": "a+", "disable_any_whitespace": False}})
+    assert plain is not None and plain.requires == frozenset()
+    assert {name for name, spec in ENGINES.items() if can_honour(plain, spec.structured)} == {
+        "vllm", "sglang", "tabbyapi"}

@@ -1,7 +1,8 @@
 """SGLang's HTTP server as a gateway sees it: routes, auth, error bodies, chunks, ``/v1/loads``, metrics.
 
 Quirks kept: one of ``json_schema`` (a JSON string; read on completions and /generate, ignored on chat, whose
-schema comes from ``response_format`` alone) / ``regex`` / ``ebnf`` per request; ``/health`` runs a
+schema comes from ``response_format`` alone) / ``regex`` / ``ebnf`` / a structural tag (``response_format``;
+``structural_tag`` on /generate) per request; ``/health`` runs a
 one-token generation (it is not free); ``/metrics`` only with ``--enable-metrics`` (else 404); ``cached_tokens``
 only with ``--enable-cache-report``; not listening for the first half of the load, then warming up: from
 0.5.20 ``/v1/models`` answers 200 at once and ``/ready`` 503 (also while generation is paused with
@@ -142,14 +143,16 @@ class SglangEngine(OpenAIEngine):
             found.append(Constraint("regex", body["regex"]))
         if body.get("ebnf") is not None:
             found.append(Constraint("ebnf", body["ebnf"]))
-        rf = openai_constraint(body)
+        if body.get("structural_tag") is not None and kind == "native":  # (/generate's sampling params only)
+            found.append(Constraint("structural_tag", body["structural_tag"]))
+        rf = openai_constraint(body)  # (a structural tag: response_format alone on chat and completions)
         named = body["response_format"].get("json_schema") if rf is not None and rf.kind == "json" else None
         if isinstance(named, dict) and not isinstance(named.get("name"), str):  # (JsonSchemaResponseFormat.name: str)
             raise EngineError(400, "response_format.json_schema.name: Field required", param="response_format")
         if rf is not None:
             found.append(rf)
         if len(found) > 1:
-            raise EngineError(400, "Only one of regex, json_schema, or ebnf can be set.")
+            raise EngineError(400, "Only one of json_schema, regex, ebnf, or structural_tag can be set.")
         return found[0] if found else None
 
     # -- shapes: SGLang's chunks carry explicit nulls and ``matched_stop`` -------------------------------------

@@ -1,7 +1,8 @@
 """vLLM's OpenAI server as a gateway sees it: routes, auth, error bodies, chunks, metrics, structured outputs.
 
 Quirks kept: the removed ``guided_*`` fields are ignored (200, unconstrained output); ``structured_outputs``
-takes exactly one of json/regex/choice/grammar/json_object; ``Authorization: Bearer`` only on ``/v1*``;
+takes exactly one of json/regex/choice/grammar/json_object/structural_tag (and ``response_format`` may be a
+structural tag); ``Authorization: Bearer`` only on ``/v1*``;
 ``/health`` and ``/metrics`` are open; the port is not served until the model has loaded; ``[DONE]`` always ends
 a stream, even after an in-stream error; ``cached_tokens`` only with ``--enable-prompt-tokens-details``
 (``cache_report``); an unknown model name is a 404.
@@ -47,7 +48,9 @@ def openai_constraint(body: dict[str, Any]) -> Constraint | None:
         js = rf.get("json_schema") or {}
         schema = js.get("schema", js.get("schema_")) if isinstance(js, dict) else None
         return Constraint("json", schema if schema is not None else {"type": "object"})
-    if kind not in (None, "text", "structural_tag"):
+    if kind == "structural_tag":  # (either form; vLLM's legacy model drops at_least_one, which is never needed here)
+        return Constraint("structural_tag", rf)
+    if kind not in (None, "text"):
         raise EngineError(400, f"Unknown response_format type: {kind}", param="response_format")
     return None
 
@@ -139,6 +142,8 @@ class VllmEngine(OpenAIEngine):
                     found.append(Constraint("regex", value))
                 elif key == "choice":
                     found.append(Constraint("choice", value))
+                elif key == "structural_tag":  # (a JSON string, as StructuredOutputsParams types it)
+                    found.append(Constraint("structural_tag", value))
             if len(found) > 1:
                 raise EngineError(400, "You can only use one kind of structured outputs constraint but multiple "
                                   f"are specified: {so}")
