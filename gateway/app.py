@@ -99,7 +99,8 @@ class Gateway:
             return await self.siblings.leader_snapshot() if self.siblings is not None else None
 
         self.pool = Pool(settings.backends, settings.scrape, client_factory, discovery=settings.discovery,
-                         resolver=resolver, breaker=settings.breaker, leader=leader if follow else None)
+                         resolver=resolver, breaker=settings.breaker, leader=leader if follow else None,
+                         on_kv_source=lambda: self.kv_events.sync(self._event_streams()))
         self.transport: Transport = transport if transport is not None else H1Transport(settings.timeouts)
         # (its periodic look for slots no release announced: with shared state, at the heartbeat)
         self.admission = Admission(settings.admission, kick_seconds=settings.state.heartbeat_seconds
@@ -176,12 +177,22 @@ class Gateway:
         await self.control.start(watch_seconds=server.reload_watch_seconds, settle_seconds=server.reload_settle_seconds)
 
     def _event_streams(self) -> Iterator[tuple[Backend, StreamSettings]]:
+        """Each backend's KV-event stream: where its settings say, or (``discover``) where its engine said."""
         for backend in self.pool:
             kv = self.pool.settings_of(backend).kv_events
-            if kv is not None:
-                endpoint, replay = kv.addresses(backend.url)
-                yield backend, StreamSettings(endpoint, replay, kv.topic, kv.block_size, kv.silence_seconds,
+            if kv is None:
+                continue
+            if kv.discover:
+                source = backend.kv_source
+                if source is None:  # (not said yet, or nothing: the approximate index meanwhile)
+                    continue
+                yield backend, StreamSettings(source.endpoint, source.replay_endpoint, source.topic,
+                                              kv.block_size or source.block_size, kv.silence_seconds,
                                               kv.history_seconds)
+                continue
+            endpoint, replay = kv.addresses(backend.url)
+            yield backend, StreamSettings(endpoint, replay, kv.topic, kv.block_size, kv.silence_seconds,
+                                          kv.history_seconds)
 
     async def _follow_replicas(self) -> None:
         """Replicas found by DNS come and go: subscribe to new ones, drop the gone."""

@@ -343,8 +343,11 @@ class AuthSettings(_Strict):
 class KvEventsSettings(_Strict):
     """Where a vLLM or SGLang server publishes its KV-cache events (``--kv-events-config``): its ``endpoint``
     and ``replay_endpoint`` with the host this gateway reaches it at (``tcp://10.0.0.5:5557``), or only the
-    ports, the host then being the backend's own (what a DNS group of replicas needs)."""
+    ports, the host then being the backend's own (what a DNS group of replicas needs); or ``discover``: as the
+    engine says once it is ready (vLLM ``/kv_event_sources``, SGLang ``/server_info``), a wildcard host it
+    binds being the backend's own. ``kv_events: discover`` is short for ``{discover: true}``."""
 
+    discover: bool = Field(default=False, description="read the endpoints and topic from the engine")
     endpoint: str | None = Field(default=None, description="tcp://host:port of the engine's PUB socket")
     port: int | None = Field(default=None, ge=1, le=65535, description="the PUB port on the backend's host")
     replay_endpoint: str | None = Field(default=None, description="tcp://host:port of its replay socket")
@@ -360,6 +363,12 @@ class KvEventsSettings(_Strict):
 
     @model_validator(mode="after")
     def _one_address(self) -> KvEventsSettings:
+        if self.discover:
+            typed = [name for name in ("endpoint", "port", "replay_endpoint", "replay_port", "topic")
+                     if name in self.model_fields_set]
+            if typed:
+                raise ValueError(f"discover reads {', '.join(typed)} from the engine: set one or the other")
+            return self
         if (self.endpoint is None) == (self.port is None):
             raise ValueError("set either endpoint or port")
         if self.replay_endpoint is not None and self.replay_port is not None:
@@ -371,7 +380,8 @@ class KvEventsSettings(_Strict):
         return self
 
     def addresses(self, backend_url: str) -> tuple[str, str | None]:
-        """The PUB and replay addresses to connect to for a backend at ``backend_url``."""
+        """The PUB and replay addresses to connect to for a backend at ``backend_url`` (typed ones; not with
+        ``discover``)."""
         host = urlsplit(backend_url).hostname or "127.0.0.1"
         host = f"[{host}]" if ":" in host else host
         endpoint = self.endpoint or f"tcp://{host}:{self.port}"
@@ -402,13 +412,22 @@ class BackendSettings(_Strict):
                                          "8192; 0 disables the host-RAM prompt cache, so only its slots hold "
                                          "prompts and the gateway models them slot by slot)")
     kv_events: KvEventsSettings | None = Field(
-        default=None, description="vLLM, SGLang: follow the engine's KV-cache events (precise prefix routing)")
+        default=None, description="vLLM, SGLang: follow the engine's KV-cache events (precise prefix routing): "
+                                  "where it publishes them, or 'discover'")
     priority_scheduling: bool | Literal["lower-first", "higher-first"] = Field(
         default=False,
         description="vLLM, SGLang: the engine runs with priority scheduling (vLLM --scheduling-policy priority, "
                     "SGLang --enable-priority-scheduling), so each request carries its gateway priority in the "
                     "engine's 'priority' field; true: the engine's default order (vLLM lower values first, SGLang "
                     "higher first), or say which (SGLang with --schedule-low-priority-values-first: lower-first)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _discover(cls, data: Any) -> Any:
+        """``kv_events: discover`` is ``kv_events: {discover: true}``."""
+        if isinstance(data, dict) and data.get("kv_events") == "discover":
+            return {**data, "kv_events": {"discover": True}}
+        return data
 
     @model_validator(mode="before")
     @classmethod

@@ -14,12 +14,14 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import orjson
 
-from gateway.api.native_apis import COUNT_TOKENS, MESSAGES, RESPONSES, StreamTap, chat_usage
+from gateway.api.native_apis import COUNT_TOKENS, MESSAGES, RESPONSES, TOKENIZED_COUNT, StreamTap, chat_usage
 from gateway.api.response_store import ResponseStore, decode_conversation
+from gateway.api.translate.count_tokens import countable, encode_request
 from gateway.api.translate.messages import (
     MessagesStream,
     anthropic_error_from_openai,
@@ -252,24 +254,34 @@ class _Messages(Translation):
 
 
 class _CountTokens(_Messages):
-    """``/v1/messages/count_tokens``: only an engine that serves it can count with the model's own tokenizer
-    and template, so it is passed through, and a model no such engine serves is refused (no estimate)."""
+    """``/v1/messages/count_tokens``: counted with the model's own tokenizer and template, never estimated. An
+    engine that serves the route gets the request as sent; one that only tokenizes chat messages
+    (``EngineSpec.chat_tokenize_path``: TabbyAPI) gets the chat translation, and its count is answered in
+    Anthropic's shape (what that leaves out: ``gateway.api.translate.count_tokens``). A model no engine can
+    count for is refused."""
 
     api = "count_tokens"
     native_api = COUNT_TOKENS
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._chat: dict[str, Any] = {}
 
     def to_chat(self, body: dict[str, Any]) -> dict[str, Any]:
         self._body = body
         self._model = str(body.get("model", ""))
         chat = count_tokens_chat(body)
-        chat["max_tokens"] = 1  # (the chat translation only serves routing and limits here)
-        return chat
+        self._chat = chat
+        return {**chat, "max_tokens": 1}  # (the chat translation only serves routing and limits here)
 
     def servable(self, spec: EngineSpec) -> bool:
-        return self.api in spec.native_apis
+        return self.api in spec.native_apis or (spec.chat_tokenize_path is not None and countable(self._chat))
 
     def native(self, backend: Backend) -> tuple[bytes, NativeApi] | None:
         self.passthrough = True
+        spec = backend.spec
+        if self.api not in spec.native_apis and spec.chat_tokenize_path is not None:
+            return orjson.dumps(encode_request(self._chat)), replace(TOKENIZED_COUNT, path=spec.chat_tokenize_path)
         request = self.route_request  # (the model it resolved to: an alias's target, a fallback)
         body = self._body if request is None else {**self._body, "model": request.model}
         return orjson.dumps(body), self.native_api

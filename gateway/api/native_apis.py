@@ -13,6 +13,7 @@ from typing import Any
 
 import orjson
 
+from gateway.api.translate.count_tokens import input_tokens
 from gateway.api.translate.messages import anthropic_error
 from gateway.engines.readings import usage_figure, usage_tokens
 from gateway.proxy.forward import NativeApi
@@ -45,6 +46,8 @@ def _responses_error(message: str, kind: str, code: str | None) -> bytes:
 
 MESSAGES = NativeApi("/v1/messages", _count(_MESSAGES_DELTA), _MESSAGES_END, _messages_error)
 COUNT_TOKENS = NativeApi("/v1/messages/count_tokens", _count(_MESSAGES_DELTA), _MESSAGES_END, _messages_error)
+# count_tokens answered by an engine's tokenizing route (EngineSpec.chat_tokenize_path; the path is the engine's)
+TOKENIZED_COUNT = NativeApi("", _count(_MESSAGES_DELTA), _MESSAGES_END, _messages_error, answer=input_tokens)
 RESPONSES = NativeApi("/v1/responses", _count(_RESPONSES_DELTA), _RESPONSES_END, _responses_error)
 
 

@@ -19,7 +19,7 @@ import orjson
 
 from gateway.engines import exposition, readings
 from gateway.engines.spec import EngineSpec
-from gateway.pool.state import Capacity, Health, LoadRecord, Probe
+from gateway.pool.state import Capacity, Health, KvEventSource, LoadRecord, Probe
 from gateway.structured import CONSTRAINT_FIELDS, Constraint, grammar_in
 
 
@@ -75,6 +75,11 @@ class EngineAdapter:
 
     async def read_capacity(self, client: httpx.AsyncClient) -> Capacity:
         return Capacity(slots=self.spec.default_slots)
+
+    async def read_kv_events(self, client: httpx.AsyncClient) -> KvEventSource:
+        """Where the engine says it publishes its KV-cache events (``kv_events: discover``); a BackendError when
+        it shows none (publishing off, a release that does not say, a setup the gateway cannot follow)."""
+        raise BackendError(f"engine {self.spec.name} publishes no KV-cache events")
 
     async def list_models(self, client: httpx.AsyncClient) -> list[str]:
         """The models the backend serves, as listed: at most ``readings.MAX_MODELS`` + 1 names (one more than the

@@ -19,9 +19,10 @@ import orjson
 
 from gateway.engines import readings
 from gateway.engines.base import BackendError, EngineAdapter, get, get_json, native_grammar, parse_histogram
+from gateway.engines.kv_sources import tcp_address
 from gateway.engines.spec import RERANK_ROUTES, EngineSpec
 from gateway.engines.vllm import max_model_len
-from gateway.pool.state import Capacity, LoadRecord, Probe, ShapeSeed
+from gateway.pool.state import Capacity, KvEventSource, LoadRecord, Probe, ShapeSeed
 from gateway.structured import Constraint
 from gateway.structured.syntax import regex_from_choices
 
@@ -122,6 +123,30 @@ class SGLangAdapter(EngineAdapter):
             context_length=await max_model_len(client),
             cache_tokens=_sum(loads, "max_total_num_tokens", readings.MAX_TOKENS) or None,
         )
+
+    async def read_kv_events(self, client: httpx.AsyncClient) -> KvEventSource:
+        """``/server_info`` ``kv_events`` (0.5.19+: ``srt/runtime_context.py`` ``describe_kv_events_publisher``):
+        ``{"publisher": "zmq", "endpoint_host": "*", "endpoint_port_base", "topic", "block_size", "dp_size",
+        "replay_endpoint_port_base"?}`` (rank r on base + r), null without ``--kv-events-config``."""
+        info: Any = await get_json(client, "/server_info")
+        kv = info.get("kv_events") if isinstance(info, dict) else None
+        if not isinstance(kv, dict):
+            raise BackendError("/server_info shows no KV-event publisher (kv_events): the server runs without "
+                               "--kv-events-config, or is a release that does not say")
+        if kv.get("publisher") != "zmq":
+            raise BackendError("/server_info kv_events: no zmq publisher")
+        ranks = kv.get("dp_size", 1)
+        if ranks != 1:
+            raise BackendError(f"/server_info kv_events: {ranks!r} data-parallel ranks, each its own cache and "
+                               "socket: not followed yet")
+        host = kv.get("endpoint_host")
+        host = host if isinstance(host, str) else ""
+        replay = kv.get("replay_endpoint_port_base")
+        topic, block = kv.get("topic"), kv.get("block_size")
+        return KvEventSource(tcp_address(host, kv.get("endpoint_port_base"), client, "/server_info kv_events"),
+                             tcp_address(host, replay, client, "/server_info kv_events") if replay else None,
+                             topic if isinstance(topic, str) else "",
+                             readings.positive(block, 1 << 20))
 
 
 async def _loads(client: httpx.AsyncClient) -> list[dict[str, Any]]:

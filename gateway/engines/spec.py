@@ -71,8 +71,12 @@ class EngineSpec:
     routes: frozenset[str] = OPENAI_ROUTES
     # agent APIs it serves itself ("responses": /v1/responses, "messages": /v1/messages, "count_tokens":
     # /v1/messages/count_tokens), passed through to it as the client sent them; for the other engines the
-    # gateway translates them to chat completions (count_tokens: refused, there is no translation)
+    # gateway translates them to chat completions (count_tokens: see chat_tokenize_path)
     native_apis: frozenset[str] = frozenset()
+    # where it tokenizes chat messages through the model's own template, for an engine that does not serve
+    # count_tokens itself (TabbyAPI's /v1/token/encode: {"text": [messages], "add_bos_token"} -> {"tokens",
+    # "length"}); the gateway answers count_tokens from it (gateway.api.translate.count_tokens)
+    chat_tokenize_path: str | None = None
     # False: the server closes its connection after a streamed answer although it announces keep-alive, so
     # the gateway asks for "Connection: close" on streamed requests instead of pooling a connection it closes
     keeps_alive_after_stream: bool = True

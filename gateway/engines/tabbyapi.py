@@ -26,6 +26,7 @@ SPEC = EngineSpec(
     name="tabbyapi",
     auth="x-api-key",
     health_path="/v1/model",  # (see the module's docstring)
+    chat_tokenize_path="/v1/token/encode",  # count_tokens, counted through the model's template (no tools)
     cache_page_tokens=256,  # ExLlamaV2/V3 cache pages: a prefix is reused 256 tokens at a time
     # json_schema, regex_pattern, grammar_string (GBNF with ::=, else Lark). It IGNORES response_format
     # json_object, so that becomes json_schema {"type": "object"}. No tool-call enforcement.

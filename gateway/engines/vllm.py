@@ -17,9 +17,10 @@ import httpx
 import orjson
 
 from gateway.engines import exposition, readings
-from gateway.engines.base import EngineAdapter, get, get_json, native_grammar
+from gateway.engines.base import BackendError, EngineAdapter, get, get_json, json_of, native_grammar
+from gateway.engines.kv_sources import connectable
 from gateway.engines.spec import RERANK_ROUTES, EngineSpec
-from gateway.pool.state import Capacity, ShapeSeed
+from gateway.pool.state import Capacity, KvEventSource, ShapeSeed
 from gateway.structured import Constraint
 from gateway.structured.constraint import OPTIONS
 
@@ -69,6 +70,35 @@ class VLLMAdapter(EngineAdapter):
         cache_tokens, page_tokens = await _kv_cache(client)
         return Capacity(slots=self.spec.default_slots, context_length=await max_model_len(client),
                         cache_tokens=cache_tokens, page_tokens=page_tokens)
+
+    async def read_kv_events(self, client: httpx.AsyncClient) -> KvEventSource:
+        """``GET /kv_event_sources`` (0.34: ``vllm/entrypoints/serve/instrumentator/basic.py``): each data-parallel
+        rank's ``KVEventsConfig`` as its publisher resolved it (``{"0": {"publisher": "zmq", "endpoint":
+        "tcp://*:5557", "replay_endpoint", "topic", ...}}``), ``{}`` without ``--kv-events-config``; older
+        releases answer 404."""
+        path = "/kv_event_sources"
+        response = await get(client, path)
+        if response.status_code == 404:
+            raise BackendError(f"GET {path} answered 404: this vLLM does not say where it publishes (a release "
+                               "before the route): type its kv_events endpoint in the configuration")
+        if response.status_code != 200:
+            raise BackendError(f"GET {path} answered HTTP {response.status_code}")
+        doc: Any = json_of(response, path)
+        if not isinstance(doc, dict):
+            raise BackendError(f"{path} is not an object")
+        if not doc:
+            raise BackendError(f"{path} lists no publisher: the server runs without --kv-events-config")
+        if len(doc) > 1:
+            raise BackendError(f"{path} lists {len(doc)} data-parallel ranks, each its own cache and socket: "
+                               "not followed yet")
+        config = next(iter(doc.values()))
+        if not isinstance(config, dict) or config.get("publisher") != "zmq":
+            raise BackendError(f"{path}: no zmq publisher")
+        topic = config.get("topic")
+        replay = config.get("replay_endpoint")
+        return KvEventSource(connectable(config.get("endpoint"), client, path),
+                             connectable(replay, client, path) if replay else None,
+                             topic if isinstance(topic, str) else "")
 
 
 def _constraint(constraint: Constraint) -> dict[str, Any]:

@@ -8,7 +8,7 @@ from gateway.config import BreakerSettings
 from gateway.engines.spec import EngineSpec
 from gateway.errors import Redactor
 from gateway.pool.breaker import Breaker
-from gateway.pool.state import Capacity, Health, LoadRecord, Probe
+from gateway.pool.state import Capacity, Health, KvEventSource, LoadRecord, Probe
 
 
 class Backend:
@@ -30,6 +30,7 @@ class Backend:
         "epoch",
         "health",
         "in_flight",
+        "kv_source",
         "load",
         "marked_down",
         "marked_down_at",
@@ -79,6 +80,7 @@ class Backend:
         self.detail = "not probed yet"
         self.load: LoadRecord | None = None
         self.capacity = Capacity()
+        self.kv_source: KvEventSource | None = None  # where it says it publishes KV events (kv_events: discover)
         self.in_flight = 0
         self._in_flight_at_read = 0
         self.scrape_errors = 0

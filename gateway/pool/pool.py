@@ -18,7 +18,7 @@ from gateway.engines.registry import create_adapter
 from gateway.errors import Redactor
 from gateway.pool.backend import Backend
 from gateway.pool.discovery import Resolver, replica_settings, system_resolver
-from gateway.pool.state import Capacity, Health, LoadRecord, Probe
+from gateway.pool.state import Capacity, Health, KvEventSource, LoadRecord, Probe
 from gateway.tasks import cancel_and_wait
 
 log = logging.getLogger("gateway.pool")
@@ -59,7 +59,11 @@ class Pool:
         breaker: BreakerSettings | None = None,
         leader: Leader | None = None,
         clock: Callable[[], float] = time.monotonic,
+        on_kv_source: Callable[[], None] | None = None,
     ) -> None:
+        # told whenever a backend's discovered KV-event source changes (kv_events: discover), to subscribe
+        self._on_kv_source = on_kv_source
+        self._kv_unknown: dict[str, str] = {}  # backend -> why its engine showed no usable source (logged once)
         self._scrape = scrape
         self._clock = clock  # (for the logging of failed readings only)
         self._complained: dict[str, float] = {}  # backend -> when its last failed reading was logged
@@ -129,6 +133,7 @@ class Pool:
         self._settings.pop(name, None)
         self._probed_at.pop(name, None)
         self._complained.pop(name, None)
+        self._kv_unknown.pop(name, None)
         self._overlisted.discard(name)
         log.info("backend %s removed (%s)", name, why)
 
@@ -342,6 +347,8 @@ class Pool:
                 "load": None if load is None else [load.running, load.waiting, load.kv_usage, load.read_at,
                                                    load.queue_histogram],
                 "probed_at": self._probed_at.get(b.name), "scrape_errors": b.scrape_errors,
+                "kv_source": None if b.kv_source is None else [b.kv_source.endpoint, b.kv_source.replay_endpoint,
+                                                               b.kv_source.topic, b.kv_source.block_size],
             }
         return {"backends": backends}
 
@@ -366,6 +373,8 @@ class Pool:
                     backend.models = frozenset(entry["models"])
                 backend.capacity = Capacity(*entry["capacity"])
                 backend.scrape_errors = entry["scrape_errors"]
+                kv = entry.get("kv_source")
+                self._set_kv_source(backend, None if kv is None else KvEventSource(*kv))
                 load = entry["load"]
                 if load is None:
                     backend.record_load(None)
@@ -452,6 +461,9 @@ class Pool:
         if not backend.models:
             self._transition(backend, Probe(Health.DOWN, "serves no model"))
             return
+        if self._discovers(backend) and (recovering or (backend.kv_source is None
+                                                        and backend.name not in self._kv_unknown)):
+            await self._read_kv_source(backend, adapter, client)
         try:
             load = await adapter.read_load(client)
         except Exception as exc:  # (the last reading goes stale: routing falls back to the in-flight count)
@@ -464,6 +476,34 @@ class Pool:
                 self._complain(backend, f"its load reading had garbage for {', '.join(load.rejected)} (taken as no "
                                         f"reading)")
         self._transition(backend, probe)
+
+    def _discovers(self, backend: Backend) -> bool:
+        settings = self._settings.get(backend.name)
+        return settings is not None and settings.kv_events is not None and settings.kv_events.discover
+
+    async def _read_kv_source(self, backend: Backend, adapter: EngineAdapter, client: httpx.AsyncClient) -> None:
+        """Where the engine says it publishes its KV events, read each time it comes (back) up (a restart may
+        move them). One that shows none keeps the approximate index, said once per backend and reason."""
+        try:
+            found = await asyncio.wait_for(adapter.read_kv_events(client), self._scrape.timeout)
+        except Exception as exc:  # (BackendError: it shows none; or an answer the adapter did not foresee)
+            why = "timed out" if isinstance(exc, TimeoutError) else backend.secrets.scrub(_why(exc))
+            if self._kv_unknown.get(backend.name) != why:
+                self._kv_unknown[backend.name] = why
+                log.warning("backend %s: kv_events: discover, but no KV-event source was found (%s); it is routed "
+                            "by the approximate prefix index", backend.name, why)
+            self._set_kv_source(backend, None)
+            return
+        if self._kv_unknown.pop(backend.name, None) is not None or backend.kv_source != found:
+            log.info("backend %s publishes its KV events at %s (replay %s, topic %r)", backend.name,
+                     backend.secrets.scrub(found.endpoint), found.replay_endpoint, found.topic)
+        self._set_kv_source(backend, found)
+
+    def _set_kv_source(self, backend: Backend, source: KvEventSource | None) -> None:
+        if source != backend.kv_source:
+            backend.kv_source = source
+            if self._on_kv_source is not None:
+                self._on_kv_source()
 
     def _listed(self, backend: Backend, models: list[str]) -> frozenset[str]:
         """The models a backend listed, at most MAX_MODELS of them (the excess logged once)."""

@@ -42,6 +42,17 @@ class Capacity:
 
 
 @dataclass(frozen=True, slots=True)
+class KvEventSource:
+    """Where an engine says it publishes its KV-cache events (``kv_events: discover``): addresses to connect to
+    (a wildcard host the engine bound, ``*`` or ``0.0.0.0``, already replaced by the backend's own host)."""
+
+    endpoint: str  # its PUB socket
+    replay_endpoint: str | None = None  # its ROUTER replay socket
+    topic: str = ""
+    block_size: int | None = None  # tokens per event block, where the engine says
+
+
+@dataclass(frozen=True, slots=True)
 class Probe:
     """The outcome of one health check."""
 

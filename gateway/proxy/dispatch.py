@@ -439,7 +439,7 @@ class Dispatcher:
             retry_invalid=retry_invalid, retry_statuses=frozenset() if last else backend.spec.retry_statuses,
             writer=writer, native=native, hidden=hidden_figures(request, backend.spec),
             rewrite=self._fleet.adapters[backend.name].rewrite_answer(request.route, request.model)
-            if native is None else None,
+            if native is None else native.answer,
             upstream_headers=(trace.upstream_start(backend.name, backend.engine, backend.url, path)
                               if trace is not None else None),
         )

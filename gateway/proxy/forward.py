@@ -64,6 +64,9 @@ class NativeApi:
     generated: Callable[[bytes], int]  # how many events of a block carry generated output
     end: re.Pattern[bytes]  # the stream's last event (these streams have no [DONE])
     error_event: Callable[[str, str, str | None], bytes]  # (message, type, code) -> a whole SSE event
+    # the engine's non-streamed answer in the API's shape, where the engine answers in its own (a token count
+    # from an engine that only tokenizes); a ValueError is an answer it should not have given (502)
+    answer: Callable[[bytes], bytes] | None = None
 
 
 @dataclass(slots=True)

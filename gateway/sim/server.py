@@ -138,6 +138,17 @@ class SimServer:
         """The ROUTER replay address bound (None when ``kv_events`` sets ``replay_endpoint: null``)."""
         return self._kv_addresses[1] if self._kv_addresses else None
 
+    def kv_advertised(self) -> tuple[str, str | None] | None:
+        """The publisher's addresses as the engines show them (vLLM ``/kv_event_sources``, SGLang
+        ``/server_info``): the host it was told to bind (a wildcard ``*`` stays ``*``) with the port it bound."""
+        kv = self.spec.kv_events
+        if kv is None or self._kv_addresses is None:
+            return None
+        bound, bound_replay = self._kv_addresses
+        told = kv.get("endpoint", KV_DEFAULT_ENDPOINT)
+        told_replay = kv.get("replay_endpoint", KV_DEFAULT_ENDPOINT)
+        return _as_told(told, bound), (_as_told(told_replay, bound_replay) if bound_replay else None)
+
     async def _listen_later(self, sock: socket.socket, delay: float) -> None:
         try:
             await asyncio.sleep(delay)
@@ -279,3 +290,11 @@ class SimServer:
                                          "queue_seconds_sum": queue.sum, "queue_count": sum(queue.counts)}))
         else:
             resp.send(404, b'{"error":"unknown admin endpoint"}')
+
+
+def _as_told(told: str, bound: str) -> str:
+    """``tcp://*:*`` told, ``tcp://0.0.0.0:41234`` bound -> ``tcp://*:41234``."""
+    if not (told.startswith("tcp://") and bound.startswith("tcp://")):
+        return bound
+    host = told[len("tcp://"):].rpartition(":")[0]
+    return f"tcp://{host}:{bound.rpartition(':')[2]}"

@@ -19,6 +19,7 @@ from gateway.app import create_app
 from gateway.routing.prompt import BLOCK_BYTES
 from gateway.routing.request import RouteRequest
 from gateway.sim import FleetThread, SimSpec
+from gateway.sim.template import render_chat
 from tests.api.conftest import ENGINES, TIME_SCALE, Running, gateway_settings
 from tests.conftest import serve_in_thread
 
@@ -37,7 +38,8 @@ def oai(running: Running) -> openai.OpenAI:
     return openai.OpenAI(base_url=running.url + "/v1", api_key="client-key", max_retries=0)
 
 
-GENERATION = ("/v1/chat/completions", "/v1/messages", "/v1/responses", "/v1/messages/count_tokens")
+GENERATION = ("/v1/chat/completions", "/v1/messages", "/v1/responses", "/v1/messages/count_tokens",
+              "/v1/token/encode")
 
 
 def last_generation(running: Running, engine: str) -> Any:
@@ -126,20 +128,61 @@ def test_a_messages_tool_use_round_trip(engines: Running, engine: str) -> None:
 
 
 @pytest.mark.parametrize("engine", ENGINES)
-def test_count_tokens_is_the_engines_own_count_or_refused_where_no_engine_counts(engines: Running,
-                                                                               engine: str) -> None:
+def test_count_tokens_is_the_engines_own_count(engines: Running, engine: str) -> None:
     c = claude(engines)
     asked: list[Any] = [{"role": "user", "content": "How many tokens is this?"}]
-    if NATIVE[engine] == "translated":  # TabbyAPI has no count_tokens route, and a guess is not a count
-        with pytest.raises(anthropic.BadRequestError) as refused:
-            c.messages.count_tokens(model=f"m-{engine}", messages=asked, system="Be brief.")
-        assert refused.value.body["type"] == "error" and "count_tokens" in refused.value.body["error"]["message"]
-        return
     counted = c.messages.count_tokens(model=f"m-{engine}", messages=asked, system="Be brief.")
-    assert last_generation(engines, engine).path == "/v1/messages/count_tokens"  # the engine counted
+    # the engine counted: on its own count_tokens route, or TabbyAPI on its tokenizing route
+    assert last_generation(engines, engine).path == COUNTED_ON[engine]
     message = c.messages.create(model=f"m-{engine}", max_tokens=4, messages=asked, system="Be brief.")
     assert counted.input_tokens > 0
     assert counted.input_tokens == message.usage.input_tokens + (message.usage.cache_read_input_tokens or 0)
+
+
+COUNTED_ON = {"llamacpp": "/v1/messages/count_tokens", "vllm": "/v1/messages/count_tokens",
+              "sglang": "/v1/messages/count_tokens", "tabbyapi": "/v1/token/encode"}
+
+
+def test_count_tokens_on_tabbyapi_is_its_tokenizer_on_the_rendered_conversation_tools_included(
+        engines: Running) -> None:
+    """TabbyAPI's /v1/token/encode renders chat messages through the model's template but never its tools:
+    the gateway sends the Messages request's chat translation with the tool definitions (as JSON, a line
+    each) appended to the system message, so the count is the engine's tokenizer on that rendering."""
+    c = claude(engines)
+    sim = engines.server("sim-tabbyapi")
+    conversation: list[Any] = [
+        {"role": "user", "content": [{"type": "text", "text": "What is the weather"},
+                                     {"type": "text", "text": "in Oslo?"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "Let me look."},
+                                          {"type": "tool_use", "id": "toolu_1", "name": "get_weather",
+                                           "input": {"city": "Oslo"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "Sunny, 21 C"}]}]
+    counted = c.messages.count_tokens(model="m-tabbyapi", system="Be brief.", messages=conversation,
+                                      tools=[WEATHER_ANTHROPIC])
+    chat = messages_to_chat({"model": "m-tabbyapi", "max_tokens": 1, "system": "Be brief.",
+                             "messages": conversation, "tools": [WEATHER_ANTHROPIC]})
+    listed = json.dumps(chat["tools"][0], separators=(",", ":"))
+    rendered = render_chat([{**chat["messages"][0], "content": "Be brief.\n" + listed}, *chat["messages"][1:]])
+    assert counted.input_tokens == len(sim.tokenizer.encode(rendered))
+    sent = last_generation(engines, "tabbyapi")
+    assert sent.path == "/v1/token/encode" and sent.body["add_bos_token"] is True
+    assert all(isinstance(m["content"], str | None) for m in sent.body["text"])  # (as its chat path joins parts)
+    # the tools are counted: more than the same conversation without them, by their JSON's tokens
+    bare = c.messages.count_tokens(model="m-tabbyapi", system="Be brief.", messages=conversation)
+    assert counted.input_tokens - bare.input_tokens >= len(sim.tokenizer.encode(listed, add_bos=False))
+    # ... and what generation reads differs only by the template's own words around the tool list (the
+    # emulator's "Tools:" line), which TabbyAPI renders on no tokenizing route
+    prompt = render_chat(chat["messages"], chat["tools"])
+    assert len(sim.tokenizer.encode(prompt)) - counted.input_tokens == len(sim.tokenizer.encode("Tools:\n",
+                                                                                                add_bos=False))
+
+
+def test_count_tokens_with_an_image_is_not_guessed_on_tabbyapi(engines: Running) -> None:
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}}
+    with pytest.raises(anthropic.BadRequestError) as refused:
+        claude(engines).messages.count_tokens(model="m-tabbyapi", messages=[
+            {"role": "user", "content": [image, {"type": "text", "text": "What is this?"}]}])
+    assert refused.value.body["type"] == "error" and "count_tokens" in refused.value.body["error"]["message"]
 
 
 NATIVE = {"llamacpp": "native", "vllm": "native", "sglang": "native", "tabbyapi": "translated"}

@@ -338,16 +338,19 @@ class SglangEngine(OpenAIEngine):
                                  "load": len(self.server.scheduler.running)}]})
 
     def _kv_events_info(self) -> dict[str, Any]:
-        """SGLang 0.5.23 advertises its publisher in ``/server_info``: host, ports, topic, block (page) size."""
-        kv = self.spec.kv_events
-        endpoint = self.server.kv_events_endpoint
-        if kv is None or endpoint is None:
-            return {}
-        host, port = _host_port(endpoint)
-        replay = self.server.kv_replay_endpoint
-        return {"kv_events": {"publisher": "zmq", "endpoint_host": host, "endpoint_port_base": port,
-                              "topic": kv.get("topic", ""), "block_size": kv.get("page_size", 1), "dp_size": 1,
-                              "replay_endpoint_port_base": _host_port(replay)[1] if replay else None}}
+        """SGLang advertises its publisher in ``/server_info`` (0.5.19+, ``srt/runtime_context.py``
+        ``describe_kv_events_publisher``): the host it binds as given (``*`` stays ``*``), port bases (rank r on
+        base + r), topic, block (page) size, ranks; ``null`` without ``--kv-events-config``."""
+        advertised = self.server.kv_advertised()
+        if advertised is None:
+            return {"kv_events": None}
+        kv = self.spec.kv_events or {}
+        host, port = _host_port(advertised[0])
+        info = {"publisher": "zmq", "endpoint_host": host, "endpoint_port_base": port,
+                "topic": kv.get("topic", ""), "block_size": kv.get("page_size", 1), "dp_size": 1}
+        if advertised[1]:  # (present only for a tcp replay endpoint)
+            info["replay_endpoint_port_base"] = _host_port(advertised[1])[1]
+        return {"kv_events": info}
 
     async def flush_cache(self, req: Request, resp: Responder) -> None:
         sched = self.server.scheduler

@@ -220,10 +220,22 @@ class TabbyEngine(OpenAIEngine):
                               "default_generation_settings": {"n_ctx": p.context_length}})
 
     async def encode(self, req: Request, resp: Responder) -> None:
+        """``text``: a string, or chat messages rendered through the template as TabbyAPI's encode route renders
+        them (``endpoints/core/router.py``): the template's ``messages`` only (never its ``tools``), no
+        generation prompt."""
         body = self.parse_json(req)
         text = body.get("text", "")
-        prompt = render_chat(text) if isinstance(text, list) else str(text)
-        ids = self.server.tokenizer.encode(prompt, add_bos=bool(body.get("add_bos_token", True)))
+        bos = bool(body.get("add_bos_token", True))
+        hf = self.server.hf
+        if hf is not None:
+            try:
+                prompt = hf.render(text, None, False) if isinstance(text, list) else str(text)
+            except Exception as exc:  # (a template that refuses the messages)
+                raise EngineError(400, f"Template error: {exc}") from exc
+            ids = hf.encode(prompt, add_special_tokens=bos)
+        else:
+            prompt = render_chat(text) if isinstance(text, list) else str(text)
+            ids = self.server.tokenizer.encode(prompt, add_bos=bos)
         self.send_json(resp, {"tokens": ids, "length": len(ids)})
 
     async def decode(self, req: Request, resp: Responder) -> None:

@@ -76,9 +76,24 @@ class VllmEngine(OpenAIEngine):
             ("GET", "/health"): self.empty, ("GET", "/ping"): self.empty, ("POST", "/ping"): self.empty,
             ("GET", "/version"): self.version, ("GET", "/load"): self.load, ("GET", "/metrics"): self.metrics,
             ("POST", "/tokenize"): self.tokenize, ("POST", "/detokenize"): self.detokenize,
-            ("POST", "/reset_prefix_cache"): self.reset_prefix_cache, **self.agent_routes(),
+            ("POST", "/reset_prefix_cache"): self.reset_prefix_cache, ("GET", "/kv_event_sources"): self.kv_sources,
+            **self.agent_routes(),
             **self.rerank_routes(),
         }
+
+    async def kv_sources(self, req: Request, resp: Responder) -> None:
+        """Each data-parallel rank's publisher config as it resolved it (0.34:
+        ``vllm/entrypoints/serve/instrumentator/basic.py``); ``{}`` without ``--kv-events-config``. No key
+        needed (not under ``/v1``)."""
+        advertised = self.server.kv_advertised()
+        if advertised is None:
+            self.send_json(resp, {})
+            return
+        kv = self.spec.kv_events or {}
+        endpoint, replay = advertised
+        self.send_json(resp, {"0": {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint,
+                                    "replay_endpoint": replay, "buffer_steps": kv.get("buffer_steps", 10_000),
+                                    "hwm": 100_000, "max_queue_size": 100_000, "topic": kv.get("topic", "")}})
 
     def tool_finish(self, tool: ToolPick) -> str:
         return "stop" if tool.named else "tool_calls"  # resolve_finish_reason: a forced named tool reports "stop"
