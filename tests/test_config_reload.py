@@ -415,7 +415,10 @@ def test_sighups_meanwhile_read_the_file_once_more_and_an_older_reading_is_not_a
             await first_of(applier.landed.wait(), turns.waiting.wait())
             held.set()
             await first
-            path.write_text(revoked)  # (a change asked now runs after the SIGHUPs' reload: the lock is fair)
+            # (a change asked now runs after the SIGHUPs' reload: the lock is fair; that reload may be reading the
+            # file already, so it is replaced whole, not rewritten in place under it)
+            (tmp_path / "next.yaml").write_text(revoked)
+            (tmp_path / "next.yaml").replace(path)
             watched_before = time.monotonic()
             await control.reload("the admin API (again)")
             await control.reload("file watch", content=KEYED.encode(), read_at=watched_before)
