@@ -143,3 +143,11 @@ def test_sglang_reads_a_structural_tag_from_response_format_alone(fleet: FleetTh
     """Its ChatCompletionRequest has no structured_outputs and no top-level structural_tag: both ignored."""
     for extra in ({"structured_outputs": {"structural_tag": json.dumps(TAG)}}, {"structural_tag": json.dumps(TAG)}):
         assert TAGGED.fullmatch(content(chat(fleet, "sglang", extra))) is None
+
+
+def test_vllm_refuses_stream_options_without_stream(fleet: FleetThread) -> None:
+    """vLLM (0.34 ChatCompletionRequest.validate_stream_options) refuses them, where TabbyAPI reads them to put
+    usage in a non-streamed answer: the gateway asks for usage that way on TabbyAPI alone."""
+    r = chat(fleet, "vllm", {"stream_options": {"include_usage": True}})
+    assert r.status_code == 400 and "Stream options can only be defined when `stream=True`." in r.text
+    assert content(chat(fleet, "tabbyapi", {"stream_options": {"include_usage": True}}))

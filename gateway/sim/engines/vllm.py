@@ -110,6 +110,14 @@ class VllmEngine(OpenAIEngine):
         return orjson.dumps({"error": {"message": err.message, "type": ERROR_TYPES.get(err.status, "BadRequestError"),
                                        "param": err.param, "code": err.status}})
 
+    async def generate(self, resp: Responder, body: dict[str, Any], kind: str, prompt: str,
+                       max_tokens: int | None = None, constraint: Constraint | None = None,
+                       stream: bool | None = None, ids: list[int] | None = None) -> None:
+        if kind in ("chat", "completion") and body.get("stream_options") and not body.get("stream"):
+            # (ChatCompletionRequest / CompletionRequest.validate_stream_options, 0.34)
+            raise EngineError(400, "Stream options can only be defined when `stream=True`.", param="stream_options")
+        await super().generate(resp, body, kind, prompt, max_tokens, constraint, stream, ids)
+
     def queue_rank(self, body: dict[str, Any]) -> int:
         """``priority``: lower first with --scheduling-policy priority; ignored without it (0.34: no longer
         refused)."""
