@@ -153,7 +153,7 @@ def check_patterns(value: Any, param: str, bounds: Bounds) -> int:
     regex constraint is; their compile cost. Invalid ones are left to the metaschema check (which judges them,
     if they are a schema's and not data that looks like one)."""
     compiling = 0
-    for at, pattern, data in _patterns(value):
+    for at, pattern, data in schema_patterns(value):
         try:
             tree = _parse_regex(pattern, param, f" at {at[:200]}", bounds.max_nesting)
         except ConstraintInvalid as exc:
@@ -221,7 +221,7 @@ def _objects(root: Any) -> Iterator[tuple[dict[str, Any], str, bool]]:
             stack.extend((child, f"{at}/{index}", data) for index, child in enumerate(node))
 
 
-def _patterns(root: Any) -> Iterator[tuple[str, str, bool]]:
+def schema_patterns(root: Any) -> Iterator[tuple[str, str, bool]]:
     """(JSON pointer, regex, whether it sits inside data) for every ``pattern`` and ``patternProperties`` key in
     the schema. Inside data it is not the schema's own."""
     for node, at, data in _objects(root):
@@ -388,10 +388,14 @@ def prepare_worker() -> None:
 
 
 def run_check(kind: str, payload: Any, dialect: Dialect, param: str, bounds: Bounds) -> Verdict:
-    """One whole check of a constraint (``kind``: json_schema, regex or grammar) without the event loop's
-    budget: it runs in a worker process."""
+    """One whole check of a constraint (``kind``: json_schema, regex, grammar or structural_tag) without the event
+    loop's budget: it runs in a worker process."""
     try:
-        if kind == "json_schema":
+        if kind == "structural_tag":
+            from gateway.structured.structural_tag import check_tag_nodes  # (it builds on this module's checks)
+
+            check_tag_nodes(orjson.loads(payload), param, bounds, inline=False)
+        elif kind == "json_schema":
             text = payload.encode() if isinstance(payload, str) else payload
             check_schema(orjson.loads(text), text, param, bounds, inline=False)
         elif kind == "regex":

@@ -39,7 +39,7 @@ from gateway.structured.checks import (
     check_schema,
     parse_schema,
 )
-from gateway.structured.structural_tag import at_least_one, parse_tag
+from gateway.structured.structural_tag import at_least_one, check_tag_nodes, parse_tag
 
 Kind = Literal["json_object", "json_schema", "regex", "choice", "grammar", "structural_tag", "tool_call",
                "strict_tools"]
@@ -109,6 +109,17 @@ def _schema(source: str, value: Any, param: str, bounds: Bounds, **extra: Any) -
     return Constraint("json_schema", source, schema=schema, **extra)
 
 
+def _tag(source: str, value: Any, param: str, bounds: Bounds) -> Constraint:
+    """A structural tag: its shape checked here, what its nodes carry here too when that is little, else in a
+    validation worker (``pending``)."""
+    tag = parse_tag(value, param, bounds)
+    try:
+        check_tag_nodes(tag, param, bounds, inline=True)
+    except Offload:
+        return Constraint("structural_tag", source, tag=tag, pending=param)
+    return Constraint("structural_tag", source, tag=tag)
+
+
 def _regex(source: str, value: Any, param: str, bounds: Bounds) -> Constraint:
     try:
         check_regex(value, param, bounds, inline=True)
@@ -145,7 +156,7 @@ def _from_response_format(rf: Any, bounds: Bounds) -> Constraint | None:
     if kind == "json_object":
         return Constraint("json_object", "response_format")
     if kind == "structural_tag":
-        return Constraint("structural_tag", "response_format", tag=parse_tag(rf, "response_format", bounds))
+        return _tag("response_format", rf, "response_format", bounds)
     if kind == "json_schema":
         spec = rf.get("json_schema")
         if not isinstance(spec, dict) or "schema" not in spec:
@@ -222,7 +233,7 @@ def _from_vllm(so: Any, bounds: Bounds) -> list[Constraint]:
         elif key == "grammar":
             found.append(_grammar(param, value, _bnf_or(value, "lark", "ebnf"), param, bounds))
         elif key == "structural_tag":
-            found.append(Constraint("structural_tag", param, tag=parse_tag(value, param, bounds)))
+            found.append(_tag(param, value, param, bounds))
         elif key not in OPTIONS:
             raise ConstraintInvalid(f"unknown structured_outputs field {key!r} (vLLM's are json, regex, choice, "
                                     f"grammar, json_object, structural_tag and the options {', '.join(OPTIONS)})",

@@ -50,6 +50,8 @@ def _payload(constraint: Constraint) -> tuple[str, str]:
         return "json_schema", orjson.dumps(constraint.schema).decode()
     if constraint.kind == "regex":
         return "regex", constraint.pattern
+    if constraint.kind == "structural_tag":
+        return "structural_tag", orjson.dumps(constraint.tag).decode()
     return "grammar", constraint.grammar
 
 

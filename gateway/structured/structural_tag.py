@@ -13,21 +13,32 @@ The gateway bounds what it can without xgrammar: the whole tag within ``limits.m
 nesting within ``limits.max_nesting`` plus vLLM's allowance for the tag's own wrapping
 (``STRUCTURAL_TAG_WRAPPER_NESTING``, 16), and every JSON schema inside it as tool parameter schemas are (nesting
 within ``limits.max_nesting``, their regexes within what engines can build automata of), every ``regex`` and
-``grammar`` format as those constraints are when that is cheap enough for the event loop (larger ones are
-left to the engine, whose own validation refuses what it cannot compile). The format tree's vocabulary is
-xgrammar's, which grows: a node of a type the gateway does not know is passed on, bounded by size and depth.
+``grammar`` format as those constraints are. The format tree's vocabulary is xgrammar's, which grows: a node of a
+type the gateway does not know is passed on, bounded by size and depth.
+
+:func:`parse_tag` checks the tag's shape (cheap: one walk of a bounded document); :func:`check_tag_nodes` then
+parses what its nodes carry. That is as costly as the constraints they are, and a tag may carry a hundred of
+them within its size: on the event loop only while all of them together stay within one small constraint's
+budget (:data:`INLINE_NODE_CHARS`), else :class:`~gateway.structured.bounds.Offload`, and the whole tag is
+checked in a validation worker, in its key's turn and within ``limits.validation_timeout``, as a large schema
+or grammar is (the final sweep: 120 grammars of 1 KiB in one tag, each parsed on the event loop, held it 0.4 s
+a request, refused or not).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import orjson
 
 from gateway.structured.bounds import Bounds, ConstraintInvalid, Offload, check_size, json_depth, too_deep
-from gateway.structured.checks import check_grammar, check_patterns, check_regex
+from gateway.structured.checks import INLINE_GRAMMAR_CHARS, check_grammar, check_patterns, check_regex, schema_patterns
 
 WRAPPER_NESTING = 16  # vLLM's STRUCTURAL_TAG_WRAPPER_NESTING: levels a tag may add around its schemas
+# the regexes, grammars and schema patterns of one tag, in characters, that the event loop parses itself: what
+# one inline grammar may be (past it, the whole tag goes to a validation worker)
+INLINE_NODE_CHARS = INLINE_GRAMMAR_CHARS
 # format nodes whose field holds a JSON schema (xgrammar: JSONSchemaFormat, QwenXMLParameterFormat)
 _SCHEMA_NODES = {"json_schema": "json_schema", "qwen_xml_parameter": "json_schema"}
 
@@ -56,13 +67,35 @@ def parse_tag(value: Any, param: str, bounds: Bounds) -> dict[str, Any]:
     except (orjson.JSONEncodeError, TypeError):
         raise ConstraintInvalid(f"{param} is not a JSON object", param) from None
     check_size(len(text), "structural tag", param, bounds)
-    if "structures" in value:
-        _check_legacy(value, param, bounds)
-    elif isinstance(value.get("format"), dict):
-        _check_format(value["format"], f"{param}.format", bounds)
+    list(_nodes(value, param, bounds))  # (its shape, every node's, before anything is parsed)
+    return value
+
+
+def check_tag_nodes(tag: dict[str, Any], param: str, bounds: Bounds, inline: bool) -> None:
+    """Parse what the nodes of ``tag`` (as :func:`parse_tag` returned it) carry: JSON schemas (nesting and
+    patterns), regexes and grammars, as those constraints are checked. ``inline``: on the event loop, which
+    raises Offload before parsing anything when together they are more than :data:`INLINE_NODE_CHARS`."""
+    nodes = list(_nodes(tag, param, bounds))
+    if inline and sum(size for _, _, _, size in nodes) > INLINE_NODE_CHARS:
+        raise Offload
+    for kind, value, where, _ in nodes:
+        if kind == "schema":
+            _check_schema(value, where, bounds)
+        elif kind == "regex":
+            check_regex(value, where, bounds, inline=inline)  # (inline: each within the budget, memoised)
+        else:
+            check_grammar(value, "ebnf", where, bounds, inline=inline)
+
+
+def _nodes(tag: dict[str, Any], param: str, bounds: Bounds) -> Iterator[tuple[str, Any, str, int]]:
+    """(``schema`` | ``regex`` | ``grammar``, its value, its path, the characters parsing it reads) for every
+    node of the tag that carries one, its shape checked on the way (ConstraintInvalid)."""
+    if "structures" in tag:
+        yield from _legacy(tag, param)
+    elif isinstance(tag.get("format"), dict):
+        yield from _format(tag["format"], f"{param}.format")
     else:
         raise ConstraintInvalid(f"{param} must have a 'format' object, or 'structures' and 'triggers'", param)
-    return value
 
 
 def at_least_one(tag: dict[str, Any]) -> bool:
@@ -70,7 +103,7 @@ def at_least_one(tag: dict[str, Any]) -> bool:
     return "structures" in tag and tag.get("at_least_one") is True
 
 
-def _check_legacy(tag: dict[str, Any], param: str, bounds: Bounds) -> None:
+def _legacy(tag: dict[str, Any], param: str) -> Iterator[tuple[str, Any, str, int]]:
     structures, triggers = tag.get("structures"), tag.get("triggers")
     if not isinstance(structures, list) or not structures:
         raise ConstraintInvalid(f"{param}.structures must be a non-empty array", f"{param}.structures")
@@ -88,11 +121,11 @@ def _check_legacy(tag: dict[str, Any], param: str, bounds: Bounds) -> None:
             raise ConstraintInvalid(f"{where} must be an object with string 'begin' and 'end'", where)
         if not isinstance(structure.get("schema"), dict):  # (vLLM dumps a missing one as null, which xgrammar refuses)
             raise ConstraintInvalid(f"{where}.schema must be a JSON schema object", f"{where}.schema")
-        _check_schema(structure["schema"], f"{where}.schema", bounds)
+        yield "schema", structure["schema"], f"{where}.schema", _pattern_chars(structure["schema"])
 
 
-def _check_format(root: dict[str, Any], param: str, bounds: Bounds) -> None:
-    """Every node of xgrammar's format tree that carries a schema, regex or grammar, checked as such."""
+def _format(root: dict[str, Any], param: str) -> Iterator[tuple[str, Any, str, int]]:
+    """Every node of xgrammar's format tree that carries a schema, regex or grammar."""
     stack: list[tuple[Any, str]] = [(root, param)]
     while stack:
         node, where = stack.pop()
@@ -110,18 +143,26 @@ def _check_format(root: dict[str, Any], param: str, bounds: Bounds) -> None:
             if not isinstance(schema, dict | bool):
                 raise ConstraintInvalid(f"{where}.{field} must be a JSON schema", f"{where}.{field}")
             if isinstance(schema, dict):
-                _check_schema(schema, f"{where}.{field}", bounds)
+                yield "schema", schema, f"{where}.{field}", _pattern_chars(schema)
             continue
-        try:
-            if kind == "regex":
-                check_regex(node.get("pattern"), f"{where}.pattern", bounds, inline=True)
-            elif kind == "grammar":
-                check_grammar(node.get("grammar"), "ebnf", f"{where}.grammar", bounds, inline=True)
-        except Offload:
-            pass  # (bounded by size and nesting already; the engine's own validation judges the rest)
+        if kind == "regex":
+            pattern = node.get("pattern")
+            if not isinstance(pattern, str):
+                raise ConstraintInvalid(f"{where}.pattern must be a string", f"{where}.pattern")
+            yield "regex", pattern, f"{where}.pattern", len(pattern)
+        elif kind == "grammar":
+            grammar = node.get("grammar")
+            if not isinstance(grammar, str):
+                raise ConstraintInvalid(f"{where}.grammar must be a string", f"{where}.grammar")
+            yield "grammar", grammar, f"{where}.grammar", len(grammar)
         for key, child in node.items():
             if isinstance(child, dict | list):
                 stack.append((child, f"{where}.{key}"))
+
+
+def _pattern_chars(schema: dict[str, Any]) -> int:
+    """What checking a schema's patterns parses (its nesting is checked with the tag's, at no cost to speak of)."""
+    return sum(len(pattern) for _, pattern, _ in schema_patterns(schema))
 
 
 def _check_schema(schema: dict[str, Any], param: str, bounds: Bounds) -> None:

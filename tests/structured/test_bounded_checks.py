@@ -265,3 +265,30 @@ def test_small_constraints_are_validated_on_the_event_loop_once() -> None:
     again = extract(body)
     assert first is not None and again is not None and first.pending is None and again.pending is None
     assert _inline_schema.cache_info().hits == hits + 1
+
+
+def test_a_structural_tag_carrying_many_grammars_is_checked_in_a_worker() -> None:
+    """The final sweep: a tag of 120 grammars of about 1 KiB each (within max_constraint_bytes) had each parsed on
+    the event loop, 0.4 s a request, and a bad regex put first was found only after all of them (nodes were
+    checked last-first), so a request refused with a 400 still held every tenant's requests. Now the tag's shape
+    is checked first, and what its nodes carry goes to a worker once together it passes one small grammar."""
+    grammar = 'root ::= "a" ("b" | "c")*\n' + "".join(f'r{i} ::= "x{i}"\n' for i in range(70))
+    assert 900 < len(grammar) < 1024
+    nodes: list[dict[str, Any]] = [{"type": "grammar", "grammar": grammar} for _ in range(100)]
+    tag = {"type": "structural_tag", "format": {"type": "sequence", "elements": nodes}}
+    constraint = extract({"response_format": tag})
+    assert constraint is not None and constraint.pending == "response_format"
+    bad = {**tag, "format": {"type": "sequence", "elements": [{"type": "regex", "pattern": "(?=x)"}, *nodes]}}
+    constraint = extract({"response_format": bad})
+    assert constraint is not None and constraint.pending == "response_format"  # (found by the worker's check)
+    verdict = run_check("structural_tag", orjson.dumps(constraint.tag).decode(), "gbnf", "response_format", Bounds())
+    assert verdict.problem is not None and "response_format.format.elements[0].pattern" in verdict.problem
+    assert run_check("structural_tag", orjson.dumps(tag).decode(), "gbnf", "response_format", Bounds()).problem is None
+    # a shape error anywhere is found before anything is parsed, on the event loop
+    broken = {**tag, "format": {"type": "sequence", "elements": [*nodes, {"type": "regex", "pattern": 7}]}}
+    with pytest.raises(ConstraintInvalid, match=r"elements\[100\]\.pattern must be a string"):
+        extract({"response_format": broken})
+    # and a small tag is checked whole where it is
+    small = {**tag, "format": {"type": "sequence", "elements": [{"type": "regex", "pattern": "(?=x)"}]}}
+    with pytest.raises(ConstraintInvalid, match="elements\\[0\\].pattern"):
+        extract({"response_format": small})
