@@ -19,6 +19,7 @@ from gateway.errors import Redactor
 from gateway.pool.backend import Backend
 from gateway.pool.discovery import Resolver, replica_settings, system_resolver
 from gateway.pool.state import Capacity, Health, KvEventSource, LoadRecord, Probe
+from gateway.redaction import redact_url
 from gateway.tasks import cancel_and_wait
 
 log = logging.getLogger("gateway.pool")
@@ -495,8 +496,11 @@ class Pool:
             self._set_kv_source(backend, None)
             return
         if self._kv_unknown.pop(backend.name, None) is not None or backend.kv_source != found:
+            # (the operator's log: addresses as they are, user and password out; the client-side redactor would
+            # put the backend's name in place of its host, and the log would name no address)
             log.info("backend %s publishes its KV events at %s (replay %s, topic %r)", backend.name,
-                     backend.secrets.scrub(found.endpoint), found.replay_endpoint, found.topic)
+                     redact_url(found.endpoint), found.replay_endpoint and redact_url(found.replay_endpoint),
+                     found.topic)
         self._set_kv_source(backend, found)
 
     def _set_kv_source(self, backend: Backend, source: KvEventSource | None) -> None:
