@@ -19,7 +19,7 @@ import orjson
 
 from gateway.engines import readings
 from gateway.engines.base import BackendError, EngineAdapter, get, get_json, native_grammar, parse_histogram
-from gateway.engines.kv_sources import tcp_address
+from gateway.engines.kv_sources import tcp_address, topic_of
 from gateway.engines.spec import RERANK_ROUTES, EngineSpec
 from gateway.engines.vllm import max_model_len
 from gateway.pool.state import Capacity, KvEventSource, LoadRecord, Probe, ShapeSeed
@@ -142,11 +142,10 @@ class SGLangAdapter(EngineAdapter):
         host = kv.get("endpoint_host")
         host = host if isinstance(host, str) else ""
         replay = kv.get("replay_endpoint_port_base")
-        topic, block = kv.get("topic"), kv.get("block_size")
-        return KvEventSource(tcp_address(host, kv.get("endpoint_port_base"), client, "/server_info kv_events"),
-                             tcp_address(host, replay, client, "/server_info kv_events") if replay else None,
-                             topic if isinstance(topic, str) else "",
-                             readings.positive(block, 1 << 20))
+        what = "/server_info kv_events"
+        return KvEventSource(tcp_address(host, kv.get("endpoint_port_base"), client, what),
+                             tcp_address(host, replay, client, what) if replay else None,
+                             topic_of(kv.get("topic"), what), readings.positive(kv.get("block_size"), 1 << 20))
 
 
 async def _loads(client: httpx.AsyncClient) -> list[dict[str, Any]]:

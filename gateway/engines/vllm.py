@@ -18,7 +18,7 @@ import orjson
 
 from gateway.engines import exposition, readings
 from gateway.engines.base import BackendError, EngineAdapter, get, get_json, json_of, native_grammar
-from gateway.engines.kv_sources import connectable
+from gateway.engines.kv_sources import connectable, topic_of
 from gateway.engines.spec import RERANK_ROUTES, EngineSpec
 from gateway.pool.state import Capacity, KvEventSource, ShapeSeed
 from gateway.structured import Constraint
@@ -94,11 +94,10 @@ class VLLMAdapter(EngineAdapter):
         config = next(iter(doc.values()))
         if not isinstance(config, dict) or config.get("publisher") != "zmq":
             raise BackendError(f"{path}: no zmq publisher")
-        topic = config.get("topic")
         replay = config.get("replay_endpoint")
         return KvEventSource(connectable(config.get("endpoint"), client, path),
                              connectable(replay, client, path) if replay else None,
-                             topic if isinstance(topic, str) else "")
+                             topic_of(config.get("topic"), path))
 
 
 def _constraint(constraint: Constraint) -> dict[str, Any]:

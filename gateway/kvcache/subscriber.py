@@ -258,10 +258,15 @@ class EventStream:
         if endpoint is None:
             return None
         if self._dealer is None:
-            self._dealer = self._context.socket(zmq.DEALER)
-            self._dealer.setsockopt(zmq.LINGER, 0)
-            self._dealer.setsockopt(zmq.MAXMSGSIZE, 64 * 1024 * 1024)
-            self._dealer.connect(endpoint)
+            dealer = self._context.socket(zmq.DEALER)
+            dealer.setsockopt(zmq.LINGER, 0)
+            dealer.setsockopt(zmq.MAXMSGSIZE, 64 * 1024 * 1024)
+            try:
+                dealer.connect(endpoint)
+            except zmq.ZMQError:  # (kept, it had no peer: the next replay waited on it for good)
+                dealer.close(0)
+                raise
+            self._dealer = dealer
         dealer = self._dealer
         await dealer.send_multipart([b"", max(0, start).to_bytes(8, "big")])
         batches: list[Batch] = []

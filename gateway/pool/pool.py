@@ -487,6 +487,11 @@ class Pool:
         move them). One that shows none keeps the approximate index, said once per backend and reason."""
         try:
             found = await asyncio.wait_for(adapter.read_kv_events(client), self._scrape.timeout)
+            said = f"{found.endpoint} {found.replay_endpoint} {found.topic}".encode()
+            if backend.secrets.echoed(said) and backend.secrets.scrub_json(
+                    [found.endpoint, found.replay_endpoint, found.topic]):
+                # (an engine echoing what it was sent: no address to connect to or look up, nor a line to log)
+                raise BackendError("the KV-event source it names carries the gateway's credential for it")
         except Exception as exc:  # (BackendError: it shows none; or an answer the adapter did not foresee)
             why = "timed out" if isinstance(exc, TimeoutError) else backend.secrets.scrub(_why(exc))
             if self._kv_unknown.get(backend.name) != why:

@@ -33,14 +33,46 @@ def vllm_rank(**config: Any) -> dict[str, Any]:
             "topic": "kv", **config}
 
 
-def test_vllm_wildcard_hosts_become_the_backends_and_a_named_host_stays() -> None:
+def test_vllm_wildcard_hosts_become_the_backends_and_its_own_host_stays() -> None:
     got = read(VLLMAdapter(), "/kv_event_sources", 200, {"0": vllm_rank()})
     assert got == KvEventSource("tcp://10.0.0.5:5557", "tcp://10.0.0.5:5558", "kv")
     got = read(VLLMAdapter(), "/kv_event_sources", 200,
                {"0": vllm_rank(endpoint="tcp://0.0.0.0:6000", replay_endpoint=None)}, url="http://[fd00::5]:8000")
     assert got == KvEventSource("tcp://[fd00::5]:6000", None, "kv")
-    got = read(VLLMAdapter(), "/kv_event_sources", 200, {"0": vllm_rank(endpoint="tcp://10.9.9.9:7000")})
-    assert got.endpoint == "tcp://10.9.9.9:7000"
+    got = read(VLLMAdapter(), "/kv_event_sources", 200, {"0": vllm_rank(endpoint="tcp://10.0.0.5:7000")})
+    assert got.endpoint == "tcp://10.0.0.5:7000"
+    got = read(VLLMAdapter(), "/kv_event_sources", 200, {"0": vllm_rank(endpoint="tcp://localhost:7000")},
+               url="http://127.0.0.1:8000")
+    assert got.endpoint == "tcp://localhost:7000"  # (a backend on this machine: any loopback address)
+
+
+ECHO = "Bearer sk-backendSECRET-0123456789"
+
+
+@pytest.mark.parametrize(("rank", "url", "said"), [
+    # the final sweep, as a hostile engine: another machine, or another backend's socket there
+    ({"endpoint": "tcp://10.9.9.9:7000"}, None, "not on the backend's own host 10.0.0.5"),
+    ({"replay_endpoint": "tcp://10.9.9.9:7001"}, None, "not on the backend's own host"),
+    # a topic ZMQ would keep as a trie of 200,000 nodes (closing the socket crashed the process)
+    ({"topic": "x" * 200_000}, None, "at most 256 printable characters"),
+    ({"topic": "a\nb"}, None, "printable"),
+    # the credential it was sent, echoed as a host (a DNS lookup would carry it off the machine) or a path
+    ({"endpoint": f"tcp://{ECHO}:5557"}, None, "no host name or address"),
+    ({"replay_endpoint": "tcp://a b:49336"}, None, "no host name or address"),
+    ({"replay_endpoint": "ipc:///tmp/x"}, None, "not on this one"),
+    ({"replay_endpoint": "ipc:///tmp/" + "x" * 200}, "http://127.0.0.1:8000", "at most 107"),
+    ({"endpoint": "tcp://*:99999999"}, None, "names no port"),
+])
+def test_an_engine_names_no_address_but_its_own_and_no_unbounded_topic(rank: dict[str, Any], url: str | None,
+                                                                         said: str) -> None:
+    with pytest.raises(BackendError, match=said):
+        read(VLLMAdapter(), "/kv_event_sources", 200, {"0": vllm_rank(**rank)},
+             **({"url": url} if url else {}))
+    kv = {"publisher": "zmq", "endpoint_host": "10.9.9.9", "endpoint_port_base": 5557, "dp_size": 1}
+    with pytest.raises(BackendError, match="not on the backend's own host"):
+        read(SGLangAdapter(), "/server_info", 200, {"kv_events": kv})
+    with pytest.raises(BackendError, match="printable"):
+        read(SGLangAdapter(), "/server_info", 200, {"kv_events": {**kv, "endpoint_host": "*", "topic": ECHO}})
 
 
 @pytest.mark.parametrize(("status", "doc", "said"), [

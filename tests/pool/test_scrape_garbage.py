@@ -168,3 +168,44 @@ async def test_a_backend_listing_too_many_models_serves_the_first_thousand_and_s
         finally:
             await pool.stop()
     assert len([r for r in caplog.records if "lists more than 1000 models" in r.getMessage()]) == 1
+
+
+@pytest.mark.anyio
+async def test_a_kv_source_echoing_the_backends_key_is_not_followed_nor_logged(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The final sweep: an engine echoing the Authorization it was sent in its /kv_event_sources answer had the
+    gateway log the backend's key (the topic, the replay address) and, as a host, look it up."""
+    key = "sk-backendSECRET-0123456789"
+    engine = Engine()
+    rank = {"publisher": "zmq", "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558", "topic": ""}
+    answers = [{"0": {**rank, "topic": f"t-{key}"}}, {"0": {**rank, "topic": "kv"}}]
+    handler = engine.handler
+
+    def with_sources(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/kv_event_sources":
+            return httpx.Response(200, json=answers[0])
+        return handler(request)
+
+    engine.handler = with_sources  # type: ignore[method-assign]
+    settings = [BackendSettings(name="v", engine="vllm", url="http://v.internal:8000", api_key=key,
+                                kv_events="discover")]
+
+    def factory(s: BackendSettings, adapter: EngineAdapter) -> httpx.AsyncClient:
+        return httpx.AsyncClient(transport=httpx.MockTransport(engine.handler), base_url=s.url)
+
+    pool = Pool(settings, ScrapeSettings(interval=60, stale_after=5), factory, clock=Clock())
+    with caplog.at_level(logging.INFO, logger="gateway.pool"):
+        await pool.start()
+        try:
+            v = pool.get("v")
+            assert v.health is Health.READY and v.kv_source is None
+            answers.pop(0)  # (the engine says something else when it comes back up)
+            engine.health = 503
+            await pool.scrape_once(v)
+            engine.health = 200
+            await pool.scrape_once(v)
+            assert v.kv_source is not None and v.kv_source.topic == "kv"
+        finally:
+            await pool.stop()
+    assert "carries the gateway's credential" in caplog.text
+    assert "SECRET" not in caplog.text
