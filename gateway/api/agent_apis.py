@@ -359,11 +359,14 @@ class _Responses(Translation):
         return body if renamed == error else orjson.dumps({**doc, "error": renamed})
 
     def native_body(self) -> dict[str, Any] | None:
-        """The request as the client sent it, when it continues no stored response (the conversation is kept
-        in chat form, so a continuation is translated); the engine is told not to keep its own copy."""
-        if self._request.get("previous_response_id") is not None:
+        """The request as the client sent it (less its ``client_metadata``), when it continues no stored response
+        (the conversation is kept in chat form, so a continuation is translated) and has no namespace of tools;
+        the engine is told not to keep its own copy."""
+        if self._request.get("previous_response_id") is not None or _has_namespace(self._request):
             return None
-        return {**self._request, "store": False}
+        body = {**self._request, "store": False}
+        body.pop("client_metadata", None)  # (bookkeeping for the client's logs: no engine reads it)
+        return body
 
     def passed(self, usage: Any, response: dict[str, Any] | None) -> None:
         super().passed(usage, response)
@@ -389,6 +392,13 @@ class _Responses(Translation):
         response = stream.response
         if isinstance(response, dict) and response.get("status") in ("completed", "incomplete"):
             self._keep(response)
+
+
+def _has_namespace(request: dict[str, Any]) -> bool:
+    """Whether the request groups tools in a namespace: the gateway flattens it and maps its calls back (no
+    engine's own Responses route is known to)."""
+    tools = request.get("tools")
+    return isinstance(tools, list) and any(isinstance(t, dict) and t.get("type") == "namespace" for t in tools)
 
 
 # chat fields a Responses request was translated to, and what the client called them

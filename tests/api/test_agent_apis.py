@@ -274,6 +274,34 @@ def test_a_responses_function_call_round_trip(engines: Running, engine: str) -> 
     assert sent["messages"][-1] == {"role": "tool", "tool_call_id": call.call_id, "content": "Sunny, 21 C"}
 
 
+CODEX_METADATA = {"client_metadata": {"session_id": "0199a", "turn_id": "1"}}
+SPAWN = {"type": "namespace", "name": "multi_agent_v1", "description": "Sub-agents",
+         "tools": [{**WEATHER_OPENAI, "name": "spawn_agent", "strict": False}]}
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_codex_bookkeeping_is_accepted_on_every_engine_and_not_passed_on(engines: Running, engine: str) -> None:
+    """Codex sends ``client_metadata`` with every streamed request: each was a 400 (issue 42)."""
+    events = list(oai(engines).responses.create(model=f"m-{engine}", input="Hi", max_output_tokens=8, stream=True,
+                                                store=False, extra_body=CODEX_METADATA))
+    assert events[-1].type in ("response.completed", "response.incomplete")
+    assert "client_metadata" not in last_generation(engines, engine).body
+
+
+@pytest.mark.parametrize("engine", FORCING)
+def test_a_codex_namespace_tool_is_called_and_comes_back_in_its_namespace(engines: Running, engine: str) -> None:
+    """Codex's default tools include the ``multi_agent_v1`` namespace: it was refused as a built-in tool."""
+    with oai(engines).responses.stream(model=f"m-{engine}", input="Spawn one.", tools=[SPAWN, WEATHER_OPENAI],
+                                       tool_choice="required", max_output_tokens=64,
+                                       extra_body=CODEX_METADATA) as stream:
+        events = list(stream)
+    done = [e.item for e in events if e.type == "response.output_item.done" and e.item.type == "function_call"]
+    assert [(c.name, c.namespace) for c in done][:1] == [("spawn_agent", "multi_agent_v1")]
+    sent = last_generation(engines, engine)
+    assert sent.path == "/v1/chat/completions"
+    assert [t["function"]["name"] for t in sent.body["tools"]] == ["multi_agent_v1__spawn_agent", "get_weather"]
+
+
 @pytest.mark.parametrize("engine", ENGINES)
 def test_responses_text_format_json_schema_is_enforced_on_every_engine(engines: Running, engine: str) -> None:
     schema = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
