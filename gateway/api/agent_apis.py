@@ -410,6 +410,8 @@ def _responses_field(name: str) -> str:
         return "max_output_tokens"
     if name == "messages":  # (not messages[i]: the instructions and the stored turns shift the indices)
         return "input"
+    if name.startswith("tools[") and ".function." in name:  # (Responses function tools are flat)
+        return name.replace(".function.", ".", 1)
     if name.startswith("response_format"):
         rest = name[len("response_format"):].removeprefix(".json_schema")
         return "text.format" + rest

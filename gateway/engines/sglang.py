@@ -48,8 +48,10 @@ SPEC = EngineSpec(
     cache_isolation="cache_salt",
     isolated_native_apis=frozenset({"responses"}),
     # structural_tag: response_format only (the legacy form's at_least_one too; no top-level field)
+    # strict_tools: under auto, FunctionCallParser.get_structure_constraint compiles the tools into a structural
+    # tag where the model's tool parser supports one (serving_chat.py)
     structured=frozenset({"json_object", "json_schema", "regex", "choice", "grammar:ebnf", "structural_tag",
-                          "at_least_one", "tool_call", "beside_tools"}),
+                          "at_least_one", "tool_call", "strict_tools", "beside_tools"}),
     # continuous batching, like vLLM
     shape=ShapeSeed(tok_s=178.0, growth=0.011, prefill_tok_s=10_000.0),
 )

@@ -51,8 +51,9 @@ SPEC = EngineSpec(
     isolated_native_apis=frozenset({"responses", "messages"}),
     # structural_tag: structured_outputs.structural_tag (a JSON string; response_format structural_tag becomes
     # the same). The options of StructuredOutputsParams (sampling_params.py, 0.23-0.34) are its alone.
+    # strict_tools: the tool parser's structural tag constrains a strict tool's arguments under auto
     structured=frozenset({"json_object", "json_schema", "regex", "choice", "grammar:ebnf", "grammar:lark",
-                          "structural_tag", "tool_call", "beside_tools", *OPTIONS}),
+                          "structural_tag", "tool_call", "strict_tools", "beside_tools", *OPTIONS}),
     # continuous batching: barely slower per token at 64 sequences than alone
     shape=ShapeSeed(tok_s=175.0, growth=0.012, prefill_tok_s=10_000.0),
 )

@@ -313,6 +313,48 @@ def test_responses_text_format_json_schema_is_enforced_on_every_engine(engines: 
     assert set(doc) == {"city", "days"} and isinstance(doc["days"], int)
 
 
+STRICT_WEATHER = {**WEATHER_OPENAI, "strict": True}  # (what the Agents SDK's @function_tool sends)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_strict_tools_with_auto_are_served_on_every_engine(engines: Running, engine: str) -> None:
+    """They were refused on every engine but OpenAI's (issue 42): the Agents SDK failed on all self-hosted ones."""
+    reply = oai(engines).responses.with_raw_response.create(model=f"m-{engine}", input="Weather in Oslo?",
+                                                            tools=[STRICT_WEATHER], max_output_tokens=16)
+    assert reply.parse().status in ("completed", "incomplete")
+    assert "x-gateway-output-invalid" not in reply.headers
+
+
+def strict_fleet(engines: tuple[str, ...]) -> Any:
+    specs = [SimSpec(engine=e, model="shared", name=f"sim-{e}", time_scale=TIME_SCALE, tool_call_rate=1.0)
+             for e in engines]
+    return FleetThread(specs)
+
+
+def test_strict_tools_go_to_an_engine_that_enforces_them_where_one_serves_the_model() -> None:
+    with strict_fleet(("tabbyapi", "vllm")) as fleet:
+        settings = gateway_settings(fleet.fleet.servers, routing={"policy": "round-robin"})
+        with serve_in_thread(create_app(settings)) as gateway:
+            served = {oai(gateway).responses.with_raw_response.create(
+                model="shared", input="Weather?", tools=[STRICT_WEATHER], max_output_tokens=32
+            ).headers["x-gateway-backend"] for _ in range(4)}
+    assert served == {"sim-vllm"}
+
+
+def test_strict_tool_arguments_nothing_enforced_are_checked_and_marked_never_refused() -> None:
+    """Only TabbyAPI serves the model: the tools go as sent, and a call's arguments are checked against their
+    schema after the fact (here cut short by max_output_tokens: not even JSON); the answer is marked."""
+    with strict_fleet(("tabbyapi",)) as fleet, serve_in_thread(create_app(gateway_settings(fleet.fleet.servers))) \
+            as gateway:
+        whole = oai(gateway).responses.with_raw_response.create(model="shared", input="Weather?",
+                                                                tools=[STRICT_WEATHER], max_output_tokens=64)
+        cut = oai(gateway).responses.with_raw_response.create(model="shared", input="Weather?",
+                                                              tools=[STRICT_WEATHER], max_output_tokens=3)
+    call = next(item for item in whole.parse().output if item.type == "function_call")
+    assert "city" in json.loads(call.arguments) and "x-gateway-output-invalid" not in whole.headers
+    assert "strict tool 'get_weather'" in cut.headers["x-gateway-output-invalid"]
+
+
 def test_an_unknown_previous_response_is_404_in_openais_shape(engines: Running) -> None:
     with pytest.raises(openai.NotFoundError) as missing:
         oai(engines).responses.create(model="m-vllm", input="Hi", previous_response_id="resp_nope")
@@ -324,8 +366,10 @@ def test_responses_errors_name_the_fields_the_client_sent() -> None:
     from gateway.api.agent_apis import _Responses, _responses_field
 
     assert [_responses_field(f) for f in ("max_tokens", "messages", "messages[1].role", "response_format",
-                                          "response_format.json_schema.schema", "tools")] == [
-        "max_output_tokens", "input", "messages[1].role", "text.format", "text.format.schema", "tools"]
+                                          "response_format.json_schema.schema", "tools", "tools[].function.strict",
+                                          "tools[2].function.parameters")] == [
+        "max_output_tokens", "input", "messages[1].role", "text.format", "text.format.schema", "tools",
+        "tools[].strict", "tools[2].parameters"]
     body = b'{"error": {"message": "\'max_tokens\' is 200000; this gateway accepts at most 32768", ' \
         b'"type": "invalid_request_error", "param": "max_tokens", "code": "invalid_value"}}'
     error = json.loads(_Responses.error(None, 400, body))["error"]  # type: ignore[arg-type]
