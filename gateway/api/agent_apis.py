@@ -235,6 +235,14 @@ class _Messages(Translation):
     def native_body(self) -> dict[str, Any] | None:
         return self._body
 
+    def native(self, backend: Backend) -> tuple[bytes, NativeApi] | None:
+        """As :meth:`Translation.native`, and only where the engine's own Messages accepts what this request
+        uses (``EngineSpec.native_messages``): else the translation, which the engine would not refuse."""
+        if not _messages_features(self._body) <= backend.spec.native_messages:
+            self.passthrough = False
+            return None
+        return super().native(backend)
+
     def to_chat(self, body: dict[str, Any]) -> dict[str, Any]:
         self._body = body
         chat = messages_to_chat(body)
@@ -251,6 +259,18 @@ class _Messages(Translation):
 
     def stream(self) -> MessagesStream:
         return MessagesStream(self._model, self._stops)
+
+
+def _messages_features(body: dict[str, Any]) -> frozenset[str]:
+    """What a Messages request uses that not every engine's own Messages accepts (``EngineSpec.native_messages``)."""
+    features = set()
+    messages = body.get("messages")
+    if isinstance(messages, list) and any(isinstance(m, dict) and m.get("role") == "system" for m in messages):
+        features.add("inline_system")
+    thinking = body.get("thinking")
+    if isinstance(thinking, dict) and thinking.get("type") not in (None, "enabled", "disabled"):
+        features.add(f"thinking:{thinking.get('type')}")
+    return frozenset(features)
 
 
 class _CountTokens(_Messages):

@@ -42,6 +42,8 @@ SPEC = EngineSpec(
     # max_output_tokens says "completed": the OpenAI SDK's stream helper fails on it, so Responses requests are
     # translated to chat completions (as for TabbyAPI), whose answer the gateway writes in the API's shape
     native_apis=frozenset({"messages", "count_tokens"}),
+    # the real llama-server takes a system message inside messages, and any thinking type (issue 42)
+    native_messages=frozenset({"inline_system", "thinking:adaptive"}),
     # each slot keeps its last prompt; evicted ones go to a host-RAM prompt cache unless --cache-ram 0
     cache="slots",
     slot_field="id_slot",  # a named slot that is busy defers the request until that slot is free

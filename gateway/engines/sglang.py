@@ -42,6 +42,8 @@ SPEC = EngineSpec(
     # choices as a regex alternation
     # /v1/responses and /v1/messages, served by the engine itself: python/sglang/srt/entrypoints/http_server.py (0.5.23)
     native_apis=frozenset({"responses", "messages", "count_tokens"}),
+    # native_messages: none. Its Anthropic protocol declares only user and assistant roles and thinking.type
+    # enabled / disabled: Claude Code's inline system messages and adaptive thinking are translated
     # cache_salt (0.5.23: chat, completions and responses requests; not its Anthropic messages, which build a chat
     # request without it): the radix tree keys a salted prompt's nodes by (extra_key, salt)
     # (srt/mem_cache/radix_cache.py), and BlockStored carries the salt (srt/disaggregation/kv_events.py)

@@ -43,6 +43,8 @@ SPEC = EngineSpec(
     # /v1/responses and /v1/messages, served by the engine itself (0.33: vllm/entrypoints/openai/responses/
     # api_router.py, vllm/entrypoints/anthropic/api_router.py)
     native_apis=frozenset({"responses", "messages", "count_tokens"}),
+    # current vLLM folds a system message inside messages into the conversation (issue 42)
+    native_messages=frozenset({"inline_system", "thinking:adaptive"}),
     # cache_salt (0.34: chat, completions, responses, anthropic messages; entrypoints/generate/base/protocol.py
     # validate_cache_salt: a non-empty string of at most 128 characters, none of '@', '/', '\\', NUL), mixed into
     # the first block's hash (v1/core/kv_cache_utils.py generate_block_hash_extra_keys) and published with it in

@@ -466,3 +466,41 @@ def test_a_tool_call_only_stream_is_timed_and_round_trips(thinkers: Running, eng
                                            max_output_tokens=120)
     call = next(item for item in reply.output if item.type == "function_call")
     assert call.name == "get_weather" and "city" in json.loads(call.arguments)
+
+
+# what Claude Code sends with its default tools: a system message inside messages, and adaptive thinking
+CLAUDE_CODE = {"max_tokens": 16, "thinking": {"type": "adaptive"},
+               "messages": [{"role": "user", "content": "Hello"}, {"role": "system", "content": "Be brief."},
+                            {"role": "user", "content": "Go on."}]}
+# the engines whose own Messages accepts both (the real llama-server; current vLLM); SGLang's refuses both
+ACCEPTS_CLAUDE_CODE = {"llamacpp": "native", "vllm": "native", "sglang": "translated", "tabbyapi": "translated"}
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_claude_codes_first_request_is_served_natively_only_where_the_engine_accepts_it(engines: Running,
+                                                                                       engine: str) -> None:
+    """Claude Code failed at turn 1 on llama.cpp, vLLM and SGLang (issue 42)."""
+    reply = httpx.post(engines.url + "/v1/messages", json={"model": f"m-{engine}", **CLAUDE_CODE},
+                       headers={"x-api-key": "k"})
+    assert reply.status_code == 200, reply.text
+    assert reply.headers["x-gateway-agent-api"] == ACCEPTS_CLAUDE_CODE[engine]
+    sent = last_generation(engines, engine)
+    if ACCEPTS_CLAUDE_CODE[engine] == "native":
+        assert sent.path == "/v1/messages" and sent.body["messages"][1] == {"role": "system", "content": "Be brief."}
+    else:
+        assert sent.path == "/v1/chat/completions"
+
+
+@pytest.mark.parametrize(("change", "refused_by_sglang"), [
+    ({"messages": [{"role": "system", "content": "x"}, {"role": "user", "content": "Hi"}]}, True),
+    ({"thinking": {"type": "adaptive"}}, True),
+    ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, False),
+])
+def test_each_emulator_accepts_and_refuses_messages_as_its_engine_does(engines: Running, change: dict[str, Any],
+                                                                       refused_by_sglang: bool) -> None:
+    body = {"max_tokens": 8, "messages": [{"role": "user", "content": "Hi"}], **change}
+    for engine in ("llamacpp", "vllm", "sglang"):
+        server = engines.server(f"sim-{engine}")
+        reply = httpx.post(server.url + "/v1/messages", json={"model": f"m-{engine}", **body},
+                           headers={"x-api-key": f"key-{engine}", "authorization": f"Bearer key-{engine}"})
+        assert reply.status_code == (400 if engine == "sglang" and refused_by_sglang else 200), (engine, reply.text)
