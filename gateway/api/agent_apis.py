@@ -235,6 +235,14 @@ class _Messages(Translation):
     def native_body(self) -> dict[str, Any] | None:
         return self._body
 
+    def native(self, backend: Backend) -> tuple[bytes, NativeApi] | None:
+        """As :meth:`Translation.native`, and only where the engine's own Messages accepts what this request
+        uses (``EngineSpec.native_messages``): else the translation, which the engine would not refuse."""
+        if not _messages_features(self._body) <= backend.spec.native_messages:
+            self.passthrough = False
+            return None
+        return super().native(backend)
+
     def to_chat(self, body: dict[str, Any]) -> dict[str, Any]:
         self._body = body
         chat = messages_to_chat(body)
@@ -251,6 +259,18 @@ class _Messages(Translation):
 
     def stream(self) -> MessagesStream:
         return MessagesStream(self._model, self._stops)
+
+
+def _messages_features(body: dict[str, Any]) -> frozenset[str]:
+    """What a Messages request uses that not every engine's own Messages accepts (``EngineSpec.native_messages``)."""
+    features = set()
+    messages = body.get("messages")
+    if isinstance(messages, list) and any(isinstance(m, dict) and m.get("role") == "system" for m in messages):
+        features.add("inline_system")
+    thinking = body.get("thinking")
+    if isinstance(thinking, dict) and thinking.get("type") not in (None, "enabled", "disabled"):
+        features.add(f"thinking:{thinking.get('type')}")
+    return frozenset(features)
 
 
 class _CountTokens(_Messages):
@@ -359,11 +379,14 @@ class _Responses(Translation):
         return body if renamed == error else orjson.dumps({**doc, "error": renamed})
 
     def native_body(self) -> dict[str, Any] | None:
-        """The request as the client sent it, when it continues no stored response (the conversation is kept
-        in chat form, so a continuation is translated); the engine is told not to keep its own copy."""
-        if self._request.get("previous_response_id") is not None:
+        """The request as the client sent it (less its ``client_metadata``), when it continues no stored response
+        (the conversation is kept in chat form, so a continuation is translated) and has no namespace of tools;
+        the engine is told not to keep its own copy."""
+        if self._request.get("previous_response_id") is not None or _has_namespace(self._request):
             return None
-        return {**self._request, "store": False}
+        body = {**self._request, "store": False}
+        body.pop("client_metadata", None)  # (bookkeeping for the client's logs: no engine reads it)
+        return body
 
     def passed(self, usage: Any, response: dict[str, Any] | None) -> None:
         super().passed(usage, response)
@@ -391,6 +414,13 @@ class _Responses(Translation):
             self._keep(response)
 
 
+def _has_namespace(request: dict[str, Any]) -> bool:
+    """Whether the request groups tools in a namespace: the gateway flattens it and maps its calls back (no
+    engine's own Responses route is known to)."""
+    tools = request.get("tools")
+    return isinstance(tools, list) and any(isinstance(t, dict) and t.get("type") == "namespace" for t in tools)
+
+
 # chat fields a Responses request was translated to, and what the client called them
 _CHAT_FIELD = re.compile(r"\b(?:max_completion_tokens|max_tokens|response_format(?:\.json_schema(?:\.schema)?)?)\b")
 
@@ -400,6 +430,8 @@ def _responses_field(name: str) -> str:
         return "max_output_tokens"
     if name == "messages":  # (not messages[i]: the instructions and the stored turns shift the indices)
         return "input"
+    if name.startswith("tools[") and ".function." in name:  # (Responses function tools are flat)
+        return name.replace(".function.", ".", 1)
     if name.startswith("response_format"):
         rest = name[len("response_format"):].removeprefix(".json_schema")
         return "text.format" + rest

@@ -30,7 +30,9 @@ SPEC = EngineSpec(
     # GBNF natively (json_schema is compiled to GBNF by the server); no regex; choices as a GBNF alternation
     # no "beside_tools": a grammar (a choice is one) beside tools the model may call is a 400 there ("Cannot use
     # custom grammar constraints with tools.", tools/server/server-common.cpp); a schema is not
-    structured=frozenset({"json_object", "json_schema", "choice", "grammar:gbnf", "tool_call"}),
+    # strict_tools: with tools it builds a lazy grammar of every tool's arguments, triggered by the call's start
+    # (common/chat.cpp), so an optional call's arguments match their schema, strict or not
+    structured=frozenset({"json_object", "json_schema", "choice", "grammar:gbnf", "tool_call", "strict_tools"}),
     # cpp-httplib closes the connection after a chunked (streamed) response while answering "Keep-Alive:
     # timeout=5, max=100"; a pooled connection then fails the next request ("Can not write request body")
     routes=RERANK_ROUTES,
@@ -40,6 +42,8 @@ SPEC = EngineSpec(
     # max_output_tokens says "completed": the OpenAI SDK's stream helper fails on it, so Responses requests are
     # translated to chat completions (as for TabbyAPI), whose answer the gateway writes in the API's shape
     native_apis=frozenset({"messages", "count_tokens"}),
+    # the real llama-server takes a system message inside messages, and any thinking type (issue 42)
+    native_messages=frozenset({"inline_system", "thinking:adaptive"}),
     # each slot keeps its last prompt; evicted ones go to a host-RAM prompt cache unless --cache-ram 0
     cache="slots",
     slot_field="id_slot",  # a named slot that is busy defers the request until that slot is free

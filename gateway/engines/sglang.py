@@ -42,14 +42,18 @@ SPEC = EngineSpec(
     # choices as a regex alternation
     # /v1/responses and /v1/messages, served by the engine itself: python/sglang/srt/entrypoints/http_server.py (0.5.23)
     native_apis=frozenset({"responses", "messages", "count_tokens"}),
+    # native_messages: none. Its Anthropic protocol declares only user and assistant roles and thinking.type
+    # enabled / disabled: Claude Code's inline system messages and adaptive thinking are translated
     # cache_salt (0.5.23: chat, completions and responses requests; not its Anthropic messages, which build a chat
     # request without it): the radix tree keys a salted prompt's nodes by (extra_key, salt)
     # (srt/mem_cache/radix_cache.py), and BlockStored carries the salt (srt/disaggregation/kv_events.py)
     cache_isolation="cache_salt",
     isolated_native_apis=frozenset({"responses"}),
     # structural_tag: response_format only (the legacy form's at_least_one too; no top-level field)
+    # strict_tools: under auto, FunctionCallParser.get_structure_constraint compiles the tools into a structural
+    # tag where the model's tool parser supports one (serving_chat.py)
     structured=frozenset({"json_object", "json_schema", "regex", "choice", "grammar:ebnf", "structural_tag",
-                          "at_least_one", "tool_call", "beside_tools"}),
+                          "at_least_one", "tool_call", "strict_tools", "beside_tools"}),
     # continuous batching, like vLLM
     shape=ShapeSeed(tok_s=178.0, growth=0.011, prefill_tok_s=10_000.0),
 )

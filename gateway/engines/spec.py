@@ -73,6 +73,10 @@ class EngineSpec:
     # /v1/messages/count_tokens), passed through to it as the client sent them; for the other engines the
     # gateway translates them to chat completions (count_tokens: see chat_tokenize_path)
     native_apis: frozenset[str] = frozenset()
+    # what its own /v1/messages accepts beyond plain user/assistant turns: "inline_system" (a {"role": "system"}
+    # message inside messages, Claude Code's mid-conversation-system beta) and "thinking:adaptive"; a Messages
+    # request using one it lacks takes the translated path (the gateway's own translation handles both)
+    native_messages: frozenset[str] = frozenset()
     # where it tokenizes chat messages through the model's own template, for an engine that does not serve
     # count_tokens itself (TabbyAPI's /v1/token/encode: {"text": [messages], "add_bos_token"} -> {"tokens",
     # "length"}); the gateway answers count_tokens from it (gateway.api.translate.count_tokens)

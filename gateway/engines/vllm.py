@@ -43,6 +43,8 @@ SPEC = EngineSpec(
     # /v1/responses and /v1/messages, served by the engine itself (0.33: vllm/entrypoints/openai/responses/
     # api_router.py, vllm/entrypoints/anthropic/api_router.py)
     native_apis=frozenset({"responses", "messages", "count_tokens"}),
+    # current vLLM folds a system message inside messages into the conversation (issue 42)
+    native_messages=frozenset({"inline_system", "thinking:adaptive"}),
     # cache_salt (0.34: chat, completions, responses, anthropic messages; entrypoints/generate/base/protocol.py
     # validate_cache_salt: a non-empty string of at most 128 characters, none of '@', '/', '\\', NUL), mixed into
     # the first block's hash (v1/core/kv_cache_utils.py generate_block_hash_extra_keys) and published with it in
@@ -51,8 +53,9 @@ SPEC = EngineSpec(
     isolated_native_apis=frozenset({"responses", "messages"}),
     # structural_tag: structured_outputs.structural_tag (a JSON string; response_format structural_tag becomes
     # the same). The options of StructuredOutputsParams (sampling_params.py, 0.23-0.34) are its alone.
+    # strict_tools: the tool parser's structural tag constrains a strict tool's arguments under auto
     structured=frozenset({"json_object", "json_schema", "regex", "choice", "grammar:ebnf", "grammar:lark",
-                          "structural_tag", "tool_call", "beside_tools", *OPTIONS}),
+                          "structural_tag", "tool_call", "strict_tools", "beside_tools", *OPTIONS}),
     # continuous batching: barely slower per token at 64 sequences than alone
     shape=ShapeSeed(tok_s=175.0, growth=0.012, prefill_tok_s=10_000.0),
 )

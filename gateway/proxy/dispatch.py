@@ -421,7 +421,7 @@ class Dispatcher:
                     raise full
                 raise self._retry(exchange, backend, "full", full)
         trace = exchange.trace
-        check, retry_invalid = self._output_check(request, can_retry=not last)
+        check, retry_invalid = self._output_check(request, backend.spec.structured, can_retry=not last)
         self._pipeline.routed(request, backend)  # (first: routing may place it in an engine slot)
         # an agent API request goes as the client sent it to an engine that serves that API itself
         native: NativeApi | None = None
@@ -581,10 +581,13 @@ class Dispatcher:
             if writer is not None:
                 writer.when_disconnected(None)
 
-    def _output_check(self, request: RouteRequest, can_retry: bool) -> tuple[Callable[[bytes], str | None] | None,
-                                                                             bool]:
+    def _output_check(self, request: RouteRequest, support: frozenset[str], can_retry: bool
+                      ) -> tuple[Callable[[bytes], str | None] | None, bool]:
         constraint = request.constraint
         mode = self._structured_output.mode(request.model)
+        if constraint is not None and constraint.best_effort and mode == "off" and \
+                not can_honour(constraint, support):
+            mode = "mark"  # (sent where nothing enforces it: the check is what makes the best effort honest)
         if constraint is None or mode == "off" or request.stream or constraint.kind not in CHECKABLE:
             return None, False
         route = request.route

@@ -46,6 +46,10 @@ class AgentSpec:
     input_tokens: bool = False
     store: int = 0
     salted: frozenset[str] = frozenset()  # the routes ("responses", "messages") that pass cache_salt on
+    # its Messages: a {"role": "system"} message inside messages folded in (llama-server, vLLM) or refused
+    # (SGLang's protocol declares user and assistant only); the thinking types taken (None: any)
+    inline_system: bool = True
+    thinking_types: frozenset[str] | None = None
 
 
 class StreamWriter(Protocol):
@@ -143,9 +147,17 @@ def responses_constraint(body: dict[str, Any]) -> Constraint | None:
     raise EngineError(400, f"unsupported text.format type: {fmt['type']}", param="text.format")
 
 
-def messages_to_chat(body: dict[str, Any], need_max_tokens: bool = True) -> dict[str, Any]:
+def messages_to_chat(body: dict[str, Any], need_max_tokens: bool = True, spec: AgentSpec | None = None
+                     ) -> dict[str, Any]:
     """Anthropic ``system``, ``messages`` (text / tool_use / tool_result blocks), ``tools`` (``input_schema``),
-    ``tool_choice`` (auto / any / tool / none), ``max_tokens``, ``stop_sequences`` -> a chat request."""
+    ``tool_choice`` (auto / any / tool / none), ``max_tokens``, ``stop_sequences`` -> a chat request. ``spec``:
+    what the engine's Messages accepts beyond user and assistant turns (default: nothing more)."""
+    inline = spec is not None and spec.inline_system
+    thinking = body.get("thinking")
+    kind = thinking.get("type") if isinstance(thinking, dict) else None
+    if kind is not None and spec is not None and spec.thinking_types is not None and kind not in spec.thinking_types:
+        raise EngineError(400, f"thinking.type: input should be {' or '.join(sorted(spec.thinking_types))}",
+                          param="thinking.type")
     messages: list[dict[str, Any]] = []
     system = body.get("system")
     if system:
@@ -154,8 +166,10 @@ def messages_to_chat(body: dict[str, Any], need_max_tokens: bool = True) -> dict
     if not isinstance(raw, list) or not raw:
         raise EngineError(400, "messages: field required, a non-empty list", param="messages")
     for msg in raw:
-        if not isinstance(msg, dict) or msg.get("role") not in ("user", "assistant"):
-            raise EngineError(400, "each message needs role 'user' or 'assistant'", param="messages")
+        roles = ("user", "assistant", "system") if inline else ("user", "assistant")
+        if not isinstance(msg, dict) or msg.get("role") not in roles:
+            raise EngineError(400, f"each message needs role {' or '.join(repr(r) for r in roles)}",
+                              param="messages")
         content = msg.get("content")
         if isinstance(content, str):
             messages.append({"role": msg["role"], "content": content})
@@ -341,7 +355,7 @@ class AgentRoutes:
         assert self.spec.messages is not None
         try:
             body = self.engine.parse_json(req)
-            chat = messages_to_chat(body)
+            chat = messages_to_chat(body, spec=self.spec)
             self.salt(body, chat, "messages")
             stops = body.get("stop_sequences") or []
             gen, ids = self.new_gen(chat, bool(body.get("stream")), new_id("chatcmpl-"))
@@ -357,7 +371,7 @@ class AgentRoutes:
 
     async def count_tokens(self, req: Request, resp: Responder) -> None:
         try:
-            chat = messages_to_chat(self.engine.parse_json(req), need_max_tokens=False)
+            chat = messages_to_chat(self.engine.parse_json(req), need_max_tokens=False, spec=self.spec)
             self.engine.check_model(chat)
         except EngineError as err:
             self.send_messages_error(resp, err)

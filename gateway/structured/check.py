@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import re
+from dataclasses import replace
 from functools import lru_cache
 from typing import Any
 
@@ -26,7 +27,7 @@ from gateway.structured.bounds import json_depth
 from gateway.structured.constraint import Constraint
 from gateway.structured.regex_cost import compile_cost, steps
 
-CHECKABLE = frozenset({"json_object", "json_schema", "regex", "choice"})
+CHECKABLE = frozenset({"json_object", "json_schema", "regex", "choice", "strict_tools"})
 MATCH_BUDGET = 20_000_000  # estimated steps; the estimate runs 28x or more above the real work
 COMPILE_BUDGET = 10_000  # code points compiling may expand (about 0.1 us each)
 MAX_ANSWER_DEPTH = 64  # jsonschema recurses ~8 frames per level
@@ -178,10 +179,43 @@ def skipped(constraint: Constraint, why: str) -> None:
     log.debug("answer not checked against the %s constraint: %s", constraint.describe(), why)
 
 
+def _tool_problem(raw: bytes, constraint: Constraint) -> str | None:
+    """Why a call of a strict tool in the answer has arguments outside the tool's parameters schema, or None. An
+    answer without such calls (text, or calls of other tools) satisfies strict tools."""
+    try:
+        doc: Any = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return "the backend's answer is not JSON"
+    strict: dict[str, Any] = constraint.schema
+    for choice in doc.get("choices") or () if isinstance(doc, dict) else ():
+        message = choice.get("message") if isinstance(choice, dict) else None
+        for call in (message.get("tool_calls") or ()) if isinstance(message, dict) else ():
+            function = call.get("function") if isinstance(call, dict) else None
+            name = function.get("name") if isinstance(function, dict) else None
+            if not isinstance(name, str) or name not in strict:
+                continue
+            assert isinstance(function, dict)
+            arguments = function.get("arguments")
+            if not isinstance(arguments, str):
+                return f"a call of the strict tool {name!r} has no arguments"
+            try:
+                value = orjson.loads(arguments)
+            except orjson.JSONDecodeError as exc:
+                return f"the arguments of a call of the strict tool {name!r} are not valid JSON: {exc}"
+            schema = strict[name] if strict[name] is not None else {"type": "object"}
+            problem = _schema_problem(arguments, value, replace(constraint, schema=schema))
+            if problem is not None:
+                return f"the arguments of a call of the strict tool {name!r} do not match its parameters: " + \
+                    problem.removeprefix("the answer does not match the schema: ")
+    return None
+
+
 def output_problem(route: str, raw: bytes, constraint: Constraint) -> str | None:
     """Why the answer does not satisfy the constraint, or None when it does (or cannot be checked)."""
     if constraint.kind not in CHECKABLE:
         return None
+    if constraint.kind == "strict_tools":
+        return _tool_problem(raw, constraint) if route == "chat" else None
     texts = _texts(route, raw)
     if isinstance(texts, str):
         return texts

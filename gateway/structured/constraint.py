@@ -83,6 +83,14 @@ class Constraint:
     options: tuple[tuple[str, Any], ...] = ()
 
     @property
+    def best_effort(self) -> bool:
+        """Whether the constraint goes where it is honoured when such an engine serves the model, and elsewhere
+        (unenforced, checked after the fact) when none does, rather than being refused. Strict tools under
+        ``tool_choice: "auto"`` are: agent SDKs mark every tool strict by default (the Agents SDK's
+        ``@function_tool``), and refusing them locked those agents out of every self-hosted engine."""
+        return self.kind == "strict_tools"
+
+    @property
     def requires(self) -> frozenset[str]:
         """Support words beyond the kind that an engine must have to honour this constraint as asked: each option
         set, and ``at_least_one`` for a legacy structural tag that asks for it (an engine without them would
@@ -178,10 +186,12 @@ def _from_tools(body: dict[str, Any], bounds: Bounds) -> Constraint | None:
     _bound_parameters(tools, bounds)
     if choice == "required" or (isinstance(choice, dict) and choice.get("type") == "function"):
         return Constraint("tool_call", "tool_choice")
-    strict = any(isinstance(t, dict) and isinstance(t.get("function"), dict) and t["function"].get("strict") is True
-                 for t in tools)
+    strict = {t["function"]["name"]: t["function"].get("parameters")
+              for t in tools if isinstance(t, dict) and isinstance(t.get("function"), dict)
+              and t["function"].get("strict") is True and isinstance(t["function"].get("name"), str)}
     if strict and choice in (None, "auto"):
-        return Constraint("strict_tools", "tools[].function.strict")
+        # (schema: each strict tool's parameters by name, for the check after the fact)
+        return Constraint("strict_tools", "tools[].function.strict", schema=strict)
     return None
 
 

@@ -274,6 +274,34 @@ def test_a_responses_function_call_round_trip(engines: Running, engine: str) -> 
     assert sent["messages"][-1] == {"role": "tool", "tool_call_id": call.call_id, "content": "Sunny, 21 C"}
 
 
+CODEX_METADATA = {"client_metadata": {"session_id": "0199a", "turn_id": "1"}}
+SPAWN = {"type": "namespace", "name": "multi_agent_v1", "description": "Sub-agents",
+         "tools": [{**WEATHER_OPENAI, "name": "spawn_agent", "strict": False}]}
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_codex_bookkeeping_is_accepted_on_every_engine_and_not_passed_on(engines: Running, engine: str) -> None:
+    """Codex sends ``client_metadata`` with every streamed request: each was a 400 (issue 42)."""
+    events = list(oai(engines).responses.create(model=f"m-{engine}", input="Hi", max_output_tokens=8, stream=True,
+                                                store=False, extra_body=CODEX_METADATA))
+    assert events[-1].type in ("response.completed", "response.incomplete")
+    assert "client_metadata" not in last_generation(engines, engine).body
+
+
+@pytest.mark.parametrize("engine", FORCING)
+def test_a_codex_namespace_tool_is_called_and_comes_back_in_its_namespace(engines: Running, engine: str) -> None:
+    """Codex's default tools include the ``multi_agent_v1`` namespace: it was refused as a built-in tool."""
+    with oai(engines).responses.stream(model=f"m-{engine}", input="Spawn one.", tools=[SPAWN, WEATHER_OPENAI],
+                                       tool_choice="required", max_output_tokens=64,
+                                       extra_body=CODEX_METADATA) as stream:
+        events = list(stream)
+    done = [e.item for e in events if e.type == "response.output_item.done" and e.item.type == "function_call"]
+    assert [(c.name, c.namespace) for c in done][:1] == [("spawn_agent", "multi_agent_v1")]
+    sent = last_generation(engines, engine)
+    assert sent.path == "/v1/chat/completions"
+    assert [t["function"]["name"] for t in sent.body["tools"]] == ["multi_agent_v1__spawn_agent", "get_weather"]
+
+
 @pytest.mark.parametrize("engine", ENGINES)
 def test_responses_text_format_json_schema_is_enforced_on_every_engine(engines: Running, engine: str) -> None:
     schema = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
@@ -283,6 +311,48 @@ def test_responses_text_format_json_schema_is_enforced_on_every_engine(engines: 
                                                            "strict": True}})
     doc = json.loads(reply.output_text)
     assert set(doc) == {"city", "days"} and isinstance(doc["days"], int)
+
+
+STRICT_WEATHER = {**WEATHER_OPENAI, "strict": True}  # (what the Agents SDK's @function_tool sends)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_strict_tools_with_auto_are_served_on_every_engine(engines: Running, engine: str) -> None:
+    """They were refused on every engine but OpenAI's (issue 42): the Agents SDK failed on all self-hosted ones."""
+    reply = oai(engines).responses.with_raw_response.create(model=f"m-{engine}", input="Weather in Oslo?",
+                                                            tools=[STRICT_WEATHER], max_output_tokens=16)
+    assert reply.parse().status in ("completed", "incomplete")
+    assert "x-gateway-output-invalid" not in reply.headers
+
+
+def strict_fleet(engines: tuple[str, ...]) -> Any:
+    specs = [SimSpec(engine=e, model="shared", name=f"sim-{e}", time_scale=TIME_SCALE, tool_call_rate=1.0)
+             for e in engines]
+    return FleetThread(specs)
+
+
+def test_strict_tools_go_to_an_engine_that_enforces_them_where_one_serves_the_model() -> None:
+    with strict_fleet(("tabbyapi", "vllm")) as fleet:
+        settings = gateway_settings(fleet.fleet.servers, routing={"policy": "round-robin"})
+        with serve_in_thread(create_app(settings)) as gateway:
+            served = {oai(gateway).responses.with_raw_response.create(
+                model="shared", input="Weather?", tools=[STRICT_WEATHER], max_output_tokens=32
+            ).headers["x-gateway-backend"] for _ in range(4)}
+    assert served == {"sim-vllm"}
+
+
+def test_strict_tool_arguments_nothing_enforced_are_checked_and_marked_never_refused() -> None:
+    """Only TabbyAPI serves the model: the tools go as sent, and a call's arguments are checked against their
+    schema after the fact (here cut short by max_output_tokens: not even JSON); the answer is marked."""
+    with strict_fleet(("tabbyapi",)) as fleet, serve_in_thread(create_app(gateway_settings(fleet.fleet.servers))) \
+            as gateway:
+        whole = oai(gateway).responses.with_raw_response.create(model="shared", input="Weather?",
+                                                                tools=[STRICT_WEATHER], max_output_tokens=64)
+        cut = oai(gateway).responses.with_raw_response.create(model="shared", input="Weather?",
+                                                              tools=[STRICT_WEATHER], max_output_tokens=3)
+    call = next(item for item in whole.parse().output if item.type == "function_call")
+    assert "city" in json.loads(call.arguments) and "x-gateway-output-invalid" not in whole.headers
+    assert "strict tool 'get_weather'" in cut.headers["x-gateway-output-invalid"]
 
 
 def test_an_unknown_previous_response_is_404_in_openais_shape(engines: Running) -> None:
@@ -296,8 +366,10 @@ def test_responses_errors_name_the_fields_the_client_sent() -> None:
     from gateway.api.agent_apis import _Responses, _responses_field
 
     assert [_responses_field(f) for f in ("max_tokens", "messages", "messages[1].role", "response_format",
-                                          "response_format.json_schema.schema", "tools")] == [
-        "max_output_tokens", "input", "messages[1].role", "text.format", "text.format.schema", "tools"]
+                                          "response_format.json_schema.schema", "tools", "tools[].function.strict",
+                                          "tools[2].function.parameters")] == [
+        "max_output_tokens", "input", "messages[1].role", "text.format", "text.format.schema", "tools",
+        "tools[].strict", "tools[2].parameters"]
     body = b'{"error": {"message": "\'max_tokens\' is 200000; this gateway accepts at most 32768", ' \
         b'"type": "invalid_request_error", "param": "max_tokens", "code": "invalid_value"}}'
     error = json.loads(_Responses.error(None, 400, body))["error"]  # type: ignore[arg-type]
@@ -394,3 +466,41 @@ def test_a_tool_call_only_stream_is_timed_and_round_trips(thinkers: Running, eng
                                            max_output_tokens=120)
     call = next(item for item in reply.output if item.type == "function_call")
     assert call.name == "get_weather" and "city" in json.loads(call.arguments)
+
+
+# what Claude Code sends with its default tools: a system message inside messages, and adaptive thinking
+CLAUDE_CODE = {"max_tokens": 16, "thinking": {"type": "adaptive"},
+               "messages": [{"role": "user", "content": "Hello"}, {"role": "system", "content": "Be brief."},
+                            {"role": "user", "content": "Go on."}]}
+# the engines whose own Messages accepts both (the real llama-server; current vLLM); SGLang's refuses both
+ACCEPTS_CLAUDE_CODE = {"llamacpp": "native", "vllm": "native", "sglang": "translated", "tabbyapi": "translated"}
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_claude_codes_first_request_is_served_natively_only_where_the_engine_accepts_it(engines: Running,
+                                                                                       engine: str) -> None:
+    """Claude Code failed at turn 1 on llama.cpp, vLLM and SGLang (issue 42)."""
+    reply = httpx.post(engines.url + "/v1/messages", json={"model": f"m-{engine}", **CLAUDE_CODE},
+                       headers={"x-api-key": "k"})
+    assert reply.status_code == 200, reply.text
+    assert reply.headers["x-gateway-agent-api"] == ACCEPTS_CLAUDE_CODE[engine]
+    sent = last_generation(engines, engine)
+    if ACCEPTS_CLAUDE_CODE[engine] == "native":
+        assert sent.path == "/v1/messages" and sent.body["messages"][1] == {"role": "system", "content": "Be brief."}
+    else:
+        assert sent.path == "/v1/chat/completions"
+
+
+@pytest.mark.parametrize(("change", "refused_by_sglang"), [
+    ({"messages": [{"role": "system", "content": "x"}, {"role": "user", "content": "Hi"}]}, True),
+    ({"thinking": {"type": "adaptive"}}, True),
+    ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, False),
+])
+def test_each_emulator_accepts_and_refuses_messages_as_its_engine_does(engines: Running, change: dict[str, Any],
+                                                                       refused_by_sglang: bool) -> None:
+    body = {"max_tokens": 8, "messages": [{"role": "user", "content": "Hi"}], **change}
+    for engine in ("llamacpp", "vllm", "sglang"):
+        server = engines.server(f"sim-{engine}")
+        reply = httpx.post(server.url + "/v1/messages", json={"model": f"m-{engine}", **body},
+                           headers={"x-api-key": f"key-{engine}", "authorization": f"Bearer key-{engine}"})
+        assert reply.status_code == (400 if engine == "sglang" and refused_by_sglang else 200), (engine, reply.text)

@@ -217,9 +217,8 @@ def test_tool_constraints_go_only_where_tool_calls_are_enforced(engines: Running
     with pytest.raises(openai.BadRequestError) as err:
         sdk(engines).chat.completions.create(model="m-tabbyapi", messages=ASK, tools=tools, tool_choice="required")
     assert "engines that can: llamacpp, openai, sglang, vllm" in err.value.message
-    with pytest.raises(openai.BadRequestError) as err:  # strict arguments on an optional call: only OpenAI itself
-        sdk(engines).chat.completions.create(model="m-vllm", messages=ASK, tools=tools)
-    assert "engines that can: openai" in err.value.message
+    # strict arguments on an optional call: a best effort, never refused (tests/api/test_agent_apis.py)
+    sdk(engines).chat.completions.create(model="m-tabbyapi", messages=ASK, tools=tools, max_tokens=5)
     sdk(engines).chat.completions.create(model="m-vllm", messages=ASK, tools=tools, tool_choice="required",
                                          max_tokens=5)
     sent = last_generation(engines, "sim-vllm")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import orjson
 import pytest
 
 from gateway.engines.registry import ENGINES, create_adapter
@@ -120,7 +121,7 @@ MATRIX = {
     "ebnf-only": {"vllm", "sglang"},
     "lark": {"vllm", "tabbyapi"},
     "tool_call": {"llamacpp", "vllm", "sglang", "openai"},
-    "strict_tools": {"openai"},
+    "strict_tools": {"llamacpp", "vllm", "sglang", "openai"},  # (elsewhere a best effort, checked)
     "choice-beside-tools": {"vllm", "sglang", "tabbyapi"},  # (llama.cpp: "Cannot use custom grammar ... tools")
     "gbnf-beside-tools": {"vllm", "sglang", "tabbyapi"},
     "gbnf-tool-choice-none": {"llamacpp", "vllm", "sglang", "tabbyapi"},
@@ -333,3 +334,27 @@ def test_vllm_options_ride_with_the_constraint_to_vllm_alone() -> None:
     assert plain is not None and plain.requires == frozenset()
     assert {name for name, spec in ENGINES.items() if can_honour(plain, spec.structured)} == {
         "vllm", "sglang", "tabbyapi"}
+
+
+def test_strict_tool_arguments_are_checked_against_their_own_schema_after_the_fact() -> None:
+    """Strict tools under ``auto`` are a best effort (issue 42: the Agents SDK marks every tool strict): where no
+    engine enforces them, the answer's calls of strict tools are checked; other calls and text pass."""
+    from gateway.structured.check import output_problem
+
+    params = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+              "additionalProperties": False}
+    tools = [{"type": "function", "function": {"name": "weather", "strict": True, "parameters": params}},
+             {"type": "function", "function": {"name": "loose", "parameters": params}}]
+    constraint = extract({"tools": tools})
+    assert constraint is not None and constraint.best_effort
+
+    def answer(name: str, arguments: str) -> bytes:
+        call = {"id": "c", "type": "function", "function": {"name": name, "arguments": arguments}}
+        return orjson.dumps({"choices": [{"message": {"role": "assistant", "tool_calls": [call]}}]})
+
+    assert output_problem("chat", answer("weather", '{"city": "Oslo"}'), constraint) is None
+    assert output_problem("chat", answer("loose", '{"town": 1}'), constraint) is None
+    assert output_problem("chat", orjson.dumps({"choices": [{"message": {"content": "hi"}}]}), constraint) is None
+    problem = output_problem("chat", answer("weather", '{"town": "Oslo"}'), constraint)
+    assert problem is not None and "'weather'" in problem and "city" in problem
+    assert "not valid JSON" in (output_problem("chat", answer("weather", '{"ci'), constraint) or "")

@@ -22,9 +22,10 @@ refused with a 400 naming it, never dropped. The decisions that are not obvious:
   the full reasoning text); ``"concise"``/``"detailed"`` are refused.
 * ``instructions`` are not part of :func:`input_messages`: as on OpenAI, a response continuing this one
   (``previous_response_id``) does not inherit them.
-* ``metadata`` is echoed in the Response only; ``prompt_cache_key`` and ``prompt_cache_retention: in_memory``
-  are cache hints the gateway's prefix-aware routing already acts on (they never change the output);
-  ``max_tool_calls`` limits built-in tool calls, of which there are none here.
+* Bookkeeping (``BOOKKEEPING``: ``client_metadata``, ``metadata``, cache hints, ``max_tool_calls``) changes
+  nothing generated: accepted whatever its value, never sent on (``metadata`` is echoed in the Response).
+* A ``namespace`` of function tools is flattened under qualified names and its calls mapped back
+  (:mod:`gateway.api.translate.responses_tools`); a built-in tool is refused.
 * Function tools keep their ``strict`` as given; when absent (OpenAI's default there is ``true``) the engine's
   chat default applies.
 * The common sampling extensions (``_PASSTHROUGH``: ``top_k``, ``seed``, ``stop`` ...), sent by clients through
@@ -40,6 +41,7 @@ from typing import Any
 
 import orjson
 
+from gateway.api.translate.responses_tools import call_name, chat_tools, echoed, namespaced, qualified
 from gateway.errors import GatewayError
 
 _PASSTHROUGH = ("top_k", "min_p", "seed", "stop", "presence_penalty", "frequency_penalty", "repetition_penalty")
@@ -166,6 +168,8 @@ def input_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
             if not (isinstance(call_id, str) and isinstance(name, str) and isinstance(arguments, str)):
                 raise _refuse(param, f"'{param}': a function_call needs string call_id, name and arguments",
                               "invalid_value")
+            if isinstance(item.get("namespace"), str):  # (a call of a namespace's tool: the name it was offered as)
+                name = qualified(item["namespace"], name)
             message = assistant(text=False)
             message.setdefault("tool_calls", []).append(
                 {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}})
@@ -185,29 +189,6 @@ def input_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
         else:
             raise _unsupported(param, f"an input item of type {kind!r}")
     return messages
-
-
-def _tools(tools: Any) -> list[dict[str, Any]]:
-    if not isinstance(tools, list):
-        raise _refuse("tools", "'tools' must be a list", "invalid_value")
-    out = []
-    for i, tool in enumerate(tools):
-        param = f"tools[{i}]"
-        kind = tool.get("type") if isinstance(tool, dict) else None
-        if kind != "function":
-            raise _unsupported(param, f"the built-in tool {kind!r} (only function tools are served)")
-        name = tool.get("name")
-        if not isinstance(name, str) or not name:
-            raise _refuse(f"{param}.name", f"'{param}.name' must be a non-empty string", "invalid_value")
-        function: dict[str, Any] = {"name": name}
-        for key, value in tool.items():
-            if key in ("description", "parameters", "strict"):
-                if value is not None:
-                    function[key] = value
-            elif key not in ("type", "name") and value not in (None, False, ["direct"]):
-                raise _unsupported(f"{param}.{key}", "this function tool option")
-        out.append({"type": "function", "function": function})
-    return out
 
 
 def _tool_choice(choice: Any) -> Any:
@@ -269,7 +250,9 @@ def _absent_or(*allowed: Any) -> Callable[[str, Any], None]:
     """A field accepted only at one of these values (it then asks for nothing the gateway does not do)."""
     def check(name: str, value: Any) -> None:
         if value is not None and value not in allowed:
-            raise _unsupported(name, f"{name}={value!r}")
+            shown = " or ".join(repr(a) for a in allowed)
+            raise _refuse(name, f"'{name}': {name}={value!r} is not supported by this gateway's Responses API "
+                                f"translation; leave it out{f' or send {shown}' if allowed else ''}")
     return check
 
 
@@ -284,20 +267,30 @@ def _copy(to: str) -> Callable[[Any, dict[str, Any]], None]:
 _MAPPED: dict[str, Callable[[Any, dict[str, Any]], None]] = {
     "max_output_tokens": _copy("max_tokens"), "temperature": _copy("temperature"), "top_p": _copy("top_p"),
     "parallel_tool_calls": _copy("parallel_tool_calls"), "user": _copy("user"),
-    "tools": lambda v, chat: chat.__setitem__("tools", _tools(v)) if v else None,
+    "tools": lambda v, chat: chat.__setitem__("tools", chat_tools(v)) if v else None,
     "tool_choice": lambda v, chat: chat.__setitem__("tool_choice", _tool_choice(v)),
     "text": _text, "reasoning": _reasoning, "include": _include, "top_logprobs": _top_logprobs,
     **{name: _copy(name) for name in _PASSTHROUGH},
 }
 _CHECKED: dict[str, Callable[[str, Any], None]] = {
     "truncation": _absent_or("disabled"), "background": _absent_or(False),
-    "service_tier": _absent_or("auto", "default"), "prompt_cache_retention": _absent_or("in_memory"),
+    "service_tier": _absent_or("auto", "default"),
     "stream_options": _absent_or({}, {"include_obfuscation": False}),
     **{name: _absent_or() for name in ("conversation", "prompt", "context_management", "moderation",
                                        "access_programs", "image", "prompt_cache_options", "background_options")},
 }
-_HANDLED = frozenset({"model", "input", "instructions", "stream", "store", "previous_response_id", "metadata",
-                      "safety_identifier", "prompt_cache_key", "max_tool_calls"})
+_HANDLED = frozenset({"model", "input", "instructions", "stream", "store", "previous_response_id",
+                      "safety_identifier"})
+# Bookkeeping: fields that change nothing an engine generates, accepted whatever their value and not sent to
+# it (a tolerant reader: a client adding ids or hints must not be locked out). Each is listed with why it
+# changes nothing; a field not listed anywhere is refused, naming it.
+BOOKKEEPING: dict[str, str] = {
+    "client_metadata": "the client's own ids (Codex: its session and turn ids), for its logs",
+    "metadata": "labels for the client, echoed in the Response as OpenAI does",
+    "prompt_cache_key": "a cache hint; the gateway's prefix-aware routing already keeps a prefix where cached",
+    "prompt_cache_retention": "how long OpenAI keeps a cached prefix; engines keep theirs as they do",
+    "max_tool_calls": "a bound on built-in tool calls, of which there are none here",
+}
 
 
 def responses_to_chat(body: dict[str, Any], history: list[dict[str, Any]] | None = None) -> dict[str, Any]:
@@ -320,8 +313,9 @@ def responses_to_chat(body: dict[str, Any], history: list[dict[str, Any]] | None
                 _MAPPED[name](value, chat)
         elif name in _CHECKED:
             _CHECKED[name](name, value)
-        elif name not in _HANDLED:
-            raise _unsupported(name, "this field")
+        elif name not in _HANDLED and name not in BOOKKEEPING:
+            raise _refuse(name, f"'{name}' is not supported by this gateway's Responses API translation (it cannot "
+                                "be honoured faithfully); leave it out of the request")
     if "user" not in chat and isinstance(body.get("safety_identifier"), str):
         chat["user"] = body["safety_identifier"]
     if "tools" not in chat and chat.pop("tool_choice", "auto") not in ("auto", "none"):
@@ -350,9 +344,7 @@ def _skeleton(request: dict[str, Any], response_id: str, created_at: int, model:
     """The Response with the request's settings echoed, as OpenAI does; status in progress, no output yet."""
     text = _obj(request.get("text"))
     reasoning = _obj(request.get("reasoning"))
-    tools = [{"type": "function", "name": t.get("name"), "description": t.get("description"),
-              "parameters": t.get("parameters"), "strict": t.get("strict")}
-             for t in request.get("tools") or () if isinstance(t, dict)]
+    tools = echoed(request)
     return {
         "id": response_id, "object": "response", "created_at": created_at, "status": "in_progress",
         "background": False, "error": None, "incomplete_details": None,
@@ -403,8 +395,9 @@ def _reasoning_item(item_id: str, text: str, status: str) -> dict[str, Any]:
             "content": [{"type": "reasoning_text", "text": text}]}
 
 
-def _call_item(item_id: str, call_id: str, name: str, arguments: str, status: str) -> dict[str, Any]:
-    return {"id": item_id, "type": "function_call", "status": status, "call_id": call_id, "name": name,
+def _call_item(item_id: str, call_id: str, name: dict[str, str], arguments: str, status: str) -> dict[str, Any]:
+    """``name``: the call's ``name`` (and ``namespace``, for a namespace's tool: :func:`call_name`)."""
+    return {"id": item_id, "type": "function_call", "status": status, "call_id": call_id, **name,
             "arguments": arguments}
 
 
@@ -427,10 +420,12 @@ def chat_to_response(chat: dict[str, Any], request: dict[str, Any], response_id:
         logprobs = _obj(choice.get("logprobs")).get("content")
         output.append(_message_item(_item_id("msg"), content if isinstance(content, str) else "", "completed",
                                     _logprobs(logprobs) if logprobs is not None else None))
+    names = namespaced(request)
     for call in calls:
         function = _obj(call.get("function"))
-        output.append(_call_item(_item_id("fc"), call.get("id") or _item_id("call"), function.get("name") or "",
-                                 function.get("arguments") or "", "completed"))
+        output.append(_call_item(_item_id("fc"), call.get("id") or _item_id("call"),
+                                 call_name(names, function.get("name") or ""), function.get("arguments") or "",
+                                 "completed"))
     if finish in _INCOMPLETE:  # the last item is the one cut short
         output[-1]["status"] = "incomplete"
     _finish(response, finish, chat.get("usage"))
@@ -453,8 +448,11 @@ def output_messages(response: dict[str, Any]) -> list[dict[str, Any]]:
         elif kind == "reasoning":
             reasoning += [p.get("text") or "" for p in item.get("content") or () if isinstance(p, dict)]
         elif kind == "function_call":
+            name = item.get("name")
+            if isinstance(item.get("namespace"), str) and isinstance(name, str):
+                name = qualified(item["namespace"], name)
             calls.append({"id": item.get("call_id"), "type": "function",
-                          "function": {"name": item.get("name"), "arguments": item.get("arguments")}})
+                          "function": {"name": name, "arguments": item.get("arguments")}})
     if texts:
         message["content"] = "".join(texts)
     if reasoning:
@@ -469,9 +467,9 @@ def output_messages(response: dict[str, Any]) -> list[dict[str, Any]]:
 class _Item:
     """An output item being streamed: its text (or arguments) kept for the .done events and the Response."""
 
-    __slots__ = ("call_id", "id", "index", "kind", "logprobs", "name", "opened", "parts")
+    __slots__ = ("call_id", "id", "index", "kind", "logprobs", "name", "names", "opened", "parts")
 
-    def __init__(self, kind: str, index: int, logprobs: bool) -> None:
+    def __init__(self, kind: str, index: int, logprobs: bool, names: dict[str, tuple[str, str]]) -> None:
         self.kind = kind  # "reasoning", "message" or "function_call"
         self.index = index
         self.id = _item_id({"reasoning": "rs", "message": "msg", "function_call": "fc"}[kind])
@@ -479,6 +477,7 @@ class _Item:
         self.logprobs: list[dict[str, Any]] | None = [] if logprobs else None
         self.call_id = ""
         self.name = ""
+        self.names = names  # the request's namespaced tools (qualified name -> namespace, name)
         self.opened = False  # a function call opens once its name is known
 
     def item(self, status: str) -> dict[str, Any]:
@@ -487,7 +486,7 @@ class _Item:
             return _reasoning_item(self.id, text, status)
         if self.kind == "message":
             return _message_item(self.id, text, status, self.logprobs)
-        return _call_item(self.id, self.call_id, self.name, text, status)
+        return _call_item(self.id, self.call_id, call_name(self.names, self.name), text, status)
 
 
 class ResponsesStream:
@@ -500,6 +499,7 @@ class ResponsesStream:
 
     def __init__(self, request: dict[str, Any], response_id: str) -> None:
         self._response = _skeleton(request, response_id, int(time.time()), request.get("model"))
+        self._names = namespaced(request)
         self._logprobs = bool(request.get("top_logprobs")) or "message.output_text.logprobs" in (
             request.get("include") or ())
         self._seq = 0
@@ -594,7 +594,7 @@ class ResponsesStream:
         if self._open is not None and self._open.kind == kind != "function_call":
             return self._open
         self._done(out)
-        item = _Item(kind, len(self._items), self._logprobs)
+        item = _Item(kind, len(self._items), self._logprobs, self._names)
         self._items.append(item)
         self._open = item
         if kind != "function_call":

@@ -10,7 +10,8 @@ from gateway.structured import can_honour
 
 class StructuredOutputFilter:
     """Keeps backends whose engine honours the request's structured-output constraint (natively or through a
-    faithful grammar conversion). A constraint is never sent where it would be ignored."""
+    faithful grammar conversion). A constraint is never sent where it would be ignored, except a best-effort
+    one (``Constraint.best_effort``): where no backend honours it, all are kept, and the answer is checked."""
 
     name = "structured-output"
 
@@ -21,4 +22,5 @@ class StructuredOutputFilter:
         constraint = request.constraint
         if constraint is None:
             return list(backends)
-        return [b for b in backends if can_honour(constraint, b.spec.structured)]
+        able = [b for b in backends if can_honour(constraint, b.spec.structured)]
+        return able if able or not constraint.best_effort else list(backends)

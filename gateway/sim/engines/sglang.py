@@ -45,8 +45,10 @@ class SglangEngine(OpenAIEngine):
     generation_paths = frozenset({"/v1/chat/completions", "/v1/completions", "/generate", "/v1/responses",
                                   "/v1/messages"})
     # http_server.py: /v1/responses (+ GET /v1/responses/{id}), /v1/messages, /v1/messages/count_tokens
+    # its Anthropic protocol (0.5.23) declares roles user and assistant only, thinking.type enabled or disabled
     agent_spec = AgentSpec(responses="openai", messages="vllm", count_tokens=True, store=256,
-                           salted=frozenset({"responses"}))
+                           salted=frozenset({"responses"}), inline_system=False,
+                           thinking_types=frozenset({"enabled", "disabled"}))
     unauthorized_body = b'{"error":"Unauthorized"}'
     reasoning_key = "reasoning_content"
     tool_id_prefix = "call_"

@@ -444,3 +444,83 @@ def test_new_response_ids_are_random_and_well_formed() -> None:
     ids = {new_response_id() for _ in range(3)}
     assert len(ids) == 3
     assert all(i.startswith("resp_") and len(i) == 53 and int(i[5:], 16) >= 0 for i in ids)
+
+
+# ---- what Codex sends by default (issue 42) ----------------------------------------------------------------
+
+_CODEX_TOOLS = [
+    {"type": "function", "name": "shell", "parameters": _WEATHER, "strict": False},
+    {"type": "namespace", "name": "multi_agent_v1", "description": "Sub-agents",
+     "tools": [{"type": "function", "name": "spawn_agent", "parameters": _WEATHER, "strict": False},
+               {"type": "function", "name": "shell", "parameters": _WEATHER, "defer_loading": True}]},
+]
+
+
+def test_bookkeeping_fields_are_accepted_and_not_sent_on() -> None:
+    """Codex sends ``client_metadata`` (its session and turn ids) with every request: it was a 400."""
+    body = {"model": "m", "input": "hi", "client_metadata": {"session_id": "s1", "turn_id": "t1"},
+            "metadata": {"a": "b"}, "prompt_cache_key": "k", "prompt_cache_retention": "24h", "max_tool_calls": 3}
+    chat = responses_to_chat(body)
+    assert set(chat) == {"model", "messages"}
+    assert chat_to_response(_chat({"content": "ok"}), body, "resp_1")["metadata"] == {"a": "b"}
+
+
+def test_a_field_that_cannot_be_honoured_is_refused_naming_it_and_how_to_avoid_it() -> None:
+    with pytest.raises(GatewayError) as refused:
+        responses_to_chat({"model": "m", "input": "hi", "frobnicate": {"x": 1}})
+    assert refused.value.param == "frobnicate" and "leave it out" in refused.value.message
+    with pytest.raises(GatewayError) as refused:
+        responses_to_chat({"model": "m", "input": "hi", "truncation": "auto"})
+    assert refused.value.param == "truncation" and "'disabled'" in refused.value.message
+
+
+def test_a_namespace_of_function_tools_is_offered_flat_under_qualified_names() -> None:
+    chat = responses_to_chat({"model": "m", "input": "hi", "tools": _CODEX_TOOLS})
+    assert [t["function"]["name"] for t in chat["tools"]] == [
+        "shell", "multi_agent_v1__spawn_agent", "multi_agent_v1__shell"]
+    assert chat["tools"][1]["function"] == {"name": "multi_agent_v1__spawn_agent", "parameters": _WEATHER,
+                                            "strict": False}
+
+
+def test_a_qualified_name_colliding_with_another_tool_is_refused_naming_both() -> None:
+    tools = [*_CODEX_TOOLS, {"type": "function", "name": "multi_agent_v1__spawn_agent", "parameters": _WEATHER}]
+    with pytest.raises(GatewayError) as refused:
+        responses_to_chat({"model": "m", "input": "hi", "tools": tools})
+    assert refused.value.param == "tools[2].name" and "tools[1].tools[0]" in refused.value.message
+
+
+def test_a_call_of_a_namespaced_tool_comes_back_in_the_namespace_form() -> None:
+    request = {"model": "m", "input": "hi", "tools": _CODEX_TOOLS}
+    calls = [{"id": "call_a", "type": "function",
+              "function": {"name": "multi_agent_v1__spawn_agent", "arguments": '{"city":"Oslo"}'}},
+             {"id": "call_b", "type": "function", "function": {"name": "shell", "arguments": "{}"}}]
+    response = chat_to_response(_chat({"content": None, "tool_calls": calls}, "tool_calls"), request, "resp_1")
+    parsed = Response.model_validate(response)
+    assert [(i.name, i.namespace) for i in parsed.output if i.type == "function_call"] == [
+        ("spawn_agent", "multi_agent_v1"), ("shell", None)]
+    assert parsed.tools[1].type == "namespace"
+    # kept (and sent back by a stateless client) as the name the model was offered
+    assert output_messages(response)[0]["tool_calls"] == calls
+    sent_back = [{"type": "function_call", "call_id": "call_a", "name": "spawn_agent", "namespace": "multi_agent_v1",
+                  "arguments": "{}"}, {"type": "function_call_output", "call_id": "call_a", "output": "done"}]
+    assert input_messages({"input": sent_back})[0]["tool_calls"][0]["function"]["name"] == \
+        "multi_agent_v1__spawn_agent"
+
+
+def test_a_streamed_call_of_a_namespaced_tool_comes_back_in_the_namespace_form() -> None:
+    request = {"model": "m", "input": "x", "stream": True, "tools": _CODEX_TOOLS}
+    _, reader = _run([_call(0, "call_a", "multi_agent_v1__spawn_agent", '{"city":'), _call(0, arguments='"Oslo"}'),
+                      _chunk({}, "tool_calls"), b"data: [DONE]\n\n"], request)
+    items = [e["item"] for e in reader.events if e["type"] in ("response.output_item.added",
+                                                                "response.output_item.done")]
+    assert [(i["name"], i["namespace"]) for i in items] == [("spawn_agent", "multi_agent_v1")] * 2
+    final = Response.model_validate(reader.events[-1]["response"])
+    assert (final.output[0].name, final.output[0].namespace) == ("spawn_agent", "multi_agent_v1")
+
+
+def test_web_search_is_refused_saying_how_to_turn_it_off_in_codex() -> None:
+    with pytest.raises(GatewayError) as refused:
+        responses_to_chat({"model": "m", "input": "hi", "tools": [*_CODEX_TOOLS, {"type": "web_search"}]})
+    assert refused.value.param == "tools[2]"
+    assert 'web_search = "disabled"' in refused.value.message and "-c tools.web_search=false" in \
+        refused.value.message and "Codex's config" in refused.value.message
