@@ -290,5 +290,5 @@ def test_a_structural_tag_carrying_many_grammars_is_checked_in_a_worker() -> Non
         extract({"response_format": broken})
     # and a small tag is checked whole where it is
     small = {**tag, "format": {"type": "sequence", "elements": [{"type": "regex", "pattern": "(?=x)"}]}}
-    with pytest.raises(ConstraintInvalid, match="elements\\[0\\].pattern"):
+    with pytest.raises(ConstraintInvalid, match=r"elements\[0\]\.pattern"):
         extract({"response_format": small})
