@@ -58,19 +58,39 @@ def json_depth(value: Any, limit: int, max_nodes: int | None = None) -> tuple[in
     Iterative, linear in the value's size."""
     if not isinstance(value, dict | list):
         return 0, "", True
-    deepest, where = 0, ""
+    deepest: int = 0
+    where: Trail = None
     looked = 0
-    stack: list[tuple[Any, int, str]] = [(value, 1, "")]
+    # each node's path as a chain back to the root, written out for the deepest alone: a string per child copied
+    # its parent's, and a deep chain of long keys over a wide array took gigabytes (the final sweep)
+    stack: list[tuple[Any, int, Trail]] = [(value, 1, None)]
     while stack:
-        node, depth, path = stack.pop()
+        node, depth, trail = stack.pop()
         if depth > deepest:
-            deepest, where = depth, path
+            deepest, where = depth, trail
             if depth > limit:
-                return deepest, where, False
+                return deepest, pointer(where), False
         for key, child in node.items() if isinstance(node, dict) else enumerate(node):
             looked += 1
             if max_nodes is not None and looked > max_nodes:
-                return deepest, where, False
+                return deepest, pointer(where), False
             if isinstance(child, dict | list):
-                stack.append((child, depth + 1, f"{path}/{key}"))
-    return deepest, where, True
+                stack.append((child, depth + 1, (key, trail)))
+    return deepest, pointer(where), True
+
+
+Trail = tuple[Any, "Trail"] | None  # (key, the parent's trail): a path from the root, shared by siblings
+
+
+def pointer(trail: Trail, limit: int | None = None, sep: str = "/") -> str:
+    """The JSON pointer (``/a/0/b``) of a trail; with ``limit``, its last ``limit`` characters or so, after
+    "..." (for a message: each rendering then costs no more than that, however deep and long the path)."""
+    keys: list[str] = []
+    size = 0
+    while trail is not None:
+        key, trail = trail
+        keys.append(str(key))
+        size += len(keys[-1]) + len(sep)
+        if limit is not None and size > limit and trail is not None:
+            return "..." + "".join(f"{sep}{key}" for key in reversed(keys))[-limit:]
+    return "".join(f"{sep}{key}" for key in reversed(keys))

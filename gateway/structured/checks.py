@@ -26,8 +26,10 @@ from gateway.structured.bounds import (
     Code,
     ConstraintInvalid,
     Offload,
+    Trail,
     check_size,
     json_depth,
+    pointer,
     too_deep,
     utf8_size,
 )
@@ -68,6 +70,11 @@ _BNF_RULE = re.compile(r"^[ \t]*[A-Za-z0-9_.-]+[ \t]*(?:\[[^\]\n]*\])?[ \t]*::="
 _LARK_RULE = re.compile(r"^[ \t]*[?!]*[A-Za-z_][A-Za-z0-9_]*(?:\.-?[0-9]+)?[ \t]*:(?!:)", re.MULTILINE)
 _IN_PLACE_LISTS = ("allOf", "anyOf", "oneOf")
 _IN_PLACE_VALUES = ("not", "if", "then", "else")
+# subschemas a schema may apply to one value through $ref, allOf, anyOf, oneOf, not and if/then/else: a ladder
+# of $defs each the allOf of two $refs to the next is 2^N of them in 1.5 KB (the final sweep: N = 17 held the
+# event loop 5 s checking one tool call's arguments, and engines inline references the same way). Real schemas,
+# pydantic's unions of models included, apply tens.
+MAX_FAN_OUT = 1000
 
 
 # -- regular expressions ----------------------------------------------------------------------------------
@@ -181,10 +188,7 @@ def _schema(text: bytes, param: str, bounds: Bounds, inline: bool) -> None:
     problem = _unsatisfiable(value)
     if problem:
         raise ConstraintInvalid(f"{param}: {problem}", param)
-    cycle = _in_place_cycle(value)
-    if cycle:
-        raise ConstraintInvalid(f"{param} is not a valid JSON schema: $ref cycle {' -> '.join(cycle)} (a schema "
-                                "that refers back to itself without descending into the value)", param)
+    check_fan_out(value, param)
     from jsonschema.validators import validator_for
 
     error = next(_metaschema_validator(validator_for(value)).iter_errors(value), None)
@@ -211,23 +215,31 @@ _DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples", "example"})
 def _objects(root: Any) -> Iterator[tuple[dict[str, Any], str, bool]]:
     """Every object in the schema, with its JSON pointer and whether it sits inside data (``const``, ``enum``,
     ``default``, ``examples``: instances, not schemas)."""
-    stack: list[tuple[Any, str, bool]] = [(root, "", False)]
+    for node, trail, data in _object_trails(root):
+        yield node, pointer(trail, 200), data
+
+
+def _object_trails(root: Any) -> Iterator[tuple[dict[str, Any], Trail, bool]]:
+    """As :func:`_objects`, each with its path as a trail (written out only where needed: a string per object
+    copied its parent's, quadratic in a deep chain of long keys)."""
+    stack: list[tuple[Any, Trail, bool]] = [(root, None, False)]
     while stack:
-        node, at, data = stack.pop()
+        node, trail, data = stack.pop()
         if isinstance(node, dict):
-            yield node, at, data
-            stack.extend((child, f"{at}/{key}", data or key in _DATA_KEYWORDS) for key, child in node.items())
+            yield node, trail, data
+            stack.extend((child, (key, trail), data or key in _DATA_KEYWORDS) for key, child in node.items())
         elif isinstance(node, list):
-            stack.extend((child, f"{at}/{index}", data) for index, child in enumerate(node))
+            stack.extend((child, (index, trail), data) for index, child in enumerate(node))
 
 
 def schema_patterns(root: Any) -> Iterator[tuple[str, str, bool]]:
     """(JSON pointer, regex, whether it sits inside data) for every ``pattern`` and ``patternProperties`` key in
     the schema. Inside data it is not the schema's own."""
-    for node, at, data in _objects(root):
+    for node, trail, data in _object_trails(root):
         if isinstance(node.get("pattern"), str):
-            yield f"{at}/pattern", node["pattern"], data
+            yield f"{pointer(trail, 200)}/pattern", node["pattern"], data
         if isinstance(node.get("patternProperties"), dict):
+            at = pointer(trail, 200)
             yield from ((f"{at}/patternProperties", key, data) for key in node["patternProperties"])
 
 
@@ -288,29 +300,64 @@ def _resolve(root: Any, ref: str) -> Any:
     return node
 
 
-def _in_place_cycle(root: Any) -> list[str]:
-    """A cycle of schemas each applying the next to the same value (``$ref`` to a local JSON pointer,
-    ``allOf``/``anyOf``/``oneOf``, ``not``, ``if``/``then``/``else``): validating it never ends. Empty
-    when there is none. Linear: every object is a node, visited once."""
-    where: dict[int, str] = {}
+def check_fan_out(schema: Any, param: str) -> None:
+    """Refuse a schema that applies itself to one value without end (a cycle of ``$ref``s and applicators that
+    never descends into the value) or more than MAX_FAN_OUT times (ConstraintInvalid)."""
+    cycle, fan = in_place_fan_out(schema)
+    if cycle:
+        raise ConstraintInvalid(f"{param} is not a valid JSON schema: $ref cycle {' -> '.join(cycle)} (a schema "
+                                "that refers back to itself without descending into the value)", param)
+    if fan > MAX_FAN_OUT:
+        raise ConstraintInvalid(f"{param}: the schema applies more than {MAX_FAN_OUT} subschemas to one value "
+                                "(through $ref, allOf, anyOf, oneOf, not and if/then/else); this gateway accepts at "
+                                f"most {MAX_FAN_OUT}", param, "constraint_too_large")
+
+
+def in_place_fan_out(root: Any) -> tuple[list[str], int]:
+    """(a cycle of schemas each applying the next to the same value, as JSON pointers, else []; the most
+    subschemas any schema in it applies to one value, itself included, counted to MAX_FAN_OUT + 1). Linear in the
+    schema's objects."""
+    trails, nexts = _in_place_graph(root)
+    cycle = first_cycle(nexts)
+    if cycle:
+        return ["#" + pointer(trails[n], 200) for n in cycle[:20]], 0
+    paths: dict[int, int] = {}
+    for start in nexts:  # (a DAG now: each node's count once its targets' are known, without recursion)
+        stack = [(start, False)]
+        while stack:
+            node, ready = stack.pop()
+            if node in paths:
+                continue
+            if ready:
+                paths[node] = min(MAX_FAN_OUT + 1, 1 + sum(paths[t] for t in nexts[node]))
+                continue
+            stack.append((node, True))
+            stack.extend((t, False) for t in nexts[node] if t not in paths)
+    return [], max(paths.values(), default=1)
+
+
+def _in_place_graph(root: Any) -> tuple[dict[int, Trail], dict[int, list[int]]]:
+    """Every schema object (by id: its path) and the ones it applies to the same value (``$ref`` to a
+    local JSON pointer, ``allOf``/``anyOf``/``oneOf``, ``not``, ``if``/``then``/``else``)."""
+    trails: dict[int, Trail] = {}
     nexts: dict[int, list[int]] = {}
-    stack: list[tuple[Any, str]] = [(root, "#")]
+    stack: list[tuple[Any, Trail]] = [(root, None)]
     while stack:
         node, at = stack.pop()
         if isinstance(node, list):
-            stack.extend((child, f"{at}/{i}") for i, child in enumerate(node))
+            stack.extend((child, (i, at)) for i, child in enumerate(node))
             continue
-        if not isinstance(node, dict) or id(node) in where:
+        if not isinstance(node, dict) or id(node) in trails:
             continue
-        where[id(node)] = at
+        trails[id(node)] = at
         targets = [node[key] for key in _IN_PLACE_VALUES if key in node]
         targets += [item for key in _IN_PLACE_LISTS if isinstance(node.get(key), list) for item in node[key]]
         ref = node.get("$ref")
         if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
             targets.append(_resolve(root, ref))
         nexts[id(node)] = [id(t) for t in targets if isinstance(t, dict)]
-        stack.extend((child, f"{at}/{key}") for key, child in node.items())
-    return [where[n] for n in first_cycle(nexts)]
+        stack.extend((child, (key, at)) for key, child in node.items())
+    return trails, nexts
 
 
 # -- grammars ---------------------------------------------------------------------------------------------

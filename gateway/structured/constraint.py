@@ -33,6 +33,7 @@ from gateway.structured.checks import (
     Dialect,
     Renderings,
     check_choices,
+    check_fan_out,
     check_grammar,
     check_patterns,
     check_regex,
@@ -220,6 +221,7 @@ def _checked_parameters(text: bytes, param: str, bounds: Bounds) -> None:
     if depth > bounds.max_nesting:
         raise too_deep("JSON schema", f" (objects and arrays, at {where[:200] or '/'})", param, bounds.max_nesting)
     check_patterns(schema, param, bounds)  # (regexes the engine builds automata of, as for any schema)
+    check_fan_out(schema, param)  # (a strict tool's calls are checked against it; engines inline its $refs)
 
 
 def _from_vllm(so: Any, bounds: Bounds) -> list[Constraint]:

@@ -32,8 +32,24 @@ from typing import Any
 
 import orjson
 
-from gateway.structured.bounds import Bounds, ConstraintInvalid, Offload, check_size, json_depth, too_deep
-from gateway.structured.checks import INLINE_GRAMMAR_CHARS, check_grammar, check_patterns, check_regex, schema_patterns
+from gateway.structured.bounds import (
+    Bounds,
+    ConstraintInvalid,
+    Offload,
+    Trail,
+    check_size,
+    json_depth,
+    pointer,
+    too_deep,
+)
+from gateway.structured.checks import (
+    INLINE_GRAMMAR_CHARS,
+    check_fan_out,
+    check_grammar,
+    check_patterns,
+    check_regex,
+    schema_patterns,
+)
 
 WRAPPER_NESTING = 16  # vLLM's STRUCTURAL_TAG_WRAPPER_NESTING: levels a tag may add around its schemas
 # the regexes, grammars and schema patterns of one tag, in characters, that the event loop parses itself: what
@@ -59,14 +75,18 @@ def parse_tag(value: Any, param: str, bounds: Bounds) -> dict[str, Any]:
     if not isinstance(value, dict) or value.get("type") != "structural_tag":
         raise ConstraintInvalid(f"{param} must be an object with \"type\": \"structural_tag\"", param)
     limit = bounds.max_nesting + WRAPPER_NESTING
+    try:
+        text = orjson.dumps(value)  # (C, and bounded by the body: the size is known before anything is walked)
+    except orjson.JSONEncodeError as exc:
+        if "recursion" in str(exc).lower() or "depth" in str(exc).lower():
+            raise too_deep("structural tag", "", param, limit) from None
+        raise ConstraintInvalid(f"{param} is not a JSON object", param) from None
+    except TypeError:
+        raise ConstraintInvalid(f"{param} is not a JSON object", param) from None
+    check_size(len(text), "structural tag", param, bounds)
     depth, where, _ = json_depth(value, limit)
     if depth > limit:
         raise too_deep("structural tag", f" (objects and arrays, at {where[:200] or '/'})", param, limit)
-    try:
-        text = orjson.dumps(value)
-    except (orjson.JSONEncodeError, TypeError):
-        raise ConstraintInvalid(f"{param} is not a JSON object", param) from None
-    check_size(len(text), "structural tag", param, bounds)
     list(_nodes(value, param, bounds))  # (its shape, every node's, before anything is parsed)
     return value
 
@@ -126,14 +146,17 @@ def _legacy(tag: dict[str, Any], param: str) -> Iterator[tuple[str, Any, str, in
 
 def _format(root: dict[str, Any], param: str) -> Iterator[tuple[str, Any, str, int]]:
     """Every node of xgrammar's format tree that carries a schema, regex or grammar."""
-    stack: list[tuple[Any, str]] = [(root, param)]
+    stack: list[tuple[Any, Trail]] = [(root, None)]
     while stack:
-        node, where = stack.pop()
+        node, trail = stack.pop()
         if isinstance(node, list):
-            stack.extend((child, f"{where}[{i}]") for i, child in enumerate(node))
+            stack.extend((child, (f"[{i}]", trail)) for i, child in enumerate(node))
             continue
         if not isinstance(node, dict):
             continue
+        # (a node's path written out for it alone, its last 200 characters: a string per child copied its
+        # parent's, and a deep chain of long keys over a wide array took gigabytes, the final sweep)
+        where = param + pointer(trail, 200, sep="")
         kind = node.get("type")
         if not isinstance(kind, str):
             raise ConstraintInvalid(f"{where} must be a format object with a 'type'", where)
@@ -157,7 +180,7 @@ def _format(root: dict[str, Any], param: str) -> Iterator[tuple[str, Any, str, i
             yield "grammar", grammar, f"{where}.grammar", len(grammar)
         for key, child in node.items():
             if isinstance(child, dict | list):
-                stack.append((child, f"{where}.{key}"))
+                stack.append((child, (f".{key}", trail)))
 
 
 def _pattern_chars(schema: dict[str, Any]) -> int:
@@ -171,3 +194,4 @@ def _check_schema(schema: dict[str, Any], param: str, bounds: Bounds) -> None:
     if depth > bounds.max_nesting:
         raise too_deep("JSON schema", f" (objects and arrays, at {where[:200] or '/'})", param, bounds.max_nesting)
     check_patterns(schema, param, bounds)
+    check_fan_out(schema, param)

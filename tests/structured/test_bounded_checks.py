@@ -292,3 +292,61 @@ def test_a_structural_tag_carrying_many_grammars_is_checked_in_a_worker() -> Non
     small = {**tag, "format": {"type": "sequence", "elements": [{"type": "regex", "pattern": "(?=x)"}]}}
     with pytest.raises(ConstraintInvalid, match=r"elements\[0\]\.pattern"):
         extract({"response_format": small})
+
+
+def ladder(n: int) -> dict[str, Any]:
+    """A schema of $defs each the allOf of two $refs to the next: about 2^(n+2) subschemas applied to one value."""
+    defs: dict[str, Any] = {f"d{i}": {"allOf": [{"$ref": f"#/$defs/d{i + 1}"}] * 2} for i in range(n)}
+    defs[f"d{n}"] = {"type": "object"}
+    return {"$defs": defs, "$ref": "#/$defs/d0"}
+
+
+def test_a_schema_applying_exponentially_many_subschemas_to_one_value_is_refused() -> None:
+    """The final sweep: a strict tool's parameters as a ladder of 17 such $defs (1.5 KB) held the event loop 5 s
+    when a call's arguments were checked (2^18 evaluations of ``{}``; N = 25 would have been 20 minutes), and
+    engines inline $refs the same way. Such a schema is refused wherever it comes: a json_schema constraint, a
+    tool's parameters, a structural tag's schema; and an answer check whose values times the subschemas one of
+    them may meet is over the budget is skipped, not run."""
+    tool = {"type": "function", "function": {"name": "f", "strict": True, "parameters": ladder(10)}}
+    tag = {"type": "structural_tag", "format": {"type": "json_schema", "json_schema": ladder(10)}}
+    for body, param in (({"tools": [tool]}, "tools[0]"), ({"response_format": tag}, "response_format.format")):
+        with pytest.raises(ConstraintInvalid, match="more than 1000 subschemas") as err:
+            extract(body)
+        assert err.value.code == "constraint_too_large" and err.value.param.startswith(param), err.value.param
+    pending = extract({"json_schema": ladder(10)})  # (a larger schema: its whole check runs in a worker)
+    assert pending is not None and pending.pending == "json_schema"
+    verdict = run_check("json_schema", orjson.dumps(ladder(10)).decode(), "gbnf", "json_schema", Bounds())
+    assert verdict.problem is not None and "more than 1000 subschemas" in verdict.problem
+    fine = extract({"tools": [{**tool, "function": {**tool["function"], "parameters": ladder(7)}}]})
+    assert fine is not None and fine.kind == "strict_tools"
+    many = orjson.dumps({"xs": list(range(200))}).decode()  # 202 values x 510 subschemas: over the budget
+    answer = orjson.dumps({"choices": [{"message": {"role": "assistant", "tool_calls": [
+        {"id": "1", "type": "function", "function": {"name": "f", "arguments": many}}]}}]})
+    assert output_problem("chat", answer, fine) is None  # (skipped)
+    wrong = orjson.dumps({"choices": [{"message": {"role": "assistant", "tool_calls": [
+        {"id": "1", "type": "function", "function": {"name": "f", "arguments": "[]"}}]}}]})
+    assert output_problem("chat", wrong, fine) is not None  # (a small answer is still checked)
+
+
+def test_paths_are_written_out_only_where_a_message_needs_one() -> None:
+    """The final sweep: a chain of 74 objects with 800-character keys over an array of 30,000 values (119 KB, within
+    max_constraint_bytes) had a path string copied for every value: 1.6 GB held, 0.7 s, for one request. The walks
+    now keep each path as a chain back to the root and write one out for a message only."""
+    import tracemalloc
+
+    node: dict[str, Any] = {"type": "x", "k": [0] * 30_000}
+    for d in range(74):
+        node = {"type": "x", f"K{d:02d}" + "a" * 800: node}
+    tag = {"type": "structural_tag", "format": {"type": "sequence", "elements": [node]}}
+    schema: dict[str, Any] = {"type": "object", "enum": [[0] * 30_000]}
+    for d in range(30):  # (two levels each: within max_nesting)
+        schema = {"type": "object", "properties": {f"K{d:02d}" + "a" * 2000: schema}}
+    tracemalloc.start()
+    try:
+        assert extract({"response_format": tag}) is not None
+        tool = {"type": "function", "function": {"name": "f", "parameters": schema}}
+        extract({"tools": [tool], "tool_choice": "auto"})
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 64 * 1024 * 1024, f"{peak / 2**20:.0f} MiB"
