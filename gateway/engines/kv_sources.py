@@ -91,6 +91,8 @@ def connectable(endpoint: Any, client: httpx.AsyncClient, what: str) -> str:
         raise BackendError(f"{what}: no endpoint ({type(endpoint).__name__})")
     if endpoint.startswith("ipc://"):
         path = endpoint[len("ipc://"):]
+        if not path.startswith("/"):  # (a relative path, or a Linux abstract socket "@name": any process's)
+            raise BackendError(f"{what}: an ipc:// socket that is not an absolute path")
         if not _loopback(client.base_url.host or "127.0.0.1"):
             raise BackendError(f"{what}: an ipc:// socket is on the engine's machine, and the backend is not on "
                                "this one")
@@ -100,6 +102,6 @@ def connectable(endpoint: Any, client: httpx.AsyncClient, what: str) -> str:
     if not endpoint.startswith("tcp://"):
         raise BackendError(f"{what}: {endpoint[:80]!r} cannot be reached from another process")
     host, _, port = endpoint[len("tcp://"):].rpartition(":")
-    if not port.isdecimal() or len(port) > 5:
+    if not (port.isascii() and port.isdigit()) or len(port) > 5:  # (isdecimal() takes any script's digits)
         raise BackendError(f"{what}: {endpoint[:80]!r} names no port")
     return tcp_address(host, int(port), client, what)

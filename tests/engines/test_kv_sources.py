@@ -62,6 +62,9 @@ ECHO = "Bearer sk-backendSECRET-0123456789"
     ({"replay_endpoint": "ipc:///tmp/x"}, None, "not on this one"),
     ({"replay_endpoint": "ipc:///tmp/" + "x" * 200}, "http://127.0.0.1:8000", "at most 107"),
     ({"endpoint": "tcp://*:99999999"}, None, "names no port"),
+    ({"endpoint": "tcp://*:\u0664\u0669\u0668\u0663\u0665"}, None, "names no port"),  # (Arabic-Indic digits)
+    ({"replay_endpoint": "ipc://@abstract-sock"}, "http://127.0.0.1:8000", "not an absolute path"),
+    ({"replay_endpoint": "ipc://rel/x"}, "http://127.0.0.1:8000", "not an absolute path"),
 ])
 def test_an_engine_names_no_address_but_its_own_and_no_unbounded_topic(rank: dict[str, Any], url: str | None,
                                                                          said: str) -> None:

@@ -25,6 +25,8 @@ from typing import Any
 
 import orjson
 
+from gateway.engines.readings import MAX_USAGE_TOKENS
+
 
 def countable(chat: dict[str, Any]) -> bool:
     """Whether the engine's tokenizing route can count this chat request: no image (its content is text)."""
@@ -62,6 +64,6 @@ def input_tokens(raw: bytes) -> bytes:
     length = doc.get("length") if isinstance(doc, dict) else None
     if isinstance(doc, dict) and length is None and isinstance(doc.get("tokens"), list):
         length = len(doc["tokens"])
-    if not isinstance(length, int) or isinstance(length, bool) or length < 0:
-        raise ValueError("no token count ('length')")
+    if not isinstance(length, int) or isinstance(length, bool) or not 0 <= length <= MAX_USAGE_TOKENS:
+        raise ValueError("no token count ('length'), or one past any prompt")
     return orjson.dumps({"input_tokens": length})

@@ -33,6 +33,7 @@ def test_text_parts_are_one_string_and_an_image_is_not_countable() -> None:
 def test_the_engines_count_is_answered_as_input_tokens_and_anything_else_is_no_count() -> None:
     assert orjson.loads(input_tokens(b'{"tokens": [1, 2, 3], "length": 3}')) == {"input_tokens": 3}
     assert orjson.loads(input_tokens(b'{"tokens": [1, 2]}')) == {"input_tokens": 2}
-    for bad in (b"[]", b"nope", b'{"length": -1}', b'{"length": true}', b'{"detail": "x"}'):
+    for bad in (b"[]", b"nope", b'{"length": -1}', b'{"length": true}', b'{"detail": "x"}',
+                b'{"length": 18446744073709551615}'):  # (the final sweep: 2^64 - 1 reached the client)
         with pytest.raises(ValueError):
             input_tokens(bad)
