@@ -8,9 +8,10 @@ automata, time linear in the answer; ``\d`` and ``\w`` ASCII, as the engines' de
 every pattern the gateway accepts (lookarounds and backreferences are refused up front) that does not unroll
 past its own size limits; QA found ``(a+)+`` answers passed unchecked before it. ``jsonschema`` recurses with
 the answer: one nested deeper than ``MAX_ANSWER_DEPTH`` is not checked, and it applies a schema's ``$ref``,
-``allOf``, ``anyOf``, ... to every value (all of them: ``allOf`` never stops early): an answer whose values times
-the subschemas one of them may meet is over ``CHECK_BUDGET`` is not checked (request time keeps the latter to
-``checks.MAX_FAN_OUT``; a strict tool's schema is checked after generation on engines that cannot enforce it).
+``allOf``, ``anyOf``, ... to every value by every path (``allOf`` never stops early): an answer whose check could
+apply more than ``CHECK_BUDGET`` subschemas (counted before it runs, :mod:`~gateway.structured.check_cost`), or
+whose schema applies them by rules that count does not follow, is not checked (a strict tool's schema is checked
+after generation on engines that cannot enforce it).
 An answer that cannot be checked in bounds passes unchecked (the check is a safety net behind engines that
 enforce the constraint themselves); ``skipped`` says why, in a debug log. An answer longer than
 ``MAX_ANSWER_BYTES`` is not checked either: ``jsonschema`` takes a few microseconds per value, RE2 about 60 ns
@@ -28,7 +29,7 @@ from typing import Any
 import orjson
 
 from gateway.structured.bounds import json_depth
-from gateway.structured.checks import in_place_fan_out
+from gateway.structured.check_cost import check_cost
 from gateway.structured.constraint import Constraint
 from gateway.structured.regex_cost import compile_cost, steps
 
@@ -108,27 +109,6 @@ def _longest_string(value: Any) -> int:
 
 
 @lru_cache(maxsize=64)
-def _fan_out(text: bytes) -> int:
-    """The most subschemas a schema (by its serialised form) applies to one value; past checks.MAX_FAN_OUT (or in
-    a cycle, which request time refuses) as good as endless."""
-    cycle, fan = in_place_fan_out(orjson.loads(text))
-    return CHECK_BUDGET + 1 if cycle else fan
-
-
-def _values(value: Any) -> int:
-    """The values in a decoded JSON document, containers included."""
-    count, stack = 0, [value]
-    while stack:
-        node = stack.pop()
-        count += 1
-        if isinstance(node, dict):
-            stack.extend(node.values())
-        elif isinstance(node, list):
-            stack.extend(node)
-    return count
-
-
-@lru_cache(maxsize=64)
 def _schema_patterns(text: bytes) -> tuple[tuple[str, bool], ...]:
     """Every ``pattern`` regex of a schema (by its serialised form), and every ``patternProperties`` one (True)."""
     found: list[tuple[str, bool]] = []
@@ -171,13 +151,13 @@ def _schema_problem(text: str, value: Any, constraint: Constraint) -> str | None
     if depth > MAX_ANSWER_DEPTH:
         skipped(constraint, f"the answer nests deeper than {MAX_ANSWER_DEPTH} levels")
         return None
-    text_of_schema = orjson.dumps(constraint.schema)
-    fan_out = _fan_out(text_of_schema)
-    if fan_out * _values(value) > CHECK_BUDGET:
-        skipped(constraint, f"the answer's values times the {fan_out} subschemas one of them may meet are more than "
-                            f"{CHECK_BUDGET}")
+    cost = check_cost(constraint.schema, value, CHECK_BUDGET)
+    if cost is None or cost > CHECK_BUDGET:
+        skipped(constraint, "the schema applies its subschemas by rules the gateway cannot bound ($anchor, $id, "
+                            "$dynamicRef, dependentSchemas, unevaluated*)" if cost is None else
+                            f"checking the answer could apply more than {CHECK_BUDGET} subschemas")
         return None
-    patterns = _schema_patterns(text_of_schema)
+    patterns = _schema_patterns(orjson.dumps(constraint.schema))
     linear = False  # a pattern Python's re cannot match within bounds: every pattern is matched by RE2 then
     if patterns:
         longest = _longest_string(value)

@@ -350,3 +350,42 @@ def test_paths_are_written_out_only_where_a_message_needs_one() -> None:
     finally:
         tracemalloc.stop()
     assert peak < 64 * 1024 * 1024, f"{peak / 2**20:.0f} MiB"
+
+
+def _ladder_defs(n: int, step: Callable[[int], dict[str, Any]], leaf: dict[str, Any]) -> dict[str, Any]:
+    defs = {f"d{i}": step(i) for i in range(n)}
+    defs[f"d{n}"] = leaf
+    return defs
+
+
+def test_an_answer_check_that_could_run_away_is_counted_before_it_runs_and_skipped() -> None:
+    """The fifth sweep: the check of a strict tool's call (and of any answer under validate_outputs) ran
+    jsonschema on the event loop, and two shapes within every request bound ran for minutes: ladders whose
+    references the fan-out count did not follow ($anchor, $id, $dynamicRef, dependentSchemas, draft-7
+    dependencies: 9.9 s at N = 19), and a counted ladder of 2^7 paths whose leaf applies it again to every child
+    (the work multiplies along the answer's depth: never finished). The work is now counted before the check
+    runs, and a check past the budget, or of a schema applying subschemas by rules the count does not follow,
+    is skipped (the answer passes unchecked, as the docs say); an ordinary check still runs."""
+    two = lambda ref: {"allOf": [{"$ref": ref}, {"$ref": ref}]}  # noqa: E731
+    unfollowed = {
+        "anchor": {"$defs": {k: {**v, "$anchor": k} for k, v in _ladder_defs(
+            20, lambda i: two(f"#d{i + 1}"), {"type": "object"}).items()}, "$ref": "#d0"},
+        "id": {"$id": "urn:root", "$defs": {k: {**v, "$id": f"urn:{k}"} for k, v in _ladder_defs(
+            20, lambda i: two(f"urn:d{i + 1}"), {"type": "object"}).items()}, "$ref": "urn:d0"},
+        "dependentSchemas": {"$defs": _ladder_defs(20, lambda i: {"dependentSchemas": {
+            "a": {"$ref": f"#/$defs/d{i + 1}"}, "b": {"$ref": f"#/$defs/d{i + 1}"}}}, {"type": "object"}),
+            "$ref": "#/$defs/d0"},
+    }
+    leaf = {"type": ["object", "array", "integer"], "additionalProperties": {"$ref": "#/$defs/d0"},
+            "items": {"$ref": "#/$defs/d0"}}
+    deep = {"$defs": _ladder_defs(7, lambda i: two(f"#/$defs/d{i + 1}"), leaf), "$ref": "#/$defs/d0"}
+    cases = [*((schema, {"a": 1, "b": 2}) for schema in unfollowed.values()), (deep, {"x": [0] * 95})]
+    for schema, answer in cases:
+        constraint = Constraint("json_schema", "response_format", schema=schema)
+        assert output_problem("completions", orjson.dumps({"choices": [{"text": orjson.dumps(answer).decode()}]}),
+                              constraint) is None  # (skipped: it would have run for seconds to hours)
+    ordinary = Constraint("json_schema", "response_format", schema={
+        "$defs": {"n": {"type": "integer"}}, "type": "object",
+        "properties": {"xs": {"type": "array", "items": {"$ref": "#/$defs/n"}}}})
+    bad = orjson.dumps({"choices": [{"text": '{"xs": [1, 2, "three"]}'}]})
+    assert output_problem("completions", bad, ordinary) is not None

@@ -1,0 +1,145 @@
+"""An upper bound on the work ``jsonschema`` does to check one answer against one schema, before it runs.
+
+``jsonschema`` applies every subschema that reaches a value, by every path that reaches it, and never stops early
+(``allOf``, and ``anyOf`` while looking for the best error): a schema applying few subschemas to one value can
+still apply them to each child once per path that reached the parent, so the work is the product along the
+answer's depth (the final sweep: a ladder of 2^5 paths whose leaf applies the ladder again to every child took
+27 s for a 744-byte request; 2^7 never finished). This counts it: the answer is walked once, each value with the
+schemas that reach it and in how many ways (the in-place closure of ``$ref``, ``allOf``, ``anyOf``, ``oneOf``,
+``not``, ``if``/``then``/``else``, counted with multiplicity), each child with what its parent's schemas apply to
+it (``properties``, ``patternProperties`` and ``additionalProperties`` to every key, ``items``, ``prefixItems``,
+``additionalItems`` and ``contains`` to every element: over, never under), and the count stops at the budget.
+
+A schema whose evaluation it cannot follow is not counted but refused (:func:`check_cost` returns None): a
+reference other than a local JSON pointer (``#anchor``, an ``$id`` URI, ``$dynamicRef``, ``$recursiveRef``),
+an ``$id`` below the root, or a keyword that applies schemas by rules not followed here (``dependentSchemas``,
+``dependencies``, ``unevaluatedProperties``, ``unevaluatedItems``). The caller then does not check the answer.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+from urllib.parse import unquote
+
+_IN_PLACE_LISTS = ("allOf", "anyOf", "oneOf")
+_IN_PLACE_VALUES = ("not", "if", "then", "else")
+_NOT_FOLLOWED = ("$anchor", "$dynamicRef", "$dynamicAnchor", "$recursiveRef", "$recursiveAnchor",
+                 "dependentSchemas", "dependencies", "unevaluatedProperties", "unevaluatedItems")
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples", "example"})
+
+
+def check_cost(schema: Any, value: Any, budget: int) -> int | None:
+    """Subschema applications (each weighted by the ``enum`` values it compares) checking ``value`` against
+    ``schema`` may take, counted to ``budget`` + 1; None when the schema uses what this does not follow."""
+    if not isinstance(schema, dict) or not _followable(schema):
+        return None
+    total = 0
+    stack: list[tuple[Any, dict[int, int]]] = [(value, {id(schema): 1})]
+    nodes: dict[int, dict[str, Any]] = {id(schema): schema}
+    while stack:
+        node, reaching = stack.pop()
+        applied = _closure(schema, reaching, nodes, budget - total)
+        if applied is None:
+            return budget + 1
+        for sid, count in applied.items():
+            enum = nodes[sid].get("enum")
+            total += count * (1 + (len(enum) if isinstance(enum, list) else 0))
+            if total > budget:
+                return budget + 1
+        if isinstance(node, dict):
+            names: dict[int, int] = defaultdict(int)  # (propertyNames: applied to every key, a string)
+            for sid, count in applied.items():
+                target = nodes[sid].get("propertyNames")
+                if isinstance(target, dict):
+                    nodes[id(target)] = target
+                    names[id(target)] += count
+            for key, child in node.items():
+                stack.append((child, _children(applied, nodes, key, None)))
+                if names:
+                    stack.append((key, names))
+        elif isinstance(node, list):
+            for index, child in enumerate(node):
+                stack.append((child, _children(applied, nodes, None, index)))
+    return total
+
+
+def _followable(root: dict[str, Any]) -> bool:
+    stack: list[tuple[Any, bool, bool]] = [(root, True, False)]
+    while stack:
+        node, top, data = stack.pop()
+        if isinstance(node, dict):
+            if not data:
+                if any(key in node for key in _NOT_FOLLOWED) or ("$id" in node and not top):
+                    return False
+                ref = node.get("$ref")
+                if ref is not None and not (isinstance(ref, str) and (ref == "#" or ref.startswith("#/"))):
+                    return False
+            stack.extend((child, False, data or key in _DATA_KEYWORDS) for key, child in node.items())
+        elif isinstance(node, list):
+            stack.extend((child, False, data) for child in node)
+    return True
+
+
+def _closure(root: dict[str, Any], reaching: dict[int, int], nodes: dict[int, dict[str, Any]],
+             budget: int) -> dict[int, int] | None:
+    """Every schema applied to one value, with the number of ways it is, from those reaching it; None past
+    ``budget`` applications (request time refuses in-place cycles; a cycle here runs into the budget)."""
+    applied: dict[int, int] = defaultdict(int)
+    queue = list(reaching.items())
+    spent = 0
+    while queue:
+        sid, count = queue.pop()
+        applied[sid] += count
+        spent += count
+        if spent > budget:
+            return None
+        schema = nodes[sid]
+        targets = [schema[key] for key in _IN_PLACE_VALUES if key in schema]
+        targets += [item for key in _IN_PLACE_LISTS if isinstance(schema.get(key), list) for item in schema[key]]
+        ref = schema.get("$ref")
+        if isinstance(ref, str):
+            targets.append(_resolve(root, ref))
+        for target in targets:
+            if isinstance(target, dict):
+                nodes[id(target)] = target
+                queue.append((id(target), count))
+    return applied
+
+
+def _children(applied: dict[int, int], nodes: dict[int, dict[str, Any]], key: str | None,
+              index: int | None) -> dict[int, int]:
+    """What the schemas applied to a value apply to its child at ``key`` (an object's) or ``index`` (an array's)."""
+    out: dict[int, int] = defaultdict(int)
+    for sid, count in applied.items():
+        schema = nodes[sid]
+        if key is not None:
+            properties = schema.get("properties")
+            targets = [properties[key]] if isinstance(properties, dict) and key in properties else []
+            patterns = schema.get("patternProperties")
+            targets += list(patterns.values()) if isinstance(patterns, dict) else []
+            targets.append(schema.get("additionalProperties"))
+        else:
+            prefix = schema.get("prefixItems")
+            items = schema.get("items")
+            targets = [prefix[index]] if isinstance(prefix, list) and index is not None and index < len(prefix) else []
+            targets += items if isinstance(items, list) else [items]  # (a draft-4 tuple: over, never under)
+            targets += [schema.get("additionalItems"), schema.get("contains")]
+        for target in targets:
+            if isinstance(target, dict):
+                nodes[id(target)] = target
+                out[id(target)] += count
+    return out
+
+
+def _resolve(root: Any, ref: str) -> Any:
+    node = root
+    for raw in unquote(ref[1:]).split("/")[1:]:
+        part = raw.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return None
+    return node
