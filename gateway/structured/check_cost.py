@@ -8,7 +8,8 @@ answer's depth (the final sweep: a ladder of 2^5 paths whose leaf applies the la
 schemas that reach it and in how many ways (the in-place closure of ``$ref``, ``allOf``, ``anyOf``, ``oneOf``,
 ``not``, ``if``/``then``/``else``, counted with multiplicity), each child with what its parent's schemas apply to
 it (``properties``, ``patternProperties`` and ``additionalProperties`` to every key, ``items``, ``prefixItems``,
-``additionalItems`` and ``contains`` to every element: over, never under), and the count stops at the budget.
+``additionalItems`` and ``contains`` to every element: over, never under; ``uniqueItems`` weighs the
+comparisons it makes, every pair where the items cannot be sorted), and the count stops at the budget.
 
 A schema whose evaluation it cannot follow is not counted but refused (:func:`check_cost` returns None): a
 reference other than a local JSON pointer (``#anchor``, an ``$id`` URI, ``$dynamicRef``, ``$recursiveRef``),
@@ -45,6 +46,8 @@ def check_cost(schema: Any, value: Any, budget: int) -> int | None:
         for sid, count in applied.items():
             enum = nodes[sid].get("enum")
             total += count * (1 + (len(enum) if isinstance(enum, list) else 0))
+            if isinstance(node, list) and nodes[sid].get("uniqueItems") is True:
+                total += count * _uniqueness(node)
             if total > budget:
                 return budget + 1
         if isinstance(node, dict):
@@ -62,6 +65,15 @@ def check_cost(schema: Any, value: Any, budget: int) -> int | None:
             for index, child in enumerate(node):
                 stack.append((child, _children(applied, nodes, None, index)))
     return total
+
+
+def _uniqueness(items: list[Any]) -> int:
+    """Comparisons ``uniqueItems`` makes: jsonschema sorts what it can (numbers, strings), and compares every pair
+    of anything else (objects, arrays, mixed types)."""
+    n = len(items)
+    sortable = all(isinstance(i, int | float) and not isinstance(i, bool) for i in items) or all(
+        isinstance(i, str) for i in items)
+    return n * max(1, n.bit_length()) if sortable else n * (n - 1) // 2
 
 
 def _followable(root: dict[str, Any]) -> bool:

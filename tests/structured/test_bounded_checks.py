@@ -389,3 +389,9 @@ def test_an_answer_check_that_could_run_away_is_counted_before_it_runs_and_skipp
         "properties": {"xs": {"type": "array", "items": {"$ref": "#/$defs/n"}}}})
     bad = orjson.dumps({"choices": [{"text": '{"xs": [1, 2, "three"]}'}]})
     assert output_problem("completions", bad, ordinary) is not None
+    # uniqueItems over objects compares every pair (jsonschema sorts only what it can): 8,000 of them, 32M
+    unique = Constraint("json_schema", "response_format", schema={"type": "array", "uniqueItems": True})
+    objects = orjson.dumps([{"a": i} for i in range(8000)]).decode()
+    assert output_problem("completions", orjson.dumps({"choices": [{"text": objects}]}), unique) is None
+    numbers = orjson.dumps([*range(300), 0]).decode()  # (sorted: checked, and the duplicate found)
+    assert output_problem("completions", orjson.dumps({"choices": [{"text": numbers}]}), unique) is not None
