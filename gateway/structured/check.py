@@ -142,8 +142,9 @@ def _with_re2_patterns(cls: Any) -> Any:
     return validators.extend(cls, {"pattern": pattern})  # type: ignore[no-untyped-call]
 
 
-def _schema_problem(text: str, value: Any, constraint: Constraint) -> str | None:
-    """Why ``value`` does not match the schema; None when it does or the check would not be bounded."""
+def _schema_problem(text: str, value: Any, constraint: Constraint, budget: list[int]) -> str | None:
+    """Why ``value`` does not match the schema; None when it does or the check would not be bounded.
+    ``budget``: the subschema applications left for the whole answer (every call, every choice), spent here."""
     if len(text) > MAX_ANSWER_BYTES:
         skipped(constraint, f"the answer is longer than {MAX_ANSWER_BYTES} characters")
         return None
@@ -151,8 +152,10 @@ def _schema_problem(text: str, value: Any, constraint: Constraint) -> str | None
     if depth > MAX_ANSWER_DEPTH:
         skipped(constraint, f"the answer nests deeper than {MAX_ANSWER_DEPTH} levels")
         return None
-    cost = check_cost(constraint.schema, value, CHECK_BUDGET)
-    if cost is None or cost > CHECK_BUDGET:
+    cost = check_cost(constraint.schema, value, budget[0])
+    if cost is not None and cost <= budget[0]:
+        budget[0] -= cost
+    else:
         skipped(constraint, "the schema applies its subschemas by rules the gateway cannot bound ($anchor, $id, "
                             "$dynamicRef, dependentSchemas, unevaluated*)" if cost is None else
                             f"checking the answer could apply more than {CHECK_BUDGET} subschemas")
@@ -180,6 +183,10 @@ def _schema_problem(text: str, value: Any, constraint: Constraint) -> str | None
     except (Unresolvable, UnknownType) as exc:  # e.g. a $ref to a document the gateway does not have
         skipped(constraint, f"{type(exc).__name__}: {exc}")
         return None
+    except (TypeError, ValueError, AttributeError) as exc:  # a schema jsonschema cannot apply (draft 3's schema
+        # types raised TypeError in best_match): the gateway's own limit, never the backend's failure
+        skipped(constraint, f"jsonschema could not apply it ({type(exc).__name__})")
+        return None
     except RecursionError:  # only with limits.max_nesting far above its default: in-place nesting recurses
         skipped(constraint, "the schema nests too deeply to check an answer on the event loop")
         return None
@@ -200,6 +207,7 @@ def _tool_problem(raw: bytes, constraint: Constraint) -> str | None:
     except orjson.JSONDecodeError:
         return "the backend's answer is not JSON"
     strict: dict[str, Any] = constraint.schema
+    budget = [CHECK_BUDGET]  # (for the whole answer: every call of every choice)
     for choice in doc.get("choices") or () if isinstance(doc, dict) else ():
         message = choice.get("message") if isinstance(choice, dict) else None
         for call in (message.get("tool_calls") or ()) if isinstance(message, dict) else ():
@@ -216,7 +224,7 @@ def _tool_problem(raw: bytes, constraint: Constraint) -> str | None:
             except orjson.JSONDecodeError as exc:
                 return f"the arguments of a call of the strict tool {name!r} are not valid JSON: {exc}"
             schema = strict[name] if strict[name] is not None else {"type": "object"}
-            problem = _schema_problem(arguments, value, replace(constraint, schema=schema))
+            problem = _schema_problem(arguments, value, replace(constraint, schema=schema), budget)
             if problem is not None:
                 return f"the arguments of a call of the strict tool {name!r} do not match its parameters: " + \
                     problem.removeprefix("the answer does not match the schema: ")
@@ -232,6 +240,7 @@ def output_problem(route: str, raw: bytes, constraint: Constraint) -> str | None
     texts = _texts(route, raw)
     if isinstance(texts, str):
         return texts
+    budget = [CHECK_BUDGET]  # (for the whole answer: every choice)
     for text in texts:
         if constraint.kind in ("json_object", "json_schema"):
             try:
@@ -242,7 +251,7 @@ def output_problem(route: str, raw: bytes, constraint: Constraint) -> str | None
                 if not isinstance(value, dict):
                     return "the answer is JSON but not an object"
                 continue
-            problem = _schema_problem(text, value, constraint)
+            problem = _schema_problem(text, value, constraint, budget)
             if problem is not None:
                 return problem
         elif constraint.kind == "regex":

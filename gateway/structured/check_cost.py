@@ -26,7 +26,8 @@ from urllib.parse import unquote
 _IN_PLACE_LISTS = ("allOf", "anyOf", "oneOf")
 _IN_PLACE_VALUES = ("not", "if", "then", "else")
 _NOT_FOLLOWED = ("$anchor", "$dynamicRef", "$dynamicAnchor", "$recursiveRef", "$recursiveAnchor",
-                 "dependentSchemas", "dependencies", "unevaluatedProperties", "unevaluatedItems")
+                 "dependentSchemas", "dependencies", "unevaluatedProperties", "unevaluatedItems",
+                 "extends", "disallow")  # (draft 3's, which apply schemas too)
 _DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples", "example"})
 
 
@@ -35,6 +36,9 @@ def check_cost(schema: Any, value: Any, budget: int) -> int | None:
     ``schema`` may take, counted to ``budget`` + 1; None when the schema uses what this does not follow."""
     if not isinstance(schema, dict) or not _followable(schema):
         return None
+    if "draft-03" in str(schema.get("$schema", "")):  # (draft 3's types may be schemas)
+        return None
+    weights: dict[int, int] = {}
     total = 0
     stack: list[tuple[Any, dict[int, int]]] = [(value, {id(schema): 1})]
     nodes: dict[int, dict[str, Any]] = {id(schema): schema}
@@ -44,12 +48,18 @@ def check_cost(schema: Any, value: Any, budget: int) -> int | None:
         if applied is None:
             return budget + 1
         for sid, count in applied.items():
-            enum = nodes[sid].get("enum")
-            total += count * (1 + (len(enum) if isinstance(enum, list) else 0))
+            if sid not in weights:  # (an enum or const is compared whole with the value: its size)
+                weights[sid] = 1 + _values(nodes[sid].get("enum")) + _values(nodes[sid].get("const"))
+            total += count * weights[sid]
             if isinstance(node, list) and nodes[sid].get("uniqueItems") is True:
                 total += count * _uniqueness(node)
             if total > budget:
                 return budget + 1
+        # (what each child would be handed, counted before it is built: a tuple of k item schemas or k patterns
+        # handed to each of k children is k^2 entries)
+        fan = sum(count * _handed(nodes[sid]) for sid, count in applied.items())
+        if isinstance(node, dict | list) and (total := total + fan * len(node)) > budget:
+            return budget + 1
         if isinstance(node, dict):
             names: dict[int, int] = defaultdict(int)  # (propertyNames: applied to every key, a string)
             for sid, count in applied.items():
@@ -65,6 +75,27 @@ def check_cost(schema: Any, value: Any, budget: int) -> int | None:
             for index, child in enumerate(node):
                 stack.append((child, _children(applied, nodes, None, index)))
     return total
+
+
+def _handed(schema: dict[str, Any]) -> int:
+    """How many subschemas a schema may hand each child (patternProperties each, a tuple's items, the rest)."""
+    patterns = schema.get("patternProperties")
+    return 4 + (len(patterns) if isinstance(patterns, dict) else 0)
+
+
+def _values(value: Any) -> int:
+    """The values in a JSON value, containers included (0 for None: no enum, no const)."""
+    if value is None:
+        return 0
+    count, stack = 0, [value]
+    while stack:
+        node = stack.pop()
+        count += 1
+        if isinstance(node, dict):
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return count
 
 
 def _uniqueness(items: list[Any]) -> int:
@@ -135,7 +166,10 @@ def _children(applied: dict[int, int], nodes: dict[int, dict[str, Any]], key: st
             prefix = schema.get("prefixItems")
             items = schema.get("items")
             targets = [prefix[index]] if isinstance(prefix, list) and index is not None and index < len(prefix) else []
-            targets += items if isinstance(items, list) else [items]  # (a draft-4 tuple: over, never under)
+            if isinstance(items, list):  # (a draft-4 tuple: positional)
+                targets += [items[index]] if index is not None and index < len(items) else []
+            else:
+                targets.append(items)
             targets += [schema.get("additionalItems"), schema.get("contains")]
         for target in targets:
             if isinstance(target, dict):

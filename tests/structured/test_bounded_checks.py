@@ -395,3 +395,57 @@ def test_an_answer_check_that_could_run_away_is_counted_before_it_runs_and_skipp
     assert output_problem("completions", orjson.dumps({"choices": [{"text": objects}]}), unique) is None
     numbers = orjson.dumps([*range(300), 0]).decode()  # (sorted: checked, and the duplicate found)
     assert output_problem("completions", orjson.dumps({"choices": [{"text": numbers}]}), unique) is not None
+
+
+def _call(arguments: Any, calls: int = 1) -> bytes:
+    tool_calls = [{"id": str(i), "type": "function", "function": {"name": "f", "arguments": orjson.dumps(
+        arguments).decode()}} for i in range(calls)]
+    return orjson.dumps({"choices": [{"message": {"role": "assistant", "tool_calls": tool_calls}}]})
+
+
+def _strict(schema: dict[str, Any]) -> Constraint:
+    return Constraint("strict_tools", "tools", schema={"f": schema})
+
+
+def test_the_count_before_an_answer_check_covers_what_the_sixth_sweep_found() -> None:
+    """The sixth sweep's shapes, each of which held the event loop 4-21 s or took gigabytes: uniqueItems over a
+    list of mixed types (compared pairwise), draft 3's extends and schema-valued types (2^N, and a TypeError in
+    jsonschema that was counted as the backend's failure), a tuple of k item schemas over k elements (the count
+    itself built k^2 entries), 40 calls of one answer each within the budget, and a const the size of the answer
+    compared 499 times. Each is now skipped within the answer's one budget; none raises."""
+    ladder = lambda n, step, leaf: {**{f"d{i}": step(i) for i in range(n)}, f"d{n}": leaf}  # noqa: E731
+    draft3 = "http://json-schema.org/draft-03/schema#"
+    big = list(range(1000, 13_000))
+    cases: list[tuple[dict[str, Any], Any, int]] = [
+        ({"type": "object", "properties": {"x": {"type": "array", "uniqueItems": True}}},
+         {"x": ["s", *range(1000, 11_000)]}, 1),
+        ({"$schema": draft3, "type": "object", "definitions": ladder(19, lambda i: {"extends": [
+            {"$ref": f"#/definitions/d{i + 1}"}] * 2}, {"type": "object"}), "extends": {"$ref": "#/definitions/d0"}},
+         {"a": 1}, 1),
+        ({"$schema": draft3, "definitions": ladder(4, lambda i: {"type": [
+            {"$ref": f"#/definitions/d{i + 1}"}] * 2}, {"type": "integer"}), "type": [{"$ref": "#/definitions/d0"}]},
+         {"a": 1}, 1),
+        ({"$schema": "http://json-schema.org/draft-07/schema#", "type": "object",
+          "properties": {"x": {"type": "array", "items": [{} for _ in range(6000)]}}}, {"x": [0] * 6000}, 1),
+        ({"type": "object", "$defs": {"i": {"type": "integer", "minimum": 0}},
+          "properties": {"x": {"type": "array", "items": {"allOf": [{"$ref": "#/$defs/i"}] * 499}}}},
+         {"x": [0] * 48}, 40),
+        ({"type": "object", "$defs": {"c": {"const": big}}, "properties": {"x": {"allOf": [{"$ref": "#/$defs/c"}] *
+                                                                                 499}}}, {"x": big}, 1),
+    ]
+    import tracemalloc
+
+    for schema, arguments, calls in cases:
+        tracemalloc.start()
+        try:
+            assert output_problem("chat", _call(arguments, calls), _strict(schema)) is None
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        assert peak < 64 * 1024 * 1024, (schema.get("$schema"), f"{peak / 2**20:.0f} MiB")
+    # and what is small is still checked, calls and choices together
+    small = {"type": "object", "properties": {"x": {"type": "array", "uniqueItems": True}}}
+    assert output_problem("chat", _call({"x": ["s", 1, 1]}), _strict(small)) is not None
+    tuple_schema = {"$schema": "http://json-schema.org/draft-07/schema#", "type": "object",
+                    "properties": {"x": {"type": "array", "items": [{"type": "string"}]}}}
+    assert output_problem("chat", _call({"x": [1]}), _strict(tuple_schema)) is not None
