@@ -585,9 +585,8 @@ class Dispatcher:
                       ) -> tuple[Callable[[bytes], str | None] | None, bool]:
         constraint = request.constraint
         mode = self._structured_output.mode(request.model)
-        if constraint is not None and constraint.best_effort and mode == "off" and \
-                not can_honour(constraint, support):
-            mode = "mark"  # (sent where nothing enforces it: the check is what makes the best effort honest)
+        # (strict tools sent where nothing enforces them are checked only as validate_outputs says: the check runs
+        # on the event loop, and the final sweeps found schema shapes a tenant can make it cost seconds with)
         if constraint is None or mode == "off" or request.stream or constraint.kind not in CHECKABLE:
             return None, False
         route = request.route
