@@ -19,6 +19,7 @@ from typing import Any
 
 import httpx
 
+from gateway.config import is_loopback
 from gateway.engines.base import BackendError
 
 # what an engine binds to listen on every interface: not an address to connect to
@@ -41,15 +42,6 @@ def topic_of(value: Any, what: str) -> str:
     return value
 
 
-def _loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
-
-
 def _own_host(host: str, client: httpx.AsyncClient, what: str) -> str:
     """``host`` as the backend's own: a wildcard becomes the host of the URL the gateway reaches it at; any other
     must be that host (or, for a backend on this machine, a loopback address)."""
@@ -59,7 +51,7 @@ def _own_host(host: str, client: httpx.AsyncClient, what: str) -> str:
     plain = host.strip("[]")
     if len(plain) > 253 or not (_HOST_NAME.fullmatch(plain) or _is_ip(plain)):
         raise BackendError(f"{what}: {host[:80]!r} is no host name or address")
-    if plain.lower() == backend.strip("[]").lower() or (_loopback(plain) and _loopback(backend)):
+    if plain.lower() == backend.strip("[]").lower() or (is_loopback(plain) and is_loopback(backend)):
         return plain
     raise BackendError(f"{what}: it publishes on {plain}, not on the backend's own host {backend}: type its kv_events "
                        "endpoint in the configuration to follow a publisher on another host")
@@ -93,7 +85,7 @@ def connectable(endpoint: Any, client: httpx.AsyncClient, what: str) -> str:
         path = endpoint[len("ipc://"):]
         if not path.startswith("/"):  # (a relative path, or a Linux abstract socket "@name": any process's)
             raise BackendError(f"{what}: an ipc:// socket that is not an absolute path")
-        if not _loopback(client.base_url.host or "127.0.0.1"):
+        if not is_loopback(client.base_url.host or "127.0.0.1"):
             raise BackendError(f"{what}: an ipc:// socket is on the engine's machine, and the backend is not on "
                                "this one")
         if not path or len(path) > MAX_IPC_PATH or not _PRINTABLE.fullmatch(path):

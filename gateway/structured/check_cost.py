@@ -21,14 +21,12 @@ from __future__ import annotations
 
 from collections import defaultdict
 from typing import Any
-from urllib.parse import unquote
 
-_IN_PLACE_LISTS = ("allOf", "anyOf", "oneOf")
-_IN_PLACE_VALUES = ("not", "if", "then", "else")
+from gateway.structured.checks import _DATA_KEYWORDS, _IN_PLACE_LISTS, _IN_PLACE_VALUES, _resolve
+
 _NOT_FOLLOWED = ("$anchor", "$dynamicRef", "$dynamicAnchor", "$recursiveRef", "$recursiveAnchor",
                  "dependentSchemas", "dependencies", "unevaluatedProperties", "unevaluatedItems",
                  "extends", "disallow")  # (draft 3's, which apply schemas too)
-_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples", "example"})
 
 
 def check_cost(schema: Any, value: Any, budget: int) -> int | None:
@@ -176,16 +174,3 @@ def _children(applied: dict[int, int], nodes: dict[int, dict[str, Any]], key: st
                 nodes[id(target)] = target
                 out[id(target)] += count
     return out
-
-
-def _resolve(root: Any, ref: str) -> Any:
-    node = root
-    for raw in unquote(ref[1:]).split("/")[1:]:
-        part = raw.replace("~1", "/").replace("~0", "~")
-        if isinstance(node, dict) and part in node:
-            node = node[part]
-        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
-            node = node[int(part)]
-        else:
-            return None
-    return node
