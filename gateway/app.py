@@ -118,7 +118,7 @@ class Gateway:
                                      self.forwarder, self.metrics, settings.retries,
                                      settings.structured_output, shared=self.shared,
                                      priorities=Priorities(settings.admission, settings.auth.keys),
-                                     models=ModelMap(settings.models))
+                                     models=ModelMap(settings.models), checker=self.validation_workers)
         self.metrics.flow.admission = self.admission
         if self.shared is not None:
             pool, admission = self.pool, self.admission

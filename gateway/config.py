@@ -119,6 +119,10 @@ class LimitSettings(_Strict):
     validation_queue_timeout: float = Field(
         default=15.0, gt=0, description="seconds a constraint may wait for a free validation worker (a burst of "
                                         "large constraints queues; past this the request gets a 503 to retry)")
+    output_check_timeout: float = Field(
+        default=0.5, gt=0, description="seconds checking a finished answer against its constraint may take in a "
+                                       "validation worker, waiting for one included (structured_output."
+                                       "validate_outputs); past it the answer reaches the client unchecked")
 
 
 class ResponsesSettings(_Strict):

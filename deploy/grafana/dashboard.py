@@ -219,9 +219,12 @@ ROUTING = RowSpec("Routing", (
               "(400).", "reqps",
               (Query(f"sum by (code) (rate(gateway_connections_refused_total[{RATE}]))", "{{code}}"),)),
     PanelSpec("Structured output invalid/s", "Non-streamed answers that failed their structured-output check, "
-              "by backend, engine and what was done (retried, marked).", "reqps",
+              "by backend, engine and what was done (retried, marked); and those passed unchecked (too costly "
+              "to check, no validation worker free, past limits.output_check_timeout).", "reqps",
               (Query(rate_by("gateway_structured_output_invalid_total", B, "backend, engine, action"),
-                     "{{backend}} ({{engine}}) {{action}}"),)),
+                     "{{backend}} ({{engine}}) {{action}}"),
+               Query(rate_by("gateway_structured_output_unchecked_total", B, "backend, engine"),
+                     "{{backend}} ({{engine}}) unchecked"))),
     PanelSpec("Routing plugin time p99", "p99 time each routing plugin took per request.", "s",
               quantiles("gateway_routing_plugin_seconds", "", by="plugin", qs=(0.99,),
                         legend_prefix="{{plugin}} ")),

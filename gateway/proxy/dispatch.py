@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import orjson
@@ -21,6 +21,7 @@ from prometheus_client import Counter
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, stop_after_delay, wait_none
 
 from gateway.asgi import ClientWriter, Headers, Receive, Send
+from gateway.auth import ANONYMOUS
 from gateway.config import RetrySettings, StructuredOutputSettings
 from gateway.engines.base import EngineAdapter
 from gateway.engines.registry import ENGINES
@@ -36,7 +37,8 @@ from gateway.routing.pipeline import Decision, NoRoute, Pipeline
 from gateway.routing.request import RouteRequest
 from gateway.state.shared import SharedState, Slotted, StateUnavailable
 from gateway.structured import can_honour
-from gateway.structured.check import CHECKABLE, output_problem
+from gateway.structured.check import CHECKABLE
+from gateway.structured.offload import ValidationWorkers
 from gateway.telemetry.metrics import GatewayMetrics
 
 log = logging.getLogger("gateway.proxy")
@@ -72,8 +74,9 @@ class Dispatcher:
     def __init__(self, fleet: Fleet, pipeline: Pipeline, admission: Admission, forwarder: Forwarder,
                  metrics: GatewayMetrics, retries: RetrySettings, structured_output: StructuredOutputSettings,
                  shared: SharedState | None = None, priorities: Priorities | None = None,
-                 models: ModelMap | None = None) -> None:
+                 models: ModelMap | None = None, checker: ValidationWorkers | None = None) -> None:
         self._shared = shared
+        self._checker = checker  # where answers are checked against their constraints (validate_outputs)
         self._fleet = fleet
         self._pipeline = pipeline
         self._admission = admission
@@ -421,7 +424,7 @@ class Dispatcher:
                     raise full
                 raise self._retry(exchange, backend, "full", full)
         trace = exchange.trace
-        check, retry_invalid = self._output_check(request, backend.spec.structured, can_retry=not last)
+        check, retry_invalid = self._output_check(exchange, request, can_retry=not last)
         self._pipeline.routed(request, backend)  # (first: routing may place it in an engine slot)
         # an agent API request goes as the client sent it to an engine that serves that API itself
         native: NativeApi | None = None
@@ -530,11 +533,13 @@ class Dispatcher:
                     breaker.record(True)
         if exchange.invalid_output is not None:
             self._observe_invalid_output(backend, "marked")
+        if exchange.output_unchecked is not None:
+            self._metrics.child(self._metrics.unchecked_outputs, backend.name, backend.engine).inc()
 
     def _retry(self, exchange: Exchange, backend: Backend, reason: str, final: GatewayError) -> _Retry:
         self._metrics.child(self._metrics.retries, backend.name, reason).inc()
         log.warning("request %s: backend %s failed (%s); trying the next", exchange.request_id, backend.name, reason)
-        exchange.invalid_output = None
+        exchange.invalid_output = exchange.output_unchecked = None
         exchange.outcome = "pending"
         return _Retry(final, reason)
 
@@ -581,17 +586,18 @@ class Dispatcher:
             if writer is not None:
                 writer.when_disconnected(None)
 
-    def _output_check(self, request: RouteRequest, support: frozenset[str], can_retry: bool
-                      ) -> tuple[Callable[[bytes], str | None] | None, bool]:
+    def _output_check(self, exchange: Exchange, request: RouteRequest, can_retry: bool
+                      ) -> tuple[Callable[[bytes], Awaitable[tuple[str | None, str | None]]] | None, bool]:
         constraint = request.constraint
         mode = self._structured_output.mode(request.model)
-        # (strict tools sent where nothing enforces them are checked only as validate_outputs says: the check runs
-        # on the event loop, and the final sweeps found schema shapes a tenant can make it cost seconds with)
-        if constraint is None or mode == "off" or request.stream or constraint.kind not in CHECKABLE:
+        checker = self._checker
+        if (constraint is None or mode == "off" or request.stream or constraint.kind not in CHECKABLE
+                or checker is None):
             return None, False
         route = request.route
+        owner = exchange.client.name if exchange.client is not None else ANONYMOUS
         # with nowhere else to retry, a failing answer is marked rather than lost
-        return (lambda raw: output_problem(route, raw, constraint)), mode == "retry" and can_retry
+        return (lambda raw: checker.check_answer(route, raw, constraint, owner)), mode == "retry" and can_retry
 
     def no_route(self, exc: NoRoute) -> GatewayError:
         backends = self._fleet.backends

@@ -46,6 +46,7 @@ class Exchange:
     usage: dict[str, Any] | None = None
     timings: dict[str, Any] | None = None  # llama.cpp per-request timings
     invalid_output: str | None = None  # why the answer failed its structured-output check
+    output_unchecked: str | None = None  # why the answer was not checked against its constraint
     trace: RequestTrace | None = None  # the request's spans, when tracing is on
     route_reason: str | None = None
     explain: bool = False  # the answer carries the routing internals (an admin asked: KeyStore.explains_routing)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import re
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -76,7 +76,8 @@ class AttemptOptions:
     keep_usage: bool = False  # the client asked for the usage chunk
     headers: Sequence[tuple[bytes, bytes]] = ()  # extra response headers for the client
     upstream_headers: dict[str, str] | None = None  # extra request headers for the backend (trace context)
-    check: Callable[[bytes], str | None] | None = None  # structured-output check of a non-streamed answer
+    # structured-output check of a non-streamed answer: why it fails (None: it passes), why it was not checked
+    check: Callable[[bytes], Awaitable[tuple[str | None, str | None]]] | None = None
     retry_invalid: bool = False  # raise InvalidOutput instead of marking a failing answer
     retry_statuses: frozenset[int] = frozenset()  # raise RetryableStatus for these instead of answering
     writer: ClientWriter | None = None  # the server's direct writer to the client, where it offers one
@@ -165,12 +166,15 @@ class Forwarder:
                                 shown = target
                         if shown is not None:
                             raw = orjson.dumps(shown)
-                        problem = options.check(raw) if options.check is not None else None
+                        problem, unchecked = await options.check(raw) if options.check is not None else (None, None)
+                        if unchecked is not None:
+                            exchange.output_unchecked = unchecked
+                            client_headers.append((b"x-gateway-output-unchecked", _header_text(unchecked)))
                         if problem is not None:
                             exchange.invalid_output = problem
                             if options.retry_invalid:
                                 raise InvalidOutput(problem)
-                            client_headers.append((b"x-gateway-output-invalid", problem[:200].encode()))
+                            client_headers.append((b"x-gateway-output-invalid", _header_text(problem)))
                         exchange.outcome = "success"
                         exchange.responded = True
                         await send_body(send, 200, raw, client_headers, writer=options.writer)
@@ -264,6 +268,14 @@ class Forwarder:
             event = b"data: " + error_body(message, kind, None, error.code) + b"\n\ndata: [DONE]\n\n"
         await send({"type": "http.response.body", "body": event, "more_body": False})
 
+
+
+_UNPRINTABLE = re.compile(r"[^\x20-\x7e]")
+
+
+def _header_text(text: str) -> bytes:
+    """``text`` as a response header's value: printable ASCII (the rest ``?``), at most 200 characters."""
+    return _UNPRINTABLE.sub("?", text[:200]).encode()
 
 
 def _reshape_error(backend: Backend, payload: bytes) -> bytes:

@@ -1,6 +1,7 @@
 r"""Checking a finished (non-streamed) answer against the request's constraint, with bounded work.
 
-It runs on the event loop, so each check is one it can finish fast or none. Python's ``re`` backtracks
+Each check is kept to work it can finish fast, or not done (the worker that runs it is shared by every
+key, and a check past its deadline is wasted). Python's ``re`` backtracks
 without a bound: a regex is matched with it when ``regex_cost.steps`` bounds the work for this answer's length
 within ``MATCH_BUDGET`` (about a millisecond, measured) and compiling it expands few character ranges; a
 schema's ``pattern`` keywords likewise, for the longest string in the answer. Otherwise with RE2 (google-re2:
@@ -13,9 +14,14 @@ apply more than ``CHECK_BUDGET`` subschemas (counted before it runs, :mod:`~gate
 whose schema applies them by rules that count does not follow, is not checked (a strict tool's schema is checked
 after generation on engines that cannot enforce it).
 An answer that cannot be checked in bounds passes unchecked (the check is a safety net behind engines that
-enforce the constraint themselves); ``skipped`` says why, in a debug log. An answer longer than
-``MAX_ANSWER_BYTES`` is not checked either: ``jsonschema`` takes a few microseconds per value, RE2 about 60 ns
-per character.
+enforce the constraint themselves): :func:`answer_verdict` says why. An answer longer than ``MAX_ANSWER_BYTES``
+is not checked either: ``jsonschema`` takes a few microseconds per value, RE2 about 60 ns per character.
+
+Only the checks of ``INLINE`` kinds (a parse and a comparison) run on the event loop. The others run in the
+validation workers (:meth:`~gateway.structured.offload.ValidationWorkers.check_answer`) under a deadline: the
+bounds above keep the work of one check small, but the final sweep found shapes whose counting missed work
+(a ``pattern`` counted as one application that searches for milliseconds, hundreds of ``patternProperties``
+recompiled past ``re``'s cache), and a deadline in another process holds whatever a count misses.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from gateway.structured.constraint import Constraint
 from gateway.structured.regex_cost import compile_cost, steps
 
 CHECKABLE = frozenset({"json_object", "json_schema", "regex", "choice", "strict_tools"})
+INLINE = frozenset({"json_object", "choice"})  # checked on the event loop: a parse and a comparison
 MATCH_BUDGET = 20_000_000  # estimated steps; the estimate runs 28x or more above the real work
 COMPILE_BUDGET = 10_000  # code points compiling may expand (about 0.1 us each)
 MAX_ANSWER_DEPTH = 64  # jsonschema recurses ~8 frames per level
@@ -41,6 +48,15 @@ MAX_ANSWER_BYTES = 64 * 1024
 CHECK_BUDGET = 50_000  # subschema applications jsonschema may make for one answer (a few microseconds each)
 
 log = logging.getLogger("gateway.structured")
+
+
+class Unchecked(BaseException):
+    """The answer cannot be checked within bounds: it passes unchecked, for ``reason``. (A BaseException: the
+    worker's deadline raises it from inside ``jsonschema``, which catches Exception in places.)"""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
 
 
 def _texts(route: str, raw: bytes) -> list[str] | str:
@@ -88,7 +104,7 @@ def regex_too_costly(pattern: str, length: int, search: bool = False) -> str | N
     if bound > MATCH_BUDGET:
         return f"its regex could take ~{bound:.1e} steps on {length} characters"
     if (compile_cost(pattern) or 0) > COMPILE_BUDGET:
-        return "its regex has character ranges too wide to compile on the event loop"
+        return "its regex has character ranges too wide to compile within bounds"
     return None
 
 
@@ -144,22 +160,21 @@ def _with_re2_patterns(cls: Any) -> Any:
 
 def _schema_problem(text: str, value: Any, constraint: Constraint, budget: list[int]) -> str | None:
     """Why ``value`` does not match the schema; None when it does or the check would not be bounded.
-    ``budget``: the subschema applications left for the whole answer (every call, every choice), spent here."""
+    ``budget``: the subschema applications left for the whole answer (every call, every choice), spent here.
+    Raises Unchecked where the check would not be bounded: the whole answer is then unchecked (a later call or
+    choice is not counted again)."""
     if len(text) > MAX_ANSWER_BYTES:
-        skipped(constraint, f"the answer is longer than {MAX_ANSWER_BYTES} characters")
-        return None
+        raise Unchecked(f"the answer is longer than {MAX_ANSWER_BYTES} characters")
     depth, _, _ = json_depth(value, MAX_ANSWER_DEPTH)
     if depth > MAX_ANSWER_DEPTH:
-        skipped(constraint, f"the answer nests deeper than {MAX_ANSWER_DEPTH} levels")
-        return None
+        raise Unchecked(f"the answer nests deeper than {MAX_ANSWER_DEPTH} levels")
     cost = check_cost(constraint.schema, value, budget[0])
-    if cost is not None and cost <= budget[0]:
-        budget[0] -= cost
-    else:
-        skipped(constraint, "the schema applies its subschemas by rules the gateway cannot bound ($anchor, $id, "
-                            "$dynamicRef, dependentSchemas, unevaluated*)" if cost is None else
-                            f"checking the answer could apply more than {CHECK_BUDGET} subschemas")
-        return None
+    if cost is None:
+        raise Unchecked("the schema applies its subschemas by rules the gateway cannot bound ($anchor, $id, "
+                        "$dynamicRef, dependentSchemas, unevaluated*)")
+    if cost > budget[0]:
+        raise Unchecked(f"checking the answer could apply more than {CHECK_BUDGET} subschemas")
+    budget[0] -= cost
     patterns = _schema_patterns(orjson.dumps(constraint.schema))
     linear = False  # a pattern Python's re cannot match within bounds: every pattern is matched by RE2 then
     if patterns:
@@ -168,8 +183,7 @@ def _schema_problem(text: str, value: Any, constraint: Constraint, budget: list[
             why = regex_too_costly(pattern, longest, search=True)
             if why is not None:
                 if property_key or _re2(pattern) is None:  # (patternProperties stay jsonschema's own)
-                    skipped(constraint, why)
-                    return None
+                    raise Unchecked(why)
                 linear = True
     from jsonschema.exceptions import UnknownType, best_match
     from jsonschema.validators import validator_for
@@ -181,22 +195,15 @@ def _schema_problem(text: str, value: Any, constraint: Constraint, budget: list[
         cls = validator_for(schema)
         error = best_match((_with_re2_patterns(cls) if linear else cls)(schema).iter_errors(value))
     except (Unresolvable, UnknownType) as exc:  # e.g. a $ref to a document the gateway does not have
-        skipped(constraint, f"{type(exc).__name__}: {exc}")
-        return None
+        raise Unchecked(f"{type(exc).__name__}: {exc}") from None
     except (TypeError, ValueError, AttributeError) as exc:  # a schema jsonschema cannot apply (draft 3's schema
         # types raised TypeError in best_match): the gateway's own limit, never the backend's failure
-        skipped(constraint, f"jsonschema could not apply it ({type(exc).__name__})")
-        return None
+        raise Unchecked(f"jsonschema could not apply it ({type(exc).__name__})") from None
     except RecursionError:  # only with limits.max_nesting far above its default: in-place nesting recurses
-        skipped(constraint, "the schema nests too deeply to check an answer on the event loop")
-        return None
+        raise Unchecked("the schema nests too deeply to check an answer against it") from None
     if error is not None:
         return f"the answer does not match the schema: {error.message}"
     return None
-
-
-def skipped(constraint: Constraint, why: str) -> None:
-    log.debug("answer not checked against the %s constraint: %s", constraint.describe(), why)
 
 
 def _tool_problem(raw: bytes, constraint: Constraint) -> str | None:
@@ -231,8 +238,36 @@ def _tool_problem(raw: bytes, constraint: Constraint) -> str | None:
     return None
 
 
+def strict_calls(raw: bytes, constraint: Constraint) -> bool:
+    """Whether the answer calls a strict tool (only then has a strict-tools check anything to check)."""
+    try:
+        doc: Any = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return True  # (the check says what is wrong with it)
+    strict = constraint.schema
+    for choice in doc.get("choices") or () if isinstance(doc, dict) else ():
+        message = choice.get("message") if isinstance(choice, dict) else None
+        for call in (message.get("tool_calls") or ()) if isinstance(message, dict) else ():
+            function = call.get("function") if isinstance(call, dict) else None
+            name = function.get("name") if isinstance(function, dict) else None
+            if isinstance(name, str) and name in strict:
+                return True
+    return False
+
+
+def answer_verdict(route: str, raw: bytes, constraint: Constraint) -> tuple[str | None, str | None]:
+    """Why the answer does not satisfy the constraint (None when it does), and why it was not checked (None
+    when it was)."""
+    try:
+        return output_problem(route, raw, constraint), None
+    except Unchecked as exc:
+        log.debug("answer not checked against the %s constraint: %s", constraint.describe(), exc.reason)
+        return None, exc.reason
+
+
 def output_problem(route: str, raw: bytes, constraint: Constraint) -> str | None:
-    """Why the answer does not satisfy the constraint, or None when it does (or cannot be checked)."""
+    """Why the answer does not satisfy the constraint, or None when it does; raises Unchecked where the check
+    would not be bounded."""
     if constraint.kind not in CHECKABLE:
         return None
     if constraint.kind == "strict_tools":
@@ -261,8 +296,7 @@ def output_problem(route: str, raw: bytes, constraint: Constraint) -> str | None
             else:
                 linear = _re2(constraint.pattern) if len(text) <= MAX_ANSWER_BYTES else None
                 if linear is None:
-                    skipped(constraint, why)
-                    return None
+                    raise Unchecked(why)
                 matched = linear.fullmatch(text) is not None
             if not matched:
                 return "the answer does not match the regex"

@@ -32,7 +32,7 @@ _NOT_FOLLOWED = ("$anchor", "$dynamicRef", "$dynamicAnchor", "$recursiveRef", "$
 def check_cost(schema: Any, value: Any, budget: int) -> int | None:
     """Subschema applications (each weighted by the ``enum`` values it compares) checking ``value`` against
     ``schema`` may take, counted to ``budget`` + 1; None when the schema uses what this does not follow."""
-    if not isinstance(schema, dict) or not _followable(schema):
+    if not isinstance(schema, dict) or not _followable_memo(schema):
         return None
     if "draft-03" in str(schema.get("$schema", "")):  # (draft 3's types may be schemas)
         return None
@@ -103,6 +103,22 @@ def _uniqueness(items: list[Any]) -> int:
     sortable = all(isinstance(i, int | float) and not isinstance(i, bool) for i in items) or all(
         isinstance(i, str) for i in items)
     return n * max(1, n.bit_length()) if sortable else n * (n - 1) // 2
+
+
+_followed: dict[int, tuple[dict[str, Any], bool]] = {}  # id -> (the schema, kept so its id stays its, verdict)
+
+
+def _followable_memo(root: dict[str, Any]) -> bool:
+    """``_followable(root)``, walked once per schema object: an answer calling one strict tool forty times is
+    checked against one schema forty times, and the walk of a 120 KB schema takes ~11 ms."""
+    known = _followed.get(id(root))
+    if known is not None and known[0] is root:
+        return known[1]
+    if len(_followed) >= 16:  # (parsed schemas are large: hold few)
+        _followed.clear()
+    verdict = _followable(root)
+    _followed[id(root)] = (root, verdict)
+    return verdict
 
 
 def _followable(root: dict[str, Any]) -> bool:

@@ -12,6 +12,11 @@ between API keys (:class:`~gateway.structured.fair_slots.FairSlots`): a key's wa
 with every other key's, and a key with ``PER_KEY_WAITING`` waiting has the next refused at once.
 Verdicts are memoised by content and key: a client sending the same large schema with every request pays once
 (and no key learns from a fast verdict what another key sent).
+
+The workers also check finished answers against their constraints (:meth:`ValidationWorkers.check_answer`,
+``structured_output.validate_outputs``), in the same fair turns. That check is a safety net, never the
+answer's failure: an answer whose check finds no free worker within ``limits.output_check_timeout``, or runs
+past it, or is larger than ``MAX_CHECKED_BYTES``, reaches the client unchecked, and says why.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import orjson
 import gateway
 from gateway.config import LimitSettings
 from gateway.structured.bounds import Bounds, ConstraintInvalid
+from gateway.structured.check import INLINE, answer_verdict, strict_calls
 from gateway.structured.checks import Verdict
 from gateway.structured.constraint import Constraint
 from gateway.structured.fair_slots import FairSlots, OwnerQueueFull
@@ -39,6 +45,8 @@ MEMO_CHARS = 16 * 1024 * 1024  # remembered verdicts, measured in the characters
 _LINE_LIMIT = 64 * 1024 * 1024  # a verdict's renderings may be several times the 128 KiB grammar
 _GATEWAY_ROOT = str(Path(gateway.__file__).resolve().parent.parent)  # workers import the gateway this one runs
 PER_KEY_WAITING = 16  # constraints one API key may have waiting for a worker
+MAX_CHECKED_BYTES = 1 << 20  # answers checked (each choice's text is checked to check.MAX_ANSWER_BYTES)
+KILL_MARGIN = 1.0  # seconds past an answer check's own deadline (a timer in the worker) before it is killed
 
 
 class ValidationBusy(Exception):
@@ -86,13 +94,16 @@ class _Worker:
             raise ValidationBusy("a constraint-validation worker did not start; retry shortly")
         return worker
 
-    async def check(self, job: list[Any]) -> Verdict:
+    async def ask(self, job: list[Any]) -> Any:
         self.stdin.write(orjson.dumps(job) + b"\n")
         await self.stdin.drain()
         line = await self.stdout.readline()
         if not line:
             raise ConnectionError("the worker exited")
-        renderings, problem, code = orjson.loads(line)
+        return orjson.loads(line)
+
+    async def check(self, job: list[Any]) -> Verdict:
+        renderings, problem, code = await self.ask(job)
         return Verdict(tuple((dialect, text) for dialect, text in renderings), problem, code)
 
     def kill(self) -> None:
@@ -107,10 +118,12 @@ class ValidationWorkers:
         self._bounds = Bounds.of(limits)
         self._timeout = limits.validation_timeout
         self._queue_timeout = limits.validation_queue_timeout
+        self._check_timeout = limits.output_check_timeout
         self._count = workers or max(1, min(4, (os.cpu_count() or 2) // 2))
         self._workers: list[_Worker | None] = [None] * self._count
         self._slots = FairSlots(self._count, PER_KEY_WAITING)
         self._verdicts: OrderedDict[bytes, Verdict] = OrderedDict()
+        self._finishing: set[asyncio.Task[None]] = set()  # answer checks whose client left, running out
         self._memo_chars = 0
 
     def set_limits(self, limits: LimitSettings) -> None:
@@ -118,6 +131,7 @@ class ValidationWorkers:
         self._bounds = Bounds.of(limits)
         self._timeout = limits.validation_timeout
         self._queue_timeout = limits.validation_queue_timeout
+        self._check_timeout = limits.output_check_timeout
 
     async def validate(self, constraint: Constraint, owner: str) -> Constraint:
         """``constraint`` validated (``pending`` cleared, renderings found) in ``owner``'s (its API key's) turn;
@@ -143,15 +157,18 @@ class ValidationWorkers:
             raise ConstraintInvalid(verdict.problem, param, verdict.code)
         return replace(constraint, renderings=verdict.renderings, pending=None)
 
-    async def _run(self, job: list[Any], param: str, owner: str) -> Verdict:
+    async def _turn(self, owner: str, patience: float) -> tuple[int, _Worker]:
+        """A worker slot in ``owner``'s turn and its (started) worker; release the slot when done. Raises
+        ValidationBusy when none came within ``patience`` seconds, the owner has too many waiting, or the
+        worker would not start."""
         try:
-            slot = await self._slots.acquire(owner, self._queue_timeout)
+            slot = await self._slots.acquire(owner, patience)
         except OwnerQueueFull:
-            raise ValidationBusy(f"this API key has {PER_KEY_WAITING} constraints waiting for validation already; "
-                                 "retry when they are done") from None
+            raise ValidationBusy(f"this API key has {PER_KEY_WAITING} checks waiting for a validation worker "
+                                 "already; retry when they are done") from None
         except TimeoutError:
-            raise ValidationBusy(f"every constraint-validation worker stayed busy for {self._queue_timeout:g} s "
-                                 "(limits.validation_queue_timeout); retry shortly") from None
+            raise ValidationBusy(f"every constraint-validation worker stayed busy for {patience:g} s; "
+                                 "retry shortly") from None
         try:
             worker = self._workers[slot]
             if worker is None:  # its start is no part of any client's deadline
@@ -160,6 +177,14 @@ class ValidationWorkers:
                 except (OSError, TimeoutError) as exc:
                     raise ValidationBusy(f"a constraint-validation worker did not start ({exc!r}); "
                                          "retry shortly") from None
+        except BaseException:
+            self._slots.release(slot)
+            raise
+        return slot, worker
+
+    async def _run(self, job: list[Any], param: str, owner: str) -> Verdict:
+        slot, worker = await self._turn(owner, self._queue_timeout)
+        try:
             try:
                 return await asyncio.wait_for(worker.check(job), self._timeout)
             except TimeoutError:
@@ -175,6 +200,61 @@ class ValidationWorkers:
         finally:
             self._slots.release(slot)
 
+    async def check_answer(self, route: str, raw: bytes, constraint: Constraint, owner: str
+                           ) -> tuple[str | None, str | None]:
+        """Why the finished answer ``raw`` does not satisfy ``constraint`` (None when it does), and why it was not
+        checked (None when it was). Kinds in ``check.INLINE`` are checked here, the rest by a worker in
+        ``owner``'s turn within ``limits.output_check_timeout``: waiting included, as the answer waits too."""
+        if constraint.kind in INLINE:
+            return answer_verdict(route, raw, constraint)
+        if constraint.kind == "strict_tools" and (route != "chat" or not strict_calls(raw, constraint)):
+            return None, None  # (no call of a strict tool: nothing to check)
+        if len(raw) > MAX_CHECKED_BYTES:
+            return None, f"the answer is larger than {MAX_CHECKED_BYTES} bytes"
+        spec = constraint.pattern if constraint.kind == "regex" else constraint.schema
+        timeout = self._check_timeout
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        try:
+            slot, worker = await self._turn(owner, timeout)
+        except ValidationBusy as exc:
+            return None, str(exc)
+        handed_on = False
+        try:
+            left = max(0.001, timeout - (loop.time() - start))
+            job = ["answer", route, constraint.kind, spec, raw.decode("utf-8", "replace"), left]
+            asked = asyncio.ensure_future(worker.ask(job))
+            try:
+                problem, unchecked = await asyncio.wait_for(asyncio.shield(asked), left + KILL_MARGIN)
+            except TimeoutError:
+                asked.cancel()
+                self._kill(slot)
+                return None, "the check ran past its deadline (limits.output_check_timeout)"
+            except (ConnectionError, ValueError):
+                self._kill(slot)
+                return None, "the validation worker died"
+            except asyncio.CancelledError:  # the client left: the check ends by its own deadline, and killing
+                # the worker would cost every key's next check its restart
+                handed_on = True
+                self._finishing.add(asyncio.create_task(self._finish(slot, asked, left + KILL_MARGIN)))
+                raise
+            return problem, unchecked
+        finally:
+            if not handed_on:
+                self._slots.release(slot)
+
+    async def _finish(self, slot: int, asked: asyncio.Future[Any], within: float) -> None:
+        """Wait out a check whose client left, then free its slot (killing its worker if it overruns)."""
+        try:
+            await asyncio.wait_for(asked, within)
+        except BaseException:  # (overran, died, or the gateway stops)
+            self._kill(slot)
+        finally:
+            self._slots.release(slot)
+            task = asyncio.current_task()
+            if task is not None:
+                self._finishing.discard(task)
+
     def _kill(self, slot: int) -> None:
         worker, self._workers[slot] = self._workers[slot], None
         if worker is not None:
@@ -189,6 +269,8 @@ class ValidationWorkers:
 
     async def close(self) -> None:
         """Stop every worker (and wait for them to go)."""
+        for task in list(self._finishing):
+            task.cancel()
         workers = [w for w in self._workers if w is not None]
         self._workers = [None] * self._count
         for worker in workers:

@@ -68,6 +68,11 @@ class GatewayMetrics:
             "gateway_structured_output_invalid",
             "Non-streamed answers that failed their structured-output check, by what was done (retried, marked).",
             ["backend", "engine", "action"], registry=r)
+        self.unchecked_outputs = Counter(
+            "gateway_structured_output_unchecked",
+            "Non-streamed answers passed to the client without their structured-output check (validate_outputs): "
+            "too large or costly to check, no validation worker free, or past limits.validation_timeout.",
+            ["backend", "engine"], registry=r)
         self.connections_refused = Counter(
             "gateway_connections_refused",
             "Client connections refused or cut by the server's limits, by code (request_headers_too_large, "

@@ -16,12 +16,26 @@ import pytest
 from gateway.config import LimitSettings
 from gateway.structured import Constraint, ConstraintInvalid, extract, grammar_in
 from gateway.structured.bounds import Bounds, json_depth
-from gateway.structured.check import output_problem
+from gateway.structured.check import answer_verdict
 from gateway.structured.checks import _inline_schema, check_grammar, run_check
 from gateway.structured.offload import ValidationWorkers
 from gateway.structured.regex_cost import steps
 
 SMALL = LimitSettings(max_nesting=8, max_constraint_bytes=2000, max_grammar_rules=5)
+
+
+def output_problem(route: str, raw: bytes, constraint: Constraint) -> str | None:
+    """Why the answer fails its constraint (None: it passes), asserting it was checked."""
+    problem, unchecked = answer_verdict(route, raw, constraint)
+    assert unchecked is None, unchecked
+    return problem
+
+
+def unchecked(route: str, raw: bytes, constraint: Constraint) -> str:
+    """Why the answer was passed unchecked, asserting it was."""
+    problem, why = answer_verdict(route, raw, constraint)
+    assert problem is None and why is not None, (problem, why)
+    return why
 
 
 def nested_schema(levels: int, key: str = "items") -> dict[str, Any]:
@@ -216,7 +230,7 @@ def test_answer_checks_that_could_run_away_in_re_are_matched_by_re2_in_linear_ti
     assert output_problem("chat", answer("a" * 40), regex("(a+)+$")) is None
     assert output_problem("chat", answer("a" * 3000), regex("a*a*a*b")) == mismatch  # ~2.5 s with re
     # 140 ms for re to compile, and RE2 does not read Python's \\U escapes: skipped
-    assert output_problem("chat", answer("x"), regex("[\\x00-\\U0010ffff]" * 20)) is None
+    assert "character ranges" in unchecked("chat", answer("x"), regex("[\\x00-\\U0010ffff]" * 20))
     hostile = extract({"json_schema": {"type": "object", "properties": {"s": {"pattern": "^(a+)+$"}}}})
     assert hostile is not None
     problem = output_problem("chat", answer(orjson.dumps({"s": "a" * 40 + "b"}).decode()), hostile)
@@ -226,7 +240,7 @@ def test_answer_checks_that_could_run_away_in_re_are_matched_by_re2_in_linear_ti
     # a patternProperties key is matched by jsonschema's own re: still skipped when it could run away
     keyed = extract({"json_schema": {"type": "object", "patternProperties": {"^(a+)+$": {"type": "integer"}}}})
     assert keyed is not None
-    assert output_problem("chat", answer(orjson.dumps({"a" * 40 + "b": "x"}).decode()), keyed) is None
+    assert "backtrack" in unchecked("chat", answer(orjson.dumps({"a" * 40 + "b": "x"}).decode()), keyed)
     assert output_problem("chat", answer("12-ab"), regex("[0-9]{2}-[a-z]{3}")) == "the answer does not match the regex"
     assert output_problem("chat", answer('{"name": "' + "x" * 100 + '", "n": 1}'),
                           regex('\\{"name": "[^"]*", "n": [0-9]+\\}')) is None
@@ -240,9 +254,9 @@ def test_answer_checks_against_schemas_stay_bounded() -> None:
     deep: Any = {}
     for _ in range(200):
         deep = {"c": deep}
-    assert output_problem("chat", answer(orjson.dumps(deep).decode()), tree) is None  # too deep to check: skipped
+    assert "nests deeper" in unchecked("chat", answer(orjson.dumps(deep).decode()), tree)
     assert output_problem("chat", answer('{"c": 1}'), tree) is not None
-    assert output_problem("chat", answer(orjson.dumps(["x"] * 20000).decode()), strings) is None  # too long
+    assert "longer than" in unchecked("chat", answer(orjson.dumps(["x"] * 20000).decode()), strings)
     assert output_problem("chat", answer("[1]"), strings) is not None
 
 
@@ -317,12 +331,14 @@ def test_a_schema_applying_exponentially_many_subschemas_to_one_value_is_refused
     assert pending is not None and pending.pending == "json_schema"
     verdict = run_check("json_schema", orjson.dumps(ladder(10)).decode(), "gbnf", "json_schema", Bounds())
     assert verdict.problem is not None and "more than 1000 subschemas" in verdict.problem
-    fine = extract({"tools": [{**tool, "function": {**tool["function"], "parameters": ladder(7)}}]})
+    fanned = ladder(7)  # (each value of an object meets the whole ladder again: ~510 subschemas)
+    fanned["$defs"]["d7"] = {"type": "object", "additionalProperties": {"$ref": "#/$defs/d0"}}
+    fine = extract({"tools": [{**tool, "function": {**tool["function"], "parameters": fanned}}]})
     assert fine is not None and fine.kind == "strict_tools"
-    many = orjson.dumps({"xs": list(range(200))}).decode()  # 202 values x 510 subschemas: over the budget
+    many = orjson.dumps({f"k{i}": {} for i in range(200)}).decode()  # 201 values x 510 subschemas: over the budget
     answer = orjson.dumps({"choices": [{"message": {"role": "assistant", "tool_calls": [
         {"id": "1", "type": "function", "function": {"name": "f", "arguments": many}}]}}]})
-    assert output_problem("chat", answer, fine) is None  # (skipped)
+    assert "subschemas" in unchecked("chat", answer, fine)
     wrong = orjson.dumps({"choices": [{"message": {"role": "assistant", "tool_calls": [
         {"id": "1", "type": "function", "function": {"name": "f", "arguments": "[]"}}]}}]})
     assert output_problem("chat", wrong, fine) is not None  # (a small answer is still checked)
@@ -382,8 +398,8 @@ def test_an_answer_check_that_could_run_away_is_counted_before_it_runs_and_skipp
     cases = [*((schema, {"a": 1, "b": 2}) for schema in unfollowed.values()), (deep, {"x": [0] * 95})]
     for schema, answer in cases:
         constraint = Constraint("json_schema", "response_format", schema=schema)
-        assert output_problem("completions", orjson.dumps({"choices": [{"text": orjson.dumps(answer).decode()}]}),
-                              constraint) is None  # (skipped: it would have run for seconds to hours)
+        # (not checked: it would have run for seconds to hours)
+        unchecked("completions", orjson.dumps({"choices": [{"text": orjson.dumps(answer).decode()}]}), constraint)
     ordinary = Constraint("json_schema", "response_format", schema={
         "$defs": {"n": {"type": "integer"}}, "type": "object",
         "properties": {"xs": {"type": "array", "items": {"$ref": "#/$defs/n"}}}})
@@ -392,7 +408,7 @@ def test_an_answer_check_that_could_run_away_is_counted_before_it_runs_and_skipp
     # uniqueItems over objects compares every pair (jsonschema sorts only what it can): 8,000 of them, 32M
     unique = Constraint("json_schema", "response_format", schema={"type": "array", "uniqueItems": True})
     objects = orjson.dumps([{"a": i} for i in range(8000)]).decode()
-    assert output_problem("completions", orjson.dumps({"choices": [{"text": objects}]}), unique) is None
+    unchecked("completions", orjson.dumps({"choices": [{"text": objects}]}), unique)
     numbers = orjson.dumps([*range(300), 0]).decode()  # (sorted: checked, and the duplicate found)
     assert output_problem("completions", orjson.dumps({"choices": [{"text": numbers}]}), unique) is not None
 
@@ -438,7 +454,7 @@ def test_the_count_before_an_answer_check_covers_what_the_sixth_sweep_found() ->
     for schema, arguments, calls in cases:
         tracemalloc.start()
         try:
-            assert output_problem("chat", _call(arguments, calls), _strict(schema)) is None
+            assert answer_verdict("chat", _call(arguments, calls), _strict(schema))[0] is None
             _, peak = tracemalloc.get_traced_memory()
         finally:
             tracemalloc.stop()

@@ -216,6 +216,18 @@ def test_every_dashboard_panel_returns_data_from_a_real_prometheus(prometheus_fa
                     break
             else:
                 raise AssertionError("40 structured requests and none routed to the misconfigured backend")
+            # and one answer passed unchecked: an $anchor below the root is not followed by the check's count
+            unfollowed = {"type": "object", "properties": {"name": {"$anchor": "n", "type": "string"}}}
+            for _ in range(20):
+                with contextlib.suppress(openai.APIError):  # (the misconfigured backend's answer is not JSON)
+                    client.chat.completions.create(
+                        model="shared", messages=[{"role": "user", "content": f"{rng.random()}: a person"}],
+                        max_tokens=30,
+                        response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": unfollowed}})
+                if "gateway_structured_output_unchecked_total{" in httpx.get(gateway.url + "/metrics").text:
+                    break
+            else:
+                raise AssertionError("20 requests with a schema that cannot be checked and none passed unchecked")
 
             load_start = time.time()
             until = time.monotonic() + LOAD_SECONDS
