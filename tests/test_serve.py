@@ -24,8 +24,8 @@ from tests.test_admin_listener import wait_ready
 
 @pytest.mark.parametrize("stop_signal", [signal.SIGINT, signal.SIGTERM])
 def test_serve_without_config_runs_the_emulated_fleet_and_shuts_down_cleanly(stop_signal: signal.Signals) -> None:
-    port = free_port_block(6)
-    base, admin = port + 1, port + 5
+    port = free_port_block(10)
+    base, admin = port + 1, port + 9  # (the fleet: 4 servers of sim-llama-2-7b, 4 of sim-agent)
     proc = subprocess.Popen(
         [sys.executable, "-m", "gateway", "serve", "--port", str(port), "--sim-base-port", str(base),
          "--admin-port", str(admin)],
@@ -44,7 +44,7 @@ def test_serve_without_config_runs_the_emulated_fleet_and_shuts_down_cleanly(sto
                 raise AssertionError(f"gateway did not become ready:\n{proc.communicate()[0]}")
             time.sleep(0.2)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
-        assert [m.id for m in client.models.list()] == ["sim-llama-2-7b"]
+        assert sorted(m.id for m in client.models.list()) == ["sim-agent", "sim-llama-2-7b"]
         backends = set()
         for _ in range(12):
             raw = client.chat.completions.with_raw_response.create(
@@ -54,7 +54,12 @@ def test_serve_without_config_runs_the_emulated_fleet_and_shuts_down_cleanly(sto
         # the admin listener and its status page, for a look at the fleet
         assert "<title>LLM gateway: status</title>" in httpx.get(f"http://127.0.0.1:{admin}/ui").text
         status = httpx.get(f"http://127.0.0.1:{admin}/admin/status").json()
-        assert len(status["backends"]) == 4 and sum(b["recent"]["requests"] for b in status["backends"]) >= 12
+        assert len(status["backends"]) == 8 and sum(b["recent"]["requests"] for b in status["backends"]) >= 12
+        # an agent-sized request (Claude Code's first: ~12k tokens of prompt, max_tokens 32,000) fits sim-agent
+        agent = client.chat.completions.create(
+            model="sim-agent", max_tokens=32_000,
+            messages=[{"role": "system", "content": "word " * 12_000}, {"role": "user", "content": "Hi"}])
+        assert agent.choices[0].message.content
     finally:
         proc.send_signal(stop_signal)
         output, _ = proc.communicate(timeout=30)

@@ -1,9 +1,11 @@
 """Agent features of an emulated chat request: the tool call the model makes, if any, and whether it reasons first.
 
 ``tool_choice`` ``"required"`` calls the first tool, ``{"type": "function", "function": {"name": ...}}`` calls that
-one; ``"auto"`` (or no ``tool_choice`` with ``tools``) calls the first tool at the server's ``tool_call_rate``;
-``"none"`` never calls. One call per answer (so ``parallel_tool_calls: false`` is honoured). The arguments are
-a valid instance of the tool's ``parameters`` schema (:mod:`gateway.sim.constrained`).
+one; ``"auto"`` (or no ``tool_choice`` with ``tools``) calls the first tool at the server's ``tool_call_rate``
+unless the conversation's last message is a tool's result, which the model answers (so an agent's tool round
+trip ends, as it does with a real model); ``"none"`` never calls. One call per answer (so
+``parallel_tool_calls: false`` is honoured). The arguments are a valid instance of the tool's ``parameters``
+schema (:mod:`gateway.sim.constrained`).
 
 A reasoning model (``SimSpec.reasoning``) answers with some reasoning words first, unless the request turns
 thinking off (``chat_template_kwargs.enable_thinking: false``, or TabbyAPI's top-level ``enable_thinking`` /
@@ -57,7 +59,7 @@ def pick_tool(body: dict[str, Any], rate: float, rng: random.Random) -> ToolPick
     elif choice == "required":
         fn = tools[0]
     elif choice == "auto":
-        if rate <= 0 or rng.random() >= rate:
+        if rate <= 0 or rng.random() >= rate or _answers_a_tool(body):
             return None
         fn = tools[0]
     else:  # "none" (or anything else): no call
@@ -65,6 +67,12 @@ def pick_tool(body: dict[str, Any], rate: float, rng: random.Random) -> ToolPick
     schema = fn.get("parameters")
     return ToolPick(fn["name"], schema if isinstance(schema, dict) else {"type": "object"}, forced=choice != "auto",
                     named=named)
+
+
+def _answers_a_tool(body: dict[str, Any]) -> bool:
+    messages = body.get("messages")
+    last = messages[-1] if isinstance(messages, list) and messages else None
+    return isinstance(last, dict) and last.get("role") == "tool"
 
 
 def thinking_enabled(body: dict[str, Any]) -> bool:

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from gateway.sim.fleet import Fleet, default_fleet_specs
+from gateway.sim.fleet import Fleet, agent_fleet_specs, default_fleet_specs
 from gateway.sim.spec import ENGINES, SimSpec
 
 
@@ -81,6 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--host", default="127.0.0.1")
     f.add_argument("--base-port", type=int, default=18001)
     f.add_argument("--time-scale", type=float, default=1.0)
+    f.add_argument("--agents", action="store_true",
+                   help="with --default: also one server per engine serving sim-agent (128k context, tool calls)")
     b = sub.add_parser("bench", help="measure the emulator's own cost (tokens/s, streams, CPU per 1k tokens)")
     b.add_argument("--streams", type=int, default=500)
     b.add_argument("--tokens", type=int, default=200, help="tokens per stream")
@@ -139,6 +141,8 @@ def main(argv: list[str] | None = None) -> int:
         specs = load_fleet_yaml(args.config)
     else:
         specs = default_fleet_specs(args.host, args.base_port, time_scale=args.time_scale)
+        if args.agents:
+            specs += agent_fleet_specs(args.host, args.base_port, time_scale=args.time_scale)
     try:
         import uvloop
 

@@ -11,7 +11,7 @@ import sys
 import time
 from collections.abc import Iterator
 
-from gateway.sim.fleet import default_fleet_specs
+from gateway.sim.fleet import agent_fleet_specs, default_fleet_specs
 
 
 class FleetStartError(RuntimeError):
@@ -36,10 +36,12 @@ def _wait_for_ports(host: str, ports: list[int], proc: subprocess.Popen[bytes], 
 
 @contextlib.contextmanager
 def embedded_fleet(base_port: int, host: str = "127.0.0.1") -> Iterator[list[dict[str, str]]]:
-    """Start the default emulated fleet in a child process; yield one backend per server, as the mapping a
-    configuration file's ``backends`` entry would hold (``name``, ``engine``, ``url``)."""
-    specs = default_fleet_specs(host=host, base_port=base_port)
-    cmd = [sys.executable, "-m", "gateway.sim", "fleet", "--default", "--host", host, "--base-port", str(base_port)]
+    """Start the default emulated fleet (and its agent model, ``sim-agent``) in a child process; yield one backend
+    per server, as the mapping a configuration file's ``backends`` entry would hold (``name``, ``engine``,
+    ``url``)."""
+    specs = default_fleet_specs(host=host, base_port=base_port) + agent_fleet_specs(host=host, base_port=base_port)
+    cmd = [sys.executable, "-m", "gateway.sim", "fleet", "--default", "--agents", "--host", host,
+           "--base-port", str(base_port)]
     proc = subprocess.Popen(cmd)
     try:
         _wait_for_ports(host, [s.port for s in specs], proc)

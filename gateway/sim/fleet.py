@@ -13,12 +13,26 @@ from gateway.sim.spec import ENGINES, SimSpec
 
 T = TypeVar("T")
 DEFAULT_MODEL = "sim-llama-2-7b"
+AGENT_MODEL = "sim-agent"
+# what coding agents need of a model: Claude Code's first request is ~12k tokens with max_tokens 32,000
+AGENT_CONTEXT = 131_072
 
 
 def default_fleet_specs(host: str = "127.0.0.1", base_port: int = 18001, **common: Any) -> list[SimSpec]:
     """One server per engine on consecutive ports, all serving ``sim-llama-2-7b``; ``common`` sets other fields."""
     return [SimSpec(engine=e, model=DEFAULT_MODEL, host=host, port=base_port + i if base_port else 0,
                     name=f"sim-{e}", **common) for i, e in enumerate(ENGINES)]
+
+
+def agent_fleet_specs(host: str = "127.0.0.1", base_port: int = 18001, **common: Any) -> list[SimSpec]:
+    """One server per engine serving ``sim-agent``, on the ports after the default fleet's: a reasoning model
+    with a 128k context that calls a tool when it may (``tool_call_rate`` 1: the first tool offered, then an
+    answer once the tool's result is in), for coding agents and agent SDKs."""
+    first = base_port + len(ENGINES) if base_port else 0
+    return [SimSpec(engine=e, model=AGENT_MODEL, host=host, port=first + i if base_port else 0,
+                    name=f"sim-agent-{e}", reasoning=True, tool_call_rate=1.0,
+                    overrides={"context_length": AGENT_CONTEXT, "kv_capacity_tokens": 2 * AGENT_CONTEXT}, **common)
+            for i, e in enumerate(ENGINES)]
 
 
 class Fleet:

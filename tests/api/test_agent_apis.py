@@ -344,7 +344,7 @@ def test_strict_tools_go_to_an_engine_that_enforces_them_where_one_serves_the_mo
 def test_strict_tool_arguments_nothing_enforced_are_checked_and_marked_never_refused() -> None:
     """Only TabbyAPI serves the model: the tools go as sent, and with validate_outputs a call's arguments are
     checked against their schema after the fact (here cut short by max_output_tokens: not even JSON); the answer
-    is marked. Without it (the default) the answer is not checked: the check runs on the event loop."""
+    is marked. Without it (the default, as for every constraint) the answer is not checked."""
     with strict_fleet(("tabbyapi",)) as fleet, serve_in_thread(create_app(gateway_settings(fleet.fleet.servers))) \
             as gateway:
         unchecked = oai(gateway).responses.with_raw_response.create(model="shared", input="Weather?",

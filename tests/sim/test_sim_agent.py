@@ -133,6 +133,19 @@ def test_auto_at_rate_one_calls_and_at_rate_zero_answers(agents: FleetThread, en
 
 
 @pytest.mark.parametrize("engine", ENGINES)
+def test_auto_answers_a_tools_result_rather_than_calling_again(agents: FleetThread, engine: str) -> None:
+    """So an agent's round trip ends, as with a real model; a forced call is still made."""
+    called = post(agents, f"auto-{engine}", tools=TOOLS).json()["choices"][0]["message"]
+    result = [*MSG, {k: called[k] for k in ("role", "content", "tool_calls")},
+              {"role": "tool", "tool_call_id": called["tool_calls"][0]["id"], "content": "sunny"}]
+    answered = post(agents, f"auto-{engine}", tools=TOOLS, messages=result).json()["choices"][0]
+    assert answered["finish_reason"] == "stop" and answered["message"]["content"]
+    assert not answered["message"].get("tool_calls")
+    forced = post(agents, f"auto-{engine}", tools=TOOLS, messages=result, tool_choice="required").json()
+    assert forced["choices"][0]["finish_reason"] == "tool_calls"
+
+
+@pytest.mark.parametrize("engine", ENGINES)
 def test_tool_choice_none_never_calls(agents: FleetThread, engine: str) -> None:
     ch = post(agents, f"auto-{engine}", tools=TOOLS, tool_choice="none").json()["choices"][0]
     assert ch["finish_reason"] == "stop" and ch["message"]["content"] and not ch["message"].get("tool_calls")
