@@ -37,6 +37,7 @@ from gateway.api.translate.responses import (
     output_messages,
     responses_to_chat,
 )
+from gateway.api.translate.responses_tools import is_omitted, omitted
 from gateway.api.validation import check_depth
 from gateway.asgi import Message, Send
 from gateway.config import LimitSettings
@@ -86,6 +87,7 @@ class Translation:
     exchange: Exchange | None = None
     route_request: RouteRequest | None = None
     passthrough = False  # this attempt sends the client's own request (set by ``native``)
+    notes: tuple[tuple[bytes, bytes], ...] = ()  # response headers saying what the translation left out
     _tap: StreamTap | None = None
 
     def to_chat(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -231,6 +233,7 @@ class _Messages(Translation):
         self._model = ""
         self._stops: list[str] | None = None
         self._body: dict[str, Any] = {}
+        self._omit_thinking = False
 
     def native_body(self) -> dict[str, Any] | None:
         return self._body
@@ -249,16 +252,18 @@ class _Messages(Translation):
         self._model = str(body.get("model", ""))
         stops = body.get("stop_sequences")
         self._stops = stops if isinstance(stops, list) else None
+        thinking = body.get("thinking")
+        self._omit_thinking = isinstance(thinking, dict) and thinking.get("display") == "omitted"
         return chat
 
     def error(self, status: int, body: bytes) -> bytes:
         return anthropic_error_from_openai(status, body)
 
     def answer(self, chat: dict[str, Any]) -> dict[str, Any]:
-        return chat_to_message(chat, self._model)
+        return chat_to_message(chat, self._model, self._omit_thinking)
 
     def stream(self) -> MessagesStream:
-        return MessagesStream(self._model, self._stops)
+        return MessagesStream(self._model, self._stops, self._omit_thinking)
 
 
 def _messages_features(body: dict[str, Any]) -> frozenset[str]:
@@ -270,6 +275,11 @@ def _messages_features(body: dict[str, Any]) -> frozenset[str]:
     thinking = body.get("thinking")
     if isinstance(thinking, dict) and thinking.get("type") not in (None, "enabled", "disabled"):
         features.add(f"thinking:{thinking.get('type')}")
+    if isinstance(thinking, dict) and thinking.get("display") == "omitted":
+        features.add("thinking:omitted")  # (no engine's own Messages leaves the reasoning out)
+    tools = body.get("tools")
+    if isinstance(tools, list) and any(isinstance(t, dict) and t.get("defer_loading") for t in tools):
+        features.add("defer_loading")  # (nor keeps a deferred tool from the model)
     return frozenset(features)
 
 
@@ -356,6 +366,9 @@ class _Responses(Translation):
     def _translate(self, body: dict[str, Any], history: list[dict[str, Any]] | None) -> dict[str, Any]:
         chat = responses_to_chat(body, history)
         self._request = body
+        left_out = omitted(body.get("tools"))
+        if left_out:  # (web_search: not offered to the model, and the client told)
+            self.notes = ((b"x-gateway-tools-omitted", ", ".join(left_out).encode()),)
         if body.get("store", True) is not False:
             self._conversation = [*(history or []), *input_messages(body)]
         return chat
@@ -386,6 +399,11 @@ class _Responses(Translation):
             return None
         body = {**self._request, "store": False}
         body.pop("client_metadata", None)  # (bookkeeping for the client's logs: no engine reads it)
+        if self.notes:  # (the built-in tools no engine runs are left out here too)
+            tools = [t for t in body.get("tools") or () if not (isinstance(t, dict) and is_omitted(t.get("type")))]
+            body["tools"] = tools
+            if not tools:
+                del body["tools"]
         return body
 
     def passed(self, usage: Any, response: dict[str, Any] | None) -> None:

@@ -436,7 +436,8 @@ class Dispatcher:
             payload = self._payload(request, backend, exchange.placement.priority if exchange.placement else 0)
         path = native.path if native is not None else PATHS[request.route]
         if request.agent is not None:  # which way this agent API request went
-            headers = [*headers, (b"x-gateway-agent-api", b"native" if native is not None else b"translated")]
+            headers = [*headers, (b"x-gateway-agent-api", b"native" if native is not None else b"translated"),
+                       *request.agent.notes]
         options = AttemptOptions(
             keep_usage=native is not None or client_wants_usage(request.body), headers=headers, check=check,
             retry_invalid=retry_invalid, retry_statuses=frozenset() if last else backend.spec.retry_statuses,

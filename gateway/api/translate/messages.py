@@ -21,7 +21,11 @@ honoured faithfully is refused with a 400 naming it (``param`` is the field's pa
   "thinking": true}`` (what Qwen3- and DeepSeek-style templates read on vLLM, SGLang and llama.cpp),
   ``disabled`` the same with false; absent leaves the template's default. ``budget_tokens`` is a budget, not a
   promise (Anthropic's models may think less) and no chat request can enforce it; ``max_tokens`` still bounds
-  reasoning plus answer, as on Anthropic. ``display: "omitted"`` and ``between_tools`` are refused.
+  reasoning plus answer, as on Anthropic. ``display: "omitted"`` is honoured on the way back: thinking blocks
+  come with empty text, as Anthropic returns them (the model still reasons). ``between_tools`` is refused.
+* ``defer_loading`` on a tool (tool search: Claude Code's ``advanced-tool-use`` beta) keeps it out of the
+  model's tools until a ``tool_reference`` block in a tool result names it, as Anthropic does; such a
+  reference becomes the line ``Tool loaded: <name>`` in that result.
 * ``cache_control`` (top level and on any block or tool) is a caching hint: it never changes the output, and
   engines cache prefixes on their own (the gateway's prefix-aware routing acts on them). It is ignored.
 * A ``tool_result`` with ``is_error: true`` becomes a tool message whose content starts with ``"Error: "``:
@@ -50,6 +54,7 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Callable
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 import orjson
@@ -133,12 +138,30 @@ def _image(block: dict[str, Any], param: str) -> dict[str, Any]:
     return {"type": "image_url", "image_url": {"url": url}}
 
 
+def _reference(block: Any, param: str) -> str | None:
+    """The tool a ``tool_reference`` block (a tool search's result) loads, None for any other block."""
+    if not isinstance(block, dict) or block.get("type") != "tool_reference":
+        return None
+    _only(block, param, "type", "tool_name", "cache_control")
+    if not isinstance(block.get("tool_name"), str) or not block["tool_name"]:
+        raise _invalid(f"{param}.tool_name", "must be a non-empty string")
+    name: str = block["tool_name"]
+    return name
+
+
 def _tool_result(block: dict[str, Any], param: str) -> dict[str, Any]:
     _only(block, param, "type", "tool_use_id", "content", "is_error")
     if not isinstance(block.get("tool_use_id"), str):
         raise _invalid(f"{param}.tool_use_id", "must be a string")
     content = block.get("content")
-    text = "" if content is None else _texts(content, f"{param}.content")
+    if isinstance(content, list):  # (a tool search's result: tool_reference blocks, each naming a tool it loads)
+        lines = []
+        for j, part in enumerate(content):
+            name = _reference(part, f"{param}.content[{j}]")
+            lines.append(f"Tool loaded: {name}" if name is not None else _text(part, f"{param}.content[{j}]"))
+        text = "\n".join(lines)
+    else:
+        text = "" if content is None else _texts(content, f"{param}.content")
     if block.get("is_error"):
         text = "Error: " + text if text else "Error"
     return {"role": "tool", "tool_call_id": block["tool_use_id"], "content": text}
@@ -233,7 +256,22 @@ def _messages(raw: Any) -> list[dict[str, Any]]:
     return messages
 
 
-def _tools(tools: Any) -> list[dict[str, Any]]:
+def _loaded(messages: Any) -> set[str]:
+    """The tools that tool results in ``messages`` loaded (``tool_reference`` blocks)."""
+    names: set[str] = set()
+    for message in messages if isinstance(messages, list) else ():
+        content = message.get("content") if isinstance(message, dict) else None
+        for block in content if isinstance(content, list) else ():
+            inner = block.get("content") if isinstance(block, dict) and block.get("type") == "tool_result" else None
+            for part in inner if isinstance(inner, list) else ():
+                if isinstance(part, dict) and part.get("type") == "tool_reference" and \
+                        isinstance(part.get("tool_name"), str):
+                    names.add(part["tool_name"])
+    return names
+
+
+def _tools(tools: Any, loaded: AbstractSet[str] = frozenset()) -> list[dict[str, Any]]:
+    """The chat tools; a deferred tool (``defer_loading``) only once ``loaded`` names it."""
     if not isinstance(tools, list):
         raise _invalid("tools", "must be a list")
     out = []
@@ -243,7 +281,8 @@ def _tools(tools: Any) -> list[dict[str, Any]]:
         if not isinstance(tool, dict) or kind not in (None, "custom"):
             raise _unsupported(param, f"the tool type {kind!r} (only custom tools with an input_schema are served)")
         # eager_input_streaming: arguments are always streamed as the engine produces them
-        _only(tool, param, "type", "name", "description", "input_schema", "strict", "eager_input_streaming")
+        _only(tool, param, "type", "name", "description", "input_schema", "strict", "eager_input_streaming",
+              "defer_loading")
         allowed = tool.get("allowed_callers")
         if allowed not in (None, ["direct"]):
             raise _unsupported(f"{param}.allowed_callers", "callers other than 'direct'")
@@ -251,6 +290,10 @@ def _tools(tools: Any) -> list[dict[str, Any]]:
             raise _invalid(f"{param}.name", "must be a non-empty string")
         if not isinstance(tool.get("input_schema"), dict):
             raise _invalid(f"{param}.input_schema", "must be a JSON schema object")
+        if tool.get("defer_loading") not in (None, True, False):
+            raise _invalid(f"{param}.defer_loading", "must be a boolean")
+        if tool.get("defer_loading") and tool["name"] not in loaded:
+            continue
         function: dict[str, Any] = {"name": tool["name"], "parameters": tool["input_schema"]}
         for key in ("description", "strict"):
             if tool.get(key) is not None:
@@ -282,8 +325,8 @@ def _thinking(thinking: Any, chat: dict[str, Any]) -> None:
     if kind == "enabled" and (not isinstance(thinking.get("budget_tokens"), int)
                               or isinstance(thinking["budget_tokens"], bool)):
         raise _invalid("thinking.budget_tokens", "must be an integer")
-    if thinking.get("display") not in (None, "summarized"):
-        raise _unsupported("thinking.display", f"display {thinking['display']!r} (the reasoning is returned)")
+    if thinking.get("display") not in (None, "summarized", "omitted"):
+        raise _invalid("thinking.display", "must be 'summarized' or 'omitted'")
     enabled = kind != "disabled"  # budget_tokens cannot be enforced by a chat request (module docstring)
     chat["chat_template_kwargs"] = {"enable_thinking": enabled, "thinking": enabled}
 
@@ -382,7 +425,7 @@ def _ignored(value: Any, chat: dict[str, Any]) -> None:
 
 # what each field becomes; model, messages, system and context_management are handled by _translate
 _COMMON: dict[str, Callable[[Any, dict[str, Any]], None]] = {
-    "tools": lambda v, chat: chat.__setitem__("tools", _tools(v)) if v else None,
+    "tools": lambda v, chat: None,  # (by _translate: which deferred tools are loaded is in the messages)
     "tool_choice": _tool_choice, "thinking": _thinking, "output_config": _output_config,
     "cache_control": _ignored, "speed": _accepted("speed", "standard"),
 }
@@ -408,6 +451,10 @@ def _translate(body: dict[str, Any], fields: dict[str, Callable[[Any, dict[str, 
         if name not in fields:
             raise _unsupported(name, "this field" if name not in _MESSAGES_FIELDS else "this field in count_tokens")
         fields[name](value, chat)
+    if body.get("tools"):
+        tools = _tools(body["tools"], _loaded(body.get("messages")))
+        if tools:
+            chat["tools"] = tools
     if body.get("context_management") is not None:
         kept = _thinking_turns_kept(body["context_management"])
         if kept is not None:
@@ -495,15 +542,16 @@ def _tool_input(arguments: Any) -> dict[str, Any]:
     return parsed if isinstance(parsed, dict) else {"_raw": arguments}  # kept, not lost (module docstring)
 
 
-def chat_to_message(chat: dict[str, Any], model: str) -> dict[str, Any]:
-    """A non-streamed chat completion -> an Anthropic Message (validates as ``anthropic.types.Message``)."""
+def chat_to_message(chat: dict[str, Any], model: str, omit_thinking: bool = False) -> dict[str, Any]:
+    """A non-streamed chat completion -> an Anthropic Message (validates as ``anthropic.types.Message``);
+    ``omit_thinking`` (``thinking.display: "omitted"``): thinking blocks without their text."""
     choices = chat.get("choices")
     choice = _dict(choices[0]) if isinstance(choices, list) and choices else {}
     message = _dict(choice.get("message"))
     content: list[dict[str, Any]] = []
     reasoning = _reasoning(message)
     if isinstance(reasoning, str) and reasoning:
-        content.append({"type": "thinking", "thinking": reasoning, "signature": ""})
+        content.append({"type": "thinking", "thinking": "" if omit_thinking else reasoning, "signature": ""})
     text = message.get("content")
     if isinstance(text, str) and text:
         content.append({"type": "text", "text": text})
@@ -574,9 +622,10 @@ class MessagesStream:
     as ``partial_json`` fragments; only those that come before the call's name wait (in memory). ``usage`` is
     the chat usage seen in the stream (for accounting), None if none."""
 
-    def __init__(self, model: str, stop_sequences: list[str] | None = None) -> None:
+    def __init__(self, model: str, stop_sequences: list[str] | None = None, omit_thinking: bool = False) -> None:
         self._model = model
         self._stop_sequences = stop_sequences
+        self._omit_thinking = omit_thinking  # thinking.display "omitted": the block opens, no thinking_delta
         self._pending = b""
         self._started = False
         self._closed = False
@@ -645,7 +694,8 @@ class MessagesStream:
         delta = _dict(choice.get("delta"))
         reasoning = _reasoning(delta)
         if isinstance(reasoning, str) and reasoning:
-            self._delta(out, "thinking", {"type": "thinking_delta", "thinking": reasoning})
+            self._delta(out, "thinking", None if self._omit_thinking else
+                        {"type": "thinking_delta", "thinking": reasoning})
         content = delta.get("content")
         if isinstance(content, str) and content:
             self._delta(out, "text", {"type": "text_delta", "text": content})
@@ -656,7 +706,7 @@ class MessagesStream:
             self._finish = choice["finish_reason"]
             self._matched = _matched_stop(choice)
 
-    def _delta(self, out: list[bytes], kind: str, delta: dict[str, Any]) -> None:
+    def _delta(self, out: list[bytes], kind: str, delta: dict[str, Any] | None) -> None:
         if self._open != kind:
             self._stop_block(out)
             self._open = kind
@@ -665,7 +715,9 @@ class MessagesStream:
                 "type": "thinking", "thinking": "", "signature": ""}
             _event(out, "content_block_start",
                    {"type": "content_block_start", "index": self._blocks - 1, "content_block": block})
-        _event(out, "content_block_delta", {"type": "content_block_delta", "index": self._blocks - 1, "delta": delta})
+        if delta is not None:
+            _event(out, "content_block_delta",
+                   {"type": "content_block_delta", "index": self._blocks - 1, "delta": delta})
 
     def _tool_call(self, call: dict[str, Any], out: list[bytes]) -> None:
         index = call.get("index", 0)

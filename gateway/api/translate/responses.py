@@ -191,6 +191,12 @@ def input_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     return messages
 
 
+def _tools(tools: Any, chat: dict[str, Any]) -> None:
+    offered = chat_tools(tools) if tools else []
+    if offered:  # (none when every tool is one left out, web_search: responses_tools)
+        chat["tools"] = offered
+
+
 def _tool_choice(choice: Any) -> Any:
     if choice in ("auto", "none", "required"):
         return choice
@@ -267,7 +273,7 @@ def _copy(to: str) -> Callable[[Any, dict[str, Any]], None]:
 _MAPPED: dict[str, Callable[[Any, dict[str, Any]], None]] = {
     "max_output_tokens": _copy("max_tokens"), "temperature": _copy("temperature"), "top_p": _copy("top_p"),
     "parallel_tool_calls": _copy("parallel_tool_calls"), "user": _copy("user"),
-    "tools": lambda v, chat: chat.__setitem__("tools", chat_tools(v)) if v else None,
+    "tools": lambda v, chat: _tools(v, chat),
     "tool_choice": lambda v, chat: chat.__setitem__("tool_choice", _tool_choice(v)),
     "text": _text, "reasoning": _reasoning, "include": _include, "top_logprobs": _top_logprobs,
     **{name: _copy(name) for name in _PASSTHROUGH},

@@ -9,8 +9,10 @@ a call of a qualified name comes back as the client expects it, a ``function_cal
 qualified again, so the model sees the names it was offered.
 
 A built-in tool (``web_search``, ``file_search``, ``code_interpreter``, ``mcp``, ...) runs on OpenAI's
-servers; no engine has one, so it is refused, the error saying how the client can leave it out (Codex's
-``web_search`` is on by default).
+servers; no engine has one. ``web_search`` is an offer the model may leave unused, and Codex sends it by
+default (with its defaults, every Codex request was refused): it is not offered to the model, and the answer
+says so (``x-gateway-tools-omitted``, :func:`omitted`); a ``tool_choice`` that forces it is refused. Every other
+built-in tool is refused, the error saying how the client can leave it out.
 """
 
 from __future__ import annotations
@@ -21,11 +23,24 @@ from gateway.errors import GatewayError
 
 SEPARATOR = "__"  # (function names allow [a-zA-Z0-9_-]: a dot or a slash would not be a valid chat name)
 
-# how to stop a client sending a built-in tool, where a common client sends one by default
-_HOW_TO_AVOID = {
-    "web_search": "in Codex's config, set web_search = \"disabled\" (~/.codex/config.toml) or pass "
-                  "-c tools.web_search=false",
-}
+# built-in tools left out rather than refused: offers a model may leave unused, which a common client makes by
+# default (Codex: web_search)
+OMITTED = ("web_search", "web_search_preview")
+
+
+def omitted(tools: Any) -> list[str]:
+    """The built-in tools of ``tools`` that are not offered to the model (``OMITTED``), once each, in order."""
+    kinds: list[str] = []
+    for tool in tools if isinstance(tools, list) else ():
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        if isinstance(kind, str) and is_omitted(kind) and kind not in kinds:
+            kinds.append(kind)
+    return kinds
+
+
+def is_omitted(kind: Any) -> bool:
+    """Whether a tool of type ``kind`` is a built-in tool left out (``OMITTED``, dated versions included)."""
+    return isinstance(kind, str) and any(kind == name or kind.startswith(name + "_2") for name in OMITTED)
 
 
 def _refuse(param: str, message: str, code: str = "unsupported_field") -> GatewayError:
@@ -58,10 +73,8 @@ def _name(tool: dict[str, Any], param: str) -> str:
 
 
 def _built_in(kind: Any, param: str) -> GatewayError:
-    avoid = _HOW_TO_AVOID.get(kind) if isinstance(kind, str) else None
-    how = f"; to stop sending it, {avoid}" if avoid else "; leave it out of 'tools'"
     return _refuse(param, f"'{param}': the built-in tool {kind!r} is not supported by this gateway (only function "
-                          f"tools, and namespaces of them, are served){how}")
+                          "tools, and namespaces of them, are served); leave it out of 'tools'")
 
 
 def chat_tools(tools: Any) -> list[dict[str, Any]]:
@@ -98,7 +111,7 @@ def chat_tools(tools: Any) -> list[dict[str, Any]]:
                     raise _refuse(where, f"'{where}': a {kind!r} tool in a namespace is not supported by this "
                                          "gateway (only function tools are served); leave it out")
                 add(member, where, qualified(namespace, _name(member, where)))
-        else:
+        elif not (isinstance(kind, str) and is_omitted(kind)):
             raise _built_in(kind, param)
     return out
 

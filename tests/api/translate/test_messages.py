@@ -216,12 +216,12 @@ def test_context_management_clears_older_thinking() -> None:
     ({"tools": [{"type": "bash_20250124", "name": "bash"}]}, "tools[0]", "unsupported_field"),
     ({"tools": [{"name": "f", "input_schema": {"type": "object"}, "input_examples": [{}]}]},
      "tools[0].input_examples", "unsupported_field"),
-    ({"tools": [{"name": "f", "input_schema": {"type": "object"}, "defer_loading": True}]},
-     "tools[0].defer_loading", "unsupported_field"),
+    ({"tools": [{"name": "f", "input_schema": {"type": "object"}, "defer_loading": "yes"}]},
+     "tools[0].defer_loading", "invalid_value"),
     ({"tool_choice": {"type": "whatever"}}, "tool_choice", "unsupported_field"),
     ({"thinking": {"type": "between_tools"}}, "thinking", "unsupported_field"),
-    ({"thinking": {"type": "enabled", "budget_tokens": 2048, "display": "omitted"}}, "thinking.display",
-     "unsupported_field"),
+    ({"thinking": {"type": "enabled", "budget_tokens": 2048, "display": "hidden"}}, "thinking.display",
+     "invalid_value"),
     ({"output_config": {"effort": "max"}}, "output_config.effort", "unsupported_field"),
     ({"messages": [{"role": "user", "content": [{"type": "document", "source": {
         "type": "text", "media_type": "text/plain", "data": "x"}}]}]}, "messages[0].content[0]",
@@ -435,6 +435,42 @@ def test_text_only_stream() -> None:
     final = _through_sdk(first + rest)
     assert final.content[0].text == "Hello" and final.stop_reason == "end_turn"
     assert final.usage.input_tokens == 9 and final.usage.output_tokens == 4
+
+
+def test_thinking_display_omitted_keeps_the_blocks_without_their_text() -> None:
+    """Claude Code sends ``thinking.display: "omitted"``: Anthropic then returns thinking blocks with empty text
+    (the model still reasons); it was refused, and Claude Code resent every request without it."""
+    chat = messages_to_chat(_body(thinking={"type": "adaptive", "display": "omitted"}))
+    assert chat["chat_template_kwargs"] == {"enable_thinking": True, "thinking": True}
+    message = chat_to_message(_chat({"content": "42", "reasoning_content": "secret steps"}), "m", omit_thinking=True)
+    Message.model_validate(message)
+    assert message["content"] == [{"type": "thinking", "thinking": "", "signature": ""}, {"type": "text", "text": "42"}]
+    stream = MessagesStream("m", omit_thinking=True)
+    data = _run(stream, _delta({"role": "assistant", "reasoning_content": "secret "}), _delta({"reasoning": "steps"}),
+                _delta({"content": "42"}), _delta({}, "stop"), _usage_chunk())
+    assert b"secret" not in data and b"thinking_delta" not in data
+    final = _through_sdk(data)
+    assert final.content[0].type == "thinking" and final.content[0].thinking == ""
+    assert final.content[1].text == "42"
+
+
+def test_deferred_tools_reach_the_model_once_a_tool_search_loads_them() -> None:
+    """Tool search (Claude Code's advanced-tool-use beta): a tool with ``defer_loading`` is not offered until a
+    ``tool_reference`` in a tool result names it, as Anthropic does; it was refused, and Claude Code resent every
+    request with all its tools loaded."""
+    search = {"name": "ToolSearch", "input_schema": {"type": "object"}}
+    later = {"name": "Later", "input_schema": {"type": "object"}, "defer_loading": True}
+    first = messages_to_chat(_body(tools=[search, later]))
+    assert [t["function"]["name"] for t in first["tools"]] == ["ToolSearch"]
+    history = [{"role": "user", "content": "find a tool"},
+               {"role": "assistant", "content": [{"type": "tool_use", "id": "tu1", "name": "ToolSearch", "input": {}}]},
+               {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "tu1", "content": [
+                   {"type": "tool_reference", "tool_name": "Later"}]}]}]
+    loaded = messages_to_chat(_body(tools=[search, later], messages=history))
+    assert [t["function"]["name"] for t in loaded["tools"]] == ["ToolSearch", "Later"]
+    assert loaded["messages"][-1] == {"role": "tool", "tool_call_id": "tu1", "content": "Tool loaded: Later"}
+    only_deferred = messages_to_chat(_body(tools=[later], tool_choice={"type": "auto"}))
+    assert "tools" not in only_deferred and "tool_choice" not in only_deferred
 
 
 def test_nothing_before_the_first_chunk() -> None:

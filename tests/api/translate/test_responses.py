@@ -24,6 +24,7 @@ from gateway.api.translate.responses import (
     output_messages,
     responses_to_chat,
 )
+from gateway.api.translate.responses_tools import omitted
 from gateway.errors import GatewayError
 
 _EVENT = TypeAdapter(ResponseStreamEvent)
@@ -114,7 +115,7 @@ def test_logprobs_map() -> None:
 
 
 @pytest.mark.parametrize(("body", "param", "code"), [
-    ({"tools": [{"type": "web_search"}]}, "tools[0]", "unsupported_field"),
+    ({"tools": [{"type": "code_interpreter", "container": {"type": "auto"}}]}, "tools[0]", "unsupported_field"),
     ({"tools": [{"type": "function", "name": "f", "parameters": {}, "output_schema": {}}]}, "tools[0].output_schema",
      "unsupported_field"),
     ({"tool_choice": {"type": "allowed_tools", "mode": "auto", "tools": []}}, "tool_choice", "unsupported_field"),
@@ -518,9 +519,21 @@ def test_a_streamed_call_of_a_namespaced_tool_comes_back_in_the_namespace_form()
     assert (final.output[0].name, final.output[0].namespace) == ("spawn_agent", "multi_agent_v1")
 
 
-def test_web_search_is_refused_saying_how_to_turn_it_off_in_codex() -> None:
-    with pytest.raises(GatewayError) as refused:
-        responses_to_chat({"model": "m", "input": "hi", "tools": [*_CODEX_TOOLS, {"type": "web_search"}]})
-    assert refused.value.param == "tools[2]"
-    assert 'web_search = "disabled"' in refused.value.message and "-c tools.web_search=false" in \
-        refused.value.message and "Codex's config" in refused.value.message
+def test_web_search_is_left_out_rather_than_refused_and_other_built_in_tools_are_refused() -> None:
+    """Codex sends web_search by default, and every request of its was refused (issue 42): a search the model
+    may leave unused is not offered (the client hears so: agent_apis, x-gateway-tools-omitted); a tool the
+    client asked to run, or a tool_choice forcing a search, is still refused."""
+    chat = responses_to_chat({"model": "m", "input": "hi", "tools": [*_CODEX_TOOLS, {"type": "web_search"},
+                                                                    {"type": "web_search_preview_2025_03_11"}]})
+    assert [t["function"]["name"] for t in chat["tools"]] == ["shell", "multi_agent_v1__spawn_agent",
+                                                              "multi_agent_v1__shell"]
+    alone = responses_to_chat({"model": "m", "input": "hi", "tools": [{"type": "web_search"}]})
+    assert "tools" not in alone and "tool_choice" not in alone
+    assert omitted([{"type": "web_search"}, {"type": "function", "name": "f"}, {"type": "web_search"}]) == [
+        "web_search"]
+    for tools, choice, param in (([{"type": "file_search", "vector_store_ids": ["v"]}], "auto", "tools[0]"),
+                                 ([{"type": "web_search"}], {"type": "web_search"}, "tool_choice"),
+                                 ([{"type": "web_search"}], "required", "tool_choice")):
+        with pytest.raises(GatewayError) as refused:
+            responses_to_chat({"model": "m", "input": "hi", "tools": tools, "tool_choice": choice})
+        assert refused.value.param == param
