@@ -225,8 +225,8 @@ class Gateway:
             if routing != old.routing:
                 pipeline = build_pipeline(routing, pipeline.state)
             effective = new.model_copy(update={**kept, "routing": routing, "backends": backends})
+            self.keys.update(effective.auth)  # first: a revoked key is revoked whatever fails after it
             changes = await self.pool.reconcile(effective.backends, effective.server.shutdown_timeout)
-            self.keys.update(effective.auth)
             self.admission.settings = effective.admission
             self.dispatcher.reconfigure(pipeline, effective.retries, effective.structured_output,
                                         Priorities(effective.admission, effective.auth.keys),

@@ -469,8 +469,15 @@ class BackendSettings(_Strict):
             return None
         if not value.startswith(("http://", "https://")):
             raise ValueError("must start with http:// or https://")
-        if not urlsplit(value).hostname:
+        parts = urlsplit(value)
+        if not parts.hostname:
             raise ValueError("has no host")
+        try:
+            port = parts.port  # (a port urlsplit cannot read raised later, in the middle of a reload)
+        except ValueError:
+            raise ValueError("has a port that is not a number from 1 to 65535") from None
+        if port == 0:
+            raise ValueError("has a port that is not a number from 1 to 65535")
         return value.rstrip("/")
 
     def priority_order(self) -> Literal["lower-first", "higher-first"] | None:

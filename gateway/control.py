@@ -20,7 +20,6 @@ Every change is logged (who, what) and counted (``gateway_admin_changes_total{ac
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Coroutine
@@ -96,7 +95,8 @@ class ControlPlane:
             siblings.answer(b"recent", lambda: orjson.dumps(self.recent.raw(time.perf_counter())))
         self.changes = Counter("gateway_admin_changes", "Operators' changes (the admin API; reloads also by "
                                "SIGHUP or the file watch), by action.", ["action"], registry=registry)
-        self.reloads = Counter("gateway_config_reloads", "Configuration reloads, by result (applied, rejected).",
+        self.reloads = Counter("gateway_config_reloads", "Configuration reloads, by result (applied, rejected, "
+                               "failed: an error of the gateway's own while applying).",
                                ["result"], registry=registry)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -195,8 +195,14 @@ class ControlPlane:
 
         async for content in stable_contents(lambda: asyncio.to_thread(fingerprint), every, settle,
                                              in_force=self._content):
-            with contextlib.suppress(GatewayError):  # (refused: logged and counted already)
+            try:
                 await self.reload("file watch", content=content, read_at=read_at)
+            except GatewayError:  # (refused: logged and counted already)
+                pass
+            except Exception:  # a reload that failed in the gateway's own code must not end the watch: the next
+                # change to the file (a key revoked) would be ignored until a restart
+                self.reloads.labels("failed").inc()
+                log.exception("reload (file watch) failed; the watch goes on")
 
     # -- backends -------------------------------------------------------------------------------------------
     async def backends(self) -> list[dict[str, Any]]:

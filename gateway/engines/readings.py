@@ -100,8 +100,9 @@ def usage_tokens(value: Any) -> int:
 
 
 def model_name(value: Any) -> str | None:
-    """A model's name as listed: a non-empty string of at most ``MAX_MODEL_NAME`` characters, else None."""
-    if isinstance(value, str) and 0 < len(value) <= MAX_MODEL_NAME:
+    """A model's name as listed: a non-empty string of at most ``MAX_MODEL_NAME`` printable characters, else None
+    (a name with a line break in it broke every answer naming it: it goes into the ``x-gateway-model`` header)."""
+    if isinstance(value, str) and 0 < len(value) <= MAX_MODEL_NAME and value.isprintable():
         return value
     return None
 

@@ -515,7 +515,15 @@ class Pool:
                 self._on_kv_source()
 
     def _listed(self, backend: Backend, models: list[str]) -> frozenset[str]:
-        """The models a backend listed, at most MAX_MODELS of them (the excess logged once)."""
+        """The models a backend listed, at most MAX_MODELS of them (the excess logged once), less any whose name
+        holds the backend's own credentials (an engine echoing what it was sent: the name would reach clients,
+        metrics labels and logs)."""
+        secrets = backend.secrets
+        echoing = [name for name in models if secrets.echoed(name.encode()) and secrets.scrub(name) != name]
+        if echoing:
+            models = [name for name in models if name not in echoing]
+            log.warning("backend %s lists %d model(s) whose name holds its own credentials: not served",
+                        backend.name, len(echoing))
         if len(models) <= MAX_MODELS:
             return frozenset(models)
         if backend.name not in self._overlisted:

@@ -34,7 +34,12 @@ came); only a usage chunk or an error event is ever re-encoded:
 * ``hidden`` fields (an engine's cache figures, where they could reveal another cache domain's prompt: see
   :mod:`gateway.proxy.cache_figures`) are removed from the events that carry them (usage and timings events,
   parsed anyway); the relay's own ``usage`` and ``timings`` keep the engine's figures.
-* ``\\r\\n`` line endings (TabbyAPI) become ``\\n``; comment pings pass through.
+* ``\\r\\n`` line endings (TabbyAPI) become ``\\n``. A comment (a keep-alive ping) reaches the client as ``: ping``
+  whatever it said, and a comment line inside an event is dropped: nothing reads them, and an engine echoing
+  the credentials it was sent put them there (sweep 8). An event's ``event:`` and ``id:`` lines are scrubbed of
+  the credentials where their bytes may hold one.
+* At most ``MAX_IDLE_BYTES`` of comments and blank lines may come between two data events (a stream of pings
+  cost ~30 ms of the event loop per MiB, bounded only by the idle timeout): past it, InvalidStream.
 """
 
 from __future__ import annotations
@@ -51,6 +56,7 @@ from gateway.proxy.cache_figures import FieldPath, without
 
 # an upstream that sends this much without ending an event is not speaking SSE
 MAX_PENDING_BYTES = 1 << 20
+MAX_IDLE_BYTES = 1 << 20  # of comments and blank lines between two data events
 
 
 class InvalidStream(Exception):
@@ -101,6 +107,11 @@ def _has_content(choice: Any) -> bool:
         return True
     delta = choice.get("delta")
     return isinstance(delta, dict) and any(v not in (None, "", []) for k, v in delta.items() if k != "role")
+
+
+def _comment_only(event: bytes) -> bool:
+    """Whether every line of ``event`` is a comment."""
+    return all(line[:1] == b":" for line in event.split(b"\n"))
 
 
 def _payload(event: bytes) -> bytes:
@@ -162,8 +173,8 @@ def _parse(payload: bytes) -> dict[str, Any]:
 class SSERelay:
     """Feed it upstream bytes; it returns what to send to the client (possibly ``b""``)."""
 
-    __slots__ = ("_buf", "_crlf", "_end", "_head", "_head_key", "_hidden", "_reshape", "_secrets", "_split_usage",
-                 "done", "error", "events", "keep_usage", "texts", "timings", "usage")
+    __slots__ = ("_buf", "_crlf", "_end", "_head", "_head_key", "_hidden", "_idle", "_reshape", "_secrets",
+                 "_split_usage", "done", "error", "events", "keep_usage", "texts", "timings", "usage")
 
     def __init__(self, keep_usage: bool, secrets: Redactor | None = None,
                  quirks: StreamQuirks = ALL_QUIRKS, end: re.Pattern[bytes] | None = None,
@@ -180,6 +191,7 @@ class SSERelay:
         self._split_usage = quirks.usage_with_choices
         self._secrets = secrets  # the backend's address and credentials, taken out of the events it echoes them in
         self._buf = b""
+        self._idle = 0  # bytes of comments and blank lines since the last data event
         self._head = b""  # a one-event chunk's bytes to its first match, generated text (see _scan)
         self._head_key = b""  # that match's key
         self.usage: dict[str, Any] | None = None
@@ -203,6 +215,7 @@ class SSERelay:
             # with the fewest steps (slices compared: ``endswith`` and ``startswith`` parse their arguments the
             # slow way on CPython 3.11, ~0.25 us a call here)
             self.events += 1
+            self._idle = 0
             if self._end is not None and self._end.search(data) is not None:
                 self.done = True
             found = self._scan(data)
@@ -274,6 +287,7 @@ class SSERelay:
         events.pop()  # the b"" after the last blank line
         for event in events:
             if event[:7] == b"data: {" and event[-1:] == b"}" and event.find(b"\n") < 0:  # the usual form
+                self._idle = 0
                 self.events += 1
                 if self._end is not None and self._end.search(event) is not None:
                     self.done = True
@@ -291,14 +305,19 @@ class SSERelay:
                 out.append(event)
                 continue
             elif not event:  # an extra blank line: dropped
+                self._idled(2)
                 changed = True
                 continue
-            elif event[:1] == b":":
-                out.append(event)
+            elif event[:1] == b":" and _comment_only(event):
+                self._idled(len(event) + 2)
                 texts = None
+                if event != b": ping":  # (what it said is no one's business: see the module docstring)
+                    changed = True
+                out.append(b": ping")
                 continue
             else:
                 texts = None
+                self._idle = 0
                 new = self._event(event)
             if new is None:
                 out.append(event)
@@ -310,11 +329,35 @@ class SSERelay:
             return block  # every event passed unchanged: forward the bytes as they came
         return b"".join(e + b"\n\n" for e in out)
 
+    def _idled(self, size: int) -> None:
+        self._idle += size
+        if self._idle > MAX_IDLE_BYTES:
+            raise InvalidStream(f"more than {MAX_IDLE_BYTES} bytes of comments and blank lines without an event")
+
+    def _fields(self, event: bytes) -> bytes | None:
+        """``event`` with its comment lines dropped and its other fields scrubbed of the credentials, or None when
+        it has neither (as it should)."""
+        lines = event.split(b"\n")
+        kept = [line for line in lines if line[:1] != b":"]
+        secrets = self._secrets
+        fields = [line for line in kept if not line.startswith(b"data:")]
+        if fields and secrets is not None and secrets.echoed(b"\n".join(fields)):
+            kept = [line if line.startswith(b"data:") else secrets.scrub(line.decode("utf-8", "replace")).encode()
+                    for line in kept]
+        return None if kept == lines else b"\n".join(kept)
+
     def _event(self, event: bytes) -> list[bytes] | None:
         """Check one data event not of the usual form (several lines, other fields, spacing): None when it passes
         unchanged, else the events to send instead."""
         self.events += 1
         payload = _payload(event)
+        cleaned = self._fields(event)
+        if cleaned is not None:
+            new = self._checked(cleaned, payload)
+            return [cleaned] if new is None else new
+        return self._checked(event, payload)
+
+    def _checked(self, event: bytes, payload: bytes) -> list[bytes] | None:
         if payload.startswith(b"{") and payload.endswith(b"}"):
             if self._end is not None and self._end.search(payload) is not None:
                 self.done = True

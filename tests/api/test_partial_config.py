@@ -256,3 +256,52 @@ def test_a_fifo_in_the_files_place_is_refused_at_once_and_the_watch_goes_on(flee
         while {b.name for b in app.gateway.pool} != {"va", "vb"}:  # (the watch, still reading)
             assert time.monotonic() < deadline, "the file watch stopped at the FIFO"
             time.sleep(0.05)
+
+
+def test_a_bad_port_is_refused_and_a_reload_that_fails_still_revokes_keys_and_the_watch_goes_on(
+        fleet: FleetThread, tmp_path: Path) -> None:
+    """Sweep 8: a backend URL with port 99999 passed validation and raised in the middle of applying the reload:
+    the keys revoked in the same file stayed valid, the file watch died, and the key stayed valid after the typo
+    was fixed, until a restart."""
+    path = tmp_path / "gateway.yaml"
+    config = keyed(fleet, ["va"])
+    config["server"]["reload_settle_seconds"] = 0.2
+    temp_key = "sk-temp-8901"
+    config["auth"]["keys"].append({"name": "temp", "key_sha256": digest(temp_key)})
+    path.write_text(dump(config))
+    client = {"authorization": f"Bearer {CLIENT_KEY}"}
+    temp = {"authorization": f"Bearer {temp_key}"}
+
+    def status() -> int:
+        return httpx.post(gateway.url + "/v1/chat/completions", json=ASK, headers=client).status_code
+
+    def until(done: Any, what: str) -> None:
+        deadline = time.monotonic() + 20
+        while not done():
+            assert time.monotonic() < deadline, what
+            time.sleep(0.05)
+
+    revoked = {**config, "auth": {**config["auth"], "keys": config["auth"]["keys"][1:]}}
+    with serving(path) as (gateway, app):
+        assert status() == 200
+        typo = {**revoked, "backends": [{**revoked["backends"][0], "url": "http://127.0.0.1:99999"}]}
+        path.write_text(dump(typo))
+        until(lambda: reloads(gateway, "rejected") >= 1, "the file with a bad port was not refused")
+        assert status() == 200  # (refused whole: the running configuration stays)
+        path.write_text(dump(revoked))
+        until(lambda: status() == 401, "the fixed file was not applied: the watch stopped")
+
+        failing = app.gateway.pool.reconcile
+
+        async def fail_once(*args: Any, **kwargs: Any) -> Any:
+            app.gateway.pool.reconcile = failing  # type: ignore[method-assign]
+            raise RuntimeError("a fault of the gateway's own")
+
+        app.gateway.pool.reconcile = fail_once  # type: ignore[method-assign]
+        assert httpx.post(gateway.url + "/v1/chat/completions", json=ASK, headers=temp).status_code == 200
+        path.write_text(dump({**revoked, "auth": {**revoked["auth"], "keys": revoked["auth"]["keys"][:1]}}))
+        until(lambda: reloads(gateway, "failed") >= 1, "the failing reload was not counted")
+        assert httpx.post(gateway.url + "/v1/chat/completions", json=ASK, headers=temp).status_code == 401
+        path.write_text(dump({**config, "backends": keyed(fleet, ["va", "vb"])["backends"]}))
+        until(lambda: {b.name for b in app.gateway.pool} == {"va", "vb"}, "the watch stopped after the failure")
+        assert status() == 200

@@ -404,3 +404,28 @@ def test_hidden_cache_figures_leave_the_events_that_carry_them_and_nothing_else(
     # nothing hidden: the same event passes unchanged
     assert SSERelay(keep_usage=True, hidden=LLAMACPP_HIDDEN).feed(USAGE_CHUNK.replace(b"cached", b"audio")) == \
         USAGE_CHUNK.replace(b"cached", b"audio")
+
+
+def test_comments_are_pings_and_other_fields_are_scrubbed_of_the_backends_credentials() -> None:
+    """Sweep 8: an engine echoing the key it was sent in a comment, an ``id:`` or an ``event:`` line had it
+    relayed to the client unread."""
+    from gateway.errors import Redactor
+
+    key = "sk-BACKENDSECRETaaaa1111"
+    relay = SSERelay(keep_usage=True, secrets=Redactor("b", "http://engine-b.internal:8000", [key]))
+    chunk = b'data: {"choices":[{"delta":{"content":"hi"}}]}'
+    out = relay.feed(b": Bearer " + key.encode() + b"\n\n" + b"id: " + key.encode() + b"\nevent: " + key.encode()
+                     + b"\n: and " + key.encode() + b"\n" + chunk + b"\n\n: ping\n\n")
+    assert key.encode() not in out
+    assert out == b": ping\n\nid: [redacted]\nevent: [redacted]\n" + chunk + b"\n\n: ping\n\n"
+
+
+def test_a_flood_of_comments_or_blank_lines_between_events_ends_the_stream() -> None:
+    """~30 ms of the event loop per MiB, bounded before only by the stream's idle timeout."""
+    relay = SSERelay(keep_usage=True)
+    chunk = b'data: {"choices":[{"delta":{"content":"hi"}}]}\n\n'
+    relay.feed(chunk + b": p\n\n" * 100_000 + chunk)  # (under the bound, and a data event resets it)
+    relay.feed(b"\n" * 500_000)
+    with pytest.raises(InvalidStream, match="comments and blank lines"):
+        for _ in range(200):
+            relay.feed(b": p\n\n" * 1000)
