@@ -24,9 +24,9 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 
-from gateway.kvcache.wire import AllBlocksCleared, Batch, BlockRemoved, BlockStored, Hash
+from gateway.kvcache.wire import PACE, AllBlocksCleared, Batch, BlockRemoved, BlockStored, Hash
 
 MIN_CHUNK_TOKENS = 16
 HOST_WEIGHT = 0.5
@@ -104,13 +104,22 @@ class EventIndex:
         self._held[HOST].clear()
 
     def apply(self, batch: Batch) -> None:
-        for event in batch.events:
+        for _ in self.apply_steps(batch):
+            pass
+
+    def apply_steps(self, batch: Batch) -> Generator[None, None, None]:
+        """Apply the batch, pausing (yielding) every ``PACE`` events so the caller can let others run."""
+        for done, event in enumerate(batch.events, 1):
             if isinstance(event, BlockStored):
                 self._stored(event)
             elif isinstance(event, BlockRemoved):
                 self._removed(event)
             elif isinstance(event, AllBlocksCleared):
                 self.clear()
+            if done % PACE == 0:
+                if len(self._nodes) > MAX_NODES:
+                    self.clear()
+                yield
         if len(self._nodes) > MAX_NODES:
             self.clear()
 

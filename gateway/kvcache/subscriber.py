@@ -26,18 +26,20 @@ import asyncio
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Generator, Iterable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, TypeVar
 
 import zmq
 import zmq.asyncio
 
 from gateway.kvcache.contexts import close_context, open_context
 from gateway.kvcache.index import EventIndex
-from gateway.kvcache.wire import Batch, WireError, decode_message, decode_replay
+from gateway.kvcache.wire import Batch, WireError, batch_steps, message_parts, replay_parts
 from gateway.pool.backend import Backend
 from gateway.tasks import cancel_and_wait
+
+T = TypeVar("T")
 
 log = logging.getLogger("gateway.kvcache")
 
@@ -158,14 +160,14 @@ class EventStream:
     # -- the stream -----------------------------------------------------------------------------------------------
     async def _on_message(self, frames: list[bytes]) -> None:
         try:
-            batch = decode_message(frames)
+            batch = await _paced(batch_steps(*message_parts(frames)))
         except WireError as exc:
             self.counters.decode_errors += 1
             log.debug("kv events from %s: undecodable message: %s", self.backend.name, exc)
             return
         seq = batch.seq
         if seq == self._next_seq or self._next_seq < 0:  # (< 0: no history to continue, this one starts it)
-            self._apply(batch)
+            await self._apply(batch)
         elif seq > self._next_seq:
             self.counters.gaps += 1
             await self._fill_gap(batch)
@@ -174,7 +176,7 @@ class EventStream:
         else:  # numbered again from the start: the engine restarted
             self._reset("restart")
             if seq == 0:
-                self._apply(batch)
+                await self._apply(batch)
             else:
                 await self._replay_from_zero()
 
@@ -183,10 +185,10 @@ class EventStream:
         if missed is not None:
             for replayed in missed:
                 if replayed.seq == self._next_seq:
-                    self._apply(replayed)
+                    await self._apply(replayed)
         if self._next_seq == batch.seq:
             self.counters.replays["complete"] += 1
-            self._apply(batch)
+            await self._apply(batch)
             return
         if self._next_seq > batch.seq:  # the replay reached past it
             self.counters.replays["complete"] += 1
@@ -194,7 +196,7 @@ class EventStream:
         self.counters.replays["failed" if missed is None else "partial"] += 1
         self._reset("history_lost")
         self._lost_history()
-        self._apply(batch)
+        await self._apply(batch)
 
     async def _resync(self, reason: Literal["epoch"] | None) -> None:
         """Rebuild the index from the engine's replay buffer (start, or the backend came back up)."""
@@ -223,10 +225,10 @@ class EventStream:
             self.state = "live"
         for batch in batches:
             if batch.seq == self._next_seq:
-                self._apply(batch)
+                await self._apply(batch)
 
-    def _apply(self, batch: Batch) -> None:
-        self.index.apply(batch)
+    async def _apply(self, batch: Batch) -> None:
+        await _paced(self.index.apply_steps(batch))
         self._next_seq = batch.seq + 1
         recent = self._recent
         recent[batch.seq] = batch.ts
@@ -277,19 +279,30 @@ class EventStream:
                 self._close_dealer()  # a late answer must not be read as the next one's
                 return None
             try:
-                batch = decode_replay(await dealer.recv_multipart())
+                parts = replay_parts(await dealer.recv_multipart())
+                if parts is None:
+                    return batches
+                batches.append(await _paced(batch_steps(*parts)))
             except WireError:
                 self.counters.decode_errors += 1
                 continue
-            if batch is None:
-                return batches
-            batches.append(batch)
             deadline = time.monotonic() + self.settings.replay_timeout  # a long history keeps coming
 
     def _close_dealer(self) -> None:
         if self._dealer is not None:
             self._dealer.close(0)
             self._dealer = None
+
+
+async def _paced(steps: Generator[None, None, T]) -> T:
+    """Run ``steps`` to its end, letting the event loop run at each of its pauses."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            result: T = done.value
+            return result
+        await asyncio.sleep(0)
 
 
 class EventHub:

@@ -27,6 +27,10 @@ Hashes are opaque: vLLM sends unsigned 64-bit ints (or the raw digest bytes with
 hashes of the same engine process. Fields this module does not use are ignored, so later releases that add
 fields still decode. Anything malformed raises :class:`WireError` and the caller drops that batch.
 
+A batch is decoded event by event (:func:`batch_steps`, a generator that pauses every ``PACE`` events), so the
+subscriber lets the event loop run between steps: decoded whole, a 27 MB batch held the loop 5 s (sweep 8),
+and an engine may send up to ``MAX_PAYLOAD_BYTES``.
+
 The replay socket (a ROUTER) answers a DEALER's ``[b"", start_seq]`` with one ``[b"", topic, seq, payload]``
 per buffered batch (``[b"", seq, payload]`` before vLLM 0.26 / SGLang 0.5.22), then the end marker whose seq
 is ``b"\\xff" * 8``.
@@ -34,7 +38,7 @@ is ``b"\\xff" * 8``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +47,7 @@ import msgpack
 Hash = int | bytes
 END_OF_REPLAY = b"\xff" * 8
 MAX_PAYLOAD_BYTES = 64 * 1024 * 1024  # a batch larger than this is refused (the socket drops it earlier)
+PACE = 512  # events decoded (or applied) between two pauses: a few milliseconds
 
 
 class WireError(ValueError):
@@ -91,15 +96,20 @@ def decode_seq(frame: bytes) -> int:
     return int.from_bytes(frame, "big")
 
 
-def decode_message(frames: Sequence[bytes]) -> Batch:
-    """A live PUB message: ``[topic, seq, payload]``."""
+def message_parts(frames: Sequence[bytes]) -> tuple[int, bytes]:
+    """A live PUB message ``[topic, seq, payload]``: its seq and payload."""
     if len(frames) != 3:
         raise WireError(f"{len(frames)} frames, expected 3 (topic, seq, payload)")
-    return decode_batch(decode_seq(frames[1]), frames[2])
+    return decode_seq(frames[1]), frames[2]
 
 
-def decode_replay(frames: Sequence[bytes]) -> Batch | None:
-    """One reply on the replay socket as a DEALER receives it; None for the end marker."""
+def decode_message(frames: Sequence[bytes]) -> Batch:
+    """A live PUB message: ``[topic, seq, payload]``."""
+    return decode_batch(*message_parts(frames))
+
+
+def replay_parts(frames: Sequence[bytes]) -> tuple[int, bytes] | None:
+    """One reply on the replay socket as a DEALER receives it: its seq and payload; None for the end marker."""
     if not frames or frames[0] != b"":
         raise WireError("replay reply without the empty delimiter frame")
     body = frames[1:]
@@ -111,30 +121,58 @@ def decode_replay(frames: Sequence[bytes]) -> Batch | None:
         raise WireError(f"replay reply of {len(frames)} frames")
     if seq_frame == END_OF_REPLAY:
         return None
-    return decode_batch(decode_seq(seq_frame), payload)
+    return decode_seq(seq_frame), payload
+
+
+def decode_replay(frames: Sequence[bytes]) -> Batch | None:
+    """One reply on the replay socket as a DEALER receives it; None for the end marker."""
+    parts = replay_parts(frames)
+    return None if parts is None else decode_batch(*parts)
 
 
 def decode_batch(seq: int, payload: bytes) -> Batch:
+    """The whole batch at once (:func:`batch_steps` run through)."""
+    steps = batch_steps(seq, payload)
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            batch: Batch = done.value
+            return batch
+
+
+def batch_steps(seq: int, payload: bytes) -> Generator[None, None, Batch]:
+    """Decode a batch, pausing (yielding) every ``PACE`` events; returns the Batch. Raises WireError."""
     if len(payload) > MAX_PAYLOAD_BYTES:
         raise WireError(f"payload of {len(payload)} bytes")
+    unpacker = msgpack.Unpacker(raw=False, strict_map_key=False, use_list=True,
+                                max_buffer_size=max(len(payload), 1))
+    unpacker.feed(payload)
     try:
-        raw = msgpack.unpackb(payload, raw=False, strict_map_key=False, use_list=True)
-    except (ValueError, msgpack.UnpackException) as exc:
-        raise WireError(f"not msgpack: {exc}") from None
-    if not isinstance(raw, list) or len(raw) not in (2, 3) or not isinstance(raw[1], list):
-        raise WireError("batch is not [ts, events(, dp_rank)]")
-    ts = raw[0]
-    if not isinstance(ts, int | float):
-        raise WireError("batch timestamp is not a number")
-    dp_rank = raw[2] if len(raw) == 3 and isinstance(raw[2], int) else None
-    events: list[Event] = []
-    skipped = 0
-    for item in raw[1]:
-        event = _event(item)
-        if event is None:
-            skipped += 1
-        else:
-            events.append(event)
+        fields = unpacker.read_array_header()
+        if fields not in (2, 3):
+            raise WireError("batch is not [ts, events(, dp_rank)]")
+        ts = unpacker.unpack()
+        if not isinstance(ts, int | float):
+            raise WireError("batch timestamp is not a number")
+        count = unpacker.read_array_header()
+        events: list[Event] = []
+        skipped = 0
+        for done in range(1, count + 1):
+            event = _event(unpacker.unpack())
+            if event is None:
+                skipped += 1
+            else:
+                events.append(event)
+            if done % PACE == 0:
+                yield
+        dp_rank = unpacker.unpack() if fields == 3 else None
+    except WireError:
+        raise
+    except (ValueError, msgpack.UnpackException) as exc:  # (a header of another type, data cut short)
+        raise WireError(f"not a msgpack batch: {exc}") from None
+    if not isinstance(dp_rank, int) or isinstance(dp_rank, bool):
+        dp_rank = None
     return Batch(seq=seq, ts=float(ts), events=tuple(events), dp_rank=dp_rank, skipped=skipped)
 
 
