@@ -113,7 +113,8 @@ class Gateway:
         if several and worker is not None:
             self.siblings = Siblings(worker, self.metrics.registry, self.pool)
         self._kv_task: asyncio.Task[None] | None = None
-        self.forwarder = Forwarder(self.transport, settings.timeouts, settings.server.max_response_bytes)
+        self.forwarder = Forwarder(self.transport, settings.timeouts, settings.server.max_response_bytes,
+                                   settings.server.max_response_containers)
         self.dispatcher = Dispatcher(self.pool, self.pipeline, self.admission,
                                      self.forwarder, self.metrics, settings.retries,
                                      settings.structured_output, shared=self.shared,

@@ -28,7 +28,7 @@ from gateway.proxy.cache_figures import FieldPath, without
 from gateway.proxy.exchange import Exchange
 from gateway.proxy.sse import InvalidStream, SSERelay, text_events_in
 from gateway.proxy.transport import BodySink, Transport, UpstreamResponse
-from gateway.proxy.upstream import UpstreamError
+from gateway.proxy.upstream import ResponseTooLarge, UpstreamError
 
 # what is read of a backend's error body (the rest is never read, and its connection closed): an error worth
 # relaying says what went wrong in far fewer bytes, and one of hundreds of MB held memory and the event loop
@@ -90,13 +90,16 @@ class AttemptOptions:
 
 class Forwarder:
     """Forwards attempts through ``transport``. A non-streamed answer is read up to ``max_response_bytes`` (past it:
-    :class:`~gateway.proxy.upstream.ResponseTooLarge`, found without reading the rest), an error body up to
+    :class:`~gateway.proxy.upstream.ResponseTooLarge`, found without reading the rest; as well past
+    ``max_response_containers`` JSON objects and arrays, before any is parsed), an error body up to
     ``ERROR_BODY_BYTES`` (the rest cut)."""
 
-    def __init__(self, transport: Transport, timeouts: TimeoutSettings, max_response_bytes: int = 64 << 20) -> None:
+    def __init__(self, transport: Transport, timeouts: TimeoutSettings, max_response_bytes: int = 64 << 20,
+                 max_response_containers: int = 100_000) -> None:
         self._transport = transport
         self._timeouts = timeouts
         self._max_response_bytes = max_response_bytes
+        self._max_response_containers = max_response_containers
 
     def set_timeouts(self, timeouts: TimeoutSettings) -> None:
         """Reloaded timeouts, for the requests that start from now on."""
@@ -149,6 +152,11 @@ class Forwarder:
                     content_type = response.headers.get("Content-Type", "")
                     if not exchange.stream or not content_type.startswith("text/event-stream"):
                         raw = await response.read(self._max_response_bytes)
+                        # every answer is parsed here, on the event loop, and again by an agent API's translation:
+                        # its objects and arrays are counted first (in C, ~1 ms a MiB) and bounded
+                        limit = self._max_response_containers
+                        if len(raw) > limit and raw.count(b"{") + raw.count(b"[") > limit:
+                            raise ResponseTooLarge(limit, containers=True)
                         if options.rewrite is not None:
                             try:
                                 raw = options.rewrite(raw)

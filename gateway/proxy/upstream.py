@@ -42,9 +42,12 @@ class ResponseTooLarge(UpstreamError):
     backend did nothing wrong, and another would answer the same request as largely: not worth a retry, and no
     failure of the backend's."""
 
-    def __init__(self, limit: int) -> None:
-        super().__init__(f"the backend's answer is larger than {limit} bytes (server.max_response_bytes): ask for "
-                         f"less in one request (fewer inputs, a streamed answer), or have the operator raise it")
+    def __init__(self, limit: int, containers: bool = False) -> None:
+        what, setting = ("JSON objects and arrays", "server.max_response_containers") if containers else (
+            "bytes", "server.max_response_bytes")
+        super().__init__(f"the backend's answer has more than {limit} {what} ({setting}): ask for less in one "
+                         f"request (fewer inputs, choices or logprobs, a streamed answer), or have the operator "
+                         f"raise it")
         self.limit = limit
 
     @property

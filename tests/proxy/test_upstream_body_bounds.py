@@ -6,6 +6,7 @@ request for 3.5 s, and four 200 answers of 200 MB take 1.7 GB."""
 from __future__ import annotations
 
 import httpx
+import orjson
 import pytest
 
 from gateway.proxy.forward import ERROR_BODY_BYTES
@@ -58,3 +59,27 @@ def test_an_error_body_past_the_bound_is_cut_before_it_is_parsed() -> None:
     exchange, sink, _ = forward("vllm", MockResponse(400, body=body), stream=False)
     assert sink.status == 400 and exchange.outcome == "upstream_error"
     assert len(sink.body) < 1024, "a cut JSON body is shown as text: its first 500 characters"
+
+
+def test_an_answer_of_more_objects_than_max_response_containers_is_a_502_before_it_is_parsed() -> None:
+    """Sweep 8: a valid 50 MB answer of 1.2M logprob objects held the event loop 2.2 s (parsed, then again by the
+    credential scrub); the gateway parses every answer. Counted first, it is refused as too large an answer is:
+    the request's doing, not retried, no failure of the backend's."""
+    token = {"token": "t", "logprob": -0.5, "bytes": [116], "top_logprobs": [{"token": "t", "logprob": -1.0}] * 4}
+    answer = orjson.dumps({"id": "c", "object": "chat.completion", "created": 0, "model": "m", "choices": [
+        {"index": 0, "message": {"role": "assistant", "content": "x"}, "finish_reason": "stop",
+         "logprobs": {"content": [token] * 2_000}}], "usage": {"prompt_tokens": 1, "completion_tokens": 2_000,
+                                                             "total_tokens": 2_001}})
+    with ScriptedUpstream(mode="script") as upstream:
+        upstream.script = lambda headers: (200, "application/json", [answer])
+        app, server = gateway_over(upstream, server={"max_response_containers": 5_000})
+        with server as gw:
+            r = httpx.post(gw.url + "/v1/chat/completions", json=ASK, timeout=30)
+        with gateway_over(upstream, server={"max_response_containers": 20_000})[1] as roomier:
+            whole = httpx.post(roomier.url + "/v1/chat/completions", json=ASK, timeout=30)
+    assert r.status_code == 502, r.text
+    error = r.json()["error"]
+    assert error["code"] == "upstream_response_too_large" and "server.max_response_containers" in error["message"]
+    assert upstream.posts == 2, "not retried: any backend would answer as much"
+    assert app.gateway.pool.get("scripted").breaker.state.value == "closed"
+    assert whole.status_code == 200 and whole.content == answer
