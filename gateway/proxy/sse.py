@@ -69,8 +69,12 @@ class InvalidStream(Exception):
         self.sample = sample
 
     def described(self, redactor: Redactor) -> str:
-        """What is wrong, and the start of the offending bytes, scrubbed of the backend's secrets before cut."""
-        return f"{self}: {redactor.excerpt(self.sample, 80)!r}" if self.sample else str(self)
+        """What is wrong, and the start of the offending bytes, scrubbed of the backend's secrets before cut (with
+        its line breaks taken out first: a credential split across two ``data:`` lines is joined by one)."""
+        if not self.sample:
+            return str(self)
+        joined = self.sample.replace(b"\n", b"")
+        return f"{self}: {redactor.excerpt(joined, 80)!r}"
 
 
 # a key whose non-empty string value is generated output: text, reasoning, or a tool call's arguments;

@@ -429,3 +429,14 @@ def test_a_flood_of_comments_or_blank_lines_between_events_ends_the_stream() -> 
     with pytest.raises(InvalidStream, match="comments and blank lines"):
         for _ in range(200):
             relay.feed(b": p\n\n" * 1000)
+
+
+def test_a_credential_split_across_data_lines_is_scrubbed_from_the_error_that_shows_it() -> None:
+    from gateway.errors import Redactor
+
+    key = "sk-BACKENDSECRETaaaa1111"
+    relay = SSERelay(keep_usage=True, secrets=Redactor("b", "http://engine-b.internal:8000", [key]))
+    with pytest.raises(InvalidStream) as bad:
+        relay.feed(b'data: {"error": "' + key[:12].encode() + b'\ndata: ' + key[12:].encode() + b'"\n\n')
+    shown = bad.value.described(Redactor("b", "http://engine-b.internal:8000", [key]))
+    assert key[:12] not in shown and key[12:] not in shown and "[redacted]" in shown
