@@ -37,6 +37,10 @@ SPEC = EngineSpec(
     # timeout=5, max=100"; a pooled connection then fails the next request ("Can not write request body")
     routes=RERANK_ROUTES,
     keeps_alive_after_stream=False,
+    # it refuses only a prompt that fills a slot's context; generation stops when the context is full, whatever
+    # n_predict asked (tools/server/server-context.cpp): a 12k-token prompt with max_tokens 32,000 (Claude
+    # Code's every request) is served by 32k slots
+    output_in_context=False,
     # /v1/messages (llama-cpp-python 0.3.36's vendored server, tools/server/server.cpp). It serves /v1/responses
     # too, but its stream events have no sequence_number, output_index or content_index, and an answer cut by
     # max_output_tokens says "completed": the OpenAI SDK's stream helper fails on it, so Responses requests are

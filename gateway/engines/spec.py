@@ -85,6 +85,9 @@ class EngineSpec:
     # the gateway asks for "Connection: close" on streamed requests instead of pooling a connection it closes
     keeps_alive_after_stream: bool = True
     retry_statuses: frozenset[int] = RETRY_STATUSES
+    # its context must hold the prompt plus max_tokens, else it refuses the request (vLLM, SGLang: max_model_len);
+    # False: only the prompt must fit, and generation stops when the context is full (llama.cpp)
+    output_in_context: bool = True
     # structured-output constraints it honours natively (see gateway.structured.support); grammar:<dialect>
     structured: frozenset[str] = frozenset({"json_object", "json_schema", "tool_call", "strict_tools"})
     # how its prefix cache holds prompts: "blocks" (an LRU of token blocks: vLLM, SGLang's radix tree, ExLlama's

@@ -435,6 +435,12 @@ class Dispatcher:
         else:
             payload = self._payload(request, backend, exchange.placement.priority if exchange.placement else 0)
         path = native.path if native is not None else PATHS[request.route]
+        context = backend.capacity.context_length
+        if (not backend.spec.output_in_context and context and request.estimated_tokens is not None
+                and request.estimated_tokens > context):
+            # an engine that stops at the end of its context (llama.cpp) where max_tokens reaches past it: the
+            # answer may end there ("length") before max_tokens
+            headers = [*headers, (b"x-gateway-context-limit", str(context).encode())]
         if request.agent is not None:  # which way this agent API request went
             headers = [*headers, (b"x-gateway-agent-api", b"native" if native is not None else b"translated"),
                        *request.agent.notes]

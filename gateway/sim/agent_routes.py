@@ -280,6 +280,10 @@ class AgentRoutes:
         eng.check_model(chat)
         ids = self.prompt_ids(chat)
         max_tokens = eng.max_tokens(chat)
+        try:
+            max_tokens = eng.context_room(len(ids), max_tokens)
+        except ContextTooLong as exc:
+            raise eng.context_error(exc, len(ids), max_tokens) from exc
         tool, reasoning = eng.agent(chat, ids)
         if tool is not None:
             constraint = Constraint("json", tool.schema)

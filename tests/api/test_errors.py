@@ -98,14 +98,31 @@ def test_upstream_errors_keep_their_status_in_the_envelope(pair: Running, status
 @pytest.mark.parametrize("engine", ["llamacpp", "vllm", "sglang", "tabbyapi"])
 def test_an_engine_400_is_passed_back_as_400_in_openai_terms(engines: Running, engine: str) -> None:
     # each emulated engine, like the real one, rejects max_tokens beyond its context, in its own error shape
-    # (4090 + the prompt's tokens is just past 4096: too close for the gateway's own estimate to refuse)
-    response = httpx.post(engines.url + CHAT, json={"model": f"m-{engine}", "max_tokens": 4090,
-                                                    "messages": [{"role": "user", "content": "x"}]})
+    # (4090 + the prompt's tokens is just past 4096: too close for the gateway's own estimate to refuse);
+    # llama.cpp only a prompt that fills its context (it stops generating when the context is full)
+    ask = ({"messages": [{"role": "user", "content": "word " * 4200}]} if engine == "llamacpp" else
+           {"max_tokens": 4090, "messages": [{"role": "user", "content": "x"}]})
+    response = httpx.post(engines.url + CHAT, json={"model": f"m-{engine}", **ask})
     error = assert_envelope(response, 400)
     assert error["type"] == "invalid_request_error"
     message = str(error["message"])
     assert message.endswith(f"(backend sim-{engine})")
     assert "context" in message or "max_seq_len" in message
+
+
+def test_llamacpp_serves_max_tokens_past_its_context_and_the_answer_says_where_it_stops(engines: Running) -> None:
+    """llama-server refuses only a prompt that fills its context and stops generating when the context is full
+    (server-context.cpp): Claude Code's every request, ~12k tokens with max_tokens 32,000, was refused by the
+    gateway in front of 32k llama.cpp slots that serve it (issue 42). vLLM refuses prompt plus max_tokens."""
+    ask = {"max_tokens": 100_000, "messages": [{"role": "user", "content": "x"}]}
+    served = httpx.post(engines.url + CHAT, json={"model": "m-llamacpp", **ask})
+    assert served.status_code == 200, served.text
+    assert served.headers["x-gateway-context-limit"] == "4096"
+    refused = httpx.post(engines.url + CHAT, json={"model": "m-vllm", **ask})
+    assert_envelope(refused, 400, param="max_tokens", code="context_length_exceeded")
+    within = httpx.post(engines.url + CHAT, json={"model": "m-llamacpp", "max_tokens": 8,
+                                                  "messages": [{"role": "user", "content": "x"}]})
+    assert within.status_code == 200 and "x-gateway-context-limit" not in within.headers
 
 
 def test_a_request_no_backend_context_can_hold_is_refused_by_the_gateway(engines: Running) -> None:

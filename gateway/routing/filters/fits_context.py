@@ -11,7 +11,9 @@ from gateway.routing.state import RoutingState
 
 
 class FitsContextFilter:
-    """Keeps backends whose context (when known) can hold the prompt plus ``max_tokens``.
+    """Keeps backends whose context (when known) can hold the prompt plus ``max_tokens``; on an engine that stops
+    generating at the end of its context rather than refusing (``EngineSpec.output_in_context`` False:
+    llama.cpp), the prompt alone.
 
     The prompt's token count is estimated from its bytes with a deliberately generous bytes-per-token ratio,
     so the estimate errs low: a backend is dropped only when the request surely does not fit (a borderline
@@ -26,6 +28,8 @@ class FitsContextFilter:
     def filter(self, request: RouteRequest, backends: Sequence[Backend]) -> list[Backend]:
         if request.route in POOLING_ROUTES:
             return list(backends)
-        needed = int(len(request.prompt) / self._bytes_per_token) + (request.max_tokens or 1)
+        prompt = int(len(request.prompt) / self._bytes_per_token)
+        needed = prompt + (request.max_tokens or 1)
         request.estimated_tokens = needed
-        return [b for b in backends if b.capacity.context_length is None or needed <= b.capacity.context_length]
+        return [b for b in backends if b.capacity.context_length is None
+                or (needed if b.spec.output_in_context else prompt + 1) <= b.capacity.context_length]

@@ -94,8 +94,18 @@ class LlamaCppEngine(OpenAIEngine):
     def loading(self, req: Request, resp: Responder) -> None:
         self.send_error(resp, EngineError(503, "Loading model", "unavailable"))
 
+    def context_room(self, prompt_len: int, max_tokens: int | None) -> int | None:
+        """llama-server refuses only a prompt that fills its slot's context; generation stops when the context is
+        full, whatever ``n_predict`` asked (server-context.cpp: ``slot.prompt.n_tokens() + 1 >= slot.n_ctx``)."""
+        limit = self.server.profile.context_length
+        if prompt_len >= limit:
+            raise ContextTooLong(f"request ({prompt_len} tokens) exceeds the available context size ({limit} tokens)")
+        room = limit - prompt_len - 1
+        return room if max_tokens is None or max_tokens > room else max_tokens
+
     def context_error(self, exc: ContextTooLong, prompt_len: int, max_tokens: int | None) -> EngineError:
-        return EngineError(400, "the request exceeds the available context size, try increasing it", "context")
+        return EngineError(400, f"request ({prompt_len} tokens) exceeds the available context size "
+                                f"({self.server.profile.context_length} tokens), try increasing it", "context")
 
     # -- structured output ---------------------------------------------------------------------------------------
     def max_tokens(self, body: dict[str, Any]) -> int | None:
@@ -317,7 +327,10 @@ class LlamaCppEngine(OpenAIEngine):
         if not isinstance(prompt, str):
             raise EngineError(400, '"prompt" must be a string, an array of token ids or a list of prompts')
         ids = self.server.tokenizer.encode(prompt)
-        mt = self.max_tokens(body)
+        try:
+            mt = self.context_room(len(ids), self.max_tokens(body))
+        except ContextTooLong as exc:
+            raise self.context_error(exc, len(ids), None) from exc
         p = self.server.profile
         plan = plan_output(self.server.tokenizer, request_rng(self.spec.seed, ids, self.server.stats.requests), mt,
                            (p.natural_min_tokens, p.natural_max_tokens), self.constraint(body, "native"),

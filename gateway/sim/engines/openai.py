@@ -68,6 +68,11 @@ class OpenAIEngine(Engine):
             raise EngineError(400, f"max_tokens must be at least 1, got {value}.", param="max_tokens")
         return value
 
+    def context_room(self, prompt_len: int, max_tokens: int | None) -> int | None:
+        """The output a request may have: ``max_tokens`` (the context is checked against prompt plus it, in the
+        scheduler); llama.cpp's differs."""
+        return max_tokens
+
     def context_error(self, exc: ContextTooLong, prompt_len: int, max_tokens: int | None) -> EngineError:
         return EngineError(400, f"This model's maximum context length is {self.server.profile.context_length} "
                            f"tokens. However, you requested {prompt_len + (max_tokens or 0)} tokens "
@@ -120,6 +125,10 @@ class OpenAIEngine(Engine):
             ids = server.tokenizer.encode(prompt)
         if max_tokens is None:
             max_tokens = self.max_tokens(body)
+        try:
+            max_tokens = self.context_room(len(ids), max_tokens)
+        except ContextTooLong as exc:
+            raise self.context_error(exc, len(ids), max_tokens) from exc
         salt = self.cache_salt(body)
         tool, reasoning = self.agent(body, ids) if kind == "chat" else (None, False)
         if tool is not None:
