@@ -5,7 +5,8 @@ Load: ``/slots`` (``is_processing`` per slot) for running sequences and slot cou
 ``--metrics``) for ``llamacpp:requests_deferred``. Trap: llama.cpp averages and resets its throughput gauges on
 every ``/metrics`` scrape, so the gateway reads only the instantaneous gauges it needs, and an operator's
 Prometheus scraping the same server sees throughput averaged since the gateway's last read.
-Capacity: ``/props`` ``total_slots`` and ``default_generation_settings.n_ctx``.
+Capacity: ``/props`` ``total_slots`` and ``default_generation_settings.n_ctx``; whether it can call tools,
+``chat_template_caps.supports_tools``.
 """
 
 from __future__ import annotations
@@ -121,6 +122,11 @@ class LlamaCppAdapter(EngineAdapter):
         n_ctx = settings.get("n_ctx") if isinstance(settings, dict) else None
         slots = readings.positive(props.get("total_slots"), readings.MAX_COUNT)
         n_ctx = readings.positive(n_ctx)
+        # a model whose chat template renders no tools (chat_template_caps.supports_tools false): llama-server then
+        # ignores tools and tool_choice, and a forced call comes back as text (issue 42)
+        caps = props.get("chat_template_caps")
+        tools = caps.get("supports_tools") if isinstance(caps, dict) else None
         # each slot caches its own last prompt: the server's prefix cache is the slots' contexts together
         return Capacity(slots=slots, context_length=n_ctx,
-                        cache_tokens=readings.positive(slots * n_ctx) if slots and n_ctx else None)
+                        cache_tokens=readings.positive(slots * n_ctx) if slots and n_ctx else None,
+                        tool_calls=tools if isinstance(tools, bool) else None)

@@ -344,7 +344,8 @@ class Pool:
             load = b.load
             backends[b.name] = {
                 "health": b.health.value, "detail": b.detail, "models": sorted(b.models),
-                "capacity": [b.capacity.slots, b.capacity.context_length, b.capacity.cache_tokens],
+                "capacity": [b.capacity.slots, b.capacity.context_length, b.capacity.cache_tokens,
+                             b.capacity.page_tokens, b.capacity.tool_calls],
                 "load": None if load is None else [load.running, load.waiting, load.kv_usage, load.read_at,
                                                    load.queue_histogram],
                 "probed_at": self._probed_at.get(b.name), "scrape_errors": b.scrape_errors,

@@ -39,6 +39,8 @@ class Capacity:
     context_length: int | None = None  # tokens per sequence
     cache_tokens: int | None = None  # tokens its KV / prefix cache holds in all
     page_tokens: int | None = None  # tokens per cache page (vLLM's block size), where it says
+    # whether it can call tools (llama.cpp: its chat template's caps; None: not said, as engines mostly do not)
+    tool_calls: bool | None = None
 
 
 @dataclass(frozen=True, slots=True)

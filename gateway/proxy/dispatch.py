@@ -617,6 +617,12 @@ class Dispatcher:
         if exc.stage == "structured-output":
             constraint = exc.request.constraint
             assert constraint is not None
+            toolless = sorted(b.name for b in backends if model in b.models and b.capacity.tool_calls is False)
+            if constraint.kind == "tool_call" and toolless:
+                return GatewayError(400, f"no backend serving '{model}' can force a tool call now: the model's chat "
+                                         f"template on {', '.join(toolless)} cannot call tools (llama.cpp's "
+                                         "chat_template_caps), and no other backend serving it is available",
+                                    param="tool_choice", code="unsupported_constraint")
             able = sorted(name for name, spec in ENGINES.items() if can_honour(constraint, spec.structured))
             return GatewayError(400, f"no backend serving '{model}' can honour the {constraint.describe()} "
                                      f"constraint; engines that can: {', '.join(able) or 'none'}",

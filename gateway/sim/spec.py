@@ -50,6 +50,10 @@ class SimSpec:
     or SGLang's ``--enable-priority-scheduling``: the request's ``priority`` orders the waiting queue (vLLM: lower
     first; SGLang: higher first). Without it both ignore the field.
 
+    ``tool_template`` False (llama.cpp only) serves a model whose chat template has no tool support: ``/props``
+    says so (``chat_template_caps.supports_tools`` false) and, as llama-server then does, ``tools`` and
+    ``tool_choice`` are ignored (the model answers in text).
+
     ``version`` is the release the emulator behaves as where releases differ in what the gateway relies on
     (:data:`VERSIONS`; None: the first listed there): vLLM ``0.34.0`` caches in blocks of 64 tokens (16 before);
     SGLang ``0.5.19`` has no ``/ready``; TabbyAPI ``2026-03-29`` (before its
@@ -76,6 +80,7 @@ class SimSpec:
     tool_call_rate: float = 0.0
     priority_scheduling: bool = False
     version: str | None = None
+    tool_template: bool = True
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from typing import Any
 
 import httpx
@@ -276,3 +277,42 @@ def test_a_structural_tag_or_vllms_options_go_only_to_the_engines_that_honour_th
                     assert _tagged(raw.parse().choices[0].message.content or "")
                     served.add(raw.headers["x-gateway-backend"])
                 assert served == where, fields
+
+
+def test_a_llamacpp_model_whose_template_has_no_tools_is_not_sent_tools_and_cannot_be_forced() -> None:
+    """Issue 42: llama-server ignores tools when the model's chat template has no tool support
+    (``/props`` ``chat_template_caps.supports_tools: false``), so tool_choice required came back 200 as text. The
+    gateway reads the caps: tools go to a backend that can call them, and a forced call with none is a 400."""
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object", "properties": {}}}}]
+    specs = [SimSpec(engine="llamacpp", model="shared", name="plain", time_scale=TIME_SCALE, tool_template=False,
+                     tool_call_rate=1.0),
+             SimSpec(engine="llamacpp", model="shared", name="tooled", time_scale=TIME_SCALE, tool_call_rate=1.0)]
+    with FleetThread(specs) as fleet:
+        plain, tooled = fleet.fleet.servers
+        settings = settings_from_mapping({"backends": [
+            {"name": s.spec.name, "engine": "llamacpp", "url": s.url} for s in (plain, tooled)],
+            "routing": {"policy": "round-robin"}, "scrape": {"interval": 0.1, "timeout": 1.0}})
+        with serve_in_thread(create_app(settings)) as gw:
+            c = openai.OpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0)
+            for choice in ("required", "auto"):
+                served = set()
+                for _ in range(4):
+                    raw = c.chat.completions.with_raw_response.create(model="shared", messages=ASK, tools=tools,
+                                                                       tool_choice=choice, max_tokens=20)
+                    served.add(raw.headers["x-gateway-backend"])
+                    assert raw.parse().choices[0].message.tool_calls, choice
+                assert served == {"tooled"}
+        only = settings_from_mapping({"backends": [{"name": "plain", "engine": "llamacpp", "url": plain.url}],
+                                      "scrape": {"interval": 0.1, "timeout": 1.0}})
+        with serve_in_thread(create_app(only)) as gw:  # (the model served only where it cannot call tools)
+            c = openai.OpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0)
+            deadline = time.monotonic() + 10
+            while not c.models.list().data:
+                assert time.monotonic() < deadline, "models not discovered"
+                time.sleep(0.05)
+            with pytest.raises(openai.BadRequestError) as refused:
+                c.chat.completions.create(model="shared", messages=ASK, tools=tools, tool_choice="required")
+            assert "cannot call tools" in refused.value.message and "plain" in refused.value.message
+            # an optional call is a best effort: served in text where nothing else can
+            answered = c.chat.completions.create(model="shared", messages=ASK, tools=tools, max_tokens=5)
+            assert not answered.choices[0].message.tool_calls

@@ -16,6 +16,7 @@ from typing import Any
 
 import orjson
 
+from gateway.sim.agent import ToolPick
 from gateway.sim.agent_routes import AgentSpec
 from gateway.sim.engines.base import _MARK, EngineError, Event, Gen, Handler, drive, new_id
 from gateway.sim.engines.openai import OpenAIEngine
@@ -93,6 +94,11 @@ class LlamaCppEngine(OpenAIEngine):
 
     def loading(self, req: Request, resp: Responder) -> None:
         self.send_error(resp, EngineError(503, "Loading model", "unavailable"))
+
+    def agent(self, body: dict[str, Any], ids: list[int]) -> tuple[ToolPick | None, bool]:
+        if not self.spec.tool_template:  # (its template renders no tools: the model never sees them)
+            body = {k: v for k, v in body.items() if k not in ("tools", "tool_choice")}
+        return super().agent(body, ids)
 
     def context_room(self, prompt_len: int, max_tokens: int | None) -> int | None:
         """llama-server refuses only a prompt that fills its slot's context; generation stops when the context is
@@ -285,7 +291,11 @@ class LlamaCppEngine(OpenAIEngine):
                                                                          "has_new_line": False, "n_remain": -1,
                                                                          "n_decoded": 0, "stopping_word": ""}},
             "total_slots": self.server.profile.max_seqs, "model_path": f"/models/{self.model}.gguf",
-            "modalities": {"vision": False, "audio": False}, "chat_template": "llama2", "bos_token": "<s>",
+            "modalities": {"vision": False, "audio": False}, "chat_template": "llama2",
+            "chat_template_caps": {"supports_tools": self.spec.tool_template,
+                                   "supports_tool_calls": self.spec.tool_template,
+                                   "supports_parallel_tool_calls": self.spec.tool_template,
+                                   "supports_system_role": True}, "bos_token": "<s>",
             "eos_token": "</s>", "build_info": BUILD, "is_sleeping": False})
 
     async def metrics(self, req: Request, resp: Responder) -> None:
