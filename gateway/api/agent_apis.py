@@ -304,16 +304,38 @@ class _CountTokens(_Messages):
         self._chat = chat
         return {**chat, "max_tokens": 1}  # (the chat translation only serves routing and limits here)
 
+    def _counted(self) -> dict[str, Any]:
+        """The body as the engine's own count_tokens gets it: without what changes no count but an engine may
+        not read (``thinking.display``), and without the deferred tools no tool search has loaded (the model
+        does not see them: messages.py)."""
+        body = self._body
+        thinking = body.get("thinking")
+        if isinstance(thinking, dict) and "display" in thinking:
+            body = {**body, "thinking": {k: v for k, v in thinking.items() if k != "display"}}
+        tools = body.get("tools")
+        if isinstance(tools, list) and any(isinstance(t, dict) and "defer_loading" in t for t in tools):
+            offered = {t["function"]["name"] for t in self._chat.get("tools") or ()}
+            kept = [{k: v for k, v in t.items() if k != "defer_loading"} for t in tools
+                    if isinstance(t, dict) and (not t.get("defer_loading") or t.get("name") in offered)]
+            body = {**body, "tools": kept} if kept else {k: v for k, v in body.items() if k != "tools"}
+        return body
+
+    def _native_count(self, spec: EngineSpec) -> bool:
+        """Whether the engine's own count_tokens takes this request (SGLang's refuses a system message inside
+        messages, and thinking adaptive: ``EngineSpec.native_messages``)."""
+        return self.api in spec.native_apis and _messages_features(self._counted()) <= spec.native_messages
+
     def servable(self, spec: EngineSpec) -> bool:
-        return self.api in spec.native_apis or (spec.chat_tokenize_path is not None and countable(self._chat))
+        return self._native_count(spec) or (spec.chat_tokenize_path is not None and countable(self._chat))
 
     def native(self, backend: Backend) -> tuple[bytes, NativeApi] | None:
         self.passthrough = True
         spec = backend.spec
-        if self.api not in spec.native_apis and spec.chat_tokenize_path is not None:
+        if not self._native_count(spec) and spec.chat_tokenize_path is not None:
             return orjson.dumps(encode_request(self._chat)), replace(TOKENIZED_COUNT, path=spec.chat_tokenize_path)
         request = self.route_request  # (the model it resolved to: an alias's target, a fallback)
-        body = self._body if request is None else {**self._body, "model": request.model}
+        body = self._counted()
+        body = body if request is None else {**body, "model": request.model}
         return orjson.dumps(body), self.native_api
 
     def passed(self, usage: Any, response: dict[str, Any] | None) -> None:

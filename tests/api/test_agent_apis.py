@@ -139,6 +139,27 @@ def test_count_tokens_is_the_engines_own_count(engines: Running, engine: str) ->
     assert counted.input_tokens == message.usage.input_tokens + (message.usage.cache_read_input_tokens or 0)
 
 
+def test_count_tokens_goes_where_the_engines_own_count_takes_the_request() -> None:
+    """SGLang's Messages API refuses a system message inside messages (Claude Code sends one): its count_tokens
+    does too. Such a count goes to an engine whose own count takes it; what changes no count (thinking.display)
+    is not sent, nor a deferred tool no tool search loaded (the model does not see it)."""
+    specs = [SimSpec(engine=e, model="shared", name=f"sim-{e}", time_scale=TIME_SCALE) for e in ("sglang", "vllm")]
+    with FleetThread(specs) as fleet, serve_in_thread(create_app(gateway_settings(fleet.fleet.servers))) as gw:
+        c = claude(gw)
+        inline = [{"role": "user", "content": "Count me."}, {"role": "system", "content": "Be brief."},
+                  {"role": "user", "content": "Now."}]
+        tools = [{"name": "now", "input_schema": {"type": "object"}},
+                 {"name": "later", "input_schema": {"type": "object"}, "defer_loading": True}]
+        for _ in range(4):
+            raw = c.messages.with_raw_response.count_tokens(
+                model="shared", messages=inline, tools=tools,  # type: ignore[arg-type]
+                extra_body={"thinking": {"type": "enabled", "budget_tokens": 1024, "display": "omitted"}})
+            assert raw.headers["x-gateway-backend"] == "sim-vllm" and raw.parse().input_tokens > 0
+        sent = [r for r in list(fleet.fleet["sim-vllm"].received) if r.path in GENERATION][-1]
+        assert [t["name"] for t in sent.body["tools"]] == ["now"] and "display" not in sent.body["thinking"]
+        assert c.messages.count_tokens(model="shared", messages=inline[:1]).input_tokens > 0
+
+
 COUNTED_ON = {"llamacpp": "/v1/messages/count_tokens", "vllm": "/v1/messages/count_tokens",
               "sglang": "/v1/messages/count_tokens", "tabbyapi": "/v1/token/encode"}
 
