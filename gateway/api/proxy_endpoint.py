@@ -120,7 +120,12 @@ def _tokens_used(exchange: Exchange) -> int:
     and completion figures are both readings (``readings.usage_figure``: a whole number in [0, MAX_USAGE_TOKENS];
     a pooling answer says no completion), else the gateway's own estimate (:func:`_estimated`). Garbage is no
     reading: held to zero, ``prompt_tokens: -1000000`` refilled the bucket and ``"12"`` or ``1e30`` cost
-    nothing. Nothing when no backend was reached."""
+    nothing. Nothing when no backend was reached. Answers generated and discarded on the way (an answer that
+    failed its check and was retried) are charged as well."""
+    return exchange.discarded_tokens + _last_answer_tokens(exchange)
+
+
+def _last_answer_tokens(exchange: Exchange) -> int:
     usage = exchange.usage
     if usage:
         prompt = usage_figure(usage.get("prompt_tokens"))

@@ -465,6 +465,12 @@ class Dispatcher:
             await self._forward_until_disconnect(exchange, backend, payload, options, receive, send)
         except InvalidOutput as exc:
             self._observe_invalid_output(backend, "retried")
+            # the discarded answer was generated all the same: its key pays for it (else each retry is free)
+            usage = exchange.usage or {}
+            said = usage.get("prompt_tokens") is not None and usage.get("completion_tokens") is not None
+            exchange.discarded_tokens += (exchange.usage_int("prompt_tokens") + exchange.usage_int("completion_tokens")
+                                          if said else max(1, exchange.reserve))
+            exchange.output_retried = True
             breaker.record(True)  # it answered; the answer was wrong, not the backend
             settled = True
             raise self._retry(exchange, backend, "invalid_output", GatewayError(
@@ -603,8 +609,9 @@ class Dispatcher:
             return None, False
         route = request.route
         owner = exchange.client.name if exchange.client is not None else ANONYMOUS
-        # with nowhere else to retry, a failing answer is marked rather than lost
-        return (lambda raw: checker.check_answer(route, raw, constraint, owner)), mode == "retry" and can_retry
+        # with nowhere else to retry, a failing answer is marked rather than lost; retried once at most
+        retry = mode == "retry" and can_retry and not exchange.output_retried
+        return (lambda raw: checker.check_answer(route, raw, constraint, owner)), retry
 
     def no_route(self, exc: NoRoute) -> GatewayError:
         backends = self._fleet.backends

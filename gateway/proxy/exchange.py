@@ -47,6 +47,8 @@ class Exchange:
     timings: dict[str, Any] | None = None  # llama.cpp per-request timings
     invalid_output: str | None = None  # why the answer failed its structured-output check
     output_unchecked: str | None = None  # why the answer was not checked against its constraint
+    output_retried: bool = False  # an answer failed its check and was asked again (once: validate_outputs retry)
+    discarded_tokens: int = 0  # tokens of answers generated and then discarded (retried): charged with the last
     trace: RequestTrace | None = None  # the request's spans, when tracing is on
     route_reason: str | None = None
     explain: bool = False  # the answer carries the routing internals (an admin asked: KeyStore.explains_routing)

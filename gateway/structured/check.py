@@ -7,7 +7,11 @@ within ``MATCH_BUDGET`` (about a millisecond, measured) and compiling it expands
 schema's ``pattern`` keywords likewise, for the longest string in the answer. Otherwise with RE2 (google-re2:
 automata, time linear in the answer; ``\d`` and ``\w`` ASCII, as the engines' decoders read them), which takes
 every pattern the gateway accepts (lookarounds and backreferences are refused up front) that does not unroll
-past its own size limits; QA found ``(a+)+`` answers passed unchecked before it. ``jsonschema`` recurses with
+past its own size limits; QA found ``(a+)+`` answers passed unchecked before it. RE2 never yields to the worker's
+deadline timer (it runs in C), so its work is counted first: at most its program's size times the text's length
+(the automaton simulated over the text, when its DFA runs out of memory), ``RE2_BUDGET`` for the whole answer
+(sweep 8: a 614-character regex of 20,000 positions took 1.7-9 s on 24-65k characters, and the worker was killed
+each time). ``jsonschema`` recurses with
 the answer: one nested deeper than ``MAX_ANSWER_DEPTH`` is not checked, and it applies a schema's ``$ref``,
 ``allOf``, ``anyOf``, ... to every value by every path (``allOf`` never stops early): an answer whose check could
 apply more than ``CHECK_BUDGET`` subschemas (counted before it runs, :mod:`~gateway.structured.check_cost`), or
@@ -46,6 +50,7 @@ COMPILE_BUDGET = 10_000  # code points compiling may expand (about 0.1 us each)
 MAX_ANSWER_DEPTH = 64  # jsonschema recurses ~8 frames per level
 MAX_ANSWER_BYTES = 64 * 1024
 CHECK_BUDGET = 50_000  # subschema applications jsonschema may make for one answer (a few microseconds each)
+RE2_BUDGET = 100_000_000  # RE2 program instructions x characters for one answer (~0.1 s measured, at worst)
 
 log = logging.getLogger("gateway.structured")
 
@@ -82,7 +87,17 @@ def _texts(route: str, raw: bytes) -> list[str] | str:
     return texts
 
 
-@lru_cache(maxsize=256)
+_re2_spent = [0]  # RE2_BUDGET spent on the answer being checked (reset by output_problem)
+
+
+def _spend_re2(compiled: Any, length: int) -> None:
+    """Count one RE2 match of ``length`` characters; Unchecked past the answer's budget."""
+    _re2_spent[0] += compiled.programsize * (length + 1)
+    if _re2_spent[0] > RE2_BUDGET:
+        raise Unchecked(f"matching its regex could take more than {RE2_BUDGET:.0e} automaton steps")
+
+
+@lru_cache(maxsize=32)  # (each holds its DFA's memory, up to max_mem: sweep 8 saw 2.7 MB a pattern)
 def _re2(pattern: str) -> Any | None:
     """``pattern`` compiled by RE2 (matching in time linear in the text), or None where RE2 cannot take it."""
     import re2
@@ -90,6 +105,7 @@ def _re2(pattern: str) -> Any | None:
     options = re2.Options()
     options.log_errors = False  # (else absl writes each refusal to standard error)
     options.never_capture = True
+    options.max_mem = 4 << 20
     try:
         return re2.compile(pattern, options)
     except re2.error:
@@ -152,7 +168,10 @@ def _with_re2_patterns(cls: Any) -> Any:
         if not validator.is_type(instance, "string"):
             return
         compiled = _re2(regex)
-        if compiled is not None and compiled.search(instance) is None:
+        if compiled is None:
+            return
+        _spend_re2(compiled, len(instance))
+        if compiled.search(instance) is None:
             yield ValidationError(f"{instance!r} does not match {regex!r}")
 
     return validators.extend(cls, {"pattern": pattern})  # type: ignore[no-untyped-call]
@@ -270,6 +289,7 @@ def output_problem(route: str, raw: bytes, constraint: Constraint) -> str | None
     would not be bounded."""
     if constraint.kind not in CHECKABLE:
         return None
+    _re2_spent[0] = 0
     if constraint.kind == "strict_tools":
         return _tool_problem(raw, constraint) if route == "chat" else None
     texts = _texts(route, raw)
@@ -297,6 +317,7 @@ def output_problem(route: str, raw: bytes, constraint: Constraint) -> str | None
                 linear = _re2(constraint.pattern) if len(text) <= MAX_ANSWER_BYTES else None
                 if linear is None:
                     raise Unchecked(why)
+                _spend_re2(linear, len(text))
                 matched = linear.fullmatch(text) is not None
             if not matched:
                 return "the answer does not match the regex"

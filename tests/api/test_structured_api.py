@@ -316,3 +316,33 @@ def test_a_llamacpp_model_whose_template_has_no_tools_is_not_sent_tools_and_cann
             # an optional call is a best effort: served in text where nothing else can
             answered = c.chat.completions.create(model="shared", messages=ASK, tools=tools, max_tokens=5)
             assert not answered.choices[0].message.tool_calls
+
+
+def test_retry_asks_again_once_and_the_key_pays_for_every_answer_generated() -> None:
+    """Sweep 8: with validate_outputs retry, an answer failing its schema was asked again on every backend but the
+    last (three generations with three backends), and only the last answer was charged to the key: three times
+    the engine work its tokens_per_minute allows, sustained."""
+    import hashlib
+
+    specs = [SimSpec(engine="tabbyapi", model="shared", name=f"wrong-{i}", time_scale=TIME_SCALE) for i in range(3)]
+    with FleetThread(specs) as fleet:
+        backends = [{"name": s.spec.name, "engine": "vllm", "url": s.url} for s in fleet.fleet.servers]
+        key = {"name": "k", "key_sha256": hashlib.sha256(b"sk-k").hexdigest(), "tokens_per_minute": 600}
+        settings = settings_from_mapping({"backends": backends, "routing": {"policy": "round-robin"},
+                                          "structured_output": {"validate_outputs": "retry"},
+                                          "auth": {"keys": [key]}, "scrape": {"interval": 0.1, "timeout": 1.0}})
+        app = create_app(settings)
+        with serve_in_thread(app) as gw:
+            c = openai.OpenAI(base_url=gw.url + "/v1", api_key="sk-k", max_retries=0)
+            raw = c.chat.completions.with_raw_response.create(
+                model="shared", messages=ASK, max_tokens=30,
+                response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": SCHEMA}})
+            assert raw.headers.get("x-gateway-output-invalid")  # (marked: retried once, then served as it came)
+            generated = [s.stats for s in fleet.fleet.servers]
+            asked = [r for s in fleet.fleet.servers for r in list(s.received) if r.path == "/v1/chat/completions"]
+            assert len(asked) == 2
+            used = sum(st.prompt_tokens + st.tokens_generated for st in generated)
+            tokens = next(c for _, c in app.gateway.keys._clients if c.name == "k").tokens
+            assert tokens is not None
+            # charged both answers (the bucket refills 10 a second meanwhile: a little slack)
+            assert 600 - tokens.level >= used - 10, (600 - tokens.level, used)

@@ -125,3 +125,35 @@ def test_a_slow_answer_check_holds_no_other_request_and_says_it_was_not_checked(
     assert 'gateway_structured_output_unchecked_total{backend="scripted",engine="openai"} 1.0' in metrics
     assert 'gateway_structured_output_invalid_total{action="marked",backend="scripted",engine="openai"} 1.0' \
         in metrics
+
+
+def test_an_re2_match_is_counted_before_it_runs_so_the_worker_is_never_killed() -> None:
+    """Sweep 8: RE2 runs in C and never yields to the worker's timer. A 614-character regex of 20,000 positions
+    matched against 24,000 characters took 1.7 s; the worker was killed at its deadline each time, and every key's
+    next check waited for a new one. Its work (program size x text) is now counted first."""
+    pattern = "[ab]*a" + "[ab]{1000}" * 20 + "c"
+    regex = Constraint("regex", "regex", pattern=pattern)
+    patterned = Constraint("json_schema", "response_format", schema={
+        "type": "object", "properties": {"s": {"type": "string", "pattern": pattern}}})
+    small = Constraint("json_schema", "response_format", schema=SMALL_SCHEMA)
+
+    async def run() -> None:
+        workers = ValidationWorkers(LimitSettings(output_check_timeout=5.0), workers=1)
+        try:
+            await workers.check_answer("chat", _answer({"n": 1}), small, "a")
+            first = _pid(workers)
+            for constraint, answer in ((regex, "a" * 24_000), (patterned, {"s": "a" * 24_000})):
+                raw = _answer(answer) if constraint is patterned else orjson.dumps(
+                    {"choices": [{"message": {"role": "assistant", "content": answer}}]})
+                problem, unchecked = await workers.check_answer("chat", raw, constraint, "a")
+                assert problem is None and unchecked is not None and "automaton steps" in unchecked, unchecked
+            assert _pid(workers) == first  # (no deadline reached, nothing killed)
+            # an ordinary pattern is still matched by RE2 and found wrong
+            ordinary = Constraint("regex", "regex", pattern="(a+)+$")
+            raw = orjson.dumps({"choices": [{"message": {"role": "assistant", "content": "a" * 40 + "b"}}]})
+            assert await workers.check_answer("chat", raw, ordinary, "a") == ("the answer does not match the regex",
+                                                                               None)
+        finally:
+            await workers.close()
+
+    asyncio.run(run())
