@@ -323,8 +323,8 @@ def _thinking(thinking: Any, chat: dict[str, Any]) -> None:
         raise _unsupported("thinking", f"thinking {thinking!r}")
     _only(thinking, "thinking", "type", "budget_tokens", "display")
     if kind == "enabled" and (not isinstance(thinking.get("budget_tokens"), int)
-                              or isinstance(thinking["budget_tokens"], bool)):
-        raise _invalid("thinking.budget_tokens", "must be an integer")
+                              or isinstance(thinking["budget_tokens"], bool) or thinking["budget_tokens"] < 1024):
+        raise _invalid("thinking.budget_tokens", "must be an integer of at least 1024 (as Anthropic and vLLM require)")
     if thinking.get("display") not in (None, "summarized", "omitted"):
         raise _invalid("thinking.display", "must be 'summarized' or 'omitted'")
     enabled = kind != "disabled"  # budget_tokens cannot be enforced by a chat request (module docstring)

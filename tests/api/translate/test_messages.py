@@ -220,6 +220,8 @@ def test_context_management_clears_older_thinking() -> None:
      "tools[0].defer_loading", "invalid_value"),
     ({"tool_choice": {"type": "whatever"}}, "tool_choice", "unsupported_field"),
     ({"thinking": {"type": "between_tools"}}, "thinking", "unsupported_field"),
+    ({"thinking": {"type": "enabled", "budget_tokens": -5}}, "thinking.budget_tokens", "invalid_value"),
+    ({"thinking": {"type": "enabled", "budget_tokens": 1023}}, "thinking.budget_tokens", "invalid_value"),
     ({"thinking": {"type": "enabled", "budget_tokens": 2048, "display": "hidden"}}, "thinking.display",
      "invalid_value"),
     ({"output_config": {"effort": "max"}}, "output_config.effort", "unsupported_field"),
