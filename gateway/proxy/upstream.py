@@ -43,11 +43,10 @@ class ResponseTooLarge(UpstreamError):
     failure of the backend's."""
 
     def __init__(self, limit: int, containers: bool = False) -> None:
-        what, setting = ("JSON objects and arrays", "server.max_response_containers") if containers else (
-            "bytes", "server.max_response_bytes")
-        super().__init__(f"the backend's answer has more than {limit} {what} ({setting}): ask for less in one "
-                         f"request (fewer inputs, choices or logprobs, a streamed answer), or have the operator "
-                         f"raise it")
+        what = (f"has more than {limit} JSON objects and arrays (server.max_response_containers)" if containers
+                else f"is larger than {limit} bytes (server.max_response_bytes)")
+        super().__init__(f"the backend's answer {what}: ask for less in one request (fewer inputs, choices or "
+                         f"logprobs, a streamed answer), or have the operator raise it")
         self.limit = limit
 
     @property
