@@ -114,7 +114,7 @@ class Gateway:
             self.siblings = Siblings(worker, self.metrics.registry, self.pool)
         self._kv_task: asyncio.Task[None] | None = None
         self.forwarder = Forwarder(self.transport, settings.timeouts, settings.server.max_response_bytes,
-                                   settings.server.max_response_containers)
+                                   settings.server.max_response_values)
         self.dispatcher = Dispatcher(self.pool, self.pipeline, self.admission,
                                      self.forwarder, self.metrics, settings.retries,
                                      settings.structured_output, shared=self.shared,

@@ -68,12 +68,17 @@ def _translated(translate: Callable[[dict[str, Any]], dict[str, Any]], body: dic
 
 
 def _bounded(body: dict[str, Any], field: str, limits: LimitSettings) -> None:
-    """A 400 for a list of more items than ``limits.max_messages``, counted before any item is translated (an
-    8 MiB body of 280,000 tiny items held the event loop for half a second in translation)."""
+    """A 400 for a list of more items than ``limits.max_messages``, or of more tools than ``limits.max_tools``
+    (those left out included), counted before any is translated (an 8 MiB body of 280,000 tiny items held the
+    event loop for half a second in translation; 40,000 tools left out, 8 s)."""
     items = body.get(field)
     if isinstance(items, list) and len(items) > limits.max_messages:
         raise GatewayError(400, f"'{field}' has {len(items)} entries; this gateway accepts at most "
                                 f"{limits.max_messages}", param=field, code="invalid_request")
+    tools = body.get("tools")
+    if isinstance(tools, list) and len(tools) > limits.max_tools:
+        raise GatewayError(400, f"'tools' has {len(tools)} entries; this gateway accepts at most {limits.max_tools}",
+                           param="tools", code="invalid_request")
 
 
 class Translation:

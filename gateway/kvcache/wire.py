@@ -48,6 +48,9 @@ Hash = int | bytes
 END_OF_REPLAY = b"\xff" * 8
 MAX_PAYLOAD_BYTES = 64 * 1024 * 1024  # a batch larger than this is refused (the socket drops it earlier)
 PACE = 512  # events decoded (or applied) between two pauses: a few milliseconds
+# the longest array one event may hold (a BlockStored's token_ids: a 128k-token prompt's; its hashes are fewer), and
+# the most events one batch may: unpacked in one step, one 1M-block event held the event loop 3.7 s (sweep 9)
+MAX_ARRAY = 1 << 18
 
 
 class WireError(ValueError):
@@ -146,7 +149,8 @@ def batch_steps(seq: int, payload: bytes) -> Generator[None, None, Batch]:
     if len(payload) > MAX_PAYLOAD_BYTES:
         raise WireError(f"payload of {len(payload)} bytes")
     unpacker = msgpack.Unpacker(raw=False, strict_map_key=False, use_list=True,
-                                max_buffer_size=max(len(payload), 1))
+                                max_buffer_size=max(len(payload), 1), max_array_len=MAX_ARRAY,
+                                max_map_len=1024)
     unpacker.feed(payload)
     try:
         fields = unpacker.read_array_header()

@@ -511,15 +511,17 @@ class Dispatcher:
         except (GatewayError, asyncio.CancelledError):
             raise
         except Exception as exc:
-            # A failure of the attempt itself (the request could not even be built or sent): the backend
-            # cannot be used as configured, so it counts against it and the next backend is tried.
-            breaker.record(False)
-            settled = True
             log.error("request %s: sending to backend %s failed: %s: %s", exchange.request_id, backend.name,
                       type(exc).__name__, backend.secrets.scrub(str(exc)))
             log.debug("request %s: attempt failure", exchange.request_id, exc_info=True)
-            if exchange.responded:
+            settled = True
+            if exchange.responded:  # the backend answered: what failed came after, on the way to the client (a
+                # client's request can make that fail: it must not count against the backend, sweep 9)
+                breaker.record(True)
                 raise
+            # A failure of the attempt itself (the request could not even be built or sent): the backend
+            # cannot be used as configured, so it counts against it and the next backend is tried.
+            breaker.record(False)
             exchange.outcome = "upstream_failed"
             final = GatewayError(502, f"backend {backend.name}: the request could not be sent "
                                       f"({type(exc).__name__})", code="upstream_failed",

@@ -57,6 +57,11 @@ from gateway.proxy.cache_figures import FieldPath, without
 # an upstream that sends this much without ending an event is not speaking SSE
 MAX_PENDING_BYTES = 1 << 20
 MAX_IDLE_BYTES = 1 << 20  # of comments and blank lines between two data events
+# events the relay parses (usage, timings, errors) larger than BIG_ACTED_BYTES: at most MAX_ACTED_BYTES of them in
+# one stream (a usage event is a few hundred bytes; back-to-back 1 MiB ones, each parsed, starved the event loop:
+# sweep 9)
+BIG_ACTED_BYTES = 16 * 1024
+MAX_ACTED_BYTES = 1 << 20
 
 
 class InvalidStream(Exception):
@@ -177,7 +182,7 @@ def _parse(payload: bytes) -> dict[str, Any]:
 class SSERelay:
     """Feed it upstream bytes; it returns what to send to the client (possibly ``b""``)."""
 
-    __slots__ = ("_buf", "_crlf", "_end", "_head", "_head_key", "_hidden", "_idle", "_reshape", "_secrets",
+    __slots__ = ("_acted", "_buf", "_crlf", "_end", "_head", "_head_key", "_hidden", "_idle", "_reshape", "_secrets",
                  "_split_usage", "done", "error", "events", "keep_usage", "texts", "timings", "usage")
 
     def __init__(self, keep_usage: bool, secrets: Redactor | None = None,
@@ -196,6 +201,7 @@ class SSERelay:
         self._secrets = secrets  # the backend's address and credentials, taken out of the events it echoes them in
         self._buf = b""
         self._idle = 0  # bytes of comments and blank lines since the last data event
+        self._acted = 0  # bytes of large events parsed (see MAX_ACTED_BYTES)
         self._head = b""  # a one-event chunk's bytes to its first match, generated text (see _scan)
         self._head_key = b""  # that match's key
         self.usage: dict[str, Any] | None = None
@@ -381,6 +387,11 @@ class SSERelay:
 
     def _act(self, payload: bytes) -> list[bytes] | None:
         """An event that may carry usage, timings or an error: parsed, noted, and rewritten where needed."""
+        if len(payload) > BIG_ACTED_BYTES:
+            self._acted += len(payload)
+            if self._acted > MAX_ACTED_BYTES:
+                raise InvalidStream(f"more than {MAX_ACTED_BYTES} bytes of events of over {BIG_ACTED_BYTES} bytes "
+                                    "that say usage, timings or an error")
         doc = _parse(payload)
         message = _error_message(doc)
         if message is not None:

@@ -42,9 +42,9 @@ class ResponseTooLarge(UpstreamError):
     backend did nothing wrong, and another would answer the same request as largely: not worth a retry, and no
     failure of the backend's."""
 
-    def __init__(self, limit: int, containers: bool = False) -> None:
-        what = (f"has more than {limit} JSON objects and arrays (server.max_response_containers)" if containers
-                else f"is larger than {limit} bytes (server.max_response_bytes)")
+    def __init__(self, limit: int, values: bool = False) -> None:
+        what = (f"has more than {limit} JSON values, weighted by their cost to parse (server.max_response_values)"
+                if values else f"is larger than {limit} bytes (server.max_response_bytes)")
         super().__init__(f"the backend's answer {what}: ask for less in one request (fewer inputs, choices or "
                          f"logprobs, a streamed answer), or have the operator raise it")
         self.limit = limit

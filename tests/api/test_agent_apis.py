@@ -160,6 +160,17 @@ def test_count_tokens_goes_where_the_engines_own_count_takes_the_request() -> No
         assert c.messages.count_tokens(model="shared", messages=inline[:1]).input_tokens > 0
 
 
+def test_tools_are_counted_before_any_is_translated_those_left_out_included(engines: Running) -> None:
+    """Sweep 9: 40,000 web_search tools (left out, so never counted against limits.max_tools) held the event loop
+    8 s in translation; and a tool type with a line break went into a response header."""
+    many = [{"type": "web_search"}] * 513
+    r = httpx.post(engines.url + "/v1/responses", json={"model": "m-vllm", "input": "hi", "tools": many})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools", r.text
+    reply = oai(engines).responses.with_raw_response.create(model="m-vllm", input="hi", max_output_tokens=4,
+                                                            tools=[{"type": "web_search"}] * 3)  # type: ignore[list-item]
+    assert reply.headers["x-gateway-tools-omitted"] == "web_search"
+
+
 COUNTED_ON = {"llamacpp": "/v1/messages/count_tokens", "vllm": "/v1/messages/count_tokens",
               "sglang": "/v1/messages/count_tokens", "tabbyapi": "/v1/token/encode"}
 

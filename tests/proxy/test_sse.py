@@ -440,3 +440,18 @@ def test_a_credential_split_across_data_lines_is_scrubbed_from_the_error_that_sh
         relay.feed(b'data: {"error": "' + key[:12].encode() + b'\ndata: ' + key[12:].encode() + b'"\n\n')
     shown = bad.value.described(Redactor("b", "http://engine-b.internal:8000", [key]))
     assert key[:12] not in shown and key[12:] not in shown and "[redacted]" in shown
+
+
+def test_large_events_the_relay_parses_are_bounded_per_stream() -> None:
+    """Sweep 9: a stream of back-to-back 1 MiB usage events, each parsed on the event loop, starved it (limited
+    keys on other models got 503 when Redis calls missed their timeout)."""
+    relay = SSERelay(keep_usage=True)
+    big = b'data: {"choices":[],"usage":{"prompt_tokens":1,"completion_tokens":1,"x":"' + b"a" * 300_000 + b'"}}\n\n'
+    relay.feed(big)
+    relay.feed(big)
+    relay.feed(big)
+    with pytest.raises(InvalidStream, match="usage, timings or an error"):
+        relay.feed(big)
+    small = SSERelay(keep_usage=True)
+    for _ in range(2_000):  # (usage in every chunk, as vLLM's continuous usage stats: small, never bounded)
+        small.feed(b'data: {"choices":[],"usage":{"prompt_tokens":1,"completion_tokens":1,"total_tokens":2}}\n\n')

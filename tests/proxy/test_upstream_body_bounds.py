@@ -61,25 +61,49 @@ def test_an_error_body_past_the_bound_is_cut_before_it_is_parsed() -> None:
     assert len(sink.body) < 1024, "a cut JSON body is shown as text: its first 500 characters"
 
 
-def test_an_answer_of_more_objects_than_max_response_containers_is_a_502_before_it_is_parsed() -> None:
+def _chat_answer(extra: dict[str, object]) -> bytes:
+    return orjson.dumps({"id": "c", "object": "chat.completion", "created": 0, "model": "m", "choices": [
+        {"index": 0, "message": {"role": "assistant", "content": "x"}, "finish_reason": "stop", **extra}],
+        "usage": {"prompt_tokens": 1, "completion_tokens": 2_000, "total_tokens": 2_001}})
+
+
+@pytest.mark.parametrize("shape", ["logprobs", "strings", "numbers"])
+def test_an_answer_costing_more_than_max_response_values_to_parse_is_a_502_before_it_is_parsed(shape: str) -> None:
     """Sweep 8: a valid 50 MB answer of 1.2M logprob objects held the event loop 2.2 s (parsed, then again by the
-    credential scrub); the gateway parses every answer. Counted first, it is refused as too large an answer is:
-    the request's doing, not retried, no failure of the backend's."""
+    credential scrub); sweep 9: 60 MB of short strings, counted as no objects, 2.6 s. The gateway parses every
+    answer: what that costs is counted first, and past the bound it is refused as too large an answer is: the
+    request's doing, not retried, no failure of the backend's."""
     token = {"token": "t", "logprob": -0.5, "bytes": [116], "top_logprobs": [{"token": "t", "logprob": -1.0}] * 4}
-    answer = orjson.dumps({"id": "c", "object": "chat.completion", "created": 0, "model": "m", "choices": [
-        {"index": 0, "message": {"role": "assistant", "content": "x"}, "finish_reason": "stop",
-         "logprobs": {"content": [token] * 2_000}}], "usage": {"prompt_tokens": 1, "completion_tokens": 2_000,
-                                                             "total_tokens": 2_001}})
+    extra: dict[str, object] = {"logprobs": {"content": [token] * 2_000}} if shape == "logprobs" else {
+        "x_payload": ["a"] * 70_000 if shape == "strings" else list(range(140_000))}
+    answer = _chat_answer(extra)
     with ScriptedUpstream(mode="script") as upstream:
         upstream.script = lambda headers: (200, "application/json", [answer])
-        app, server = gateway_over(upstream, server={"max_response_containers": 5_000})
+        app, server = gateway_over(upstream, server={"max_response_values": 100_000})
         with server as gw:
             r = httpx.post(gw.url + "/v1/chat/completions", json=ASK, timeout=30)
-        with gateway_over(upstream, server={"max_response_containers": 20_000})[1] as roomier:
+        with gateway_over(upstream, server={"max_response_values": 300_000})[1] as roomier:
             whole = httpx.post(roomier.url + "/v1/chat/completions", json=ASK, timeout=30)
     assert r.status_code == 502, r.text
     error = r.json()["error"]
-    assert error["code"] == "upstream_response_too_large" and "server.max_response_containers" in error["message"]
+    assert error["code"] == "upstream_response_too_large" and "server.max_response_values" in error["message"]
     assert upstream.posts == 2, "not retried: any backend would answer as much"
     assert app.gateway.pool.get("scripted").breaker.state.value == "closed"
     assert whole.status_code == 200 and whole.content == answer
+
+
+def test_a_large_answer_echoing_the_backends_credentials_is_refused_not_walked() -> None:
+    """Sweep 9: the scrub walks every string of an answer that holds the backend's credentials (60 MB: 9.6 s of
+    the event loop). Over 1 MiB such an answer is refused; a small one is scrubbed as before."""
+    key = "sk-BACKENDSECRETaaaa1111"
+    big = _chat_answer({"x_payload": ["abcdefghij" * 10] * 12_000 + [key]})
+    small = _chat_answer({"x_payload": [key]})
+    with ScriptedUpstream(mode="script") as upstream:
+        answers = [big, small]
+        upstream.script = lambda headers: (200, "application/json", [answers.pop(0)])
+        _, server = gateway_over(upstream, backend={"api_key": key}, retries={"max_attempts": 1})
+        with server as gw:
+            refused = httpx.post(gw.url + "/v1/chat/completions", json=ASK, timeout=30)
+            scrubbed = httpx.post(gw.url + "/v1/chat/completions", json=ASK, timeout=30)
+    assert refused.status_code == 502 and key not in refused.text and "holds its own credentials" in refused.text
+    assert scrubbed.status_code == 200 and key not in scrubbed.text and "[redacted]" in scrubbed.text

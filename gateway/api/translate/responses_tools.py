@@ -17,6 +17,7 @@ built-in tool is refused, the error saying how the client can leave it out.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from gateway.errors import GatewayError
@@ -28,19 +29,24 @@ SEPARATOR = "__"  # (function names allow [a-zA-Z0-9_-]: a dot or a slash would 
 OMITTED = ("web_search", "web_search_preview")
 
 
+# its type exactly, or a dated version of it (web_search_preview_2025_03_11): a type is echoed in a response header,
+# and a prefix match let a tenant put a line break there (sweep 9)
+_OMITTED_TYPE = re.compile(r"(?:" + "|".join(OMITTED) + r")(?:_\d{4}_\d{2}_\d{2})?")
+
+
 def omitted(tools: Any) -> list[str]:
     """The built-in tools of ``tools`` that are not offered to the model (``OMITTED``), once each, in order."""
-    kinds: list[str] = []
+    kinds: dict[str, None] = {}
     for tool in tools if isinstance(tools, list) else ():
         kind = tool.get("type") if isinstance(tool, dict) else None
-        if isinstance(kind, str) and is_omitted(kind) and kind not in kinds:
-            kinds.append(kind)
-    return kinds
+        if isinstance(kind, str) and is_omitted(kind):
+            kinds[kind] = None
+    return list(kinds)
 
 
 def is_omitted(kind: Any) -> bool:
     """Whether a tool of type ``kind`` is a built-in tool left out (``OMITTED``, dated versions included)."""
-    return isinstance(kind, str) and any(kind == name or kind.startswith(name + "_2") for name in OMITTED)
+    return isinstance(kind, str) and _OMITTED_TYPE.fullmatch(kind) is not None
 
 
 def _refuse(param: str, message: str, code: str = "unsupported_field") -> GatewayError:

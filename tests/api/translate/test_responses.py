@@ -532,6 +532,8 @@ def test_web_search_is_left_out_rather_than_refused_and_other_built_in_tools_are
     assert omitted([{"type": "web_search"}, {"type": "function", "name": "f"}, {"type": "web_search"}]) == [
         "web_search"]
     for tools, choice, param in (([{"type": "file_search", "vector_store_ids": ["v"]}], "auto", "tools[0]"),
+                                 # (a type is matched whole: one with a line break is no web_search, sweep 9)
+                                 ([{"type": "web_search_2\r\nx: y"}], "auto", "tools[0]"),
                                  ([{"type": "web_search"}], {"type": "web_search"}, "tool_choice"),
                                  ([{"type": "web_search"}], "required", "tool_choice")):
         with pytest.raises(GatewayError) as refused:
