@@ -459,6 +459,7 @@ class Dispatcher:
         # a half-open breaker whose probe is never settled lets no request through again.
         breaker = backend.breaker
         breaker.begin()
+        answered = backend.answered  # (what it answered meanwhile tells a slow request from a stuck backend)
         backend.in_flight += 1
         settled = False
         try:
@@ -496,7 +497,13 @@ class Dispatcher:
             raise GatewayError(502, f"backend {backend.name}: {exc}", code=exc.code,
                                headers={"x-gateway-backend": backend.name}) from None
         except UpstreamError as exc:
-            breaker.record(False)
+            if exc.timeout and backend.answered > answered:
+                # it answered other requests while this one waited: the request was slow (a long non-streamed
+                # generation past timeouts.first_byte), not the backend stuck; counted, a key's long requests
+                # ejected every backend of a model (sweep 9)
+                breaker.release()
+            else:
+                breaker.record(False)
             settled = True
             if trace is not None:
                 trace.upstream_end(None, str(exc))
