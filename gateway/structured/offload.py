@@ -124,6 +124,8 @@ class ValidationWorkers:
         self._slots = FairSlots(self._count, PER_KEY_WAITING)
         self._verdicts: OrderedDict[bytes, Verdict] = OrderedDict()
         self._finishing: set[asyncio.Task[None]] = set()  # answer checks whose client left, running out
+        # a killed worker's replacement, started at once (not in the next job's turn): slot -> its start
+        self._starting: dict[int, asyncio.Task[_Worker]] = {}
         self._memo_chars = 0
 
     def set_limits(self, limits: LimitSettings) -> None:
@@ -172,9 +174,10 @@ class ValidationWorkers:
         try:
             worker = self._workers[slot]
             if worker is None:  # its start is no part of any client's deadline
+                starting = self._starting.pop(slot, None)
                 try:
-                    worker = self._workers[slot] = await _Worker.start()
-                except (OSError, TimeoutError) as exc:
+                    worker = self._workers[slot] = await (starting if starting is not None else _Worker.start())
+                except (OSError, TimeoutError, ValidationBusy) as exc:
                     raise ValidationBusy(f"a constraint-validation worker did not start ({exc!r}); "
                                          "retry shortly") from None
         except BaseException:
@@ -259,6 +262,8 @@ class ValidationWorkers:
         worker, self._workers[slot] = self._workers[slot], None
         if worker is not None:
             worker.kill()
+            if slot not in self._starting:  # (its replacement starts now, while the slot's holder finishes)
+                self._starting[slot] = asyncio.ensure_future(_Worker.start())
 
     def _remember(self, digest: bytes, verdict: Verdict) -> None:
         self._verdicts[digest] = verdict
@@ -271,6 +276,14 @@ class ValidationWorkers:
         """Stop every worker (and wait for them to go)."""
         for task in list(self._finishing):
             task.cancel()
+        for starting in self._starting.values():
+            starting.cancel()
+        started = await asyncio.gather(*self._starting.values(), return_exceptions=True)
+        self._starting.clear()
+        for worker in started:
+            if isinstance(worker, _Worker):
+                worker.kill()
+                await worker.process.wait()
         workers = [w for w in self._workers if w is not None]
         self._workers = [None] * self._count
         for worker in workers:
