@@ -170,6 +170,9 @@ def _sum(loads: list[dict[str, Any]], key: str, limit: int = readings.MAX_COUNT)
     return readings.total(_reported(loads, key), limit)
 
 
+MAX_RERANK_RESULTS = 16_384  # results one rerank answer may hold (requests: limits.max_documents, 1,024 by default)
+
+
 def rerank_answer(raw: bytes, model: str) -> bytes:
     """SGLang's rerank answer, a bare list of ``{score, document, index, meta_info}`` best first
     (``serving_rerank.py``), in the shape vLLM and llama.cpp answer and rerank clients read (Jina's and
@@ -177,6 +180,9 @@ def rerank_answer(raw: bytes, model: str) -> bytes:
     items = orjson.loads(raw)
     if not isinstance(items, list) or not all(isinstance(i, dict) for i in items):
         raise ValueError("SGLang's rerank answer is not a list of results")
+    if len(items) > MAX_RERANK_RESULTS:  # (one per document asked for: rewritten item by item on the event loop,
+        # 500,000 of them held it 1 s, sweep 10)
+        raise ValueError(f"SGLang's rerank answer has {len(items)} results, more than any request asks for")
     results: list[dict[str, Any]] = []
     tokens = 0
     rid = ""

@@ -26,7 +26,7 @@ import hashlib
 from array import array
 from collections.abc import Generator, Sequence
 
-from gateway.kvcache.wire import PACE, AllBlocksCleared, Batch, BlockRemoved, BlockStored, Hash
+from gateway.kvcache.wire import PACE, AllBlocksCleared, Batch, BlockRemoved, BlockStored, Hash, work
 
 MIN_CHUNK_TOKENS = 16
 HOST_WEIGHT = 0.5
@@ -108,15 +108,18 @@ class EventIndex:
             pass
 
     def apply_steps(self, batch: Batch) -> Generator[None, None, None]:
-        """Apply the batch, pausing (yielding) every ``PACE`` events so the caller can let others run."""
-        for done, event in enumerate(batch.events, 1):
+        """Apply the batch, pausing (yielding) every ``PACE`` blocks so the caller can let others run."""
+        done = 0
+        for event in batch.events:
             if isinstance(event, BlockStored):
                 self._stored(event)
             elif isinstance(event, BlockRemoved):
                 self._removed(event)
             elif isinstance(event, AllBlocksCleared):
                 self.clear()
-            if done % PACE == 0:
+            done += work(event)
+            if done >= PACE:
+                done = 0
                 if len(self._nodes) > MAX_NODES:
                     self.clear()
                 yield

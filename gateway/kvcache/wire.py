@@ -47,10 +47,19 @@ import msgpack
 Hash = int | bytes
 END_OF_REPLAY = b"\xff" * 8
 MAX_PAYLOAD_BYTES = 64 * 1024 * 1024  # a batch larger than this is refused (the socket drops it earlier)
-PACE = 512  # events decoded (or applied) between two pauses: a few milliseconds
+PACE = 8192  # blocks (an event counts 1 plus its blocks) decoded or applied between two pauses: a few ms
 # the longest array one event may hold (a BlockStored's token_ids: a 128k-token prompt's; its hashes are fewer), and
 # the most events one batch may: unpacked in one step, one 1M-block event held the event loop 3.7 s (sweep 9)
 MAX_ARRAY = 1 << 18
+MAX_EVENT_BLOCKS = 1 << 14  # blocks one event may name (a 262,144-token prompt at 16 a block): one step's work
+MAX_BATCH_BLOCKS = 1 << 20  # blocks one batch may name in all (16M tokens at 16 a block): past it, the batch is
+# refused (a 33.6 MB batch of 64 events of 262,144 blocks each held the event loop 8.5 s when paced by events)
+
+
+def work(event: Event) -> int:
+    """What decoding or applying ``event`` costs, in blocks: 1 plus the blocks it names."""
+    hashes = getattr(event, "block_hashes", ())
+    return 1 + len(hashes)
 
 
 class WireError(ValueError):
@@ -162,13 +171,21 @@ def batch_steps(seq: int, payload: bytes) -> Generator[None, None, Batch]:
         count = unpacker.read_array_header()
         events: list[Event] = []
         skipped = 0
-        for done in range(1, count + 1):
+        done = blocks = 0
+        for _ in range(count):
             event = _event(unpacker.unpack())
             if event is None:
                 skipped += 1
+                done += 1
             else:
                 events.append(event)
-            if done % PACE == 0:
+                cost = work(event)
+                done += cost
+                blocks += cost
+                if blocks > MAX_BATCH_BLOCKS:
+                    raise WireError(f"a batch naming more than {MAX_BATCH_BLOCKS} blocks")
+            if done >= PACE:
+                done = 0
                 yield
         dp_rank = unpacker.unpack() if fields == 3 else None
     except WireError:
@@ -207,6 +224,8 @@ def _fields(item: Any) -> tuple[str, dict[str, Any]] | None:
 
 
 def _hashes(value: Any) -> tuple[Hash, ...]:
+    if isinstance(value, list) and len(value) > MAX_EVENT_BLOCKS:
+        raise WireError(f"an event naming more than {MAX_EVENT_BLOCKS} blocks")
     if not isinstance(value, list) or not all(isinstance(h, int | bytes) for h in value):
         raise WireError("block_hashes is not a list of ints or bytes")
     return tuple(value)

@@ -174,3 +174,29 @@ def test_an_event_with_an_array_past_the_bound_drops_its_batch_before_it_is_buil
         decode_batch(0, msgpack.packb([1.0, [huge]]))
     fine = ["BlockStored", [1, 2], None, list(range(32)), 16]
     assert len(decode_batch(0, msgpack.packb([1.0, [fine]])).events) == 1
+
+
+def test_a_batch_is_paced_by_the_blocks_it_names_and_bounded_in_them() -> None:
+    """Sweep 10: paced every 512 events, a batch of 64 events of 262,144 blocks each held the loop 8.5 s."""
+    import msgpack
+
+    from gateway.kvcache.wire import MAX_BATCH_BLOCKS, MAX_EVENT_BLOCKS, WireError, batch_steps, decode_batch
+
+    def stored(blocks: int, first: int) -> list[object]:
+        return ["BlockStored", list(range(first, first + blocks)), None, [0] * blocks, 1]
+
+    four = msgpack.packb([1.0, [stored(MAX_EVENT_BLOCKS, i * MAX_EVENT_BLOCKS) for i in range(4)]])
+    steps = batch_steps(0, four)
+    pauses = 0
+    while True:
+        try:
+            next(steps)
+        except StopIteration:
+            break
+        pauses += 1
+    assert pauses == 4  # (an event of more than PACE blocks is a step of its own)
+    with pytest.raises(WireError):  # (one event past its bound)
+        decode_batch(0, msgpack.packb([1.0, [stored(MAX_EVENT_BLOCKS + 1, 0)]]))
+    events = MAX_BATCH_BLOCKS // MAX_EVENT_BLOCKS + 1
+    with pytest.raises(WireError):  # (a batch past its bound)
+        decode_batch(0, msgpack.packb([1.0, [stored(MAX_EVENT_BLOCKS, i * MAX_EVENT_BLOCKS) for i in range(events)]]))

@@ -583,7 +583,8 @@ class ResponsesStream:
             item = self._item("message", out)
             item.parts.append(content)
             logprobs = choice.get("logprobs")
-            entries = _logprobs(logprobs.get("content")) if isinstance(logprobs, dict) else []
+            # (only where the client asked: an engine's unasked logprobs were translated on every chunk)
+            entries = _logprobs(logprobs.get("content")) if self._logprobs and isinstance(logprobs, dict) else []
             if item.logprobs is not None:
                 item.logprobs += entries
             self._event(out, "response.output_text.delta", item_id=item.id, output_index=item.index,

@@ -1,0 +1,60 @@
+"""What translating an engine's answer to an agent API costs the event loop is bounded: the translation works item
+by item in Python, ~7x parsing the answer (sweep 10: 714,000 empty tool calls in a 2.1 MB answer held the loop
+2.8 s on /v1/responses; one 1 MB stream chunk of 333,000 logprob entries 0.67 s, and a loop of them took every
+backend's health check past its timeout). So are the engine answers other code reads item by item: SGLang's
+rerank answer, and a health or load answer only Python's JSON reader takes."""
+
+from __future__ import annotations
+
+import httpx
+import orjson
+import pytest
+
+from gateway.engines.base import BackendError, json_of
+from gateway.engines.sglang import MAX_RERANK_RESULTS, rerank_answer
+from tests.proxy.scripted_upstream import ScriptedUpstream, gateway_over
+
+
+def _chat(message: dict[str, object]) -> bytes:
+    return orjson.dumps({"id": "c", "object": "chat.completion", "created": 0, "model": "m", "choices": [
+        {"index": 0, "message": {"role": "assistant", **message}, "finish_reason": "stop"}],
+        "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}})
+
+
+def _chunk(delta: dict[str, object], **choice: object) -> bytes:
+    return b"data: " + orjson.dumps({"id": "c", "object": "chat.completion.chunk", "created": 0, "model": "m",
+                                      "choices": [{"index": 0, "delta": delta, "finish_reason": None, **choice}]})
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_answer_too_costly_to_translate_is_refused_and_the_stream_ends_failed(stream: bool) -> None:
+    calls = [{}] * 150_000  # (within server.max_response_values: only the translation would cost too much)
+    big = _chat({"content": None, "tool_calls": calls})
+    entries = [{"token": "a", "logprob": 0.0}] * 30_000
+    events = [_chunk({"content": "a"}, logprobs={"content": entries}), _chunk({"content": "b"}),
+              b'data: {"choices":[],"usage":{"prompt_tokens":1,"completion_tokens":2,"total_tokens":3}}',
+              b"data: [DONE]"]
+    with ScriptedUpstream(mode="script") as upstream:
+        upstream.script = (lambda headers: (200, "text/event-stream", [b"\n\n".join(events) + b"\n\n"])) if stream \
+            else (lambda headers: (200, "application/json", [big]))
+        _, server = gateway_over(upstream, backend={"engine": "llamacpp"})
+        with server as gw:
+            r = httpx.post(gw.url + "/v1/responses", json={"model": "m", "input": "hi", "stream": stream},
+                           timeout=30)
+    if stream:
+        assert r.status_code == 200 and b"response.failed" in r.content and b"too large to translate" in r.content
+        assert b'"logprob"' not in r.content  # (not asked for: never translated)
+    else:
+        assert r.status_code == 502 and r.json()["error"]["code"] == "upstream_response_too_large", r.text
+
+
+def test_sglangs_rerank_answer_and_health_answers_are_bounded_before_their_items_are_read() -> None:
+    one = {"index": 0, "score": 0.5, "document": "a"}
+    assert orjson.loads(rerank_answer(orjson.dumps([one]), "m"))["results"][0]["relevance_score"] == 0.5
+    with pytest.raises(ValueError, match="more than any request asks for"):
+        rerank_answer(orjson.dumps([one] * (MAX_RERANK_RESULTS + 1)), "m")
+    nan = httpx.Response(200, content=b'{"running": NaN}')
+    assert json_of(nan, "/load") == {"running": None}  # (Python's reader for what a Python engine writes)
+    huge = httpx.Response(200, content=b'{"x": [' + b"[]," * 200_000 + b'NaN]}')
+    with pytest.raises(BackendError, match="too large"):
+        json_of(huge, "/load")
