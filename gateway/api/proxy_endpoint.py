@@ -141,12 +141,15 @@ def _last_answer_tokens(exchange: Exchange) -> int:
 def _estimated(exchange: Exchange, request: RouteRequest) -> int:
     """The gateway's own count of a request whose engine said no usable usage (none, a stream cut before its usage
     chunk, garbage): a pooling request's inputs as reserved on arrival (its prompt is not rendered); a stream's
-    prompt estimate plus one token per generated-text event relayed; a whole answer, at least what its key
-    reserved on arrival (its body's estimate plus ``max_tokens``: its output is not counted on the way). Never
-    less than one token."""
+    prompt estimate (or its body's, where more) plus one token per generated-text event relayed; a whole answer,
+    at least what its key reserved on arrival (its body's estimate plus ``max_tokens``: its output is not counted
+    on the way). Never less than one token."""
     if request.route in POOLING_ROUTES:
         return exchange.reserve
-    relayed = len(request.prompt) // _BYTES_PER_TOKEN + exchange.text_events
+    # (the body's own estimate where it says more than the rendered prompt: documents, template arguments and
+    # images are not rendered, and a stream cut before its usage charged them nothing, sweep 10)
+    prompt = max(len(request.prompt) // _BYTES_PER_TOKEN, exchange.body_tokens)
+    relayed = prompt + exchange.text_events
     return max(1, relayed if exchange.stream else max(relayed, exchange.reserve))
 
 
@@ -204,6 +207,7 @@ class ProxyEndpoint:
             history = self._api.history_bytes(client.name, head.previous) if self._api is not None else 0
             exchange.reserve = reservation(self._route, size, head, settings.reserve_tokens, settings.limits,
                                            history)
+            exchange.body_tokens = (size + history) // _BYTES_PER_TOKEN
         reserve = exchange.reserve
         shared = self._shared
         if shared is None:

@@ -197,6 +197,8 @@ class Dispatcher:
         started = time.monotonic()
         # backends that answered this request with a 5xx and were failed over, not yet counted against
         suspects: list[tuple[Backend, int]] = []
+        # with one candidate only, a 5xx it answers has nothing to be compared with (see _attempt)
+        alone = len(decision.ranked) == 1
 
         async def attempt(number: int) -> None:
             nonlocal remaining
@@ -204,7 +206,7 @@ class Dispatcher:
             remaining -= 1
             last = (remaining == 0 or number >= settings.max_attempts
                     or time.monotonic() - started >= settings.max_seconds)
-            await self._attempt(exchange, request, backend, last, headers, receive, send, writer, suspects)
+            await self._attempt(exchange, request, backend, last, headers, receive, send, writer, suspects, alone)
             if suspects and 0 < exchange.status < 400:
                 # another backend served it: those that answered 5xx failed where it did not
                 for failed, _ in suspects:
@@ -400,12 +402,14 @@ class Dispatcher:
 
     async def _attempt(self, exchange: Exchange, request: RouteRequest, backend: Backend, last: bool,
                        headers: Headers, receive: Receive, send: Send, writer: ClientWriter | None,
-                       suspects: list[tuple[Backend, int]]) -> None:
+                       suspects: list[tuple[Backend, int]], alone: bool = False) -> None:
         """One attempt on ``backend``. A 5xx answer that fails over is not counted against the backend's breaker
         at once (``suspects``): the same status from the next backend says the request itself is the cause
         (llama.cpp answers 500 to a JSON-constrained answer cut short by max_tokens), and it counts against
         neither; another backend serving it counts it (see ``_send``). Otherwise five such requests ejected
-        every backend."""
+        every backend. With no other backend to compare with (``alone``), a 5xx the backend answered counts
+        against neither: one key's requests ejected a model's only llama.cpp server (sweep 10); a connection
+        failure or a timeout still counts."""
         shared = self._shared
         if (shared is not None and backend.max_concurrency and exchange.shared_slot != backend.name
                 and shared.up):
@@ -549,6 +553,9 @@ class Dispatcher:
                     # the same answer as the backend before it: the request's doing, not either backend's
                     breaker.release()
                     suspects.clear()
+                elif (exchange.status >= 500 and alone
+                      and exchange.outcome not in ("upstream_failed", "upstream_timeout")):
+                    breaker.release()  # (it answered; whose doing the 5xx is, nothing here can tell)
                 elif exchange.outcome in ("upstream_failed", "upstream_timeout") or exchange.status >= 500:
                     breaker.record(False)
                 else:

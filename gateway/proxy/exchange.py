@@ -55,6 +55,7 @@ class Exchange:
     client: Client | None = None  # the gateway API key it came with, when keys are configured
     reserved_tokens: int = 0  # taken from the key's tokens per minute on admission, settled at the end
     reserve: int = 0  # the tokens its key's admission reserves (or would have), estimated on arrival
+    body_tokens: int = 0  # of which its body's (and stored conversation's) estimate
     # with shared state: the key's budget, admitted on arrival (gateway.state), and the backend whose shared slot
     # this request holds (taken after routing)
     budget: Budget | None = None

@@ -58,3 +58,19 @@ def test_sglangs_rerank_answer_and_health_answers_are_bounded_before_their_items
     huge = httpx.Response(200, content=b'{"x": [' + b"[]," * 200_000 + b'NaN]}')
     with pytest.raises(BackendError, match="too large"):
         json_of(huge, "/load")
+
+
+def test_a_stream_cut_before_its_usage_is_charged_its_bodys_estimate_where_the_rendering_says_less() -> None:
+    """Sweep 10: a stream cut before its usage chunk was charged the rendered prompt (messages and tools) plus the
+    text relayed; 8 KB of ``documents`` (which vLLM hands chat templates) per request was charged nothing, and one
+    key passed ~20x its tokens per minute that way."""
+    from gateway.api.proxy_endpoint import _tokens_used
+    from gateway.proxy.exchange import Exchange
+    from gateway.routing.request import RouteRequest
+
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "documents": [{"text": "x" * 8000}]}
+    request = RouteRequest(model="m", route="chat", stream=True, max_tokens=None, body=body)
+    exchange = Exchange(request_id="r", route="chat", t_start=0.0, stream=True, request=request)
+    exchange.backend = object()  # type: ignore[assignment]  # (a backend was reached)
+    exchange.reserve, exchange.body_tokens, exchange.text_events = 2100, 2010, 1
+    assert _tokens_used(exchange) == 2010 + 1

@@ -34,3 +34,19 @@ def test_slow_requests_on_a_backend_answering_others_do_not_eject_it() -> None:
                 assert [s.result().status_code for s in slow] == [504, 504, 504]
             assert app.gateway.pool.get("v").breaker.state.value == "closed"
             assert client.post(gw.url + "/v1/chat/completions", json=FAST).status_code == 200
+
+
+def test_a_models_only_backend_answering_500_to_some_requests_is_not_ejected_by_them() -> None:
+    """Sweep 10: llama.cpp answers 500 to a JSON-constrained answer cut short by max_tokens; with two backends the
+    same 500 from both says the request is the cause, but a model's only backend had nothing to compare with, and
+    one key's such requests (72 a minute) kept it ejected: everyone else got 503. A 5xx it answers now counts
+    against neither; a backend that cannot be reached still does."""
+    from tests.proxy.scripted_upstream import ScriptedUpstream, gateway_over
+
+    with ScriptedUpstream(mode="script", model="m") as upstream:
+        upstream.script = lambda headers: (500, "application/json", [b'{"error": {"message": "boom", "code": 500}}'])
+        app, server = gateway_over(upstream, backend={"engine": "llamacpp"}, breaker={"consecutive_failures": 2})
+        with server as gw, httpx.Client(timeout=30) as client:
+            statuses = [client.post(gw.url + "/v1/chat/completions", json=FAST).status_code for _ in range(6)]
+            assert statuses == [500] * 6
+            assert app.gateway.pool.get("scripted").breaker.state.value == "closed"
