@@ -113,6 +113,7 @@ class StreamTap:
         self.api = api
         self.usage: dict[str, Any] = {}
         self.response: dict[str, Any] | None = None
+        self._started = False  # the stream's message_start was seen (only the first is completed)
 
     def feed(self, block: bytes) -> bytes:
         """Read ``block`` (whole events); returns what to relay: the block itself, but for a Messages
@@ -122,19 +123,32 @@ class StreamTap:
         if self.api == "messages":
             if block.find(b"message_start") < 0 and block.find(b"message_delta") < 0:
                 return block
-            for doc in _events(block):
-                kind = doc.get("type")
-                if kind == "message_start" and isinstance(doc.get("message"), dict):
-                    usage = doc["message"].get("usage")
-                    if "type" not in doc["message"] or "role" not in doc["message"]:
-                        block = _complete_message_start(block)
+            # each event read once (a block of 2,000 message_start events, each completing the whole block
+            # again, held the event loop 6 s: sweep 11); only the stream's first message_start is completed
+            events = block.split(b"\n\n")
+            changed = False
+            for i, event in enumerate(events):
+                if event.find(b"message_start") < 0 and event.find(b"message_delta") < 0:
+                    continue
+                doc = _event_doc(event)
+                kind = doc.get("type") if doc is not None else None
+                if doc is None:
+                    continue
+                if kind == "message_start" and isinstance(doc.get("message"), dict) and not self._started:
+                    self._started = True
+                    message = doc["message"]
+                    usage = message.get("usage")
+                    if "type" not in message or "role" not in message:
+                        doc["message"] = {"id": message.get("id"), "type": "message", "role": "assistant", **message}
+                        events[i] = b"event: message_start\ndata: " + orjson.dumps(doc)
+                        changed = True
                 elif kind == "message_delta":
                     usage = doc.get("usage")
                 else:
                     continue
                 if isinstance(usage, dict):
                     self.usage.update({k: v for k, v in usage.items() if v is not None})
-            return block
+            return b"\n\n".join(events) if changed else block
         if block.find(b"response.completed") < 0 and block.find(b"response.incomplete") < 0:
             return block
         for doc in _events(block):
@@ -147,23 +161,13 @@ class StreamTap:
         return block
 
 
-def _complete_message_start(block: bytes) -> bytes:
-    """``block`` with its ``message_start`` event's message given ``type: "message"`` and ``role: "assistant"``
-    where it lacks them (the rest of the block as it came)."""
-    events = block.split(b"\n\n")
-    for i, event in enumerate(events):
-        if event.find(b"message_start") < 0:
-            continue
-        for line in event.split(b"\n"):
-            if not line.startswith(b"data:"):
-                continue
+def _event_doc(event: bytes) -> dict[str, Any] | None:
+    """The JSON object of one event's first ``data:`` line, or None."""
+    for line in event.split(b"\n"):
+        if line.startswith(b"data:"):
             try:
                 doc = orjson.loads(line[5:])
             except orjson.JSONDecodeError:
-                break
-            message = doc.get("message") if isinstance(doc, dict) else None
-            if doc.get("type") == "message_start" and isinstance(message, dict):
-                doc["message"] = {"id": message.get("id"), "type": "message", "role": "assistant", **message}
-                events[i] = b"event: message_start\ndata: " + orjson.dumps(doc)
-            break
-    return b"\n\n".join(events)
+                return None
+            return doc if isinstance(doc, dict) else None
+    return None

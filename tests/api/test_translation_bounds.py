@@ -74,3 +74,28 @@ def test_a_stream_cut_before_its_usage_is_charged_its_bodys_estimate_where_the_r
     exchange.backend = object()  # type: ignore[assignment]  # (a backend was reached)
     exchange.reserve, exchange.body_tokens, exchange.text_events = 2100, 2010, 1
     assert _tokens_used(exchange) == 2010 + 1
+
+
+def test_a_native_messages_stream_completes_its_first_message_start_once_whatever_follows(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sweep 11: each message_start lacking type or role re-read the whole block: 2,000 of them in one block held
+    the event loop 6 s. Each event is read once; only the stream's first message_start is completed."""
+    from gateway.api import native_apis
+    from gateway.api.native_apis import StreamTap
+
+    parsed = 0
+    loads = native_apis.orjson.loads
+
+    def counted(data: bytes) -> object:
+        nonlocal parsed
+        parsed += 1
+        return loads(data)
+
+    monkeypatch.setattr(native_apis.orjson, "loads", counted)
+    start = b'event: message_start\ndata: {"type":"message_start","message":{"id":"m","usage":{"input_tokens":3}}}'
+    block = b"\n\n".join([start] * 4000) + b"\n\n"
+    tap = StreamTap("messages")
+    out = tap.feed(block)
+    first, rest = out.split(b"\n\n", 1)
+    assert b'"role":"assistant"' in first and b'"role"' not in rest and tap.usage == {"input_tokens": 3}
+    assert parsed == 4000  # (once each: it was once per message_start for each of them, 16 million)
