@@ -51,6 +51,11 @@ class Breaker:
             return now >= self._open_until
         return not self._probing
 
+    @property
+    def probing(self) -> bool:
+        """A half-open probe is out (no other request is routed here until it is settled)."""
+        return self._probing
+
     def begin(self, now: float | None = None) -> None:
         """A request is being sent: after the cooldown, it is the half-open probe."""
         if self.state is BreakerState.OPEN and (time.monotonic() if now is None else now) >= self._open_until:

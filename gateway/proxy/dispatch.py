@@ -464,6 +464,17 @@ class Dispatcher:
         breaker = backend.breaker
         breaker.begin()
         answered = backend.answered  # (what it answered meanwhile tells a slow request from a stuck backend)
+        probe_settled = False
+
+        def on_status(status: int) -> None:
+            # a half-open probe is settled when the backend answers, not when a stream it starts ends: a key's
+            # long stream as the probe kept the backend from everyone else for as long as it ran (sweep 11)
+            nonlocal probe_settled
+            if status < 500 and breaker.probing:
+                breaker.record(True)
+                probe_settled = True
+
+        options.on_status = on_status
         backend.in_flight += 1
         settled = False
         try:
@@ -484,6 +495,9 @@ class Dispatcher:
             if exc.status >= 500:
                 breaker.release()  # (the verdict waits for the next backend's answer)
                 suspects.append((backend, exc.status))
+                # the engine read the prompt before it failed: its key pays for it (each failover was free, so
+                # a request every engine answers 500 cost N backends' work for one charge, sweep 11)
+                exchange.discarded_tokens += max(1, exchange.body_tokens)
             else:
                 breaker.record(exc.status == 429)
             settled = True
@@ -546,7 +560,7 @@ class Dispatcher:
                 exchange.shared_slot = None
                 shared.settle(None, 0, backend.name)
             self._admission.released(backend)
-            if not settled:
+            if not settled and not probe_settled:
                 if exchange.outcome == "disconnected" or exchange.outcome == "pending":
                     breaker.release()  # nothing was learnt (the client left, or the gateway is stopping)
                 elif exchange.status >= 500 and suspects and any(status == exchange.status for _, status in suspects):

@@ -86,6 +86,7 @@ class AttemptOptions:
     rewrite: Callable[[bytes], bytes] | None = None
     # answer fields the client must not see (the engine's cache figures: gateway.proxy.cache_isolation)
     hidden: Sequence[FieldPath] = ()
+    on_status: Callable[[int], None] | None = None  # told the backend's status as soon as it answers
 
 
 class Forwarder:
@@ -135,6 +136,8 @@ class Forwarder:
                     exchange.status = response.status
                     if response.status < 500:
                         backend.answered += 1  # it is up, whatever its health check says (Pool.scrape_once)
+                    if options.on_status is not None:
+                        options.on_status(response.status)
                     if response.status != 200:
                         raw, cut_short = await response.read_prefix(ERROR_BODY_BYTES)
                         if response.status in (401, 403):

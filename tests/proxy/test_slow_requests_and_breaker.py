@@ -6,8 +6,10 @@ another key's requests got 503. A backend that answers nothing meanwhile (stuck)
 from __future__ import annotations
 
 import concurrent.futures
+import time
 
 import httpx
+import orjson
 
 from gateway.app import create_app
 from gateway.config import settings_from_mapping
@@ -50,3 +52,60 @@ def test_a_models_only_backend_answering_500_to_some_requests_is_not_ejected_by_
             statuses = [client.post(gw.url + "/v1/chat/completions", json=FAST).status_code for _ in range(6)]
             assert statuses == [500] * 6
             assert app.gateway.pool.get("scripted").breaker.state.value == "closed"
+
+
+def test_a_half_open_probe_is_settled_when_the_backend_answers_not_when_its_stream_ends() -> None:
+    """Sweep 11: after an ejection's cooldown the first request is the probe, and no other is routed there until
+    it is settled; settled at the end of the attempt, one key's long stream as the probe kept a model's only
+    backend from everyone for as long as it ran."""
+    from tests.proxy.scripted_upstream import ScriptedUpstream, gateway_over
+
+    with ScriptedUpstream(mode="stream", model="m", tokens=20, every=0.1) as upstream:
+        app, server = gateway_over(upstream, breaker={"consecutive_failures": 1, "cooldown_seconds": 0.05})
+        breaker = app.gateway.pool.get("scripted").breaker
+        with server as gw, httpx.Client(timeout=30) as client:
+
+            async def eject() -> None:
+                breaker.record(False)
+
+            gw.call(eject())
+            assert breaker.state.value == "open"
+            deadline = time.monotonic() + 5
+            while not breaker.available():  # (its cooldown)
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            stream = {**FAST, "stream": True}
+            with client.stream("POST", gw.url + "/v1/chat/completions", json=stream) as probe:
+                assert probe.status_code == 200
+                next(probe.iter_bytes())  # (the probe's stream has begun, and runs on)
+                assert breaker.state.value == "closed" and not breaker.probing
+                other = client.post(gw.url + "/v1/chat/completions", json=stream)
+                assert other.status_code == 200, other.text
+
+
+def test_every_backend_a_request_failed_over_from_with_a_5xx_is_charged_to_its_key() -> None:
+    """Sweep 11: a request every engine answers 500 (llama.cpp's JSON answer cut short) was tried on each backend
+    and charged once: N backends' prompt work for one charge."""
+    import hashlib
+
+    from gateway.app import create_app as make_app
+    from tests.proxy.scripted_upstream import ScriptedUpstream
+
+    error = (500, "application/json", [b'{"error": {"message": "boom", "code": 500}}'])
+    with ScriptedUpstream(mode="script", model="m") as a, ScriptedUpstream(mode="script", model="m") as b:
+        a.script = b.script = lambda headers: error
+        key = {"name": "k", "key_sha256": hashlib.sha256(b"sk-k").hexdigest(), "tokens_per_minute": 60_000}
+        settings = settings_from_mapping({
+            "backends": [{"name": n, "engine": "vllm", "url": u.url} for n, u in (("a", a), ("b", b))],
+            "auth": {"keys": [key]}, "scrape": {"interval": 0.2, "timeout": 1.0}})
+        app = make_app(settings)
+        with serve_in_thread(app) as gw:
+            body = {"model": "m", "messages": [{"role": "user", "content": "word " * 4000}], "max_tokens": 1}
+            r = httpx.post(gw.url + "/v1/chat/completions", json=body, headers={"authorization": "Bearer sk-k"},
+                           timeout=30)
+            assert r.status_code == 500 and a.posts + b.posts == 2
+            tokens = next(c for _, c in app.gateway.keys._clients if c.name == "k").tokens
+            assert tokens is not None
+            body_tokens = len(orjson.dumps(body)) // 4
+            # both prompts charged (the bucket refills 1,000 a second meanwhile: some slack)
+            assert 60_000 - tokens.level >= 2 * body_tokens - 300, (60_000 - tokens.level, body_tokens)
