@@ -138,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as exc:
             raise SystemExit(f"gateway sim serve: {exc}") from None
     elif args.config is not None:
+        if args.agents:
+            raise SystemExit("gateway sim fleet: --agents goes with --default (a fleet file lists its own servers)")
         specs = load_fleet_yaml(args.config)
     else:
         specs = default_fleet_specs(args.host, args.base_port, time_scale=args.time_scale)

@@ -97,6 +97,9 @@ class SimSpec:
             self.version = VERSIONS[self.engine][0]
         if not 0.0 <= self.tool_call_rate <= 1.0:
             raise ValueError("tool_call_rate must be between 0 and 1")
+        if not self.tool_template and self.engine != "llamacpp":
+            raise ValueError(f"tool_template: only the llamacpp emulator says what its chat template can do, not "
+                             f"{self.engine}")
         if self.profile is None:
             self.profile = DEFAULT_PROFILE[self.engine]
         if self.profile not in PROFILES:

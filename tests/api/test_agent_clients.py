@@ -114,7 +114,7 @@ def test_claude_code_completes_a_tool_round_trip(clients: Path, gateway: tuple[S
                          cwd=work, env=env, capture_output=True, text=True, timeout=240)
     result = json.loads(run.stdout.strip().splitlines()[-1])
     assert run.returncode == 0 and not result["is_error"], (run.stdout[-2000:], run.stderr[-2000:])
-    seen = _requests(replace_lines(lines, before), model)
+    seen = _requests(since(lines, before), model)
     # every request it sent was answered, none refused first (it used to resend each, one feature less a time)
     assert seen and all(line["status"] == 200 for line in seen), [(s["route"], s["status"]) for s in seen]
     assert result["num_turns"] >= 2 and len(seen) >= 2  # a call, its result, an answer: a round trip
@@ -140,12 +140,12 @@ def test_codex_completes_a_tool_round_trip(clients: Path, gateway: tuple[ServerT
     events = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
     kinds = [e.get("item", {}).get("type") for e in events if e.get("type") == "item.completed"]
     assert "agent_message" in kinds, kinds  # it answered
-    seen = _requests(replace_lines(lines, before), model)
+    seen = _requests(since(lines, before), model)
     assert seen and all(line["status"] == 200 for line in seen), [(s["route"], s["status"]) for s in seen]
     assert len(seen) >= 2 and {line["route"] for line in seen} == {"responses"}  # a call, its result, an answer
 
 
-def replace_lines(lines: _Lines, start: int) -> _Lines:
+def since(lines: _Lines, start: int) -> _Lines:
     """The lines logged from ``start`` on (this test's)."""
     out = _Lines()
     out.lines = lines.lines[start:]

@@ -27,7 +27,7 @@ from gateway.app import GatewayApp, create_app
 from gateway.config import load_settings
 from gateway.sim import FleetThread, SimSpec
 from tests.api.conftest import TIME_SCALE
-from tests.conftest import ServerThread, serve_in_thread
+from tests.conftest import ServerThread, serve_in_thread, wait_until
 
 CLIENT_KEY, OPS_KEY = "sk-client-0123", "sk-ops-4567"
 OPS = {"authorization": f"Bearer {OPS_KEY}"}
@@ -275,21 +275,15 @@ def test_a_bad_port_is_refused_and_a_reload_that_fails_still_revokes_keys_and_th
     def status() -> int:
         return httpx.post(gateway.url + "/v1/chat/completions", json=ASK, headers=client).status_code
 
-    def until(done: Any, what: str) -> None:
-        deadline = time.monotonic() + 20
-        while not done():
-            assert time.monotonic() < deadline, what
-            time.sleep(0.05)
-
     revoked = {**config, "auth": {**config["auth"], "keys": config["auth"]["keys"][1:]}}
     with serving(path) as (gateway, app):
         assert status() == 200
         typo = {**revoked, "backends": [{**revoked["backends"][0], "url": "http://127.0.0.1:99999"}]}
         path.write_text(dump(typo))
-        until(lambda: reloads(gateway, "rejected") >= 1, "the file with a bad port was not refused")
+        wait_until(lambda: reloads(gateway, "rejected") >= 1, "the file with a bad port refused", within=20)
         assert status() == 200  # (refused whole: the running configuration stays)
         path.write_text(dump(revoked))
-        until(lambda: status() == 401, "the fixed file was not applied: the watch stopped")
+        wait_until(lambda: status() == 401, "the fixed file applied (the watch still going)", within=20)
 
         failing = app.gateway.pool.reconcile
 
@@ -300,8 +294,9 @@ def test_a_bad_port_is_refused_and_a_reload_that_fails_still_revokes_keys_and_th
         app.gateway.pool.reconcile = fail_once  # type: ignore[method-assign]
         assert httpx.post(gateway.url + "/v1/chat/completions", json=ASK, headers=temp).status_code == 200
         path.write_text(dump({**revoked, "auth": {**revoked["auth"], "keys": revoked["auth"]["keys"][:1]}}))
-        until(lambda: reloads(gateway, "failed") >= 1, "the failing reload was not counted")
+        wait_until(lambda: reloads(gateway, "failed") >= 1, "the failing reload counted", within=20)
         assert httpx.post(gateway.url + "/v1/chat/completions", json=ASK, headers=temp).status_code == 401
         path.write_text(dump({**config, "backends": keyed(fleet, ["va", "vb"])["backends"]}))
-        until(lambda: {b.name for b in app.gateway.pool} == {"va", "vb"}, "the watch stopped after the failure")
+        wait_until(lambda: {b.name for b in app.gateway.pool} == {"va", "vb"},
+                   "the next change applied after the failure", within=20)
         assert status() == 200

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import re
-import time
 from typing import Any
 
 import httpx
@@ -17,7 +16,7 @@ from gateway.app import create_app
 from gateway.config import settings_from_mapping
 from gateway.sim import FleetThread, SimSpec
 from tests.api.conftest import TIME_SCALE, Running
-from tests.conftest import serve_in_thread
+from tests.conftest import serve_in_thread, wait_until
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
                                            "age": {"type": "integer", "minimum": 0, "maximum": 120}},
@@ -306,10 +305,7 @@ def test_a_llamacpp_model_whose_template_has_no_tools_is_not_sent_tools_and_cann
                                       "scrape": {"interval": 0.1, "timeout": 1.0}})
         with serve_in_thread(create_app(only)) as gw:  # (the model served only where it cannot call tools)
             c = openai.OpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0)
-            deadline = time.monotonic() + 10
-            while not c.models.list().data:
-                assert time.monotonic() < deadline, "models not discovered"
-                time.sleep(0.05)
+            wait_until(lambda: c.models.list().data, "models discovered")
             with pytest.raises(openai.BadRequestError) as refused:
                 c.chat.completions.create(model="shared", messages=ASK, tools=tools, tool_choice="required")
             assert "cannot call tools" in refused.value.message and "plain" in refused.value.message

@@ -5,11 +5,10 @@ lines and the access log; the second broke every answer naming it (an empty repl
 
 from __future__ import annotations
 
-import time
-
 import httpx
 import orjson
 
+from tests.conftest import wait_until
 from tests.proxy.scripted_upstream import ScriptedUpstream, gateway_over
 
 KEY = "sk-BACKENDSECRETaaaa1111"
@@ -22,11 +21,11 @@ def test_model_names_echoing_credentials_or_breaking_headers_are_not_served() ->
             {"object": "list", "data": [{"id": name, "object": "model"} for name in listed]}))
         _, server = gateway_over(upstream, backend={"engine": "vllm", "api_key": KEY})
         with server as gw:
-            deadline = time.monotonic() + 10
-            while not (ids := [m["id"] for m in httpx.get(gw.url + "/v1/models").json()["data"]]):
-                assert time.monotonic() < deadline, "no models discovered"
-                time.sleep(0.05)
-            assert ids == ["good"]
+            def ids() -> list[str]:
+                return [m["id"] for m in httpx.get(gw.url + "/v1/models").json()["data"]]
+
+            wait_until(ids, "models discovered")
+            assert ids() == ["good"]
             metrics = httpx.get(gw.url + "/metrics").text
             assert KEY not in metrics and "set-cookie" not in metrics
             answer = httpx.post(gw.url + "/v1/chat/completions", json={

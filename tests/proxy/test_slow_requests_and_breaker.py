@@ -6,7 +6,6 @@ another key's requests got 503. A backend that answers nothing meanwhile (stuck)
 from __future__ import annotations
 
 import concurrent.futures
-import time
 
 import httpx
 import orjson
@@ -14,7 +13,7 @@ import orjson
 from gateway.app import create_app
 from gateway.config import settings_from_mapping
 from gateway.sim import FleetThread, SimSpec
-from tests.conftest import serve_in_thread
+from tests.conftest import serve_in_thread, wait_until
 
 SLOW = {"model": "m", "messages": [{"role": "user", "content": "tell me a long story"}], "max_tokens": 400,
         "ignore_eos": True}
@@ -70,10 +69,7 @@ def test_a_half_open_probe_is_settled_when_the_backend_answers_not_when_its_stre
 
             gw.call(eject())
             assert breaker.state.value == "open"
-            deadline = time.monotonic() + 5
-            while not breaker.available():  # (its cooldown)
-                assert time.monotonic() < deadline
-                time.sleep(0.01)
+            wait_until(breaker.available, "the ejection's cooldown over")
             stream = {**FAST, "stream": True}
             with client.stream("POST", gw.url + "/v1/chat/completions", json=stream) as probe:
                 assert probe.status_code == 200

@@ -208,3 +208,5 @@ def test_reasoning_then_tool_call(agents: FleetThread) -> None:
 def test_tool_call_rate_is_validated() -> None:
     with pytest.raises(ValueError, match="tool_call_rate"):
         SimSpec(engine="vllm", model=MODEL, tool_call_rate=1.5)
+    with pytest.raises(ValueError, match="tool_template"):  # (only llama.cpp's emulator honours it)
+        SimSpec(engine="vllm", model=MODEL, tool_template=False)

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
@@ -38,9 +40,25 @@ def _answer(content: Any) -> bytes:
                          "usage": {"prompt_tokens": 5, "completion_tokens": 5, "total_tokens": 10}})
 
 
+def _text_answer(text: str) -> bytes:
+    return orjson.dumps({"choices": [{"message": {"role": "assistant", "content": text}}]})
+
+
 def _pid(workers: ValidationWorkers) -> int | None:
     worker = workers._workers[0]
     return worker.process.pid if worker is not None else None
+
+
+@contextlib.asynccontextmanager
+async def _started(output_check_timeout: float) -> AsyncIterator[tuple[ValidationWorkers, int | None]]:
+    """One validation worker, started by a first (small) check, and its process id; closed after."""
+    workers = ValidationWorkers(LimitSettings(output_check_timeout=output_check_timeout), workers=1)
+    try:
+        await workers.check_answer("chat", _answer({"n": 1}),
+                                   Constraint("json_schema", "response_format", schema=SMALL_SCHEMA), "a")
+        yield workers, _pid(workers)
+    finally:
+        await workers.close()
 
 
 def test_an_answer_check_past_its_deadline_passes_unchecked_and_its_worker_lives_on() -> None:
@@ -48,18 +66,14 @@ def test_an_answer_check_past_its_deadline_passes_unchecked_and_its_worker_lives
     small = Constraint("json_schema", "response_format", schema=SMALL_SCHEMA)
 
     async def run() -> None:
-        workers = ValidationWorkers(LimitSettings(output_check_timeout=0.3), workers=1)
-        try:
-            assert await workers.check_answer("chat", _answer({"n": 1}), small, "a") == (None, None)
-            first = _pid(workers)
+        async with _started(0.3) as (workers, first):
+            assert await workers.check_answer("chat", _answer({"n": 2}), small, "a") == (None, None)
             problem, unchecked = await workers.check_answer("chat", _answer(SLOW_VALUE), slow, "a")
             assert problem is None and unchecked is not None and "deadline" in unchecked
             # the deadline was the worker's own timer: the same worker checks the next answer, and finds it wrong
             problem, unchecked = await workers.check_answer("chat", _answer({"n": "one"}), small, "b")
             assert unchecked is None and problem is not None and "is not of type 'integer'" in problem
             assert _pid(workers) == first
-        finally:
-            await workers.close()
 
     asyncio.run(run())
 
@@ -71,23 +85,19 @@ def test_a_client_that_leaves_mid_check_does_not_cost_the_worker() -> None:
     small = Constraint("json_schema", "response_format", schema=SMALL_SCHEMA)
 
     async def run() -> None:
-        workers = ValidationWorkers(LimitSettings(output_check_timeout=0.5), workers=1)
-        try:
-            await workers.check_answer("chat", _answer({"n": 1}), small, "a")
-            first = _pid(workers)
+        async with _started(0.5) as (workers, first):
             leaving = asyncio.create_task(workers.check_answer("chat", _answer(SLOW_VALUE), slow, "a"))
-            for _ in range(100):  # (until the job is on its way to the worker)
-                await asyncio.sleep(0.01)
-                if workers._slots.waiting("a") == 0 and workers._finishing == set() and not leaving.done():
-                    break
+            await asyncio.sleep(0)  # (it takes the free worker without waiting and sends the job: one step each)
+            await asyncio.sleep(0)
+            assert not workers._slots._free and not leaving.done()
             leaving.cancel()
             assert (await asyncio.gather(leaving, return_exceptions=True))[0].__class__ is asyncio.CancelledError
-            # the next key's check waits for the slot, then is checked by the same worker
+            assert workers._finishing  # (its check runs out in the worker, to its own deadline)
+            await asyncio.gather(*workers._finishing)
+            # then the worker, the same one, is free for the next key's check
             problem, unchecked = await workers.check_answer("chat", _answer({"n": "x"}), small, "b")
             assert unchecked is None and problem is not None
             assert _pid(workers) == first and not workers._finishing
-        finally:
-            await workers.close()
 
     asyncio.run(run())
 
@@ -135,25 +145,16 @@ def test_an_re2_match_is_counted_before_it_runs_so_the_worker_is_never_killed() 
     regex = Constraint("regex", "regex", pattern=pattern)
     patterned = Constraint("json_schema", "response_format", schema={
         "type": "object", "properties": {"s": {"type": "string", "pattern": pattern}}})
-    small = Constraint("json_schema", "response_format", schema=SMALL_SCHEMA)
 
     async def run() -> None:
-        workers = ValidationWorkers(LimitSettings(output_check_timeout=5.0), workers=1)
-        try:
-            await workers.check_answer("chat", _answer({"n": 1}), small, "a")
-            first = _pid(workers)
-            for constraint, answer in ((regex, "a" * 24_000), (patterned, {"s": "a" * 24_000})):
-                raw = _answer(answer) if constraint is patterned else orjson.dumps(
-                    {"choices": [{"message": {"role": "assistant", "content": answer}}]})
+        async with _started(5.0) as (workers, first):
+            for constraint, raw in ((regex, _text_answer("a" * 24_000)), (patterned, _answer({"s": "a" * 24_000}))):
                 problem, unchecked = await workers.check_answer("chat", raw, constraint, "a")
                 assert problem is None and unchecked is not None and "automaton steps" in unchecked, unchecked
             assert _pid(workers) == first  # (no deadline reached, nothing killed)
             # an ordinary pattern is still matched by RE2 and found wrong
             ordinary = Constraint("regex", "regex", pattern="(a+)+$")
-            raw = orjson.dumps({"choices": [{"message": {"role": "assistant", "content": "a" * 40 + "b"}}]})
-            assert await workers.check_answer("chat", raw, ordinary, "a") == ("the answer does not match the regex",
-                                                                               None)
-        finally:
-            await workers.close()
+            assert await workers.check_answer("chat", _text_answer("a" * 40 + "b"), ordinary, "a") == (
+                "the answer does not match the regex", None)
 
     asyncio.run(run())
