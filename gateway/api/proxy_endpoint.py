@@ -26,11 +26,10 @@ from gateway.api.validation import decode_body, parse_body, validate_heavy
 from gateway.asgi import BODY_WRITER, Headers, Receive, Scope, Send, header, send_body
 from gateway.auth import ANONYMOUS, Client, KeyStore
 from gateway.config import LimitSettings, Settings
-from gateway.engines.readings import usage_figure
 from gateway.errors import GatewayError
 from gateway.proxy.dispatch import Dispatcher
-from gateway.proxy.exchange import Exchange
-from gateway.routing.request import POOLING_ROUTES, RouteRequest
+from gateway.proxy.exchange import BYTES_PER_TOKEN, Exchange
+from gateway.routing.request import POOLING_ROUTES
 from gateway.server_protocol import ARRIVAL
 from gateway.state.shared import Budget, SharedState, StateUnavailable
 from gateway.structured.offload import ValidationWorkers
@@ -91,7 +90,6 @@ def _bounded_session(key: str) -> str:
 
 # bytes per prompt token when reserving a key's tokens: typical English tokenizes at ~4 bytes per token; the
 # reservation counts the whole body (prompt, inputs, documents, tools), as it comes, before anything is parsed
-_BYTES_PER_TOKEN = 4
 _NOTHING_GENERATED = POOLING_ROUTES | {"count_tokens"}
 
 
@@ -103,7 +101,7 @@ def reservation(route: str, size: int, head: BodyHead, reserve_tokens: int, limi
     for (``n``, ``best_of``) of each prompt it sends, what it may generate (``max_tokens`` or its spelling,
     else ``reserve_tokens``); a pooling route generates nothing. Settled against the engine's usage at the
     end. Counts past the limits count as the limits (such a request is refused before it is sent)."""
-    prompt = (size + history) // _BYTES_PER_TOKEN
+    prompt = (size + history) // BYTES_PER_TOKEN
     if route in _NOTHING_GENERATED:
         return prompt
     output = min(head.output or reserve_tokens, limits.max_tokens)
@@ -116,41 +114,10 @@ SHED_CODES = frozenset({"queue_full", "queue_deadline", "queue_timeout", "backen
 
 
 def _tokens_used(exchange: Exchange) -> int:
-    """What a finished request is charged against its key's tokens per minute: the engine's usage where its prompt
-    and completion figures are both readings (``readings.usage_figure``: a whole number in [0, MAX_USAGE_TOKENS];
-    a pooling answer says no completion), else the gateway's own estimate (:func:`_estimated`). Garbage is no
-    reading: held to zero, ``prompt_tokens: -1000000`` refilled the bucket and ``"12"`` or ``1e30`` cost
-    nothing. Nothing when no backend was reached. Answers generated and discarded on the way (an answer that
-    failed its check and was retried) are charged as well."""
-    return exchange.discarded_tokens + _last_answer_tokens(exchange)
-
-
-def _last_answer_tokens(exchange: Exchange) -> int:
-    usage = exchange.usage
-    if usage:
-        prompt = usage_figure(usage.get("prompt_tokens"))
-        completion = usage.get("completion_tokens")
-        completion = 0 if completion is None and exchange.route in POOLING_ROUTES else usage_figure(completion)
-        if prompt is not None and completion is not None:
-            return prompt + completion
-    if exchange.backend is None or exchange.request is None:
-        return 0
-    return _estimated(exchange, exchange.request)
-
-
-def _estimated(exchange: Exchange, request: RouteRequest) -> int:
-    """The gateway's own count of a request whose engine said no usable usage (none, a stream cut before its usage
-    chunk, garbage): a pooling request's inputs as reserved on arrival (its prompt is not rendered); a stream's
-    prompt estimate (or its body's, where more) plus one token per generated-text event relayed; a whole answer,
-    at least what its key reserved on arrival (its body's estimate plus ``max_tokens``: its output is not counted
-    on the way). Never less than one token."""
-    if request.route in POOLING_ROUTES:
-        return exchange.reserve
-    # (the body's own estimate where it says more than the rendered prompt: documents, template arguments and
-    # images are not rendered, and a stream cut before its usage charged them nothing, sweep 10)
-    prompt = max(len(request.prompt) // _BYTES_PER_TOKEN, exchange.body_tokens)
-    relayed = prompt + exchange.text_events
-    return max(1, relayed if exchange.stream else max(relayed, exchange.reserve))
+    """What a finished request is charged against its key's tokens per minute: its answer
+    (:meth:`Exchange.answer_tokens`), and the answers generated and discarded on the way (an answer that failed its
+    check and was asked again, a prompt failed over from with a 5xx). Nothing when no backend was reached."""
+    return exchange.discarded_tokens + exchange.answer_tokens()
 
 
 @dataclass(frozen=True, slots=True)
@@ -207,7 +174,7 @@ class ProxyEndpoint:
             history = self._api.history_bytes(client.name, head.previous) if self._api is not None else 0
             exchange.reserve = reservation(self._route, size, head, settings.reserve_tokens, settings.limits,
                                            history)
-            exchange.body_tokens = (size + history) // _BYTES_PER_TOKEN
+            exchange.body_tokens = (size + history) // BYTES_PER_TOKEN
         reserve = exchange.reserve
         shared = self._shared
         if shared is None:
@@ -244,7 +211,7 @@ class ProxyEndpoint:
         """The stored conversation a request continues was ``loaded`` bytes, ``reserved`` of them reserved on
         arrival (what this process held): the rest is taken from the key's tokens now (from another replica's
         store: not known on arrival), so the next requests see it."""
-        extra = (loaded - reserved) // _BYTES_PER_TOKEN
+        extra = (loaded - reserved) // BYTES_PER_TOKEN
         if extra <= 0 or not exchange.reserved_tokens:
             return
         exchange.reserved_tokens += extra

@@ -482,10 +482,7 @@ class Dispatcher:
         except InvalidOutput as exc:
             self._observe_invalid_output(backend, "retried")
             # the discarded answer was generated all the same: its key pays for it (else each retry is free)
-            usage = exchange.usage or {}
-            said = usage.get("prompt_tokens") is not None and usage.get("completion_tokens") is not None
-            exchange.discarded_tokens += (exchange.usage_int("prompt_tokens") + exchange.usage_int("completion_tokens")
-                                          if said else max(1, exchange.reserve))
+            exchange.discarded_tokens += exchange.answer_tokens()
             exchange.output_retried = True
             breaker.record(True)  # it answered; the answer was wrong, not the backend
             settled = True

@@ -7,15 +7,18 @@ from dataclasses import dataclass
 from typing import Any
 
 from gateway.auth import Client
-from gateway.engines.readings import usage_tokens
+from gateway.engines.readings import usage_figure, usage_tokens
 from gateway.pool.backend import Backend
 from gateway.proxy.admission import Placement
-from gateway.routing.request import RouteRequest
+from gateway.routing.request import POOLING_ROUTES, RouteRequest
 from gateway.state.shared import Budget
 from gateway.telemetry.request_metrics import ITL_BUCKETS
 from gateway.telemetry.tracing import RequestTrace
 
 _ITL_SLOTS = len(ITL_BUCKETS) + 1  # the inter-token histogram's buckets, +Inf last
+
+
+BYTES_PER_TOKEN = 4  # the gateway's own estimate of a text's tokens, where no engine counted them
 
 
 @dataclass(slots=True)
@@ -79,6 +82,37 @@ class Exchange:
             counts[0] += events - 1
         self.t_last_text = now
         self.text_events += events
+
+    def answer_tokens(self) -> int:
+        """What the (last) answer cost: the engine's usage where its prompt and completion figures are both
+        readings (``readings.usage_figure``: a whole number in [0, MAX_USAGE_TOKENS]; a pooling answer says no
+        completion), else the gateway's own estimate (:meth:`estimated_tokens`). Garbage is no reading: held to
+        zero, ``prompt_tokens: -1000000`` refilled the bucket and ``"12"`` or ``1e30`` cost nothing. Nothing
+        when no backend was reached."""
+        usage = self.usage
+        if usage:
+            prompt = usage_figure(usage.get("prompt_tokens"))
+            completion = usage.get("completion_tokens")
+            completion = 0 if completion is None and self.route in POOLING_ROUTES else usage_figure(completion)
+            if prompt is not None and completion is not None:
+                return prompt + completion
+        if self.backend is None or self.request is None:
+            return 0
+        return self.estimated_tokens(self.request)
+
+    def estimated_tokens(self, request: RouteRequest) -> int:
+        """The gateway's own count of a request whose engine said no usable usage (none, a stream cut before its
+        usage chunk, garbage): a pooling request's inputs as reserved on arrival (its prompt is not rendered); a
+        stream's prompt estimate (or its body's, where more) plus one token per generated-text event relayed; a
+        whole answer, at least what its key reserved on arrival (its body's estimate plus ``max_tokens``: its
+        output is not counted on the way). Never less than one token."""
+        if request.route in POOLING_ROUTES:
+            return self.reserve
+        # (the body's own estimate where it says more than the rendered prompt: documents, template arguments and
+        # images are not rendered, and a stream cut before its usage charged them nothing, sweep 10)
+        prompt = max(len(request.prompt) // BYTES_PER_TOKEN, self.body_tokens)
+        relayed = prompt + self.text_events
+        return max(1, relayed if self.stream else max(relayed, self.reserve))
 
     def usage_int(self, key: str) -> int:
         """A figure of the engine's usage as accounting takes it (never negative, never absurdly large: see

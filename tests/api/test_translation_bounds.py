@@ -64,7 +64,7 @@ def test_a_stream_cut_before_its_usage_is_charged_its_bodys_estimate_where_the_r
     """Sweep 10: a stream cut before its usage chunk was charged the rendered prompt (messages and tools) plus the
     text relayed; 8 KB of ``documents`` (which vLLM hands chat templates) per request was charged nothing, and one
     key passed ~20x its tokens per minute that way."""
-    from gateway.api.proxy_endpoint import _tokens_used
+    from gateway.api.proxy_endpoint import _tokens_used  # (the charge, as the front door settles it)
     from gateway.proxy.exchange import Exchange
     from gateway.routing.request import RouteRequest
 
