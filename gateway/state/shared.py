@@ -391,10 +391,10 @@ class SharedState:
         if sha is None:
             sha = self._shas[name] = await self._redis.script_load(source)
         try:
-            return await self._pipeline.call("EVALSHA", sha, len(keys), *keys, *args, late=late)
+            return await self._pipeline.run("EVALSHA", sha, len(keys), *keys, *args, late=late)
         except self._no_script:  # Redis restarted (its script cache is empty)
             self._shas[name] = await self._redis.script_load(source)
-            return await self._pipeline.call("EVALSHA", self._shas[name], len(keys), *keys, *args, late=late)
+            return await self._pipeline.run("EVALSHA", self._shas[name], len(keys), *keys, *args, late=late)
 
     # -- admission ----------------------------------------------------------------------------------------------
     def needed(self, budget: Budget | None, candidates: Sequence[Candidate]) -> bool:
