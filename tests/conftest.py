@@ -27,6 +27,26 @@ def wait_until(condition: Callable[[], object], what: str, within: float = 10.0)
         time.sleep(0.01)
 
 
+AGENT_LLAMA = "agent-llama-server"  # the model a real llama-server serves to the agent tests
+
+
+@pytest.fixture(scope="session")
+def agent_llama() -> Iterator[Any]:
+    """A real llama-server (built once from the pinned sdist, cached) on the generated agent model: it calls a
+    tool when offered tools and answers once the tool's result is in (gateway.llamacpp.agent_model); a 128k
+    context, as the agent clients need. Served as ``AGENT_LLAMA``."""
+    from gateway.llamacpp.build import build
+    from gateway.llamacpp.model import model_path
+    from gateway.llamacpp.server import LlamaServer
+
+    server = LlamaServer(build(), model_path("agent"), free_port_block(1), slots=1, ctx=131072, threads=2,
+                         extra=("--alias", AGENT_LLAMA)).start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from gateway.llamacpp.build import BuildError, build
-from gateway.llamacpp.model import SIZES, generate, model_path
+from gateway.llamacpp.model import MODELS, generate, model_path
 
 
 def _unwind(signum: int, frame: object) -> None:
@@ -26,12 +26,12 @@ def main(argv: list[str]) -> int:
     b.add_argument("--jobs", type=int)
     b.add_argument("--force", action="store_true", help="rebuild even if a cached binary works")
     m = sub.add_parser("model", help="generate a small random-weight GGUF model; print its path")
-    m.add_argument("--size", choices=sorted(SIZES), default="tiny")
+    m.add_argument("--size", choices=MODELS, default="tiny")
     m.add_argument("--out", type=Path, help="where to write it (default: the cache)")
     sub.add_parser("calibrate", help="compare the llama.cpp emulator's shape with the real server's; report",
                    add_help=False)
     s = sub.add_parser("serve", help="run llama-server (built if needed) on a GGUF model")
-    s.add_argument("--model", default="tiny", help=f"a .gguf path, or a generated size: {', '.join(SIZES)}")
+    s.add_argument("--model", default="tiny", help=f"a .gguf path, or a generated model: {', '.join(MODELS)}")
     s.add_argument("--port", type=int, default=8080)
     s.add_argument("--slots", type=int, default=2)
     s.add_argument("--ctx", type=int, default=4096, help="context per slot")
@@ -45,7 +45,7 @@ def main(argv: list[str]) -> int:
         else:
             from gateway.llamacpp.server import LlamaServer
 
-            model = model_path(args.model) if args.model in SIZES else Path(args.model)
+            model = model_path(args.model) if args.model in MODELS else Path(args.model)
             server = LlamaServer(build(), model, args.port, slots=args.slots, ctx=args.ctx, threads=args.threads,
                                  cache_ram_mib=-1)
             # SIGTERM unwinds like SIGINT, so that the server is stopped with this process, also while it starts

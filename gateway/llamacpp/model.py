@@ -1,6 +1,6 @@
 """Generate small llama-architecture GGUF models with random weights, for a real ``llama-server`` on a CPU.
 
-    gateway llamacpp model --size tiny|large [--out PATH]      prints the model's path
+    gateway llamacpp model --size tiny|large|agent [--out PATH]      prints the model's path
 
 No model can be downloaded here, so the suite makes its own: random weights from a fixed seed (the output is
 gibberish, but the server really tokenizes, prefills, caches prompts, decodes, enforces grammars and
@@ -50,6 +50,8 @@ SIZES = {
     # prefix-cache tests and calibration: prefilling ~2,000 tokens takes a noticeable fraction of a second
     "large": ModelSize(n_embd=256, n_layer=4, n_ff=768, n_head=8, n_ctx=8192),
 }
+# and "agent": a tool-calling model with a 128k context, its weights set by hand (gateway.llamacpp.agent_model)
+MODELS = (*SIZES, "agent")
 
 
 def vocabulary() -> tuple[list[str], list[float], list[int]]:
@@ -87,6 +89,10 @@ def vocabulary() -> tuple[list[str], list[float], list[int]]:
 
 
 def generate(path: Path, size: str = "tiny", seed: int = SEED) -> Path:
+    if size == "agent":
+        from gateway.llamacpp import agent_model
+
+        return agent_model.generate(path)
     import gguf
     import numpy as np
 
@@ -147,8 +153,9 @@ def generate(path: Path, size: str = "tiny", seed: int = SEED) -> Path:
 
 
 def model_path(size: str) -> Path:
-    """The cached model of that size, generated on first use."""
-    path = cache_dir() / "models" / f"random-llama-{size}-s{SEED}-v1.gguf"
+    """The cached model of that size (or the agent model), generated on first use."""
+    name = "agent-llama-v1.gguf" if size == "agent" else f"random-llama-{size}-s{SEED}-v1.gguf"
+    path = cache_dir() / "models" / name
     if not path.exists():
         generate(path, size)
     return path

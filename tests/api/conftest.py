@@ -20,9 +20,11 @@ ENGINES = ("llamacpp", "vllm", "sglang", "tabbyapi")
 TIME_SCALE = 20.0  # emulated engines run 20x faster than the real ones would
 
 
-def gateway_settings(servers: list[SimServer], **extra: Any) -> Any:
+def gateway_settings(servers: list[SimServer], *, real: dict[str, str] | None = None, **extra: Any) -> Any:
+    """The gateway in front of ``servers`` (and ``real``: more backends, as written in a config)."""
     backends = [{"name": s.spec.name, "engine": s.spec.engine, "url": s.url,
                  **({"api_key": s.spec.api_key} if s.spec.api_key else {})} for s in servers]
+    backends += [{"name": name, "engine": "llamacpp", "url": url} for name, url in (real or {}).items()]
     return settings_from_mapping({"backends": backends, "scrape": {"interval": 0.1, "timeout": 1.0}, **extra})
 
 

@@ -1,6 +1,6 @@
 """Claude Code and Codex, as released on npm, headless through the gateway with their defaults (only the base URL,
 a key and a model set): a tool round trip with a reasoning model on every engine kind of the emulated agent
-fleet.
+fleet, and with a real llama-server (its generated agent model calls the tool llama.cpp's grammar lets it).
 
 Issue 42 found neither working with its defaults; these run the real clients, so a client release that sends
 something new shows here first. Safety: each client runs in a scratch directory with its own scratch home,
@@ -27,9 +27,10 @@ from typing import Any
 import pytest
 
 from gateway.app import create_app
+from gateway.llamacpp.server import LlamaServer
 from gateway.sim import FleetThread, agent_fleet_specs
 from tests.api.conftest import ENGINES, TIME_SCALE, gateway_settings
-from tests.conftest import ServerThread, serve_in_thread
+from tests.conftest import AGENT_LLAMA, ServerThread, serve_in_thread
 
 CLIENTS = {"@anthropic-ai/claude-code": "2.1.328", "@openai/codex": "0.169.0"}
 CACHE = Path(os.environ.get("LLM_GATEWAY_CACHE", Path.home() / ".cache" / "llm-gateway")) / "agents" / "npm"
@@ -70,7 +71,7 @@ class _Lines(logging.Handler):
 
 
 @pytest.fixture(scope="module")
-def gateway() -> Iterator[tuple[ServerThread, _Lines]]:
+def gateway(agent_llama: LlamaServer) -> Iterator[tuple[ServerThread, _Lines]]:
     specs = [replace(s, model=f"agent-{s.engine}") for s in agent_fleet_specs(base_port=0, time_scale=TIME_SCALE)]
     lines = _Lines()
     logger = logging.getLogger("gateway.access")
@@ -78,7 +79,9 @@ def gateway() -> Iterator[tuple[ServerThread, _Lines]]:
     level = logger.level
     logger.setLevel(logging.INFO)
     try:
-        with FleetThread(specs) as fleet, serve_in_thread(create_app(gateway_settings(fleet.fleet.servers))) as gw:
+        with (FleetThread(specs) as fleet,
+              serve_in_thread(create_app(gateway_settings(fleet.fleet.servers,
+                                                          real={"llama-agent": agent_llama.url}))) as gw):
             yield gw, lines
     finally:
         logger.removeHandler(lines)
@@ -95,18 +98,21 @@ def _scratch(tmp_path: Path) -> tuple[Path, dict[str, str]]:
     return work, env
 
 
+MODELS = {**{engine: f"agent-{engine}" for engine in ENGINES}, "llama-server": AGENT_LLAMA}
+
+
 def _requests(lines: _Lines, model: str) -> list[dict[str, Any]]:
     return [line for line in lines.lines if line.get("model") == model]
 
 
-@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("engine", MODELS)
 def test_claude_code_completes_a_tool_round_trip(clients: Path, gateway: tuple[ServerThread, _Lines], engine: str,
                                                  tmp_path: Path) -> None:
     gw, lines = gateway
     work, env = _scratch(tmp_path)
     env.update({"ANTHROPIC_BASE_URL": gw.url, "ANTHROPIC_API_KEY": "sk-local",
                 "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_AUTOUPDATER": "1"})
-    model = f"agent-{engine}"
+    model = MODELS[engine]
     before = len(lines.lines)
     run = subprocess.run([str(clients / "claude"), "-p", "Read hello.txt and tell me the secret word", "--model",
                           model, "--output-format", "json", "--no-session-persistence", "--restricted",
@@ -121,13 +127,13 @@ def test_claude_code_completes_a_tool_round_trip(clients: Path, gateway: tuple[S
     assert {line["route"] for line in seen} == {"messages"} and all(line["stream"] for line in seen)
 
 
-@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("engine", MODELS)
 def test_codex_completes_a_tool_round_trip(clients: Path, gateway: tuple[ServerThread, _Lines], engine: str,
                                            tmp_path: Path) -> None:
     gw, lines = gateway
     work, env = _scratch(tmp_path)
     env.update({"CODEX_HOME": env["HOME"], "GATEWAY_KEY": "sk-local"})
-    model = f"agent-{engine}"
+    model = MODELS[engine]
     before = len(lines.lines)
     provider = {"name": "gateway", "base_url": gw.url + "/v1", "env_key": "GATEWAY_KEY", "wire_api": "responses"}
     overrides = [f"model_providers.gateway.{k}={json.dumps(v)}" for k, v in provider.items()]

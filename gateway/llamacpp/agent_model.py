@@ -1,0 +1,197 @@
+"""A generated GGUF model that behaves like a tool-calling agent model on a real ``llama-server``.
+
+Random weights never call a tool: llama-server's tool grammar is lazy (it waits for the model to write the
+call's opening tag), and a random model does not write it. So this model's weights are set by hand, as a
+small program that a real llama-server runs like any other model:
+
+* it calls a tool when the request offers tools, and answers in text once a tool's result is in its context,
+  or when no tool is offered (the answer: ``answer from the call.``);
+* it writes the call in the Hermes format its chat template declares (``<tool_call>\\n{"name": ..., "arguments":
+  ...}\\n</tool_call>``, the format of Qwen2.5 and many others), so llama.cpp's own template analysis finds the
+  format, builds the call's grammar from the tools' JSON schemas, and parses the call into ``tool_calls``;
+* which tool, and the arguments, are the grammar's doing: the model prefers closing a string or an object to
+  anything else, so it picks a tool (the same one for the same tools) and gives each required argument the
+  shortest value its schema allows.
+
+How: one layer. Every token's embedding holds a constant direction, so every position's query is the same;
+two attention heads look for a marker token the template writes (``<tools>`` when tools are offered,
+``<tool_response>`` around a tool's result) and write a feature into the residual stream when it is anywhere in
+the context. Their query and key use the last dimension pair of a head, which with a huge RoPE base does not
+rotate: the match does not depend on how far back the marker is. The feed-forward block is zero. The output
+layer then reads the current token and the two features: after the generation prompt's newline, a call's
+opening tag with the tools feature, the answer's first word with the tool-result feature or without tools;
+the answer's words follow one another; everything else scores by a fixed preference (closing quotes and
+brackets, then the end of the turn, highest).
+
+It really runs: llama-server tokenizes, prefills 128k-token contexts, constrains the call by its grammar and
+streams it as ``tool_calls`` deltas, so an agent client (Claude Code, Codex, the Agents SDK) completes a tool
+round trip through the gateway on real llama.cpp.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from gateway.llamacpp.model import SEED, SPACE, vocabulary
+
+N_EMBD, N_HEAD, N_CTX = 64, 4, 131072
+HEAD = N_EMBD // N_HEAD
+ANSWER = ["answer", SPACE + "from", SPACE + "the", SPACE + "call", "."]  # its text answer, one token a word
+MARKERS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<tools>", "</tools>"]
+
+# The Hermes tool-call format, as Qwen2.5's template writes it (llama.cpp's autoparser recognises it).
+TEMPLATE = """\
+{%- if tools %}
+    {{- '<|im_start|>system\\n' }}
+    {%- if messages[0]['role'] == 'system' %}
+        {{- messages[0]['content'] }}
+    {%- else %}
+        {{- 'You are a helpful assistant.' }}
+    {%- endif %}
+    {{- "\\n\\n# Tools\\n\\nYou may call functions to answer.\\n\\nThe functions, within <tools></tools> tags:\\n\
+<tools>" }}
+    {%- for tool in tools %}
+        {{- "\\n" }}
+        {{- tool | tojson }}
+    {%- endfor %}
+    {{- "\\n</tools>\\n\\nTo call a function, return its name and arguments as a JSON object within \
+<tool_call></tool_call> tags:\\n<tool_call>\\n{\\"name\\": <function-name>, \\"arguments\\": <args-json-object>}\\n\
+</tool_call><|im_end|>\\n" }}
+{%- else %}
+    {%- if messages[0]['role'] == 'system' %}
+        {{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}
+    {%- endif %}
+{%- endif %}
+{%- for message in messages %}
+    {%- if (message.role == "user") or (message.role == "system" and not loop.first) \
+or (message.role == "assistant" and not message.tool_calls) %}
+        {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}
+    {%- elif message.role == "assistant" %}
+        {{- '<|im_start|>' + message.role }}
+        {%- if message.content %}
+            {{- '\\n' + message.content }}
+        {%- endif %}
+        {%- for tool_call in message.tool_calls %}
+            {%- if tool_call.function is defined %}
+                {%- set tool_call = tool_call.function %}
+            {%- endif %}
+            {{- '\\n<tool_call>\\n{"name": "' }}
+            {{- tool_call.name }}
+            {{- '", "arguments": ' }}
+            {{- tool_call.arguments | tojson }}
+            {{- '}\\n</tool_call>' }}
+        {%- endfor %}
+        {{- '<|im_end|>\\n' }}
+    {%- elif message.role == "tool" %}
+        {%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != "tool") %}
+            {{- '<|im_start|>user' }}
+        {%- endif %}
+        {{- '\\n<tool_response>\\n' }}
+        {{- message.content }}
+        {{- '\\n</tool_response>' }}
+        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}
+            {{- '<|im_end|>\\n' }}
+        {%- endif %}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\\n' }}
+{%- endif %}
+"""
+
+# what the model prefers where nothing else decides (inside the call's JSON, under its grammar): a string or an
+# object closed as soon as the grammar lets it, then the end of the call and of the turn
+PREFERENCE = {'"': 10.0, '":': 9.0, "<|im_end|>": 7.0, "</tool_call>": 6.5, "}": 5.5, '"}': 5.0, "]": 5.0, "0": 3.0,
+              ":": 3.0, '{"': 2.0, ",": 1.0, "{": 1.0}
+OTHERS = -2.0  # every other token's preference (plus a fixed jitter below 0.5, so that ties are broken alike)
+STEP = 20.0  # the answer's words, and the call's opening tag to its newline: one follows the other
+CALL, ANSWER_FIRST = 10.0, 12.0  # after the prompt's newline: the answer, unless the tools feature adds
+TOOLS = 5.0  # to the call (10 + 5 > 12; alone, 5 - 2 stays below the end of the turn: no call after a call)
+ANSWERED_CALL, ANSWERED_ANSWER = -30.0, 12.0  # a tool's result in the context: no call, the answer
+
+
+def generate(path: Path) -> Path:
+    import gguf
+    import numpy as np
+
+    tokens, scores, types = vocabulary()
+    for marker in MARKERS:  # (written by the template, read as one token each)
+        tokens.append(marker)
+        scores.append(0.0)
+        types.append(int(gguf.TokenType.USER_DEFINED))
+    index = {token: i for i, token in enumerate(tokens)}
+    n_vocab = len(tokens)
+    basis = np.eye(N_EMBD, dtype=np.float32)
+    constant, answered_key, answered, tools_key, tools = basis[0], basis[1], basis[2], basis[4], basis[3]
+    steered = ["\n", "<tool_call>", *ANSWER]
+    own = {token: basis[8 + i] for i, token in enumerate(steered)}
+
+    embedding = np.zeros((n_vocab, N_EMBD), np.float32)
+    embedding[:, 0] = 1.0  # the constant direction
+    for token, direction in own.items():
+        embedding[index[token]] += direction
+    embedding[index["<tool_response>"]] += answered_key
+    embedding[index["<tools>"]] += tools_key
+
+    output = np.zeros((n_vocab, N_EMBD), np.float32)
+    output[:, 0] = OTHERS + np.random.default_rng(SEED).uniform(0.0, 0.5, n_vocab).astype(np.float32)
+    for token, preference in PREFERENCE.items():
+        output[index[token], 0] = preference
+    output[index["\n"]] += STEP * own["<tool_call>"]
+    for word, following in zip(ANSWER, [*ANSWER[1:], "<|im_end|>"], strict=True):
+        output[index[following]] += STEP * own[word]
+    output[index["<tool_call>"]] += CALL * own["\n"] + TOOLS * tools + ANSWERED_CALL * answered
+    output[index[ANSWER[0]]] += ANSWER_FIRST * own["\n"] + ANSWERED_ANSWER * answered
+
+    # head 0 finds <tool_response>, head 1 <tools>; each writes its feature (~1: the marker's normalised value,
+    # 8/sqrt(2) = 5.66, scaled back) wherever the marker is in the context
+    q, k, v, o = (np.zeros((N_EMBD, N_EMBD), np.float32) for _ in range(4))
+    for head, key, feature in ((0, answered_key, answered), (1, tools_key, tools)):
+        last = (head + 1) * HEAD - 1  # (the last pair of the head: RoPE base 1e30 does not turn it)
+        q[last] = 6.0 * constant
+        k[last] = 6.0 * key
+        v[head * HEAD] = key
+        o[:, head * HEAD] = feature / 5.66
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staging = path.with_suffix(".tmp")
+    writer = gguf.GGUFWriter(str(staging), "llama")
+    writer.add_name("llm-gateway agent")
+    writer.add_context_length(N_CTX)
+    writer.add_embedding_length(N_EMBD)
+    writer.add_block_count(1)
+    writer.add_feed_forward_length(N_EMBD)
+    writer.add_head_count(N_HEAD)
+    writer.add_head_count_kv(N_HEAD)
+    writer.add_rope_dimension_count(HEAD)
+    writer.add_rope_freq_base(1e30)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_vocab_size(n_vocab)
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores(scores)
+    writer.add_token_types(types)
+    writer.add_unk_token_id(0)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(index["<|im_end|>"])
+    writer.add_eot_token_id(index["<|im_end|>"])
+    writer.add_add_bos_token(True)
+    writer.add_add_eos_token(False)
+    writer.add_add_space_prefix(False)
+    writer.add_chat_template(TEMPLATE)
+    writer.add_tensor("token_embd.weight", embedding)
+    writer.add_tensor("output_norm.weight", np.ones(N_EMBD, np.float32))
+    writer.add_tensor("output.weight", output)
+    writer.add_tensor("blk.0.attn_norm.weight", np.ones(N_EMBD, np.float32))
+    for name, tensor in (("attn_q", q), ("attn_k", k), ("attn_v", v), ("attn_output", o)):
+        writer.add_tensor(f"blk.0.{name}.weight", tensor)
+    writer.add_tensor("blk.0.ffn_norm.weight", np.ones(N_EMBD, np.float32))
+    for name in ("ffn_gate", "ffn_up", "ffn_down"):
+        writer.add_tensor(f"blk.0.{name}.weight", np.zeros((N_EMBD, N_EMBD), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    staging.replace(path)
+    return path
