@@ -28,6 +28,7 @@ from gateway.api.translate.messages import (
     chat_to_message,
     count_tokens_chat,
     messages_to_chat,
+    thinking_turns_kept,
 )
 from gateway.api.translate.responses import (
     ResponsesStream,
@@ -311,6 +312,11 @@ def _messages_features(body: dict[str, Any]) -> frozenset[str]:
     tools = body.get("tools")
     if isinstance(tools, list) and any(isinstance(t, dict) and t.get("defer_loading") for t in tools):
         features.add("defer_loading")  # (nor keeps a deferred tool from the model)
+    if body.get("context_management") is not None and thinking_turns_kept(body["context_management"]) is not None:
+        # an edit that clears earlier turns' reasoning: no engine's own Messages reads context_management
+        # (llama-server's conversion leaves it out, vLLM's and SGLang's request models have no such field and
+        # drop it); Claude Code's keep "all" clears nothing, and passes
+        features.add("context_management:clear_thinking")
     return frozenset(features)
 
 

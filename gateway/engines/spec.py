@@ -75,7 +75,8 @@ class EngineSpec:
     native_apis: frozenset[str] = frozenset()
     # what its own /v1/messages accepts beyond plain user/assistant turns: "inline_system" (a {"role": "system"}
     # message inside messages, Claude Code's mid-conversation-system beta) and "thinking:adaptive"; a Messages
-    # request using one it lacks takes the translated path (the gateway's own translation handles both)
+    # request using one it lacks takes the translated path (the gateway's own translation handles both; see
+    # gateway.api.agent_apis._messages_features for the features no engine takes)
     native_messages: frozenset[str] = frozenset()
     # where it tokenizes chat messages through the model's own template, for an engine that does not serve
     # count_tokens itself (TabbyAPI's /v1/token/encode: {"text": [messages], "add_bos_token"} -> {"tokens",

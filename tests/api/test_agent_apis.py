@@ -529,6 +529,30 @@ def test_claude_codes_first_request_is_served_natively_only_where_the_engine_acc
         assert sent.path == "/v1/chat/completions"
 
 
+THOUGHT = {"role": "assistant", "content": [{"type": "thinking", "thinking": "Hmm.", "signature": "s"},
+                                          {"type": "text", "text": "Hi."}]}
+
+
+@pytest.mark.parametrize("keep", ["all", {"type": "thinking_turns", "value": 0}], ids=["keep-all", "clear"])
+@pytest.mark.parametrize("engine", ["llamacpp", "vllm"])
+def test_context_management_that_clears_reasoning_is_translated_where_the_engine_would_drop_it(
+        engines: Running, engine: str, keep: Any) -> None:
+    """No engine's own Messages reads ``context_management`` (llama-server's conversion leaves it out; vLLM's
+    and SGLang's request models have no such field, and pydantic drops it): passed through, an edit clearing
+    earlier turns' reasoning was silently not applied. Claude Code's ``keep: "all"`` clears nothing."""
+    body = {"model": f"m-{engine}", "max_tokens": 8, "thinking": {"type": "enabled", "budget_tokens": 1024},
+            "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": keep}]},
+            "messages": [{"role": "user", "content": "Hello"}, THOUGHT, {"role": "user", "content": "Go on."}]}
+    reply = httpx.post(engines.url + "/v1/messages", json=body, headers={"x-api-key": "k"})
+    assert reply.status_code == 200, reply.text
+    sent = last_generation(engines, engine)
+    if keep == "all":
+        assert reply.headers["x-gateway-agent-api"] == "native" and sent.path == "/v1/messages"
+    else:
+        assert reply.headers["x-gateway-agent-api"] == "translated" and sent.path == "/v1/chat/completions"
+        assert all("reasoning_content" not in m for m in sent.body["messages"])  # (cleared, as asked)
+
+
 @pytest.mark.parametrize(("change", "refused_by_sglang"), [
     ({"messages": [{"role": "system", "content": "x"}, {"role": "user", "content": "Hi"}]}, True),
     ({"thinking": {"type": "adaptive"}}, True),

@@ -349,7 +349,7 @@ def _output_config(config: Any, chat: dict[str, Any]) -> None:
                                    "json_schema": {"name": "output", "schema": fmt["schema"], "strict": True}}
 
 
-def _thinking_turns_kept(config: Any) -> int | None:
+def thinking_turns_kept(config: Any) -> int | None:
     """How many of the last assistant turns keep their reasoning under ``context_management`` (None: all)."""
     edits = config.get("edits") if isinstance(config, dict) else None
     if not isinstance(config, dict) or not isinstance(edits, list):
@@ -456,7 +456,7 @@ def _translate(body: dict[str, Any], fields: dict[str, Callable[[Any, dict[str, 
         if tools:
             chat["tools"] = tools
     if body.get("context_management") is not None:
-        kept = _thinking_turns_kept(body["context_management"])
+        kept = thinking_turns_kept(body["context_management"])
         if kept is not None:
             _clear_thinking(messages, kept)
     if "tools" not in chat and chat.get("tool_choice") not in (None, "auto", "none"):
