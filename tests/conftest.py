@@ -39,8 +39,10 @@ def agent_llama() -> Iterator[Any]:
     from gateway.llamacpp.model import model_path
     from gateway.llamacpp.server import LlamaServer
 
+    # (greedy unless a request asks otherwise, which the agent clients do not: among the tools' names, all
+    # equally likely to this model, the same one each time)
     server = LlamaServer(build(), model_path("agent"), free_port_block(1), slots=1, ctx=131072, threads=2,
-                         extra=("--alias", AGENT_LLAMA)).start()
+                         extra=("--alias", AGENT_LLAMA, "--top-k", "1")).start()
     try:
         yield server
     finally:

@@ -154,7 +154,7 @@ def generate(path: Path, size: str = "tiny", seed: int = SEED) -> Path:
 
 def model_path(size: str) -> Path:
     """The cached model of that size (or the agent model), generated on first use."""
-    name = "agent-llama-v1.gguf" if size == "agent" else f"random-llama-{size}-s{SEED}-v1.gguf"
+    name = "agent-llama-v2.gguf" if size == "agent" else f"random-llama-{size}-s{SEED}-v1.gguf"
     path = cache_dir() / "models" / name
     if not path.exists():
         generate(path, size)

@@ -1,7 +1,7 @@
 """The generated agent model on a real llama-server: what the agent-client tests rely on, checked at the source.
-llama.cpp reads the tool-call format from its chat template, builds the call's grammar from the tools' schemas
-and parses the call; the model calls a tool when offered tools, answers once a tool's result is in, and answers
-when no tool is offered."""
+llama.cpp reads the tool-call and reasoning formats from its chat template, builds the call's grammar from the
+tools' schemas and parses the answer; the model reasons (unless thinking is off), calls a tool when offered
+tools, answers once a tool's result is in, and answers when no tool is offered."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def test_the_server_reads_tool_support_from_the_template(agent_llama: LlamaServe
 
 def test_it_calls_an_offered_tool_with_arguments_its_schema_allows(agent_llama: LlamaServer) -> None:
     choice = _chat(agent_llama, messages=[ASK], tools=TOOLS)
-    assert choice["finish_reason"] == "tool_calls"
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["reasoning_content"] == "I will look at it"
     (call,) = choice["message"]["tool_calls"]
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
     jsonschema.validate(json.loads(call["function"]["arguments"]), schemas[call["function"]["name"]])
@@ -53,6 +53,14 @@ def test_it_answers_once_the_tools_result_is_in_and_without_tools(agent_llama: L
     after = _chat(agent_llama, messages=[ASK, called, {"role": "tool", "tool_call_id": "c1", "content": "sunny"}],
                   tools=TOOLS)
     plain = _chat(agent_llama, messages=[ASK])
-    for choice in (after, plain):
+    unthinking = _chat(agent_llama, messages=[ASK], chat_template_kwargs={"enable_thinking": False})
+    for choice in (after, plain, unthinking):
         assert choice["finish_reason"] == "stop" and not choice["message"].get("tool_calls")
         assert choice["message"]["content"] == "answer from the call."
+    assert after["message"]["reasoning_content"] == plain["message"]["reasoning_content"] == "I will look at it"
+    assert not unthinking["message"].get("reasoning_content")
+
+
+def test_with_thinking_off_it_calls_at_once(agent_llama: LlamaServer) -> None:
+    choice = _chat(agent_llama, messages=[ASK], tools=TOOLS, chat_template_kwargs={"enable_thinking": False})
+    assert choice["finish_reason"] == "tool_calls" and not choice["message"].get("reasoning_content")
