@@ -156,3 +156,25 @@ def since(lines: _Lines, start: int) -> _Lines:
     out = _Lines()
     out.lines = lines.lines[start:]
     return out
+
+
+def test_the_published_matrix_is_the_one_these_tests_run() -> None:
+    """docs/agent-apis.md's client x backend matrix names the client versions these tests install and the
+    backends they run on (a client bumped here, or a backend added, shows there)."""
+    from importlib.metadata import version
+
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "agent-apis.md").read_text()
+    header, *rows = [line for line in docs.splitlines()
+                     if line.startswith("| ") and ("round trip" in line or line.startswith("| client (version)"))]
+    columns = [c.strip() for c in header.strip("|").split("|")][2:]
+    assert columns == ["llama.cpp", "vLLM", "SGLang", "TabbyAPI", "real llama-server"]
+    assert len(columns) == len(MODELS)  # (ENGINES in that order, then the real server)
+    expected = {"Claude Code": CLIENTS["@anthropic-ai/claude-code"], "Codex CLI": CLIENTS["@openai/codex"],
+                "OpenAI Agents SDK": version("openai-agents")}
+    named = {}
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        client, _, at = cells[0].partition(" (")[0].rpartition(" ")
+        named[client] = at
+        assert cells[2:] == ["round trip"] * len(MODELS), row
+    assert named == expected
