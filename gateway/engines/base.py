@@ -136,18 +136,27 @@ class EngineAdapter:
 
 
 # --- helpers ----------------------------------------------------------------------------------------------
+IDENTITY = {"accept-encoding": "identity"}  # (httpx asks for gzip, deflate and more by default)
+
+
 async def get(client: httpx.AsyncClient, path: str) -> httpx.Response:
     """``GET path``, its body read whole up to ``readings.MAX_ANSWER_BYTES`` (a larger answer is a BackendError:
     no health, load or models answer is that large, and reading one would hold memory and the event loop)."""
     limit = readings.MAX_ANSWER_BYTES
     try:
-        async with client.stream("GET", path) as response:
+        async with client.stream("GET", path, headers=IDENTITY) as response:
             declared = response.headers.get("content-length", "")
             if declared.isdecimal() and len(declared) < 20 and int(declared) > limit:
                 raise BackendError(f"GET {path} answered {int(declared)} bytes, more than the {limit} a health, "
                                    f"load or models answer may be")
+            encoding = response.headers.get("content-encoding", "identity").strip().lower()
+            if encoding not in ("", "identity"):
+                # (asked for none: decoded, 64 KiB of gzip became ~67 MB in one piece before the bound was
+                # checked, ~110 ms of the event loop each, and memory that piled up: sweep 13)
+                raise BackendError(f"GET {path} answered compressed ({encoding[:40]!r}), which the gateway does not "
+                                   f"ask for and does not decode")
             body = bytearray()
-            async for piece in response.aiter_bytes():
+            async for piece in response.aiter_bytes():  # (identity: as sent)
                 body += piece
                 if len(body) > limit:
                     raise BackendError(f"GET {path} answered more than the {limit} bytes a health, load or models "
@@ -156,7 +165,7 @@ async def get(client: httpx.AsyncClient, path: str) -> httpx.Response:
         raise BackendError(f"GET {path} timed out ({type(exc).__name__})") from None
     except httpx.HTTPError as exc:
         raise BackendError(f"GET {path} failed: {type(exc).__name__}: {exc}") from None
-    # (the body as read, decoded: its content-encoding, if any, is not carried over)
+    # (the body as read: never encoded, see above)
     return httpx.Response(response.status_code, content=bytes(body), request=response.request,
                           headers={"content-type": response.headers.get("content-type", "")})
 

@@ -136,3 +136,34 @@ async def test_a_model_list_is_read_up_to_one_more_than_the_pool_keeps() -> None
     names = await create_adapter("openai").list_models(client_for({"/v1/models": httpx.Response(200, json={
         "data": data})}))
     assert names == [f"m-{i}" for i in range(MAX_MODELS + 1)]
+
+
+@pytest.mark.anyio
+async def test_a_compressed_answer_is_refused_undecoded() -> None:
+    """Sweep 13: httpx asks for gzip by default and decodes each piece whole before the size bound is checked:
+    64 KiB of gzip became ~67 MB in one piece (~110 ms of the event loop each, and memory piling up), on every
+    scrape of a hostile llama-server. The gateway asks for no encoding, and refuses one it gets, unread: here a
+    real server's gzip bomb (16 MiB of zeros in 16 KiB) on /metrics."""
+    import gzip
+
+    from gateway.engines.base import get
+    from tests.conftest import serve_in_thread
+
+    bomb = gzip.compress(b"\0" * (16 << 20), compresslevel=9)
+    asked: list[bytes] = []
+
+    async def engine(scope: dict, receive: object, send: object) -> None:
+        if scope["type"] != "http":
+            return
+        asked.append(dict(scope["headers"]).get(b"accept-encoding", b""))
+        await send({"type": "http.response.start", "status": 200,  # type: ignore[operator]
+                    "headers": [(b"content-encoding", b"gzip"), (b"content-type", b"text/plain")]})
+        await send({"type": "http.response.body", "body": bomb})  # type: ignore[operator]
+
+    with serve_in_thread(engine) as server:
+        async with httpx.AsyncClient(base_url=server.url) as client:
+            with pytest.raises(BackendError, match="compressed"):
+                await get(client, "/metrics")
+            with pytest.raises(BackendError, match="compressed"):
+                await create_adapter("vllm").read_load(client)
+    assert asked and all(a == b"identity" for a in asked)
