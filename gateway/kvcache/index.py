@@ -30,7 +30,10 @@ from gateway.kvcache.wire import PACE, AllBlocksCleared, Batch, BlockRemoved, Bl
 
 MIN_CHUNK_TOKENS = 16
 HOST_WEIGHT = 0.5
-MAX_NODES = 4_000_000  # engine blocks remembered per backend; beyond it the index is reset (lost removals)
+# engine blocks remembered per backend; beyond it the index is reset (lost removals). ~260-320 bytes each (hashes
+# of at most wire.MAX_HASH_BYTES): ~320 MB at most per backend, 16M tokens at 16 a block (4M let a publisher hold
+# ~1.3 GB for good, sweep 13)
+MAX_NODES = 1_000_000
 DEVICE, HOST = 0, 1
 MAX_SPECULATIVE = 100_000
 MAX_SEEDS = 10_000  # chain seeds kept (one per LoRA and cache salt seen); past it they are computed afresh

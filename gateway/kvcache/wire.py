@@ -51,6 +51,10 @@ PACE = 8192  # blocks (an event counts 1 plus its blocks) decoded or applied bet
 # the longest array one event may hold (a BlockStored's token_ids: a 128k-token prompt's; its hashes are fewer), and
 # the most events one batch may: unpacked in one step, one 1M-block event held the event loop 3.7 s (sweep 9)
 MAX_ARRAY = 1 << 18
+# kept in the index for as long as the blocks they name (sweep 13: 4 KB hashes, and 15 MB salts, grew the
+# gateway by GBs for good): digests are 32 bytes (sha256), vLLM's cache_salt at most 1,024 characters
+MAX_HASH_BYTES = 64
+MAX_NAME_CHARS = 1024
 MAX_EVENT_BLOCKS = 1 << 14  # blocks one event may name (a 262,144-token prompt at 16 a block): one step's work
 MAX_BATCH_BLOCKS = 1 << 20  # blocks one batch may name in all (16M tokens at 16 a block): past it, the batch is
 # refused (a 33.6 MB batch of 64 events of 262,144 blocks each held the event loop 8.5 s when paced by events)
@@ -233,7 +237,16 @@ def _hashes(value: Any) -> tuple[Hash, ...]:
         raise WireError(f"an event naming more than {MAX_EVENT_BLOCKS} blocks")
     if not isinstance(value, list) or not all(isinstance(h, int | bytes) for h in value):
         raise WireError("block_hashes is not a list of ints or bytes")
+    if any(isinstance(h, bytes) and len(h) > MAX_HASH_BYTES for h in value):
+        raise WireError(f"a block hash of more than {MAX_HASH_BYTES} bytes")
     return tuple(value)
+
+
+def _name(f: dict[str, Any], field: str) -> str | None:
+    value = f.get(field)
+    if isinstance(value, str) and len(value) > MAX_NAME_CHARS:
+        raise WireError(f"a {field} of more than {MAX_NAME_CHARS} characters")
+    return value if isinstance(value, str) else None
 
 
 def _event(item: Any) -> Event | None:
@@ -250,14 +263,15 @@ def _event(item: Any) -> Event | None:
         parent = f.get("parent_block_hash")
         if parent is not None and not isinstance(parent, int | bytes):
             raise WireError("parent_block_hash is not an int, bytes or nil")
+        if isinstance(parent, bytes) and len(parent) > MAX_HASH_BYTES:
+            raise WireError(f"a block hash of more than {MAX_HASH_BYTES} bytes")
         tokens = f.get("token_ids")
         block_size = f.get("block_size")
         if not isinstance(tokens, list) or not isinstance(block_size, int) or block_size < 1:
             raise WireError("BlockStored without token_ids or block_size")
         if not all(type(t) is int for t in tokens):
             return None  # EAGLE bigram keys (tuples): not plain token ids
-        lora = f.get("lora_name")
-        lora = lora if isinstance(lora, str) else None
+        lora = _name(f, "lora_name")
         return BlockStored(hashes, parent, tuple(tokens), block_size, medium, lora, group,
                            _salt(f, lora) if parent is None else None)
     if kind == "BlockRemoved":
@@ -272,13 +286,15 @@ def _salt(f: dict[str, Any], lora: str | None) -> str | None:
     string in vLLM's first ``extra_keys`` entry that is not the LoRA name (the others there are multimodal
     ``[id, offset]`` pairs and prompt-embedding digests)."""
     metadata = f.get("metadata")
-    salt = metadata.get("cache_salt") if isinstance(metadata, dict) else f.get("cache_salt")
-    if isinstance(salt, str):
+    salt = _name(metadata, "cache_salt") if isinstance(metadata, dict) else _name(f, "cache_salt")
+    if salt is not None:
         return salt or None
     extra = f.get("extra_keys")
     if not isinstance(extra, list) or not extra or not isinstance(extra[0], list):
         return None
     strings = [key for key in extra[0] if isinstance(key, str)]
+    if any(len(key) > MAX_NAME_CHARS for key in strings):
+        raise WireError(f"an extra key of more than {MAX_NAME_CHARS} characters")
     if lora is not None and strings:
         del strings[0]
     return strings[-1] if strings else None
