@@ -613,6 +613,12 @@ def _event(out: list[bytes], kind: str, doc: dict[str, Any]) -> None:
     out.append(b"event: " + kind.encode() + b"\ndata: " + orjson.dumps(doc) + b"\n\n")
 
 
+# A tool call's arguments that come before its name wait for it (a block announces its tool first): at most this
+# many characters, then the stream fails (sweep 13: an engine's endless arguments without a name were kept
+# whole, 5.5 GB RSS, and sent in one event at the end, holding the event loop 15 s)
+MAX_EARLY_ARGUMENTS = 1 << 20
+
+
 class MessagesStream:
     """Chat completion stream -> Anthropic stream events, in Anthropic's order. One per streamed request.
 
@@ -636,6 +642,7 @@ class MessagesStream:
         self._call_id = ""
         self._call_name = ""
         self._early_arguments: list[str] = []  # the open call's arguments that came before its name
+        self._early_size = 0
         self._done_calls: set[Any] = set()
         self._tool_calls = False
         self._finish: Any = None
@@ -740,6 +747,11 @@ class MessagesStream:
                 self._arguments_delta(out, arguments)
             else:
                 self._early_arguments.append(arguments)
+                self._early_size += len(arguments)
+                if self._early_size > MAX_EARLY_ARGUMENTS:
+                    self._fail(out, f"the backend's stream sent more than {MAX_EARLY_ARGUMENTS} characters of a tool "
+                                    "call's arguments before its name")
+                    return
         if not self._call_started and self._call_name:
             self._start_call(out)
 
@@ -754,7 +766,7 @@ class MessagesStream:
                {"type": "content_block_start", "index": self._blocks - 1, "content_block": block})
         if self._early_arguments:
             self._arguments_delta(out, "".join(self._early_arguments))
-            self._early_arguments = []
+            self._early_arguments, self._early_size = [], 0
 
     def _stop_block(self, out: list[bytes]) -> None:
         if self._open is None:

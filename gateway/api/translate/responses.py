@@ -495,6 +495,13 @@ class _Item:
         return _call_item(self.id, self.call_id, call_name(self.names, self.name), text, status)
 
 
+# What a stream keeps for its closing events (each item's whole text in its .done events, all of them again in
+# response.completed): past it the stream fails. A hostile engine's endless stream of ordinary chunks was kept
+# whole and written out four times at its end: 100 MB held the event loop 1.1 s, 400 MB 13.6 s, sweep 13.
+MAX_KEPT_CHARS = 4 << 20  # characters of text, reasoning and arguments (and logprobs, by KEPT_PER_LOGPROB each)
+KEPT_PER_LOGPROB = 64
+
+
 class ResponsesStream:
     """Chat completion stream -> Responses stream events, in OpenAI's order. One per streamed request.
 
@@ -516,6 +523,7 @@ class ResponsesStream:
         self._items: list[_Item] = []
         self._open: _Item | None = None
         self._calls: dict[Any, _Item] = {}  # chat tool call index -> its item
+        self._kept = 0  # what the items hold, in characters (see MAX_KEPT_CHARS)
         self.response: dict[str, Any] | None = None
         self.usage: dict[str, Any] | None = None
 
@@ -576,17 +584,20 @@ class ResponsesStream:
         if isinstance(reasoning, str) and reasoning:
             item = self._item("reasoning", out)
             item.parts.append(reasoning)
+            self._kept += len(reasoning)
             self._event(out, "response.reasoning_text.delta", item_id=item.id, output_index=item.index,
                         content_index=0, delta=reasoning)
         content = delta.get("content")
         if isinstance(content, str) and content:
             item = self._item("message", out)
             item.parts.append(content)
+            self._kept += len(content)
             logprobs = choice.get("logprobs")
             # (only where the client asked: an engine's unasked logprobs were translated on every chunk)
             entries = _logprobs(logprobs.get("content")) if self._logprobs and isinstance(logprobs, dict) else []
             if item.logprobs is not None:
                 item.logprobs += entries
+                self._kept += KEPT_PER_LOGPROB * sum(1 + len(e["top_logprobs"]) for e in entries)
             self._event(out, "response.output_text.delta", item_id=item.id, output_index=item.index,
                         content_index=0, delta=content, logprobs=[_delta_logprob(e) for e in entries])
         for call in delta.get("tool_calls") or ():
@@ -594,6 +605,9 @@ class ResponsesStream:
                 self._tool_call(call, out)
         if choice.get("finish_reason") is not None:
             self._finish = choice["finish_reason"]
+        if self._kept > MAX_KEPT_CHARS and not self._closed:
+            self._fail(out, f"the answer is longer than the gateway translates to the Responses API ({MAX_KEPT_CHARS} "
+                            "characters of text, reasoning and arguments): ask for less, or use chat completions")
 
     def _item(self, kind: str, out: list[bytes]) -> _Item:
         """The open item if it is a text or reasoning item of this kind, else a new one (the open one is
@@ -638,6 +652,7 @@ class ResponsesStream:
         arguments = function.get("arguments")
         if isinstance(arguments, str) and arguments:
             item.parts.append(arguments)
+            self._kept += len(arguments)
             if item.opened:
                 self._event(out, "response.function_call_arguments.delta", item_id=item.id,
                             output_index=item.index, delta=arguments)

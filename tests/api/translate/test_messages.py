@@ -638,3 +638,19 @@ def test_non_streamed_answer_through_the_sdk() -> None:
     message = _through_sdk(orjson.dumps(chat_to_message(chat, "claude-local")), stream=False)
     assert [block.type for block in message.content] == ["thinking", "text", "tool_use"]
     assert message.content[2].input == {"a": 1} and message.stop_reason == "tool_use"
+
+
+def test_arguments_before_a_name_are_kept_only_up_to_the_bound() -> None:
+    """Sweep 13: an engine's endless arguments without the call's name were kept whole (5.5 GB RSS) and sent in
+    one event at the end (the event loop held 15 s). Past MAX_EARLY_ARGUMENTS the stream ends with an error."""
+    from gateway.api.translate.messages import MAX_EARLY_ARGUMENTS
+
+    piece = _delta({"tool_calls": [{"index": 0, "function": {"arguments": "x" * 65536}}]})
+    stream = MessagesStream("m")
+    out = b"".join(stream.feed(piece) for _ in range(MAX_EARLY_ARGUMENTS // 65536))
+    assert b"event: error" not in out  # (at the bound: still kept)
+    out += stream.feed(piece) + stream.feed(piece) + stream.close()
+    events = _events(out)
+    assert [name for name, _ in events][-1] == "error" and "before its name" in events[-1][1]["error"]["message"]
+    assert not any(name == "content_block_start" and doc["content_block"]["type"] == "tool_use"
+                   for name, doc in events)  # (nothing of the call went out)

@@ -539,3 +539,38 @@ def test_web_search_is_left_out_rather_than_refused_and_other_built_in_tools_are
         with pytest.raises(GatewayError) as refused:
             responses_to_chat({"model": "m", "input": "hi", "tools": tools, "tool_choice": choice})
         assert refused.value.param == param
+
+
+@pytest.mark.parametrize("field", ["content", "reasoning_content", "arguments"])
+def test_a_stream_keeps_at_most_the_bound_for_its_closing_events(field: str) -> None:
+    """Sweep 13: an engine's endless stream of ordinary chunks was kept whole and written out four times at its
+    end (400 MB: the event loop held 13.6 s, 10.8 GB RSS). Past MAX_KEPT_CHARS the response fails, at once."""
+    from gateway.api.translate.responses import MAX_KEPT_CHARS
+
+    text = "x" * 65536
+    piece = _call(0, "c1", "f", text) if field == "arguments" else _chunk({field: text})
+    stream = ResponsesStream({"model": "m", "input": "x", "stream": True}, "resp_1")
+    reader = _Reader()
+    for _ in range(MAX_KEPT_CHARS // len(text)):
+        reader.read(stream.feed(piece))
+    assert "response.failed" not in reader.types()  # (at the bound: still kept)
+    reader.read(stream.feed(piece))
+    assert reader.types()[-1] == "response.failed"
+    assert "longer than the gateway translates" in reader.events[-1]["response"]["error"]["message"]
+    assert stream.feed(piece) == b"" and stream.close() == b""  # (ended: nothing more is kept or sent)
+
+
+def test_logprobs_count_toward_what_a_stream_keeps() -> None:
+    """Each one-token chunk's logprob entries are kept for output_text.done too."""
+    from gateway.api.translate.responses import KEPT_PER_LOGPROB, MAX_KEPT_CHARS
+
+    entry = {"token": "a", "logprob": -0.1, "bytes": [97], "top_logprobs": [{"token": "b", "logprob": -2.0}] * 19}
+    doc = orjson.loads(_chunk({"content": "a"})[6:])
+    doc["choices"][0]["logprobs"] = {"content": [entry] * 100}
+    piece = b"data: " + orjson.dumps(doc) + b"\n\n"
+    stream = ResponsesStream({"model": "m", "input": "x", "stream": True, "top_logprobs": 19}, "resp_1")
+    reader = _Reader()
+    per_piece = 1 + KEPT_PER_LOGPROB * 100 * 20
+    for _ in range(MAX_KEPT_CHARS // per_piece + 1):
+        reader.read(stream.feed(piece))
+    assert reader.types()[-1] == "response.failed"
