@@ -171,6 +171,7 @@ class Ticket:
     refused: Refused | None = None  # set when it is shed or displaced while it waits
     waited: bool = False  # it queued at least once
     max_saturation: float | None = None  # admitted only while its model's slots in use are below this share
+    admitted_at: float = 0.0  # time.monotonic() when it got its backend
     chain: bool = False  # woken with no slot announced (another replica's higher waiter left): admitted, it
     # wakes the next, for the slots that were freed while they all yielded
 
@@ -257,12 +258,16 @@ class _Use:
     """One key's requests of one model admitted here: in flight now, and per second lately the most in flight
     and how many were admitted."""
 
-    __slots__ = ("active", "peaks")
+    __slots__ = ("active", "peaks", "service")
 
     def __init__(self) -> None:
         self.active = 0
         # [second, the most in flight during it, admissions during it], oldest first
         self.peaks: deque[list[int]] = deque(maxlen=PER_SECOND_MAX)
+        self.service: float | None = None  # how long its requests hold a slot (a moving average), once one ended
+
+    def served(self, seconds: float) -> None:
+        self.service = seconds if self.service is None else self.service + (seconds - self.service) / 4
 
     def admitted(self, now: float) -> None:
         self.active += 1
@@ -282,8 +287,11 @@ class _Use:
           never more than it has in flight plus one (a key whose burst is ending keeps little);
         * what it will likely ask for before the model frees a slot: at its admission rate over ``window``,
           its arrivals within ``gap`` (the longest recent wait between two of the model's completions while
-          requests waited), their mean plus two standard deviations (Poisson), plus one. Without it a light
-          key at its peak has one slot kept, and its second request in a gap waits the gap out."""
+          requests waited), or within the time one of its requests holds a slot if that is shorter (its
+          requests in flight at once: Little's law), their mean plus two standard deviations (Poisson), plus
+          one. Without it a light key at its peak has one slot kept, and its second request in a gap waits the
+          gap out; without the shorter time, a key sending a 3 ms request every 4 s had half a flooded
+          model's slots kept idle for it (sweep 13: the flood's throughput halved)."""
         peaks = self.peaks
         while peaks and peaks[0][0] + 1 < now - window:  # (a second's peak lasts until its end is that old)
             peaks.popleft()
@@ -291,8 +299,9 @@ class _Use:
             return 0
         peak = max(max((p[1] for p in peaks), default=0), self.active)
         kept = min(peak + 1 - self.active, self.active + 1)
-        if gap > 0 and peaks:
-            mean = sum(p[2] for p in peaks) / window * gap
+        span = gap if self.service is None else min(gap, self.service)
+        if span > 0 and peaks:
+            mean = sum(p[2] for p in peaks) / window * span
             kept = max(kept, math.ceil(mean + 2 * math.sqrt(mean)) + 1)
         return kept
 
@@ -431,7 +440,8 @@ class Admission:
         use = state.uses.get(ticket.key)
         if use is None:
             use = state.uses[ticket.key] = _Use()
-        use.admitted(time.monotonic())
+        ticket.admitted_at = time.monotonic()
+        use.admitted(ticket.admitted_at)
         if own and self.waiting:
             self._wake_in(state)
 
@@ -512,6 +522,8 @@ class Admission:
         use = state.uses.get(ticket.key)
         if use is not None:
             use.active -= 1
+            if ticket.admitted_at:
+                use.served(time.monotonic() - ticket.admitted_at)
             if not use.active and len(state.uses) > 64:  # (keys seen once long ago: let them go)
                 now = time.monotonic()
                 for key in [k for k, u in state.uses.items() if not u.kept(now, self.settings.reserve_window_seconds)]:

@@ -507,6 +507,7 @@ async def test_a_light_key_keeps_its_likely_arrivals_within_the_longest_wait_bet
     q = Queue()
     admission = q.admission
     for ticket in admit(admission, "light", 20):  # 20 admitted within the 10 s window: 2 a second
+        ticket.admitted_at -= 1.5  # (each held its slot 1.5 s, longer than the gap below)
         admission.finished(ticket)  # (one at a time: its peak is 1, so the peak alone keeps 1)
     flood = await q.enter("flood-waits", key="flood")
     now = time.monotonic()
@@ -517,6 +518,26 @@ async def test_a_light_key_keeps_its_likely_arrivals_within_the_longest_wait_bet
     assert not admission.held_back(flood, slots(20, admission))  # (7 free, 6 kept)
     admit(admission, "flood", 1)
     assert admission.held_back(flood, slots(20, admission))  # (6 free, 6 kept)
+    await q.done()
+
+
+async def test_a_key_of_short_requests_keeps_what_it_holds_at_once_not_its_arrivals_in_a_long_gap() -> None:
+    """Sweep 13: a key sending a 3 ms request every 4 s had half a flooded model's slots kept idle for it (its
+    arrivals within the flood's 8 s gaps), and the flood's throughput halved. Its requests hold a slot for
+    moments: at its rate it has almost never one in flight (Little's law), so two are kept (the Poisson margin
+    and one more), however long the gap; by the gap, 8 s at 2 a second, 16 + 8 + 1 (capped at half: 10)."""
+    q = Queue()
+    admission = q.admission
+    for ticket in admit(admission, "tiny", 20):  # 2 a second, each done at once
+        admission.finished(ticket)
+    flood = await q.enter("flood-waits", key="flood")
+    now = time.monotonic()
+    for at in (now - 9.0, now - 1.0):  # an 8 s wait between two completions while the flood waited
+        admission.completed("m", at=at)
+    admit(admission, "flood", 17)
+    assert not admission.held_back(flood, slots(20, admission))  # (3 free, 2 kept)
+    admit(admission, "flood", 1)
+    assert admission.held_back(flood, slots(20, admission))  # (2 free, 2 kept)
     await q.done()
 
 
