@@ -23,6 +23,7 @@ class Backend:
         "breaker",
         "cache_ram_mib",
         "capacity",
+        "checked",
         "configured_models",
         "detail",
         "drained",
@@ -93,6 +94,7 @@ class Backend:
         # response heads below 500 it sent the proxy: a health check that timed out while this grew measured
         # the gateway's own lateness, not the backend's
         self.answered = 0
+        self.checked = 0  # health checks it passed
         self.breaker = Breaker(breaker or BreakerSettings())
         # bumped each time the backend comes (back) up: a restarted engine has empty caches
         self.epoch = 0
@@ -142,6 +144,8 @@ class Backend:
     def record_probe(self, probe: Probe) -> None:
         if probe.health is Health.READY and self.health is not Health.READY:
             self.epoch += 1
+        if probe.health is Health.READY:
+            self.checked += 1
         self.health = probe.health
         self.detail = probe.detail
 

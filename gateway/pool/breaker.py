@@ -7,7 +7,11 @@ the cooldown doubled (up to ``max_cooldown_seconds``). A health check passing do
 breaker: an engine can answer ``/health`` and still fail every request.
 
 Failures are what the backend did wrong: refused or dropped connections, timeouts, 5xx answers and broken
-streams. Client errors (4xx) and 429 back-pressure are not.
+streams. Client errors (4xx) and 429 back-pressure are not. A 5xx the backend *answered* may be the request's
+doing (llama.cpp answers 500 to a JSON-constrained answer cut short by ``max_tokens``): it counts when requests
+of two different API keys met one within ``CORROBORATION_SECONDS`` (:meth:`Breaker.corroborated`), so one key's
+requests alone never eject a backend for everyone (sweep 13: a key's crafted requests did, on a model of two
+backends with ``retries.max_attempts: 1``, and in a mixed fleet where another engine served them).
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ from collections import deque
 
 from gateway.config import BreakerSettings
 
+CORROBORATION_SECONDS = 60.0
+
 
 class BreakerState(enum.Enum):
     CLOSED = "closed"
@@ -26,8 +32,8 @@ class BreakerState(enum.Enum):
 
 
 class Breaker:
-    __slots__ = ("_consecutive", "_cooldown", "_failures", "_open_until", "_probing", "_seconds", "_total",
-                 "settings", "state", "trips")
+    __slots__ = ("_consecutive", "_cooldown", "_error_at", "_error_owner", "_errors_in_a_row", "_failures",
+                 "_open_until", "_probing", "_seconds", "_total", "settings", "state", "trips")
 
     def __init__(self, settings: BreakerSettings) -> None:
         self.settings = settings
@@ -40,6 +46,9 @@ class Breaker:
         self._cooldown = settings.cooldown_seconds
         self._open_until = 0.0
         self._probing = False
+        self._error_owner: str | None = None  # whose request last met a 5xx the backend answered, and when
+        self._error_at = 0.0
+        self._errors_in_a_row = 0  # answered 5xx since the last success
         self.trips = 0
 
     def available(self, now: float | None = None) -> bool:
@@ -63,6 +72,19 @@ class Breaker:
         if self.state is BreakerState.HALF_OPEN:
             self._probing = True
 
+    def corroborated(self, owner: str | None, now: float | None = None) -> bool:
+        """A 5xx the backend answered ``owner``'s request (an API key's name; None: requests are not told apart,
+        as with auth off): whether it counts as a failure, that is whether another key's request met one within
+        ``CORROBORATION_SECONDS``, or the backend answered nothing else for twice ``consecutive_failures``
+        requests in a row (a deployment of one key still sees a broken engine ejected; an attacker's requests
+        among others' that succeed never add up). Remembers this one for the next."""
+        now = time.monotonic() if now is None else now
+        before, at = self._error_owner, self._error_at
+        self._error_owner, self._error_at = owner, now
+        self._errors_in_a_row += 1
+        return (owner is None or (before is not None and before != owner and now - at < CORROBORATION_SECONDS)
+                or self._errors_in_a_row >= 2 * self.settings.consecutive_failures)
+
     def release(self) -> None:
         """The request ended without telling anything (the client left): let another probe through."""
         self._probing = False
@@ -73,6 +95,7 @@ class Breaker:
         if self.state is BreakerState.HALF_OPEN:
             self._probing = False
             if ok:
+                self._errors_in_a_row = 0
                 self._close()
             else:
                 self._open(now, self._cooldown * 2)
@@ -91,6 +114,8 @@ class Breaker:
             seconds[-1][2] += 1
             self._failures += 1
         self._consecutive = 0 if ok else self._consecutive + 1
+        if ok:
+            self._errors_in_a_row = 0
         if self.state is not BreakerState.CLOSED or ok:
             return
         if self._consecutive >= s.consecutive_failures or (

@@ -208,9 +208,11 @@ class Dispatcher:
                     or time.monotonic() - started >= settings.max_seconds)
             await self._attempt(exchange, request, backend, last, headers, receive, send, writer, suspects, alone)
             if suspects and 0 < exchange.status < 400:
-                # another backend served it: those that answered 5xx failed where it did not
+                # another backend served it: those that answered 5xx failed where it did not (when another key's
+                # request met a 5xx there too: a key's requests that one engine refuses eject it for no one)
                 for failed, _ in suspects:
-                    failed.breaker.record(False)
+                    if failed.breaker.corroborated(_owner(exchange)):
+                        failed.breaker.record(False)
                 suspects.clear()
 
         # The first attempt goes without the retry machinery (most succeed, and it showed in profiles); when it
@@ -463,7 +465,9 @@ class Dispatcher:
         # a half-open breaker whose probe is never settled lets no request through again.
         breaker = backend.breaker
         breaker.begin()
-        answered = backend.answered  # (what it answered meanwhile tells a slow request from a stuck backend)
+        # (what it answered meanwhile tells a slow request from a stuck backend; for a model's only backend, its
+        # health checks too)
+        answered, checked = backend.answered, backend.checked
         probe_settled = False
 
         def on_status(status: int) -> None:
@@ -512,10 +516,13 @@ class Dispatcher:
             raise GatewayError(502, f"backend {backend.name}: {exc}", code=exc.code,
                                headers={"x-gateway-backend": backend.name}) from None
         except UpstreamError as exc:
-            if exc.timeout and backend.answered > answered:
+            if exc.timeout and (backend.answered > answered or (alone and backend.checked > checked)):
                 # it answered other requests while this one waited: the request was slow (a long non-streamed
                 # generation past timeouts.first_byte), not the backend stuck; counted, a key's long requests
-                # ejected every backend of a model (sweep 9)
+                # ejected every backend of a model (sweep 9). A model's only backend that nothing else was sent
+                # to meanwhile, but that passed its health checks, likewise: one key's slow requests on a quiet
+                # model ejected it, then kept it from everyone as the half-open probe (sweep 13; ejecting the
+                # only backend moves no traffic anywhere; a stuck one still times out each request)
                 breaker.release()
             else:
                 breaker.record(False)
@@ -567,8 +574,13 @@ class Dispatcher:
                 elif (exchange.status >= 500 and alone
                       and exchange.outcome not in ("upstream_failed", "upstream_timeout")):
                     breaker.release()  # (it answered; whose doing the 5xx is, nothing here can tell)
-                elif exchange.outcome in ("upstream_failed", "upstream_timeout") or exchange.status >= 500:
+                elif exchange.outcome in ("upstream_failed", "upstream_timeout"):
                     breaker.record(False)
+                elif exchange.status >= 500:  # (it answered a 5xx: see Breaker.corroborated)
+                    if breaker.corroborated(_owner(exchange)):
+                        breaker.record(False)
+                    else:
+                        breaker.release()
                 else:
                     breaker.record(True)
         if exchange.invalid_output is not None:
@@ -691,3 +703,7 @@ class Dispatcher:
         return GatewayError(503, f"no backend can take a request for model '{model}' now ({exc.stage} left none;"
                                  f" {states})", code="no_backend_available", headers={"retry-after": "1"})
 
+
+def _owner(exchange: Exchange) -> str | None:
+    """Whose request this is, as the breaker tells requests apart: its API key, or None with auth off."""
+    return exchange.client.name if exchange.client is not None else None

@@ -55,3 +55,23 @@ def test_a_probe_whose_client_left_frees_the_next_probe() -> None:
     b.begin(now=8)
     b.release()
     assert b.available(now=8.1)
+
+
+def test_an_answered_5xx_counts_when_another_key_met_one_or_nothing_else_was_answered() -> None:
+    """Sweep 13: one key's requests that an engine answers 500 (llama.cpp's JSON answer cut short) ejected a
+    model's backends for everyone where nothing compared them (``retries.max_attempts: 1``), or where another
+    engine served them. An answered 5xx now counts when another key met one within a minute, with auth off
+    (no keys to tell apart), or after twice ``consecutive_failures`` of them with no success between."""
+    from gateway.pool.breaker import CORROBORATION_SECONDS
+
+    b = breaker()
+    assert not b.corroborated("attacker", now=0) and not b.corroborated("attacker", now=1)  # one key alone
+    b.record(True, now=2)  # (another key's request served between)
+    assert not b.corroborated("attacker", now=3)
+    assert b.corroborated("victim", now=4)  # a second key met one: the backend's doing, likely
+    assert not b.corroborated("victim", now=5)  # (the same key again: alone once more)
+    assert not b.corroborated("attacker", now=6 + CORROBORATION_SECONDS)  # (the other's was too long ago)
+    assert b.corroborated(None, now=100)  # auth off: every answered 5xx counts, as before
+    single = breaker()
+    seen = [single.corroborated("only", now=t) for t in range(6)]  # one key, nothing but 5xx: a broken engine
+    assert seen == [False] * 5 + [True]

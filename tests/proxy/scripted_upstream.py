@@ -4,8 +4,8 @@ sent, an auth refusal, a stream of nothing but comment pings, a stream that neve
 
 ``GET`` answers the model list (so discovery and the health probe pass), or, for a path in ``get_answers``,
 the status and body set there (an engine's ``/metrics`` or ``/health`` turning hostile); ``gets`` counts the
-GETs of each path. ``seen_headers`` keeps the headers of the last POST. :func:`gateway_over` puts a gateway in
-front of one.
+GETs of each path. ``seen_headers`` and ``seen_body`` keep the headers and body of the last POST.
+:func:`gateway_over` puts a gateway in front of one.
 """
 
 from __future__ import annotations
@@ -53,6 +53,7 @@ class ScriptedUpstream:
         self.port = 0
         self.posts = 0
         self.seen_headers: dict[str, str] = {}
+        self.seen_body = b""  # the last POST's body
         self.get_answers: dict[str, tuple[int, bytes]] = {}  # path -> (status, body), set from the test's thread
         # mode "script": the request's headers -> (status, content type, body pieces), set from the test's thread
         self.script: Callable[[dict[str, str]], tuple[int, str, list[bytes]]] | None = None
@@ -96,8 +97,7 @@ class ScriptedUpstream:
             while True:
                 head = await reader.readuntil(b"\r\n\r\n")
                 length = re.search(rb"(?i)content-length:\s*(\d+)", head)
-                if length:
-                    await reader.readexactly(int(length.group(1)))
+                body = await reader.readexactly(int(length.group(1))) if length else b""
                 if head.startswith(b"GET"):
                     path = head.split(b" ", 2)[1].decode()
                     self.gets[path] = self.gets.get(path, 0) + 1
@@ -108,6 +108,7 @@ class ScriptedUpstream:
                     await writer.drain()
                     continue
                 self.posts += 1
+                self.seen_body = body
                 self.seen_headers = {
                     k.decode().lower(): v.decode()
                     for k, v in (line.split(b":", 1) for line in head.split(b"\r\n")[1:] if b":" in line)

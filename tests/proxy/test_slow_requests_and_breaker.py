@@ -6,6 +6,7 @@ another key's requests got 503. A backend that answers nothing meanwhile (stuck)
 from __future__ import annotations
 
 import concurrent.futures
+from collections.abc import Callable
 
 import httpx
 import orjson
@@ -33,6 +34,23 @@ def test_slow_requests_on_a_backend_answering_others_do_not_eject_it() -> None:
                 fast = client.post(gw.url + "/v1/chat/completions", json=FAST)  # (answered while they wait)
                 assert fast.status_code == 200, fast.text
                 assert [s.result().status_code for s in slow] == [504, 504, 504]
+            assert app.gateway.pool.get("v").breaker.state.value == "closed"
+            assert client.post(gw.url + "/v1/chat/completions", json=FAST).status_code == 200
+
+
+def test_slow_requests_on_a_quiet_models_only_backend_passing_its_health_checks_do_not_eject_it() -> None:
+    """Sweep 13: with nothing else sent to a model's only backend, one key's requests slower than first_byte
+    ejected it (nothing answered meanwhile), and its next slow request, as the half-open probe, kept the backend
+    from everyone until it timed out too. Its health checks passing meanwhile say it is up."""
+    with FleetThread([SimSpec(engine="vllm", model="m", name="v", time_scale=1.0)]) as fleet:
+        settings = settings_from_mapping({
+            "backends": [{"name": "v", "engine": "vllm", "url": fleet.fleet.servers[0].url}],
+            "timeouts": {"first_byte": 1.0}, "breaker": {"consecutive_failures": 2},
+            "scrape": {"interval": 0.2, "timeout": 1.0}})
+        app = create_app(settings)
+        with serve_in_thread(app) as gw, httpx.Client(timeout=30) as client:
+            for _ in range(3):  # one after another: the backend serves nothing else meanwhile
+                assert client.post(gw.url + "/v1/chat/completions", json=SLOW).status_code == 504
             assert app.gateway.pool.get("v").breaker.state.value == "closed"
             assert client.post(gw.url + "/v1/chat/completions", json=FAST).status_code == 200
 
@@ -105,3 +123,44 @@ def test_every_backend_a_request_failed_over_from_with_a_5xx_is_charged_to_its_k
             body_tokens = len(orjson.dumps(body)) // 4
             # both prompts charged (the bucket refills 1,000 a second meanwhile: some slack)
             assert 60_000 - tokens.level >= 2 * body_tokens - 300, (60_000 - tokens.level, body_tokens)
+
+
+def test_one_keys_requests_that_backends_answer_500_eject_none_of_them_for_the_others() -> None:
+    """Sweep 13: with ``retries.max_attempts: 1`` nothing compared backends, and one key's requests that both
+    of a model's backends answered 500 (llama.cpp's JSON answer cut short) counted against each: both ejected,
+    and another key got 503. An answered 5xx now counts only when another key met one too (or nothing else was
+    answered for a while: see Breaker.corroborated)."""
+    import hashlib
+
+    from tests.proxy.scripted_upstream import ScriptedUpstream
+
+    answer = orjson.dumps({"id": "c", "object": "chat.completion", "created": 0, "model": "m", "choices": [
+        {"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}],
+        "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}})
+
+    def scripted(upstream: ScriptedUpstream) -> Callable[[dict[str, str]], tuple[int, str, list[bytes]]]:
+        def script(headers: dict[str, str]) -> tuple[int, str, list[bytes]]:
+            if b'"crafted"' in upstream.seen_body:  # (the attacker's request: the engine's error, every time)
+                return 500, "application/json", [b'{"error": {"message": "boom", "code": 500}}']
+            return 200, "application/json", [answer]
+        return script
+
+    keys = [{"name": n, "key_sha256": hashlib.sha256(f"sk-{n}".encode()).hexdigest()} for n in ("attacker", "victim")]
+    with ScriptedUpstream(mode="script", model="m") as a, ScriptedUpstream(mode="script", model="m") as b:
+        a.script, b.script = scripted(a), scripted(b)
+        settings = settings_from_mapping({
+            "backends": [{"name": n, "engine": "vllm", "url": u.url} for n, u in (("a", a), ("b", b))],
+            "auth": {"keys": keys}, "routing": {"policy": "round-robin"}, "retries": {"max_attempts": 1},
+            "breaker": {"consecutive_failures": 2}, "scrape": {"interval": 0.2, "timeout": 1.0}})
+        app = create_app(settings)
+        with serve_in_thread(app) as gw, httpx.Client(timeout=30) as client:
+            def ask(key: str) -> int:
+                body = {**FAST, "user": "crafted" if key == "attacker" else "plain"}
+                return client.post(gw.url + "/v1/chat/completions", json=body,
+                                   headers={"authorization": f"Bearer sk-{key}"}).status_code
+
+            # bursts of the attacker's (two in a row on each backend) between the victim's
+            rounds = [([ask("attacker") for _ in range(4)], [ask("victim") for _ in range(2)]) for _ in range(6)]
+            assert all(attacks == [500] * 4 and served == [200] * 2 for attacks, served in rounds), rounds
+            breakers = {n: app.gateway.pool.get(n).breaker.state.value for n in ("a", "b")}
+            assert breakers == {"a": "closed", "b": "closed"}
