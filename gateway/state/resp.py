@@ -83,14 +83,25 @@ class RespConnection:
         return parts.scheme in ("redis", "unix") and all(k == "db" for k, _ in parse_qsl(parts.query))
 
     async def execute(self, commands: Sequence[Sequence[Any]]) -> list[Any]:
-        protocol = self._protocol if self._protocol is not None else await self._connect()
-        transport = protocol.transport
-        assert transport is not None
+        await self.connected()
+        return list(await asyncio.gather(*self.send(commands), return_exceptions=True))
+
+    async def connected(self) -> None:
+        """Connect, unless connected."""
+        if self._protocol is None:
+            await self._connect()
+
+    def send(self, commands: Sequence[Sequence[Any]]) -> list[asyncio.Future[Any]]:
+        """Write ``commands`` (connected first: :meth:`connected`); each one's reply comes on its future, set as
+        soon as the reply is read (done: Redis answered, whether or not its caller has run since)."""
+        protocol = self._protocol
+        if protocol is None or protocol.transport is None:
+            raise ConnectionError("not connected to Redis")
         loop = asyncio.get_running_loop()
         futures = [loop.create_future() for _ in commands]
         self.waiting.extend(futures)
-        transport.write(b"".join(hiredis.pack_command(tuple(c)) for c in commands))
-        return list(await asyncio.gather(*futures, return_exceptions=True))
+        protocol.transport.write(b"".join(hiredis.pack_command(tuple(c)) for c in commands))
+        return futures
 
     async def _connect(self) -> _Protocol:
         if self._connecting is None:

@@ -74,6 +74,7 @@ from gateway.redaction import redact_url
 from gateway.state import scripts
 from gateway.state.autopipeline import AutoPipeline
 from gateway.state.errors import StateUnavailable as StateUnavailable  # (where callers import it from)
+from gateway.state.loop_lag import LoopLag
 from gateway.state.resp import RespConnection
 from gateway.state.sealing import PUBLIC, REASONS, WINDOW, Rejected, Seal, fleet_secret
 from gateway.state.stored_responses import StoredResponses
@@ -243,6 +244,7 @@ class SharedState:
         # counts each resync: what was queued (a settlement) or sent (an admission) before the latest resync is in
         # the counts it wrote, so its slots and places are not given back on top of them
         self._epoch = 0
+        self._lag = LoopLag()  # (Redis's timeouts do not count the event loop's lateness: see loop_lag.py)
         self._held: dict[str, int] = {}  # backend -> slots this replica's requests hold (its own truth)
         # backend -> slots this replica holds in Redis but no request uses: kept for its next requests
         self._kept: dict[str, int] = {}
@@ -294,6 +296,7 @@ class SharedState:
 
     # -- lifecycle ----------------------------------------------------------------------------------------------
     async def start(self) -> None:
+        self._lag.start()
         if self._weak_secret:
             log.warning("shared state: neither state.secret_env nor a Redis password or API keys to derive a secret "
                         "from: the messages between replicas are sealed with a key anyone who can reach Redis can "
@@ -309,6 +312,7 @@ class SharedState:
                        asyncio.create_task(self._subscribe_loop(), name="state-subscriber")]
 
     async def stop(self) -> None:
+        self._lag.stop()
         """Leave (the others need not wait for the TTL to free this replica's slots) and close; bounded in
         time whatever Redis does."""
         if self._refilling:  # (a top-up on its way would otherwise land after the leases went back)
@@ -383,18 +387,27 @@ class SharedState:
                         operation, type(exc).__name__, exc)
 
     async def _script(self, name: str, source: str, keys: list[str], args: list[Any],
-                      late: Callable[[Any], None] | None = None) -> Any:
+                      late: Callable[[Any], None] | None = None, *, timed: bool = False) -> Any:
         """Run a script, with whatever else is being run now, in one pipeline (:mod:`autopipeline`). ``late``:
         called with Redis's answer should it come after the caller gave up (timed out, or was cancelled), to give
-        back what the script took."""
+        back what the script took. ``timed``: within the state's timeout, measured on Redis, not on this
+        process's event loop (see AutoPipeline.run); TimeoutError."""
+        within = self._timeout if timed else None
         sha = self._shas.get(name)
         if sha is None:
-            sha = self._shas[name] = await self._redis.script_load(source)
+            sha = self._shas[name] = await self._load(source, within)
         try:
-            return await self._pipeline.run("EVALSHA", sha, len(keys), *keys, *args, late=late)
+            return await self._pipeline.run("EVALSHA", sha, len(keys), *keys, *args, late=late, within=within)
         except self._no_script:  # Redis restarted (its script cache is empty)
-            self._shas[name] = await self._redis.script_load(source)
-            return await self._pipeline.run("EVALSHA", self._shas[name], len(keys), *keys, *args, late=late)
+            self._shas[name] = await self._load(source, within)
+            return await self._pipeline.run("EVALSHA", self._shas[name], len(keys), *keys, *args, late=late,
+                                            within=within)
+
+    async def _load(self, source: str, within: float | None) -> str:
+        if within is None:
+            return str(await self._redis.script_load(source))
+        # (rare: once a script, and after Redis restarted)
+        return str(await self._lag.wait(self._redis.script_load(source), 5 * within))
 
     # -- admission ----------------------------------------------------------------------------------------------
     def needed(self, budget: Budget | None, candidates: Sequence[Candidate]) -> bool:
@@ -474,8 +487,7 @@ class SharedState:
         epoch = self._epoch
         undo = partial(self._admission_abandoned, name, rpm, tpm, reserve, cap, chosen_from, epoch)
         try:
-            async with asyncio.timeout(self._timeout):  # (not wait_for: it makes a task per call)
-                reply = await self._script("admit", scripts.ADMIT, keys, args, undo)
+            reply = await self._script("admit", scripts.ADMIT, keys, args, undo, timed=True)
         except self._errors as exc:
             self._failed("admit", exc)
             raise StateUnavailable(str(exc)) from None
@@ -591,9 +603,8 @@ class SharedState:
             keys = [self._bucket(name, "requests"), self._bucket(name, "tokens")]
             args = [rpm, tpm, LEASE_SHARE * max(1, self.replicas), want, want_tokens, reserve]
             try:
-                async with asyncio.timeout(self._timeout):
-                    leased, tokens = await self._script("lease", scripts.LEASE, keys, args,
-                                                        partial(self._lease_abandoned, name, rpm, tpm))
+                leased, tokens = await self._script("lease", scripts.LEASE, keys, args,
+                                                    partial(self._lease_abandoned, name, rpm, tpm), timed=True)
             except self._errors as exc:
                 self._failed("lease", exc)
                 return
@@ -626,9 +637,8 @@ class SharedState:
         epoch = self._epoch
         undo = partial(self._slot_abandoned, backend.name, epoch)
         try:
-            async with asyncio.timeout(self._timeout):
-                taken = await self._script("acquire", scripts.ACQUIRE, [self._inflight(backend.name)],
-                                           [self.replica, backend.max_concurrency], undo)
+            taken = await self._script("acquire", scripts.ACQUIRE, [self._inflight(backend.name)],
+                                       [self.replica, backend.max_concurrency], undo, timed=True)
         except self._errors as exc:
             self._failed("acquire", exc)
             raise StateUnavailable(str(exc)) from None
@@ -801,7 +811,7 @@ class SharedState:
             while self._pending and self.up:
                 batch = list(self._pending)
                 try:
-                    await asyncio.wait_for(self._settle_batch(batch), self._timeout * 5)
+                    await self._lag.wait(self._settle_batch(batch), self._timeout * 5)
                 except self._errors as exc:
                     self._failed("settle", exc)
                     return  # the heartbeat drains the rest once Redis answers
@@ -885,7 +895,7 @@ class SharedState:
                 return  # (routing is local while Redis is down: the others will learn from their own requests)
             message = self._seal.seal(self._peers_channel.encode(), msgpack.packb(batch))
             try:
-                await asyncio.wait_for(self._redis.publish(self._peers_channel, message), self._timeout * 5)
+                await self._lag.wait(self._redis.publish(self._peers_channel, message), self._timeout * 5)
             except self._errors as exc:
                 self._failed("publish", exc)
 
@@ -1002,7 +1012,7 @@ class SharedState:
                 pipe = self._redis.pipeline(transaction=False)
                 (pipe.sadd if drained else pipe.srem)(self._drained_key, backend)
                 pipe.set(self._drained_mark, "1")
-                await asyncio.wait_for(pipe.execute(), self._timeout * 5)
+                await self._lag.wait(pipe.execute(), self._timeout * 5)
                 self.publish("drain", [backend, drained])
             except self._errors as exc:
                 self._failed("drain", exc)
@@ -1024,10 +1034,10 @@ class SharedState:
         pipe = self._redis.pipeline(transaction=False)
         pipe.exists(self._drained_mark)
         pipe.smembers(self._drained_key)
-        marked, members = await asyncio.wait_for(pipe.execute(raise_on_error=False), self._timeout * 5)
+        marked, members = await self._lag.wait(pipe.execute(raise_on_error=False), self._timeout * 5)
         if isinstance(members, self._refused):  # (not a set: garbage, replaced by what this replica read last)
             self._failed_alone("drain", members)
-            await asyncio.wait_for(self._redis.delete(self._drained_key), self._timeout * 5)
+            await self._lag.wait(self._redis.delete(self._drained_key), self._timeout * 5)
             marked, members = False, set()
         now = {m.decode("utf-8", "replace") if isinstance(m, bytes) else str(m) for m in members}
         before = self._drained_read
@@ -1041,7 +1051,7 @@ class SharedState:
             if known:
                 pipe.sadd(self._drained_key, *known)
             pipe.set(self._drained_mark, "1")
-            await asyncio.wait_for(pipe.execute(), self._timeout * 5)
+            await self._lag.wait(pipe.execute(), self._timeout * 5)
             if known:
                 log.warning("shared state: Redis had lost the drained backends; written back: %s", ", ".join(known))
             now |= set(known)
@@ -1087,7 +1097,7 @@ class SharedState:
                 self._seal.seal(self._freed_channel.encode(), b"*"), "1" if resync else "0",
                 *(self._held.get(b, 0) + self._kept.get(b, 0) for b in slotted)]
         try:
-            dead, alive, others = await asyncio.wait_for(self._script("heartbeat", scripts.HEARTBEAT, keys, args),
+            dead, alive, others = await self._lag.wait(self._script("heartbeat", scripts.HEARTBEAT, keys, args),
                                                          self._timeout * 5)
             self.replicas = int(alive)
             for backend, count in zip(slotted, others, strict=True):
@@ -1114,7 +1124,7 @@ class SharedState:
         or a backend's in-flight counts. Said at start and each time Redis answers again; nothing when Redis
         does not let its configuration be read (a managed Redis often refuses CONFIG)."""
         try:
-            reply = await asyncio.wait_for(self._redis.config_get("maxmemory-policy"), self._timeout * 5)
+            reply = await self._lag.wait(self._redis.config_get("maxmemory-policy"), self._timeout * 5)
         except self._errors:
             return
         policy = next(iter(reply.values()), b"") if isinstance(reply, dict) else b""

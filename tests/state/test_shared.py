@@ -243,9 +243,9 @@ def counting(state: SharedState) -> list[str]:
     calls: list[str] = []
     run = state._script
 
-    def script(name: str, *args: Any) -> Any:
+    def script(name: str, *args: Any, **kwargs: Any) -> Any:
         calls.append(name)
-        return run(name, *args)
+        return run(name, *args, **kwargs)
 
     state._script = script  # type: ignore[method-assign]
     return calls
