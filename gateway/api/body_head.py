@@ -165,7 +165,9 @@ def check_same(head: BodyHead, body: dict[str, Any]) -> None:
 
 
 def check_containers(raw: bytes, limits: LimitSettings) -> None:
-    """A 400 for a body of more than ``limits.max_json_containers`` ``[`` and ``{`` characters, strings included:
+    """A 400 for a body of more than ``limits.max_json_containers`` ``[`` and ``{`` characters, strings included,
+    or costing more than ``limits.max_json_values`` to decode (its characters counted, as
+    :func:`gateway.proxy.forward.parse_units` does for answers, and an object's keys too):
     counted in C (a few milliseconds for 8 MiB), where telling the ones in strings apart would cost more than what
     it protects (a regex over 8 MiB of short strings: 0.4 s). Each object or array takes one; so few prompts hold
     more in their text that they would fit any model's context."""
@@ -176,3 +178,9 @@ def check_containers(raw: bytes, limits: LimitSettings) -> None:
     if count > limit:
         raise _bad(f"The request body holds {count} '[' and '{{' characters (JSON objects and arrays, and any in "
                    f"its strings); this gateway accepts at most limits.max_json_containers = {limit}", None)
+    # what decoding costs beyond its containers (sweep 13: one object of 700,000 distinct keys, one container, held
+    # the event loop 0.23-0.31 s, and other keys' Redis admissions timed out)
+    units = count * 6 + raw.count(b",") + raw.count(b'"') // 2 + 5 * raw.count(b'":')
+    if units > limits.max_json_values:
+        raise _bad(f"The request body holds about {units} JSON values weighted by what decoding each costs; this "
+                   f"gateway accepts at most limits.max_json_values = {limits.max_json_values}", None)
