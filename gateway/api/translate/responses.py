@@ -498,8 +498,14 @@ class _Item:
 # What a stream keeps for its closing events (each item's whole text in its .done events, all of them again in
 # response.completed): past it the stream fails. A hostile engine's endless stream of ordinary chunks was kept
 # whole and written out four times at its end: 100 MB held the event loop 1.1 s, 400 MB 13.6 s, sweep 13.
-MAX_KEPT_CHARS = 4 << 20  # characters of text, reasoning and arguments (and logprobs, by KEPT_PER_LOGPROB each)
+# Characters of text, reasoning and arguments (logprobs KEPT_PER_LOGPROB each, an output item KEPT_PER_ITEM): 1M
+# is ~250k tokens, more than limits.max_tokens lets any answer have, and closing one costs ~10 ms (4M held the
+# loop ~80 ms each, 3.9 s with 48 such streams at once; sweep 14). Items are at most MAX_ITEMS (a hostile
+# engine's 3M nameless-argument tool calls grew the gateway 75 MB/s and held the loop 4 s at the close).
+MAX_KEPT_CHARS = 1 << 20
 KEPT_PER_LOGPROB = 64
+KEPT_PER_ITEM = 256
+MAX_ITEMS = 1024
 
 
 class ResponsesStream:
@@ -605,9 +611,10 @@ class ResponsesStream:
                 self._tool_call(call, out)
         if choice.get("finish_reason") is not None:
             self._finish = choice["finish_reason"]
-        if self._kept > MAX_KEPT_CHARS and not self._closed:
+        if (self._kept > MAX_KEPT_CHARS or len(self._items) > MAX_ITEMS) and not self._closed:
             self._fail(out, f"the answer is longer than the gateway translates to the Responses API ({MAX_KEPT_CHARS} "
-                            "characters of text, reasoning and arguments): ask for less, or use chat completions")
+                            f"characters of text, reasoning and arguments, {MAX_ITEMS} output items): ask for less, "
+                            "or use chat completions")
 
     def _item(self, kind: str, out: list[bytes]) -> _Item:
         """The open item if it is a text or reasoning item of this kind, else a new one (the open one is
@@ -617,6 +624,7 @@ class ResponsesStream:
         self._done(out)
         item = _Item(kind, len(self._items), self._logprobs, self._names)
         self._items.append(item)
+        self._kept += KEPT_PER_ITEM
         self._open = item
         if kind != "function_call":
             self._added(item, out)

@@ -545,13 +545,13 @@ def test_web_search_is_left_out_rather_than_refused_and_other_built_in_tools_are
 def test_a_stream_keeps_at_most_the_bound_for_its_closing_events(field: str) -> None:
     """Sweep 13: an engine's endless stream of ordinary chunks was kept whole and written out four times at its
     end (400 MB: the event loop held 13.6 s, 10.8 GB RSS). Past MAX_KEPT_CHARS the response fails, at once."""
-    from gateway.api.translate.responses import MAX_KEPT_CHARS
+    from gateway.api.translate.responses import KEPT_PER_ITEM, MAX_KEPT_CHARS
 
     text = "x" * 65536
     piece = _call(0, "c1", "f", text) if field == "arguments" else _chunk({field: text})
     stream = ResponsesStream({"model": "m", "input": "x", "stream": True}, "resp_1")
     reader = _Reader()
-    for _ in range(MAX_KEPT_CHARS // len(text)):
+    for _ in range((MAX_KEPT_CHARS - KEPT_PER_ITEM) // len(text)):  # (its one item counts too)
         reader.read(stream.feed(piece))
     assert "response.failed" not in reader.types()  # (at the bound: still kept)
     reader.read(stream.feed(piece))
@@ -574,3 +574,26 @@ def test_logprobs_count_toward_what_a_stream_keeps() -> None:
     for _ in range(MAX_KEPT_CHARS // per_piece + 1):
         reader.read(stream.feed(piece))
     assert reader.types()[-1] == "response.failed"
+
+
+@pytest.mark.parametrize("shape", ["calls", "alternating"])
+def test_a_stream_has_at_most_the_bound_of_output_items(shape: str) -> None:
+    """Sweep 14: items were not counted: a hostile engine's parallel tool calls with a name and no arguments (100
+    to a 7 KB chunk, 3M in all) grew the gateway 75 MB/s and held the loop 4 s when the response closed; chunks
+    alternating reasoning and text did the same at one character an item."""
+    from gateway.api.translate.responses import MAX_ITEMS
+
+    def piece(i: int) -> bytes:
+        if shape == "calls":
+            return _call(i, f"c{i}", "f")
+        return _chunk({"reasoning_content": "a"} if i % 2 else {"content": "b"})
+
+    stream = ResponsesStream({"model": "m", "input": "x", "stream": True}, "resp_1")
+    reader = _Reader()
+    for i in range(MAX_ITEMS):
+        reader.read(stream.feed(piece(i)))
+    assert "response.failed" not in reader.types()  # (at the bound: still translated)
+    reader.read(stream.feed(piece(MAX_ITEMS)))
+    assert reader.types()[-1] == "response.failed"
+    assert "output items" in reader.events[-1]["response"]["error"]["message"]
+
