@@ -450,9 +450,12 @@ class Pool:
         recovering = backend.health is not Health.READY
         try:
             if recovering or cycle % self._scrape.models_every == 0:
+                # (each within the scrape's timeout in all: a /metrics answer trickled a byte every 0.5 s held a
+                # backend's health checks 31 s, its load going stale; sweep 14)
                 if backend.configured_models is None:
-                    backend.models = self._listed(backend, await adapter.list_models(client))
-                backend.capacity = await adapter.read_capacity(client)
+                    backend.models = self._listed(backend, await asyncio.wait_for(adapter.list_models(client),
+                                                                                  self._scrape.timeout))
+                backend.capacity = await asyncio.wait_for(adapter.read_capacity(client), self._scrape.timeout)
         except Exception as exc:  # (BackendError, or an answer the adapter did not foresee)
             backend.scrape_errors += 1
             if recovering:
@@ -467,7 +470,7 @@ class Pool:
                                                         and backend.name not in self._kv_unknown)):
             await self._read_kv_source(backend, adapter, client)
         try:
-            load = await adapter.read_load(client)
+            load = await asyncio.wait_for(adapter.read_load(client), self._scrape.timeout)
         except Exception as exc:  # (the last reading goes stale: routing falls back to the in-flight count)
             backend.scrape_errors += 1
             self._complain(backend, f"load reading failed: {_why(exc)}")

@@ -209,3 +209,38 @@ async def test_a_kv_source_echoing_the_backends_key_is_not_followed_nor_logged(
             await pool.stop()
     assert "carries the gateway's credential" in caplog.text
     assert "SECRET" not in caplog.text
+
+
+@pytest.mark.anyio
+async def test_a_reading_trickled_byte_by_byte_ends_within_the_scrape_timeout() -> None:
+    """Sweep 14: httpx's timeout is per read, and only the health probe had a deadline in all: a /metrics answer
+    trickled a byte every 0.5 s held a backend's scrape (its health checks included) 31 s, its load going stale.
+    Each reading now ends within the scrape's timeout, as a failed reading (here llama.cpp's /slots)."""
+    import asyncio
+    import time
+    from collections.abc import AsyncIterator
+
+    engine = Engine()
+
+    async def trickle() -> AsyncIterator[bytes]:
+        for byte in b'[{"id": 0, "is_processing": true}]':
+            await asyncio.sleep(0.05)
+            yield bytes([byte])
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/slots":  # (llama.cpp's load reading)
+            return httpx.Response(200, content=trickle())
+        return engine.handler(request)
+
+    settings = [BackendSettings(name="v", engine="llamacpp", url="http://v.internal:8000")]
+    pool = Pool(settings, ScrapeSettings(interval=60, stale_after=5, timeout=0.3),
+                lambda s, adapter: httpx.AsyncClient(transport=httpx.MockTransport(handler), base_url=s.url),
+                clock=Clock())
+    started = time.monotonic()
+    await pool.start()
+    try:
+        v = pool.get("v")
+        assert time.monotonic() - started < 0.3 * 3 + 1  # (probe, models and capacity, load: each bounded)
+        assert v.health is Health.READY and v.scrape_errors == 1 and v.load is None
+    finally:
+        await pool.stop()
