@@ -165,7 +165,7 @@ class _TranslatingSend:
     """The endpoint's ``send``, translating what it sends: the response start is held until the first body
     piece says what follows (an error, a JSON answer or a stream)."""
 
-    __slots__ = ("_buffer", "_send", "_start", "_stream", "_translated", "_translation")
+    __slots__ = ("_buffer", "_ended", "_send", "_start", "_stream", "_translated", "_translation")
 
     def __init__(self, translation: Translation, send: Send) -> None:
         self._translation = translation
@@ -174,6 +174,7 @@ class _TranslatingSend:
         self._buffer: list[bytes] = []
         self._stream: Any = None
         self._translated = 0  # parse units of the stream's large events translated so far
+        self._ended = False
 
     def _too_costly(self, body: bytes) -> str | None:
         """Why the stream's events in ``body`` cost too much to translate (item by item, in Python, ~0.35 us a
@@ -213,8 +214,16 @@ class _TranslatingSend:
             await self._send(message if relayed is body else {**message, "body": relayed})
             return
         if stream is not None:
+            if self._ended:
+                return  # (the translation failed the stream: the client's response is over)
             costly = self._too_costly(body) if body else None
             out = stream.close(costly) if costly is not None else stream.feed(body) if body else b""
+            if more and stream.closed:
+                # failed mid-way (too costly, too long, an error event): the client's response ends here, and the
+                # engine's answer is let go (the server then says the client is gone, and the request's upstream is
+                # cancelled; it held the connection and its backend slot until the engine stopped, sweep 14)
+                more = False
+                self._ended = True
             if not more:
                 out += stream.close()
                 self._translation.finished(stream)

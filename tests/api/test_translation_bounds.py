@@ -99,3 +99,27 @@ def test_a_native_messages_stream_completes_its_first_message_start_once_whateve
     first, rest = out.split(b"\n\n", 1)
     assert b'"role":"assistant"' in first and b'"role"' not in rest and tap.usage == {"input_tokens": 3}
     assert parsed == 4000  # (once each: it was once per message_start for each of them, 16 million)
+
+
+@pytest.mark.parametrize("path", ["/v1/responses", "/v1/messages"])
+def test_a_translated_stream_that_fails_ends_at_once_and_lets_the_engine_go(path: str) -> None:
+    """Sweep 14: after a translated stream failed (an engine's error event, a bound passed), the client's
+    connection stayed open and silent, and the request held its backend slot, until the engine stopped (25 s
+    there; timeouts.total, 900 s, at worst). The response now ends with the failure, and the upstream is let go."""
+    from tests.conftest import wait_until
+
+    error = b'data: {"error": {"message": "boom", "code": 500}}\n\n'
+    pieces = [_chunk({"content": "a"}) + b"\n\n", error] + [_chunk({"content": "b"}) + b"\n\n"] * 100
+    with ScriptedUpstream(mode="script", every=0.05) as upstream:  # (the rest: 5 s, a piece every 50 ms)
+        upstream.script = lambda headers: (200, "text/event-stream", pieces)
+        app, server = gateway_over(upstream)  # (an OpenAI-compatible server: both APIs translated)
+        with server as gw:
+            body = {"model": "m", "stream": True,
+                    **({"input": "hi"} if path == "/v1/responses" else {"max_tokens": 16, "messages": [
+                        {"role": "user", "content": "hi"}]})}
+            r = httpx.post(gw.url + path, json=body, timeout=30)
+            assert r.status_code == 200 and b"boom" in r.content, r.text[:300]
+            assert (b"response.failed" if path == "/v1/responses" else b"event: error") in r.content
+            assert upstream.written < len(pieces)  # (the client's answer ended before the engine's: ~5 s)
+            wait_until(lambda: app.gateway.pool.get("scripted").in_flight == 0, "the request let go of its backend")
+            assert upstream.written < len(pieces), upstream.written  # (and the engine's answer was let go)

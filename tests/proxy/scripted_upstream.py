@@ -54,6 +54,7 @@ class ScriptedUpstream:
         self.posts = 0
         self.seen_headers: dict[str, str] = {}
         self.seen_body = b""  # the last POST's body
+        self.written = 0  # the pieces of ``script`` answers written
         self.get_answers: dict[str, tuple[int, bytes]] = {}  # path -> (status, body), set from the test's thread
         # mode "script": the request's headers -> (status, content type, body pieces), set from the test's thread
         self.script: Callable[[dict[str, str]], tuple[int, str, list[bytes]]] | None = None
@@ -148,7 +149,10 @@ class ScriptedUpstream:
             for piece in pieces:
                 await writer.drain()
                 await asyncio.sleep(self.every)
+                if writer.is_closing():
+                    break  # (the gateway let go of the answer)
                 writer.write(piece)
+                self.written += 1
             await writer.drain()
             return False
         if mode in ("huge_error", "huge_answer"):

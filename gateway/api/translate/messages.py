@@ -787,6 +787,11 @@ class MessagesStream:
             kind = next((k for k in (code, type_) if k in _ANTHROPIC_ERROR_TYPES), "api_error")
         out.append(b"event: error\ndata: " + _error_doc(kind, message) + b"\n\n")
 
+    @property
+    def closed(self) -> bool:
+        """It sent its last event (completed, or failed): what the engine sends now is not translated."""
+        return self._closed
+
     def close(self, error: str | None = None) -> bytes:
         """The closing events still owed: ``content_block_stop`` for an open block, ``message_delta`` (stop
         reason, usage) and ``message_stop``, or, with ``error``, an ``error`` event. Idempotent: b"" once

@@ -701,6 +701,11 @@ class ResponsesStream:
         self.response = response
         self._event(out, "response.failed", response=response)
 
+    @property
+    def closed(self) -> bool:
+        """It sent its last event (completed, or failed): what the engine sends now is not translated."""
+        return self._closed
+
     def close(self, error: str | None = None) -> bytes:
         """The closing events still owed: the .done events of the open item, then ``response.completed`` (or
         ``response.incomplete`` when the answer was cut short), or, with ``error``, ``response.failed``.
