@@ -115,9 +115,9 @@ class LimitSettings(_Strict):
                                            "gateway to decode and translate: 8 MiB of empty arrays, ~1 s)")
     max_json_values: int = Field(
         default=2_000_000, gt=0, description="most JSON values in one request body, weighted by what decoding each "
-                                             "costs (a value 1, a string 2, an object or array 6, an object's key 5 "
-                                             "more: ~0.05 us a unit, ~0.1 s in all; 700,000 distinct keys in one "
-                                             "object, one container, took 0.23-0.31 s)")
+                                             "costs (a value 1, a string 2, an object or array 6, an object's key "
+                                             "(any ':') 5 more: ~0.05 us a unit, ~0.1 s in all; 700,000 distinct "
+                                             "keys in one object, one container, took 0.23-0.31 s)")
     max_tokens: int = Field(default=131072, gt=0, description="largest max_tokens / max_completion_tokens accepted")
     max_n: int = Field(default=128, gt=0, description="most choices (n, best_of) one request asks for (OpenAI's cap)")
     max_nesting: int = Field(default=64, ge=4, le=200,
