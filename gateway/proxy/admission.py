@@ -279,6 +279,14 @@ class _Use:
         else:
             self.peaks.append([second, self.active, 1])
 
+    def busy(self, now: float, window: float, gap: float) -> float:
+        """The slots its requests likely hold at once (Little's law: its admission rate over ``window`` times how
+        long one holds a slot, ``gap`` until one has ended), or what it holds now if more."""
+        peaks = self.peaks
+        admitted = sum(p[2] for p in peaks if p[0] + 1 >= now - window)
+        held = self.service if self.service is not None else gap
+        return max(float(self.active), admitted / window * held)
+
     def kept(self, now: float, window: float, gap: float = 0.0) -> int:
         """Slots kept free for this key (0 when it was not admitted within ``window`` and has nothing in flight),
         the more of two needs:
@@ -618,10 +626,16 @@ class Admission:
         own = state.uses.get(ticket.key)
         if own is not None and ticket.key not in waiting and own.kept(now, window, gap):
             return False  # a light key takes what is kept for it
-        kept = sum(use.kept(now, window, gap) for key, use in state.uses.items()
-                   if key != ticket.key and key not in waiting)
+        light = [use for key, use in state.uses.items() if key != ticket.key and key not in waiting]
+        kept = sum(use.kept(now, window, gap) for use in light)
         if not kept:
             return False
+        # and no more than what the light keys together likely hold at once (mean plus two standard deviations,
+        # at least one): each key's own margin, summed, kept two idle slots for every key seen in the window,
+        # however little it used (sweep 14: one key sending a 3 ms request every 4 s cost a flood of 8 slots a
+        # quarter of its throughput, four keys half)
+        busy = sum(use.busy(now, window, gap) for use in light)
+        kept = min(kept, max(1, math.ceil(busy + 2 * math.sqrt(busy))))
         capacity = capacity_of(ticket.model)
         if not capacity:
             return False

@@ -466,7 +466,9 @@ async def test_what_is_kept_ends_after_the_window_and_is_capped() -> None:
     q = Queue(reserve_window_seconds=0.2, reserve_max_share=0.25)
     admission = q.admission
     for key in ("a", "b", "c", "d"):
-        admission.finished(admit(admission, key, 1)[0])  # each: peak 1, none in flight now: 2 kept
+        ticket = admit(admission, key, 1)[0]
+        ticket.admitted_at -= 2.0  # (each held its slot 2 s: together they likely hold some at any time)
+        admission.finished(ticket)  # each: peak 1, none in flight now: 2 kept
     await q.enter("flood-waits", key="flood")
     flood = admission.ticket("m", "flood", place())
     admit(admission, "flood", 5)
@@ -523,21 +525,23 @@ async def test_a_light_key_keeps_its_likely_arrivals_within_the_longest_wait_bet
 
 async def test_a_key_of_short_requests_keeps_what_it_holds_at_once_not_its_arrivals_in_a_long_gap() -> None:
     """Sweep 13: a key sending a 3 ms request every 4 s had half a flooded model's slots kept idle for it (its
-    arrivals within the flood's 8 s gaps), and the flood's throughput halved. Its requests hold a slot for
-    moments: at its rate it has almost never one in flight (Little's law), so two are kept (the Poisson margin
-    and one more), however long the gap; by the gap, 8 s at 2 a second, 16 + 8 + 1 (capped at half: 10)."""
+    arrivals within the flood's 8 s gaps), and the flood's throughput halved; sweep 14: still two for each such
+    key, four keys half the slots again. Their requests hold a slot for moments: together they have almost never
+    one in flight (Little's law), so one is kept for them all, however long the gap and however many keys; by
+    the gap, 8 s at 2 a second, it was 16 + 8 + 1 (capped at half: 10)."""
     q = Queue()
     admission = q.admission
-    for ticket in admit(admission, "tiny", 20):  # 2 a second, each done at once
-        admission.finished(ticket)
+    for key in ("tiny", "tiny2", "tiny3", "tiny4"):
+        for ticket in admit(admission, key, 20):  # 2 a second, each done at once
+            admission.finished(ticket)
     flood = await q.enter("flood-waits", key="flood")
     now = time.monotonic()
     for at in (now - 9.0, now - 1.0):  # an 8 s wait between two completions while the flood waited
         admission.completed("m", at=at)
-    admit(admission, "flood", 17)
-    assert not admission.held_back(flood, slots(20, admission))  # (3 free, 2 kept)
+    admit(admission, "flood", 18)
+    assert not admission.held_back(flood, slots(20, admission))  # (2 free, 1 kept)
     admit(admission, "flood", 1)
-    assert admission.held_back(flood, slots(20, admission))  # (2 free, 2 kept)
+    assert admission.held_back(flood, slots(20, admission))  # (1 free, 1 kept)
     await q.done()
 
 
