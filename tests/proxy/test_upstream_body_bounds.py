@@ -67,15 +67,17 @@ def _chat_answer(extra: dict[str, object]) -> bytes:
         "usage": {"prompt_tokens": 1, "completion_tokens": 2_000, "total_tokens": 2_001}})
 
 
-@pytest.mark.parametrize("shape", ["logprobs", "strings", "numbers"])
+@pytest.mark.parametrize("shape", ["logprobs", "strings", "numbers", "keys"])
 def test_an_answer_costing_more_than_max_response_values_to_parse_is_a_502_before_it_is_parsed(shape: str) -> None:
     """Sweep 8: a valid 50 MB answer of 1.2M logprob objects held the event loop 2.2 s (parsed, then again by the
     credential scrub); sweep 9: 60 MB of short strings, counted as no objects, 2.6 s. The gateway parses every
     answer: what that costs is counted first, and past the bound it is refused as too large an answer is: the
-    request's doing, not retried, no failure of the backend's."""
+    request's doing, not retried, no failure of the backend's. Sweep 15: one object of 1.5M distinct keys was
+    counted 3M units (each key 2) and held the loop 0.7-1.4 s, translated answers parsed before they were counted."""
     token = {"token": "t", "logprob": -0.5, "bytes": [116], "top_logprobs": [{"token": "t", "logprob": -1.0}] * 4}
     extra: dict[str, object] = {"logprobs": {"content": [token] * 2_000}} if shape == "logprobs" else {
-        "x_payload": ["a"] * 70_000 if shape == "strings" else list(range(140_000))}
+        "x_payload": ["a"] * 70_000 if shape == "strings" else list(range(140_000)) if shape == "numbers" else
+        {f"k{i}": 1 for i in range(20_000)}}  # (sweep 15: distinct keys cost ~6 units each; counted as 2 before)
     answer = _chat_answer(extra)
     with ScriptedUpstream(mode="script") as upstream:
         upstream.script = lambda headers: (200, "application/json", [answer])

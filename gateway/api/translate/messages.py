@@ -617,6 +617,9 @@ def _event(out: list[bytes], kind: str, doc: dict[str, Any]) -> None:
 # many characters, then the stream fails (sweep 13: an engine's endless arguments without a name were kept
 # whole, 5.5 GB RSS, and sent in one event at the end, holding the event loop 15 s)
 MAX_EARLY_ARGUMENTS = 1 << 20
+# Tool calls in one answer: each finished one's index is kept, to refuse a call reopened (sweep 15: an engine's
+# endless calls, each with a 1 MB string for an index, grew the gateway ~100 MB/s for as long as it went on)
+MAX_CALLS = 1024
 
 
 class MessagesStream:
@@ -728,9 +731,15 @@ class MessagesStream:
 
     def _tool_call(self, call: dict[str, Any], out: list[bytes]) -> None:
         index = call.get("index", 0)
+        if type(index) is not int:  # (a list is no key at all; a 1 MB string one the gateway would keep)
+            self._fail(out, "the backend's stream carried a tool call whose index is not an integer")
+            return
         if self._open != "tool_use" or self._call != index:
             if index in self._done_calls:  # no engine does this; a block cannot be reopened once stopped
                 self._fail(out, "the backend interleaved the fragments of several tool calls")
+                return
+            if len(self._done_calls) >= MAX_CALLS:
+                self._fail(out, f"the backend's stream made more than {MAX_CALLS} tool calls")
                 return
             self._stop_block(out)
             self._open, self._call, self._tool_calls = "tool_use", index, True

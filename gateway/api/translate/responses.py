@@ -498,7 +498,8 @@ class _Item:
 # What a stream keeps for its closing events (each item's whole text in its .done events, all of them again in
 # response.completed): past it the stream fails. A hostile engine's endless stream of ordinary chunks was kept
 # whole and written out four times at its end: 100 MB held the event loop 1.1 s, 400 MB 13.6 s, sweep 13.
-# Characters of text, reasoning and arguments (logprobs KEPT_PER_LOGPROB each, an output item KEPT_PER_ITEM): 1M
+# Characters of text, reasoning, arguments, tool names and call ids (logprobs KEPT_PER_LOGPROB each, an output
+# item KEPT_PER_ITEM; sweep 15: 1,000 names of 1 MB made a 1 GB closing event, the loop held 9.5 s): 1M
 # is ~250k tokens, more than limits.max_tokens lets any answer have, and closing one costs ~10 ms (4M held the
 # loop ~80 ms each, 3.9 s with 48 such streams at once; sweep 14). Items are at most MAX_ITEMS (a hostile
 # engine's 3M nameless-argument tool calls grew the gateway 75 MB/s and held the loop 4 s at the close).
@@ -646,6 +647,9 @@ class ResponsesStream:
 
     def _tool_call(self, call: dict[str, Any], out: list[bytes]) -> None:
         index = call.get("index", 0)
+        if type(index) is not int:  # (a list is no key at all; a 1 MB string one the gateway would keep)
+            self._fail(out, "the backend's stream carried a tool call whose index is not an integer")
+            return
         item = self._calls.get(index)
         if item is None:
             item = self._calls[index] = self._item("function_call", out)
@@ -655,7 +659,9 @@ class ResponsesStream:
         function = _obj(call.get("function"))
         if isinstance(call.get("id"), str) and call["id"] and not item.call_id:
             item.call_id = call["id"]
+            self._kept += len(item.call_id)
         if isinstance(function.get("name"), str) and not item.opened:
+            self._kept += len(function["name"]) - len(item.name or "")
             item.name = function["name"]
         arguments = function.get("arguments")
         if isinstance(arguments, str) and arguments:

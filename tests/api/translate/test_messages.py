@@ -654,3 +654,22 @@ def test_arguments_before_a_name_are_kept_only_up_to_the_bound() -> None:
     assert [name for name, _ in events][-1] == "error" and "before its name" in events[-1][1]["error"]["message"]
     assert not any(name == "content_block_start" and doc["content_block"]["type"] == "tool_use"
                    for name, doc in events)  # (nothing of the call went out)
+
+
+def test_tool_calls_are_bounded_in_number_and_their_indexes_are_integers() -> None:
+    """Sweep 15: each finished call's index was kept, whatever JSON value it was: an engine's endless calls with
+    a 1 MB string for an index grew the gateway ~100 MB/s; a list for an index raised inside the translation."""
+    from gateway.api.translate.messages import MAX_CALLS
+
+    def call(index: object) -> bytes:
+        return _delta({"tool_calls": [{"index": index, "id": f"c{index}", "function": {"name": "f"}}]})
+
+    stream = MessagesStream("m")
+    out = b"".join(stream.feed(call(i)) for i in range(MAX_CALLS + 1))
+    assert b"event: error" not in out  # (the last is open: MAX_CALLS finished)
+    out += stream.feed(call(MAX_CALLS + 1))
+    events = _events(out)
+    assert events[-1][0] == "error" and "more than" in events[-1][1]["error"]["message"]
+    for index in ([0], "0" * 100, 1.5):
+        events = _events(MessagesStream("m").feed(call(index)))
+        assert events[-1][0] == "error" and "not an integer" in events[-1][1]["error"]["message"], index

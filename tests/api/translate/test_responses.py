@@ -597,3 +597,22 @@ def test_a_stream_has_at_most_the_bound_of_output_items(shape: str) -> None:
     assert reader.types()[-1] == "response.failed"
     assert "output items" in reader.events[-1]["response"]["error"]["message"]
 
+
+
+def test_tool_names_and_ids_count_toward_what_a_stream_keeps_and_indexes_are_integers() -> None:
+    """Sweep 15: names and call ids were kept uncounted: 1,000 calls named with 1 MB each made a 1 GB closing
+    event (the loop held 9.5 s); and a call whose index was a list raised inside the translation."""
+    from gateway.api.translate.responses import MAX_KEPT_CHARS
+
+    stream = ResponsesStream({"model": "m", "input": "x", "stream": True}, "resp_1")
+    reader = _Reader()
+    reader.read(stream.feed(_call(0, "c0", "n" * (MAX_KEPT_CHARS // 2))))
+    assert "response.failed" not in reader.types()
+    reader.read(stream.feed(_call(1, "c1", "n" * (MAX_KEPT_CHARS // 2))))
+    assert reader.types()[-1] == "response.failed"
+    for index in ([0], "0", 1.5):
+        stream = ResponsesStream({"model": "m", "input": "x", "stream": True}, "resp_1")
+        reader = _Reader()
+        reader.read(stream.feed(_chunk({"tool_calls": [{"index": index, "function": {"name": "f"}}]})))
+        assert reader.types()[-1] == "response.failed", index
+        assert "not an integer" in reader.events[-1]["response"]["error"]["message"]
