@@ -630,12 +630,14 @@ class Admission:
         kept = sum(use.kept(now, window, gap) for use in light)
         if not kept:
             return False
-        # and no more than what the light keys together likely hold at once (mean plus two standard deviations,
-        # at least one): each key's own margin, summed, kept two idle slots for every key seen in the window,
-        # however little it used (sweep 14: one key sending a 3 ms request every 4 s cost a flood of 8 slots a
-        # quarter of its throughput, four keys half)
+        # and no more free than what the light keys together likely hold at once (mean plus two standard
+        # deviations) less what they hold now, at least one: each key's own margin, summed, kept two idle slots for
+        # every key seen in the window, however little it used (sweep 14: one key sending a 3 ms request every 4
+        # s cost a flood of 8 slots a quarter of its throughput, four keys half); and the slots they held were
+        # counted again as kept free (sweep 15: a key holding one slot had up to three more kept idle)
         busy = sum(use.busy(now, window, gap) for use in light)
-        kept = min(kept, max(1, math.ceil(busy + 2 * math.sqrt(busy))))
+        held = sum(use.active for use in light)
+        kept = min(kept, max(1, math.ceil(busy + 2 * math.sqrt(busy)) - held))
         capacity = capacity_of(ticket.model)
         if not capacity:
             return False

@@ -624,3 +624,25 @@ def test_per_second_bookkeeping_stays_bounded_where_nothing_reads_it() -> None:
         model.completion(float(second) + 0.5)
     assert len(use.peaks) == PER_SECOND_MAX and len(model.gaps) == PER_SECOND_MAX
     assert use.peaks[-1][0] == 999
+
+
+async def test_what_light_keys_hold_is_not_kept_free_for_them_again() -> None:
+    """Sweep 15: the cap on what is kept counted the slots light keys already held as if they were to be kept
+    free: a key steadily holding one slot (2 s requests, one at a time) had up to three more kept idle, and a
+    flood on 8 slots lost a third of its throughput. It likely holds ~1 (3 with the margin), holds 1: 2 kept
+    free, not 3."""
+    q = Queue()
+    admission = q.admission
+    for ticket in admit(admission, "steady", 4):  # 4 in the window, each held ~1.9 s: 0.4 a second x 1.9 s
+        ticket.admitted_at -= 1.9
+        admission.finished(ticket)
+    admit(admission, "steady", 1)  # and one in flight now
+    flood = await q.enter("flood-waits", key="flood")
+    now = time.monotonic()
+    for at in (now - 9.0, now - 1.0):  # an 8 s wait between two completions while the flood waited
+        admission.completed("m", at=at)
+    admit(admission, "flood", 16)  # 17 of 20 taken: 3 free
+    assert not admission.held_back(flood, slots(20, admission))  # (3 free, 2 kept)
+    admit(admission, "flood", 1)
+    assert admission.held_back(flood, slots(20, admission))  # (2 free, 2 kept)
+    await q.done()
