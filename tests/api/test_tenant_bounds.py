@@ -286,6 +286,32 @@ def test_a_conversation_grown_past_the_body_limit_is_not_continued() -> None:
             assert turn("short", first.json()["id"]).status_code == 200
 
 
+def test_a_conversation_costing_more_than_max_json_values_to_decode_is_not_continued() -> None:
+    """Sweep 15: a continuation's stored conversation is decoded and translated with its input in one turn of the
+    event loop, bounded only in bytes: three chained inputs of 90,000 parts held the loop 0.2-0.3 s each. It is
+    now counted as a body is (limits.max_json_values) before it is decoded."""
+    spec = SimSpec(engine="llamacpp", model="m", name="l", time_scale=TIME_SCALE, overrides={"context_length": 65536})
+    parts = [{"type": "input_text", "text": "a"}] * 2_500  # (~90 KB, ~60,000 units: each body passes on its own)
+    with FleetThread([spec]) as fleet:
+        app = create_app(gateway_settings(fleet.fleet.servers, limits={"max_json_values": 100_000}))
+        with serve_in_thread(app) as gateway:
+            def turn(previous: str | None = None) -> httpx.Response:
+                body: dict[str, Any] = {"model": "m", "input": [{"role": "user", "content": parts}],
+                                        "max_output_tokens": 4}
+                if previous is not None:
+                    body["previous_response_id"] = previous
+                return httpx.post(gateway.url + "/v1/responses", json=body, timeout=60)
+
+            first = turn()
+            assert first.status_code == 200, first.text[:300]
+            second = turn(first.json()["id"])  # (its history: one input's worth)
+            assert second.status_code == 200, second.text[:300]
+            third = turn(second.json()["id"])  # (two inputs' worth: past the bound)
+            assert third.status_code == 400, third.text[:300]
+            error = third.json()["error"]
+            assert error["code"] == "conversation_too_large" and "max_json_values" in error["message"]
+
+
 def test_what_a_request_may_generate_is_the_most_any_of_its_fields_says(running: Running) -> None:
     """TabbyAPI generates max_tokens and llama.cpp n_predict (before max_tokens) where the gateway read
     max_completion_tokens: {"max_completion_tokens": 1, "max_tokens": 1500} reserved one token and generated 1,500."""
