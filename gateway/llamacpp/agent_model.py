@@ -36,7 +36,7 @@ from __future__ import annotations
 from itertools import pairwise
 from pathlib import Path
 
-from gateway.llamacpp.model import SEED, SPACE, vocabulary
+from gateway.llamacpp.model import SEED, SPACE, ModelSize, vocabulary, write
 
 N_EMBD, N_HEAD, N_CTX = 64, 4, 131072
 HEAD = N_EMBD // N_HEAD
@@ -177,45 +177,14 @@ def generate(path: Path) -> Path:
         v[head * HEAD] = key
         o[:, head * HEAD] = feature / 5.66
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    staging = path.with_suffix(".tmp")
-    writer = gguf.GGUFWriter(str(staging), "llama")
-    writer.add_name("llm-gateway agent")
-    writer.add_context_length(N_CTX)
-    writer.add_embedding_length(N_EMBD)
-    writer.add_block_count(1)
-    writer.add_feed_forward_length(N_EMBD)
-    writer.add_head_count(N_HEAD)
-    writer.add_head_count_kv(N_HEAD)
-    writer.add_rope_dimension_count(HEAD)
-    writer.add_rope_freq_base(1e30)
-    writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_vocab_size(n_vocab)
-    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
-    writer.add_tokenizer_model("llama")
-    writer.add_token_list(tokens)
-    writer.add_token_scores(scores)
-    writer.add_token_types(types)
-    writer.add_unk_token_id(0)
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(index["<|im_end|>"])
-    writer.add_eot_token_id(index["<|im_end|>"])
-    writer.add_add_bos_token(True)
-    writer.add_add_eos_token(False)
-    writer.add_add_space_prefix(False)
-    writer.add_chat_template(TEMPLATE)
-    writer.add_tensor("token_embd.weight", embedding)
-    writer.add_tensor("output_norm.weight", np.ones(N_EMBD, np.float32))
-    writer.add_tensor("output.weight", output)
-    writer.add_tensor("blk.0.attn_norm.weight", np.ones(N_EMBD, np.float32))
-    for name, tensor in (("attn_q", q), ("attn_k", k), ("attn_v", v), ("attn_output", o)):
-        writer.add_tensor(f"blk.0.{name}.weight", tensor)
-    writer.add_tensor("blk.0.ffn_norm.weight", np.ones(N_EMBD, np.float32))
-    for name in ("ffn_gate", "ffn_up", "ffn_down"):
-        writer.add_tensor(f"blk.0.{name}.weight", np.zeros((N_EMBD, N_EMBD), np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    staging.replace(path)
-    return path
+    ones = np.ones(N_EMBD, np.float32)
+    tensors = [("token_embd.weight", embedding), ("output_norm.weight", ones), ("output.weight", output),
+               ("blk.0.attn_norm.weight", ones),
+               *((f"blk.0.{name}.weight", tensor) for name, tensor in (("attn_q", q), ("attn_k", k), ("attn_v", v),
+                                                                        ("attn_output", o))),
+               ("blk.0.ffn_norm.weight", ones),
+               *((f"blk.0.{name}.weight", np.zeros((N_EMBD, N_EMBD), np.float32))
+                 for name in ("ffn_gate", "ffn_up", "ffn_down"))]
+    dims = ModelSize(n_embd=N_EMBD, n_layer=1, n_ff=N_EMBD, n_head=N_HEAD, n_ctx=N_CTX)
+    # (a RoPE base of 1e30: the heads' last dimension pair does not turn, see above)
+    return write(path, "llm-gateway agent", dims, 1e30, (tokens, scores, types), TEMPLATE, tensors)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import string
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from gateway.llamacpp.build import cache_dir
 
@@ -93,7 +94,6 @@ def generate(path: Path, size: str = "tiny", seed: int = SEED) -> Path:
         from gateway.llamacpp import agent_model
 
         return agent_model.generate(path)
-    import gguf
     import numpy as np
 
     dims = SIZES[size]
@@ -104,10 +104,31 @@ def generate(path: Path, size: str = "tiny", seed: int = SEED) -> Path:
     def weight(*shape: int, scale: float = 0.02) -> np.ndarray:
         return (rng.standard_normal(shape) * scale).astype(np.float32)
 
+    ones = np.ones(dims.n_embd, dtype=np.float32)
+    tensors = [("token_embd.weight", weight(n_vocab, dims.n_embd, scale=1.0)), ("output_norm.weight", ones),
+               ("output.weight", weight(n_vocab, dims.n_embd))]
+    for i in range(dims.n_layer):
+        tensors.append((f"blk.{i}.attn_norm.weight", ones))
+        tensors += [(f"blk.{i}.{name}.weight", weight(dims.n_embd, dims.n_embd))
+                    for name in ("attn_q", "attn_k", "attn_v", "attn_output")]
+        tensors += [(f"blk.{i}.ffn_norm.weight", ones), (f"blk.{i}.ffn_gate.weight", weight(dims.n_ff, dims.n_embd)),
+                    (f"blk.{i}.ffn_up.weight", weight(dims.n_ff, dims.n_embd)),
+                    (f"blk.{i}.ffn_down.weight", weight(dims.n_embd, dims.n_ff))]
+    return write(path, f"llm-gateway random {size}", dims, 10000.0, (tokens, scores, types), CHATML_TEMPLATE, tensors)
+
+
+def write(path: Path, name: str, dims: ModelSize, rope_base: float,
+          vocab: tuple[list[str], list[float], list[int]], template: str, tensors: list[tuple[str, Any]]) -> Path:
+    """A llama-architecture GGUF at ``path`` (written aside, then moved into place): ``dims``, RoPE base
+    ``rope_base``, the SPM ``vocab`` (its end of turn ``<|im_end|>``), its chat ``template`` and ``tensors`` in
+    order."""
+    import gguf
+
+    tokens, scores, types = vocab
     path.parent.mkdir(parents=True, exist_ok=True)
     staging = path.with_suffix(".tmp")
     writer = gguf.GGUFWriter(str(staging), "llama")
-    writer.add_name(f"llm-gateway random {size}")
+    writer.add_name(name)
     writer.add_context_length(dims.n_ctx)
     writer.add_embedding_length(dims.n_embd)
     writer.add_block_count(dims.n_layer)
@@ -115,9 +136,9 @@ def generate(path: Path, size: str = "tiny", seed: int = SEED) -> Path:
     writer.add_head_count(dims.n_head)
     writer.add_head_count_kv(dims.n_head)
     writer.add_rope_dimension_count(dims.n_embd // dims.n_head)
-    writer.add_rope_freq_base(10000.0)
+    writer.add_rope_freq_base(rope_base)
     writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_vocab_size(n_vocab)
+    writer.add_vocab_size(len(tokens))
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)
     writer.add_tokenizer_model("llama")
     writer.add_token_list(tokens)
@@ -131,19 +152,9 @@ def generate(path: Path, size: str = "tiny", seed: int = SEED) -> Path:
     writer.add_add_bos_token(True)
     writer.add_add_eos_token(False)
     writer.add_add_space_prefix(False)
-    writer.add_chat_template(CHATML_TEMPLATE)
-
-    writer.add_tensor("token_embd.weight", weight(n_vocab, dims.n_embd, scale=1.0))
-    writer.add_tensor("output_norm.weight", np.ones(dims.n_embd, dtype=np.float32))
-    writer.add_tensor("output.weight", weight(n_vocab, dims.n_embd))
-    for i in range(dims.n_layer):
-        writer.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(dims.n_embd, dtype=np.float32))
-        for name in ("attn_q", "attn_k", "attn_v", "attn_output"):
-            writer.add_tensor(f"blk.{i}.{name}.weight", weight(dims.n_embd, dims.n_embd))
-        writer.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(dims.n_embd, dtype=np.float32))
-        writer.add_tensor(f"blk.{i}.ffn_gate.weight", weight(dims.n_ff, dims.n_embd))
-        writer.add_tensor(f"blk.{i}.ffn_up.weight", weight(dims.n_ff, dims.n_embd))
-        writer.add_tensor(f"blk.{i}.ffn_down.weight", weight(dims.n_embd, dims.n_ff))
+    writer.add_chat_template(template)
+    for tensor_name, tensor in tensors:
+        writer.add_tensor(tensor_name, tensor)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
