@@ -28,6 +28,7 @@ import orjson
 
 from gateway.config import LimitSettings
 from gateway.errors import GatewayError
+from gateway.proxy.forward import parse_units
 
 _NULL = msgspec.Raw(b"null")
 _SHORT = 256  # a field longer than this (raw JSON) is not what the checks look for: read as absent / invalid
@@ -178,10 +179,10 @@ def check_containers(raw: bytes, limits: LimitSettings) -> None:
     if count > limit:
         raise _bad(f"The request body holds {count} '[' and '{{' characters (JSON objects and arrays, and any in "
                    f"its strings); this gateway accepts at most limits.max_json_containers = {limit}", None)
-    # what decoding costs beyond its containers (sweep 13: one object of 700,000 distinct keys, one container, held
-    # the event loop 0.23-0.31 s, and other keys' Redis admissions timed out); every ':' counts as a key's (sweep 14:
-    # counting '":' missed `"k" :1`, 830,000 keys, 0.33-0.40 s; colons in text only make the count higher)
-    units = count * 6 + raw.count(b",") + raw.count(b'"') // 2 + 5 * raw.count(b":")
+    # what decoding costs beyond its containers, as an answer's is counted (sweep 13: one object of 700,000 distinct
+    # keys, one container, held the event loop 0.23-0.31 s, and other keys' Redis admissions timed out; sweep 14:
+    # counting '":' for keys missed `"k" :1`)
+    units = parse_units(raw)
     if units > limits.max_json_values:
         raise _bad(f"The request body holds about {units} JSON values weighted by what decoding each costs; this "
                    f"gateway accepts at most limits.max_json_values = {limits.max_json_values}", None)

@@ -217,12 +217,11 @@ async def test_a_reading_trickled_byte_by_byte_ends_within_the_scrape_timeout() 
     trickled a byte every 0.5 s held a backend's scrape (its health checks included) 31 s, its load going stale.
     Each reading now ends within the scrape's timeout, as a failed reading (here llama.cpp's /slots)."""
     import asyncio
-    import time
     from collections.abc import AsyncIterator
 
     engine = Engine()
 
-    async def trickle() -> AsyncIterator[bytes]:
+    async def trickle() -> AsyncIterator[bytes]:  # (~1.7 s in all: real time is what is under test here)
         for byte in b'[{"id": 0, "is_processing": true}]':
             await asyncio.sleep(0.05)
             yield bytes([byte])
@@ -236,11 +235,9 @@ async def test_a_reading_trickled_byte_by_byte_ends_within_the_scrape_timeout() 
     pool = Pool(settings, ScrapeSettings(interval=60, stale_after=5, timeout=0.3),
                 lambda s, adapter: httpx.AsyncClient(transport=httpx.MockTransport(handler), base_url=s.url),
                 clock=Clock())
-    started = time.monotonic()
     await pool.start()
     try:
-        v = pool.get("v")
-        assert time.monotonic() - started < 0.3 * 3 + 1  # (probe, models and capacity, load: each bounded)
+        v = pool.get("v")  # (read whole, the trickle would have given a load; cut at 0.3 s, none)
         assert v.health is Health.READY and v.scrape_errors == 1 and v.load is None
     finally:
         await pool.stop()

@@ -6,53 +6,55 @@ another key's requests got 503. A backend that answers nothing meanwhile (stuck)
 from __future__ import annotations
 
 import concurrent.futures
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 
 import httpx
 import orjson
 
-from gateway.app import create_app
+from gateway.app import GatewayApp, create_app
 from gateway.config import settings_from_mapping
 from gateway.sim import FleetThread, SimSpec
-from tests.conftest import serve_in_thread, wait_until
+from tests.conftest import ServerThread, serve_in_thread, wait_until
 
 SLOW = {"model": "m", "messages": [{"role": "user", "content": "tell me a long story"}], "max_tokens": 400,
         "ignore_eos": True}
 FAST = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
 
 
-def test_slow_requests_on_a_backend_answering_others_do_not_eject_it() -> None:
+@contextlib.contextmanager
+def _slow_vllm() -> Iterator[tuple[GatewayApp, ServerThread]]:
+    """A gateway in front of one vLLM emulator at real speed: first_byte 1 s, ejected after 2 failures."""
     with FleetThread([SimSpec(engine="vllm", model="m", name="v", time_scale=1.0)]) as fleet:
         settings = settings_from_mapping({
             "backends": [{"name": "v", "engine": "vllm", "url": fleet.fleet.servers[0].url}],
             "timeouts": {"first_byte": 1.0}, "breaker": {"consecutive_failures": 2},
             "scrape": {"interval": 0.2, "timeout": 1.0}})
         app = create_app(settings)
-        with serve_in_thread(app) as gw, httpx.Client(timeout=30) as client:
-            with concurrent.futures.ThreadPoolExecutor(3) as pool:
-                slow = [pool.submit(client.post, gw.url + "/v1/chat/completions", json=SLOW) for _ in range(3)]
-                fast = client.post(gw.url + "/v1/chat/completions", json=FAST)  # (answered while they wait)
-                assert fast.status_code == 200, fast.text
-                assert [s.result().status_code for s in slow] == [504, 504, 504]
-            assert app.gateway.pool.get("v").breaker.state.value == "closed"
-            assert client.post(gw.url + "/v1/chat/completions", json=FAST).status_code == 200
+        with serve_in_thread(app) as gw:
+            yield app, gw
+
+
+def test_slow_requests_on_a_backend_answering_others_do_not_eject_it() -> None:
+    with _slow_vllm() as (app, gw), httpx.Client(timeout=30) as client:
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            slow = [pool.submit(client.post, gw.url + "/v1/chat/completions", json=SLOW) for _ in range(3)]
+            fast = client.post(gw.url + "/v1/chat/completions", json=FAST)  # (answered while they wait)
+            assert fast.status_code == 200, fast.text
+            assert [s.result().status_code for s in slow] == [504, 504, 504]
+        assert app.gateway.pool.get("v").breaker.state.value == "closed"
+        assert client.post(gw.url + "/v1/chat/completions", json=FAST).status_code == 200
 
 
 def test_slow_requests_on_a_quiet_models_only_backend_passing_its_health_checks_do_not_eject_it() -> None:
     """Sweep 13: with nothing else sent to a model's only backend, one key's requests slower than first_byte
     ejected it (nothing answered meanwhile), and its next slow request, as the half-open probe, kept the backend
     from everyone until it timed out too. Its health checks passing meanwhile say it is up."""
-    with FleetThread([SimSpec(engine="vllm", model="m", name="v", time_scale=1.0)]) as fleet:
-        settings = settings_from_mapping({
-            "backends": [{"name": "v", "engine": "vllm", "url": fleet.fleet.servers[0].url}],
-            "timeouts": {"first_byte": 1.0}, "breaker": {"consecutive_failures": 2},
-            "scrape": {"interval": 0.2, "timeout": 1.0}})
-        app = create_app(settings)
-        with serve_in_thread(app) as gw, httpx.Client(timeout=30) as client:
-            for _ in range(3):  # one after another: the backend serves nothing else meanwhile
-                assert client.post(gw.url + "/v1/chat/completions", json=SLOW).status_code == 504
-            assert app.gateway.pool.get("v").breaker.state.value == "closed"
-            assert client.post(gw.url + "/v1/chat/completions", json=FAST).status_code == 200
+    with _slow_vllm() as (app, gw), httpx.Client(timeout=30) as client:
+        for _ in range(3):  # one after another: the backend serves nothing else meanwhile
+            assert client.post(gw.url + "/v1/chat/completions", json=SLOW).status_code == 504
+        assert app.gateway.pool.get("v").breaker.state.value == "closed"
+        assert client.post(gw.url + "/v1/chat/completions", json=FAST).status_code == 200
 
 
 def test_a_models_only_backend_answering_500_to_some_requests_is_not_ejected_by_them() -> None:

@@ -90,7 +90,7 @@ async def _busy(holds: tuple[float, float], enough: asyncio.Event) -> None:
     fast stream relayed) until ``enough``."""
     rng = random.Random(7)
     while not enough.is_set():
-        time.sleep(rng.uniform(*holds))  # noqa: ASYNC251 (the point: the loop held)
+        time.sleep(rng.uniform(*holds))  # noqa: ASYNC251 (the loop held, in real time: what is under test)
         await asyncio.sleep(0)
 
 
