@@ -23,6 +23,7 @@ from gateway.api.response_store import ResponseStore
 from gateway.api.routes import CLIENT, build_router
 from gateway.asgi import Message, Receive, Scope, Send, header, send_body
 from gateway.auth import KeyScope, KeyStore
+from gateway.clock import SYSTEM, Clock
 from gateway.config import ConfigError, Settings
 from gateway.control import ControlPlane
 from gateway.errors import GatewayError
@@ -73,8 +74,10 @@ class Gateway:
         config_path: str | None = None,
         config_content: bytes | None = None,
         on_applied: Callable[[InForce], None] | None = None,
+        clock: Clock = SYSTEM,
     ) -> None:
         self.settings = settings
+        self.clock = clock  # the time its breakers, buckets, admission, pool and stored responses read
         self.config_path = config_path  # the YAML file a reload (SIGHUP, the admin API, the file watch) reads
         self._reloading = asyncio.Lock()
         self.tracing = Tracing(tracer_provider if tracer_provider is not None else provider_from_environment())
@@ -84,9 +87,10 @@ class Gateway:
         # Redis password and the keys configured at start; a worker's: its supervisor's, one for all its workers)
         secret = (worker.seal_secret if worker is not None
                   else fleet_secret(settings.state, [k.digest() for k in settings.auth.keys]))
-        self.shared = SharedState(settings.state, secret=secret) if settings.state.url is not None else None
+        self.shared = (SharedState(settings.state, secret=secret, clock=clock) if settings.state.url is not None
+                       else None)
         routing_state = RoutingState(settings.routing.engine_profile, events=self.kv_events,
-                                     tokenizers=load_tokenizers(settings))
+                                     tokenizers=load_tokenizers(settings), clock=clock)
         if self.shared is not None:
             routing_state.peers = self.shared
         self.pipeline = build_pipeline(settings.routing, routing_state)
@@ -99,13 +103,13 @@ class Gateway:
             return await self.siblings.leader_snapshot() if self.siblings is not None else None
 
         self.pool = Pool(settings.backends, settings.scrape, client_factory, discovery=settings.discovery,
-                         resolver=resolver, breaker=settings.breaker, leader=leader if follow else None,
+                         resolver=resolver, breaker=settings.breaker, leader=leader if follow else None, clock=clock,
                          on_kv_source=lambda: self.kv_events.sync(self._event_streams()))
         self.transport: Transport = transport if transport is not None else H1Transport(settings.timeouts)
         # (its periodic look for slots no release announced: with shared state, at the heartbeat)
         self.admission = Admission(settings.admission, kick_seconds=settings.state.heartbeat_seconds
-                                   if settings.state.url else 1.0)
-        self.keys = KeyStore(settings.auth)
+                                   if settings.state.url else 1.0, clock=clock)
+        self.keys = KeyStore(settings.auth, clock=clock)
         self.validation_workers = ValidationWorkers(settings.limits)
         self.metrics = GatewayMetrics(registry)
         self.metrics.watch_pool(self.pool)
@@ -137,7 +141,8 @@ class Gateway:
         self.recent = Recent()  # the operator's last minutes per backend (GET /admin/backends, /ui)
         self.accounting = Accounting(self.metrics, self.pipeline.observe, settings.access_log.enabled, self.recent)
         self.responses = ResponseStore.of(settings.responses,
-                                          shared=self.shared.responses if self.shared is not None else None)
+                                          shared=self.shared.responses if self.shared is not None else None,
+                                          clock=clock)
         self.control = ControlPlane(lambda: self.settings, self.pool, self.admission, self.shared,
                                     self.metrics.registry, apply=self.reconfigure, config_path=config_path,
                                     recent=self.recent, models=lambda: self.dispatcher.models,
@@ -289,13 +294,14 @@ def create_app(
     config_path: str | None = None,
     config_content: bytes | None = None,
     on_applied: Callable[[InForce], None] | None = None,
+    clock: Clock = SYSTEM,
 ) -> GatewayApp:
     """The gateway's ASGI app. ``config_path``: the file a reload reads, ``config_content`` the bytes of it that
     ``settings`` came from (what the file watch compares the file with); ``on_applied`` is told what is in force
     after each change (a worker tells its supervisor)."""
     gateway = Gateway(settings, client_factory=client_factory, registry=registry, resolver=resolver,
                       tracer_provider=tracer_provider, transport=transport, worker=worker, config_path=config_path,
-                      config_content=config_content, on_applied=on_applied)
+                      config_content=config_content, on_applied=on_applied, clock=clock)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -24,11 +24,11 @@ import hashlib
 import hmac
 import math
 import os
-import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Literal
 
+from gateway.clock import SYSTEM, Clock
 from gateway.config import ApiKeySettings, AuthSettings
 from gateway.config_reload import REMEMBERED_KEYS
 from gateway.errors import GatewayError
@@ -36,13 +36,14 @@ from gateway.routing.cache_domain import SHARED, CacheDomain
 
 
 class TokenBucket:
-    __slots__ = ("capacity", "level", "rate", "updated")
+    __slots__ = ("capacity", "clock", "level", "rate", "updated")
 
-    def __init__(self, per_minute: int, now: float | None = None) -> None:
+    def __init__(self, per_minute: int, now: float | None = None, clock: Clock = SYSTEM) -> None:
+        self.clock = clock
         self.capacity = float(per_minute)
         self.rate = per_minute / 60.0
         self.level = float(per_minute)
-        self.updated = time.monotonic() if now is None else now
+        self.updated = clock.monotonic() if now is None else now
 
     def _refill(self, now: float) -> None:
         self.level = min(self.capacity, self.level + (now - self.updated) * self.rate)
@@ -51,7 +52,7 @@ class TokenBucket:
     def take(self, amount: float, now: float | None = None) -> float:
         """Take ``amount`` if the bucket holds at least that much (0 taken: just check it is positive);
         returns 0 on success, else the seconds until it would."""
-        now = time.monotonic() if now is None else now
+        now = self.clock.monotonic() if now is None else now
         self._refill(now)
         needed = amount if amount > 0 else 1e-9
         if self.level >= needed:
@@ -62,16 +63,16 @@ class TokenBucket:
     def resized(self, per_minute: int, now: float | None = None) -> TokenBucket:
         """A bucket of another limit holding this one's level (up to its capacity), a debt included: a changed
         limit neither refills a spent budget nor forgives what was overdrawn."""
-        now = time.monotonic() if now is None else now
+        now = self.clock.monotonic() if now is None else now
         self._refill(now)
-        bucket = TokenBucket(per_minute, now)
+        bucket = TokenBucket(per_minute, now, self.clock)
         bucket.level = min(bucket.capacity, self.level)
         return bucket
 
     def charge(self, amount: float, now: float | None = None) -> None:
         """Take ``amount`` unconditionally (the level may go below zero); a negative amount gives back, up to
         the capacity."""
-        self._refill(time.monotonic() if now is None else now)
+        self._refill(self.clock.monotonic() if now is None else now)
         self.level = min(self.capacity, self.level - amount)
 
 
@@ -90,15 +91,15 @@ class Client:
         return any(fnmatch.fnmatchcase(model, pattern) for pattern in self.settings.models)
 
 
-def _bucket(per_minute: int | None) -> TokenBucket | None:
-    return TokenBucket(per_minute) if per_minute else None
+def _bucket(per_minute: int | None, clock: Clock) -> TokenBucket | None:
+    return TokenBucket(per_minute, clock=clock) if per_minute else None
 
 
-def _rebucket(old: TokenBucket | None, per_minute: int | None) -> TokenBucket | None:
+def _rebucket(old: TokenBucket | None, per_minute: int | None, clock: Clock) -> TokenBucket | None:
     """The bucket for a changed limit: ``old``'s, resized, where there was one (a limit set where there was
     none starts full)."""
     if old is None or not per_minute:
-        return _bucket(per_minute)
+        return _bucket(per_minute, clock)
     return old.resized(per_minute)
 
 
@@ -131,7 +132,8 @@ KeyScope = Literal["inference", "metrics", "admin"]  # what a key may reach (Api
 
 
 class KeyStore:
-    def __init__(self, settings: AuthSettings, removed: int = REMEMBERED_KEYS) -> None:
+    def __init__(self, settings: AuthSettings, removed: int = REMEMBERED_KEYS, clock: Clock = SYSTEM) -> None:
+        self.clock = clock  # (the keys' rate-limit buckets')
         self._clients: list[tuple[str, Client]] = []
         # the clients of keys a change removed, by name, the longest gone first: the last ``removed`` are kept
         self._gone: OrderedDict[str, Client] = OrderedDict()
@@ -150,12 +152,13 @@ class KeyStore:
         for k in settings.keys:
             client = old.pop(k.name, None) or self._gone.pop(k.name, None)
             if client is None:
-                client = Client(k.name, k, _bucket(k.requests_per_minute), _bucket(k.tokens_per_minute))
+                client = Client(k.name, k, _bucket(k.requests_per_minute, self.clock),
+                                _bucket(k.tokens_per_minute, self.clock))
             else:
                 if client.settings.requests_per_minute != k.requests_per_minute:
-                    client.requests = _rebucket(client.requests, k.requests_per_minute)
+                    client.requests = _rebucket(client.requests, k.requests_per_minute, self.clock)
                 if client.settings.tokens_per_minute != k.tokens_per_minute:
-                    client.tokens = _rebucket(client.tokens, k.tokens_per_minute)
+                    client.tokens = _rebucket(client.tokens, k.tokens_per_minute, self.clock)
                 client.settings = k
             client.cache_domain = domains[k.name]
             clients.append((k.digest(), client))
@@ -251,18 +254,17 @@ class KeyStore:
         """Model permission and the request and token budgets, on arrival. Raises 403 / 429. Returns the
         tokens reserved (``reserve`` when the key has a token limit, else 0); settle them with :meth:`settle`."""
         KeyStore.check_model(client, model)
-        now = time.monotonic()
         # a request takes one from its bucket; the token bucket is only checked here (0 taken) and charged the
         # reservation below, once every check passed
         for bucket, what, amount in ((client.requests, "requests", 1.0), (client.tokens, "tokens", 0.0)):
             if bucket is None:
                 continue
-            wait = bucket.take(amount, now)
+            wait = bucket.take(amount)
             if wait > 0:
                 raise KeyStore.rate_limited(client.name, what, wait)
         if client.tokens is None or reserve <= 0:
             return 0
-        client.tokens.charge(reserve, now)
+        client.tokens.charge(reserve)
         return reserve
 
     @staticmethod

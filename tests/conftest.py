@@ -16,6 +16,8 @@ import uvicorn
 from gateway.config import ServerSettings
 from gateway.server_limits import uvicorn_config
 
+pytest_plugins = ["tests.tiers", "pytester"]
+
 
 def wait_until(condition: Callable[[], object], what: str, within: float = 10.0) -> None:
     """Return once ``condition()`` is true, looking every 10 ms; fail naming ``what`` after ``within`` seconds.

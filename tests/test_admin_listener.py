@@ -19,6 +19,8 @@ import yaml
 from gateway.sim import FleetThread, SimSpec
 from tests.conftest import free_port
 
+pytestmark = pytest.mark.system
+
 CLIENT_KEY, OPS_KEY = "sk-client-0123", "sk-ops-4567"
 
 

@@ -11,6 +11,8 @@ from gateway.config import ApiKeySettings, AuthSettings, settings_from_mapping
 from gateway.errors import GatewayError
 from gateway.routing.cache_domain import SHARED, CacheDomain
 
+pytestmark = pytest.mark.unit
+
 
 def store(monkeypatch: pytest.MonkeyPatch) -> KeyStore:
     monkeypatch.setenv("TEAM_B_KEY", "sk-team-b")

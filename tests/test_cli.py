@@ -12,6 +12,8 @@ import pytest
 from gateway.bench.cli import SUBCOMMANDS
 from gateway.cli import main
 
+pytestmark = pytest.mark.unit
+
 
 def run_without(module: str, *args: str) -> subprocess.CompletedProcess[str]:
     """`gateway ARGS` in a fresh interpreter where importing ``module`` fails as if it were not installed."""
@@ -20,6 +22,7 @@ def run_without(module: str, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.system
 def test_llamacpp_model_without_its_extra_says_what_to_install(tmp_path: Path) -> None:
     done = run_without("gguf", "llamacpp", "model", "--out", str(tmp_path / "m.gguf"))
     assert done.returncode == 2
@@ -28,6 +31,7 @@ def test_llamacpp_model_without_its_extra_says_what_to_install(tmp_path: Path) -
     assert not list(tmp_path.iterdir())
 
 
+@pytest.mark.system
 def test_bench_without_its_extra_says_what_to_install(tmp_path: Path) -> None:
     # nothing listens on the discard port: the run records errors, then the report needs rich
     done = run_without("rich", "bench", "--target", "closed=http://127.0.0.1:9", "--model", "m", "--count", "1",

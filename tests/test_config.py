@@ -14,6 +14,8 @@ from gateway.cli import main
 from gateway.config import ConfigError, load_settings
 from gateway.config_file import MAX_CONFIG_BYTES, MAX_CONFIG_NODES
 
+pytestmark = pytest.mark.unit
+
 GOOD = """
 server: {host: 0.0.0.0, port: 8080}
 backends:
@@ -104,6 +106,7 @@ def test_an_empty_file_is_refused_not_read_as_every_default(tmp_path: pathlib.Pa
     assert "is empty" in capsys.readouterr().err
 
 
+@pytest.mark.system
 def test_gateway_serve_refuses_an_empty_configuration_file(tmp_path: pathlib.Path) -> None:
     path = write(tmp_path, "# nothing here yet\n")
     result = subprocess.run([sys.executable, "-m", "gateway", "serve", "--config", str(path), "--port", "0"],
@@ -111,6 +114,7 @@ def test_gateway_serve_refuses_an_empty_configuration_file(tmp_path: pathlib.Pat
     assert result.returncode == 2 and "is empty" in result.stderr, result.stderr[-2000:]
 
 
+@pytest.mark.system
 def test_console_script_entry_point_runs(tmp_path: pathlib.Path) -> None:
     result = subprocess.run([sys.executable, "-m", "gateway", "check-config", str(write(tmp_path, "{}"))],
                             capture_output=True, text=True, timeout=60)

@@ -23,6 +23,8 @@ from gateway.errors import GatewayError
 from gateway.pool.pool import Pool
 from gateway.proxy.admission import Admission
 
+pytestmark = pytest.mark.unit
+
 OLD, FULL = b"auth: {keys: [...]}\nbackends: [...]\n", b"auth: {keys: [...]}\nbackends: [..., ...]\n"
 
 

@@ -6,7 +6,11 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from gateway import gcpolicy
+
+pytestmark = pytest.mark.system
 
 
 def test_quiet_freezes_what_startup_made_and_raises_the_thresholds() -> None:

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "gateway"
 TOOLING = ("gateway.sim", "gateway.bench", "gateway.llamacpp")
@@ -71,11 +73,13 @@ def test_the_check_covers_the_product() -> None:
     assert not any(_under(m, TOOLING + COMPOSITION_ROOT) for m in modules)
 
 
+@pytest.mark.system
 def test_no_product_module_loads_tooling(loaded: dict[str, set[str]]) -> None:
     offenders = {m: sorted(n for n in names if _under(n, TOOLING)) for m, names in loaded.items()}
     assert {m: names for m, names in offenders.items() if names} == {}
 
 
+@pytest.mark.system
 def test_routing_loads_no_http_or_framework_code(loaded: dict[str, set[str]]) -> None:
     routing = {m: names for m, names in loaded.items() if _under(m, ("gateway.routing",))}
     assert len(routing) > 10

@@ -6,6 +6,8 @@ import pytest
 
 from gateway.redaction import redact_url
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.mark.parametrize(
     ("url", "shown"),

@@ -21,6 +21,8 @@ from gateway.sim import FleetThread, SimSpec
 from tests.conftest import free_port_block
 from tests.test_admin_listener import wait_ready
 
+pytestmark = pytest.mark.system
+
 
 @pytest.mark.parametrize("stop_signal", [signal.SIGINT, signal.SIGTERM])
 def test_serve_without_config_runs_the_emulated_fleet_and_shuts_down_cleanly(stop_signal: signal.Signals) -> None:

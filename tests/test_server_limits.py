@@ -441,6 +441,7 @@ def _small_descriptor_limit() -> None:
     resource.setrlimit(resource.RLIMIT_NOFILE, (2048, 2048))
 
 
+@pytest.mark.system
 def test_an_idle_flood_leaves_gateway_serve_the_descriptors_its_backends_need(tmp_path: Path) -> None:
     """Issue 13: idle sockets took every descriptor, and the gateway could no longer reach its backends. Here
     ``gateway serve`` runs with 2,048 descriptors (so its default cap is 1,024) and 3,000 idle sockets arrive;

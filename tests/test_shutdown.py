@@ -14,9 +14,12 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 import yaml
 
 from tests.conftest import free_port_block
+
+pytestmark = pytest.mark.system
 
 
 def wait_up(url: str, proc: subprocess.Popen[bytes]) -> None:

@@ -10,6 +10,8 @@ import pytest
 
 from gateway.tasks import cancel_and_wait
 
+pytestmark = pytest.mark.unit
+
 
 async def _loses_one_cancellation(rounds: list[int]) -> None:
     lost = False

@@ -39,6 +39,8 @@ from gateway.workers import WorkerIdentity
 from tests.conftest import free_port_block
 from tests.state.conftest import RedisServer
 
+pytestmark = pytest.mark.system
+
 SCRAPE_INTERVAL = 0.2
 
 

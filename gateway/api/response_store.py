@@ -20,13 +20,12 @@ bounds for the whole fleet and bound to the key as well, so a continuation on an
 
 from __future__ import annotations
 
-import time
 from collections import OrderedDict
-from collections.abc import Callable
 from typing import Any, Protocol
 
 import orjson
 
+from gateway.clock import SYSTEM, Clock
 from gateway.config import ResponsesSettings
 from gateway.errors import GatewayError
 from gateway.state.errors import StateUnavailable
@@ -68,7 +67,7 @@ class ResponseStore:
     response id, the whole conversation as chat messages (history + input + output). See the module docstring
     for what is counted and how the bounds apply."""
 
-    def __init__(self, bounds: StoreBounds | None = None, *, clock: Callable[[], float] = time.monotonic,
+    def __init__(self, bounds: StoreBounds | None = None, *, clock: Clock = SYSTEM,
                  shared: SharedResponses | None = None) -> None:
         self._bounds = bounds if bounds is not None else StoreBounds()
         self._shared = shared  # with shared state: every response is also kept there, for every replica
@@ -79,8 +78,9 @@ class ResponseStore:
         self._owners: dict[str, _Owner] = {}
 
     @classmethod
-    def of(cls, settings: ResponsesSettings, shared: SharedResponses | None = None) -> ResponseStore:
-        return cls(StoreBounds.of(settings), shared=shared)
+    def of(cls, settings: ResponsesSettings, shared: SharedResponses | None = None,
+           clock: Clock = SYSTEM) -> ResponseStore:
+        return cls(StoreBounds.of(settings), shared=shared, clock=clock)
 
     @property
     def held(self) -> int:
@@ -97,7 +97,7 @@ class ResponseStore:
             del self._owners[key[0]]
 
     def _expire(self) -> None:
-        now = self._clock()
+        now = self._clock.monotonic()
         while self._entries:
             oldest = next(iter(self._entries))
             if self._entries[oldest].expires > now:
@@ -125,7 +125,7 @@ class ResponseStore:
             self._drop((owner, next(iter(mine.ids))))  # the owner's own oldest first
         while self._entries and (len(self._entries) >= bounds.entries or self._held + size > bounds.max_bytes):
             self._drop(next(iter(self._entries)))
-        self._entries[key] = _Entry(self._clock() + bounds.ttl_seconds, raw, size)
+        self._entries[key] = _Entry(self._clock.monotonic() + bounds.ttl_seconds, raw, size)
         mine = self._owners.get(owner)
         if mine is None:
             mine = self._owners[owner] = _Owner()
@@ -146,7 +146,7 @@ class ResponseStore:
         """The size of ``owner``'s conversation under ``response_id`` as this process holds it (its JSON); 0 when
         it holds none (unknown, expired, another owner's, or only in the shared store)."""
         entry = self._entries.get((owner, response_id))
-        return len(entry.raw) if entry is not None and entry.expires > self._clock() else 0
+        return len(entry.raw) if entry is not None and entry.expires > self._clock.monotonic() else 0
 
     async def fetch(self, owner: str, response_id: str) -> list[dict[str, Any]] | None:
         """``get``, and where this process does not hold it, the shared store (another replica's response).

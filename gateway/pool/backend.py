@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import time
-
+from gateway.clock import SYSTEM, Clock
 from gateway.config import BreakerSettings
 from gateway.engines.spec import EngineSpec
 from gateway.errors import Redactor
@@ -24,6 +23,7 @@ class Backend:
         "cache_ram_mib",
         "capacity",
         "checked",
+        "clock",
         "configured_models",
         "detail",
         "drained",
@@ -60,8 +60,10 @@ class Backend:
         spec: EngineSpec | None = None,
         cache_ram_mib: int | None = None,
         priority_order: str | None = None,
+        clock: Clock = SYSTEM,
     ) -> None:
         self.name = name
+        self.clock = clock
         self.engine = engine
         # the engine's facts (routes, structured output, retries, stream quirks, shape): a plain
         # OpenAI-compatible server's when not given
@@ -90,12 +92,12 @@ class Backend:
         # its address and credentials, kept out of every message passed to a client
         self.secrets = Redactor(name, url)
         self.marked_down = 0  # times the proxy took it out of rotation (a probe begun before that is stale)
-        self.marked_down_at = 0.0  # time.monotonic() of the last time
+        self.marked_down_at = 0.0  # clock.monotonic() of the last time
         # response heads below 500 it sent the proxy: a health check that timed out while this grew measured
         # the gateway's own lateness, not the backend's
         self.answered = 0
         self.checked = 0  # health checks it passed
-        self.breaker = Breaker(breaker or BreakerSettings())
+        self.breaker = Breaker(breaker or BreakerSettings(), clock)
         # bumped each time the backend comes (back) up: a restarted engine has empty caches
         self.epoch = 0
         # an operator drained it (the admin API): no new request goes to it; those in flight finish
@@ -123,7 +125,7 @@ class Backend:
         load = self.load
         if load is None:
             return None
-        if (now if now is not None else time.monotonic()) - load.read_at > self.stale_after:
+        if (now if now is not None else self.clock.monotonic()) - load.read_at > self.stale_after:
             return None
         return load
 
@@ -160,4 +162,4 @@ class Backend:
         self.detail = reason
         self.load = None
         self.marked_down += 1
-        self.marked_down_at = time.monotonic()
+        self.marked_down_at = self.clock.monotonic()

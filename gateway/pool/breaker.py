@@ -17,9 +17,9 @@ backends with ``retries.max_attempts: 1``, and in a mixed fleet where another en
 from __future__ import annotations
 
 import enum
-import time
 from collections import deque
 
+from gateway.clock import SYSTEM, Clock
 from gateway.config import BreakerSettings
 
 CORROBORATION_SECONDS = 60.0
@@ -32,11 +32,12 @@ class BreakerState(enum.Enum):
 
 
 class Breaker:
-    __slots__ = ("_consecutive", "_cooldown", "_error_at", "_error_owner", "_errors_in_a_row", "_failures",
+    __slots__ = ("_clock", "_consecutive", "_cooldown", "_error_at", "_error_owner", "_errors_in_a_row", "_failures",
                  "_open_until", "_probing", "_seconds", "_total", "settings", "state", "trips")
 
-    def __init__(self, settings: BreakerSettings) -> None:
+    def __init__(self, settings: BreakerSettings, clock: Clock = SYSTEM) -> None:
         self.settings = settings
+        self._clock = clock
         self.state = BreakerState.CLOSED
         # outcomes counted per second over the window: O(1) per request and bounded memory at any rate
         self._seconds: deque[list[int]] = deque()  # [second, requests, failures]
@@ -55,7 +56,7 @@ class Breaker:
         """May a request be routed here? (No side effects: routing asks this of every candidate.)"""
         if self.state is BreakerState.CLOSED:
             return True
-        now = time.monotonic() if now is None else now
+        now = self._clock.monotonic() if now is None else now
         if self.state is BreakerState.OPEN:
             return now >= self._open_until
         return not self._probing
@@ -67,7 +68,7 @@ class Breaker:
 
     def begin(self, now: float | None = None) -> None:
         """A request is being sent: after the cooldown, it is the half-open probe."""
-        if self.state is BreakerState.OPEN and (time.monotonic() if now is None else now) >= self._open_until:
+        if self.state is BreakerState.OPEN and (self._clock.monotonic() if now is None else now) >= self._open_until:
             self.state = BreakerState.HALF_OPEN
         if self.state is BreakerState.HALF_OPEN:
             self._probing = True
@@ -78,7 +79,7 @@ class Breaker:
         ``CORROBORATION_SECONDS``, or the backend answered nothing else for twice ``consecutive_failures``
         requests in a row (a deployment of one key still sees a broken engine ejected; an attacker's requests
         among others' that succeed never add up). Remembers this one for the next."""
-        now = time.monotonic() if now is None else now
+        now = self._clock.monotonic() if now is None else now
         before, at = self._error_owner, self._error_at
         self._error_owner, self._error_at = owner, now
         self._errors_in_a_row += 1
@@ -90,7 +91,7 @@ class Breaker:
         self._probing = False
 
     def record(self, ok: bool, now: float | None = None) -> None:
-        now = time.monotonic() if now is None else now
+        now = self._clock.monotonic() if now is None else now
         s = self.settings
         if self.state is BreakerState.HALF_OPEN:
             self._probing = False

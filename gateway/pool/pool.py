@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
-import time
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import httpx
 import orjson
 
+from gateway.clock import SYSTEM, Clock
 from gateway.config import BackendSettings, BreakerSettings, DiscoverySettings, ScrapeSettings
 from gateway.engines.base import BackendError, EngineAdapter
 from gateway.engines.readings import MAX_MODELS
@@ -59,14 +60,14 @@ class Pool:
         resolver: Resolver | None = None,
         breaker: BreakerSettings | None = None,
         leader: Leader | None = None,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Clock = SYSTEM,
         on_kv_source: Callable[[], None] | None = None,
     ) -> None:
         # told whenever a backend's discovered KV-event source changes (kv_events: discover), to subscribe
         self._on_kv_source = on_kv_source
         self._kv_unknown: dict[str, str] = {}  # backend -> why its engine showed no usable source (logged once)
         self._scrape = scrape
-        self._clock = clock  # (for the logging of failed readings only)
+        self._clock = clock
         self._complained: dict[str, float] = {}  # backend -> when its last failed reading was logged
         self._overlisted: set[str] = set()  # backends that listed more than MAX_MODELS models (logged once)
         # a worker of several (server.workers) that is not the first takes the first one's readings instead of
@@ -110,6 +111,7 @@ class Pool:
             spec=adapter.spec,
             cache_ram_mib=settings.cache_ram_mib,
             priority_order=settings.priority_order(),
+            clock=self._clock,
         )
         backend.request_headers = {"Content-Type": "application/json", **settings.basic_auth_header(),
                                    **adapter.spec.auth_headers(settings.resolved_api_key())}
@@ -211,7 +213,7 @@ class Pool:
             for _ in range(max(1, int(drain_seconds / 0.05))):  # until its requests end, drain_seconds at most
                 if backend is None or not backend.in_flight:
                     break
-                await asyncio.sleep(0.05)
+                await self._clock.sleep(0.05)
             if name in self._leaving and self._by_name.get(name) is backend:
                 self._leaving.discard(name)
                 await self._remove(name, why="no longer configured")
@@ -310,12 +312,12 @@ class Pool:
 
     async def _discovery_loop(self) -> None:
         while True:
-            await asyncio.sleep(self._discovery.interval)
+            await self._clock.sleep(self._discovery.interval)
             await self.discover()
 
     async def _loop(self, backend: Backend) -> None:
         while True:
-            await asyncio.sleep(self._scrape.interval)
+            await self._clock.sleep(self._scrape.interval)
             await self.scrape_once(backend)  # (never raises: a loop that died would freeze its backend's health)
 
     async def _follow_loop(self) -> None:
@@ -323,7 +325,7 @@ class Pool:
         (restarting, or its readings are stale), this worker scrapes for itself."""
         assert self._leader is not None
         while True:
-            await asyncio.sleep(self._scrape.interval)
+            await self._clock.sleep(self._scrape.interval)
             answer = await self._leader()
             if answer is not None and self.apply_snapshot(answer):
                 if self._following is False:
@@ -337,8 +339,8 @@ class Pool:
 
     def snapshot(self) -> dict[str, Any]:
         """What this pool last read of every backend, for the other workers of the pod (JSON-ready; each
-        backend's ``probed_at`` and load ``read_at`` are ``time.monotonic()``, which every process of one machine
-        shares)."""
+        backend's ``probed_at`` and load ``read_at`` are its clock's monotonic time: ``time.monotonic()``, which
+        every process of one machine shares)."""
         backends: dict[str, Any] = {}
         for b in self.backends:
             load = b.load
@@ -360,7 +362,7 @@ class Pool:
         try:
             snap = orjson.loads(raw)
             entries = snap["backends"]
-            now = time.monotonic()
+            now = self._clock.monotonic()
             fresh = 0
             for name, entry in entries.items():
                 backend = self._by_name.get(name)
@@ -404,7 +406,7 @@ class Pool:
     def _complain(self, backend: Backend, what: str) -> None:
         """Log a failed reading: a warning at most every COMPLAINT_SECONDS per backend, else at debug level.
         The backend's address and credentials are scrubbed from the whole message."""
-        now = self._clock()
+        now = self._clock.monotonic()
         last = self._complained.get(backend.name)
         quiet = last is not None and now - last < COMPLAINT_SECONDS
         if not quiet:
@@ -442,7 +444,7 @@ class Pool:
         self._late.discard(backend.name)
         if backend.marked_down != marks:
             return  # the proxy saw it fail while this probe was out: the probe's answer is older news
-        self._probed_at[backend.name] = time.monotonic()
+        self._probed_at[backend.name] = self._clock.monotonic()
         if probe.health is not Health.READY:
             self._transition(backend, probe)
             backend.record_load(None)
@@ -475,6 +477,8 @@ class Pool:
             backend.scrape_errors += 1
             self._complain(backend, f"load reading failed: {_why(exc)}")
         else:
+            if load is not None:  # (read when it came, on this pool's clock)
+                load = dataclasses.replace(load, read_at=self._clock.monotonic())
             backend.record_load(load)
             if load is not None and load.rejected:
                 backend.scrape_errors += 1

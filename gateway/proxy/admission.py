@@ -52,11 +52,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
-import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+from gateway.clock import SYSTEM, Clock
 from gateway.config import AdmissionSettings, ApiKeySettings
 from gateway.errors import GatewayError
 from gateway.pool.backend import Backend
@@ -163,15 +163,15 @@ class Ticket:
     key: str
     priority: int
     weight: float
-    deadline: float  # time.monotonic() after which it may no longer be admitted
-    arrived: float = field(default_factory=time.monotonic)
+    deadline: float  # the admission clock's monotonic time after which it may no longer be admitted
+    arrived: float = 0.0  # (the admission clock's monotonic time)
     tag: float | None = None  # its start tag once it has queued
     state: str = "new"  # new -> queued -> woken (-> queued ...) -> done
     woken: asyncio.Future[None] | None = None
     refused: Refused | None = None  # set when it is shed or displaced while it waits
     waited: bool = False  # it queued at least once
     max_saturation: float | None = None  # admitted only while its model's slots in use are below this share
-    admitted_at: float = 0.0  # time.monotonic() when it got its backend
+    admitted_at: float = 0.0  # (likewise) when it got its backend
     chain: bool = False  # woken with no slot announced (another replica's higher waiter left): admitted, it
     # wakes the next, for the slots that were freed while they all yielded
 
@@ -404,8 +404,11 @@ class _Model:
 
 
 class Admission:
-    def __init__(self, settings: AdmissionSettings, kick_seconds: float = 1.0) -> None:
+    def __init__(self, settings: AdmissionSettings, kick_seconds: float = 1.0, clock: Clock = SYSTEM) -> None:
         self.settings = settings
+        # its waits are the event loop's (asyncio timeouts): a clock whose monotonic time is not the loop's
+        # (a test's manual one) suits only the methods that do not wait
+        self.clock = clock
         self.kick_seconds = kick_seconds
         self._kicker: asyncio.Task[None] | None = None
         self._models: dict[str, _Model] = {}
@@ -421,7 +424,8 @@ class Admission:
 
     # -- a request's life -------------------------------------------------------------------------------------
     def ticket(self, model: str, key: str, placement: Placement) -> Ticket:
-        return Ticket(model, key, placement.priority, placement.weight, time.monotonic() + placement.max_wait,
+        now = self.clock.monotonic()
+        return Ticket(model, key, placement.priority, placement.weight, now + placement.max_wait, arrived=now,
                       max_saturation=placement.max_saturation)
 
     def should_queue(self, ticket: Ticket) -> bool:
@@ -435,7 +439,7 @@ class Admission:
         if not (any(w.priority >= priority for w in state.woken)
                 or any(p >= priority and state.levels[p].keys for p in state.levels)):
             return self.outranked(ticket)  # (which lets a light key with a slot kept for it through itself)
-        return not (self.settings.reserve_for_light_keys and self._kept_for(state, ticket.key, time.monotonic()))
+        return not (self.settings.reserve_for_light_keys and self._kept_for(state, ticket.key, self.clock.monotonic()))
 
     def admitted(self, ticket: Ticket) -> None:
         """The request got its backend: it leaves the queue and counts as active until :meth:`released`. One
@@ -448,7 +452,7 @@ class Admission:
         use = state.uses.get(ticket.key)
         if use is None:
             use = state.uses[ticket.key] = _Use()
-        ticket.admitted_at = time.monotonic()
+        ticket.admitted_at = self.clock.monotonic()
         use.admitted(ticket.admitted_at)
         if own and self.waiting:
             self._wake_in(state)
@@ -474,7 +478,7 @@ class Admission:
         displaced."""
         if ticket.refused is not None:  # (shed or displaced while it was routing)
             raise ticket.refused
-        now = time.monotonic()
+        now = self.clock.monotonic()
         if now >= ticket.deadline:
             raise self._refuse(ticket, "timeout", now)
         state = self._model(ticket.model)
@@ -507,7 +511,7 @@ class Admission:
         if ticket.refused is not None:
             raise ticket.refused
         if ticket.state == "queued":  # (its deadline passed)
-            raise self._refuse(ticket, "timeout", time.monotonic())
+            raise self._refuse(ticket, "timeout", self.clock.monotonic())
 
     async def _kick(self) -> None:
         """While requests wait: every ``kick_seconds``, wake each model's first waiter even though no release
@@ -515,7 +519,7 @@ class Admission:
         finds one, its admission wakes the next (see :meth:`admitted`). One timer per admission, not one per
         waiter."""
         while self.waiting:
-            await asyncio.sleep(self.kick_seconds)
+            await self.clock.sleep(self.kick_seconds)
             for model, state in list(self._models.items()):
                 if self.announce is not None and self._announced.get(model) is not None:
                     self.announce(model, self._announced[model])  # (renewed, or the others forget it)
@@ -531,16 +535,16 @@ class Admission:
         if use is not None:
             use.active -= 1
             if ticket.admitted_at:
-                use.served(time.monotonic() - ticket.admitted_at)
+                use.served(self.clock.monotonic() - ticket.admitted_at)
             if not use.active and len(state.uses) > 64:  # (keys seen once long ago: let them go)
-                now = time.monotonic()
+                now = self.clock.monotonic()
                 for key in [k for k, u in state.uses.items() if not u.kept(now, self.settings.reserve_window_seconds)]:
                     del state.uses[key]
         self.completed(ticket.model)
 
     def completed(self, model: str, at: float | None = None) -> None:
-        """A request of ``model`` ended at ``at`` (time.monotonic(), default now): its service rate."""
-        self._model(model).completion(time.monotonic() if at is None else at)
+        """A request of ``model`` ended at ``at`` (the clock's monotonic time, default now): its service rate."""
+        self._model(model).completion(self.clock.monotonic() if at is None else at)
 
     def released(self, backend: Backend) -> None:
         """An attempt on ``backend`` ended: wake the best waiter whose model ``backend`` serves."""
@@ -564,7 +568,7 @@ class Admission:
         others = self._elsewhere.get(ticket.model)
         if not others:
             return False
-        now = time.monotonic()
+        now = self.clock.monotonic()
         if now - ticket.arrived >= ELSEWHERE_YIELD_SECONDS:
             return False
         state = self._models.get(ticket.model)
@@ -585,7 +589,7 @@ class Admission:
         if priority is None:
             others.pop(replica, None)
         else:
-            others[replica] = (priority, time.monotonic() + 3 * self.kick_seconds)
+            others[replica] = (priority, self.clock.monotonic() + 3 * self.kick_seconds)
         if before is not None and (priority is None or priority < before[0]):
             state = self._models.get(model)
             if state is not None and not state.woken and self.waiting:
@@ -619,7 +623,7 @@ class Admission:
         state = self._models.get(ticket.model)
         if state is None or not state.uses or (len(state.uses) == 1 and ticket.key in state.uses):
             return False  # (one key alone: the common case, decided before anything is counted)
-        now = time.monotonic()
+        now = self.clock.monotonic()
         waiting = state.waiting_keys()
         window = self.settings.reserve_window_seconds
         gap = state.longest_gap(now, window)
@@ -672,7 +676,7 @@ class Admission:
 
     def service_rate(self, model: str) -> float | None:
         state = self._models.get(model)
-        return state.rate(time.monotonic()) if state is not None else None
+        return state.rate(self.clock.monotonic()) if state is not None else None
 
     # -- inside -------------------------------------------------------------------------------------------
     def _model(self, model: str) -> _Model:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Protocol
 
@@ -80,6 +79,7 @@ class Dispatcher:
         self._fleet = fleet
         self._pipeline = pipeline
         self._admission = admission
+        self._clock = admission.clock  # (the time its tickets were stamped with)
         self._forwarder = forwarder
         self._metrics = metrics
         self._retries = retries
@@ -170,7 +170,7 @@ class Dispatcher:
                 exchange.model = request.model
             raise
         admission.admitted(ticket)
-        self._metrics.flow.admitted(request.model, placement.band, key, time.monotonic() - ticket.arrived)
+        self._metrics.flow.admitted(request.model, placement.band, key, self._clock.monotonic() - ticket.arrived)
         try:
             await self._send(exchange, request, decision, receive, send, writer)
         finally:
@@ -194,7 +194,7 @@ class Dispatcher:
         settings = self._retries
         candidates = iter(decision.ranked)
         remaining = len(decision.ranked)
-        started = time.monotonic()
+        started = self._clock.monotonic()
         # backends that answered this request with a 5xx and were failed over, not yet counted against
         suspects: list[tuple[Backend, int]] = []
         # with one candidate only, a 5xx it answers has nothing to be compared with (see _attempt)
@@ -205,7 +205,7 @@ class Dispatcher:
             backend = next(candidates)
             remaining -= 1
             last = (remaining == 0 or number >= settings.max_attempts
-                    or time.monotonic() - started >= settings.max_seconds)
+                    or self._clock.monotonic() - started >= settings.max_seconds)
             await self._attempt(exchange, request, backend, last, headers, receive, send, writer, suspects, alone)
             if suspects and 0 < exchange.status < 400:
                 # another backend served it: those that answered 5xx failed where it did not (when another key's
@@ -222,7 +222,7 @@ class Dispatcher:
             return
         except _Retry as exc:
             failed = exc
-        elapsed = time.monotonic() - started
+        elapsed = self._clock.monotonic() - started
         if settings.max_attempts <= 1 or elapsed >= settings.max_seconds:
             raise failed.final from None
         retrying = AsyncRetrying(

@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from gateway.clock import SYSTEM, Clock
 from gateway.pool.backend import Backend
 from gateway.routing.plugins import Learner
 from gateway.routing.prefix_index import PrefixIndexes
@@ -111,8 +112,9 @@ class RoutingState:
     """What the plugins of one gateway share. ``learners`` lists the attached shared learners."""
 
     def __init__(self, profile_file: Path | None = None, *, events: EventIndexes | None = None,
-                 tokenizers: Mapping[str, PromptTokenizer] | None = None) -> None:
+                 tokenizers: Mapping[str, PromptTokenizer] | None = None, clock: Clock = SYSTEM) -> None:
         self.learners: list[Learner] = []
+        self.clock = clock  # the time the plugins' tables (sessions, credits) read
         # engines' KV events (backends configured with kv_events) and the models' tokenizers, for precise-prefix
         self.events = events
         self.tokenizers: Mapping[str, PromptTokenizer] = tokenizers or {}

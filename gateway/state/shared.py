@@ -59,7 +59,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import time
 import uuid
 from collections import deque
 from collections.abc import Callable, Coroutine, Sequence
@@ -69,6 +68,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import msgpack
 
+from gateway.clock import SYSTEM, Clock
 from gateway.config import StateSettings
 from gateway.redaction import redact_url
 from gateway.state import scripts
@@ -171,11 +171,13 @@ class SharedState:
     subscriber; every operation is safe to call while Redis is down (see the module docstring)."""
 
     def __init__(self, settings: StateSettings, *, replica_id: str | None = None,
-                 client: aioredis.Redis | None = None, secret: bytes | None = None) -> None:
+                 client: aioredis.Redis | None = None, secret: bytes | None = None, clock: Clock = SYSTEM) -> None:
         """``secret``: what the messages to the other replicas are sealed with (:mod:`gateway.state.sealing`;
-        the composition root derives it from the configuration: :func:`fleet_secret`)."""
+        the composition root derives it from the configuration: :func:`fleet_secret`). ``clock``: the time
+        its leases, kept slots and heartbeats read (Redis's own expiry is Redis's)."""
         assert settings.url is not None or client is not None
         self.settings = settings
+        self.clock = clock
         self.replica = replica_id or f"{os.uname().nodename}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self._timeout = settings.timeout_ms / 1000
         # redis-py is imported here, not with the module: it takes ~150 ms, which a gateway without shared
@@ -368,7 +370,7 @@ class SharedState:
             # the resync writes what this replica's requests hold: the kept slots go with it
             self._kept.clear()
         self.up = False
-        now = time.monotonic()
+        now = self.clock.monotonic()
         if now - self._last_log >= 60:
             self._last_log = now
             log.warning("shared state (Redis) unavailable (%s: %s: %s); limits fail %s, routing uses local "
@@ -380,7 +382,7 @@ class SharedState:
         the state stays as it is (one stored response, or one key's corrupt data, must not switch every key's
         limits off; the heartbeat decides whether Redis is down)."""
         self.errors[operation] = self.errors.get(operation, 0) + 1
-        now = time.monotonic()
+        now = self.clock.monotonic()
         if now - self._last_alone_log >= 60:
             self._last_alone_log = now
             log.warning("shared state: %s failed (%s: %s); that operation alone failed, the state stays up",
@@ -560,7 +562,7 @@ class SharedState:
                 and (head is None or self._take_kept(head))):
             if requests is None and tokens is None:
                 return True
-            now = time.monotonic()
+            now = self.clock.monotonic()
             if requests is not None:
                 requests[0] -= 1
                 requests[2] = now
@@ -591,7 +593,7 @@ class SharedState:
         key; none while Redis is down."""
         if name in self._refilling or not self.up:
             return
-        if time.monotonic() - self._dry.get(name, -1e9) < self.settings.heartbeat_seconds:
+        if self.clock.monotonic() - self._dry.get(name, -1e9) < self.settings.heartbeat_seconds:
             return  # (the last brought little: the bucket runs low, and requests may as well ask Redis)
         done = self._refilling[name] = asyncio.get_running_loop().create_future()
         self._spawn(self._refill(name, rpm, tpm, reserve, done))
@@ -610,7 +612,7 @@ class SharedState:
                 return
             self.refills += 1
             if (rpm and int(leased) < want // 4) or (tpm and int(tokens) < want_tokens // 4):
-                self._dry[name] = time.monotonic()  # (the bucket runs low: leases bring little now)
+                self._dry[name] = self.clock.monotonic()  # (the bucket runs low: leases bring little now)
             for kind, limit, amount in (("requests", rpm, int(leased)), ("tokens", tpm, int(tokens))):
                 if amount > 0:
                     self._lease(name, kind, limit, amount)
@@ -676,14 +678,14 @@ class SharedState:
             self._give_back_kept(backend.name)
             return False
         self._kept[backend.name] = kept - 1
-        self._kept_used[backend.name] = time.monotonic()
+        self._kept_used[backend.name] = self.clock.monotonic()
         self._took(backend)
         return True
 
     def _keep(self, backend: str) -> bool:
         """Whether a slot a request of this replica just freed is kept for its next request (not while
         another replica recently found the backend full, nor while Redis is down)."""
-        now = time.monotonic()
+        now = self.clock.monotonic()
         if self._keep_room(backend, self._limits.get(backend, 0), now) <= 0:
             return False
         self._kept[backend] = self._kept.get(backend, 0) + 1
@@ -696,7 +698,8 @@ class SharedState:
         if not max_concurrency or not self.up:
             return 0
         wanted = self._wanted.get(backend)
-        if wanted is not None and (time.monotonic() if now is None else now) - wanted < self.settings.heartbeat_seconds:
+        now = self.clock.monotonic() if now is None else now
+        if wanted is not None and now - wanted < self.settings.heartbeat_seconds:
             return 0
         return max(0, min(KEPT_MAX, max_concurrency // KEPT_SHARE) - self._kept.get(backend, 0))
 
@@ -706,7 +709,7 @@ class SharedState:
         keep = min(extra, self._keep_room(backend.name, backend.max_concurrency))
         if keep:
             self._kept[backend.name] = self._kept.get(backend.name, 0) + keep
-            self._kept_used[backend.name] = time.monotonic()
+            self._kept_used[backend.name] = self.clock.monotonic()
         if extra > keep:
             self._queue_settle("_", 0, 0, backend.name, extra - keep, None)
 
@@ -722,10 +725,10 @@ class SharedState:
             self._give_back_lease((key, kind))
             lease = None
         if lease is None:
-            self._leases[(key, kind)] = [float(amount), float(limit), time.monotonic()]
+            self._leases[(key, kind)] = [float(amount), float(limit), self.clock.monotonic()]
         else:
             lease[0] += amount
-            lease[2] = time.monotonic()
+            lease[2] = self.clock.monotonic()
 
     def _give_back_lease(self, which: tuple[str, str]) -> None:
         lease = self._leases.pop(which, None)
@@ -920,7 +923,7 @@ class SharedState:
             finally:
                 with contextlib.suppress(*self._errors):
                     await asyncio.wait_for(pubsub.aclose(), 1.0)  # type: ignore[no-untyped-call, unused-ignore]
-            await asyncio.sleep(self.settings.heartbeat_seconds)
+            await self.clock.sleep(self.settings.heartbeat_seconds)
 
     def _received(self, message: dict[str, Any]) -> None:
         """A message another replica published: applied if its seal holds (:mod:`gateway.state.sealing`), else
@@ -942,7 +945,7 @@ class SharedState:
                 callback(backend)
             return
         if name == self._wanted_channel:
-            now = time.monotonic()
+            now = self.clock.monotonic()
             for backend in body.decode("utf-8", "replace").split("\0"):
                 self._wanted[backend] = now
                 self._give_back_kept(backend)
@@ -963,7 +966,7 @@ class SharedState:
         """A message dropped (see :data:`gateway.state.sealing.REASONS`): counted, and logged at most once a
         minute."""
         self.rejected[reason] = self.rejected.get(reason, 0) + 1
-        now = time.monotonic()
+        now = self.clock.monotonic()
         if now - self._last_reject_log >= 60:
             self._last_reject_log = now
             shown = channel.decode("utf-8", "replace") if isinstance(channel, bytes) else channel
@@ -1070,7 +1073,7 @@ class SharedState:
     # -- heartbeat ----------------------------------------------------------------------------------------------
     async def _heartbeat_loop(self) -> None:
         while True:
-            await asyncio.sleep(self.settings.heartbeat_seconds)
+            await self.clock.sleep(self.settings.heartbeat_seconds)
             try:
                 await self._heartbeat()
             except Exception as exc:  # the loop must outlive anything one heartbeat meets
@@ -1080,7 +1083,7 @@ class SharedState:
     async def _heartbeat(self) -> None:
         """Renew this replica, reap the silent ones, read the others' slot counts; after a failure, write its
         own counts afresh and send the settlements that waited."""
-        now = time.monotonic()
+        now = self.clock.monotonic()
         for backend in [b for b, n in self._kept.items() if n]:
             if now - self._kept_used.get(backend, 0.0) >= self.settings.heartbeat_seconds:
                 self._give_back_kept(backend)  # unused for a heartbeat

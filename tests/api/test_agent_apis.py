@@ -91,6 +91,7 @@ def test_messages_create_and_stream_on_every_engine(engines: Running, engine: st
 FORCING = [e for e in ENGINES if e != "tabbyapi"]  # TabbyAPI does not force a tool call: the gateway refuses
 
 
+@pytest.mark.system
 def test_a_forced_tool_call_on_an_engine_that_cannot_force_one_is_refused_in_each_apis_shape(
         engines: Running) -> None:
     with pytest.raises(anthropic.BadRequestError) as refused:

@@ -32,6 +32,8 @@ from gateway.sim import FleetThread, agent_fleet_specs
 from tests.api.conftest import ENGINES, TIME_SCALE, gateway_settings
 from tests.conftest import AGENT_LLAMA, ServerThread, serve_in_thread
 
+pytestmark = pytest.mark.system
+
 CLIENTS = {"@anthropic-ai/claude-code": "2.1.328", "@openai/codex": "0.169.0"}
 CACHE = Path(os.environ.get("LLM_GATEWAY_CACHE", Path.home() / ".cache" / "llm-gateway")) / "agents" / "npm"
 BIN = CACHE / "node_modules" / ".bin"

@@ -24,6 +24,8 @@ from gateway.sim import FleetThread, agent_fleet_specs
 from tests.api.conftest import ENGINES, TIME_SCALE, gateway_settings
 from tests.conftest import AGENT_LLAMA, ServerThread, serve_in_thread
 
+pytestmark = pytest.mark.system
+
 
 @pytest.fixture(scope="module")
 def gateway(agent_llama: LlamaServer) -> Iterator[ServerThread]:

@@ -28,6 +28,8 @@ from tests.api.test_bounded_validation import long_grammar
 from tests.conftest import free_port, serve_in_thread
 from tests.state.conftest import RedisServer
 
+pytestmark = pytest.mark.system
+
 ASK: Any = [{"role": "user", "content": "Answer."}]
 
 

@@ -186,6 +186,7 @@ def test_the_file_watch_reloads_a_changed_file(fleet: FleetThread, tmp_path: Pat
             time.sleep(0.05)
 
 
+@pytest.mark.system
 def test_sighup_reloads_the_file_of_gateway_serve(fleet: FleetThread, tmp_path: Path) -> None:
     path = tmp_path / "gateway.yaml"
     port = free_port()

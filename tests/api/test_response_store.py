@@ -13,14 +13,9 @@ import pytest
 from gateway.api.response_store import ResponseStore
 from gateway.api.translate.responses import new_response_id
 from gateway.state.stored_responses import StoreBounds
+from tests.clock import ManualClock
 
-
-class _Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
+pytestmark = pytest.mark.unit
 
 
 def message(text: str) -> list[dict[str, Any]]:
@@ -68,7 +63,7 @@ def test_the_memory_held_stays_within_the_byte_bound_whatever_the_conversations_
 
 
 def test_store_keeps_conversations_until_their_ttl() -> None:
-    clock = _Clock()
+    clock = ManualClock()
     store = ResponseStore(bounds(ttl_seconds=10), clock=clock)
     conversation = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
     store.put("", "resp_a", conversation)

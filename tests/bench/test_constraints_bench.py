@@ -11,6 +11,8 @@ import pytest
 
 from gateway.bench.constraints import Options, run, smoke_corpus
 
+pytestmark = pytest.mark.system
+
 pytest.importorskip("llguidance")
 
 SEGFAULT = f"{__name__}:segfault"

@@ -13,6 +13,8 @@ import pytest
 from gateway.bench import fairness
 from gateway.bench.fairness import Config, Outcome, engine_mean_ms, summary, targets, total
 
+pytestmark = pytest.mark.unit
+
 ENGINE_METRICS = """# HELP vllm:time_to_first_token_seconds Histogram of time to first token in seconds.
 # TYPE vllm:time_to_first_token_seconds histogram
 vllm:time_to_first_token_seconds_bucket{le="0.1",model_name="fair"} 3.0

@@ -11,6 +11,8 @@ from gateway.bench.instructions import InstructionsConfig, counted, functions, m
 from gateway.bench.runner import run_sync
 from tests.conftest import free_port_block
 
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -61,6 +63,7 @@ def test_each_functions_share_is_solved_like_the_totals() -> None:
     assert top["per_chunk"] == [["chunk", 50], ["both", 10], ["request", 0]]
 
 
+@pytest.mark.system
 def test_a_tiny_real_count_of_two_checkouts(tmp_path: Path) -> None:
     """This checkout twice, as two 'checkouts' (a path and '.'): every figure present and positive, the same
     chunk counts, and the two counts within a few percent of each other (the same code: what callgrind's

@@ -19,6 +19,8 @@ from gateway.bench.stats import percentile, ratio, summarize
 from gateway.bench.workload import WorkloadConfig, build_workload, zipf_weights
 from gateway.sim.tokenizer import Tokenizer
 
+pytestmark = pytest.mark.unit
+
 
 # --- stats ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("q", [0, 1, 25, 50, 90, 99, 100])

@@ -34,7 +34,10 @@ from gateway.config import settings_from_mapping
 from tests.bench.conftest import RawBackendThread
 from tests.conftest import free_port_block
 
+pytestmark = pytest.mark.unit
 
+
+@pytest.mark.integration
 def test_raw_backend_streams_usage_only_when_asked_and_answers_plain_requests(raw_backend: RawBackendThread) -> None:
     body = {"model": "bench-model", "messages": [], "stream": True, "max_tokens": 3}
     with_usage = httpx.post(raw_backend.url + "/v1/chat/completions",
@@ -231,6 +234,7 @@ def test_repeat_writes_each_run_and_the_summary(tmp_path: Path, monkeypatch: pyt
     assert on_disk["targets"]["added_ttft_p50_x_at_1"]["runs"] == pytest.approx([1.1, 1.2, 1.3])
 
 
+@pytest.mark.system
 def test_a_tiny_real_run_measures_every_phase(tmp_path: Path) -> None:
     """The whole machinery end to end, at tiny sizes (a few seconds): the gateway (and the Rust router when
     installed), every phase; the figures are noise, the layout is what is checked."""

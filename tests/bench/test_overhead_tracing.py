@@ -17,6 +17,8 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from gateway.bench.overhead import TRACED, tracing_cost
 from tests.conftest import free_port
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.fixture
 def sink() -> Iterator[str]:
@@ -38,6 +40,7 @@ def sink() -> Iterator[str]:
         proc.wait(timeout=10)
 
 
+@pytest.mark.system
 def test_sink_takes_the_otlp_exporters_spans_and_keeps_only_counts(sink: str) -> None:
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(OTLPSpanExporter(endpoint=sink + "/v1/traces")))

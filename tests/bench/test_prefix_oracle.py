@@ -25,6 +25,8 @@ from gateway.bench.runner import Phase, RunResult
 from gateway.bench.workload import build_workload
 from gateway.sim.prefix_cache import BlockCache
 
+pytestmark = pytest.mark.unit
+
 
 def shared_prefix(groups: int, per_group: int, system: int, question: int, seed: int = 0) -> list[list[int]]:
     """Token prompts: ``groups`` system prefixes (all starting with the same 5-token header), shuffled."""

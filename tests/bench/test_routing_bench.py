@@ -39,6 +39,8 @@ from gateway.sim.cli import load_fleet_yaml
 from gateway.sim.template import render_chat
 from gateway.sim.tokenizer import Tokenizer
 
+pytestmark = pytest.mark.unit
+
 
 def _result(name: str, index: int, ttft: float, e2e: float, prompt: int, cached: int | None,
             backend: str = "b0", out: int = 10) -> RequestResult:
@@ -188,6 +190,7 @@ def test_shape_verdict_over_the_ramp() -> None:
 
 # --- one tiny real run ------------------------------------------------------------------------------------------
 
+@pytest.mark.system
 def test_tiny_prefix_run_writes_a_complete_report(tmp_path: Path) -> None:
     cfg = PrefixConfig(policies=["round-robin", "prefix"], backends=2, groups=2, prompts_per_group=3,
                        system_len=200, question_len=8, output_len=4, concurrency=2, round_size=3,

@@ -13,6 +13,8 @@ from gateway.bench.routing.seeding import seeded_targets, seeding_level
 from gateway.bench.routing.shape import ShapeConfig, profile_levels, run_shape
 from gateway.routing.shape_model import load_profile_file
 
+pytestmark = pytest.mark.unit
+
 
 def test_profile_levels_reach_the_top_of_the_ramp() -> None:
     assert profile_levels(ShapeConfig()) == [1, 4, 16, 64]
@@ -46,6 +48,7 @@ def test_seeding_figures_put_the_profile_against_the_engine_defaults() -> None:
     assert out["engine-shape"]["engine-defaults"]["output_tok_s"] == 100.0
 
 
+@pytest.mark.system
 def test_quick_shape_run_profiles_its_fleet_and_seeds_the_gateways_with_it(tmp_path: Path) -> None:
     cfg = ShapeConfig.quick(out=tmp_path, base_port=18980, compare_seeding=True)
     doc = run_shape(cfg, log=lambda _: None)
@@ -70,6 +73,7 @@ def _llama_server_cached() -> bool:
     return binary_path().exists()
 
 
+@pytest.mark.system
 @pytest.mark.skipif(not _llama_server_cached(), reason="no cached llama-server binary (build it once with "
                                                        "`gateway llamacpp build`; about 10 minutes on 2 cores)")
 def test_quick_real_shape_run_routes_both_policies_over_both_servers(tmp_path: Path) -> None:

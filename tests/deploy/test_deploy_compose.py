@@ -17,6 +17,8 @@ from deploy_support import COMPOSE, CONFIG_PATH_IN_IMAGE, ROOT, check_config
 
 from gateway.config import load_settings
 
+pytestmark = pytest.mark.unit
+
 SCHEMA = Path(__file__).parent / "schemas" / "compose-spec.json"
 _VARIABLE = re.compile(r"\$(?:(\$)|\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?[-?+])([^}]*))?\})")
 

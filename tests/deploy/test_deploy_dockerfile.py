@@ -7,21 +7,26 @@ import fnmatch
 import subprocess
 from pathlib import Path
 
+import pytest
 import yaml
 from deploy_support import COMPOSE, CONFIG_PATH_IN_IMAGE, DOCKERFILE, ROOT, tool
 from deploy_support import dockerfile_instructions as instructions
 from deploy_support import dockerfile_stage as stage
+
+pytestmark = pytest.mark.unit
 
 
 def hadolint(path: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run([tool("hadolint"), "--no-color", str(path)], capture_output=True, text=True, timeout=60)
 
 
+@pytest.mark.system
 def test_hadolint_passes() -> None:
     result = hadolint(DOCKERFILE)
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+@pytest.mark.system
 def test_hadolint_really_lints(tmp_path: Path) -> None:
     bad = tmp_path / "Dockerfile"
     bad.write_text("FROM python\nRUN apt-get update && apt-get install -y curl\n")

@@ -7,6 +7,8 @@ from pathlib import Path
 import pytest
 from deploy_support import COMPOSE, GATEWAY_CONFIGS, KUBERNETES, check_config
 
+pytestmark = pytest.mark.unit
+
 CONFIGS = sorted(GATEWAY_CONFIGS.glob("*.yaml"))
 
 

@@ -20,7 +20,7 @@ from deploy_support import dockerfile_stage as stage
 
 from tests.conftest import free_port
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.system]
 
 
 def run(*cmd: str | Path, cwd: Path, timeout: float) -> str:

@@ -18,6 +18,8 @@ from deploy_support import DOCKERFILE, GATEWAY_CONFIGS, KUBERNETES, ROOT, tool
 
 from gateway.config import load_settings
 
+pytestmark = pytest.mark.unit
+
 # the oldest release still in wide use whose API has everything used here (preStop sleep), and the newest bundled
 VERSIONS = ("1.30.0", kubernetes_validate.latest_version())
 CRD_GROUPS = ("monitoring.coreos.com/",)
@@ -248,6 +250,7 @@ def test_backends_run_the_engines_real_images_with_metrics() -> None:
     assert "nvidia.com/gpu" not in llamacpp["resources"].get("limits", {})
 
 
+@pytest.mark.system
 def test_the_rendered_kustomization_validates() -> None:
     """What `kubectl apply -k deploy/kubernetes` would send (kubectl's built-in kustomize, offline)."""
     rendered = subprocess.run([tool("kubectl"), "kustomize", str(KUBERNETES)], capture_output=True, text=True,
@@ -271,6 +274,7 @@ def test_the_rendered_kustomization_validates() -> None:
     assert image == f"{entry['newName']}:{entry['newTag']}"
 
 
+@pytest.mark.system
 def test_kubectl_kustomize_fails_on_a_broken_base(tmp_path: Path) -> None:
     broken = tmp_path / "kustomization.yaml"
     broken.write_text("resources:\n  - missing.yaml\n")

@@ -11,6 +11,8 @@ from gateway.engines.base import BackendError
 from gateway.engines.registry import create_adapter
 from gateway.pool.state import Health
 
+pytestmark = pytest.mark.unit
+
 Routes = dict[str, httpx.Response | Callable[[httpx.Request], httpx.Response]]
 
 

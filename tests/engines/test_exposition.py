@@ -13,6 +13,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from gateway.engines.base import parse_histogram, parse_metrics
 from gateway.engines.exposition import histogram, samples, summed
 
+pytestmark = pytest.mark.unit
+
 # label values a real engine may write: a "}" and a quote inside, spaces, a backslash, a newline (escaped)
 AWKWARD = ['plain', 'with } brace', 'a "quoted" word', 'back\\slash', 'two\nlines', 'le="9"', '']
 

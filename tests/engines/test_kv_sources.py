@@ -15,6 +15,8 @@ from gateway.engines.sglang import SGLangAdapter
 from gateway.engines.vllm import VLLMAdapter
 from gateway.pool.state import KvEventSource
 
+pytestmark = pytest.mark.unit
+
 
 def read(adapter: Any, path: str, status: int, doc: Any, url: str = "http://10.0.0.5:8000") -> KvEventSource:
     def answer(request: httpx.Request) -> httpx.Response:

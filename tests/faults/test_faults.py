@@ -124,6 +124,7 @@ def test_a_backend_stuck_loading_is_never_routed_to() -> None:
     assert report.complete == 24, report.samples
 
 
+@pytest.mark.system
 def test_a_slow_client_holds_back_no_one_and_gateway_memory_stays_bounded() -> None:
     report = faults.slow_client(slow_readers=4, normal=16, rounds=3, slow_seconds=5.0)
     c = report.checks

@@ -9,6 +9,8 @@ import textwrap
 
 import pytest
 
+pytestmark = pytest.mark.system
+
 CYCLE = """
 import gc, weakref, zmq
 from gateway.kvcache.contexts import close_context, held, open_context

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import itertools
 
+import pytest
+
 from gateway.kvcache.index import EventIndex, chunk_tokens, request_keys
 from gateway.kvcache.wire import AllBlocksCleared, Batch, BlockRemoved, BlockStored
+
+pytestmark = pytest.mark.unit
 
 _seq = itertools.count()
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import pytest
+
 from gateway.kvcache.index import EventIndex
 from gateway.kvcache.tokenizer import PromptTokenizer
 from gateway.kvcache.wire import Batch, BlockStored
@@ -17,6 +19,8 @@ from gateway.routing.scorers.precise_prefix import PrecisePrefixScorer
 from gateway.routing.scorers.prefix_affinity import PrefixAffinityScorer
 from gateway.routing.state import RoutingState
 from tests.routing.helpers import backend, chat
+
+pytestmark = pytest.mark.unit
 
 SYSTEM = "the quick brown fox jumps over the lazy dog " * 12
 
@@ -133,6 +137,7 @@ def test_the_default_policy_uses_events_and_without_them_routes_as_prefix(model_
     assert plain.route(req, bs).ranked[0] is bs[1] and prefix.route(chat(SYSTEM, "q"), bs).ranked[0] is bs[1]
 
 
+@pytest.mark.integration
 def test_a_prompt_just_routed_counts_as_held_until_its_events_are_due(model_dir: Path) -> None:
     state, hub, _ = setup(model_dir)
     hub.views = {"a": View(), "b": View()}

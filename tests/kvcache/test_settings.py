@@ -8,6 +8,8 @@ import pytest
 
 from gateway.config import ConfigError, KvEventsSettings, settings_from_mapping
 
+pytestmark = pytest.mark.unit
+
 
 def backend(engine: str, **kv: object) -> dict[str, object]:
     return {"backends": [{"name": "b", "engine": engine, "url": "http://10.0.0.7:8000", "kv_events": kv}]}

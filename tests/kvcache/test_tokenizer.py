@@ -10,6 +10,8 @@ from tokenizers import Tokenizer
 
 from gateway.kvcache.tokenizer import MIN_TAIL, PromptTokenizer, TokenizerError
 
+pytestmark = pytest.mark.unit
+
 
 def whole(model_dir: Path, text: str) -> list[int]:
     return Tokenizer.from_file(str(model_dir / "tokenizer.json")).encode(text, add_special_tokens=False).ids

@@ -20,6 +20,8 @@ from gateway.kvcache.wire import (
     decode_replay,
 )
 
+pytestmark = pytest.mark.unit
+
 
 def _str(s: str) -> bytes:
     assert len(s) < 32

@@ -9,8 +9,11 @@ import json
 
 import httpx
 import jsonschema
+import pytest
 
 from gateway.llamacpp.server import LlamaServer
+
+pytestmark = pytest.mark.system
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
            "required": ["city", "days"]}

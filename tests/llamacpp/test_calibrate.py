@@ -9,6 +9,8 @@ import pytest
 from gateway.llamacpp import calibrate as cal
 from gateway.sim.profiles import PROFILES
 
+pytestmark = pytest.mark.unit
+
 
 def synthetic(a: float = 0.003, b: float = 1e-4, c: float = 8e-8, d0: float = 5e-4, d1: float = 3e-6,
               growth: float = 1.5, slots: int = 2) -> cal.Summary:

@@ -23,6 +23,8 @@ from gateway.config import settings_from_mapping
 from gateway.llamacpp.server import LlamaServer
 from tests.conftest import ServerThread, free_port_block, serve_in_thread
 
+pytestmark = pytest.mark.system
+
 ASK = [{"role": "user", "content": "Tell me about the gateway."}]
 
 

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
+
 from gateway.config import BreakerSettings
 from gateway.pool.breaker import Breaker, BreakerState
+
+pytestmark = pytest.mark.unit
 
 
 def breaker(**kw: float) -> Breaker:

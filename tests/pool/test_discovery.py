@@ -11,6 +11,8 @@ from gateway.routing.request import RouteRequest
 from gateway.sim import Fleet, SimSpec
 from tests.conftest import free_port_block
 
+pytestmark = pytest.mark.unit
+
 
 class StubResolver:
     """A resolver whose answers the test changes; a lookup can also fail."""
@@ -37,6 +39,7 @@ def test_dns_entries_need_a_port_and_exclude_a_url() -> None:
                                              "url": "http://x"}]})
 
 
+@pytest.mark.integration
 @pytest.mark.anyio
 async def test_replicas_follow_a_changing_set_of_addresses() -> None:
     # three emulated vLLM servers on 127.0.0.1-3, same port: what a headless Service's pods look like

@@ -12,6 +12,8 @@ from gateway.engines.base import EngineAdapter
 from gateway.pool.pool import Pool
 from gateway.pool.state import Health
 
+pytestmark = pytest.mark.unit
+
 
 class FakeEngine:
     """A llama.cpp-like server whose answers the test changes between scrapes."""

@@ -17,6 +17,9 @@ from gateway.engines.readings import MAX_MODELS
 from gateway.engines.vllm import VLLMAdapter
 from gateway.pool.pool import Pool
 from gateway.pool.state import Health, LoadRecord
+from tests.clock import ManualClock
+
+pytestmark = pytest.mark.unit
 
 SOUND = "vllm:num_requests_running 2\nvllm:num_requests_waiting 1\nvllm:kv_cache_usage_perc 0.5\n"
 NAN = "vllm:num_requests_running NaN\nvllm:num_requests_waiting -1e308\nvllm:kv_cache_usage_perc NaN\n"
@@ -46,22 +49,14 @@ class Engine:
         return httpx.Response(404)
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def make_pool(engines: dict[str, tuple[str, Engine]], clock: Clock | None = None) -> Pool:
+def make_pool(engines: dict[str, tuple[str, Engine]], clock: ManualClock | None = None) -> Pool:
     settings = [BackendSettings(name=name, engine=kind, url=f"http://{name}.internal:8000")
                 for name, (kind, _) in engines.items()]
 
     def factory(s: BackendSettings, adapter: EngineAdapter) -> httpx.AsyncClient:
         return httpx.AsyncClient(transport=httpx.MockTransport(engines[s.name][1].handler), base_url=s.url)
 
-    return Pool(settings, ScrapeSettings(interval=60, stale_after=5), factory, clock=clock or Clock())
+    return Pool(settings, ScrapeSettings(interval=60, stale_after=5), factory, clock=clock or ManualClock())
 
 
 @pytest.mark.anyio
@@ -104,7 +99,7 @@ async def test_a_backend_turning_hostile_and_then_down_is_marked_down() -> None:
 @pytest.mark.anyio
 async def test_failed_readings_are_counted_each_time_and_logged_at_most_once_a_minute_per_backend(
         caplog: pytest.LogCaptureFixture) -> None:
-    clock = Clock()
+    clock = ManualClock()
     a, b = Engine(metrics=NAN), Engine(metrics="vllm:num_requests_running{ 1 2\n")
     pool = make_pool({"a": ("vllm", a), "b": ("vllm", b)}, clock)
     with caplog.at_level(logging.WARNING, logger="gateway.pool"):
@@ -193,7 +188,7 @@ async def test_a_kv_source_echoing_the_backends_key_is_not_followed_nor_logged(
     def factory(s: BackendSettings, adapter: EngineAdapter) -> httpx.AsyncClient:
         return httpx.AsyncClient(transport=httpx.MockTransport(engine.handler), base_url=s.url)
 
-    pool = Pool(settings, ScrapeSettings(interval=60, stale_after=5), factory, clock=Clock())
+    pool = Pool(settings, ScrapeSettings(interval=60, stale_after=5), factory, clock=ManualClock())
     with caplog.at_level(logging.INFO, logger="gateway.pool"):
         await pool.start()
         try:
@@ -234,7 +229,7 @@ async def test_a_reading_trickled_byte_by_byte_ends_within_the_scrape_timeout() 
     settings = [BackendSettings(name="v", engine="llamacpp", url="http://v.internal:8000")]
     pool = Pool(settings, ScrapeSettings(interval=60, stale_after=5, timeout=0.3),
                 lambda s, adapter: httpx.AsyncClient(transport=httpx.MockTransport(handler), base_url=s.url),
-                clock=Clock())
+                clock=ManualClock())
     await pool.start()
     try:
         v = pool.get("v")  # (read whole, the trickle would have given a load; cut at 0.3 s, none)

@@ -1,15 +1,19 @@
 """The admission queue, rule by rule, in small deterministic cases: priority order, weighted fair shares between
-keys, no barging, a bounded queue with displacement, timeouts, shedding on predicted wait, and the headers."""
+keys, no barging, a bounded queue with displacement, timeouts, shedding on predicted wait, and the headers.
+
+Each runs on a fake-time event loop (looptime): the admission reads the loop's time (LoopClock), so deadlines,
+periodic looks and sleeps of seconds pass at once and always in the same order, and "at once" is exact."""
 
 from __future__ import annotations
 
 import asyncio
 import math
-import time
 from collections.abc import Callable
 
+import looptime
 import pytest
 
+from gateway.clock import LoopClock
 from gateway.config import AdmissionSettings, ApiKeySettings, BandSettings
 from gateway.errors import GatewayError
 from gateway.pool.backend import Backend
@@ -23,8 +27,26 @@ from gateway.proxy.admission import (
     retry_after,
 )
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.unit]
 LONG = 30.0
+CLOCK = LoopClock()
+
+
+@pytest.fixture
+def anyio_backend() -> tuple[str, dict[str, object]]:
+    return "asyncio", {"loop_factory": fake_time_loop}
+
+
+def fake_time_loop() -> asyncio.AbstractEventLoop:
+    return looptime.new_event_loop(start=1000.0)  # (0 would read as "never admitted")
+
+
+def clock_now() -> float:
+    return CLOCK.monotonic()
+
+
+def new_admission(settings: AdmissionSettings | None = None, kick_seconds: float = 1.0) -> Admission:
+    return Admission(settings or AdmissionSettings(), kick_seconds, clock=CLOCK)
 
 
 def backend(*models: str) -> Backend:
@@ -47,7 +69,7 @@ class Queue:
     """An admission and the order in which its waiters were woken."""
 
     def __init__(self, **settings: object) -> None:
-        self.admission = Admission(AdmissionSettings(**{"queue_size": 100, **settings}))  # type: ignore[arg-type]
+        self.admission = new_admission(AdmissionSettings(**{"queue_size": 100, **settings}))  # type: ignore[arg-type]
         self.order: list[str] = []
         self.tasks: list[asyncio.Task[None]] = []
         self.refused: dict[str, Refused] = {}
@@ -195,7 +217,7 @@ def served_at(admission: Admission, per_second: float, count: int = 20, ago: flo
     """The model's completions while it was busy: ``count`` at ``per_second``, the last ``ago`` seconds before
     one more interval; a request in flight throughout (it stays: the model is busy still)."""
     admission.admitted(admission.ticket("m", "busy", place()))
-    now = time.monotonic() - ago
+    now = clock_now() - ago
     for i in range(count):
         admission.completed("m", now - (count - i) / per_second)
 
@@ -205,9 +227,9 @@ async def test_a_request_that_cannot_be_served_in_time_is_refused_at_once_with_a
     served_at(q.admission, per_second=2.0)  # one slot frees every 0.5 s
     for i in range(5):
         await q.enter(f"w{i}")
-    started = time.monotonic()
+    started = clock_now()
     await q.enter("hurried", max_wait=1.0)  # 5 ahead at 2/s: ~3 s away, past its 1 s
-    assert time.monotonic() - started < 0.5
+    assert clock_now() == started, "refused at once, not at its deadline"
     refused = q.refused["hurried"]
     assert refused.reason == "deadline" and refused.ahead == 5
     assert refused.predicted == pytest.approx(3.0, rel=0.15)
@@ -243,7 +265,7 @@ async def test_time_with_nothing_to_serve_is_not_counted_as_service_time() -> No
     was refused at once, for a real wait of 0.4 s. A completion after which nothing was in flight or waiting
     starts no service interval."""
     q = Queue()
-    now = time.monotonic()
+    now = clock_now()
     for i in range(6):  # one at a time, 0.35 s each, the last 25 s ago
         q.admission.completed("m", now - 25 - (5 - i) * 0.35)
     assert q.admission.service_rate("m") is None  # (nothing was ever waiting or in flight between them)
@@ -372,8 +394,8 @@ async def test_a_periodic_look_wakes_the_first_waiter_and_an_admission_found_tha
     await q.done()
 
 
-def test_the_count_ahead_is_read_off_each_keys_head_and_weight() -> None:
-    admission = Admission(AdmissionSettings())
+async def test_the_count_ahead_is_read_off_each_keys_head_and_weight() -> None:
+    admission = new_admission()
 
     async def scenario() -> None:
         tickets = []
@@ -392,7 +414,7 @@ def test_the_count_ahead_is_read_off_each_keys_head_and_weight() -> None:
         for t in tickets:
             admission.abandon(t)
 
-    asyncio.run(scenario())
+    await scenario()
 
 
 # -- slots kept for light keys -------------------------------------------------------------------------------
@@ -444,7 +466,7 @@ async def test_a_key_whose_requests_wait_has_nothing_kept() -> None:
 
 
 async def test_two_light_keys_each_take_what_is_kept_for_them() -> None:
-    admission = Admission(AdmissionSettings())
+    admission = new_admission()
     admit(admission, "a", 4)
     admit(admission, "b", 5)
     for key in ("a", "b"):  # 9 of 10 taken, each keeps one: neither is held back from the last
@@ -512,7 +534,7 @@ async def test_a_light_key_keeps_its_likely_arrivals_within_the_longest_wait_bet
         ticket.admitted_at -= 1.5  # (each held its slot 1.5 s, longer than the gap below)
         admission.finished(ticket)  # (one at a time: its peak is 1, so the peak alone keeps 1)
     flood = await q.enter("flood-waits", key="flood")
-    now = time.monotonic()
+    now = clock_now()
     for at in (now - 3.0, now - 2.0):  # two completions 1 s apart while the flood waited
         admission.completed("m", at=at)
     # within 1 s the light key's 2 arrivals (Poisson) are 2 + 2 * sqrt(2) at most, as a rule: 5, and one more
@@ -535,7 +557,7 @@ async def test_a_key_of_short_requests_keeps_what_it_holds_at_once_not_its_arriv
         for ticket in admit(admission, key, 20):  # 2 a second, each done at once
             admission.finished(ticket)
     flood = await q.enter("flood-waits", key="flood")
-    now = time.monotonic()
+    now = clock_now()
     for at in (now - 9.0, now - 1.0):  # an 8 s wait between two completions while the flood waited
         admission.completed("m", at=at)
     admit(admission, "flood", 18)
@@ -546,10 +568,10 @@ async def test_a_key_of_short_requests_keeps_what_it_holds_at_once_not_its_arriv
 
 
 async def test_only_waits_between_completions_while_requests_waited_count() -> None:
-    admission = Admission(AdmissionSettings())
+    admission = new_admission()
     for ticket in admit(admission, "light", 20):
         admission.finished(ticket)
-    now = time.monotonic()
+    now = clock_now()
     for at in (now - 5.0, now - 2.0):  # the model idle between them: nobody waited for a slot
         admission.completed("m", at=at)
     admit(admission, "flood", 18)
@@ -559,7 +581,7 @@ async def test_only_waits_between_completions_while_requests_waited_count() -> N
 
 # -- priority across replicas (with shared state: the others' announcements) --------------------------------------
 async def test_a_higher_priority_waiting_on_another_replica_makes_a_lower_request_here_wait() -> None:
-    admission = Admission(AdmissionSettings(), kick_seconds=0.05)
+    admission = new_admission(kick_seconds=0.05)
     standard, critical = (admission.ticket("m", "k", place(priority=p)) for p in (0, 100))
     other_model = admission.ticket("n", "k", place(priority=0))
     assert not admission.should_queue(standard)
@@ -638,7 +660,7 @@ async def test_what_light_keys_hold_is_not_kept_free_for_them_again() -> None:
         admission.finished(ticket)
     admit(admission, "steady", 1)  # and one in flight now
     flood = await q.enter("flood-waits", key="flood")
-    now = time.monotonic()
+    now = clock_now()
     for at in (now - 9.0, now - 1.0):  # an 8 s wait between two completions while the flood waited
         admission.completed("m", at=at)
     admit(admission, "flood", 16)  # 17 of 20 taken: 3 free

@@ -5,6 +5,7 @@ from __future__ import annotations
 import bisect
 import itertools
 
+import pytest
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
 from gateway.engines.registry import ENGINES
@@ -12,6 +13,8 @@ from gateway.pool.backend import Backend
 from gateway.proxy.accounting import record_metrics
 from gateway.proxy.exchange import Exchange
 from gateway.telemetry.metrics import ITL_BUCKETS, GatewayMetrics
+
+pytestmark = pytest.mark.unit
 
 
 def itl_lines(registry: CollectorRegistry) -> list[str]:

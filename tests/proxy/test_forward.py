@@ -22,6 +22,8 @@ from gateway.proxy.forward import AttemptOptions, Forwarder
 from gateway.proxy.transport import MockRequest, MockResponse, MockTransport
 from gateway.proxy.upstream import UpstreamError
 
+pytestmark = pytest.mark.unit
+
 SSE = {"Content-Type": "text/event-stream"}
 
 

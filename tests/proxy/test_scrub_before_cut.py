@@ -21,6 +21,8 @@ from gateway.errors import Redactor, normalise_upstream_error
 from gateway.proxy.transport import MockRequest, MockResponse, MockTransport
 from tests.proxy.test_forward import SSE, chunk, control_plane
 
+pytestmark = pytest.mark.unit
+
 KEY = "sk-BACKEND-apikey-0123456789abcdefXYZ"
 BASIC = "alice:Pa55-w0rd-basic-LONGER"
 TOKEN = base64.b64encode(BASIC.encode()).decode()

@@ -13,6 +13,8 @@ from hypothesis import strategies as st
 
 from gateway.proxy.sse import InvalidStream, SSERelay
 
+pytestmark = pytest.mark.unit
+
 
 def chunk(content: str | None = None, finish: str | None = None) -> bytes:
     delta = {} if content is None else {"content": content}

@@ -25,6 +25,8 @@ from gateway.structured import can_honour, extract
 from tests.released.engines import Parsed, RequestSide
 from tests.released.sources import SGLANG_NEWEST, SGLANG_OLDEST, VLLM_NEWEST, VLLM_OLDEST, Release
 
+pytestmark = pytest.mark.unit
+
 RELEASES = (SGLANG_NEWEST, SGLANG_OLDEST, VLLM_NEWEST, VLLM_OLDEST)
 ROUTES = ("chat", "completions")
 

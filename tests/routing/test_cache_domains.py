@@ -3,12 +3,16 @@ domain nothing changes."""
 
 from __future__ import annotations
 
+import pytest
+
 from gateway.config import settings_from_mapping
 from gateway.routing.cache_domain import SHARED, CacheDomain
 from gateway.routing.policies import build_pipeline
 from gateway.routing.prompt import block_hashes
 from gateway.routing.request import RouteRequest
 from tests.routing.helpers import backend, chat
+
+pytestmark = pytest.mark.unit
 
 SYSTEM = "You are the assistant of tenant A; the secret word is gondola. " * 40
 A, B = CacheDomain("a", "salt-a"), CacheDomain("b", "salt-b")

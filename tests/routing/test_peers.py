@@ -6,11 +6,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import pytest
+
 from gateway.config import settings_from_mapping
 from gateway.routing.policies import build_pipeline
 from gateway.routing.request import RouteRequest
 from gateway.routing.state import RoutingState
 from tests.routing.helpers import backend
+
+pytestmark = pytest.mark.unit
 
 
 class Wire:

@@ -17,6 +17,8 @@ from gateway.routing.request import RouteRequest
 from gateway.routing.scorers import LeastLoadScorer
 from gateway.routing.state import RoutingState
 
+pytestmark = pytest.mark.unit
+
 
 def backend(name: str, *, models: tuple[str, ...] = ("m",), health: Health = Health.READY,
             slots: int | None = 4, running: int | None = None, waiting: int | None = None,

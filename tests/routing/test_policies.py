@@ -19,6 +19,8 @@ from gateway.routing.scorers import EngineShapeScorer
 from gateway.routing.state import RoutingState
 from tests.routing.helpers import backend, chat
 
+pytestmark = pytest.mark.unit
+
 SYSTEM = "You are a careful assistant for the operators of a fleet of inference servers. " * 30  # ~2.4 KB
 
 

@@ -24,6 +24,8 @@ from gateway.routing.slot_index import SlotIndex
 from gateway.routing.state import RoutingState
 from tests.routing.helpers import backend, chat
 
+pytestmark = pytest.mark.unit
+
 
 def prompt(group: str, question: str, n: int = 40) -> list[bytes]:
     """Chained blocks: ``n`` of the group's prefix, then one of the question."""

@@ -36,6 +36,8 @@ from gateway.structured.syntax.grammar_ast import Alt, CharClass, Expr, Grammar,
 from gateway.structured.syntax.grammar_check import CostTable
 from gateway.structured.syntax.grammar_parse import parse_text_grammar
 
+pytestmark = pytest.mark.unit
+
 SEEDS = range(25)
 
 # --------------------------------------------------------------------------------------- JSON

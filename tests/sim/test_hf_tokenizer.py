@@ -22,6 +22,8 @@ from gateway.sim.hf_tokenizer import HFTokenizer, prepare_tools
 from gateway.sim.tokenizer_files import SPECIAL_TOKENS, VERSION, ensure_tokenizer, tokenizer_json
 from tests.sim.conftest import ask_usage
 
+pytestmark = pytest.mark.unit
+
 MODEL = "m"
 SYSTEM = "You are assistant seven." + " kalo mine ruta wenso bade fezu" * 10
 
@@ -41,6 +43,7 @@ def messages(user: Any = "hello there", system: str = SYSTEM) -> list[dict[str, 
 
 
 # -- the generated directory ------------------------------------------------------------------------------------
+@pytest.mark.system
 def test_generation_is_deterministic_across_processes_and_fast(tokenizer_dir: Path) -> None:
     start = time.perf_counter()
     text = tokenizer_json()
@@ -161,6 +164,7 @@ def fleet(tokenizer_dir: Path) -> Any:
         yield ft
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("engine", ["vllm", "sglang", "llamacpp", "tabbyapi"])
 def test_usage_counts_the_models_tokens(fleet: Any, tokenizer_dir: Path, hf: HFTokenizer, engine: str) -> None:
     server = fleet.fleet[engine]
@@ -181,6 +185,7 @@ def test_usage_counts_the_models_tokens(fleet: Any, tokenizer_dir: Path, hf: HFT
     assert r.json()["usage"]["prompt_tokens"] == len(hf.encode(prompt))
 
 
+@pytest.mark.integration
 def test_vllm_tokenize_and_detokenize(fleet: Any, hf: HFTokenizer) -> None:
     url = fleet.fleet["vllm"].url
     tools = [{"type": "function", "function": {"name": "f", "description": "d", "parameters": {"type": "object"}}}]
@@ -199,6 +204,7 @@ def test_vllm_tokenize_and_detokenize(fleet: Any, hf: HFTokenizer) -> None:
     assert refused.status_code == 400 and "Unsupported role" in refused.text
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("engine", ["vllm", "sglang"])
 def test_the_cache_holds_the_models_ids_of_prompt_and_answer(fleet: Any, hf: HFTokenizer, engine: str) -> None:
     """After a request the prefix cache holds the prompt's ids and the answer's, both as the model tokenizes

@@ -16,6 +16,8 @@ import pytest
 from gateway.sim import FleetThread, SimSpec, default_fleet_specs
 from gateway.sim.cli import load_fleet_yaml
 
+pytestmark = pytest.mark.unit
+
 SIM = Path(__file__).resolve().parents[2] / "gateway" / "sim"
 ALLOWED = ("gateway.sim", "gateway.structured.syntax", "gateway.kvcache.contexts")
 
@@ -58,6 +60,7 @@ def test_spec_validates_overrides() -> None:
         SimSpec(engine="vllm", model="m", overrides={"nope": 1})
 
 
+@pytest.mark.integration
 def test_fleet_yaml(tmp_path: Path) -> None:
     cfg = tmp_path / "fleet.yaml"
     cfg.write_text("base_port: 0\ndefaults: {time_scale: 50}\nservers:\n"
@@ -69,6 +72,7 @@ def test_fleet_yaml(tmp_path: Path) -> None:
         assert c.get(ft.fleet["b"].url + "/v1/loads").json()["loads"][0]["max_running_requests"] == 2
 
 
+@pytest.mark.system
 def test_cli_serve_prints_emulated_and_exits_on_sigterm() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

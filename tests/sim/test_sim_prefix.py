@@ -11,6 +11,8 @@ from gateway.sim.template import render_chat
 from gateway.sim.tokenizer import Tokenizer
 from tests.sim.conftest import ask_usage
 
+pytestmark = pytest.mark.unit
+
 
 def test_block_cache_reuses_whole_chained_blocks_only() -> None:
     cache = BlockCache(16, 16 * 100)
@@ -65,6 +67,7 @@ def chat(url: str, question: str, engine: str) -> dict:  # type: ignore[type-arg
         return r.json()  # type: ignore[no-any-return]
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(("engine", "unit"), [("vllm", 16), ("sglang", 1), ("llamacpp", 1), ("tabbyapi", 256)])
 def test_shared_prefix_hits_in_engine_units(fleet: FleetThread, engine: str, unit: int) -> None:
     server = fleet.fleet[f"sim-{engine}"]
@@ -88,6 +91,7 @@ def test_shared_prefix_hits_in_engine_units(fleet: FleetThread, engine: str, uni
         assert second["timings"]["cache_n"] == cached
 
 
+@pytest.mark.integration
 def test_cached_tokens_hidden_without_cache_report() -> None:
     from gateway.sim import SimSpec
 
@@ -150,6 +154,7 @@ def test_a_salt_keeps_block_and_radix_caches_apart_and_slots_ignore_it() -> None
     assert slots.admit(2, a, salt="tenant-b") == 99
 
 
+@pytest.mark.integration
 def test_vllm_and_sglang_honour_cache_salt_as_their_servers_check_it() -> None:
     spec = [SimSpec(engine="vllm", model="m", name="v"), SimSpec(engine="sglang", model="m", name="s")]
     system = "a long shared system prompt " * 20

@@ -21,7 +21,7 @@ from gateway.sim import FleetThread, SimSpec
 from tests.conftest import serve_in_thread
 from tests.state.conftest import RedisServer
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.system]
 
 KEYS = {"filler": "sk-filler", "limited": "sk-limited"}
 MAXMEMORY = 6 * 1024 * 1024

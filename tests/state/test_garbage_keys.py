@@ -15,6 +15,8 @@ from gateway.state.shared import key_place_of
 from tests.state.conftest import RedisServer
 from tests.state.test_shared import replicas, stop, until
 
+pytestmark = pytest.mark.system
+
 LIM = Budget("lim", 5, None)
 TOK = Budget("tok", None, 60)
 CAP = Budget("cap", None, None, max_in_flight=2)

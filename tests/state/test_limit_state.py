@@ -14,6 +14,8 @@ from gateway.state import Budget
 from tests.state.conftest import RedisServer
 from tests.state.test_shared import replicas, stop, until
 
+pytestmark = pytest.mark.system
+
 
 @pytest.fixture
 async def admin(redis_server: RedisServer) -> AsyncIterator[redis.asyncio.Redis]:

@@ -21,6 +21,8 @@ from gateway.state.sealing import Rejected, Seal, fleet_secret
 from tests.state.conftest import RedisServer
 from tests.state.test_shared import settings, stop, until
 
+pytestmark = pytest.mark.system
+
 FLEET = b"the fleet's own secret"
 EVIL = {"name": "evil", "engine": "openai", "url": "http://127.0.0.1:9", "models": ["m1"], "api_key_env": "HOME"}
 

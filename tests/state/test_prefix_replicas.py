@@ -7,8 +7,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from gateway.bench.routing.prefix import PrefixConfig, run_prefix
 from tests.conftest import free_port_block
+
+pytestmark = pytest.mark.system
 
 
 def test_three_replicas_hit_the_caches_about_as_often_as_one_gateway(tmp_path: Path) -> None:

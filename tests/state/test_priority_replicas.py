@@ -18,6 +18,8 @@ from gateway.sim import FleetThread, SimSpec
 from tests.conftest import free_port_block
 from tests.state.conftest import RedisServer, start_replica
 
+pytestmark = pytest.mark.system
+
 KEYS = {"batch": "sk-batch", "app": "sk-app"}
 SLOTS = 2
 MAX_TOKENS = 80  # about 0.46 s each at the emulated vLLM's 175 tokens/s

@@ -17,6 +17,8 @@ from gateway.config import settings_from_mapping
 from tests.conftest import free_port, serve_in_thread
 from tests.state.conftest import RedisServer
 
+pytestmark = pytest.mark.system
+
 PASSWORD = "hunter2-0b5e7c"
 OPS_KEY = "sk-ops-4567"
 

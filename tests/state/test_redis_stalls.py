@@ -19,6 +19,8 @@ from gateway.state.shared import key_place_of
 from tests.state.conftest import RedisServer
 from tests.state.test_shared import replicas, stop
 
+pytestmark = pytest.mark.system
+
 CAP = Budget("cap", None, None, max_in_flight=2)
 LIM = Budget("lim", 5, None)
 FOUR = [Slotted("b", 4)]  # (too few slots to keep any: every admission asks Redis)

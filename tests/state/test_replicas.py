@@ -25,6 +25,8 @@ from gateway.sim import FleetThread, SimSpec
 from tests.conftest import free_port_block
 from tests.state.conftest import RedisServer, start_replica
 
+pytestmark = pytest.mark.system
+
 KEYS = {"rpm": "sk-rpm", "tpm": "sk-tpm", "free": "sk-free", "burst": "sk-burst", "cap": "sk-cap", "ops": "sk-ops"}
 TPM = 18_000  # the tpm key's tokens per minute: about 160 of the test's requests, fewer than 32 streams can send
 RPM = 30

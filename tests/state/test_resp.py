@@ -12,6 +12,8 @@ import redis.asyncio
 from gateway.state.resp import RespConnection, RespError
 from tests.state.conftest import RedisServer
 
+pytestmark = pytest.mark.system
+
 
 def connection(url: str) -> RespConnection:
     pool = redis.asyncio.BlockingConnectionPool.from_url(url)

@@ -18,6 +18,8 @@ from gateway.state.shared import key_place_of
 from gateway.state.stored_responses import StoreBounds
 from tests.state.conftest import RedisServer
 
+pytestmark = pytest.mark.system
+
 
 def settings(server: RedisServer, **extra: Any) -> StateSettings:
     return StateSettings(**{"url": server.url, "heartbeat_seconds": 0.05, "replica_ttl_seconds": 0.5,

@@ -18,6 +18,8 @@ from gateway.state.stored_responses import OWNER_OVERHEAD, StoreBounds
 from tests.state.conftest import RedisServer
 from tests.state.test_shared import replicas, stop, until
 
+pytestmark = pytest.mark.system
+
 
 def bounds(**extra: Any) -> StoreBounds:
     return StoreBounds(**{"entries": 10**7, "max_bytes": 10**9, "entries_per_key": 10**7, "bytes_per_key": 10**9,

@@ -19,11 +19,14 @@ from typing import Any
 
 import httpx
 import orjson
+import pytest
 
 from gateway.config import LimitSettings
 from gateway.structured.constraint import Constraint
 from gateway.structured.offload import ValidationWorkers
 from tests.proxy.scripted_upstream import ScriptedUpstream, gateway_over
+
+pytestmark = pytest.mark.system
 
 # a pattern each search of which is bounded (so the count lets it run), applied 499 times to one string
 SLOW_PATTERN = "(?:(?:[a-z][a-z]){10}){50}0"

@@ -21,6 +21,8 @@ from gateway.structured.checks import _inline_schema, check_grammar, run_check
 from gateway.structured.offload import ValidationWorkers
 from gateway.structured.regex_cost import steps
 
+pytestmark = pytest.mark.unit
+
 SMALL = LimitSettings(max_nesting=8, max_constraint_bytes=2000, max_grammar_rules=5)
 
 
@@ -127,6 +129,7 @@ def test_the_deepest_constraints_the_limits_allow_never_overflow_the_stack(body:
     assert err.value.code == "constraint_too_deep"
 
 
+@pytest.mark.system
 def test_the_deepest_schemas_go_to_a_worker_that_has_the_stack_for_them() -> None:
     schemas = [nested_schema(199), {"allOf": [nested_schema(98, "properties")]}]
     pending = [extract({"json_schema": schema}, DEEPEST) for schema in schemas]
@@ -160,6 +163,7 @@ def test_work_too_big_for_the_event_loop_is_left_to_a_worker() -> None:
     assert run_check("regex", "(ab|cd)" * 300, "gbnf", "regex", Bounds()).problem is None
 
 
+@pytest.mark.system
 def test_a_worker_past_the_deadline_is_killed_and_replaced_and_verdicts_are_remembered(
         monkeypatch: pytest.MonkeyPatch) -> None:
     slow = {"type": "object", "properties": {f"field_{i}": {"type": "string", "maxLength": 20,

@@ -10,6 +10,8 @@ import pytest
 from gateway.engines.registry import ENGINES, create_adapter
 from gateway.structured import ConstraintInvalid, can_honour, extract
 
+pytestmark = pytest.mark.unit
+
 SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
 GBNF = 'root ::= "yes" | "no"'
 EBNF_ONLY = 'root ::= Regex("[a-z]+")'  # xgrammar's Regex macro: EBNF, not GBNF

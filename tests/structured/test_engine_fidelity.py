@@ -20,6 +20,8 @@ from gateway.structured.syntax import ConstraintError, gbnf_to_ebnf, parse_gramm
 from gateway.structured.syntax.grammar_ast import Lit, Repeat
 from gateway.structured.syntax.render import render_grammar
 
+pytestmark = pytest.mark.unit
+
 ABC = 'a ::= "a"\nb ::= "b"\nc ::= "c"\n'
 LLAMA_ACCEPTS = [
     'root ::= [\\-a-z]+',  # an escaped '-' in a class
@@ -118,6 +120,7 @@ def llama_server() -> Iterator[str]:
     server.stop()
 
 
+@pytest.mark.system
 def test_the_verdicts_are_llama_servers_own(llama_server: str) -> None:
     cases = [(g, True) for g in LLAMA_ACCEPTS] + [(g, False) for g, _ in LLAMA_REJECTS]
     with httpx.Client(base_url=llama_server, timeout=30) as client:
@@ -200,6 +203,7 @@ def test_a_misplaced_or_broken_lookahead_is_refused(grammar: str, words: str) ->
         validate_grammar(grammar, "ebnf")
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(("grammar", "as_gbnf"), [
     ('root ::= "a" [0-9]+', True),
     ('root ::= "a"{0,3000}', False),  # llama.cpp: unbounded

@@ -9,6 +9,8 @@ import pytest
 
 from gateway.structured.fair_slots import FairSlots, OwnerQueueFull
 
+pytestmark = pytest.mark.unit
+
 
 def test_a_free_slot_goes_to_the_owners_in_turn_not_in_arrival_order() -> None:
     async def scenario() -> list[str]:

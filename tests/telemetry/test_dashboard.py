@@ -12,7 +12,10 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import pytest
 import yaml
+
+pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[2]
 GRAFANA = ROOT / "deploy" / "grafana"
@@ -56,6 +59,7 @@ def exported_names() -> set[str]:
     return names
 
 
+@pytest.mark.system
 def test_the_committed_dashboard_is_the_generators_output() -> None:
     run = subprocess.run([sys.executable, str(GRAFANA / "dashboard.py")], capture_output=True, text=True,
                          timeout=60)

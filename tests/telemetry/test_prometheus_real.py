@@ -43,8 +43,9 @@ LOAD_SECONDS = 10.0
 RATE_INTERVAL = "10s"  # what $__rate_interval stands for here: ten 1 s scrapes
 SYSTEM = "You are a helpful assistant for the gateway's dashboard test. " * 8  # a shared prefix: cache hits
 
-pytestmark = pytest.mark.skipif(shutil.which("prometheus") is None or shutil.which("promtool") is None,
-                                reason="needs Debian's prometheus package (prometheus and promtool on PATH)")
+pytestmark = [pytest.mark.skipif(shutil.which("prometheus") is None or shutil.which("promtool") is None,
+                                 reason="needs Debian's prometheus package (prometheus and promtool on PATH)"),
+              pytest.mark.system]
 
 
 def promtool(*args: str) -> str:

@@ -4,8 +4,11 @@ stream's span, several workers' views added up."""
 from __future__ import annotations
 
 import orjson
+import pytest
 
 from gateway.telemetry.recent import Recent, empty, merge, series, summary
+
+pytestmark = pytest.mark.unit
 
 
 def test_a_finished_request_counts_in_its_bucket_and_the_summary() -> None:

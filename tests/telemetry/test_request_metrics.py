@@ -18,6 +18,8 @@ from gateway.telemetry.request_metrics import (
     RequestMetrics,
 )
 
+pytestmark = pytest.mark.unit
+
 
 def reference(r: CollectorRegistry) -> dict[str, object]:
     """The metrics as they were, prometheus_client's, in the gateway's order."""

@@ -27,10 +27,13 @@ from typing import Any
 
 import aiohttp
 import httpx
+import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import free_port_block
+
+pytestmark = pytest.mark.system
 
 
 def close(gateway: float, truth: float, what: str) -> None:

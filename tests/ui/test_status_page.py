@@ -29,7 +29,8 @@ SCREENSHOT = ROOT / "reports" / "status-page.png"
 CHROMIUM = chromium_path()
 OPS_KEY = "sk-ops-4567"
 
-pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="needs Debian's chromium package (scripts/test installs it)")
+pytestmark = [pytest.mark.skipif(CHROMIUM is None, reason="needs Debian's chromium package (scripts/test installs it)"),
+              pytest.mark.system]
 
 
 @pytest.fixture(scope="module")

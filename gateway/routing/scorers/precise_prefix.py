@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from typing import Annotated
 
@@ -80,7 +79,7 @@ class PrecisePrefixScorer:
         events = self._state.events
         if events is None or not events.enabled or request.route in POOLING_ROUTES:
             return self._approx.score(request, backends)
-        now = time.monotonic()
+        now = self._state.clock.monotonic()
         streams = [self._stream(events, request, b, now) for b in backends]
         if not any(streams):
             return self._approx.score(request, backends)
@@ -119,7 +118,7 @@ class PrecisePrefixScorer:
         keys = self._keys(request, tokens, chunk, backend)
         announced = int(index.match(keys) * chunk)  # what the engine itself said, for the metrics
         request.events_cached_tokens = announced
-        now = time.monotonic()
+        now = self._state.clock.monotonic()
         if announced + chunk <= len(tokens):
             stream.expect_blocks(now)
             index.speculate(keys, now + self._speculate_seconds)

@@ -2,13 +2,13 @@ from __future__ import annotations
 
 import hashlib
 import math
-import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Annotated, Any
 
 from annotated_types import Ge, Gt
 
+from gateway.clock import SYSTEM, Clock
 from gateway.pool.backend import Backend
 from gateway.routing.request import RouteRequest
 from gateway.routing.state import NoPeers, RoutingState
@@ -22,7 +22,8 @@ class SessionTable:
     other, agree by one rule applied alike everywhere: the higher version wins, then the earlier placement
     (then the backend's name), so crossed messages cannot leave them swapping the session back and forth."""
 
-    def __init__(self, max_entries: int = 100_000, ttl: float = 3600.0) -> None:
+    def __init__(self, max_entries: int = 100_000, ttl: float = 3600.0, clock: Clock = SYSTEM) -> None:
+        self.clock = clock
         # key -> (backend, last used, last told to the peers, version, born)
         self._entries: OrderedDict[str, tuple[str, float, float, int, float]] = OrderedDict()
         self.max_entries = max_entries
@@ -32,7 +33,7 @@ class SessionTable:
         entry = self._entries.get(key)
         if entry is None:
             return None
-        if time.monotonic() - entry[1] > self.ttl:
+        if self.clock.monotonic() - entry[1] > self.ttl:
             del self._entries[key]
             return None
         return entry[0]
@@ -45,12 +46,12 @@ class SessionTable:
     def put(self, key: str, backend: str) -> bool:
         """Stick ``key`` to ``backend`` (where this replica sent it); True when the peers should hear of it
         (new, moved, or last told over a quarter of the TTL ago)."""
-        now = time.monotonic()
+        now = self.clock.monotonic()
         entry = self._entries.get(key)
         if entry is None or now - entry[1] > self.ttl:
-            version, born, told = 1, time.time(), -math.inf
+            version, born, told = 1, self.clock.time(), -math.inf
         elif entry[0] != backend:
-            version, born, told = entry[3] + 1, time.time(), -math.inf
+            version, born, told = entry[3] + 1, self.clock.time(), -math.inf
         else:
             version, born, told = entry[3], entry[4], entry[2]
         tell = now - told > self.ttl / 4
@@ -59,7 +60,7 @@ class SessionTable:
 
     def merge(self, key: str, backend: str, version: int, born: float) -> None:
         """A peer's placement of ``key``: taken unless this one's wins (see the class)."""
-        now = time.monotonic()
+        now = self.clock.monotonic()
         entry = self._entries.get(key)
         if (entry is not None and now - entry[1] <= self.ttl
                 and (entry[3], -entry[4], entry[0]) >= (version, -born, backend)):
@@ -95,7 +96,7 @@ class SessionScorer:
             self.sessions = kept
             self.sessions.max_entries, self.sessions.ttl = max_sessions, ttl
         else:
-            self.sessions = state.kept[self.name] = SessionTable(max_sessions, ttl)
+            self.sessions = state.kept[self.name] = SessionTable(max_sessions, ttl, state.clock)
             table = self.sessions
             self._peers.subscribe("session", lambda payload: _remote(table, payload))
 
@@ -104,7 +105,7 @@ class SessionScorer:
         if not key:
             return [0.0] * len(backends)
         sticky = self.sessions.get(key)
-        now = time.monotonic()
+        now = self.sessions.clock.monotonic()
         if sticky is None:
             if not self._replicated:
                 return [0.0] * len(backends)

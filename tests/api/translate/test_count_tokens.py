@@ -8,6 +8,8 @@ import pytest
 from gateway.api.translate.count_tokens import countable, encode_request, input_tokens
 from gateway.api.translate.messages import count_tokens_chat
 
+pytestmark = pytest.mark.unit
+
 TOOL = {"name": "get_weather", "description": "The weather", "input_schema": {"type": "object"}}
 
 

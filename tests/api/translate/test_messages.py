@@ -27,6 +27,8 @@ from gateway.api.translate.messages import (
 )
 from gateway.errors import GatewayError
 
+pytestmark = pytest.mark.unit
+
 _EVENT: TypeAdapter[Any] = TypeAdapter(RawMessageStreamEvent)
 _WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 

@@ -27,6 +27,8 @@ from gateway.api.translate.responses import (
 from gateway.api.translate.responses_tools import omitted
 from gateway.errors import GatewayError
 
+pytestmark = pytest.mark.unit
+
 _EVENT = TypeAdapter(ResponseStreamEvent)
 _WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 

@@ -1,0 +1,162 @@
+"""The dispatcher, built whole (pool, breaker, admission, forwarder) with no socket and on fake time: failover
+order, the half-open probe after the cooldown, and a waiter refused at its deadline, each exact to the tick.
+
+The engines are a :class:`MockTransport` (the data plane) and httpx's mock transport (health and load readings);
+the gateway runs on a fake-time event loop (looptime) and reads that loop's time (LoopClock), so a five-second
+cooldown or a thirty-second wait passes at once, in the same order every run."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import httpx
+import looptime
+import orjson
+import pytest
+
+from gateway.app import GatewayApp, create_app
+from gateway.clock import LoopClock
+from gateway.config import BackendSettings, settings_from_mapping
+from gateway.engines.base import EngineAdapter
+from gateway.pool.breaker import BreakerState
+from gateway.proxy.transport import MockRequest, MockResponse, MockTransport, UpstreamError
+
+pytestmark = [pytest.mark.anyio, pytest.mark.unit, pytest.mark.unit]
+
+Answer = Callable[[MockRequest], Awaitable[MockResponse]]
+
+
+@pytest.fixture
+def anyio_backend() -> tuple[str, dict[str, object]]:
+    return "asyncio", {"loop_factory": lambda: looptime.new_event_loop(start=1000.0)}
+
+
+def now() -> float:
+    return asyncio.get_running_loop().time()
+
+
+def control_plane(settings: BackendSettings, adapter: EngineAdapter) -> httpx.AsyncClient:
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/health":
+            return httpx.Response(200, json={"status": "ok"})
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"object": "list", "data": [{"id": "m", "object": "model"}]})
+        if request.url.path == "/metrics":
+            return httpx.Response(200, text='vllm:num_requests_running{model_name="m"} 0\n'
+                                             'vllm:num_requests_waiting{model_name="m"} 0\n')
+        return httpx.Response(404)
+
+    return httpx.AsyncClient(transport=httpx.MockTransport(handler), base_url=settings.url or "")
+
+
+def answer(text: str) -> MockResponse:
+    return MockResponse(body=orjson.dumps({"id": "c", "object": "chat.completion", "model": "m", "choices": [
+        {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}],
+        "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}}))
+
+
+@contextlib.asynccontextmanager
+async def gateway(config: dict[str, Any], engine: Answer) -> AsyncIterator[tuple[GatewayApp, httpx.AsyncClient]]:
+    async def data_plane(request: MockRequest) -> MockResponse:
+        return await engine(request)
+
+    app = create_app(settings_from_mapping(config), client_factory=control_plane,
+                     transport=MockTransport(data_plane), clock=LoopClock())
+    await app.gateway.start()
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://gw") as client:
+            yield app, client
+    finally:
+        await app.gateway.stop()
+
+
+def backends(*names: str, **extra: Any) -> list[dict[str, Any]]:
+    return [{"name": n, "engine": "vllm", "url": f"http://{n}:8000", "models": ["m"], **extra} for n in names]
+
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+
+
+async def test_a_request_fails_over_in_the_order_routing_ranked_and_the_refusing_backend_is_marked_down() -> None:
+    tried: list[str] = []
+
+    async def engine(request: MockRequest) -> MockResponse:
+        host = httpx.URL(request.url).host
+        tried.append(host)
+        if host in ("a", "b"):
+            raise UpstreamError("connection refused", connect=True)
+        return answer(host)
+
+    config = {"backends": backends("a", "b", "c"), "routing": {"policy": "round-robin"},
+              "retries": {"max_attempts": 3}}
+    async with gateway(config, engine) as (app, client):
+        response = await client.post("/v1/chat/completions", json=CHAT)
+        assert response.status_code == 200 and response.json()["choices"][0]["message"]["content"] == "c"
+        assert tried == ["a", "b", "c"], "each backend once, in the order ranked"
+        down = {b.name: b.health.value for b in app.gateway.pool.backends}
+        assert down["a"] == down["b"] == "down" and down["c"] == "ready"
+
+
+async def test_after_the_cooldown_one_request_is_the_probe_and_its_success_closes_the_breaker() -> None:
+    failing = True
+    probe_in, probe_may_answer = asyncio.Event(), asyncio.Event()
+    seen: list[float] = []
+
+    async def engine(request: MockRequest) -> MockResponse:
+        seen.append(now())
+        if failing:
+            raise UpstreamError("connection refused", connect=True)
+        probe_in.set()
+        await probe_may_answer.wait()
+        return answer("back")
+
+    config = {"backends": backends("only"), "breaker": {"consecutive_failures": 1, "cooldown_seconds": 5},
+              "scrape": {"interval": 1}}
+    async with gateway(config, engine) as (app, client):
+        only = app.gateway.pool.backends[0]
+        assert (await client.post("/v1/chat/completions", json=CHAT)).status_code == 502
+        assert only.breaker.state is BreakerState.OPEN
+        opened = now()
+        await asyncio.sleep(2.0)  # its health checks pass again: the breaker, not health, keeps it out
+        assert only.health.value == "ready"
+        refused = await client.post("/v1/chat/completions", json=CHAT)
+        assert refused.status_code == 503 and "ejected" in refused.text and len(seen) == 1, "none reaches it"
+        failing = False
+        await asyncio.sleep(opened + 4.9 - now())
+        assert (await client.post("/v1/chat/completions", json=CHAT)).status_code == 503, "not before the cooldown"
+        await asyncio.sleep(0.1)
+        probe = asyncio.create_task(client.post("/v1/chat/completions", json=CHAT))
+        await probe_in.wait()
+        assert only.breaker.state is BreakerState.HALF_OPEN and only.breaker.probing
+        assert (await client.post("/v1/chat/completions", json=CHAT)).status_code == 503, "one probe at a time"
+        probe_may_answer.set()
+        assert (await probe).status_code == 200
+        assert only.breaker.state is BreakerState.CLOSED and len(seen) == 2
+
+
+async def test_a_waiter_is_refused_exactly_at_its_deadline_and_the_slot_goes_to_the_next() -> None:
+    first_in, release = asyncio.Event(), asyncio.Event()
+    started: list[float] = []
+
+    async def engine(request: MockRequest) -> MockResponse:
+        started.append(now())
+        first_in.set()
+        await release.wait()
+        return answer("ok")
+
+    config = {"backends": backends("one", max_concurrency=1), "admission": {"max_wait_seconds": 30}}
+    async with gateway(config, engine) as (_app, client):
+        holder = asyncio.create_task(client.post("/v1/chat/completions", json=CHAT))
+        await first_in.wait()
+        queued_at = now()
+        waiter = await client.post("/v1/chat/completions", json=CHAT)
+        assert waiter.status_code == 429 and waiter.json()["error"]["code"] == "queue_timeout", waiter.text
+        assert now() - queued_at == pytest.approx(30.0), "refused at its deadline, not before or after"
+        late = asyncio.create_task(client.post("/v1/chat/completions", json=CHAT))
+        await asyncio.sleep(10.0)
+        release.set()
+        assert (await holder).status_code == 200 and (await late).status_code == 200
+        assert started[1] - started[0] == pytest.approx(40.0), "the next waiter got the slot when it was freed"
