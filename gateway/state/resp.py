@@ -52,6 +52,7 @@ class _Protocol(asyncio.Protocol):
                 self._owner.broken(ConnectionError("Redis sent a reply that no command asked for"), self)
                 return
             future = waiting.popleft()
+            self._owner.replies += 1
             if not future.done():  # (done: its caller gave up, timed out)
                 if isinstance(reply, hiredis.ReplyError):
                     future.set_exception(RespError(str(reply)))
@@ -74,6 +75,7 @@ class RespConnection:
         self._protocol: _Protocol | None = None
         self._connecting: asyncio.Future[_Protocol] | None = None
         self.waiting: collections.deque[asyncio.Future[Any]] = collections.deque()
+        self.replies = 0  # replies read, on any of its connections (a connection answering nothing stays at it)
 
     @staticmethod
     def supports(url: str) -> bool:

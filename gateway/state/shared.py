@@ -246,6 +246,7 @@ class SharedState:
         # counts each resync: what was queued (a settlement) or sent (an admission) before the latest resync is in
         # the counts it wrote, so its slots and places are not given back on top of them
         self._epoch = 0
+        self._checking_fast = False  # (a look at the admissions' connection is under way: see _check_fast)
         self._lag = LoopLag()  # (Redis's timeouts do not count the event loop's lateness: see loop_lag.py)
         self._held: dict[str, int] = {}  # backend -> slots this replica's requests hold (its own truth)
         # backend -> slots this replica holds in Redis but no request uses: kept for its next requests
@@ -1108,6 +1109,9 @@ class SharedState:
             if self._on_drained:
                 await self._read_drained()
         except self._errors as exc:
+            if isinstance(exc, TimeoutError) and self._fast is not None and not self._checking_fast:
+                self._checking_fast = True
+                self._spawn(self._check_fast(self._fast))
             self._failed("heartbeat", exc)
             return
         if dead:  # (the others hear of the slots it freed on the channel; its own waiters, deaf to its own, here)
@@ -1121,6 +1125,29 @@ class SharedState:
             self._spawn(self._check_eviction())
         if self._pending:
             await self._drain()
+
+    async def _check_fast(self, fast: RespConnection) -> None:
+        """The heartbeat met no answer on the admissions' connection. Redis may be stalled (stopped, forking, a
+        slow script): its answers will come, and what they took is given back when they do (see ``late``), so
+        the connection is kept. Or the flow is dead while Redis answers a new one (a half-open connection: a
+        proxy in front of Redis whose upstream died, a partition), which the kernel does not close for ~15 min:
+        every admission and heartbeat timed out on it for as long, the state down, every limit lifted or every
+        limited key refused (sweep 16). Told apart by asking Redis on another connection: when it answers there
+        and this one still answers nothing a heartbeat's timeout later, this one is dropped (the next command
+        connects afresh)."""
+        try:
+            replies, owed = fast.replies, len(fast.waiting)
+            if not owed:
+                return
+            await self._lag.wait(self._redis.ping(), self._timeout * 5)
+            await self.clock.sleep(self._timeout * 5)
+            if fast.replies == replies and fast.waiting:
+                log.warning("shared state: Redis answers, but not on the admissions' connection: it is dropped")
+                fast.broken(ConnectionError("Redis answered other connections but not this one"))
+        except self._errors:
+            return  # (Redis answers no one: stalled, or gone; the heartbeat goes on asking)
+        finally:
+            self._checking_fast = False
 
     async def _check_eviction(self) -> None:
         """Warn when Redis may evict any key (``maxmemory-policy allkeys-*``): a key's bucket (its debt forgiven)

@@ -6,6 +6,7 @@ request of the key was refused."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import signal
 import time
@@ -17,7 +18,7 @@ import redis.asyncio
 from gateway.state import Budget, SharedState, Slotted, StateUnavailable
 from gateway.state.shared import key_place_of
 from tests.state.conftest import RedisServer
-from tests.state.test_shared import replicas, stop
+from tests.state.test_shared import replicas, settings, stop
 
 pytestmark = pytest.mark.system
 
@@ -180,3 +181,80 @@ async def test_admissions_whose_clients_leave_in_a_busy_event_loop_give_back_wha
         enough.set()
         await admin.aclose()
         await stop([state])
+
+
+class SilentProxy:
+    """A TCP proxy to Redis whose connections can go silent: from :meth:`silence` on, what the connections open
+    then send is read and dropped, nothing comes back and nothing is closed (a half-open flow: a proxy in front
+    of Redis whose upstream died, a partition), while connections opened after it pass."""
+
+    def __init__(self, redis_port: int) -> None:
+        self.redis_port = redis_port
+        self.generation = 0
+        self.connections = 0
+        self._server: asyncio.Server | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def start(self) -> int:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        port: int = self._server.sockets[0].getsockname()[1]
+        return port
+
+    def silence(self) -> None:
+        self.generation += 1
+
+    async def _serve(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        generation = self.generation
+        redis_r, redis_w = await asyncio.open_connection("127.0.0.1", self.redis_port)
+
+        async def pipe(source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
+            while data := await source.read(65536):
+                if self.generation == generation:
+                    sink.write(data)
+
+        task = asyncio.ensure_future(asyncio.gather(pipe(client_r, redis_w), pipe(redis_r, client_w)))
+        self._tasks.add(task)  # type: ignore[arg-type]
+        with contextlib.suppress(Exception):
+            await task
+        for writer in (client_w, redis_w):
+            writer.close()
+
+    async def stop(self) -> None:
+        assert self._server is not None
+        self._server.close()
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+@pytest.mark.anyio
+async def test_a_connection_gone_silent_is_dropped_and_the_state_comes_back_on_a_new_one(
+        redis_server: RedisServer) -> None:
+    """Sweep 16: the admissions' own connection (resp.py) was replaced only when it broke. Gone silent (nothing
+    answered, nothing closed: the kernel keeps such a flow ~15 min), every admission and heartbeat timed out
+    on it while Redis answered a new connection at once: the state stayed down, every limit lifted (failing
+    open, the default) or every limited key refused. The heartbeat that times out now drops the connection."""
+    proxy = SilentProxy(redis_server.port)
+    port = await proxy.start()
+    state = SharedState(settings(redis_server, url=f"redis://127.0.0.1:{port}/0", timeout_ms=100,
+                                 heartbeat_seconds=0.1), replica_id="r0")
+    state.slotted = lambda: set()
+    await state.start()
+    try:
+        assert (await state.admit(LIM, 0, [])).limited is None and state.up
+        opened = proxy.connections
+        proxy.silence()
+        with pytest.raises(StateUnavailable):
+            await state.admit(LIM, 0, [])  # (the admission times out on the silent connection)
+        await eventually(lambda: _true(not state.up))  # the heartbeat timed out: down, for now
+        await eventually(lambda: _true(state.up))  # and up again on a connection opened since
+        assert proxy.connections > opened
+        assert (await state.admit(LIM, 0, [])).limited is None, "admissions are answered again"
+    finally:
+        await stop([state])
+        await proxy.stop()
+
+
+async def _true(value: bool) -> bool:
+    return value
