@@ -232,10 +232,12 @@ ROUTING = RowSpec("Routing", (
 
 KV_EVENTS = RowSpec("KV events (vLLM, SGLang)", (
     PanelSpec("KV events/s", "Events received from each engine's KV-event stream (stored, removed, cleared "
-              "blocks), and batches that were not event batches.", "short",
+              "blocks), batches that were not event batches, and messages dropped unread because what waited to "
+              "be applied was at its byte bound.", "short",
               (Query(rate_by("gateway_kv_events_total", B, "backend"), "{{backend}}"),
                Query(rate_by("gateway_kv_event_batches_total", B, "backend"), "{{backend}} batches"),
-               Query(rate_by("gateway_kv_event_decode_errors_total", B, "backend"), "{{backend}} undecodable"))),
+               Query(rate_by("gateway_kv_event_decode_errors_total", B, "backend"), "{{backend}} undecodable"),
+               Query(rate_by("gateway_kv_event_dropped_total", B, "backend"), "{{backend}} dropped"))),
     PanelSpec("Event stream live", "1 while routing trusts the backend's events; 0 while it falls back to the "
               "approximate index (no stream yet, silent, or rebuilding after lost events).", "short",
               (Query(f"max by (backend) (gateway_kv_events_live{{{B}}})", "{{backend}}"),), max=1),

@@ -23,6 +23,8 @@ While a stream is not live, routing falls back to the approximate index for that
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextlib
 import logging
 import time
 from collections import OrderedDict
@@ -34,8 +36,16 @@ import zmq
 import zmq.asyncio
 
 from gateway.kvcache.contexts import close_context, open_context
-from gateway.kvcache.index import EventIndex
-from gateway.kvcache.wire import Batch, WireError, batch_steps, message_parts, replay_parts
+from gateway.kvcache.index import MAX_NODES, EventIndex
+from gateway.kvcache.wire import (
+    MAX_PAYLOAD_BYTES,
+    Batch,
+    WireError,
+    batch_steps,
+    message_parts,
+    replay_parts,
+    work,
+)
 from gateway.pool.backend import Backend
 from gateway.tasks import cancel_and_wait
 
@@ -45,6 +55,17 @@ log = logging.getLogger("gateway.kvcache")
 
 State = Literal["connecting", "live", "partial", "silent", "resyncing"]
 RECENT_SEQS = 4096  # applied batches remembered (seq -> ts) to tell a duplicate from a restart
+# what one replay may bring before it is applied: the engines buffer 10,000 batches (vLLM's replay buffer), and
+# the index holds at most MAX_NODES blocks; a replay past either is no history this gateway can use (it is
+# refused, as one that never ends: an engine answering a replay endlessly grew the gateway ~120 MB a second
+# for as long as it went on, sweep 16)
+REPLAY_MAX_BATCHES = 10_000
+REPLAY_MAX_WORK = MAX_NODES
+# bytes of live messages received and not yet applied: an engine publishing faster than they are applied (each
+# a valid batch of half a million blocks) had ZeroMQ's queue hold up to RCVHWM of them, 4.5 GB (sweep 16). A
+# message past this is dropped unread; the hole in the sequence it leaves is filled by a replay, or the stream
+# goes partial, as for any message missed.
+BACKLOG_BYTES = 2 * MAX_PAYLOAD_BYTES
 RCVHWM = 100_000  # as the engines' own PUB high-water mark
 
 
@@ -65,6 +86,7 @@ class StreamCounters:
     events: int = 0
     skipped_events: int = 0
     decode_errors: int = 0
+    dropped: int = 0  # live messages dropped unread: the backlog waiting to be applied was at its bound
     gaps: int = 0
     replays: dict[str, int] = field(default_factory=lambda: {"complete": 0, "partial": 0, "failed": 0})
     resets: dict[str, int] = field(default_factory=lambda: {"restart": 0, "epoch": 0, "history_lost": 0,
@@ -143,18 +165,44 @@ class EventStream:
         sub.setsockopt(zmq.RCVHWM, RCVHWM)
         sub.setsockopt(zmq.MAXMSGSIZE, 64 * 1024 * 1024)
         sub.setsockopt(zmq.SUBSCRIBE, self.settings.topic.encode())
+        # received at once, applied in turn: what waits is held here, bounded in bytes (see BACKLOG_BYTES)
+        backlog: collections.deque[tuple[list[bytes], int]] = collections.deque()
+        held = 0
+        arrived = asyncio.Event()
+
+        async def receive() -> None:
+            nonlocal held
+            while True:
+                frames = await sub.recv_multipart()
+                size = sum(len(frame) for frame in frames)
+                if held + size > BACKLOG_BYTES:
+                    self.counters.dropped += 1
+                    continue
+                backlog.append((frames, size))
+                held += size
+                arrived.set()
+
+        reader: asyncio.Task[None] | None = None
         try:
             sub.connect(self.settings.endpoint)
+            reader = asyncio.create_task(receive(), name=f"kv-events-in:{self.backend.name}")
             await asyncio.sleep(0.05)  # let the subscription reach the publisher before asking for history
             await self._resync(None)
             while True:
                 if self.backend.epoch != self._epoch:
                     await self._resync("epoch")
-                if not await sub.poll(500):
+                if not backlog:
+                    if reader.done():
+                        reader.result()  # (a socket error: raised, and the session starts over)
+                    arrived.clear()
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(arrived.wait(), 0.5)
                     continue
-                frames = await sub.recv_multipart()
+                frames, size = backlog.popleft()
+                held -= size
                 await self._on_message(frames)
         finally:
+            await cancel_and_wait([reader] if reader is not None else [])
             sub.close(0)
 
     # -- the stream -----------------------------------------------------------------------------------------------
@@ -272,6 +320,7 @@ class EventStream:
         dealer = self._dealer
         await dealer.send_multipart([b"", max(0, start).to_bytes(8, "big")])
         batches: list[Batch] = []
+        brought = 0  # the replay's work so far (wire.work: blocks and tokens)
         deadline = time.monotonic() + self.settings.replay_timeout
         while True:
             left = deadline - time.monotonic()
@@ -282,10 +331,17 @@ class EventStream:
                 parts = replay_parts(await dealer.recv_multipart())
                 if parts is None:
                     return batches
-                batches.append(await _paced(batch_steps(*parts)))
+                batch = await _paced(batch_steps(*parts))
             except WireError:
                 self.counters.decode_errors += 1
                 continue
+            batches.append(batch)
+            brought += sum(work(event) for event in batch.events)
+            if len(batches) > REPLAY_MAX_BATCHES or brought > REPLAY_MAX_WORK:
+                log.warning("backend %s: its KV-event replay brought more than %d batches or %d blocks; refused",
+                            self.backend.name, REPLAY_MAX_BATCHES, REPLAY_MAX_WORK)
+                self._close_dealer()  # (what else it sends is not read as the next replay's answer)
+                return None
             deadline = time.monotonic() + self.settings.replay_timeout  # a long history keeps coming
 
     def _close_dealer(self) -> None:

@@ -226,6 +226,10 @@ class KvEventsCollector(Collector):
             labels=["backend", "reason"])
         errors = CounterMetricFamily("gateway_kv_event_decode_errors", "Messages that were not KV event batches.",
                                      labels=b)
+        dropped = CounterMetricFamily(
+            "gateway_kv_event_dropped", "Messages dropped unread: what waited to be applied was at its byte bound "
+                                        "(the hole they leave is filled by a replay, or the stream goes partial).",
+            labels=b)
         orphans = CounterMetricFamily(
             "gateway_kv_event_orphan_blocks", "Stored-block events dropped: their parent block was never announced.",
             labels=b)
@@ -239,6 +243,7 @@ class KvEventsCollector(Collector):
             events.add_metric([name], float(c.events))
             gaps.add_metric([name], float(c.gaps))
             errors.add_metric([name], float(c.decode_errors))
+            dropped.add_metric([name], float(c.dropped))
             orphans.add_metric([name], float(stream.index.orphans))
             for result, count in c.replays.items():
                 replays.add_metric([name, result], float(count))
@@ -246,7 +251,7 @@ class KvEventsCollector(Collector):
                 resets.add_metric([name, reason], float(count))
             blocks.add_metric([name], float(len(stream.index)))
             live.add_metric([name], 1.0 if stream.live() else 0.0)
-        yield from (batches, events, gaps, replays, resets, errors, orphans, blocks, live)
+        yield from (batches, events, gaps, replays, resets, errors, dropped, orphans, blocks, live)
 
 
 class StateCollector(Collector):

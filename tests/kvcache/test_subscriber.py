@@ -9,6 +9,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 import msgpack
+import pytest
 import zmq
 import zmq.asyncio
 
@@ -258,5 +259,78 @@ def test_a_huge_batch_is_decoded_and_applied_a_few_thousand_blocks_at_a_time() -
             assert held(stream) == 16
         finally:
             ticker.cancel()
+
+    run(scenario)
+
+
+class EndlessReplay(Publisher):
+    """Answers a replay with batches of ``blocks`` blocks each, numbered on and on, and never its end."""
+
+    blocks = 1
+
+    async def _serve(self) -> None:
+        assert self.router is not None
+        frames = await self.router.recv_multipart()
+        seq = 0
+        while True:
+            hashes = list(range(seq * self.blocks + 10, (seq + 1) * self.blocks + 10))
+            payload = msgpack.packb([time.time(), [stored(hashes, None, TOKENS[:16] * self.blocks)], 0])
+            await self.router.send_multipart([frames[0], b"", b"", seq.to_bytes(8, "big"), payload])
+            seq += 1
+            await asyncio.sleep(0)  # (a send to a peer that left completes at once: let the gateway run)
+
+
+@pytest.mark.parametrize("blocks", [1, 2000], ids=["many-batches", "many-blocks"])
+def test_a_replay_that_never_ends_is_refused_at_its_bound_and_the_live_stream_goes_on(
+        monkeypatch: pytest.MonkeyPatch, blocks: int) -> None:
+    """Sweep 16: a replay was kept whole until its end marker, each batch extending its deadline: an engine
+    answering one endlessly grew the gateway ~120 MB a second for as long as it sent. Past REPLAY_MAX_BATCHES
+    batches or REPLAY_MAX_WORK blocks (small here) it is refused: what came before is unknown, the stream
+    partial, and live batches are applied as ever."""
+    from gateway.kvcache import subscriber
+
+    monkeypatch.setattr(subscriber, "REPLAY_MAX_BATCHES", 50)
+    monkeypatch.setattr(subscriber, "REPLAY_MAX_WORK", 10_000)
+    monkeypatch.setattr(EndlessReplay, "blocks", blocks)
+
+    async def scenario(ctx: zmq.asyncio.Context, pub: Publisher, hub: EventHub) -> None:
+        stream = subscribe(hub, pub, make_backend(), history_seconds=60)
+        await until(lambda: stream.counters.replays["failed"] == 1, within=10)
+        assert stream.state == "partial" and held(stream) == 0
+        await pub.publish(stored([1], None, TOKENS[:16]))
+        await until(lambda: held(stream) == 16)
+
+    async def main() -> None:
+        ctx = open_context(zmq.asyncio.Context)
+        pub = EndlessReplay(ctx)
+        hub = EventHub()
+        try:
+            await scenario(ctx, pub, hub)
+        finally:
+            await hub.stop()
+            pub.close()
+            close_context(ctx)
+
+    asyncio.run(asyncio.wait_for(main(), 20))
+
+
+def test_live_messages_past_the_backlog_bound_are_dropped_and_the_hole_is_filled_by_replay(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sweep 16: ZeroMQ's queue held whatever an engine published faster than it was applied, up to 100,000
+    messages of up to 64 MiB (4.5 GB, growing). What waits is bounded in bytes now (small here): a message past
+    it is dropped unread, and the hole it leaves is filled by a replay like any message missed."""
+    from gateway.kvcache import subscriber
+
+    monkeypatch.setattr(subscriber, "BACKLOG_BYTES", 200_000)
+
+    async def scenario(ctx: zmq.asyncio.Context, pub: Publisher, hub: EventHub) -> None:
+        stream = subscribe(hub, pub, make_backend())
+        await until(lambda: stream.state == "live")
+        for i in range(60):  # ~45 KB each, published at once: more than four never wait together
+            await pub.publish(stored(list(range(10_000 + 2000 * i, 12_000 + 2000 * i)), None, [99] * 16 * 2000))
+        await pub.publish(stored([1], None, TOKENS[:16]))
+        await until(lambda: held(stream) == 16, within=10)
+        assert stream.counters.dropped > 0 and stream.counters.gaps > 0
+        assert stream.counters.replays["complete"] >= 2 and stream.counters.batches == 61, stream.counters
 
     run(scenario)
