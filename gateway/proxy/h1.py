@@ -253,6 +253,10 @@ class _Connection(asyncio.Protocol):
         self._header_values: list[bytes] = []
         self._body: list[bytes] = []  # the current read's body pieces, not yet handed to the response
         self._head_bytes = 0
+        # bytes fed since the parser last finished anything (a header line, a chunk's size, body): what it holds
+        # of a header, a trailer or a line it is still building (see data_received)
+        self._unfinished = 0
+        self._progressed = False
         self._received = False  # any byte of the current response
         self._paused = False
         self._close_delimited = False
@@ -266,12 +270,25 @@ class _Connection(asyncio.Protocol):
             self.close()  # bytes nobody asked for (on an idle connection): its framing can no longer be trusted
             return
         self._received = True
+        self._progressed = False
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
             self._abort(UpstreamError(f"the backend's HTTP response is malformed: {exc}"))
         except httptools.HttpParserUpgrade:
             self._abort(UpstreamError("the backend switched protocols"))
+        if self._progressed:
+            self._unfinished = 0
+        else:
+            # httptools builds a header's name or value (a trailer's too) by appending each read to it: one
+            # that never ends cost time quadratic in its size, on the event loop (100 MB: 5 s of every stream
+            # held, every backend's health check timed out; sweep 16). on_header's bound comes only once the
+            # line is whole: this one counts what is fed while nothing is finished.
+            self._unfinished += len(data)
+            if self._unfinished > self.owner.max_header_bytes and not self.closed:
+                self._abort(UpstreamError(f"the backend sent more than {self.owner.max_header_bytes} bytes of one "
+                                          f"header or line"))
+                return
         body = self._body
         if body:  # the read's body pieces, as one (see on_body); _deliver's lines inline, ~0.4 us a read less
             piece = body[0] if len(body) == 1 else b"".join(body)
@@ -297,7 +314,17 @@ class _Connection(asyncio.Protocol):
                 response._fail(UpstreamError("the backend's response was cut off"))
 
     # -- httptools callbacks ------------------------------------------------------------------------------
+    def on_status(self, status: bytes) -> None:
+        self._progressed = True
+
+    def on_chunk_header(self) -> None:
+        self._progressed = True
+
+    def on_chunk_complete(self) -> None:
+        self._progressed = True
+
     def on_header(self, name: bytes, value: bytes) -> None:
+        self._progressed = True
         self._head_bytes += len(name) + len(value) + 4
         if self._head_bytes > self.owner.max_header_bytes:
             error = UpstreamError(f"the backend's response headers exceed {self.owner.max_header_bytes} bytes")
@@ -307,6 +334,7 @@ class _Connection(asyncio.Protocol):
         self._header_values.append(value)
 
     def on_headers_complete(self) -> None:
+        self._progressed = True
         status = self.parser.get_status_code()
         names, values = self._header_names, self._header_values
         self._header_names, self._header_values, self._head_bytes = [], [], 0
@@ -326,9 +354,11 @@ class _Connection(asyncio.Protocol):
         # Kept until the parser is through the read: a backend's chunks that arrive together (many at once when
         # this process is busy: ~10 a read at 256 streams, a whole answer at 1,024) reach the sink as one piece,
         # checked in one pass and written to the client in one system call instead of one per chunk.
+        self._progressed = True
         self._body.append(body)
 
     def on_message_complete(self) -> None:
+        self._progressed = True
         if self._body:  # the body before its end
             self._deliver()
         response = self.response

@@ -195,6 +195,35 @@ async def test_headers_and_whole_bodies_are_bounded() -> None:
     await transport.close()
 
 
+@pytest.mark.parametrize("where", ["header value", "header name", "trailer"])
+async def test_a_header_or_trailer_that_never_ends_is_cut_at_the_bound_not_read_on(where: str) -> None:
+    """Sweep 16: the head's bound was checked once a header line was whole, and httptools builds an unfinished
+    one by appending each read to it: an engine sending one endless header (or trailer) held the event loop for
+    seconds (100 MB: 5 s, every health check timed out, every backend ejected). What is fed while nothing is
+    finished is bounded like the head: the connection is dropped past it, a few reads in."""
+    transport = H1Transport(TimeoutSettings(connect=2), max_header_bytes=1024)
+    sent = 0
+    start = {"header value": b"HTTP/1.1 200 OK\r\nX-Pad: ", "header name": b"HTTP/1.1 200 OK\r\nX-",
+             "trailer": b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\nX-Trailer: "}[where]
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal sent
+        await server.read_request(reader)
+        writer.write(start)
+        while sent < 10_000_000:  # (the gateway would take 10 MB in whole if nothing cut it)
+            writer.write(b"p" * 512)
+            sent += 512
+            await writer.drain()
+            await asyncio.sleep(0)
+
+    async with Server(handler) as server:
+        with pytest.raises(UpstreamError, match="more than 1024 bytes of one header or line"):
+            response = await transport.post(server.url, b"{}", {})
+            await response.read()
+    await transport.close()
+    assert sent < 1_000_000, sent
+
+
 async def test_a_header_value_with_a_line_break_is_refused_before_sending(transport: H1Transport) -> None:
     with pytest.raises(ValueError, match="line break"):
         await transport.post("http://127.0.0.1:1", b"{}", {"X-Evil": "a\r\nInjected: 1"})
