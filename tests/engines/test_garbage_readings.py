@@ -12,9 +12,12 @@ import httpx
 import pytest
 
 from gateway.engines.base import BackendError
+from gateway.engines.exposition import MAX_SAMPLES
 from gateway.engines.readings import MAX_ANSWER_BYTES, MAX_MODELS
 from gateway.engines.registry import create_adapter
 from tests.engines.test_adapters import client_for
+
+pytestmark = pytest.mark.unit
 
 GARBAGE_NUMBERS = ["NaN", "+Inf", "-Inf", "-1", "-1e308", "1e308", "1e30"]
 
@@ -46,6 +49,24 @@ async def test_an_engine_queue_histogram_with_nan_counts_is_left_out() -> None:
     load = await create_adapter("vllm").read_load(client_for({"/metrics": httpx.Response(200, text=metrics)}))
     assert load is not None and load.queue_histogram is None and load.rejected == ("queue_histogram",)
     assert (load.running, load.kv_usage) == (1, 0.5)
+
+
+@pytest.mark.anyio
+async def test_an_exposition_of_more_wanted_samples_than_an_engine_writes_is_refused_unread_past_the_bound() -> None:
+    """Sweep 16: 4 MiB of the queue histogram's bucket lines (70,000, each a new bound) were read, every one, at
+    every scrape: ~0.3 s of the event loop each time, for every tenant. Reading stops at MAX_SAMPLES: the line
+    after it, not a sample at all, is never reached; a large real one (8 engine ranks x 4 models) reads whole."""
+    head = "vllm:num_requests_running 1\nvllm:num_requests_waiting 0\n"
+    lines = "".join(f'vllm:request_queue_time_seconds_bucket{{le="{i}.5"}} 1\n' for i in range(MAX_SAMPLES + 1))
+    hostile = head + lines + "vllm:request_queue_time_seconds_bucket{le=\"x\"} not-a-number\n"
+    with pytest.raises(BackendError, match=f"more than {MAX_SAMPLES} samples"):
+        await create_adapter("vllm").read_load(client_for({"/metrics": httpx.Response(200, text=hostile)}))
+    real = head + "".join(
+        f'vllm:request_queue_time_seconds_bucket{{engine="{rank}",model_name="m{m}",le="{le}"}} {n}\n'
+        for rank in range(8) for m in range(4) for n, le in enumerate(
+            ["0.3", "0.5", "0.8", "1.0", "1.5", "2.0", "2.5", "5.0", "10.0", "20.0", "40.0", "+Inf"]))
+    load = await create_adapter("vllm").read_load(client_for({"/metrics": httpx.Response(200, text=real)}))
+    assert load is not None and load.queue_histogram is not None and load.queue_histogram[0][-1] == ("+Inf", 352)
 
 
 @pytest.mark.anyio
@@ -138,6 +159,7 @@ async def test_a_model_list_is_read_up_to_one_more_than_the_pool_keeps() -> None
     assert names == [f"m-{i}" for i in range(MAX_MODELS + 1)]
 
 
+@pytest.mark.integration
 @pytest.mark.anyio
 async def test_a_compressed_answer_is_refused_undecoded() -> None:
     """Sweep 13: httpx asks for gzip by default and decodes each piece whole before the size bound is checked:
