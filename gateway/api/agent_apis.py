@@ -59,6 +59,29 @@ MAX_STREAM_UNITS = 1_000_000  # a stream's large events in all
 log = logging.getLogger("gateway.proxy")
 
 
+# what reading a JSON value of another type than chat completions put there raises (the translations read the
+# engine's answers, streams and errors as chat completions should be; an engine may answer anything)
+_SHAPE_ERRORS = (TypeError, AttributeError, KeyError, ValueError, IndexError)
+
+
+def _untranslatable(exc: BaseException) -> GatewayError:
+    """The engine's answer could not be read as chat completions (a finish reason that is a list, usage details
+    that are a number): its fault, a 502, not the gateway's 500 (sweep 16)."""
+    log.warning("a backend's answer could not be translated: %s: %s", type(exc).__name__, str(exc)[:200])
+    return GatewayError(502, f"the backend's answer is not a chat completion this API can be translated from "
+                             f"({type(exc).__name__})", code="upstream_failed")
+
+
+def _closed_on(stream: Any, exc: BaseException) -> bytes:
+    """A translated stream the engine's events could not be read into: ended with its API's failure event (when
+    even that cannot be written from what it holds, the response simply ends)."""
+    error = _untranslatable(exc)
+    try:
+        return bytes(stream.abort(str(error.message)))
+    except _SHAPE_ERRORS:
+        return b""
+
+
 def _translated(translate: Callable[[dict[str, Any]], dict[str, Any]], body: dict[str, Any]) -> dict[str, Any]:
     """``translate(body)``, where a body of the right shape at the top but not further down (a number where a
     list of content parts goes, a list where a string goes) is the client's 400, not a 500: the translations
@@ -67,7 +90,7 @@ def _translated(translate: Callable[[dict[str, Any]], dict[str, Any]], body: dic
         return translate(body)
     except GatewayError:
         raise
-    except (TypeError, AttributeError, KeyError, ValueError, IndexError) as exc:
+    except _SHAPE_ERRORS as exc:
         log.debug("translation failed", exc_info=True)
         raise GatewayError(400, f"The request body cannot be read as this API's request ({type(exc).__name__}: "
                                 f"{str(exc)[:200]})", code="invalid_request") from None
@@ -217,15 +240,23 @@ class _TranslatingSend:
             if self._ended:
                 return  # (the translation failed the stream: the client's response is over)
             costly = self._too_costly(body) if body else None
-            out = stream.close(costly) if costly is not None else stream.feed(body) if body else b""
-            if more and stream.closed:
+            failed = False
+            try:
+                out = stream.close(costly) if costly is not None else stream.feed(body) if body else b""
+            except _SHAPE_ERRORS as exc:  # (the engine's stream held a value of a type chat never has there)
+                out, failed = _closed_on(stream, exc), True
+            if more and (stream.closed or failed):
                 # failed mid-way (too costly, too long, an error event): the client's response ends here, and the
                 # engine's answer is let go (the server then says the client is gone, and the request's upstream is
                 # cancelled; it held the connection and its backend slot until the engine stopped, sweep 14)
                 more = False
                 self._ended = True
             if not more:
-                out += stream.close()
+                if not failed:
+                    try:
+                        out += stream.close()
+                    except _SHAPE_ERRORS as exc:
+                        out += _closed_on(stream, exc)
                 self._translation.finished(stream)
             if out or not more:
                 await self._send({"type": "http.response.body", "body": out, "more_body": more})
@@ -259,9 +290,15 @@ class _TranslatingSend:
                 translation.passed(doc.get("usage"), doc)
             else:
                 assert isinstance(doc, dict)
-                raw = orjson.dumps(translation.answer(doc))
+                try:
+                    raw = orjson.dumps(translation.answer(doc))
+                except _SHAPE_ERRORS as exc:
+                    status, raw = 502, translation.error(502, _untranslatable(exc).body())
         else:
-            raw = translation.error(status, raw)
+            try:
+                raw = translation.error(status, raw)
+            except _SHAPE_ERRORS as exc:
+                status, raw = 502, translation.error(502, _untranslatable(exc).body())
         headers = [(k, v) for k, v in start.get("headers", []) if k not in (b"content-length", b"content-type")]
         await self._send({"type": "http.response.start", "status": status,
                           "headers": [(b"content-type", _JSON), (b"content-length", str(len(raw)).encode()),

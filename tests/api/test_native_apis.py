@@ -5,10 +5,13 @@ from __future__ import annotations
 import anthropic
 import openai
 import orjson
+import pytest
 from pydantic import TypeAdapter
 
 from gateway.api.native_apis import MESSAGES, RESPONSES, StreamTap, chat_usage
 from gateway.proxy.sse import SSERelay
+
+pytestmark = pytest.mark.unit
 
 # llama-server's own /v1/messages stream (spaced JSON as a Python server would write it, in the middle)
 MESSAGES_STREAM = [
@@ -63,6 +66,17 @@ def test_a_messages_stream_passes_unchanged_its_deltas_count_and_message_stop_en
         tap.feed(piece)
     assert chat_usage("messages", tap.usage) == {"prompt_tokens": 11, "completion_tokens": 2, "total_tokens": 13,
                                                  "prompt_tokens_details": {"cached_tokens": 0}}
+
+
+def test_a_messages_stream_keeps_only_the_usage_figures_it_reads_whatever_its_events_carry() -> None:
+    """Sweep 16: the usage of every message_delta was merged whole, so a stream whose events each carried a
+    thousand new usage keys grew the gateway by ~70 MB a second for as long as it lasted."""
+    tap = StreamTap("messages")
+    for i in range(200):
+        usage = {f"k{i}_{j}": 1 for j in range(100)} | {"output_tokens": i + 1, "input_tokens": None}
+        tap.feed(b"event: message_delta\ndata: " + orjson.dumps({"type": "message_delta", "delta": {},
+                                                                  "usage": usage}) + b"\n\n")
+    assert tap.usage == {"output_tokens": 200}
 
 
 def test_a_responses_stream_counts_argument_deltas_and_ends_on_completed_with_its_usage_and_response() -> None:

@@ -59,6 +59,7 @@ from typing import Any
 
 import orjson
 
+from gateway.api.translate.figures import details, token_count
 from gateway.errors import GatewayError
 
 _ERROR_TYPES = {
@@ -494,11 +495,11 @@ def _usage(usage: Any) -> dict[str, Any]:
     """Chat usage -> Anthropic usage; input_tokens excludes the prompt tokens read from the cache."""
     if not isinstance(usage, dict):
         return {"input_tokens": 0, "output_tokens": 0}
-    prompt = usage.get("prompt_tokens") or 0
-    details = usage.get("prompt_tokens_details")
-    cached = details.get("cached_tokens") if isinstance(details, dict) else None
-    out: dict[str, Any] = {"input_tokens": prompt, "output_tokens": usage.get("completion_tokens") or 0}
-    if isinstance(cached, int):
+    prompt = token_count(usage.get("prompt_tokens"))
+    out: dict[str, Any] = {"input_tokens": prompt, "output_tokens": token_count(usage.get("completion_tokens"))}
+    found = usage.get("prompt_tokens_details")
+    if isinstance(found, dict) and "cached_tokens" in found:
+        cached = details(usage, "prompt_tokens_details", "cached_tokens")
         out["input_tokens"] = max(prompt - cached, 0)
         out["cache_read_input_tokens"] = cached
     return out
@@ -796,6 +797,16 @@ class MessagesStream:
             kind = next((k for k in (code, type_) if k in _ANTHROPIC_ERROR_TYPES), "api_error")
         out.append(b"event: error\ndata: " + _error_doc(kind, message) + b"\n\n")
 
+    def abort(self, message: str) -> bytes:
+        """The failure event now, whatever the stream holds (an engine's event it could not read: the rest of it
+        is dropped); b"" once closed."""
+        if self._closed:
+            return b""
+        self._pending = b""
+        out: list[bytes] = []
+        self._fail(out, message)
+        return b"".join(out)
+
     @property
     def closed(self) -> bool:
         """It sent its last event (completed, or failed): what the engine sends now is not translated."""
@@ -813,11 +824,12 @@ class MessagesStream:
         if error is not None:
             self._fail(out, error)
             return b"".join(out)
+        # (what may fail on the engine's values first: abort() then still ends the stream)
+        stop_reason, stop_sequence = _stop(self._finish, self._matched, self._tool_calls, self._stop_sequences)
+        usage = _usage(self.usage)
         self._closed = True
         self._start(out)
         self._stop_block(out)
-        stop_reason, stop_sequence = _stop(self._finish, self._matched, self._tool_calls, self._stop_sequences)
-        usage = _usage(self.usage)
         if self.usage is None:
             del usage["input_tokens"]  # unknown: message_start's count stands
         _event(out, "message_delta", {"type": "message_delta", "usage": usage,

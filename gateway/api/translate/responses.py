@@ -41,6 +41,7 @@ from typing import Any
 
 import orjson
 
+from gateway.api.translate.figures import details, token_count
 from gateway.api.translate.responses_tools import call_name, chat_tools, echoed, namespaced, qualified
 from gateway.errors import GatewayError
 
@@ -337,13 +338,13 @@ def responses_to_chat(body: dict[str, Any], history: list[dict[str, Any]] | None
 def _usage(usage: Any) -> dict[str, Any] | None:
     if not isinstance(usage, dict):
         return None
-    prompt = usage.get("prompt_tokens") or 0
-    completion = usage.get("completion_tokens") or 0
-    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-    reasoning = (usage.get("completion_tokens_details") or {}).get("reasoning_tokens") or 0
+    prompt = token_count(usage.get("prompt_tokens"))
+    completion = token_count(usage.get("completion_tokens"))
+    cached = details(usage, "prompt_tokens_details", "cached_tokens")
+    reasoning = details(usage, "completion_tokens_details", "reasoning_tokens")
     return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
             "output_tokens": completion, "output_tokens_details": {"reasoning_tokens": reasoning},
-            "total_tokens": usage.get("total_tokens") or prompt + completion}
+            "total_tokens": token_count(usage.get("total_tokens")) or prompt + completion}
 
 
 def _skeleton(request: dict[str, Any], response_id: str, created_at: int, model: Any) -> dict[str, Any]:
@@ -707,6 +708,16 @@ class ResponsesStream:
         self.response = response
         self._event(out, "response.failed", response=response)
 
+    def abort(self, message: str) -> bytes:
+        """The failure event now, whatever the stream holds (an engine's event it could not read: the rest of it
+        is dropped); b"" once closed."""
+        if self._closed:
+            return b""
+        self._pending = b""
+        out: list[bytes] = []
+        self._fail(out, message)
+        return b"".join(out)
+
     @property
     def closed(self) -> bool:
         """It sent its last event (completed, or failed): what the engine sends now is not translated."""
@@ -728,9 +739,9 @@ class ResponsesStream:
         if self._open is None and not self._items:  # nothing was generated: an empty message, as OpenAI does
             self._item("message", out)
         self._done(out)
-        self._closed = True
         response = self._response
         _finish(response, self._finish, self.usage)
+        self._closed = True  # (after what may fail on the engine's values: abort() then still ends it)
         self.response = response
         self._event(out, f"response.{response['status']}", response=response)
         return b"".join(out)
