@@ -413,6 +413,7 @@ class Admission:
         self._kicker: asyncio.Task[None] | None = None
         self._models: dict[str, _Model] = {}
         self.waiting = 0  # queued across models (woken ones not counted)
+        self._places: dict[str, int] = {}  # key -> its requests among them
         # slots freed so far (here or, with shared state, anywhere): a request that found every backend full
         # while this moved should look again at once, since the wake-up it would wait for has already passed
         self.generation = 0
@@ -495,6 +496,7 @@ class Admission:
             ticket.state = "queued"
             ticket.waited = True
             self.waiting += 1
+            self._places[ticket.key] = self._places.get(ticket.key, 0) + 1
             self._changed(ticket.model)
             if self.settings.shed_on_predicted_wait:
                 predicted, ahead = self._predict(state, ticket, now)
@@ -714,6 +716,7 @@ class Admission:
         assert ticket is not None
         self._drop_empty(state, ticket.priority)
         self.waiting -= 1
+        self._gave_place(ticket.key)
         ticket.state = "woken"
         ticket.chain = chain
         state.woken.append(ticket)
@@ -748,24 +751,53 @@ class Admission:
                 self._notify(last, Refused("deadline", predicted, ahead))
 
     def _displace(self, ticket: Ticket, now: float) -> bool:
-        """The queue is full: take the place of the newest waiter of the lowest priority below ``ticket``'s."""
+        """The queue is full: take the place of the newest waiter of the lowest priority below ``ticket``'s;
+        else, of the newest waiter, at ``ticket``'s priority or below, of the key holding the most places, when
+        that key holds more than ``ticket``'s key would with it. The queue is shared by every key, and a key's
+        share of it is what it leaves the others: one key filling it (a thousand requests waiting on a model it
+        kept slow) had every other key's requests refused at once, on every model (sweep 16)."""
         for candidate in sorted(self._models.values(), key=lambda s: min(s.levels, default=0)):
             lower = [p for p in candidate.levels if p < ticket.priority and candidate.levels[p].keys]
             if not lower:
                 continue
             victim = candidate.levels[min(lower)].last()
             assert victim is not None
-            predicted, ahead = self._predict(candidate, victim, now)
-            self._dequeue(victim)
-            self._notify(victim, Refused("displaced", predicted, ahead))
+            self._displaced(candidate, victim, now)
             return True
-        return False
+        if not self._places:
+            return False
+        biggest = max(self._places, key=self._places.__getitem__)
+        if self._places[biggest] <= self._places.get(ticket.key, 0) + 1:
+            return False
+        newest: tuple[_Model, Ticket] | None = None
+        for candidate in self._models.values():
+            for priority, level in candidate.levels.items():
+                queue = level.keys.get(biggest)
+                if priority <= ticket.priority and queue and (newest is None or queue[-1].arrived > newest[1].arrived):
+                    newest = candidate, queue[-1]
+        if newest is None:
+            return False
+        self._displaced(*newest, now)
+        return True
+
+    def _displaced(self, state: _Model, victim: Ticket, now: float) -> None:
+        predicted, ahead = self._predict(state, victim, now)
+        self._dequeue(victim)
+        self._notify(victim, Refused("displaced", predicted, ahead))
+
+    def _gave_place(self, key: str) -> None:
+        left = self._places[key] - 1
+        if left:
+            self._places[key] = left
+        else:
+            del self._places[key]
 
     def _dequeue(self, ticket: Ticket) -> None:
         state = self._models[ticket.model]
         state.levels[ticket.priority].remove(ticket)
         self._drop_empty(state, ticket.priority)
         self.waiting -= 1
+        self._gave_place(ticket.key)
         ticket.state = "new"
         self._changed(ticket.model)
 

@@ -200,6 +200,31 @@ async def test_a_full_queue_refuses_or_displaces_the_newest_lower_waiter() -> No
     await q.done()
 
 
+async def test_one_key_filling_the_queue_gives_up_its_newest_places_to_other_keys() -> None:
+    """Sweep 16: one key's thousand requests waiting on a model it kept slow filled the queue shared by every
+    key and model, and every other key's request that had to wait was refused at once (429 queue_full). A key
+    arriving at a full queue takes the newest place of the key holding the most, until neither holds more
+    than one place beyond the other; never a place of a higher priority."""
+    q = Queue(queue_size=4)
+    for i in range(4):
+        await q.enter(f"flood{i}", key="flood", model="slow")
+    await q.enter("victim0", key="victim")
+    assert q.refused == {"flood3": q.refused["flood3"]} and q.refused["flood3"].reason == "displaced"
+    await q.enter("victim1", key="victim")
+    assert q.refused["flood2"].reason == "displaced" and q.admission.waiting == 4  # (2 and 2 now)
+    await q.enter("victim2", key="victim")
+    assert q.refused["victim2"].reason == "queue_full", "an even share is kept: the flood keeps its two"
+    await q.enter("flood4", key="flood", model="slow")
+    assert q.refused["flood4"].reason == "queue_full"
+    await q.done()
+    high = Queue(queue_size=2)
+    await high.enter("high0", key="flood", priority=100)
+    await high.enter("high1", key="flood", priority=100)
+    await high.enter("low", key="victim", priority=0)
+    assert high.refused["low"].reason == "queue_full", "a higher priority's place is not taken by a lower"
+    await high.done()
+
+
 async def test_a_waiter_past_its_deadline_is_refused_with_timeout() -> None:
     q = Queue()
     await q.enter("short", max_wait=0.05)
