@@ -28,7 +28,7 @@ from gateway.auth import ANONYMOUS, Client, KeyStore
 from gateway.config import LimitSettings, Settings
 from gateway.errors import GatewayError
 from gateway.proxy.dispatch import Dispatcher
-from gateway.proxy.exchange import BYTES_PER_TOKEN, Exchange
+from gateway.proxy.exchange import BYTES_PER_TOKEN, Exchange, estimate_tokens
 from gateway.routing.request import POOLING_ROUTES
 from gateway.server_protocol import ARRIVAL
 from gateway.state.shared import Budget, SharedState, StateUnavailable
@@ -93,15 +93,15 @@ def _bounded_session(key: str) -> str:
 _NOTHING_GENERATED = POOLING_ROUTES | {"count_tokens"}
 
 
-def reservation(route: str, size: int, head: BodyHead, reserve_tokens: int, limits: LimitSettings,
+def reservation(route: str, body_tokens: int, head: BodyHead, reserve_tokens: int, limits: LimitSettings,
                 history: int = 0) -> int:
-    """Tokens a request of ``size`` body bytes reserves of its key's tokens per minute on arrival, from its
-    head (read before the body is decoded or validated): the body's estimate (every prompt, input and document
-    in it) and the ``history`` bytes of the stored conversation it continues, plus, for each choice it asks
+    """Tokens a request reserves of its key's tokens per minute on arrival, from its head (read before the
+    body is decoded or validated): its body's estimate (``estimate_tokens`` of its bytes: every prompt, input
+    and document in it) and the ``history`` bytes of the stored conversation it continues, plus, for each choice it asks
     for (``n``, ``best_of``) of each prompt it sends, what it may generate (``max_tokens`` or its spelling,
     else ``reserve_tokens``); a pooling route generates nothing. Settled against the engine's usage at the
     end. Counts past the limits count as the limits (such a request is refused before it is sent)."""
-    prompt = (size + history) // BYTES_PER_TOKEN
+    prompt = body_tokens + history // BYTES_PER_TOKEN
     if route in _NOTHING_GENERATED:
         return prompt
     output = min(head.output or reserve_tokens, limits.max_tokens)
@@ -160,7 +160,7 @@ class ProxyEndpoint:
         """Reloaded settings, for the requests that arrive from now on."""
         self._settings = settings
 
-    async def _admit_key(self, exchange: Exchange, client: Client, head: BodyHead, size: int) -> int:
+    async def _admit_key(self, exchange: Exchange, client: Client, head: BodyHead, body_tokens: int) -> int:
         """The key's checks, before its request's body is decoded: its model allow-list, then its requests and
         tokens per minute (in this process, or in the shared state with its ``max_in_flight`` there). Raises
         403 / 429 (503 with shared limits down and ``on_failure: closed``); what it takes is on ``exchange``,
@@ -172,9 +172,9 @@ class ProxyEndpoint:
         history = 0
         if limits.tokens_per_minute:
             history = self._api.history_bytes(client.name, head.previous) if self._api is not None else 0
-            exchange.reserve = reservation(self._route, size, head, settings.reserve_tokens, settings.limits,
+            exchange.reserve = reservation(self._route, body_tokens, head, settings.reserve_tokens, settings.limits,
                                            history)
-            exchange.body_tokens = (size + history) // BYTES_PER_TOKEN
+            exchange.body_tokens = body_tokens + history // BYTES_PER_TOKEN
         reserve = exchange.reserve
         shared = self._shared
         if shared is None:
@@ -256,7 +256,7 @@ class ProxyEndpoint:
             exchange.placement = self._dispatcher.priorities.place(
                 client.name if client is not None else None, header(scope, b"x-gateway-priority"),
                 header(scope, b"x-gateway-deadline-ms"))
-            history = await self._admit_key(exchange, client, head, len(raw)) if client is not None else 0
+            history = await self._admit_key(exchange, client, head, estimate_tokens(raw)) if client is not None else 0
             if body is None:  # (a large body: decoded whole once its key passed its checks)
                 check_containers(raw, settings.limits)
                 body = decode_body(raw)

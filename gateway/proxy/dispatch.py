@@ -536,6 +536,10 @@ class Dispatcher:
                                  headers={"x-gateway-backend": backend.name})
             if last:
                 raise final from None
+            if not exc.connect:
+                # the request reached the engine, which read its prompt: its key pays for it, as for a 5xx (each
+                # backend timed out on was a prompt's work for nothing, sweep 16)
+                exchange.discarded_tokens += max(1, exchange.body_tokens)
             raise self._retry(exchange, backend, exc.reason, final) from None
         except (GatewayError, asyncio.CancelledError):
             raise

@@ -18,7 +18,21 @@ from gateway.telemetry.tracing import RequestTrace
 _ITL_SLOTS = len(ITL_BUCKETS) + 1  # the inter-token histogram's buckets, +Inf last
 
 
-BYTES_PER_TOKEN = 4  # the gateway's own estimate of a text's tokens, where no engine counted them
+BYTES_PER_TOKEN = 4  # the gateway's own estimate of a text's tokens, where no engine counted them: ASCII's
+_ASCII = bytes(range(128))
+
+
+def estimate_tokens(text: str | bytes) -> int:
+    """The gateway's own count of ``text``'s tokens, where no engine counted them: ``BYTES_PER_TOKEN`` bytes of
+    ASCII a token, and a token for every byte of any other character. An engine whose vocabulary falls back to
+    bytes (Llama 2's, Mistral's) counts a rare character's every UTF-8 byte as a token: a prompt of 4-byte
+    characters cost the engine four tokens for each one its key was charged (a stream cut before its usage is
+    charged this count; sweep 16)."""
+    if text.isascii():
+        return len(text) // BYTES_PER_TOKEN
+    data = text.encode("utf-8", "surrogatepass") if isinstance(text, str) else text
+    other = len(data.translate(None, _ASCII))
+    return (len(data) - other) // BYTES_PER_TOKEN + other
 
 
 @dataclass(slots=True)
@@ -110,7 +124,7 @@ class Exchange:
             return self.reserve
         # (the body's own estimate where it says more than the rendered prompt: documents, template arguments and
         # images are not rendered, and a stream cut before its usage charged them nothing, sweep 10)
-        prompt = max(len(request.prompt) // BYTES_PER_TOKEN, self.body_tokens)
+        prompt = max(estimate_tokens(request.prompt), self.body_tokens)
         relayed = prompt + self.text_events
         return max(1, relayed if self.stream else max(relayed, self.reserve))
 

@@ -21,6 +21,7 @@ from gateway.api.proxy_endpoint import reservation
 from gateway.app import create_app
 from gateway.config import LimitSettings
 from gateway.errors import GatewayError
+from gateway.proxy.exchange import estimate_tokens
 from gateway.sim import FleetThread, SimSpec
 from tests.api.conftest import TIME_SCALE, Running, gateway_settings, streaming
 from tests.conftest import serve_in_thread
@@ -59,7 +60,8 @@ def test_the_token_reservation_counts_every_choice_and_every_input() -> None:
     limits = LimitSettings()
 
     def reserved(route: str, size: int, body: dict[str, Any], history: int = 0) -> int:
-        return reservation(route, size, BodyHead.read(orjson.dumps(body)), 1024, limits, history)
+        return reservation(route, estimate_tokens(b"x" * size), BodyHead.read(orjson.dumps(body)), 1024, limits,
+                           history)
 
     body = {"model": "m", "messages": ASK, "max_tokens": 100}
     assert reserved("chat", 400, body) == 100 + 100
@@ -317,7 +319,7 @@ def test_what_a_request_may_generate_is_the_most_any_of_its_fields_says(running:
     max_completion_tokens: {"max_completion_tokens": 1, "max_tokens": 1500} reserved one token and generated 1,500."""
     limits = LimitSettings()
     head = BodyHead.read(orjson.dumps({"model": "m", "max_completion_tokens": 1, "max_tokens": 1500, "n_predict": 9}))
-    assert reservation("chat", 400, head, 1024, limits) == 100 + 1500
+    assert reservation("chat", 100, head, 1024, limits) == 100 + 1500
     for extra, param in (({"max_completion_tokens": 1, "max_tokens": 10**9}, "max_tokens"),
                          ({"n_predict": -1}, "n_predict"), ({"max_tokens": 1, "n_predict": 10**9}, "n_predict")):
         reply = post(running, "open", {"model": "m", "messages": ASK, **extra})

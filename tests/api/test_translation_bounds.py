@@ -6,6 +6,8 @@ rerank answer, and a health or load answer only Python's JSON reader takes."""
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import orjson
 import pytest
@@ -13,6 +15,8 @@ import pytest
 from gateway.engines.base import BackendError, json_of
 from gateway.engines.sglang import MAX_RERANK_RESULTS, rerank_answer
 from tests.proxy.scripted_upstream import ScriptedUpstream, gateway_over
+
+pytestmark = pytest.mark.unit
 
 
 def _chat(message: dict[str, object]) -> bytes:
@@ -26,6 +30,7 @@ def _chunk(delta: dict[str, object], **choice: object) -> bytes:
                                       "choices": [{"index": 0, "delta": delta, "finish_reason": None, **choice}]})
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("stream", [False, True])
 def test_an_answer_too_costly_to_translate_is_refused_and_the_stream_ends_failed(stream: bool) -> None:
     calls = [{}] * 150_000  # (within server.max_response_values: only the translation would cost too much)
@@ -76,6 +81,27 @@ def test_a_stream_cut_before_its_usage_is_charged_its_bodys_estimate_where_the_r
     assert _tokens_used(exchange) == 2010 + 1
 
 
+@pytest.mark.parametrize("escaped", [False, True], ids=["utf-8", "json-escaped"])
+def test_a_stream_cut_before_its_usage_is_charged_every_byte_of_a_rare_character(escaped: bool) -> None:
+    """Sweep 16: a stream cut after its first event was charged a quarter token per byte of its body, but an
+    engine whose vocabulary falls back to bytes counts each of a rare character's four bytes as a token: one key
+    had 3.8 times its tokens per minute generated for it. Each byte of a character past ASCII is a token now,
+    whether the client sent it as UTF-8 or as JSON escapes (12 ASCII bytes for one such character)."""
+    from gateway.api.proxy_endpoint import _tokens_used
+    from gateway.proxy.exchange import Exchange, estimate_tokens
+    from gateway.routing.request import RouteRequest
+
+    text = "\U0001d400" * 1000  # (four bytes each in UTF-8; llama.cpp's generated models count 4,003 tokens)
+    body = {"model": "m", "messages": [{"role": "user", "content": text}]}
+    raw = json.dumps(body, ensure_ascii=escaped).encode()
+    request = RouteRequest(model="m", route="chat", stream=True, max_tokens=None, body=body)
+    exchange = Exchange(request_id="r", route="chat", t_start=0.0, stream=True, request=request)
+    exchange.backend = object()  # type: ignore[assignment]  # (a backend was reached)
+    exchange.body_tokens, exchange.text_events = estimate_tokens(raw), 1
+    assert _tokens_used(exchange) >= 4000 + 1
+    assert estimate_tokens("abcd" * 100) == estimate_tokens(b"abcd" * 100) == 100, "ASCII as before"
+
+
 def test_a_native_messages_stream_completes_its_first_message_start_once_whatever_follows(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Sweep 11: each message_start lacking type or role re-read the whole block: 2,000 of them in one block held
@@ -101,6 +127,7 @@ def test_a_native_messages_stream_completes_its_first_message_start_once_whateve
     assert parsed == 4000  # (once each: it was once per message_start for each of them, 16 million)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("path", ["/v1/responses", "/v1/messages"])
 def test_a_translated_stream_that_fails_ends_at_once_and_lets_the_engine_go(path: str) -> None:
     """Sweep 14: after a translated stream failed (an engine's error event, a bound passed), the client's

@@ -160,3 +160,33 @@ async def test_a_waiter_is_refused_exactly_at_its_deadline_and_the_slot_goes_to_
         release.set()
         assert (await holder).status_code == 200 and (await late).status_code == 200
         assert started[1] - started[0] == pytest.approx(40.0), "the next waiter got the slot when it was freed"
+
+
+async def test_a_backend_that_timed_out_after_reading_the_prompt_is_charged_to_the_key_on_failover() -> None:
+    """Sweep 16: a 5xx failover charged the key the prompt the failed engine had read, a first-byte timeout did
+    not: each backend timed out on was a prompt's work for free (1.45x the key's budget with three backends).
+    On fake time the bucket's refill over the timeout is exact: the prompt read by the backend that timed out
+    is charged with the answer's usage."""
+    import hashlib
+
+    async def engine(request: MockRequest) -> MockResponse:
+        if httpx.URL(request.url).host == "a":
+            await asyncio.Event().wait()  # (reads the prompt, never answers)
+        done = answer("from b")
+        done.body = done.body.replace(b'"prompt_tokens":3', b'"prompt_tokens":1000')
+        return done
+
+    key = {"name": "k", "key_sha256": hashlib.sha256(b"sk-k").hexdigest(), "tokens_per_minute": 6000}
+    config = {"backends": backends("a", "b"), "routing": {"policy": "round-robin"}, "auth": {"keys": [key]},
+              "timeouts": {"first_byte": 5}, "retries": {"max_attempts": 2, "max_seconds": 60}}
+    body = {"model": "m", "messages": [{"role": "user", "content": "word " * 800}], "max_tokens": 1}
+    async with gateway(config, engine) as (app, client):
+        started = now()
+        response = await client.post("/v1/chat/completions", json=body, headers={"authorization": "Bearer sk-k"})
+        assert response.status_code == 200 and response.headers["x-gateway-backend"] == "b"
+        assert now() - started == pytest.approx(5.0)
+        tokens = next(c for _, c in app.gateway.keys._clients if c.name == "k").tokens
+        assert tokens is not None
+        prompt_read_by_a = len(orjson.dumps(body)) // 4
+        refilled = 5.0 * 6000 / 60
+        assert tokens.level == pytest.approx(6000 - (1000 + 1) - prompt_read_by_a + refilled, abs=1), tokens.level
