@@ -125,19 +125,23 @@ class Pool:
     async def _remove(self, name: str, why: str = "no longer in DNS", keep: Backend | None = None) -> None:
         """Drop a backend: its scrape loop and client end; a request still on it finishes (``keep``: the entry
         is being replaced, so it is not marked down)."""
+        # Everything kept under its name is taken before the first await: a backend added again under the name
+        # meanwhile (a reload, the admin API) must not lose its settings, client or scrape loop to this
+        # removal (it did: every later configuration change failed on its missing settings; sweep 16).
         backend = self._by_name.pop(name)
         self.backends.remove(backend)
         if keep is None:
             backend.mark_down(f"removed: {why}")  # anything still holding it routes elsewhere
-        await cancel_and_wait([self._tasks.pop(name, None)])
+        task = self._tasks.pop(name, None)
         client = self._clients.pop(name, None)
-        if client is not None:
-            await client.aclose()
         self._settings.pop(name, None)
         self._probed_at.pop(name, None)
         self._complained.pop(name, None)
         self._kv_unknown.pop(name, None)
         self._overlisted.discard(name)
+        await cancel_and_wait([task])
+        if client is not None:
+            await client.aclose()
         log.info("backend %s removed (%s)", name, why)
 
     async def reconcile(self, backends: list[BackendSettings], drain_seconds: float) -> dict[str, list[str]]:

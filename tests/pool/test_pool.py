@@ -192,6 +192,38 @@ async def test_a_reload_brings_back_a_backend_it_removed_while_that_one_drains()
     await pool.stop()
 
 
+@pytest.mark.anyio
+async def test_a_backend_added_again_while_its_removal_runs_keeps_its_settings_and_scrapes() -> None:
+    """Sweep 16: a backend removed (admin DELETE) and added again under its name (admin POST) at once: the removal,
+    resumed after its first await, took the new entry's settings, and every later configuration change of that
+    process failed on them (500 KeyError) until a restart."""
+    engine = FakeEngine()
+
+    def factory(s: BackendSettings, adapter: EngineAdapter) -> httpx.AsyncClient:
+        return httpx.AsyncClient(transport=httpx.MockTransport(engine.handler), base_url=s.url)
+
+    def entry(name: str) -> BackendSettings:
+        return BackendSettings(name=name, engine="llamacpp", url=f"http://{name}")
+
+    pool = Pool([entry("a"), entry("x")], ScrapeSettings(interval=60, stale_after=5), factory)
+    await pool.start()
+    try:
+        await pool.reconcile([entry("a")], drain_seconds=0)
+        removal = next(t for t in pool._background if t.get_name() == "remove:x")
+        for _ in range(100):  # a few loop turns: the removal under way, out of the pool, not yet finished
+            if pool.find("x") is None:
+                break
+            await asyncio.sleep(0)
+        assert pool.find("x") is None and not removal.done()
+        assert (await pool.reconcile([entry("a"), entry("x")], drain_seconds=0))["added"] == ["x"]
+        await removal
+        x = pool.get("x")
+        assert pool.settings_of(x).url == "http://x" and x.health is Health.READY
+        assert "x" in pool._tasks and not pool._tasks["x"].done(), "its scrape loop runs"
+    finally:
+        await pool.stop()
+
+
 # -- a probe that times out while the proxy is being answered ------------------------------------------------
 class SlowHealth(FakeEngine):
     """Its health path answers after ``delay`` seconds; everything else at once."""
