@@ -230,6 +230,7 @@ class SharedState:
         self._drained_rereading = False
         self._shas: dict[str, str] = {}
         self.up = False
+        self.beats = 0  # heartbeats answered (what waits for the replicas to have read something, reads)
         self.errors: dict[str, int] = dict.fromkeys(OPERATIONS, 0)  # operation -> failures (all from zero)
         self.fail_open = 0  # requests passed unlimited because Redis was down
         # admissions by how they were decided: from what this replica holds ("local"), from what another
@@ -1125,6 +1126,7 @@ class SharedState:
             self._spawn(self._check_eviction())
         if self._pending:
             await self._drain()
+        self.beats += 1
 
     async def _check_fast(self, fast: RespConnection) -> None:
         """The heartbeat met no answer on the admissions' connection. Redis may be stalled (stopped, forking, a

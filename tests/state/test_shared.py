@@ -49,6 +49,22 @@ async def until(predicate: Callable[[], bool], seconds: float = 5.0) -> None:
         await asyncio.sleep(0.01)
 
 
+async def listening(*states: SharedState, seconds: float = 5.0) -> None:
+    """Until Redis counts every replica's subscription to the peers' channel (a message published before it is
+    not theirs to hear)."""
+    deadline = time.monotonic() + seconds
+    channel = states[0]._peers_channel
+    while (await states[0]._redis.pubsub_numsub(channel))[0][1] < len(states):
+        assert time.monotonic() < deadline, "the replicas did not subscribe"
+        await asyncio.sleep(0.01)
+
+
+async def heartbeats(*states: SharedState, count: int = 2, seconds: float = 5.0) -> None:
+    """Until each replica has answered ``count`` more heartbeats (each read what was written before it)."""
+    targets = [state.beats + count for state in states]
+    await until(lambda: all(s.beats >= t for s, t in zip(states, targets, strict=True)), seconds)
+
+
 @pytest.fixture
 async def pair(redis_server: RedisServer) -> AsyncIterator[list[SharedState]]:
     states = await replicas(redis_server, 2, {"b"})
@@ -179,7 +195,8 @@ async def test_peers_get_each_others_messages_not_their_own(pair: list[SharedSta
     got: dict[str, list[Any]] = {"a": [], "b": []}
     a.subscribe("session", got["a"].append)
     b.subscribe("session", got["b"].append)
-    await asyncio.sleep(0.1)  # (the subscriptions are in place)
+    await until(lambda: a.replicas == 2 and b.replicas == 2)  # (a replica alone publishes nothing)
+    await listening(a, b)
     a.publish("session", ["s1", "backend-1"])
     a.publish("session", ["s2", "backend-2"])
     await until(lambda: len(got["b"]) == 2)
@@ -192,7 +209,7 @@ async def test_stored_responses_are_read_by_another_replica(pair: list[SharedSta
     a.responses.put_response("", "resp_1", b'[{"role":"user","content":"hi"}]', StoreBounds(ttl_seconds=0.3))
     await until(lambda: not a._background)
     assert await b.responses.get_response("", "resp_1") == b'[{"role":"user","content":"hi"}]'
-    await asyncio.sleep(0.4)
+    await asyncio.sleep(0.4)  # (real time: Redis expires the stored response by its own clock, 0.3 s)
     assert await b.responses.get_response("", "resp_1") is None, "expired"
 
 
@@ -225,7 +242,7 @@ async def test_a_drain_reaches_every_replica_and_one_that_starts_later(redis_ser
     late: SharedState | None = None
     try:
         await until(lambda: a.replicas == 2 and b.replicas == 2)
-        await asyncio.sleep(0.1)  # (the subscriptions are in place)
+        await listening(a, b)
         a.set_drained("x", True)
         await until(lambda: seen["b"].get("x") is True)
         assert seen["a"].get("x", True) is True  # (its own heartbeat may read it back: never the other way)
@@ -326,7 +343,7 @@ async def test_kept_slots_go_back_at_once_when_another_replica_finds_the_backend
         redis_server: RedisServer) -> None:
     a, b = await replicas(redis_server, 2, {"b"}, heartbeat_seconds=5.0)
     try:
-        await asyncio.sleep(0.1)  # (the subscriptions are in place)
+        await listening(a, b)
         sixteen = [Slotted("b", 16)]
         for _ in range(16):
             assert (await a.admit(None, 0, sixteen)).slot
@@ -623,21 +640,21 @@ async def test_a_drain_survives_redis_losing_its_data_and_an_undrain_after_it_st
     b.on_drained(lambda name, drained: seen["b"].__setitem__(name, drained))
     try:
         await until(lambda: a.replicas == 2 and b.replicas == 2)
-        await asyncio.sleep(0.1)
+        await listening(a, b)
         a.set_drained("x", True)
         await until(lambda: seen["b"].get("x") is True)
-        await asyncio.sleep(0.3)  # (both heartbeats have read it)
+        await heartbeats(a, b)  # (both have read it)
         redis_server.kill()
         await until(lambda: not a.up and not b.up, seconds=5)
         redis_server.start()  # empty
         await until(lambda: a.up and b.up, seconds=5)
-        await asyncio.sleep(0.5)  # several heartbeats of each
+        await heartbeats(a, b, count=3)  # several of each, on the empty Redis
         assert seen["a"].get("x", True) is True and seen["b"]["x"] is True
         members = await a._redis.smembers(a._drained_key)
         assert {m.decode() for m in members} == {"x"}, "written back for replicas that start later"
         b.set_drained("x", False)  # and an operator's undrain after it is not written over
         await until(lambda: seen["a"].get("x") is False)
-        await asyncio.sleep(0.5)
+        await heartbeats(a, b, count=3)  # (none of them writes the drain back)
         assert seen["a"]["x"] is False and not await a._redis.smembers(a._drained_key)
     finally:
         await stop([a, b])
