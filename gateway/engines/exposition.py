@@ -17,9 +17,9 @@ from __future__ import annotations
 import re
 from collections.abc import Collection, Iterator
 
-# samples of the wanted series one reading may hold: vLLM's queue-time histogram is ~20 bucket lines per label
-# set (model, engine rank); an exposition of 70,000 wanted lines (4 MiB) took ~0.3 s of the event loop at every
-# scrape, for every tenant (sweep 16). Past this it is not an engine's exposition: the reading is refused.
+# lines starting with a wanted series' name one reading may hold: vLLM's queue-time histogram is ~20 bucket lines
+# per label set (model, engine rank); an exposition of 70,000 wanted lines (4 MiB) took ~0.3 s of the event loop
+# at every scrape, for every tenant (sweep 16). Past this it is not an engine's exposition: the reading is refused.
 MAX_SAMPLES = 10_000
 
 
@@ -28,7 +28,7 @@ def samples(text: str, names: Collection[str]) -> Iterator[tuple[str, str, float
     grouped by name. Lines that do not start with a wanted name (comments, other series, a longer name that
     starts with a wanted one) are skipped unread; a wanted series' line that is not a sample (labels without
     their closing brace, no value, a value that is not a number) raises ValueError: the engine's /metrics is
-    not what it should be, as does a ``text`` with more than ``MAX_SAMPLES`` of them."""
+    not what it should be, as does a ``text`` with more than ``MAX_SAMPLES`` lines starting with a wanted name."""
     end_of_text = len(text)
     read = 0
     for name in set(names):
@@ -40,6 +40,9 @@ def samples(text: str, names: Collection[str]) -> Iterator[tuple[str, str, float
             if line_end < 0:
                 line_end = end_of_text
             if at == 0 or text[at - 1] == "\n":  # (a sample line starts with its name; "# HELP name" does not)
+                read += 1  # (every line starting with a wanted name: one that is no sample costs its reading too)
+                if read > MAX_SAMPLES:
+                    raise ValueError(f"more than {MAX_SAMPLES} lines of the series read")
                 rest = text[after:line_end]
                 if rest.startswith("{"):
                     # the labels end at the line's last "}" (the value and timestamp hold none), so a "}" in a
@@ -63,9 +66,6 @@ def samples(text: str, names: Collection[str]) -> Iterator[tuple[str, str, float
                     except ValueError:
                         raise ValueError(f"{name}: a value that is not a number (line "
                                          f"{text.count(chr(10), 0, at) + 1})") from None
-                    read += 1
-                    if read > MAX_SAMPLES:
-                        raise ValueError(f"more than {MAX_SAMPLES} samples of the series read")
                     yield name, labels, number
             at = text.find(name, line_end)
 

@@ -63,9 +63,13 @@ REPLAY_MAX_BATCHES = 10_000
 REPLAY_MAX_WORK = MAX_NODES
 # bytes of live messages received and not yet applied: an engine publishing faster than they are applied (each
 # a valid batch of half a million blocks) had ZeroMQ's queue hold up to RCVHWM of them, 4.5 GB (sweep 16). A
-# message past this is dropped unread; the hole in the sequence it leaves is filled by a replay, or the stream
-# goes partial, as for any message missed.
+# message past this is dropped unread (received without a copy: dropping 1.3 GB/s through Python held the event
+# loop seconds, sweep 17); the hole in the sequence it leaves is filled by a replay, or the stream goes
+# partial, as for any message missed.
 BACKLOG_BYTES = 2 * MAX_PAYLOAD_BYTES
+# a replay's payloads in all (what work() does not count, a long string in each event, grew a replay of one-block
+# batches by 32 MiB each: sweep 17)
+REPLAY_MAX_BYTES = 2 * MAX_PAYLOAD_BYTES
 RCVHWM = 100_000  # as the engines' own PUB high-water mark
 
 
@@ -166,14 +170,14 @@ class EventStream:
         sub.setsockopt(zmq.MAXMSGSIZE, 64 * 1024 * 1024)
         sub.setsockopt(zmq.SUBSCRIBE, self.settings.topic.encode())
         # received at once, applied in turn: what waits is held here, bounded in bytes (see BACKLOG_BYTES)
-        backlog: collections.deque[tuple[list[bytes], int]] = collections.deque()
+        backlog: collections.deque[tuple[list[zmq.Frame], int]] = collections.deque()
         held = 0
         arrived = asyncio.Event()
 
         async def receive() -> None:
             nonlocal held
             while True:
-                frames = await sub.recv_multipart()
+                frames = await sub.recv_multipart(copy=False)
                 size = sum(len(frame) for frame in frames)
                 if held + size > BACKLOG_BYTES:
                     self.counters.dropped += 1
@@ -200,7 +204,7 @@ class EventStream:
                     continue
                 frames, size = backlog.popleft()
                 held -= size
-                await self._on_message(frames)
+                await self._on_message([frame.bytes for frame in frames])
         finally:
             await cancel_and_wait([reader] if reader is not None else [])
             sub.close(0)
@@ -320,7 +324,7 @@ class EventStream:
         dealer = self._dealer
         await dealer.send_multipart([b"", max(0, start).to_bytes(8, "big")])
         batches: list[Batch] = []
-        brought = 0  # the replay's work so far (wire.work: blocks and tokens)
+        brought = size = 0  # the replay's work so far (wire.work: blocks and tokens), and its payloads' bytes
         deadline = time.monotonic() + self.settings.replay_timeout
         while True:
             left = deadline - time.monotonic()
@@ -331,6 +335,9 @@ class EventStream:
                 parts = replay_parts(await dealer.recv_multipart())
                 if parts is None:
                     return batches
+                size += len(parts[1])
+                if size > REPLAY_MAX_BYTES:
+                    break
                 batch = await _paced(batch_steps(*parts))
             except WireError:
                 self.counters.decode_errors += 1
@@ -338,11 +345,12 @@ class EventStream:
             batches.append(batch)
             brought += sum(work(event) for event in batch.events)
             if len(batches) > REPLAY_MAX_BATCHES or brought > REPLAY_MAX_WORK:
-                log.warning("backend %s: its KV-event replay brought more than %d batches or %d blocks; refused",
-                            self.backend.name, REPLAY_MAX_BATCHES, REPLAY_MAX_WORK)
-                self._close_dealer()  # (what else it sends is not read as the next replay's answer)
-                return None
+                break
             deadline = time.monotonic() + self.settings.replay_timeout  # a long history keeps coming
+        log.warning("backend %s: its KV-event replay brought more than %d batches, %d blocks or %d bytes; refused",
+                    self.backend.name, REPLAY_MAX_BATCHES, REPLAY_MAX_WORK, REPLAY_MAX_BYTES)
+        self._close_dealer()  # (what else it sends is not read as the next replay's answer)
+        return None
 
     def _close_dealer(self) -> None:
         if self._dealer is not None:

@@ -59,8 +59,12 @@ async def test_an_exposition_of_more_wanted_samples_than_an_engine_writes_is_ref
     head = "vllm:num_requests_running 1\nvllm:num_requests_waiting 0\n"
     lines = "".join(f'vllm:request_queue_time_seconds_bucket{{le="{i}.5"}} 1\n' for i in range(MAX_SAMPLES + 1))
     hostile = head + lines + "vllm:request_queue_time_seconds_bucket{le=\"x\"} not-a-number\n"
-    with pytest.raises(BackendError, match=f"more than {MAX_SAMPLES} samples"):
+    with pytest.raises(BackendError, match=f"more than {MAX_SAMPLES} lines"):
         await create_adapter("vllm").read_load(client_for({"/metrics": httpx.Response(200, text=hostile)}))
+    # (sweep 17: lines that start with a wanted name and are no sample were skipped uncounted, ~90 ms a scrape)
+    nameonly = head + "vllm:kv_cache_usage_perc\n" * (MAX_SAMPLES + 1) + "vllm:kv_cache_usage_perc x\n"
+    with pytest.raises(BackendError, match=f"more than {MAX_SAMPLES} lines"):
+        await create_adapter("vllm").read_load(client_for({"/metrics": httpx.Response(200, text=nameonly)}))
     real = head + "".join(
         f'vllm:request_queue_time_seconds_bucket{{engine="{rank}",model_name="m{m}",le="{le}"}} {n}\n'
         for rank in range(8) for m in range(4) for n, le in enumerate(
