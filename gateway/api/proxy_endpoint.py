@@ -116,8 +116,8 @@ SHED_CODES = frozenset({"queue_full", "queue_deadline", "queue_timeout", "backen
 def _tokens_used(exchange: Exchange) -> int:
     """What a finished request is charged against its key's tokens per minute: its answer
     (:meth:`Exchange.answer_tokens`), and the answers generated and discarded on the way (an answer that failed its
-    check and was asked again, a prompt failed over from with a 5xx). Nothing when no backend was reached."""
-    return exchange.discarded_tokens + exchange.answer_tokens()
+    check and was asked again, a prompt read by a backend failed over from). Nothing when no backend was reached."""
+    return exchange.discarded_tokens + exchange.failed_over_tokens() + exchange.answer_tokens()
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,7 +160,8 @@ class ProxyEndpoint:
         """Reloaded settings, for the requests that arrive from now on."""
         self._settings = settings
 
-    async def _admit_key(self, exchange: Exchange, client: Client, head: BodyHead, body_tokens: int) -> int:
+    async def _admit_key(self, exchange: Exchange, client: Client, head: BodyHead, body_tokens: int,
+                         body_bytes: int) -> int:
         """The key's checks, before its request's body is decoded: its model allow-list, then its requests and
         tokens per minute (in this process, or in the shared state with its ``max_in_flight`` there). Raises
         403 / 429 (503 with shared limits down and ``on_failure: closed``); what it takes is on ``exchange``,
@@ -175,6 +176,7 @@ class ProxyEndpoint:
             exchange.reserve = reservation(self._route, body_tokens, head, settings.reserve_tokens, settings.limits,
                                            history)
             exchange.body_tokens = body_tokens + history // BYTES_PER_TOKEN
+            exchange.body_bytes = body_bytes + history
         reserve = exchange.reserve
         shared = self._shared
         if shared is None:
@@ -214,6 +216,7 @@ class ProxyEndpoint:
         extra = (loaded - reserved) // BYTES_PER_TOKEN
         if extra <= 0 or not exchange.reserved_tokens:
             return
+        exchange.body_bytes += loaded - reserved
         exchange.reserved_tokens += extra
         exchange.reserve += extra
         if exchange.budget is not None and self._shared is not None:
@@ -256,7 +259,8 @@ class ProxyEndpoint:
             exchange.placement = self._dispatcher.priorities.place(
                 client.name if client is not None else None, header(scope, b"x-gateway-priority"),
                 header(scope, b"x-gateway-deadline-ms"))
-            history = await self._admit_key(exchange, client, head, estimate_tokens(raw)) if client is not None else 0
+            history = (await self._admit_key(exchange, client, head, estimate_tokens(raw), len(raw))
+                       if client is not None else 0)
             if body is None:  # (a large body: decoded whole once its key passed its checks)
                 check_containers(raw, settings.limits)
                 body = decode_body(raw)

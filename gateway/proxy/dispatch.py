@@ -498,7 +498,7 @@ class Dispatcher:
                 suspects.append((backend, exc.status))
                 # the engine read the prompt before it failed: its key pays for it (each failover was free, so
                 # a request every engine answers 500 cost N backends' work for one charge, sweep 11)
-                exchange.discarded_tokens += max(1, exchange.body_tokens)
+                exchange.failed_over += 1
             else:
                 breaker.record(exc.status == 429)
             settled = True
@@ -539,7 +539,7 @@ class Dispatcher:
             if not exc.connect:
                 # the request reached the engine, which read its prompt: its key pays for it, as for a 5xx (each
                 # backend timed out on was a prompt's work for nothing, sweep 16)
-                exchange.discarded_tokens += max(1, exchange.body_tokens)
+                exchange.failed_over += 1
             raise self._retry(exchange, backend, exc.reason, final) from None
         except (GatewayError, asyncio.CancelledError):
             raise

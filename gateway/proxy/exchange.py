@@ -73,6 +73,10 @@ class Exchange:
     reserved_tokens: int = 0  # taken from the key's tokens per minute on admission, settled at the end
     reserve: int = 0  # the tokens its key's admission reserves (or would have), estimated on arrival
     body_tokens: int = 0  # of which its body's (and stored conversation's) estimate
+    # its body's and stored conversation's bytes: the most tokens its prompt can be to any engine (a token is at
+    # least a byte, or a byte's fallback; a template's few words per message fit in the JSON around them)
+    body_bytes: int = 0
+    failed_over: int = 0  # backends that read its prompt and were failed over from (each is charged that prompt)
     # with shared state: the key's budget, admitted on arrival (gateway.state), and the backend whose shared slot
     # this request holds (taken after routing)
     budget: Budget | None = None
@@ -114,19 +118,33 @@ class Exchange:
             return 0
         return self.estimated_tokens(self.request)
 
+    def prompt_bound(self) -> int:
+        """The most its prompt may have cost the engine, where the engine did not say: its body's bytes (documents
+        and template arguments, which the rendering leaves out, included), else the estimates. An estimate is
+        what text usually costs; a prompt made to cost more (digits, which Llama 2's and Mistral's tokenizers
+        split one to a token; rare characters, a token per byte) cut before its usage cost the engine four
+        times what its key was charged (sweeps 16, 17): a request the engine did not count pays the bound."""
+        rendered = estimate_tokens(self.request.prompt) if self.request is not None else 0
+        return max(self.body_bytes, self.body_tokens, rendered)
+
     def estimated_tokens(self, request: RouteRequest) -> int:
         """The gateway's own count of a request whose engine said no usable usage (none, a stream cut before its
-        usage chunk, garbage): a pooling request's inputs as reserved on arrival (its prompt is not rendered); a
-        stream's prompt estimate (or its body's, where more) plus one token per generated-text event relayed; a
-        whole answer, at least what its key reserved on arrival (its body's estimate plus ``max_tokens``: its
+        usage chunk, the client gone before the answer, garbage): a pooling request's inputs as reserved on
+        arrival (its prompt is not rendered); else its prompt's bound (:meth:`prompt_bound`) plus one token per
+        generated-text event relayed, and for a whole answer at least what its key reserved on arrival (its
         output is not counted on the way). Never less than one token."""
         if request.route in POOLING_ROUTES:
             return self.reserve
-        # (the body's own estimate where it says more than the rendered prompt: documents, template arguments and
-        # images are not rendered, and a stream cut before its usage charged them nothing, sweep 10)
-        prompt = max(estimate_tokens(request.prompt), self.body_tokens)
-        relayed = prompt + self.text_events
+        relayed = self.prompt_bound() + self.text_events
         return max(1, relayed if self.stream else max(relayed, self.reserve))
+
+    def failed_over_tokens(self) -> int:
+        """What the backends it was failed over from read: its prompt each, as the engine that answered counted
+        it (its usage), else its bound."""
+        if not self.failed_over:
+            return 0
+        prompt = usage_figure((self.usage or {}).get("prompt_tokens"))
+        return self.failed_over * max(1, prompt if prompt is not None else self.prompt_bound())
 
     def usage_int(self, key: str) -> int:
         """A figure of the engine's usage as accounting takes it (never negative, never absurdly large: see

@@ -81,25 +81,28 @@ def test_a_stream_cut_before_its_usage_is_charged_its_bodys_estimate_where_the_r
     assert _tokens_used(exchange) == 2010 + 1
 
 
-@pytest.mark.parametrize("escaped", [False, True], ids=["utf-8", "json-escaped"])
-def test_a_stream_cut_before_its_usage_is_charged_every_byte_of_a_rare_character(escaped: bool) -> None:
-    """Sweep 16: a stream cut after its first event was charged a quarter token per byte of its body, but an
-    engine whose vocabulary falls back to bytes counts each of a rare character's four bytes as a token: one key
-    had 3.8 times its tokens per minute generated for it. Each byte of a character past ASCII is a token now,
-    whether the client sent it as UTF-8 or as JSON escapes (12 ASCII bytes for one such character)."""
+@pytest.mark.parametrize(("text", "escaped", "engine_tokens"), [
+    ("\U0001d400" * 1000, False, 4000), ("\U0001d400" * 1000, True, 4000), ("1234567890" * 400, False, 4000)],
+    ids=["rare-characters-utf-8", "rare-characters-json-escaped", "digits"])
+def test_a_stream_cut_before_its_usage_is_charged_the_most_its_prompt_can_cost(text: str, escaped: bool,
+                                                                              engine_tokens: int) -> None:
+    """Sweeps 16 and 17: a stream cut after its first event was charged a quarter token per byte of its body, but
+    an engine whose vocabulary falls back to bytes counts each of a rare character's four bytes, and Llama 2's
+    and Mistral's tokenizers split digits one to a token: one key had 3.8 to 3.9 times its tokens per minute
+    generated for it. A request the engine did not count pays the most its prompt can cost: a token a byte of
+    its body, whatever the client sent (UTF-8 or JSON escapes)."""
     from gateway.api.proxy_endpoint import _tokens_used
     from gateway.proxy.exchange import Exchange, estimate_tokens
     from gateway.routing.request import RouteRequest
 
-    text = "\U0001d400" * 1000  # (four bytes each in UTF-8; llama.cpp's generated models count 4,003 tokens)
     body = {"model": "m", "messages": [{"role": "user", "content": text}]}
     raw = json.dumps(body, ensure_ascii=escaped).encode()
     request = RouteRequest(model="m", route="chat", stream=True, max_tokens=None, body=body)
     exchange = Exchange(request_id="r", route="chat", t_start=0.0, stream=True, request=request)
     exchange.backend = object()  # type: ignore[assignment]  # (a backend was reached)
-    exchange.body_tokens, exchange.text_events = estimate_tokens(raw), 1
-    assert _tokens_used(exchange) >= 4000 + 1
-    assert estimate_tokens("abcd" * 100) == estimate_tokens(b"abcd" * 100) == 100, "ASCII as before"
+    exchange.body_tokens, exchange.body_bytes, exchange.text_events = estimate_tokens(raw), len(raw), 1
+    assert _tokens_used(exchange) >= engine_tokens + 1
+    assert estimate_tokens("abcd" * 100) == estimate_tokens(b"abcd" * 100) == 100, "ASCII estimates as before"
 
 
 def test_a_native_messages_stream_completes_its_first_message_start_once_whatever_follows(

@@ -166,7 +166,7 @@ async def test_a_backend_that_timed_out_after_reading_the_prompt_is_charged_to_t
     """Sweep 16: a 5xx failover charged the key the prompt the failed engine had read, a first-byte timeout did
     not: each backend timed out on was a prompt's work for free (1.45x the key's budget with three backends).
     On fake time the bucket's refill over the timeout is exact: the prompt read by the backend that timed out
-    is charged with the answer's usage."""
+    is charged with the answer's usage, as the engine that answered counted it."""
     import hashlib
 
     async def engine(request: MockRequest) -> MockResponse:
@@ -187,6 +187,6 @@ async def test_a_backend_that_timed_out_after_reading_the_prompt_is_charged_to_t
         assert now() - started == pytest.approx(5.0)
         tokens = next(c for _, c in app.gateway.keys._clients if c.name == "k").tokens
         assert tokens is not None
-        prompt_read_by_a = len(orjson.dumps(body)) // 4
+        prompt_read_by_a = 1000  # (b's count of the same prompt)
         refilled = 5.0 * 6000 / 60
         assert tokens.level == pytest.approx(6000 - (1000 + 1) - prompt_read_by_a + refilled, abs=1), tokens.level

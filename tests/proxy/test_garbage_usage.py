@@ -76,8 +76,9 @@ def test_garbage_usage_is_no_reading_and_the_key_is_charged_the_gateways_estimat
         estimate = charged(bucket, ask)
         assert estimate >= 8
         upstream.mode = "stream"
-    else:  # the output is not counted on the way: what the key reserved on arrival, its body and max_tokens
-        estimate = len(body) // 4 + MAX_TOKENS
+    else:  # the output is not counted on the way: what the key reserved on arrival (its body's estimate and
+        # max_tokens) or the most its prompt can cost (a token a byte of its body), whichever is more
+        estimate = max(len(body) // 4 + MAX_TOKENS, len(body))
     found = {}
     for name, usage in GARBAGE.items():
         upstream.usage = usage

@@ -67,8 +67,8 @@ def keyed(tokens_per_minute: int) -> dict[str, Any]:
 
 def test_a_backend_reporting_negative_usage_does_not_refill_the_keys_token_budget() -> None:
     """The sweep's backend answered ``prompt_tokens: -1000000``: settling against it refilled the key's token
-    bucket to the full, whatever the key had spent. No reading, it is charged the gateway's own estimate (its body's
-    18 tokens and max_tokens: 26, where the answer said 8 generated; tests/proxy/test_garbage_usage.py)."""
+    bucket to the full, whatever the key had spent. No reading, it is charged the gateway's own count (the most its
+    prompt can cost, a token a byte of its body: more than the 30 tokens left; tests/proxy/test_garbage_usage.py)."""
     honest = {"prompt_tokens": 45, "completion_tokens": 45, "total_tokens": 90}
     with ScriptedUpstream(mode="complete", tokens=8) as upstream:
         _app, server = gateway_over(upstream, **keyed(300))
@@ -85,9 +85,8 @@ def test_a_backend_reporting_negative_usage_does_not_refill_the_keys_token_budge
             upstream.usage = honest
             after = [ask() for _ in range(6)]
     assert spent == [200] * 3 and hostile == 200
-    # 22 tokens left: one more request is admitted (and puts the key in debt), then 429 until it has refilled;
-    # refilled to 300 by the hostile answer, the key had four more
-    assert after == [200] + [429] * 5, after
+    # the key in debt: 429 until it has refilled; refilled to 300 by the hostile answer, the key had four more
+    assert after == [429] * 6, after
 
 
 def test_a_backend_listing_many_models_is_served_for_a_thousand_and_one_listing_300000_is_no_backend() -> None:
