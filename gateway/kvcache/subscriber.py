@@ -70,6 +70,8 @@ BACKLOG_BYTES = 2 * MAX_PAYLOAD_BYTES
 # a replay's payloads in all (what work() does not count, a long string in each event, grew a replay of one-block
 # batches by 32 MiB each: sweep 17)
 REPLAY_MAX_BYTES = 2 * MAX_PAYLOAD_BYTES
+MAX_PARTS = 4  # of a live message: topic, sequence number and payload (and one more, for what a release adds)
+PARTS_TURN = 1024  # parts of a message read between two turns for the rest of the gateway
 RCVHWM = 100_000  # as the engines' own PUB high-water mark
 
 
@@ -175,16 +177,32 @@ class EventStream:
         arrived = asyncio.Event()
 
         async def receive() -> None:
+            # Part by part, a turn for everyone else after each message and every PARTS_TURN parts: ZeroMQ hands
+            # over a waiting message at once (awaiting it never suspends), so a publisher of ~200,000 tiny
+            # messages a second held the event loop for as long as it sent, and one message of five million
+            # one-byte parts (pyzmq reads a message's parts in one loop) held it 9 s (sweep 17). A message of
+            # more parts than an event batch has is read to its end and dropped.
             nonlocal held
             while True:
-                frames = await sub.recv_multipart(copy=False)
-                size = sum(len(frame) for frame in frames)
-                if held + size > BACKLOG_BYTES:
+                frame = await sub.recv(copy=False)
+                frames, parts = [frame], 1
+                while frame.more:
+                    frame = await sub.recv(copy=False)
+                    parts += 1
+                    if parts <= MAX_PARTS:
+                        frames.append(frame)
+                    elif parts % PARTS_TURN == 0:
+                        await asyncio.sleep(0)
+                size = sum(len(f) for f in frames)
+                if parts > MAX_PARTS:
+                    self.counters.decode_errors += 1
+                elif held + size > BACKLOG_BYTES:
                     self.counters.dropped += 1
-                    continue
-                backlog.append((frames, size))
-                held += size
-                arrived.set()
+                else:
+                    backlog.append((frames, size))
+                    held += size
+                    arrived.set()
+                await asyncio.sleep(0)
 
         reader: asyncio.Task[None] | None = None
         try:
@@ -205,6 +223,7 @@ class EventStream:
                 frames, size = backlog.popleft()
                 held -= size
                 await self._on_message([frame.bytes for frame in frames])
+                await asyncio.sleep(0)  # (a message that fails to decode, or a tiny batch, never pauses otherwise)
         finally:
             await cancel_and_wait([reader] if reader is not None else [])
             sub.close(0)

@@ -42,6 +42,9 @@ KEEPALIVE_SECONDS = 4.0
 DNS_TTL_SECONDS = 10.0
 
 
+MAX_INTERIM = 8  # interim (1xx) responses before an answer's own (a real engine sends one at most)
+
+
 class _Stale(Exception):
     """A pooled connection closed before any byte of the response: the request never reached the backend."""
 
@@ -257,6 +260,7 @@ class _Connection(asyncio.Protocol):
         # of a header, a trailer or a line it is still building (see data_received)
         self._unfinished = 0
         self._progressed = False
+        self._interim = 0  # interim (1xx) heads before the current response's own
         self._received = False  # any byte of the current response
         self._paused = False
         self._close_delimited = False
@@ -314,9 +318,6 @@ class _Connection(asyncio.Protocol):
                 response._fail(UpstreamError("the backend's response was cut off"))
 
     # -- httptools callbacks ------------------------------------------------------------------------------
-    def on_status(self, status: bytes) -> None:
-        self._progressed = True
-
     def on_chunk_header(self) -> None:
         self._progressed = True
 
@@ -337,9 +338,18 @@ class _Connection(asyncio.Protocol):
         self._progressed = True
         status = self.parser.get_status_code()
         names, values = self._header_names, self._header_values
-        self._header_names, self._header_values, self._head_bytes = [], [], 0
+        self._header_names, self._header_values = [], []
         if status < 200:  # an interim answer (100 Continue, 103 Early Hints): the real one follows
+            # (a real engine sends one at most; one sending them without end had millions parsed, the loop held
+            # ~650 ms of every 700 until first_byte, sweep 17: their headers count in the head's bound, and
+            # past MAX_INTERIM of them the answer is refused)
+            self._interim += 1
+            if self._interim > MAX_INTERIM:
+                error = UpstreamError(f"the backend sent more than {MAX_INTERIM} interim (1xx) responses")
+                self._abort(error)
+                raise error  # stops the parser
             return
+        self._head_bytes = self._interim = 0
         headers = {name.decode("latin-1").lower(): value.decode("latin-1") for name, value in zip(names, values,
                                                                                                   strict=True)}
         self._close_delimited = "content-length" not in headers and "chunked" not in headers.get(

@@ -910,11 +910,7 @@ class SharedState:
             try:
                 self._seal.listening()  # (what was sealed before this subscription is a copy when it comes)
                 await pubsub.subscribe(self._peers_channel, self._freed_channel, self._wanted_channel)
-                async for message in pubsub.listen():
-                    try:
-                        self._received(message)
-                    except Exception:  # (a message that is not one must not end the subscriber)
-                        self._reject("malformed", message.get("channel"))
+                await self._listen(pubsub)
             except asyncio.CancelledError:
                 raise
             except self._errors as exc:
@@ -926,6 +922,28 @@ class SharedState:
                 with contextlib.suppress(*self._errors):
                     await asyncio.wait_for(pubsub.aclose(), 1.0)  # type: ignore[no-untyped-call, unused-ignore]
             await self.clock.sleep(self.settings.heartbeat_seconds)
+
+    async def _listen(self, pubsub: Any) -> None:
+        """Hand on what comes on the subscription; while nothing comes for a heartbeat, PING it: answered by
+        nothing for two more, its connection is dead (a half-open flow after a partition or a proxy's restart
+        is never closed by the kernel: the replica stayed deaf to the others' messages until it restarted,
+        sweep 17), and the subscriber connects afresh."""
+        beat = self.settings.heartbeat_seconds
+        heard = self.clock.monotonic()
+        while True:
+            message = await pubsub.get_message(timeout=beat)
+            now = self.clock.monotonic()
+            if message is not None:
+                heard = now
+                if message.get("type") == "message":
+                    try:
+                        self._received(message)
+                    except Exception:  # (a message that is not one must not end the subscriber)
+                        self._reject("malformed", message.get("channel"))
+                continue
+            if now - heard > 3 * beat + 5 * self._timeout:
+                raise ConnectionError("the subscription answered no PING")
+            await pubsub.ping()
 
     def _received(self, message: dict[str, Any]) -> None:
         """A message another replica published: applied if its seal holds (:mod:`gateway.state.sealing`), else

@@ -333,11 +333,64 @@ def test_live_messages_past_the_backlog_bound_are_dropped_and_the_hole_is_filled
     async def scenario(ctx: zmq.asyncio.Context, pub: Publisher, hub: EventHub) -> None:
         stream = subscribe(hub, pub, make_backend())
         await until(lambda: stream.state == "live")
-        for i in range(60):  # ~45 KB each, published at once: more than four never wait together
+        gate = asyncio.Event()  # (the index applies nothing until it opens: what arrives meanwhile waits)
+        apply = stream._on_message
+
+        async def held_back(frames: list[bytes]) -> None:
+            await gate.wait()
+            await apply(frames)
+
+        stream._on_message = held_back  # type: ignore[method-assign]
+        for i in range(60):  # ~45 KB each: no more than four wait together
             await pub.publish(stored(list(range(10_000 + 2000 * i, 12_000 + 2000 * i)), None, [99] * 16 * 2000))
+        await until(lambda: stream.counters.dropped >= 50)
+        gate.set()
         await pub.publish(stored([1], None, TOKENS[:16]))
         await until(lambda: held(stream) == 16, within=10)
         assert stream.counters.dropped > 0 and stream.counters.gaps > 0
         assert stream.counters.replays["complete"] >= 2 and stream.counters.batches == 61, stream.counters
+
+    run(scenario)
+
+
+def test_a_flood_of_small_or_many_part_messages_leaves_the_event_loop_to_everyone_else() -> None:
+    """Sweep 17: a waiting message is handed over at once (awaiting it never suspends), so a publisher of ~200,000
+    junk messages a second held the event loop for as long as it sent (one request waited 18 s), and one message
+    of five million one-byte parts, 9 s. The receive and the apply each give the loop a turn after every message
+    and every 1,024 parts: a task beside them runs at least that often."""
+    from gateway.kvcache.subscriber import PARTS_TURN
+
+    async def scenario(ctx: zmq.asyncio.Context, pub: Publisher, hub: EventHub) -> None:
+        stream = subscribe(hub, pub, make_backend())
+        await until(lambda: stream.state == "live")
+        ticks = 0
+
+        async def beside() -> None:
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0)
+
+        ticker = asyncio.create_task(beside())
+        try:
+            for _ in range(5000):
+                pub.pub.send_multipart([b"", (0).to_bytes(8, "big"), b"\xc1"], flags=zmq.NOBLOCK)
+            # (a real-time wait, the loop held: ZeroMQ's own thread queues them all for the subscriber, as a
+            # publisher faster than the gateway does; past its high-water mark the publisher drops some)
+            time.sleep(0.5)  # noqa: ASYNC251
+            before = ticks
+            seen = -1
+            while seen != stream.counters.decode_errors:  # (until they stop coming)
+                seen = stream.counters.decode_errors
+                await asyncio.sleep(0.3)
+            assert seen >= 1000 and ticks - before >= seen, (seen, ticks - before)  # a turn after each one
+            parts = 100 * PARTS_TURN
+            pub.pub.send_multipart([b""] * parts, flags=zmq.NOBLOCK)
+            time.sleep(0.5)  # noqa: ASYNC251  (likewise: the whole message waits)
+            before = ticks
+            await until(lambda: stream.counters.decode_errors == seen + 1, within=15)  # (read whole, dropped)
+            assert ticks - before >= parts // PARTS_TURN, ticks - before
+        finally:
+            ticker.cancel()
 
     run(scenario)

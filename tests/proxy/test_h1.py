@@ -224,6 +224,33 @@ async def test_a_header_or_trailer_that_never_ends_is_cut_at_the_bound_not_read_
     assert sent < 1_000_000, sent
 
 
+async def test_interim_responses_are_taken_a_few_at_most(transport: H1Transport) -> None:
+    """Sweep 17: an engine answering with ``100 Continue`` heads without end had millions parsed, the event loop
+    held ~650 ms of every 700 until first_byte. One 103 Early Hints (with a header) still comes before its
+    answer; past eight interim heads the answer is refused, the rest never read."""
+    sent = 0
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal sent
+        body = await server.read_request(reader)
+        if body == b"hints":
+            writer.write(b"HTTP/1.1 103 Early Hints\r\nLink: </a>; rel=preload\r\n\r\n" + ok(b"fine"))
+            await asyncio.sleep(1)  # (the engine keeps the connection; the test is done long before)
+            return
+        while sent < 100_000:
+            writer.write(b"HTTP/1.1 100 Continue\r\n\r\n" * 100)
+            sent += 100
+            await writer.drain()
+            await asyncio.sleep(0)
+
+    async with Server(handler) as server:
+        response = await transport.post(server.url, b"hints", {})
+        assert response.status == 200 and await response.read() == b"fine"
+        with pytest.raises(UpstreamError, match="more than 8 interim"):
+            await transport.post(server.url, b"endless", {})
+    assert sent < 20_000, sent
+
+
 async def test_a_header_value_with_a_line_break_is_refused_before_sending(transport: H1Transport) -> None:
     with pytest.raises(ValueError, match="line break"):
         await transport.post("http://127.0.0.1:1", b"{}", {"X-Evil": "a\r\nInjected: 1"})

@@ -238,9 +238,12 @@ async def test_a_connection_gone_silent_is_dropped_and_the_state_comes_back_on_a
     proxy = SilentProxy(redis_server.port)
     port = await proxy.start()
     state = SharedState(settings(redis_server, url=f"redis://127.0.0.1:{port}/0", timeout_ms=100,
-                                 heartbeat_seconds=0.1), replica_id="r0")
+                                 heartbeat_seconds=0.1), replica_id="behind-the-proxy")
     state.slotted = lambda: set()
+    heard: list[object] = []
+    state.subscribe("session", heard.append)
     await state.start()
+    (other,) = await replicas(redis_server, 1, heartbeat_seconds=0.1)  # (on Redis itself, not through the proxy)
     try:
         assert (await state.admit(LIM, 0, [])).limited is None and state.up
         opened = proxy.connections
@@ -251,8 +254,15 @@ async def test_a_connection_gone_silent_is_dropped_and_the_state_comes_back_on_a
         await eventually(lambda: _true(state.up))  # and up again on a connection opened since
         assert proxy.connections > opened
         assert (await state.admit(LIM, 0, [])).limited is None, "admissions are answered again"
+
+        async def hears_the_other() -> bool:  # (its subscription, silent too, was made afresh: sweep 17)
+            other.publish("session", ["s", "b"])
+            await asyncio.sleep(0.05)
+            return bool(heard)
+
+        await eventually(hears_the_other)
     finally:
-        await stop([state])
+        await stop([state, other])
         await proxy.stop()
 
 
