@@ -119,9 +119,11 @@ class EngineAdapter:
                 body["documents"] = [d["text"] if isinstance(d, dict) else d for d in documents]
         return body
 
-    def rewrite_answer(self, route: str, model: str) -> Callable[[bytes], bytes] | None:
-        """How to turn this engine's non-streamed answer on ``route`` (for ``model``) into the shape the gateway
-        serves, where the two differ (None: they do not, and the answer passes byte for byte). The function
+    def rewrite_answer(self, route: str, model: str, body: dict[str, Any] | None = None,
+                       ) -> Callable[[bytes], bytes] | None:
+        """How to turn this engine's non-streamed answer on ``route`` (for ``model``, asked with the client's
+        ``body``) into the shape the gateway serves, where the two differ (None: they do not, and the answer
+        passes byte for byte). The function
         raises ValueError on an answer it cannot read."""
         return None
 

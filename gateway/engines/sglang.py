@@ -71,6 +71,8 @@ class SGLangAdapter(EngineAdapter):
             del body["json_schema"]
             body["response_format"] = {"type": "json_schema", "json_schema": {
                 "name": constraint.name, "schema": constraint.schema, "strict": True}}
+        if route == "rerank":
+            body.pop("top_n", None)  # (every result, and its count, comes back: see rerank_answer)
         return body
 
     def constraint_fields(self, constraint: Constraint) -> dict[str, Any]:
@@ -87,8 +89,12 @@ class SGLangAdapter(EngineAdapter):
             return {"response_format": constraint.tag}
         return super().constraint_fields(constraint)
 
-    def rewrite_answer(self, route: str, model: str) -> Callable[[bytes], bytes] | None:
-        return (lambda raw: rerank_answer(raw, model)) if route == "rerank" else None
+    def rewrite_answer(self, route: str, model: str, body: dict[str, Any] | None = None,
+                       ) -> Callable[[bytes], bytes] | None:
+        if route != "rerank":
+            return None
+        top_n = (body or {}).get("top_n")
+        return lambda raw: rerank_answer(raw, model, top_n if isinstance(top_n, int) and top_n > 0 else None)
 
     def __init__(self) -> None:
         self._metrics_enabled = True  # learned: without --enable-metrics /metrics is not served
@@ -173,10 +179,13 @@ def _sum(loads: list[dict[str, Any]], key: str, limit: int = readings.MAX_COUNT)
 MAX_RERANK_RESULTS = 16_384  # results one rerank answer may hold (requests: limits.max_documents, 1,024 by default)
 
 
-def rerank_answer(raw: bytes, model: str) -> bytes:
+def rerank_answer(raw: bytes, model: str, top_n: int | None = None) -> bytes:
     """SGLang's rerank answer, a bare list of ``{score, document, index, meta_info}`` best first
     (``serving_rerank.py``), in the shape vLLM and llama.cpp answer and rerank clients read (Jina's and
-    Cohere's): ``{id, model, object, usage, results: [{index, relevance_score, document: {text}}]}``."""
+    Cohere's): ``{id, model, object, usage, results: [{index, relevance_score, document: {text}}]}``, the
+    best ``top_n`` of them. SGLang is asked for them all (prepare_body): it scores every document and answers
+    only ``top_n``, each with its own count, so a request of 200 documents and ``top_n: 1`` was charged 1/200
+    of the engine's work (sweep 17); the usage is every result's."""
     items = orjson.loads(raw)
     if not isinstance(items, list) or not all(isinstance(i, dict) for i in items):
         raise ValueError("SGLang's rerank answer is not a list of results")
@@ -197,4 +206,5 @@ def rerank_answer(raw: bytes, model: str) -> bytes:
             tokens += counted if isinstance(counted, int) else 0
             rid = rid or str(meta.get("id") or "")
     return orjson.dumps({"id": rid or "rerank", "model": model, "object": "list",
-                         "usage": {"prompt_tokens": tokens, "total_tokens": tokens}, "results": results})
+                         "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+                         "results": results[:top_n] if top_n else results})

@@ -454,7 +454,7 @@ class Dispatcher:
             keep_usage=native is not None or client_wants_usage(request.body), headers=headers, check=check,
             retry_invalid=retry_invalid, retry_statuses=frozenset() if last else backend.spec.retry_statuses,
             writer=writer, native=native, hidden=hidden_figures(request, backend.spec),
-            rewrite=self._fleet.adapters[backend.name].rewrite_answer(request.route, request.model)
+            rewrite=self._fleet.adapters[backend.name].rewrite_answer(request.route, request.model, request.body)
             if native is None else native.answer,
             upstream_headers=(trace.upstream_start(backend.name, backend.engine, backend.url, path)
                               if trace is not None else None),

@@ -54,6 +54,19 @@ def test_document_objects_reach_the_engine_as_the_strings_it_takes(engines: Runn
     assert received.body["documents"] == DOCS
 
 
+def test_sglang_is_asked_for_every_result_so_the_key_pays_for_every_document_scored(engines: Running) -> None:
+    """Sweep 17: SGLang scores every document, answers only ``top_n``, each with its own token count: a request
+    of 200 documents and ``top_n: 1`` was charged 1/200 of the engine's work (~600x a key's tokens per minute).
+    It is asked for all of them; the gateway keeps the best ``top_n`` and counts every one."""
+    whole = rerank(engines, model="m-sglang", query=QUERY, documents=DOCS).json()
+    best = rerank(engines, model="m-sglang", query=QUERY, documents=DOCS, top_n=1)
+    assert best.status_code == 200, best.text
+    assert [r["index"] for r in best.json()["results"]] == [1]
+    assert best.json()["usage"] == whole["usage"] and whole["usage"]["total_tokens"] > 0
+    received = [r for r in list(engines.server("sim-sglang").received) if "rerank" in r.path][-1]
+    assert "top_n" not in received.body
+
+
 def test_rerank_is_counted_under_its_route(engines: Running) -> None:
     rerank(engines, model="m-vllm", query=QUERY, documents=DOCS)
     metrics = httpx.get(engines.url + "/metrics").text
