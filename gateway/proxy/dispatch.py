@@ -337,8 +337,8 @@ class Dispatcher:
                                      "queue is full; retry shortly", code="queue_full", headers=headers)
         if refused.reason == "displaced":
             return GatewayError(429, f"every backend serving '{model}' is at its max_concurrency and the queue is "
-                                     "full: a request of higher priority took this one's place; retry shortly",
-                                code="queue_full", headers=headers)
+                                     "full: a request of higher priority, or of a key holding fewer places in it, "
+                                     "took this one's place; retry shortly", code="queue_full", headers=headers)
         if refused.reason == "deadline":
             return GatewayError(429, f"every backend serving '{model}' is busy: {predicted} exceeds what this "
                                      f"request may wait ({allowed:g} s); retry later", code="queue_deadline",
