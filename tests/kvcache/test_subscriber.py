@@ -5,6 +5,7 @@ epoch change take the stream out of routing."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Awaitable, Callable
 
@@ -97,10 +98,34 @@ async def until(check: Callable[[], bool], within: float = 3.0) -> None:
         await asyncio.sleep(0.01)
 
 
-def run(scenario: Callable[[zmq.asyncio.Context, Publisher, EventHub], Awaitable[None]], **publisher: object) -> None:
+class Turns:
+    """Counts the turns the event loop gives a task beside the code under test (while in its ``async with``)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._task: asyncio.Task[None] | None = None
+
+    async def __aenter__(self) -> Turns:
+        self._task = asyncio.create_task(self._tick())
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._task is not None
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+
+    async def _tick(self) -> None:
+        while True:
+            self.count += 1
+            await asyncio.sleep(0)
+
+
+def run(scenario: Callable[[zmq.asyncio.Context, Publisher, EventHub], Awaitable[None]],
+        kind: type[Publisher] | None = None, **publisher: object) -> None:
     async def main() -> None:
         ctx = open_context(zmq.asyncio.Context)  # (a socket a failed scenario left open must not hang it)
-        pub = Publisher(ctx, **publisher)  # type: ignore[arg-type]
+        pub = (kind or Publisher)(ctx, **publisher)  # type: ignore[arg-type]
         hub = EventHub()
         try:
             await scenario(ctx, pub, hub)
@@ -241,24 +266,13 @@ def test_a_huge_batch_is_decoded_and_applied_a_few_thousand_blocks_at_a_time() -
     async def scenario(ctx: zmq.asyncio.Context, pub: Publisher, hub: EventHub) -> None:
         stream = subscribe(hub, pub, make_backend())
         await until(lambda: stream.state == "live")
-        ticks = 0
-
-        async def beside() -> None:
-            nonlocal ticks
-            while True:
-                ticks += 1
-                await asyncio.sleep(0)
-
-        ticker = asyncio.create_task(beside())
-        try:
+        async with Turns() as turns:
             many = [stored([1000 + i], None, TOKENS[:16]) for i in range(60_000)]
             await pub.publish(*many, stored([1], None, TOKENS[:16]))
             await until(lambda: stream.counters.events == 60_001, within=15)
             # decoding and applying each paused every PACE blocks (an event counts 1 plus its blocks)
-            assert ticks >= 2 * (2 * 60_000) // PACE, ticks
+            assert turns.count >= 2 * (2 * 60_000) // PACE, turns.count
             assert held(stream) == 16
-        finally:
-            ticker.cancel()
 
     run(scenario)
 
@@ -307,18 +321,7 @@ def test_a_replay_that_never_ends_is_refused_at_its_bound_and_the_live_stream_go
         await pub.publish(stored([1], None, TOKENS[:16]))
         await until(lambda: held(stream) == 16)
 
-    async def main() -> None:
-        ctx = open_context(zmq.asyncio.Context)
-        pub = EndlessReplay(ctx)
-        hub = EventHub()
-        try:
-            await scenario(ctx, pub, hub)
-        finally:
-            await hub.stop()
-            pub.close()
-            close_context(ctx)
-
-    asyncio.run(asyncio.wait_for(main(), 20))
+    run(scenario, EndlessReplay)
 
 
 def test_live_messages_past_the_backlog_bound_are_dropped_and_the_hole_is_filled_by_replay(
@@ -363,34 +366,23 @@ def test_a_flood_of_small_or_many_part_messages_leaves_the_event_loop_to_everyon
     async def scenario(ctx: zmq.asyncio.Context, pub: Publisher, hub: EventHub) -> None:
         stream = subscribe(hub, pub, make_backend())
         await until(lambda: stream.state == "live")
-        ticks = 0
-
-        async def beside() -> None:
-            nonlocal ticks
-            while True:
-                ticks += 1
-                await asyncio.sleep(0)
-
-        ticker = asyncio.create_task(beside())
-        try:
+        async with Turns() as turns:
             for _ in range(5000):
                 pub.pub.send_multipart([b"", (0).to_bytes(8, "big"), b"\xc1"], flags=zmq.NOBLOCK)
             # (a real-time wait, the loop held: ZeroMQ's own thread queues them all for the subscriber, as a
             # publisher faster than the gateway does; past its high-water mark the publisher drops some)
             time.sleep(0.5)  # noqa: ASYNC251
-            before = ticks
+            before = turns.count
             seen = -1
             while seen != stream.counters.decode_errors:  # (until they stop coming)
                 seen = stream.counters.decode_errors
                 await asyncio.sleep(0.3)
-            assert seen >= 1000 and ticks - before >= seen, (seen, ticks - before)  # a turn after each one
+            assert seen >= 1000 and turns.count - before >= seen, (seen, turns.count - before)  # a turn after each one
             parts = 100 * PARTS_TURN
             pub.pub.send_multipart([b""] * parts, flags=zmq.NOBLOCK)
             time.sleep(0.5)  # noqa: ASYNC251  (likewise: the whole message waits)
-            before = ticks
+            before = turns.count
             await until(lambda: stream.counters.decode_errors == seen + 1, within=15)  # (read whole, dropped)
-            assert ticks - before >= parts // PARTS_TURN, ticks - before
-        finally:
-            ticker.cancel()
+            assert turns.count - before >= parts // PARTS_TURN, turns.count - before
 
     run(scenario)

@@ -59,6 +59,7 @@ from typing import Any
 
 import orjson
 
+from gateway.api.translate.ending import Ending
 from gateway.api.translate.figures import details, token_count
 from gateway.errors import GatewayError
 
@@ -623,7 +624,7 @@ MAX_EARLY_ARGUMENTS = 1 << 20
 MAX_CALLS = 1024
 
 
-class MessagesStream:
+class MessagesStream(Ending):
     """Chat completion stream -> Anthropic stream events, in Anthropic's order. One per streamed request.
 
     ``message_start`` (and a ``ping``) go out with the first chat chunk, not before, so that until then the
@@ -796,16 +797,6 @@ class MessagesStream:
         else:
             kind = next((k for k in (code, type_) if k in _ANTHROPIC_ERROR_TYPES), "api_error")
         out.append(b"event: error\ndata: " + _error_doc(kind, message) + b"\n\n")
-
-    def abort(self, message: str) -> bytes:
-        """The failure event now, whatever the stream holds (an engine's event it could not read: the rest of it
-        is dropped); b"" once closed."""
-        if self._closed:
-            return b""
-        self._pending = b""
-        out: list[bytes] = []
-        self._fail(out, message)
-        return b"".join(out)
 
     @property
     def closed(self) -> bool:

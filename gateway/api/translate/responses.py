@@ -41,6 +41,7 @@ from typing import Any
 
 import orjson
 
+from gateway.api.translate.ending import Ending
 from gateway.api.translate.figures import details, token_count
 from gateway.api.translate.responses_tools import call_name, chat_tools, echoed, namespaced, qualified
 from gateway.errors import GatewayError
@@ -510,7 +511,7 @@ KEPT_PER_ITEM = 256
 MAX_ITEMS = 1024
 
 
-class ResponsesStream:
+class ResponsesStream(Ending):
     """Chat completion stream -> Responses stream events, in OpenAI's order. One per streamed request.
 
     ``response.created``/``response.in_progress`` go out with the first chat chunk, not before, so that until
@@ -707,16 +708,6 @@ class ResponsesStream:
         response["usage"] = _usage(self.usage)
         self.response = response
         self._event(out, "response.failed", response=response)
-
-    def abort(self, message: str) -> bytes:
-        """The failure event now, whatever the stream holds (an engine's event it could not read: the rest of it
-        is dropped); b"" once closed."""
-        if self._closed:
-            return b""
-        self._pending = b""
-        out: list[bytes] = []
-        self._fail(out, message)
-        return b"".join(out)
 
     @property
     def closed(self) -> bool:
