@@ -219,6 +219,7 @@ class H1Response:
         self._sink = None
         conn = self._conn
         if conn.response is not self:
+            conn.close()  # (what else is on it is no answer of ours: never pooled, never left open)
             return
         conn.response = None
         if self.complete and self.keep_alive and self.error is None:
@@ -350,6 +351,14 @@ class _Connection(asyncio.Protocol):
                 raise error  # stops the parser
             return
         self._head_bytes = self._interim = 0
+        head = self._head
+        if head is None or head.done():
+            # a response no request waits for: bytes after a complete answer (in the same read, or later). It
+            # replaced the answer on the connection, whose release then neither pooled nor closed it: a
+            # connection and ~1.2 MB kept per request, for good (sweep 18). The connection is closed.
+            error = UpstreamError("the backend sent a response that no request asked for")
+            self._abort(error)
+            raise error  # stops the parser
         headers = {name.decode("latin-1").lower(): value.decode("latin-1") for name, value in zip(names, values,
                                                                                                   strict=True)}
         self._close_delimited = "content-length" not in headers and "chunked" not in headers.get(

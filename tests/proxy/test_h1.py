@@ -251,6 +251,33 @@ async def test_interim_responses_are_taken_a_few_at_most(transport: H1Transport)
     assert sent < 20_000, sent
 
 
+async def test_a_response_no_request_asked_for_closes_the_connection_and_keeps_nothing(transport: H1Transport) -> None:
+    """Sweep 18: an engine writing, after a complete answer, the head of another (1 GB announced, 1.2 MB sent):
+    it replaced the answer on the connection, whose release then neither pooled nor closed it, a connection and
+    its buffers kept per request, for good. The answer is served; the connection is closed, never pooled."""
+
+    closed: list[bool] = []
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await server.read_request(reader)
+        writer.write(ok(b"fine") + b"HTTP/1.1 200 OK\r\nContent-Length: 1000000000\r\n\r\n" + b"x" * 100_000)
+        try:  # (does the gateway close it? the engine waits 2 s to see)
+            closed.append(await asyncio.wait_for(reader.read(), 2) == b"")
+        except TimeoutError:
+            closed.append(False)
+
+    async with Server(handler) as server:
+        for _ in range(3):
+            response = await transport.post(server.url, b"{}", {})
+            assert response.status == 200 and await response.read() == b"fine"
+            response.release()
+        for _ in range(300):  # (until each engine connection has seen its end, or given up waiting)
+            if len(closed) == 3:
+                break
+            await asyncio.sleep(0.01)
+        assert closed == [True] * 3 and server.connections == 3 and not any(transport._idle.values()), closed
+
+
 async def test_a_header_value_with_a_line_break_is_refused_before_sending(transport: H1Transport) -> None:
     with pytest.raises(ValueError, match="line break"):
         await transport.post("http://127.0.0.1:1", b"{}", {"X-Evil": "a\r\nInjected: 1"})
