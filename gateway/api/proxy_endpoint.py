@@ -28,7 +28,7 @@ from gateway.auth import ANONYMOUS, Client, KeyStore
 from gateway.config import LimitSettings, Settings
 from gateway.errors import GatewayError
 from gateway.proxy.dispatch import Dispatcher
-from gateway.proxy.exchange import BYTES_PER_TOKEN, Exchange, estimate_tokens
+from gateway.proxy.exchange import BYTES_PER_TOKEN, Exchange, estimate_tokens, rerank_rereads
 from gateway.routing.request import POOLING_ROUTES
 from gateway.server_protocol import ARRIVAL
 from gateway.state.shared import Budget, SharedState, StateUnavailable
@@ -213,10 +213,14 @@ class ProxyEndpoint:
         """The stored conversation a request continues was ``loaded`` bytes, ``reserved`` of them reserved on
         arrival (what this process held): the rest is taken from the key's tokens now (from another replica's
         store: not known on arrival), so the next requests see it."""
-        extra = (loaded - reserved) // BYTES_PER_TOKEN
+        if loaded > reserved and exchange.reserved_tokens:
+            exchange.body_bytes += loaded - reserved
+            self._reserve_more(exchange, client, (loaded - reserved) // BYTES_PER_TOKEN)
+
+    def _reserve_more(self, exchange: Exchange, client: Client, extra: int) -> None:
+        """Take ``extra`` more of the key's tokens for the request now (what its body's head did not show)."""
         if extra <= 0 or not exchange.reserved_tokens:
             return
-        exchange.body_bytes += loaded - reserved
         exchange.reserved_tokens += extra
         exchange.reserve += extra
         if exchange.budget is not None and self._shared is not None:
@@ -271,6 +275,12 @@ class ProxyEndpoint:
                 if client is not None:
                     self._reserve_history(exchange, client, translation.history_size, history)
             request = parse_body("chat" if translation is not None else self._route, body, settings.limits)
+            if request.route == "rerank":
+                # the engine reads the query once a document: what the body's bytes do not say (S17-4, S18-1)
+                exchange.rereads = rerank_rereads(request.body)
+                if client is not None:
+                    self._reserve_more(exchange, client, estimate_tokens(str(request.body.get("query", "")))
+                                       * max(0, len(request.body.get("documents") or ()) - 1))
             if translation is not None:
                 translation.route_request = request
                 request.agent = translation

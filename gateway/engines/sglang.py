@@ -202,8 +202,7 @@ def rerank_answer(raw: bytes, model: str, top_n: int | None = None) -> bytes:
         results.append(result)
         meta = item.get("meta_info")
         if isinstance(meta, dict):
-            counted = meta.get("prompt_tokens")
-            tokens += counted if isinstance(counted, int) else 0
+            tokens += readings.usage_tokens(meta.get("prompt_tokens"))  # (a whole number in range, else 0)
             rid = rid or str(meta.get("id") or "")
     return orjson.dumps({"id": rid or "rerank", "model": model, "object": "list",
                          "usage": {"prompt_tokens": tokens, "total_tokens": tokens},

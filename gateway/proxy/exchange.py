@@ -22,6 +22,14 @@ BYTES_PER_TOKEN = 4  # the gateway's own estimate of a text's tokens, where no e
 _ASCII = bytes(range(128))
 
 
+def rerank_rereads(body: dict[str, Any]) -> int:
+    """Bytes a rerank's engine reads beyond its body's: the query again with each document after the first."""
+    query, documents = body.get("query"), body.get("documents")
+    if not isinstance(query, str) or not isinstance(documents, list):
+        return 0
+    return len(query.encode("utf-8", "surrogatepass")) * max(0, len(documents) - 1)
+
+
 def estimate_tokens(text: str | bytes) -> int:
     """The gateway's own count of ``text``'s tokens, where no engine counted them: ``BYTES_PER_TOKEN`` bytes of
     ASCII a token, and a token for every byte of any other character. An engine whose vocabulary falls back to
@@ -77,6 +85,7 @@ class Exchange:
     # least a byte, or a byte's fallback; a template's few words per message fit in the JSON around them)
     body_bytes: int = 0
     failed_over: int = 0  # backends that read its prompt and were failed over from (each is charged that prompt)
+    rereads: int = 0  # bytes an engine reads beyond the body: a rerank's query again, with each later document
     # with shared state: the key's budget, admitted on arrival (gateway.state), and the backend whose shared slot
     # this request holds (taken after routing)
     budget: Budget | None = None
@@ -123,9 +132,12 @@ class Exchange:
         and template arguments, which the rendering leaves out, included), else the estimates. An estimate is
         what text usually costs; a prompt made to cost more (digits, which Llama 2's and Mistral's tokenizers
         split one to a token; rare characters, a token per byte) cut before its usage cost the engine four
-        times what its key was charged (sweeps 16, 17): a request the engine did not count pays the bound."""
-        rendered = estimate_tokens(self.request.prompt) if self.request is not None else 0
-        return max(self.body_bytes, self.body_tokens, rendered)
+        times what its key was charged (sweeps 16, 17): a request the engine did not count pays the bound. A
+        rerank's engine reads its query again with each document: a client gone before the answer of 200
+        documents paid 1/215 of the engine's work (sweep 18)."""
+        request = self.request
+        rendered = estimate_tokens(request.prompt) if request is not None and request.route not in POOLING_ROUTES else 0
+        return max(self.body_bytes + self.rereads, self.body_tokens, rendered)
 
     def estimated_tokens(self, request: RouteRequest) -> int:
         """The gateway's own count of a request whose engine said no usable usage (none, a stream cut before its
@@ -133,8 +145,8 @@ class Exchange:
         arrival (its prompt is not rendered); else its prompt's bound (:meth:`prompt_bound`) plus one token per
         generated-text event relayed, and for a whole answer at least what its key reserved on arrival (its
         output is not counted on the way). Never less than one token."""
-        if request.route in POOLING_ROUTES:
-            return self.reserve
+        if request.route in POOLING_ROUTES:  # (inputs, documents and the query read with each: all bound)
+            return max(self.reserve, self.prompt_bound())
         relayed = self.prompt_bound() + self.text_events
         return max(1, relayed if self.stream else max(relayed, self.reserve))
 
