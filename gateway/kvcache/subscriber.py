@@ -72,7 +72,12 @@ BACKLOG_BYTES = 2 * MAX_PAYLOAD_BYTES
 REPLAY_MAX_BYTES = 2 * MAX_PAYLOAD_BYTES
 MAX_PARTS = 4  # of a live message: topic, sequence number and payload (and one more, for what a release adds)
 PARTS_TURN = 1024  # parts of a message read between two turns for the rest of the gateway
-RCVHWM = 100_000  # as the engines' own PUB high-water mark
+# messages ZeroMQ's own thread keeps for the subscriber (a message a scheduler step): past it, ZeroMQ drops the
+# newest, and the hole is filled by a replay. It was the engines' PUB mark (100,000): a publisher of large valid
+# batches faster than the index applies them had libzmq hold gigabytes (sweep 18)
+RCVHWM = 64
+MESSAGE_FLOOR = 1024  # bytes a message counts in the backlog at least (empty ones took no room: sweep 18)
+REPLAY_MAX_SECONDS = 60.0  # one replay in all, however its batches keep coming (each renews replay_timeout)
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,7 +198,7 @@ class EventStream:
                         frames.append(frame)
                     elif parts % PARTS_TURN == 0:
                         await asyncio.sleep(0)
-                size = sum(len(f) for f in frames)
+                size = max(MESSAGE_FLOOR, sum(len(f) for f in frames))
                 if parts > MAX_PARTS:
                     self.counters.decode_errors += 1
                 elif held + size > BACKLOG_BYTES:
@@ -345,8 +350,9 @@ class EventStream:
         batches: list[Batch] = []
         brought = size = 0  # the replay's work so far (wire.work: blocks and tokens), and its payloads' bytes
         deadline = time.monotonic() + self.settings.replay_timeout
+        ends = time.monotonic() + REPLAY_MAX_SECONDS
         while True:
-            left = deadline - time.monotonic()
+            left = min(deadline, ends) - time.monotonic()
             if left <= 0 or not await dealer.poll(int(left * 1000) + 1):
                 self._close_dealer()  # a late answer must not be read as the next one's
                 return None

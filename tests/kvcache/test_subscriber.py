@@ -282,6 +282,7 @@ class EndlessReplay(Publisher):
 
     blocks = 1
     medium = "GPU"
+    pause = 0.0  # seconds between two batches
 
     async def _serve(self) -> None:
         assert self.router is not None
@@ -293,26 +294,30 @@ class EndlessReplay(Publisher):
             payload = msgpack.packb([time.time(), [event], 0])
             await self.router.send_multipart([frames[0], b"", b"", seq.to_bytes(8, "big"), payload])
             seq += 1
-            await asyncio.sleep(0)  # (a send to a peer that left completes at once: let the gateway run)
+            await asyncio.sleep(self.pause)  # (a send to a peer that left completes at once: let the gateway run)
 
 
 @pytest.mark.parametrize(("blocks", "medium", "bound"), [(1, "GPU", "batches"), (2000, "GPU", "work"),
-                                                        (1, "x" * 1000, "bytes"), (1, "x" * 100_000, "bytes")],
-                         ids=["many-batches", "many-blocks", "long-strings", "too-long-strings"])
+                                                        (1, "x" * 1000, "bytes"), (1, "x" * 100_000, "bytes"),
+                                                        (1, "GPU", "seconds")],
+                         ids=["many-batches", "many-blocks", "long-strings", "too-long-strings", "slow-batches"])
 def test_a_replay_that_never_ends_is_refused_at_its_bound_and_the_live_stream_goes_on(
         monkeypatch: pytest.MonkeyPatch, blocks: int, medium: str, bound: str) -> None:
     """Sweep 16: a replay was kept whole until its end marker, each batch extending its deadline: an engine
     answering one endlessly grew the gateway ~120 MB a second for as long as it sent. Sweep 17: batches of one
     block with a 32 MiB ``medium`` each passed the bounds in batches and blocks. Past REPLAY_MAX_BATCHES batches,
-    REPLAY_MAX_WORK blocks or REPLAY_MAX_BYTES of payload (each small here, the others out of reach) it is
-    refused: what came before is unknown, the stream partial, and live batches are applied as ever."""
+    REPLAY_MAX_WORK blocks, REPLAY_MAX_BYTES of payload or REPLAY_MAX_SECONDS (each small here, the others out
+    of reach) it is refused: what came before is unknown, the stream partial, and live batches are applied as ever."""
     from gateway.kvcache import subscriber
 
     monkeypatch.setattr(subscriber, "REPLAY_MAX_BATCHES", 50 if bound == "batches" else 10**6)
     monkeypatch.setattr(subscriber, "REPLAY_MAX_WORK", 10_000 if bound == "work" else 10**9)
     monkeypatch.setattr(subscriber, "REPLAY_MAX_BYTES", 200_000 if bound == "bytes" else 10**9)
+    monkeypatch.setattr(subscriber, "REPLAY_MAX_SECONDS", 1.0 if bound == "seconds" else 10**6)
     monkeypatch.setattr(EndlessReplay, "blocks", blocks)
     monkeypatch.setattr(EndlessReplay, "medium", medium)
+    # (sweep 18: a batch every 1.5 s renews the replay's timeout: one replay could last 10,000 of them)
+    monkeypatch.setattr(EndlessReplay, "pause", 0.05 if bound == "seconds" else 0.0)
 
     async def scenario(ctx: zmq.asyncio.Context, pub: Publisher, hub: EventHub) -> None:
         stream = subscribe(hub, pub, make_backend(), history_seconds=60)
