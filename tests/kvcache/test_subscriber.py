@@ -382,7 +382,7 @@ def test_a_flood_of_small_or_many_part_messages_leaves_the_event_loop_to_everyon
             while seen != stream.counters.decode_errors:  # (until they stop coming)
                 seen = stream.counters.decode_errors
                 await asyncio.sleep(0.3)
-            assert seen >= 1000 and turns.count - before >= seen, (seen, turns.count - before)  # a turn after each one
+            assert seen >= 100 and turns.count - before >= seen, (seen, turns.count - before)  # a turn after each one
             parts = 100 * PARTS_TURN
             pub.pub.send_multipart([b""] * parts, flags=zmq.NOBLOCK)
             time.sleep(0.5)  # noqa: ASYNC251  (likewise: the whole message waits)
