@@ -74,8 +74,9 @@ MAX_PARTS = 4  # of a live message: topic, sequence number and payload (and one 
 PARTS_TURN = 1024  # parts of a message read between two turns for the rest of the gateway
 # messages ZeroMQ's own thread keeps for the subscriber (a message a scheduler step): past it, ZeroMQ drops the
 # newest, and the hole is filled by a replay. It was the engines' PUB mark (100,000): a publisher of large valid
-# batches faster than the index applies them had libzmq hold gigabytes (sweep 18)
-RCVHWM = 64
+# batches faster than the index applies them had libzmq hold gigabytes (sweep 18). A message is counted whole
+# whatever its size (a million one-byte parts are ~55 MB in libzmq), so the mark is what bounds that memory.
+RCVHWM = 16
 MESSAGE_FLOOR = 1024  # bytes a message counts in the backlog at least (empty ones took no room: sweep 18)
 REPLAY_MAX_SECONDS = 60.0  # one replay in all, however its batches keep coming (each renews replay_timeout)
 
