@@ -13,10 +13,8 @@ import httpx
 import orjson
 import pytest
 
-from gateway.app import create_app
-from gateway.config import BackendSettings, settings_from_mapping
-from gateway.engines.base import EngineAdapter
-from gateway.proxy.transport import MockRequest, MockResponse, MockTransport
+from gateway.proxy.transport import MockRequest, MockResponse
+from tests.inprocess import in_process
 
 pytestmark = [pytest.mark.anyio, pytest.mark.unit]
 
@@ -32,15 +30,6 @@ CHUNKS = [
 ]
 
 
-def control_plane(settings: BackendSettings, adapter: EngineAdapter) -> httpx.AsyncClient:
-    def handler(request: httpx.Request) -> httpx.Response:
-        if request.url.path == "/v1/models":
-            return httpx.Response(200, json={"object": "list", "data": [{"id": "m", "object": "model"}]})
-        return httpx.Response(200, json={}) if request.url.path == "/health" else httpx.Response(404)
-
-    return httpx.AsyncClient(transport=httpx.MockTransport(handler), base_url=settings.url or "")
-
-
 def engine(request: MockRequest) -> MockResponse:
     if orjson.loads(request.body).get("stream"):
         return MockResponse(headers={"Content-Type": "text/event-stream"},
@@ -50,14 +39,9 @@ def engine(request: MockRequest) -> MockResponse:
 
 @contextlib.asynccontextmanager
 async def gateway() -> AsyncIterator[httpx.AsyncClient]:
-    settings = settings_from_mapping({"backends": [{"name": "e", "engine": "openai", "url": "http://e:8000"}]})
-    app = create_app(settings, client_factory=control_plane, transport=MockTransport(engine))
-    await app.gateway.start()
-    try:
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://gw") as client:
-            yield client
-    finally:
-        await app.gateway.stop()
+    async with in_process({"backends": [{"name": "e", "engine": "openai", "url": "http://e:8000"}]},
+                          engine) as (_app, client):
+        yield client
 
 
 BODIES: dict[str, dict[str, Any]] = {

@@ -15,12 +15,11 @@ import orjson
 import pytest
 
 from gateway.api.proxy_endpoint import _tokens_used
-from gateway.app import GatewayApp, create_app
-from gateway.config import BackendSettings, settings_from_mapping
-from gateway.engines.base import EngineAdapter
+from gateway.app import GatewayApp
 from gateway.proxy.exchange import Exchange, estimate_tokens, rerank_rereads
-from gateway.proxy.transport import MockRequest, MockResponse, MockTransport
+from gateway.proxy.transport import MockRequest, MockResponse
 from gateway.routing.request import RouteRequest
+from tests.inprocess import in_process
 
 pytestmark = [pytest.mark.anyio, pytest.mark.unit]
 
@@ -39,15 +38,6 @@ def test_a_rerank_the_engine_did_not_count_pays_its_query_once_a_document() -> N
     assert _tokens_used(exchange) >= len(QUERY) * len(DOCUMENTS)
 
 
-def control_plane(settings: BackendSettings, adapter: EngineAdapter) -> httpx.AsyncClient:
-    def handler(request: httpx.Request) -> httpx.Response:
-        if request.url.path == "/v1/models":
-            return httpx.Response(200, json={"object": "list", "data": [{"id": "m", "object": "model"}]})
-        return httpx.Response(200, json={}) if request.url.path == "/health" else httpx.Response(404)
-
-    return httpx.AsyncClient(transport=httpx.MockTransport(handler), base_url=settings.url or "")
-
-
 @contextlib.asynccontextmanager
 async def gateway(release: asyncio.Event) -> AsyncIterator[tuple[GatewayApp, httpx.AsyncClient]]:
     async def engine(request: MockRequest) -> MockResponse:
@@ -56,15 +46,9 @@ async def gateway(release: asyncio.Event) -> AsyncIterator[tuple[GatewayApp, htt
                                                "usage": {"prompt_tokens": 10, "total_tokens": 10}}))
 
     key = {"name": "k", "key_sha256": hashlib.sha256(b"sk-k").hexdigest(), "tokens_per_minute": 100_000}
-    settings = settings_from_mapping({"backends": [{"name": "v", "engine": "vllm", "url": "http://v:8000"}],
-                                      "auth": {"keys": [key]}})
-    app = create_app(settings, client_factory=control_plane, transport=MockTransport(engine))
-    await app.gateway.start()
-    try:
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://gw") as client:
-            yield app, client
-    finally:
-        await app.gateway.stop()
+    config = {"backends": [{"name": "v", "engine": "vllm", "url": "http://v:8000"}], "auth": {"keys": [key]}}
+    async with in_process(config, engine) as running:
+        yield running
 
 
 async def test_a_rerank_reserves_its_query_once_a_document_so_a_burst_is_held_to_the_budget() -> None:

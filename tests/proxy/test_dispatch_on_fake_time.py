@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import httpx
@@ -17,16 +16,14 @@ import looptime
 import orjson
 import pytest
 
-from gateway.app import GatewayApp, create_app
+from gateway.app import GatewayApp
 from gateway.clock import LoopClock
-from gateway.config import BackendSettings, settings_from_mapping
-from gateway.engines.base import EngineAdapter
 from gateway.pool.breaker import BreakerState
-from gateway.proxy.transport import MockRequest, MockResponse, MockTransport, UpstreamError
+from gateway.proxy.transport import MockRequest, MockResponse, UpstreamError
+from tests.inprocess import Engine, in_process
 
 pytestmark = [pytest.mark.anyio, pytest.mark.unit, pytest.mark.unit]
 
-Answer = Callable[[MockRequest], Awaitable[MockResponse]]
 
 
 @pytest.fixture
@@ -38,39 +35,15 @@ def now() -> float:
     return asyncio.get_running_loop().time()
 
 
-def control_plane(settings: BackendSettings, adapter: EngineAdapter) -> httpx.AsyncClient:
-    def handler(request: httpx.Request) -> httpx.Response:
-        if request.url.path == "/health":
-            return httpx.Response(200, json={"status": "ok"})
-        if request.url.path == "/v1/models":
-            return httpx.Response(200, json={"object": "list", "data": [{"id": "m", "object": "model"}]})
-        if request.url.path == "/metrics":
-            return httpx.Response(200, text='vllm:num_requests_running{model_name="m"} 0\n'
-                                             'vllm:num_requests_waiting{model_name="m"} 0\n')
-        return httpx.Response(404)
-
-    return httpx.AsyncClient(transport=httpx.MockTransport(handler), base_url=settings.url or "")
-
-
 def answer(text: str) -> MockResponse:
     return MockResponse(body=orjson.dumps({"id": "c", "object": "chat.completion", "model": "m", "choices": [
         {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}],
         "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}}))
 
 
-@contextlib.asynccontextmanager
-async def gateway(config: dict[str, Any], engine: Answer) -> AsyncIterator[tuple[GatewayApp, httpx.AsyncClient]]:
-    async def data_plane(request: MockRequest) -> MockResponse:
-        return await engine(request)
-
-    app = create_app(settings_from_mapping(config), client_factory=control_plane,
-                     transport=MockTransport(data_plane), clock=LoopClock())
-    await app.gateway.start()
-    try:
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://gw") as client:
-            yield app, client
-    finally:
-        await app.gateway.stop()
+def gateway(config: dict[str, Any], engine: Engine) -> contextlib.AbstractAsyncContextManager[
+        tuple[GatewayApp, httpx.AsyncClient]]:
+    return in_process(config, engine, LoopClock())  # (the fake-time loop's own time)
 
 
 def backends(*names: str, **extra: Any) -> list[dict[str, Any]]:
