@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 
 import httpx
+import looptime
 import pytest
 
 from gateway.config import BackendSettings, ScrapeSettings
@@ -207,6 +208,7 @@ async def test_a_kv_source_echoing_the_backends_key_is_not_followed_nor_logged(
 
 
 @pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", [("asyncio", {"loop_factory": looptime.new_event_loop})], ids=["fake-time"])
 async def test_a_reading_trickled_byte_by_byte_ends_within_the_scrape_timeout() -> None:
     """Sweep 14: httpx's timeout is per read, and only the health probe had a deadline in all: a /metrics answer
     trickled a byte every 0.5 s held a backend's scrape (its health checks included) 31 s, its load going stale.
@@ -216,7 +218,7 @@ async def test_a_reading_trickled_byte_by_byte_ends_within_the_scrape_timeout() 
 
     engine = Engine()
 
-    async def trickle() -> AsyncIterator[bytes]:  # (~1.7 s in all: real time is what is under test here)
+    async def trickle() -> AsyncIterator[bytes]:  # (~1.7 s in all, of a fake-time loop's: none of it real)
         for byte in b'[{"id": 0, "is_processing": true}]':
             await asyncio.sleep(0.05)
             yield bytes([byte])

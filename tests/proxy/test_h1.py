@@ -257,6 +257,7 @@ async def test_a_response_no_request_asked_for_closes_the_connection_and_keeps_n
     its buffers kept per request, for good. The answer is served; the connection is closed, never pooled."""
 
     closed: list[bool] = []
+    all_seen = asyncio.Event()
 
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await server.read_request(reader)
@@ -265,16 +266,15 @@ async def test_a_response_no_request_asked_for_closes_the_connection_and_keeps_n
             closed.append(await asyncio.wait_for(reader.read(), 2) == b"")
         except TimeoutError:
             closed.append(False)
+        if len(closed) == 3:
+            all_seen.set()
 
     async with Server(handler) as server:
         for _ in range(3):
             response = await transport.post(server.url, b"{}", {})
             assert response.status == 200 and await response.read() == b"fine"
             response.release()
-        for _ in range(300):  # (until each engine connection has seen its end, or given up waiting)
-            if len(closed) == 3:
-                break
-            await asyncio.sleep(0.01)
+        await asyncio.wait_for(all_seen.wait(), 10)  # (each engine connection saw its end, or gave up waiting)
         assert closed == [True] * 3 and server.connections == 3 and not any(transport._idle.values()), closed
 
 
