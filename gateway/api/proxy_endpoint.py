@@ -160,8 +160,7 @@ class ProxyEndpoint:
         """Reloaded settings, for the requests that arrive from now on."""
         self._settings = settings
 
-    async def _admit_key(self, exchange: Exchange, client: Client, head: BodyHead, body_tokens: int,
-                         body_bytes: int) -> int:
+    async def _admit_key(self, exchange: Exchange, client: Client, head: BodyHead, raw: bytes) -> int:
         """The key's checks, before its request's body is decoded: its model allow-list, then its requests and
         tokens per minute (in this process, or in the shared state with its ``max_in_flight`` there). Raises
         403 / 429 (503 with shared limits down and ``on_failure: closed``); what it takes is on ``exchange``,
@@ -173,10 +172,11 @@ class ProxyEndpoint:
         history = 0
         if limits.tokens_per_minute:
             history = self._api.history_bytes(client.name, head.previous) if self._api is not None else 0
+            body_tokens = estimate_tokens(raw)  # (counted only for a key with a token budget)
             exchange.reserve = reservation(self._route, body_tokens, head, settings.reserve_tokens, settings.limits,
                                            history)
             exchange.body_tokens = body_tokens + history // BYTES_PER_TOKEN
-            exchange.body_bytes = body_bytes + history
+            exchange.body_bytes = len(raw) + history
         reserve = exchange.reserve
         shared = self._shared
         if shared is None:
@@ -263,8 +263,7 @@ class ProxyEndpoint:
             exchange.placement = self._dispatcher.priorities.place(
                 client.name if client is not None else None, header(scope, b"x-gateway-priority"),
                 header(scope, b"x-gateway-deadline-ms"))
-            history = (await self._admit_key(exchange, client, head, estimate_tokens(raw), len(raw))
-                       if client is not None else 0)
+            history = await self._admit_key(exchange, client, head, raw) if client is not None else 0
             if body is None:  # (a large body: decoded whole once its key passed its checks)
                 check_containers(raw, settings.limits)
                 body = decode_body(raw)
