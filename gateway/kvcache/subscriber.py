@@ -70,8 +70,11 @@ BACKLOG_BYTES = 2 * MAX_PAYLOAD_BYTES
 # a replay's payloads in all (what work() does not count, a long string in each event, grew a replay of one-block
 # batches by 32 MiB each: sweep 17)
 REPLAY_MAX_BYTES = 2 * MAX_PAYLOAD_BYTES
-MAX_PARTS = 4  # of a live message: topic, sequence number and payload (and one more, for what a release adds)
-PARTS_TURN = 1024  # parts of a message read between two turns for the rest of the gateway
+# parts of a live message: topic, sequence number and payload (and one more, for what a release adds). A message
+# of more breaks the scheme: the subscription is closed there (ZeroMQ frees what its queue holds) and opened again
+# after the session's backoff, the hole filled by a replay. Reading such a message to its end to drop it cost
+# ~17 s of the gateway's CPU for each million one-byte parts (sweep 18), and libzmq queued the next ones meanwhile.
+MAX_PARTS = 4
 # messages ZeroMQ's own thread keeps for the subscriber (a message a scheduler step): past it, ZeroMQ drops the
 # newest, and the hole is filled by a replay. It was the engines' PUB mark (100,000): a publisher of large valid
 # batches faster than the index applies them had libzmq hold gigabytes (sweep 18). A message is counted whole
@@ -183,26 +186,23 @@ class EventStream:
         arrived = asyncio.Event()
 
         async def receive() -> None:
-            # Part by part, a turn for everyone else after each message and every PARTS_TURN parts: ZeroMQ hands
-            # over a waiting message at once (awaiting it never suspends), so a publisher of ~200,000 tiny
-            # messages a second held the event loop for as long as it sent, and one message of five million
-            # one-byte parts (pyzmq reads a message's parts in one loop) held it 9 s (sweep 17). A message of
-            # more parts than an event batch has is read to its end and dropped.
+            # Part by part, a turn for everyone else after each message: ZeroMQ hands over a waiting message at
+            # once (awaiting it never suspends), so a publisher of ~200,000 tiny messages a second held the event
+            # loop for as long as it sent, and one message of five million one-byte parts (pyzmq reads a message's
+            # parts in one loop) held it 9 s (sweep 17). A message of more parts than MAX_PARTS ends the session.
             nonlocal held
             while True:
                 frame = await sub.recv(copy=False)
-                frames, parts = [frame], 1
+                frames = [frame]
                 while frame.more:
+                    if len(frames) == MAX_PARTS:
+                        self.counters.decode_errors += 1
+                        sub.close(0)  # (now: what ZeroMQ queued behind it goes with the socket)
+                        raise ValueError(f"a message of more than {MAX_PARTS} parts: subscribing again")
                     frame = await sub.recv(copy=False)
-                    parts += 1
-                    if parts <= MAX_PARTS:
-                        frames.append(frame)
-                    elif parts % PARTS_TURN == 0:
-                        await asyncio.sleep(0)
+                    frames.append(frame)
                 size = max(MESSAGE_FLOOR, sum(len(f) for f in frames))
-                if parts > MAX_PARTS:
-                    self.counters.decode_errors += 1
-                elif held + size > BACKLOG_BYTES:
+                if held + size > BACKLOG_BYTES:
                     self.counters.dropped += 1
                 else:
                     backlog.append((frames, size))
@@ -214,14 +214,15 @@ class EventStream:
         try:
             sub.connect(self.settings.endpoint)
             reader = asyncio.create_task(receive(), name=f"kv-events-in:{self.backend.name}")
+            reader.add_done_callback(lambda _: arrived.set())  # (its end wakes the loop below)
             await asyncio.sleep(0.05)  # let the subscription reach the publisher before asking for history
             await self._resync(None)
             while True:
+                if reader.done():
+                    reader.result()  # (a socket error or a broken message: raised, and the session starts over)
                 if self.backend.epoch != self._epoch:
                     await self._resync("epoch")
                 if not backlog:
-                    if reader.done():
-                        reader.result()  # (a socket error: raised, and the session starts over)
                     arrived.clear()
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(arrived.wait(), 0.5)
