@@ -6,7 +6,7 @@ import asyncio
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -17,16 +17,6 @@ from gateway.config import ServerSettings
 from gateway.server_limits import uvicorn_config
 
 pytest_plugins = ["tests.tiers", "pytester"]
-
-
-def wait_until(condition: Callable[[], object], what: str, within: float = 10.0) -> None:
-    """Return once ``condition()`` is true, looking every 10 ms; fail naming ``what`` after ``within`` seconds.
-    For a state another thread or process reaches in its own time (a reload applied, a model discovered, a
-    cooldown over), where no event is there to wait on."""
-    deadline = time.monotonic() + within
-    while not condition():
-        assert time.monotonic() < deadline, f"{what}: not within {within:g} s"
-        time.sleep(0.01)
 
 
 AGENT_LLAMA = "agent-llama-server"  # the model a real llama-server serves to the agent tests

@@ -27,7 +27,8 @@ from gateway.app import GatewayApp, create_app
 from gateway.config import load_settings
 from gateway.sim import FleetThread, SimSpec
 from tests.api.conftest import TIME_SCALE
-from tests.conftest import ServerThread, serve_in_thread, wait_until
+from tests.conftest import ServerThread, serve_in_thread
+from tests.waiting import wait_until
 
 CLIENT_KEY, OPS_KEY = "sk-client-0123", "sk-ops-4567"
 OPS = {"authorization": f"Bearer {OPS_KEY}"}

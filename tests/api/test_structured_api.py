@@ -16,7 +16,8 @@ from gateway.app import create_app
 from gateway.config import settings_from_mapping
 from gateway.sim import FleetThread, SimSpec
 from tests.api.conftest import TIME_SCALE, Running
-from tests.conftest import serve_in_thread, wait_until
+from tests.conftest import serve_in_thread
+from tests.waiting import wait_until
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
                                            "age": {"type": "integer", "minimum": 0, "maximum": 120}},

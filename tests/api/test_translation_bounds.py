@@ -136,7 +136,7 @@ def test_a_translated_stream_that_fails_ends_at_once_and_lets_the_engine_go(path
     """Sweep 14: after a translated stream failed (an engine's error event, a bound passed), the client's
     connection stayed open and silent, and the request held its backend slot, until the engine stopped (25 s
     there; timeouts.total, 900 s, at worst). The response now ends with the failure, and the upstream is let go."""
-    from tests.conftest import wait_until
+    from tests.waiting import wait_until
 
     error = b'data: {"error": {"message": "boom", "code": 500}}\n\n'
     pieces = [_chunk({"content": "a"}) + b"\n\n", error] + [_chunk({"content": "b"}) + b"\n\n"] * 100

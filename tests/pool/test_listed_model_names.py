@@ -8,8 +8,8 @@ from __future__ import annotations
 import httpx
 import orjson
 
-from tests.conftest import wait_until
 from tests.proxy.scripted_upstream import ScriptedUpstream, gateway_over
+from tests.waiting import wait_until
 
 KEY = "sk-BACKENDSECRETaaaa1111"
 

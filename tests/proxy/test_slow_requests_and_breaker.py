@@ -15,7 +15,8 @@ import orjson
 from gateway.app import GatewayApp, create_app
 from gateway.config import settings_from_mapping
 from gateway.sim import FleetThread, SimSpec
-from tests.conftest import ServerThread, serve_in_thread, wait_until
+from tests.conftest import ServerThread, serve_in_thread
+from tests.waiting import wait_until
 
 SLOW = {"model": "m", "messages": [{"role": "user", "content": "tell me a long story"}], "max_tokens": 400,
         "ignore_eos": True}
