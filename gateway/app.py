@@ -81,7 +81,7 @@ class Gateway:
         self.config_path = config_path  # the YAML file a reload (SIGHUP, the admin API, the file watch) reads
         self._reloading = asyncio.Lock()
         self.tracing = Tracing(tracer_provider if tracer_provider is not None else provider_from_environment())
-        self.kv_events = EventHub()
+        self.kv_events = EventHub(clock)
         # limits and routing state shared with the other processes and replicas, when a store is configured
         # (its messages to the others sealed with a secret they share: state.secret_env, else derived from the
         # Redis password and the keys configured at start; a worker's: its supervisor's, one for all its workers)

@@ -26,7 +26,6 @@ import asyncio
 import collections
 import contextlib
 import logging
-import time
 from collections import OrderedDict
 from collections.abc import Generator, Iterable
 from dataclasses import dataclass, field
@@ -35,6 +34,7 @@ from typing import Literal, TypeVar
 import zmq
 import zmq.asyncio
 
+from gateway.clock import SYSTEM, Clock
 from gateway.kvcache.contexts import close_context, open_context
 from gateway.kvcache.index import MAX_NODES, EventIndex
 from gateway.kvcache.wire import (
@@ -111,8 +111,10 @@ class StreamCounters:
 class EventStream:
     """The subscriber of one backend. ``live()`` says whether routing may trust ``index`` now."""
 
-    def __init__(self, backend: Backend, settings: StreamSettings, context: zmq.asyncio.Context) -> None:
+    def __init__(self, backend: Backend, settings: StreamSettings, context: zmq.asyncio.Context,
+                 clock: Clock = SYSTEM) -> None:
         self.backend = backend
+        self.clock = clock
         self.settings = settings
         self.index = EventIndex(settings.block_size)
         self.counters = StreamCounters()
@@ -133,7 +135,7 @@ class EventStream:
             return False
         if self.backend.epoch != self._epoch:
             return False  # came back up: the session loop resyncs
-        now = time.monotonic() if now is None else now
+        now = self.clock.monotonic() if now is None else now
         if self.state == "partial":
             if now < self._partial_until:
                 return False
@@ -147,7 +149,7 @@ class EventStream:
     def expect_blocks(self, now: float | None = None) -> None:
         """A request was sent that will make the engine store blocks it does not hold: events are due."""
         if self._expecting_since is None:
-            self._expecting_since = time.monotonic() if now is None else now
+            self._expecting_since = self.clock.monotonic() if now is None else now
 
     # -- lifecycle ------------------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -169,7 +171,7 @@ class EventStream:
             except Exception as exc:  # a socket error: start over (the index is rebuilt from a replay)
                 log.warning("kv events from %s: %s", self.backend.name, exc)
                 self.state = "connecting"
-                await asyncio.sleep(backoff)
+                await self.clock.sleep(backoff)
                 backoff = min(backoff * 2, 10.0)
             else:
                 backoff = 0.5
@@ -316,7 +318,7 @@ class EventStream:
         c.batches += 1
         c.events += len(batch.events)
         c.skipped_events += batch.skipped
-        self.last_batch_at = time.monotonic()
+        self.last_batch_at = self.clock.monotonic()
         self._expecting_since = None
         if self.state == "silent":
             self.state = "live"
@@ -329,7 +331,7 @@ class EventStream:
 
     def _lost_history(self) -> None:
         self.state = "partial"
-        self._partial_until = time.monotonic() + self.settings.history_seconds
+        self._partial_until = self.clock.monotonic() + self.settings.history_seconds
 
     # -- replay ---------------------------------------------------------------------------------------------------
     async def _replay(self, start: int) -> list[Batch] | None:
@@ -351,10 +353,11 @@ class EventStream:
         await dealer.send_multipart([b"", max(0, start).to_bytes(8, "big")])
         batches: list[Batch] = []
         brought = size = 0  # the replay's work so far (wire.work: blocks and tokens), and its payloads' bytes
-        deadline = time.monotonic() + self.settings.replay_timeout
-        ends = time.monotonic() + REPLAY_MAX_SECONDS
+        now = self.clock.monotonic
+        deadline = now() + self.settings.replay_timeout
+        ends = now() + REPLAY_MAX_SECONDS
         while True:
-            left = min(deadline, ends) - time.monotonic()
+            left = min(deadline, ends) - now()
             if left <= 0 or not await dealer.poll(int(left * 1000) + 1):
                 self._close_dealer()  # a late answer must not be read as the next one's
                 return None
@@ -373,7 +376,7 @@ class EventStream:
             brought += sum(work(event) for event in batch.events)
             if len(batches) > REPLAY_MAX_BATCHES or brought > REPLAY_MAX_WORK:
                 break
-            deadline = time.monotonic() + self.settings.replay_timeout  # a long history keeps coming
+            deadline = now() + self.settings.replay_timeout  # a long history keeps coming
         log.warning("backend %s: its KV-event replay brought more than %d batches, %d blocks or %d bytes; refused",
                     self.backend.name, REPLAY_MAX_BATCHES, REPLAY_MAX_WORK, REPLAY_MAX_BYTES)
         self._close_dealer()  # (what else it sends is not read as the next replay's answer)
@@ -399,7 +402,8 @@ async def _paced(steps: Generator[None, None, T]) -> T:
 class EventHub:
     """The event streams of every backend configured with ``kv_events``. Routing asks ``live_index``."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Clock = SYSTEM) -> None:
+        self.clock = clock  # what the streams' windows, replay deadlines and backoff read
         self._context: zmq.asyncio.Context | None = None
         self.streams: dict[str, EventStream] = {}
         self._stopping: set[asyncio.Task[None]] = set()
@@ -428,7 +432,7 @@ class EventHub:
                 self._retire(old)
             if self._context is None:
                 self._context = open_context(zmq.asyncio.Context)  # (never left to the collector: see contexts)
-            stream = self.streams[backend.name] = EventStream(backend, settings, self._context)
+            stream = self.streams[backend.name] = EventStream(backend, settings, self._context, self.clock)
             stream.start()
 
     def _retire(self, stream: EventStream) -> None:

@@ -89,7 +89,8 @@ class PrefixIndexes:
         if slots:
             if not isinstance(index, SlotIndex) or index.epoch != backend.epoch or len(index) != slots:
                 index = self._indexes[backend.name] = SlotIndex(slots, backend.epoch,
-                                                                pin=backend.spec.slot_field is not None)
+                                                                pin=backend.spec.slot_field is not None,
+                                                                clock=backend.clock)
             return index
         stated = self._stated_blocks(backend)
         if not isinstance(index, BlockIndex) or index.epoch != backend.epoch:

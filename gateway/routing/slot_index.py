@@ -17,10 +17,10 @@ of two prompts is the run of equal leading hashes.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
+from gateway.clock import SYSTEM, Clock
 from gateway.routing.prompt import BlockKey
 
 LLAMACPP_SIMILARITY = 0.1  # llama.cpp's default --slot-prompt-similarity
@@ -55,11 +55,12 @@ class SlotIndex:
     the oracle's hit rate and two reached 0.91-1.00: see docs/routing.md.)
     """
 
-    __slots__ = ("_clock", "_owners", "busy_ttl", "contents", "epoch", "last_used", "max_waiters", "pin",
+    __slots__ = ("_owners", "_time", "_uses", "busy_ttl", "contents", "epoch", "last_used", "max_waiters", "pin",
                  "similarity", "wait_share")
 
     def __init__(self, slots: int, epoch: int = 0, *, pin: bool = False, similarity: float = LLAMACPP_SIMILARITY,
-                 wait_share: float = 0.5, max_waiters: int = 2, busy_ttl: float = 600.0) -> None:
+                 wait_share: float = 0.5, max_waiters: int = 2, busy_ttl: float = 600.0,
+                 clock: Clock = SYSTEM) -> None:
         self.contents: list[Sequence[BlockKey]] = [() for _ in range(slots)]
         self.last_used = [0] * slots
         self.epoch = epoch
@@ -69,13 +70,14 @@ class SlotIndex:
         self.max_waiters = max_waiters  # requests that may queue for one slot behind the one it runs
         self.busy_ttl = busy_ttl
         self._owners: dict[Hashable, tuple[int, float]] = {}  # request -> (slot, since)
-        self._clock = 0
+        self._uses = 0  # (a count, to order the slots' last uses)
+        self._time = clock
 
     def __len__(self) -> int:
         return len(self.contents)
 
     def _occupants(self) -> dict[int, int]:
-        now = time.monotonic()
+        now = self._time.monotonic()
         stale = [owner for owner, (_, since) in self._owners.items() if now - since > self.busy_ttl]
         for owner in stale:
             del self._owners[owner]
@@ -128,9 +130,9 @@ class SlotIndex:
             slot = min(range(len(self.contents)), key=self.last_used.__getitem__)
             placement = Placement(slot, _shared(self.contents[slot], blocks), True)
         self.contents[slot] = tuple(blocks)
-        self._clock += 1
-        self.last_used[slot] = self._clock
-        self._owners[owner] = (slot, time.monotonic())
+        self._uses += 1
+        self.last_used[slot] = self._uses
+        self._owners[owner] = (slot, self._time.monotonic())
         return placement
 
     def release(self, owner: Hashable) -> None:

@@ -22,6 +22,7 @@ from gateway.routing.prefix_index import BlockIndex, PrefixIndexes
 from gateway.routing.request import Outcome
 from gateway.routing.slot_index import SlotIndex
 from gateway.routing.state import RoutingState
+from tests.clock import ManualClock
 from tests.routing.helpers import backend, chat
 
 pytestmark = pytest.mark.unit
@@ -67,8 +68,13 @@ def test_a_busy_slot_is_skipped_unless_the_engine_takes_a_named_slot() -> None:
 
 
 def test_a_slot_held_by_a_request_the_gateway_never_heard_of_again_frees_itself() -> None:
-    index = SlotIndex(1, busy_ttl=0.0)
+    clock = ManualClock()
+    index = SlotIndex(1, busy_ttl=600.0, clock=clock)
     index.assign(prompt("a", "1"), "lost")
+    clock.advance(600.0)
+    busy = index.plan(prompt("b", "2"))
+    assert (busy.slot, busy.waits) == (None, True), "busy for its whole time to live"
+    clock.advance(0.001)
     placement = index.plan(prompt("a", "2"))
     assert (placement.slot, placement.cached, placement.waits) == (0, 40, False), "idle again, prefix still there"
 

@@ -3,7 +3,6 @@ from __future__ import annotations
 import bisect
 import hashlib
 import math
-import time
 from collections.abc import Sequence
 from typing import Annotated
 
@@ -38,6 +37,7 @@ class ConsistentHashPicker:
                  vnodes: Annotated[int, Ge(1), Le(MAX_VNODES)] = 64,
                  load_factor: Annotated[float, Gt(0)] = 1.25) -> None:
         self._key_blocks = key_blocks
+        self._clock = state.clock
         self._vnodes = vnodes
         self._load_factor = load_factor
         self._rings: dict[frozenset[str], tuple[list[int], list[str]]] = {}
@@ -61,7 +61,7 @@ class ConsistentHashPicker:
     def pick(self, request: RouteRequest, backends: Sequence[Backend], scores: Sequence[float]) -> list[Backend]:
         by_name = {b.name: b for b in backends}
         points, owners = self._ring(frozenset(by_name))
-        now = time.monotonic()
+        now = self._clock.monotonic()
         queues = {name: b.estimated_queue(now) for name, b in by_name.items()}
         bound = math.ceil(self._load_factor * (sum(queues.values()) + 1) / len(queues))
         start = bisect.bisect(points, self.key(request))

@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 
 from gateway.pool.backend import Backend
@@ -34,6 +33,7 @@ class EngineShapeScorer:
 
     def __init__(self, state: RoutingState) -> None:
         self._prefix = state.prefix  # attaches the shared prefix learner
+        self._clock = state.clock
         self._profile: dict[str, ShapeProfile] = state.profile
         self._models: dict[str, ShapeModel] = {}
 
@@ -73,7 +73,7 @@ class EngineShapeScorer:
         return wait + prefill + planned * per_token
 
     def score(self, request: RouteRequest, backends: Sequence[Backend]) -> list[float]:
-        now = time.monotonic()
+        now = self._clock.monotonic()
         predictions = [self.predict(request, b, now) for b in backends]
         best = min(predictions)
         return [best / p if p > 0 else 1.0 for p in predictions]

@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 
 from gateway.pool.backend import Backend
@@ -22,10 +21,10 @@ class LeastLoadScorer:
     name = "least-load"
 
     def __init__(self, state: RoutingState) -> None:
-        pass
+        self._clock = state.clock
 
     def score(self, request: RouteRequest, backends: Sequence[Backend]) -> list[float]:
-        now = time.monotonic()
+        now = self._clock.monotonic()
         scores = []
         for backend in backends:
             slots = backend.slots or DEFAULT_SLOTS

@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from typing import Annotated
 
@@ -34,6 +33,7 @@ class PrefixAffinityScorer:
                  gate_rel: Annotated[float, Ge(0)] = 3.0, wait_credit: Credit = 0.5,
                  empty_credit: Credit = 0.1) -> None:
         self._prefix = state.prefix  # attaches the shared prefix learner
+        self._clock = state.clock
         self._gate_abs = gate_abs
         self._gate_rel = gate_rel
         self._wait_credit = wait_credit
@@ -55,7 +55,7 @@ class PrefixAffinityScorer:
         blocks = request.blocks
         if not blocks:
             return [0.0] * len(backends)
-        long_queue, no_room = gate if gate is not None else self.gated(backends, time.monotonic())
+        long_queue, no_room = gate if gate is not None else self.gated(backends, self._clock.monotonic())
         prefix = self._prefix
         scores = []
         for backend, too_long, full in zip(backends, long_queue, no_room, strict=True):
