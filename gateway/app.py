@@ -146,7 +146,8 @@ class Gateway:
         self.control = ControlPlane(lambda: self.settings, self.pool, self.admission, self.shared,
                                     self.metrics.registry, apply=self.reconfigure, config_path=config_path,
                                     recent=self.recent, models=lambda: self.dispatcher.models,
-                                    siblings=self.siblings, config_content=config_content, on_applied=on_applied)
+                                    siblings=self.siblings, config_content=config_content, on_applied=on_applied,
+                                    clock=clock)
         self._endpoints: list[ProxyEndpoint] = []
         self.started_at = int(time.time())
 

@@ -28,6 +28,7 @@ from typing import Any, NoReturn
 import orjson
 from prometheus_client import CollectorRegistry, Counter
 
+from gateway.clock import SYSTEM, Clock
 from gateway.config import ConfigError, Settings, parse_settings, read_settings_file, settings_from_mapping
 from gateway.config_reload import KnownKeys, check_reload, stable_contents
 from gateway.errors import GatewayError
@@ -69,12 +70,14 @@ class ControlPlane:
                  shared: SharedState | None, registry: CollectorRegistry, *, apply: Apply,
                  config_path: str | None = None, recent: Recent | None = None,
                  models: Callable[[], ModelMap] | None = None, siblings: Siblings | None = None,
-                 config_content: bytes | None = None, on_applied: Callable[[InForce], None] | None = None) -> None:
+                 config_content: bytes | None = None, on_applied: Callable[[InForce], None] | None = None,
+                 clock: Clock = SYSTEM) -> None:
+        self._clock = clock  # (the pool's: its readings' ages are told on it)
         self._settings = settings  # the configuration in effect now
         self._reconfigure = apply
         self._path = config_path
         self._content = config_content  # the file's bytes the configuration in effect was read from
-        self._read_at = 0.0  # when they were read (time.monotonic(); 0: before this process)
+        self._read_at = 0.0  # when they were read (clock.monotonic(); 0: before this process)
         # one change at a time, in the order asked: a reload reads the file when its turn comes, and every change
         # is worked out from the configuration in force when it is applied (a slow reload started first landed
         # after a newer one and brought a revoked key back)
@@ -143,7 +146,7 @@ class ControlPlane:
             for gone in recent.backends() - names.keys():
                 recent.forget(gone)
             recent.sample(time.perf_counter(), names, sum(admission.depth().values()))
-            await asyncio.sleep(recent.step / 2)
+            await self._clock.sleep(recent.step / 2)
 
     def request_reload(self, source: str) -> None:
         """Re-read the configuration file (SIGHUP): safe to call from a signal handler on the loop's thread or
@@ -185,15 +188,18 @@ class ControlPlane:
 
         read_at = 0.0
 
-        def fingerprint() -> bytes | None:
-            nonlocal read_at
-            read_at = time.monotonic()
+        def read() -> bytes | None:
             try:  # (bounded, and never waiting on a FIFO put in the file's place: one would stop the watch)
                 return read_settings_file(path)
             except ConfigError:
                 return None
 
-        async for content in stable_contents(lambda: asyncio.to_thread(fingerprint), every, settle,
+        async def fingerprint() -> bytes | None:
+            nonlocal read_at
+            read_at = self._clock.monotonic()  # (just before the read: a later read is a later reading)
+            return await asyncio.to_thread(read)
+
+        async for content in stable_contents(fingerprint, every, settle, sleep=self._clock.sleep,
                                              in_force=self._content):
             try:
                 await self.reload("file watch", content=content, read_at=read_at)
@@ -207,19 +213,19 @@ class ControlPlane:
     # -- backends -------------------------------------------------------------------------------------------
     async def backends(self) -> list[dict[str, Any]]:
         view = await self._recent_view()
-        now = time.monotonic()
+        now = self._clock.monotonic()
         return [self._describe(b, now, view) for b in self._pool]
 
     async def backend(self, name: str) -> dict[str, Any]:
         backend = self._find(name)
-        return self._describe(backend, time.monotonic(), await self._recent_view())
+        return self._describe(backend, self._clock.monotonic(), await self._recent_view())
 
     async def status(self) -> dict[str, Any]:
         """The status page's one reading: every backend as ``GET /admin/backends`` describes it plus its
         sparklines (``series``: per bucket of ``step_seconds``, oldest first), the admission queue, the models
         (served ones with their backends; aliases with their splits and fallbacks) and the decisions by reason."""
         view = await self._recent_view()
-        now = time.monotonic()
+        now = self._clock.monotonic()
         backends = []
         decisions: dict[str, int] = {}
         for b in self._pool:
@@ -233,7 +239,7 @@ class ControlPlane:
             for model in sorted(b.models):
                 served.setdefault(model, []).append(b.name)
         return {
-            "time": time.time(), "step_seconds": view["step"], "window_seconds": view["window"] * view["step"],
+            "time": self._clock.time(), "step_seconds": view["step"], "window_seconds": view["window"] * view["step"],
             "workers": view["workers"], "backends": backends,
             # (this process's queue now; with several workers, the most any held in this bucket, added up)
             "queue": {"queued": sum(self._admission.depth().values()) if view["workers"] == 1
@@ -268,7 +274,7 @@ class ControlPlane:
         self.changes.labels(action).inc()
         log.info("admin: %s %s backend %s%s", who, "drained" if drained else "undrained", name,
                  "" if changed else " (it already was)")
-        return self._describe(backend, time.monotonic(), None)
+        return self._describe(backend, self._clock.monotonic(), None)
 
     async def add_backend(self, raw: Any, who: str, *, tell: bool = True) -> dict[str, Any]:
         """Add a backend (a ``backends:`` entry, as in the file): validated with the whole configuration, probed
@@ -299,7 +305,8 @@ class ControlPlane:
             result = await self._applied(new, who, "add_backend")
         added = new.backends[-1].name
         backend = self._pool.find(added)
-        return {**result, "backend": None if backend is None else self._describe(backend, time.monotonic(), None)}
+        described = None if backend is None else self._describe(backend, self._clock.monotonic(), None)
+        return {**result, "backend": described}
 
     async def remove_backend(self, name: str, who: str, *, tell: bool = True) -> dict[str, Any]:
         """Remove a backend: drained first (no new request; those in flight finish, the shutdown timeout at
@@ -316,7 +323,7 @@ class ControlPlane:
             if tell and self._shared is not None:
                 self._shared.publish("backends", ["remove", name, who])
             result = await self._applied(new, who, "remove_backend")
-        return {**result, "backend": self._describe(backend, time.monotonic(), None)}
+        return {**result, "backend": self._describe(backend, self._clock.monotonic(), None)}
 
     async def _remote_backends(self, raw: Any) -> None:
         action, what, who = raw
@@ -392,7 +399,7 @@ class ControlPlane:
                      read_at: float | None = None) -> dict[str, Any]:
         """Re-read the configuration file and apply it, once every change asked before it is done (the file is
         read when its turn comes); ``content``: the file's bytes as the watch read them at ``read_at``
-        (``time.monotonic()``), not read again, and not applied over a later reading already in force; ``tell``:
+        (the clock's monotonic time), not read again, and not applied over a later reading already in force; ``tell``:
         have every other worker and replica re-read theirs too (the admin API; a signal or the file watch reaches
         each process itself). Raises GatewayError (400 ``invalid_config`` naming the field, 409
         ``no_config_file``) and changes nothing when it cannot: an invalid file, an empty one, or one that would
@@ -411,7 +418,7 @@ class ControlPlane:
         assert self._path is not None
         self._open_for_changes()  # (the gateway may have begun stopping while this waited)
         if content is None or read_at is None:
-            read_at = time.monotonic()
+            read_at = self._clock.monotonic()
         elif read_at < self._read_at:
             log.info("reload (%s) skipped: the file as read later is in force", source)
             return {"added": [], "removed": [], "changed": [], "sections": [], "restart_needed": []}
