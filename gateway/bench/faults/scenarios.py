@@ -251,8 +251,9 @@ def slow_client(slow_readers: int = 4, normal: int = 16, normal_tokens: int = 40
                 out: Path | None = None, timeout: float = 30.0) -> ScenarioReport:
     """The gateway as its own process (``python -m gateway serve``) in front of the raw backend (its own
     process). Normal streams run ``rounds`` times alone, then ``rounds`` times while ``slow_readers`` clients
-    read long fast streams at ~2.5 KB/s. Checks: the normal streams' median duration with the slow readers
-    over without (one run), and the gateway's RSS while the slow readers hold their streams."""
+    read long fast streams at ~2.5 KB/s. Checks: the normal streams' rounds beside the slow readers all ran
+    while they were still reading, their median duration with the slow readers over without (one run: a figure
+    for the report), and the gateway's RSS while the slow readers hold their streams."""
     import statistics
     import sys
     import tempfile
@@ -301,6 +302,9 @@ def slow_client(slow_readers: int = 4, normal: int = 16, normal_tokens: int = 40
                         if r < 2 * rounds:
                             beside += await normal_round(session, r)
                             r += 1
+                            if r == 2 * rounds:  # (the slow readers still reading now: the rounds ran beside them)
+                                report.checks["slow_readers_reading_after_the_rounds"] = sum(
+                                    not t.done() for t in tasks)
                         else:
                             await asyncio.sleep(0.5)
                         rss.append((time.monotonic(), rss_bytes(gateway.pid)))
