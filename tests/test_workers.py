@@ -12,13 +12,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
-import math
 import os
 import signal
 import socket
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,6 +37,7 @@ from gateway.telemetry.merge import merge_expositions
 from gateway.workers import WorkerIdentity
 from tests.conftest import free_port_block
 from tests.state.conftest import RedisServer
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.system
 
@@ -95,31 +95,36 @@ def start_pod(tmp: Path, fleet: FleetThread, redis: RedisServer, port: int, conf
                                     "--log-level", "warning"], log).start()
     pod = Pod(f"http://127.0.0.1:{port}", port, proc, fleet, log)
     proc.wait_http(pod.url + "/ready", timeout=60)
-    deadline = time.monotonic() + 30
-    while samples(pod.url, "gateway_workers") != {(): 2.0}:
-        assert time.monotonic() < deadline, log.read_text()[-3000:]
-        time.sleep(0.2)
+    logged_until(log, lambda: samples(pod.url, "gateway_workers") == {(): 2.0}, "both workers counted", 30)
     return pod
+
+
+def logged_until(log: Path, condition: Callable[[], object], what: str, within: float) -> None:
+    """``wait_until``, with the end of the gateway's log in its failure."""
+    try:
+        wait_until(condition, what, within)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{log.read_text()[-3000:]}") from None
 
 
 def wait_restarted(pod: Pod, killed: list[int]) -> None:
     """Until both workers run again (none of ``killed`` among them), each answers the others and /ready holds on
     ten fresh connections in a row (either worker), as a load balancer's check would."""
-    deadline = time.monotonic() + 60
-    while len(now := pod.workers()) != 2 or set(now) & set(killed):
-        assert time.monotonic() < deadline, (killed, now)
-        time.sleep(0.1)
+    wait_until(lambda: len(now := pod.workers()) == 2 and not set(now) & set(killed),
+               f"two workers, none of {killed}", within=60)
     passed = 0
-    while passed < 10:
-        assert time.monotonic() < deadline
+
+    def ten_in_a_row() -> bool:
+        nonlocal passed
         try:  # (with both killed, nothing listens until one has started)
             ready = (samples(pod.url, "gateway_workers") == {(): 2.0} and httpx.get(
                 pod.url + "/ready", headers={"connection": "close"}, timeout=10).status_code == 200)
         except httpx.TransportError:
             ready = False
         passed = passed + 1 if ready else 0
-        if not ready:
-            time.sleep(0.1)
+        return passed >= 10
+
+    wait_until(ten_in_a_row, "both workers counted and /ready on ten fresh connections in a row", within=60)
 
 
 @pytest.fixture(scope="module")
@@ -168,10 +173,10 @@ def test_connections_spread_over_both_workers_and_any_metrics_scrape_counts_them
     codes = asyncio.run(_chats(pod.url, 300, 16))
     assert codes == [200] * 300
     # each worker writes its access log (spawned workers inherited no logging: not a line was written)
-    deadline = time.monotonic() + 5
-    while access_lines(pod) < logged + 300:
-        assert time.monotonic() < deadline, f"{access_lines(pod) - logged} access-log lines for 300 requests"
-        time.sleep(0.1)
+    try:
+        wait_until(lambda: access_lines(pod) >= logged + 300, "an access-log line for each of 300 requests")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}: {access_lines(pod) - logged} lines") from None
     spent = {p: cpu_ticks(p) - before_cpu[p] for p in workers}
     # the kernel hashes each new connection to one of the two listening sockets: both took a real share
     assert min(spent.values()) >= 0.2 * sum(spent.values()), spent
@@ -183,16 +188,19 @@ def test_connections_spread_over_both_workers_and_any_metrics_scrape_counts_them
     assert set(samples(pod.url, "gateway_backend_up").values()) == {1.0}
 
 
+def recent_requests(admin: str) -> int:
+    """The requests in the admin status's sparklines: their whole ring (two minutes), every worker's."""
+    status = httpx.get(admin + "/admin/status", headers={"connection": "close"}, timeout=10).json()
+    assert status["workers"] == 2
+    return sum(sum(b["series"]["requests"]) for b in status["backends"])
+
+
 def test_the_admin_listeners_recent_figures_are_every_workers(pod: Pod) -> None:
     admin = f"http://127.0.0.1:{pod.port + 1}"
-    time.sleep(4.1)  # (no earlier request in the burst's buckets, nor in the one before them, which is counted)
-    start = time.monotonic()
+    before = recent_requests(admin)  # (the module's earlier requests: within the ring's two minutes throughout)
     assert asyncio.run(_chats(pod.url, 60, 8)) == [200] * 60
     for _ in range(6):  # whichever worker answers (a fresh connection each), it counts both workers' requests
-        status = httpx.get(admin + "/admin/status", headers={"connection": "close"}, timeout=10).json()
-        assert status["workers"] == 2
-        buckets = math.ceil((time.monotonic() - start) / status["step_seconds"]) + 1
-        assert sum(sum(b["series"]["requests"][-buckets:]) for b in status["backends"]) == 60
+        assert recent_requests(admin) == before + 60
 
 
 def test_the_engines_are_scraped_once_per_pod_not_once_per_worker(pod: Pod) -> None:
@@ -201,13 +209,13 @@ def test_the_engines_are_scraped_once_per_pod_not_once_per_worker(pod: Pod) -> N
     def probes() -> int:
         return sum(1 for r in list(server.received) if r.path == "/health")
 
-    start, first = time.monotonic(), probes()
-    time.sleep(3.0)
-    seen, elapsed = probes() - first, time.monotonic() - start
+    start, probed = time.monotonic(), probes()
+    wait_until(lambda: probes() - probed >= 15, "15 probes of backend a")
+    seen, elapsed = probes() - probed, time.monotonic() - start
     one_set = elapsed / SCRAPE_INTERVAL
     # one worker scraping: about one probe per interval (a loop sleeps the interval after each probe); two
     # workers scraping each would make it about two
-    assert 0.5 * one_set <= seen <= 1.25 * one_set, (seen, one_set)
+    assert 0.5 * one_set <= seen <= 1.25 * one_set, (seen, one_set)  # real time: the scrape interval's pace
 
 
 def test_a_worker_that_dies_is_started_again_and_the_port_keeps_serving(pod: Pod) -> None:
@@ -322,9 +330,8 @@ def test_a_worker_started_again_runs_the_configuration_in_force_not_the_one_the_
                 (tmp_path / "gateway.yaml").write_text(yaml.safe_dump(config))
                 reply = httpx.post(pod.url + "/admin/reload", headers={"authorization": f"Bearer {ops}"}, timeout=10)
                 assert reply.status_code == 200, reply.text
-                deadline = time.monotonic() + 30
-                while statuses(team, count=10) != {401}:  # (the other worker reloads on the shared state's word)
-                    assert time.monotonic() < deadline, "the reload did not reach both workers"
+                # (the other worker reloads on the shared state's word)
+                wait_until(lambda: statuses(team, count=10) == {401}, "the reload reached both workers", within=30)
                 for how_many in (1, 2):  # one worker, then both
                     killed = pod.workers()[:how_many]
                     for pid in killed:
@@ -341,8 +348,9 @@ def test_a_worker_started_again_runs_the_configuration_in_force_not_the_one_the_
 def test_sighups_while_workers_start_kill_none_and_the_file_is_reloaded(tmp_path: Path) -> None:
     """A SIGHUP sent to the process group (``kill -HUP`` under systemd or Kubernetes), or forwarded while a worker
     started again, reached a worker before it had installed its handler, and SIGHUP's default action ended it.
-    Here every process of the gateway gets a SIGHUP every 20 ms from the supervisor's first worker until both
-    serve, and again while one is started again: none dies of it, and the file changed meanwhile is reloaded."""
+    Here every process of the gateway gets a SIGHUP every few ms (each look of the wait) from the supervisor's
+    first worker until both serve, and again while one is started again: none dies of it, and the file changed
+    meanwhile is reloaded."""
     base = free_port_block(2)
     redis = RedisServer(base, tmp_path).start()
     ops, team = "sk-ops-0123", "sk-team-4567"
@@ -376,24 +384,22 @@ def test_sighups_while_workers_start_kill_none_and_the_file_is_reloaded(tmp_path
                 except httpx.TransportError:
                     return False
 
+            def first_worker() -> bool:
+                assert supervisor.proc is not None and supervisor.proc.poll() is None, log.read_text()[-3000:]
+                return bool(pod.workers())
+
             try:
-                deadline = time.monotonic() + 60
-                while not pod.workers():  # (the supervisor's own handler is in place before its first worker)
-                    assert time.monotonic() < deadline and supervisor.proc is not None
-                    assert supervisor.proc.poll() is None, log.read_text()[-3000:]
-                    time.sleep(0.01)
+                # (the supervisor's own handler is in place before its first worker)
+                logged_until(log, first_worker, "the supervisor's first worker", 60)
                 config["auth"]["keys"] = config["auth"]["keys"][:1]  # team revoked, the workers starting
                 path.write_text(yaml.safe_dump(config))
-                while not serving():
-                    assert time.monotonic() < deadline, log.read_text()[-3000:]
-                    hangup_all()
-                    time.sleep(0.02)
+                # a SIGHUP to all at each look
+                logged_until(log, lambda: hangup_all() or serving(), "both workers serving", 60)
                 killed = pod.workers()[:1]
                 os.kill(killed[0], signal.SIGKILL)
-                while len(now := pod.workers()) != 2 or set(now) & set(killed) or not serving():
-                    assert time.monotonic() < deadline, log.read_text()[-3000:]
-                    hangup_all()
-                    time.sleep(0.02)
+                logged_until(log, lambda: hangup_all() or (
+                    len(now := pod.workers()) == 2 and not set(now) & set(killed) and serving()),
+                    "a worker started again, both serving", 60)
                 assert sent > 20
                 assert "exited with status" not in log.read_text().replace(f"(pid {killed[0]}) exited", ""), \
                     log.read_text()[-3000:]
