@@ -6,24 +6,27 @@ from __future__ import annotations
 import io
 import logging
 import threading
-import time
 from collections.abc import Iterator
 
 import pytest
 
 from gateway.proxy import accounting
 from gateway.proxy.accounting import AccessLogHandler, AccessLogWriter
+from tests.waiting import wait_until
 
 
 class Stream(io.StringIO):
-    """Records each write call; ``gate`` (when given) holds every write until it is set."""
+    """Records each write call; ``gate`` (when given) holds every write until it is set; ``entered`` is set once
+    a write has begun."""
 
     def __init__(self, gate: threading.Event | None = None) -> None:
         super().__init__()
         self.calls: list[str] = []
         self.gate = gate
+        self.entered = threading.Event()
 
     def write(self, s: str) -> int:
+        self.entered.set()
         if self.gate is not None:
             self.gate.wait()
         self.calls.append(s)
@@ -36,8 +39,8 @@ def test_lines_are_whole_in_order_batched_and_all_written_on_stop() -> None:
     writer.start()
     for i in range(1000):
         writer.write(b'{"n":%d}' % i)
-        if i % 100 == 0:
-            time.sleep(0.002)
+        if i % 100 == 0:  # the thread writes while lines keep coming
+            wait_until(lambda: stream.getvalue().count("\n") == i + 1, f"the thread wrote line {i}")  # noqa: B023
     writer.stop()
     assert stream.getvalue() == "".join(f'{{"n":{i}}}\n' for i in range(1000))
     assert all(call.endswith("\n") for call in stream.calls)  # a call never ends mid-line
@@ -53,10 +56,8 @@ def test_a_full_batch_is_written_without_waiting_for_the_interval() -> None:
     try:
         for i in range(4):
             writer.write(b"%d" % i)
-        deadline = time.monotonic() + 5
-        while stream.getvalue() != "0\n1\n2\n3\n" and time.monotonic() < deadline:
-            time.sleep(0.005)
-        assert stream.getvalue() == "0\n1\n2\n3\n"
+        # (bounded well within the 30 s interval)
+        wait_until(lambda: stream.getvalue() == "0\n1\n2\n3\n", "the full batch written", within=10)
     finally:
         writer.stop()
 
@@ -67,11 +68,9 @@ def test_a_blocked_stream_does_not_block_the_caller_and_loses_nothing() -> None:
     writer = AccessLogWriter(stream, interval=0.001, batch=8)
     writer.start()
     writer.write(b"first")
-    time.sleep(0.05)  # the thread is now stuck in write()
-    started = time.perf_counter()
-    for i in range(20000):
+    assert stream.entered.wait(timeout=10), "the thread never wrote"  # it is now stuck in write()
+    for i in range(20000):  # each returns while the stream is held (a write that waited on it would never end)
         writer.write(b"%d" % i)
-    assert time.perf_counter() - started < 1.0
     assert stream.getvalue() == ""
     gate.set()
     writer.stop()

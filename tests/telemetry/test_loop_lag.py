@@ -9,6 +9,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from gateway.telemetry.loop_lag import LoopLag
+from tests.waiting import until
 
 
 @pytest.mark.anyio
@@ -17,10 +18,11 @@ async def test_a_stall_of_the_loop_is_observed_as_lag() -> None:
     registry = CollectorRegistry()
     registry.register(lag)
     lag.start()
-    await asyncio.sleep(0.1)
+    await until(lambda: lag.buckets.count >= 3, "three wake-ups observed")
     before = lag.buckets.count
-    time.sleep(0.12)  # noqa: ASYNC251  (holds the loop on purpose, as a long parse would)
-    await asyncio.sleep(0.05)
+    # real time: the stall observed (holds the loop on purpose, as a long parse would)
+    time.sleep(0.12)  # noqa: ASYNC251
+    await until(lambda: lag.buckets.count > before, "the wake-up due during the block observed")
     await lag.stop()
     assert before >= 3 and lag.buckets.count > before
     bounds = (*lag.buckets.bounds, float("inf"))
@@ -30,5 +32,5 @@ async def test_a_stall_of_the_loop_is_observed_as_lag() -> None:
     text = generate_latest(registry).decode()
     assert 'gateway_event_loop_lag_seconds_bucket{le="0.25"}' in text
     count = lag.buckets.count
-    await asyncio.sleep(0.05)
+    await asyncio.sleep(0.05)  # real time: five intervals, in which a sampler still running would wake
     assert lag.buckets.count == count, "stopped"
