@@ -5,7 +5,6 @@ from __future__ import annotations
 import datetime
 import json
 import logging
-import time
 from collections.abc import Iterator
 
 import openai
@@ -21,6 +20,7 @@ from gateway.sim import FleetThread, SimSpec
 from gateway.telemetry.tracing import provider_from_environment
 from tests.api.conftest import TIME_SCALE, gateway_settings
 from tests.conftest import ServerThread, serve_in_thread
+from tests.waiting import wait_until
 
 ASK = [{"role": "user", "content": "hello"}]
 
@@ -47,9 +47,7 @@ def test_a_request_is_one_server_span_with_route_and_upstream_children(traced: t
                                    stream_options={"include_usage": True},
                                    extra_headers={"traceparent": f"00-{trace_id}-00f067aa0ba902b7-01"}))
     # the request span ends after the last byte: the client may have read it a moment before
-    deadline = time.monotonic() + 5
-    while "chat m" not in {s.name for s in exporter.get_finished_spans()} and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_until(lambda: "chat m" in {s.name for s in exporter.get_finished_spans()}, "the request's span ended")
     spans = {s.name: s for s in exporter.get_finished_spans()}
     root = spans["chat m"]
     assert root.kind is SpanKind.SERVER and format(root.context.trace_id, "032x") == trace_id
@@ -91,9 +89,7 @@ def test_an_agent_api_request_is_named_by_its_api_and_a_stream_cut_short_says_wh
     exporter.clear()
     c = openai.OpenAI(base_url=gateway.url + "/v1", api_key="x", max_retries=0)
     c.responses.create(model="m", input="hello", max_output_tokens=5)
-    deadline = time.monotonic() + 5
-    while "responses m" not in {s.name for s in exporter.get_finished_spans()} and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_until(lambda: "responses m" in {s.name for s in exporter.get_finished_spans()}, "the request's span ended")
     root = next(s for s in exporter.get_finished_spans() if s.kind is SpanKind.SERVER)
     assert root.name == "responses m" and dict(root.attributes or {})["gen_ai.operation.name"] == "responses"
     exporter.clear()
@@ -103,9 +99,7 @@ def test_an_agent_api_request_is_named_by_its_api_and_a_stream_cut_short_says_wh
             list(c.chat.completions.create(model="m", messages=ASK, max_tokens=20, stream=True))
     finally:
         fleet.fleet["v"].faults.update({"drop_mid_stream_after_tokens": None})
-    deadline = time.monotonic() + 5
-    while "chat m" not in {s.name for s in exporter.get_finished_spans()} and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_until(lambda: "chat m" in {s.name for s in exporter.get_finished_spans()}, "the request's span ended")
     root = next(s for s in exporter.get_finished_spans() if s.name == "chat m")
     assert not root.status.is_ok and root.status.description == "upstream_failed (HTTP 200)", root.status
 
