@@ -7,7 +7,6 @@ import hashlib
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,6 +17,7 @@ import yaml
 
 from gateway.sim import FleetThread, SimSpec
 from tests.conftest import free_port
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.system
 
@@ -37,15 +37,14 @@ def serve(path: Path, raw: dict[str, Any]) -> subprocess.Popen[str]:
 
 
 def wait_ready(proc: subprocess.Popen[Any], url: str) -> None:
-    deadline = time.monotonic() + 30
-    while True:
+    def ready() -> bool:
+        assert proc.poll() is None, "gateway exited"
         try:
-            if httpx.get(url + "/ready").status_code == 200:
-                return
+            return httpx.get(url + "/ready").status_code == 200
         except httpx.TransportError:
-            pass
-        assert proc.poll() is None and time.monotonic() < deadline, "gateway did not become ready"
-        time.sleep(0.1)
+            return False
+
+    wait_until(ready, "gateway ready", within=30)
 
 
 def stop(proc: subprocess.Popen[str]) -> str:

@@ -8,7 +8,6 @@ import json
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,20 +17,28 @@ import pytest
 import yaml
 
 from tests.conftest import free_port_block
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.system
 
 
 def wait_up(url: str, proc: subprocess.Popen[bytes]) -> None:
-    deadline = time.monotonic() + 30
-    while True:
+    def up() -> bool:
+        assert proc.poll() is None, f"{proc.args} exited"
         try:
-            if httpx.get(url, timeout=1).status_code == 200:
-                return
+            return httpx.get(url, timeout=1).status_code == 200
         except httpx.TransportError:
-            pass
-        assert proc.poll() is None and time.monotonic() < deadline
-        time.sleep(0.1)
+            return False
+
+    wait_until(up, f"{url} answering", within=30)
+
+
+def refusing(url: str) -> bool:
+    try:
+        httpx.get(url + "/health", timeout=1)
+    except httpx.TransportError:
+        return True
+    return False
 
 
 @contextlib.contextmanager
@@ -69,19 +76,13 @@ def test_sigterm_lets_the_stream_in_flight_finish(tmp_path: Path) -> None:
             chunks = response.iter_bytes()
             received = [next(chunks)]
             gateway.send_signal(signal.SIGTERM)
-            time.sleep(0.3)
-            try:
-                httpx.get(url + "/health", timeout=1)
-                refused = False
-            except httpx.TransportError:
-                refused = True
+            wait_until(lambda: refusing(url), "no new connections once shutting down")
             # (before the fix a drain and a reload were applied here, 3 s into a shutdown)
             changes = [httpx.post(admin + "/backends/v/drain", timeout=5), httpx.post(admin + "/reload", timeout=5)]
             status = httpx.get(admin + "/status", timeout=5)
             received.extend(chunks)
         text = b"".join(received)
         assert text.rstrip().endswith(b"data: [DONE]") and b'"finish_reason":"length"' in text
-        assert refused, "no new connections once shutting down"
         for change in changes:
             assert change.status_code == 503 and change.json()["error"]["code"] == "shutting_down", change.text
         assert status.status_code == 200 and "v" in status.text

@@ -32,6 +32,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import free_port_block
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.system
 
@@ -165,16 +166,16 @@ async def load(url: str, model: str, n: int) -> list[dict[str, Any]]:
 @contextmanager
 def process(args: list[str], url: str) -> Iterator[subprocess.Popen[bytes]]:
     proc = subprocess.Popen([sys.executable, "-m", *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def answering() -> bool:
+        assert proc.poll() is None, f"{args} exited"
+        try:
+            return httpx.get(url, timeout=1).status_code < 500
+        except httpx.TransportError:
+            return False
+
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                if httpx.get(url, timeout=1).status_code < 500:
-                    break
-            except httpx.TransportError:
-                pass
-            assert proc.poll() is None and time.monotonic() < deadline, f"{args} did not start"
-            time.sleep(0.1)
+        wait_until(answering, f"{args} started", within=30)
         yield proc
     finally:
         proc.terminate()
@@ -200,7 +201,17 @@ def test_gateway_figures_match_the_client_and_the_emulator(tmp_path: Path) -> No
             process(["gateway", "serve", "--config", str(tmp_path / "gateway.yaml"), "--log-level", "warning"],
                     url + "/ready"):
         results = {"vllm": asyncio.run(load(url, "v", 12)), "llama": asyncio.run(load(url, "l", 6))}
-        time.sleep(0.6)  # a scrape of the engines' own histograms after the load
+
+        def after_the_load() -> bool:
+            # every request accounted, and a scrape of the engines' own histograms after the load (vLLM's
+            # queue-time histogram, re-exported, holds all its requests)
+            text = httpx.get(url + "/metrics").text
+            in_flight = next(s.value for f in text_string_to_metric_families(text) for s in f.samples
+                             if s.name == "gateway_requests_in_flight")
+            queued = histogram(text, "gateway_queue_wait_seconds", backend="vllm", stage="engine")[1]
+            return in_flight == 0 and queued == len(results["vllm"])
+
+        wait_until(after_the_load, "the load accounted and the engines scraped after it")
         text = httpx.get(url + "/metrics").text
         vllm_metrics = httpx.get(f"http://127.0.0.1:{base}/metrics").text
         stats = {name: httpx.get(f"http://127.0.0.1:{port}/sim/stats").json()
