@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -20,6 +19,7 @@ from gateway.serve import warn_if_open
 from gateway.sim import FleetThread, SimSpec
 from tests.conftest import free_port_block
 from tests.test_admin_listener import wait_ready
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.system
 
@@ -33,18 +33,19 @@ def test_serve_without_config_runs_the_emulated_fleet_and_shuts_down_cleanly(sto
          "--admin-port", str(admin)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
+    def ready() -> bool:
+        assert proc.poll() is None, "gateway exited"
+        try:
+            return httpx.get(f"http://127.0.0.1:{port}/ready").status_code == 200
+        except httpx.TransportError:
+            return False
+
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/ready").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                raise AssertionError(f"gateway did not become ready:\n{proc.communicate()[0]}")
-            time.sleep(0.2)
+        try:
+            wait_until(ready, "gateway ready", within=30)
+        except AssertionError as exc:
+            proc.kill()
+            raise AssertionError(f"{exc}:\n{proc.communicate()[0]}") from None
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
         assert sorted(m.id for m in client.models.list()) == ["sim-agent", "sim-llama-2-7b"]
         backends = set()

@@ -19,6 +19,8 @@ import httpx
 import orjson
 from websockets.sync.client import ClientConnection, connect
 
+from tests.waiting import wait_until
+
 CHROMIUM = ("chromium", "chromium-browser", "google-chrome")
 
 
@@ -51,7 +53,7 @@ class Browser:
         self._ids = itertools.count(1)
         self.events: list[dict[str, Any]] = []
         try:
-            port = self._port(time.monotonic() + 30)
+            port = self._port()
             pages = [t for t in httpx.get(f"http://127.0.0.1:{port}/json/list", timeout=5).json()
                      if t["type"] == "page"]
             self._ws: ClientConnection | None = self._stack.enter_context(
@@ -62,18 +64,23 @@ class Browser:
         for domain in ("Page", "Runtime", "Network"):
             self.send(f"{domain}.enable")
 
-    def _port(self, deadline: float) -> int:
+    def _port(self) -> int:
         active = Path(self._profile) / "DevToolsActivePort"
-        while True:
-            if active.exists() and (lines := active.read_text().splitlines()):
-                return int(lines[0])
+        lines: list[str] = []
+
+        def written() -> bool:
             if self._proc.poll() is not None:
                 self._log.seek(0)
                 err = self._log.read().decode(errors="replace")
                 raise CdpError(f"chromium exited ({self._proc.returncode}): {err[-2000:]}")
-            if time.monotonic() > deadline:
-                raise CdpError("chromium opened no DevTools port within 30 s")
-            time.sleep(0.05)
+            lines[:] = active.read_text().splitlines() if active.exists() else []
+            return bool(lines)
+
+        try:
+            wait_until(written, "chromium's DevTools port", within=30)
+        except AssertionError as exc:
+            raise CdpError(str(exc)) from None
+        return int(lines[0])
 
     def send(self, method: str, params: dict[str, Any] | None = None, timeout: float = 30) -> dict[str, Any]:
         ident = next(self._ids)
@@ -104,15 +111,17 @@ class Browser:
 
     def wait_for(self, expression: str, timeout: float = 20.0, context: Callable[[], str] | None = None) -> Any:
         """Poll until the expression is truthy; its value. ``context``: what to add to the error, if it never is."""
-        deadline = time.monotonic() + timeout
-        while True:
-            value = self.eval(expression)
-            if value:
-                return value
-            if time.monotonic() > deadline:
-                raise CdpError(f"still false after {timeout} s: {expression}"
-                               + (f" ({context()})" if context is not None else ""))
-            time.sleep(0.1)
+        value: list[Any] = [None]
+
+        def truthy() -> bool:
+            value[0] = self.eval(expression)
+            return bool(value[0])
+
+        try:
+            wait_until(truthy, f"still false: {expression}", within=timeout)
+        except AssertionError as exc:
+            raise CdpError(str(exc) + (f" ({context()})" if context is not None else "")) from None
+        return value[0]
 
     def click(self, selector: str) -> None:
         """A real mouse click (pressed and released) at the middle of the element."""

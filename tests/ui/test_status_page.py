@@ -10,7 +10,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,7 @@ from gateway.sim import FleetThread, SimSpec
 from tests.conftest import free_port
 from tests.test_admin_listener import wait_ready
 from tests.ui.cdp import Browser, chromium_path
+from tests.waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 SCREENSHOT = ROOT / "reports" / "status-page.png"
@@ -183,13 +183,16 @@ def test_the_status_page_shows_the_fleet_moves_under_load_and_drains(fleet: Flee
                 assert state.json()["drained"] is True
                 browser.wait_for(f"{card(busy, 'state')} === 'drained'")
                 before, others = load.count(busy), load.count(other)
-                deadline = time.monotonic() + 20
-                while load.count(other) < others + 10:
-                    assert time.monotonic() < deadline, f"no load reached {other} after the drain: {load.report()}"
-                    time.sleep(0.1)
+                try:
+                    wait_until(lambda: load.count(other) >= others + 10, f"10 requests to {other} after the drain",
+                               within=20)
+                except AssertionError as exc:
+                    raise AssertionError(f"{exc}: {load.report()}") from None
                 assert load.count(busy) == before, "a request went to the drained backend"
                 assert browser.eval(button) == "Undrain"
-                time.sleep(2.5)  # (one more refresh, for the picture)
+                # one more refresh, for the picture (each successful one sets the body's data-loaded)
+                browser.eval("document.body.dataset.loaded = 'again'")
+                browser.wait_for("document.body.dataset.loaded === 'true'")
                 browser.screenshot(SCREENSHOT)
             assert not load.failed, load.failed[:3]
             assert browser.console_errors() == []
