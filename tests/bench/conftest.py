@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -16,6 +15,7 @@ from gateway.bench.rawbackend import RawBackend, RawBackendConfig
 from gateway.config import settings_from_mapping
 from gateway.sim import FleetThread, SimSpec
 from tests.conftest import ServerThread, serve_in_thread
+from tests.waiting import wait_until
 
 
 class RawBackendThread:
@@ -75,11 +75,8 @@ def gateway_fleet() -> Iterator[GatewayFleet]:
 
 
 def _wait_discovered(url: str, n: int, timeout: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        doc = httpx.get(url + "/ready").json()
-        states = doc.get("backends", {}).values()
-        if sum(1 for b in states if b.get("health") == "ready" and b.get("models")) == n:
-            return
-        time.sleep(0.05)
-    raise RuntimeError(f"the gateway did not discover its {n} backends")
+    def discovered() -> bool:
+        states = httpx.get(url + "/ready").json().get("backends", {}).values()
+        return sum(1 for b in states if b.get("health") == "ready" and b.get("models")) == n
+
+    wait_until(discovered, f"the gateway discovered its {n} backends", within=timeout)

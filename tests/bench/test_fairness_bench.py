@@ -8,6 +8,7 @@ import asyncio
 import itertools
 from typing import Any
 
+import looptime
 import pytest
 
 from gateway.bench import fairness
@@ -58,6 +59,17 @@ def test_targets_are_met_or_missed_by_their_figures() -> None:
     assert not targets(doc(None, 0, 0, 0, None, None, 1))["noisy_A_429_with_retry_after"]["met"]  # (A never refused)
 
 
+class LoopTime:
+    """``time`` as the scenarios read it, from the running loop's clock: on a fake-time loop their seconds of
+    load pass at once, and exactly."""
+
+    @staticmethod
+    def monotonic() -> float:
+        return asyncio.get_running_loop().time()
+
+    perf_counter = monotonic
+
+
 def test_the_scenarios_report_is_put_together_from_every_scenarios_outcomes(monkeypatch: pytest.MonkeyPatch,
                                                                            tmp_path: Any) -> None:
     """Each request and scrape stood in for (B's first token 10 ms alone and 20 ms beside the flood, the flood
@@ -67,7 +79,7 @@ def test_the_scenarios_report_is_put_together_from_every_scenarios_outcomes(monk
 
     async def one(session: Any, url: str, key: str, cfg: Config, started: float,
                   headers: dict[str, str] | None = None) -> Outcome:
-        await asyncio.sleep(0.002)
+        await asyncio.sleep(0.01)  # real time: a stand-in request's length (the fake-time loop's clock)
         if key == "A":
             return Outcome(key, 0.0, status=429, retry_after="1")
         return Outcome(key, 0.0, status=200, ttft=0.020 if flooding else 0.010)
@@ -96,8 +108,10 @@ def test_the_scenarios_report_is_put_together_from_every_scenarios_outcomes(monk
     monkeypatch.setattr(fairness, "scrape", scrape)
     monkeypatch.setattr(fairness, "drain", drain)
     monkeypatch.setattr(fairness, "open_loop", open_loop)
+    monkeypatch.setattr(fairness, "time", LoopTime)
     cfg = Config(backends=1, slots=2, seconds=0.8, out=tmp_path)
-    doc = asyncio.run(fairness.scenarios("http://gateway", ["http://engine"], cfg, log=lambda *_: None))
+    with asyncio.Runner(loop_factory=looptime.new_event_loop) as runner:
+        doc = runner.run(fairness.scenarios("http://gateway", ["http://engine"], cfg, log=lambda *_: None))
 
     assert doc["capacity_per_s"] > 0
     assert doc["alone"]["B"]["completed"] > 0 and doc["noisy"]["B"]["refused_429"] == 0

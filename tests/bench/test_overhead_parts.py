@@ -4,7 +4,6 @@ cost phase's solve, the saturation verdicts, the issue targets, the median of ru
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 from typing import Any
 
@@ -243,9 +242,7 @@ def test_a_tiny_real_run_measures_every_phase(tmp_path: Path) -> None:
                          cost_prompt_chars=2000, saturation_levels=[8], saturation_requests=16, saturation_tokens=4,
                          translation_level=2, state=True, state_rounds=3, workers=2, base_port=free_port_block(14),
                          out=tmp_path)
-    started = time.monotonic()
     summary = run_overhead(cfg, log=lambda *_: None)
-    assert time.monotonic() - started < 60
     on_disk = json.loads((tmp_path / "overhead.json").read_text())
     assert on_disk["repeat"] == 1 and len(on_disk["runs"]) == 1 and summary["summary"] == "median of 1 run"
     run = json.loads((tmp_path / "overhead-1.json").read_text())

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 
 import httpx
@@ -16,6 +15,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 
 from gateway.bench.overhead import TRACED, tracing_cost
 from tests.conftest import free_port
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.unit
 
@@ -25,15 +25,17 @@ def sink() -> Iterator[str]:
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-c", f"from gateway.bench.overhead import otlp_sink; otlp_sink({port})"])
     url = f"http://127.0.0.1:{port}"
+
+    def answering() -> bool:
+        try:
+            httpx.get(url + "/stats", timeout=1)
+        except httpx.TransportError:
+            assert proc.poll() is None, "the sink exited"
+            return False
+        return True
+
     try:
-        deadline = time.monotonic() + 15
-        while True:
-            try:
-                httpx.get(url + "/stats", timeout=1)
-                break
-            except httpx.TransportError:
-                assert proc.poll() is None and time.monotonic() < deadline, "the sink did not start"
-                time.sleep(0.05)
+        wait_until(answering, "the sink started", within=15)
         yield url
     finally:
         proc.terminate()

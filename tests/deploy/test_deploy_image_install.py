@@ -11,7 +11,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -19,6 +18,7 @@ from deploy_support import GATEWAY_CONFIGS, ROOT
 from deploy_support import dockerfile_stage as stage
 
 from tests.conftest import free_port
+from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.system]
 
@@ -82,14 +82,12 @@ def test_the_image_install_steps_work_in_a_clean_environment(tmp_path: Path) -> 
     probe = [str(venv / "bin" / "python"), *(a.replace(":8000/", f":{port}/") for a in healthcheck[1:])]
     server = subprocess.Popen([str(gateway), "serve", "--config", str(config), "--log-level", "warning"],
                               cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    def healthy() -> bool:
+        assert server.poll() is None, f"gateway serve exited:\n{server.communicate()[0]}"
+        return subprocess.run(probe, capture_output=True, timeout=10).returncode == 0
+
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            assert server.poll() is None, f"gateway serve exited:\n{server.communicate()[0]}"
-            if subprocess.run(probe, capture_output=True, timeout=10).returncode == 0:
-                break
-            assert time.monotonic() < deadline, "the HEALTHCHECK command never succeeded"
-            time.sleep(0.3)
+        wait_until(healthy, "the HEALTHCHECK command succeeding", within=30)
     finally:
         server.terminate()
         server.wait(timeout=30)
