@@ -4,7 +4,8 @@ sockets, heads and bodies that trickle in, keep-alive connections left open.
 The gateway runs in front of an emulated vLLM server with short timeouts (so that the tests take seconds) and
 a connection cap of 1000. A prober on its own keep-alive connection keeps asking ``/health`` (and the OpenAI
 SDK a chat completion) throughout: its latency during each attack is compared with its latency before, in
-the same run; times are otherwise bounded from above only, generously.
+the same run. The timeouts run on the real clock and are checked not to fire early; otherwise what each
+connection got, and in what order, tells refused from timed out.
 """
 
 from __future__ import annotations
