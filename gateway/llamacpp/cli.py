@@ -52,6 +52,9 @@ def main(argv: list[str]) -> int:
             # (sigwait alone left it running: the signals it waits for were not blocked, and SIGTERM ended
             # Python before the server's cleanup)
             signal.signal(signal.SIGTERM, _unwind)
+            # and SIGINT, also where it came in ignored (a shell's background job): `gateway serve` stops on it
+            # there too, and a test run in the background waited 30 s for this one to
+            signal.signal(signal.SIGINT, _unwind)
             with server:
                 print(f"llama-server (real, CPU) at {server.url} serving {model}", flush=True)
                 while True:

@@ -339,10 +339,12 @@ def test_rerank_on_a_real_reranking_server_and_the_refusal_of_one_without(llama_
 @pytest.mark.parametrize("how", [signal.SIGTERM, signal.SIGINT])
 def test_gateway_llamacpp_serve_stops_its_server_with_it(llama_binary: Path, how: signal.Signals) -> None:
     """The wrapper command's llama-server goes when the wrapper is told to stop (SIGTERM once left it running,
-    holding its port)."""
+    holding its port), also when it was started with SIGINT ignored, as a shell's background job is (it then
+    ignored SIGINT: a test run in the background waited 30 s for it)."""
     port = free_port_block(1)
     wrapper = subprocess.Popen([sys.executable, "-m", "gateway", "llamacpp", "serve", "--model", "tiny",
-                                "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+                                "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     try:
         assert wrapper.stdout is not None
         line = wrapper.stdout.readline()  # printed once the server answers /health
