@@ -31,10 +31,11 @@ def _chunk(text: str) -> bytes:
 
 
 class ScriptedUpstream:
-    """Modes: ``stream`` (``tokens`` chunks ``every`` s apart, then usage and [DONE]), ``stream_no_usage``
-    (the same without the usage chunk), ``stream_at_once`` (the same stream, chunked, in one write with its head:
-    the whole answer in one read), ``complete`` (a non-streamed answer of ``tokens`` words), ``not_http`` (bytes
-    that are not an HTTP response), ``echo_500``
+    """Modes: ``stream`` (``tokens`` chunks ``every`` s apart, then usage and [DONE]; with ``hold_usage``, the
+    tokens and then nothing until the client leaves), ``stream_no_usage`` (the same without the usage chunk),
+    ``stream_at_once`` (the same stream, chunked, in one write with its head: the whole answer in one read),
+    ``complete`` (a non-streamed answer of ``tokens`` words), ``not_http`` (bytes that are not an HTTP response),
+    ``echo_500``
     (HTTP 500 whose message repeats the Authorization header it got and the backend's own address), ``echo_token_500``
     (the same with only the header's credentials, its scheme left off),
     ``status_401``, ``pings`` (200 SSE, then ``: ping`` every ``every`` s until the client leaves), ``huge_error``
@@ -44,12 +45,12 @@ class ScriptedUpstream:
     each written on its own, ``every`` s apart, so that each is a read of its own)."""
 
     def __init__(self, mode: str = "stream", model: str = "m", tokens: int = 8, every: float = 0.01,
-                 usage_after: float = 0.0, size: int = 0, chunked: bool = False) -> None:
+                 hold_usage: bool = False, size: int = 0, chunked: bool = False) -> None:
         self.mode, self.model, self.tokens, self.every = mode, model, tokens, every
         self.size, self.chunked = size, chunked
         self.sent = 0
         self.usage: dict[str, Any] | None = None  # what ``complete`` and ``stream`` report (None: the true counts)
-        self.usage_after = usage_after  # seconds between the last token and the usage chunk
+        self.hold_usage = hold_usage  # the tokens sent, the rest held back until the client leaves
         self.port = 0
         self.posts = 0
         self.seen_headers: dict[str, str] = {}
@@ -148,7 +149,7 @@ class ScriptedUpstream:
                          % (status, content_type.encode(), sum(map(len, pieces))))
             for piece in pieces:
                 await writer.drain()
-                await asyncio.sleep(self.every)
+                await asyncio.sleep(self.every)  # real time: the pieces ``every`` s apart, each a read of its own
                 if writer.is_closing():
                     break  # (the gateway let go of the answer)
                 writer.write(piece)
@@ -182,14 +183,15 @@ class ScriptedUpstream:
         await writer.drain()
         if mode == "pings":
             while True:
-                await asyncio.sleep(self.every)
+                await asyncio.sleep(self.every)  # real time: a ping every ``every`` s, against the gateway's timeouts
                 writer.write(b": ping\n\n")
                 await writer.drain()
         for i in range(self.tokens):
             writer.write(_chunk(f"t{i} "))
             await writer.drain()
-            await asyncio.sleep(self.every)
-        await asyncio.sleep(self.usage_after)
+            await asyncio.sleep(self.every)  # real time: the stream's pace, a token every ``every`` s
+        if self.hold_usage:
+            await asyncio.Future()  # (until the client leaves: the connection's task is cancelled at exit)
         if mode == "stream":
             writer.write(b"data: " + orjson.dumps({"id": "s", "object": "chat.completion.chunk", "created": 0,
                                                    "model": "m", "choices": [], "usage": usage}) + b"\n\n")

@@ -7,6 +7,7 @@ import asyncio
 from typing import Any
 
 import httpx
+import looptime
 import orjson
 import pytest
 from prometheus_client import CollectorRegistry
@@ -187,7 +188,8 @@ def test_a_client_that_hangs_up_right_after_done_is_still_accounted() -> None:
 
 class _ReadResponse(MockResponse):
     """A response that hands its body to a sink as a real connection's reads do: ``reads``, each a list of pieces
-    given in one callback, ``END`` among them for the body's end, a loop turn (and ``delay``) between reads."""
+    given in one callback, ``END`` among them for the body's end, a loop turn (and ``delay``) between reads: run it
+    on a fake-time loop (looptime), where the delay orders the reads and no time passes."""
 
     END = b"<end>"
 
@@ -199,7 +201,7 @@ class _ReadResponse(MockResponse):
     def stream_to(self, sink: Any) -> None:
         async def feed() -> None:
             for read in self.reads:
-                await asyncio.sleep(self.delay)
+                await asyncio.sleep(self.delay)  # real time: the gap between two reads, on a fake-time loop's clock
                 for piece in read:
                     if piece == self.END:
                         sink.end(None)
@@ -249,8 +251,9 @@ def test_the_answers_last_events_go_with_the_responses_end_when_it_comes_in_the_
     backend = Backend("b", "vllm", "http://b:8000", spec=ENGINES["vllm"])
     exchange = Exchange(request_id="r1", route="chat", t_start=0.0, stream=True)
     sink, writer = Sink(), _Writer()
-    asyncio.run(Forwarder(MockTransport(lambda r: response), TimeoutSettings()).forward(
-        exchange, backend, b"{}", sink, AttemptOptions(writer=writer)))
+    with asyncio.Runner(loop_factory=looptime.new_event_loop) as runner:
+        runner.run(Forwarder(MockTransport(lambda r: response), TimeoutSettings()).forward(
+            exchange, backend, b"{}", sink, AttemptOptions(writer=writer)))
     last = sink.messages[-1]
     assert last["type"] == "http.response.body" and last["more_body"] is False
     finish = chunk(None, finish_reason="stop") + b"data: [DONE]\n\n"  # (the usage chunk removed: not asked for)

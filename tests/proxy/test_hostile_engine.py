@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import hashlib
 import re
-import time
-from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -14,16 +12,9 @@ import orjson
 
 from gateway.engines.readings import MAX_MODELS
 from tests.proxy.scripted_upstream import ScriptedUpstream, gateway_over
+from tests.waiting import wait_until
 
 NAN = b"vllm:num_requests_running NaN\nvllm:num_requests_waiting -1e308\nvllm:kv_cache_usage_perc NaN\n"
-
-
-def until(check: Callable[[], bool], what: str, within: float = 20.0) -> None:
-    """Wait for a state change the scrape loop (every 0.1 s here) brings about."""
-    deadline = time.monotonic() + within
-    while not check():
-        assert time.monotonic() < deadline, f"still not: {what}"
-        time.sleep(0.05)
 
 
 def test_a_backend_whose_load_turns_to_nan_and_then_goes_down_is_marked_down() -> None:
@@ -34,7 +25,8 @@ def test_a_backend_whose_load_turns_to_nan_and_then_goes_down_is_marked_down() -
             assert httpx.get(gw.url + "/ready").json()["backends"]["scripted"]["routable"] is True
             upstream.get_answers["/metrics"] = (200, NAN)
             seen = upstream.gets.get("/metrics", 0)
-            until(lambda: upstream.gets.get("/metrics", 0) >= seen + 3, "the NaN load read three times")
+            wait_until(lambda: upstream.gets.get("/metrics", 0) >= seen + 3,
+                       "the NaN load read three times", within=20)
             ready = httpx.get(gw.url + "/ready")
             assert ready.status_code == 200 and ready.json()["backends"]["scripted"]["routable"] is True
             errors = re.search(r'gateway_backend_scrape_errors_total\{backend="scripted",engine="vllm"\} (\S+)',
@@ -42,7 +34,7 @@ def test_a_backend_whose_load_turns_to_nan_and_then_goes_down_is_marked_down() -
             assert errors is not None and float(errors[1]) >= 3, "each garbage reading is counted"
 
             upstream.get_answers["/health"] = (503, b'{"error": "engine dead"}')
-            until(lambda: httpx.get(gw.url + "/ready").status_code == 503, "/ready says not ready")
+            wait_until(lambda: httpx.get(gw.url + "/ready").status_code == 503, "/ready says not ready", within=20)
             assert httpx.get(gw.url + "/ready").json()["backends"]["scripted"]["health"] == "down"
             r = httpx.post(gw.url + "/v1/chat/completions",
                            json={"model": "m", "messages": [{"role": "user", "content": "hi"}]})
@@ -100,5 +92,6 @@ def test_a_backend_listing_many_models_is_served_for_a_thousand_and_one_listing_
             listed = httpx.get(gw.url + "/v1/models").json()["data"]
             assert len(listed) == MAX_MODELS and listed[0]["id"] == "m-000000"
             upstream.get_answers["/v1/models"] = (200, flood)  # ~11 MB: more than any models answer may be
-            until(lambda: httpx.get(gw.url + "/ready").status_code == 503, "the flooding backend is down")
+            wait_until(lambda: httpx.get(gw.url + "/ready").status_code == 503,
+                       "the flooding backend is down", within=20)
             assert httpx.get(gw.url + "/v1/models").json()["data"] == []

@@ -3,13 +3,13 @@ wrapped so that every write to the client's transport is recorded as it goes."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import socket
 from collections.abc import Iterator
 from typing import Any
 
 from tests.proxy.scripted_upstream import ScriptedUpstream, gateway_over
+from tests.waiting import until
 
 REQUEST = (b'POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\nContent-Length: %d'
            b'\r\n\r\n%s')
@@ -33,15 +33,16 @@ class _Recorded:
 
 async def _record(server: Any, client_port: int) -> _Recorded:
     """Wrap the transport of the server's connection from ``client_port`` (once the server has accepted it)."""
-    for _ in range(200):
-        for protocol in server.server_state.connections:
-            transport = protocol.transport
-            if transport is not None and transport.get_extra_info("peername")[1] == client_port:
-                recorded = _Recorded(transport)
-                protocol.transport = recorded
-                return recorded
-        await asyncio.sleep(0.01)
-    raise AssertionError("the server never accepted the connection")
+
+    def accepted() -> Any:
+        return next((protocol for protocol in server.server_state.connections if protocol.transport is not None
+                     and protocol.transport.get_extra_info("peername")[1] == client_port), None)
+
+    await until(accepted, "the server accepted the connection")
+    protocol = accepted()
+    recorded = _Recorded(protocol.transport)
+    protocol.transport = recorded
+    return recorded
 
 
 @contextlib.contextmanager
