@@ -6,7 +6,6 @@ approximate index, said once."""
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,7 @@ from gateway.sim import FleetThread, SimSpec
 from gateway.sim.tokenizer_files import ensure_tokenizer
 from tests.conftest import serve_in_thread
 from tests.kvcache.test_e2e import MODEL, chat
+from tests.waiting import wait_until
 
 WILDCARD = {"endpoint": "tcp://*:*", "replay_endpoint": "tcp://*:*", "topic": "kv@here"}
 
@@ -72,10 +72,8 @@ def test_discovered_streams_are_followed_at_the_backends_host_and_route_requests
     assert "dn" not in hub.streams  # it publishes nothing: the approximate index
     for name in ("dv", "ds"):  # straight to each engine: what it stores reaches the gateway's index by its events
         assert httpx.post(fleet.fleet[name].url + "/v1/chat/completions", json=chat(f"to {name}")).status_code == 200
-    deadline = time.monotonic() + 5
-    while not all(hub.streams[name].live() and hub.streams[name].counters.batches > 0 for name in ("dv", "ds")):
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    wait_until(lambda: all(hub.streams[name].live() and hub.streams[name].counters.batches > 0
+                           for name in ("dv", "ds")), "both streams live, with a batch each")
     metrics = httpx.get(f"{gateway.url}/metrics").text
     for name in ("dv", "ds"):
         assert f'gateway_kv_events_live{{backend="{name}"}} 1.0' in metrics
@@ -83,8 +81,9 @@ def test_discovered_streams_are_followed_at_the_backends_host_and_route_requests
     # and routing follows them: a conversation sent to one engine is routed back to it by its events
     home = fleet.fleet["ds"]
     body = chat("a question held by ds")
+    stored = hub.streams["ds"].index.stored_blocks
     httpx.post(home.url + "/v1/chat/completions", json=body)
-    time.sleep(0.3)  # its blocks announced
+    wait_until(lambda: hub.streams["ds"].index.stored_blocks > stored, "its blocks announced")
     r = httpx.post(f"{gateway.url}/v1/chat/completions", json={**body, "max_tokens": 4},
                    headers={"x-gateway-debug": "route"})
     assert r.headers["x-gateway-backend"] == "ds"
@@ -97,8 +96,18 @@ def test_an_engine_that_shows_no_source_is_said_once(tokenizer: Path, caplog: py
         settings = settings_from_mapping({"backends": [{"name": "q", "engine": "sglang", "url": server.url,
                                                         "kv_events": {"discover": True, "silence_seconds": 5}}],
                                           "scrape": {"interval": 0.05, "timeout": 1.0}})
-        with caplog.at_level(logging.WARNING, "gateway"), serve_in_thread(create_app(settings)) as gateway:
+        app = create_app(settings)
+        pool = app.gateway.pool
+        scrape, scraped = pool.scrape_once, [0]
+
+        async def counted(backend: Any) -> None:
+            await scrape(backend)
+            scraped[0] += 1
+
+        pool.scrape_once = counted  # type: ignore[method-assign]
+        with caplog.at_level(logging.WARNING, "gateway"), serve_in_thread(app) as gateway:
             assert httpx.post(f"{gateway.url}/v1/chat/completions", json=chat("hi")).status_code == 200
-            time.sleep(0.3)  # several scrapes
+            seen = scraped[0]
+            wait_until(lambda: scraped[0] >= seen + 5, "several scrapes")
     said = [r for r in caplog.records if "no KV-event source" in r.getMessage()]
     assert len(said) == 1 and "kv_events" in said[0].getMessage()

@@ -3,7 +3,6 @@ backend where not, and the same load gate."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
@@ -18,6 +17,7 @@ from gateway.routing.request import RouteRequest
 from gateway.routing.scorers.precise_prefix import PrecisePrefixScorer
 from gateway.routing.scorers.prefix_affinity import PrefixAffinityScorer
 from gateway.routing.state import RoutingState
+from tests.clock import ManualClock
 from tests.routing.helpers import backend, chat
 
 pytestmark = pytest.mark.unit
@@ -137,9 +137,9 @@ def test_the_default_policy_uses_events_and_without_them_routes_as_prefix(model_
     assert plain.route(req, bs).ranked[0] is bs[1] and prefix.route(chat(SYSTEM, "q"), bs).ranked[0] is bs[1]
 
 
-@pytest.mark.integration
 def test_a_prompt_just_routed_counts_as_held_until_its_events_are_due(model_dir: Path) -> None:
     state, hub, _ = setup(model_dir)
+    state.clock = clock = ManualClock()
     hub.views = {"a": View(), "b": View()}
     a, b = backend("a"), backend("b")
     scorer = PrecisePrefixScorer(state, speculate_seconds=0.2)
@@ -149,7 +149,7 @@ def test_a_prompt_just_routed_counts_as_held_until_its_events_are_due(model_dir:
     assert first.events_cached_tokens == 0 and hub.views["b"].expected == 1
     follower = scorer.score(chat(SYSTEM, "two"), [a, b])
     assert follower[0] == 0.0 and follower[1] > 0.5  # the shared system prompt follows the first request
-    time.sleep(0.25)
+    clock.advance(0.25)
     assert scorer.score(chat(SYSTEM, "three"), [a, b]) == [0.0, 0.0]  # never announced: forgotten
 
 

@@ -20,8 +20,10 @@ from gateway.kvcache.index import request_keys
 from gateway.kvcache.subscriber import EventHub, EventStream, StreamSettings
 from gateway.pool.backend import Backend
 from gateway.pool.state import Health, Probe
+from tests.waiting import until, until_true
 
 TOKENS = list(range(64))
+TS = 1.7e9  # the batches' timestamps: the publisher's own, made distinct by counting
 
 
 def stored(hashes: list[int], parent: int | None, tokens: list[int]) -> dict[str, object]:
@@ -47,12 +49,14 @@ class Publisher:
         self.buffer: list[tuple[int, bytes]] = []
         self.buffer_steps = buffer_steps
         self.seq = 0
+        self.made = 0  # batches made, restarts or not: each its own timestamp (a restart's seq 0 is not the old one)
         self._task = asyncio.get_running_loop().create_task(self._serve()) if replay else None
 
     async def publish(self, *events: dict[str, object], send: bool = True) -> None:
-        payload = msgpack.packb([time.time() + self.seq * 1e-6, list(events), 0])
+        payload = msgpack.packb([TS + self.made, list(events), 0])
         seq = self.seq
         self.seq += 1
+        self.made += 1
         self.buffer = ([*self.buffer, (seq, payload)])[-self.buffer_steps:]
         if send:
             await self.pub.send_multipart([b"", seq.to_bytes(8, "big"), payload])
@@ -89,13 +93,6 @@ def make_backend() -> Backend:
 
 def held(stream: EventStream, tokens: list[int] = TOKENS) -> int:
     return int(stream.index.match(request_keys(tokens, 16)) * 16)
-
-
-async def until(check: Callable[[], bool], within: float = 3.0) -> None:
-    deadline = time.monotonic() + within
-    while not check():
-        assert time.monotonic() < deadline, "condition not reached"
-        await asyncio.sleep(0.01)
 
 
 class Turns:
@@ -147,10 +144,10 @@ def test_history_is_replayed_on_start_and_live_batches_follow() -> None:
         await pub.publish(stored([1, 2], None, TOKENS[:32]))  # before the gateway subscribed
         backend = make_backend()
         stream = subscribe(hub, pub, backend)
-        await until(lambda: stream.state == "live")
+        await until(lambda: stream.state == "live", "the stream live")
         assert held(stream) == 32 and hub.live_index(backend) is stream
         await pub.publish(stored([3, 4], 2, TOKENS[32:]))
-        await until(lambda: held(stream) == 64)
+        await until(lambda: held(stream) == 64, "64 tokens held")
         assert stream.counters.replays["complete"] == 1 and stream.counters.gaps == 0
 
     run(scenario)
@@ -159,11 +156,11 @@ def test_history_is_replayed_on_start_and_live_batches_follow() -> None:
 def test_a_gap_is_filled_by_replay() -> None:
     async def scenario(ctx: zmq.asyncio.Context, pub: Publisher, hub: EventHub) -> None:
         stream = subscribe(hub, pub, make_backend())
-        await until(lambda: stream.state == "live")
+        await until(lambda: stream.state == "live", "the stream live")
         await pub.publish(stored([1], None, TOKENS[:16]))
         await pub.publish(stored([2], 1, TOKENS[16:32]), send=False)  # lost on the way
         await pub.publish(stored([3], 2, TOKENS[32:48]))
-        await until(lambda: held(stream) == 48)
+        await until(lambda: held(stream) == 48, "48 tokens held")
         assert stream.counters.gaps == 1 and stream.counters.replays["complete"] == 2  # start + the gap
         assert stream.live()
 
@@ -172,17 +169,17 @@ def test_a_gap_is_filled_by_replay() -> None:
 
 def test_a_gap_beyond_the_replay_buffer_resets_and_waits_out_the_history_window() -> None:
     async def scenario(ctx: zmq.asyncio.Context, pub: Publisher, hub: EventHub) -> None:
-        stream = subscribe(hub, pub, make_backend(), history_seconds=0.3)
-        await until(lambda: stream.state == "live")
+        stream = subscribe(hub, pub, make_backend(), history_seconds=60)
+        await until(lambda: stream.state == "live", "the stream live")
         await pub.publish(stored([1], None, TOKENS[:16]))
         for _ in range(3):  # the buffer keeps 2: the first missed batch is gone
             await pub.publish({"type": "AllBlocksCleared"}, send=False)
         await pub.publish(stored([9], None, TOKENS[:16]))
-        await until(lambda: stream.counters.resets["history_lost"] == 1)
+        await until(lambda: stream.counters.resets["history_lost"] == 1, "a reset for the history lost")
         assert not stream.live() and stream.counters.replays["partial"] == 1
         assert held(stream) == 16  # rebuilt from what came after
-        await asyncio.sleep(0.35)
-        assert stream.live()
+        ends = stream._partial_until  # (the history window's end: the moment routing is told)
+        assert not stream.live(ends - 0.01) and stream.live(ends)
 
     run(scenario, buffer_steps=2)
 
@@ -190,13 +187,13 @@ def test_a_gap_beyond_the_replay_buffer_resets_and_waits_out_the_history_window(
 def test_a_restarted_engine_numbering_from_zero_clears_the_index() -> None:
     async def scenario(ctx: zmq.asyncio.Context, pub: Publisher, hub: EventHub) -> None:
         stream = subscribe(hub, pub, make_backend())
-        await until(lambda: stream.state == "live")
+        await until(lambda: stream.state == "live", "the stream live")
         await pub.publish(stored([1, 2], None, TOKENS[:32]))
         await pub.publish(stored([3], 2, TOKENS[32:48]))
-        await until(lambda: held(stream) == 48)
+        await until(lambda: held(stream) == 48, "48 tokens held")
         pub.restart()
         await pub.publish(stored([7], None, TOKENS[:16]))
-        await until(lambda: stream.counters.resets["restart"] == 1)
+        await until(lambda: stream.counters.resets["restart"] == 1, "a reset for the restart")
         assert held(stream) == 16 and stream.live()
 
     run(scenario)
@@ -205,13 +202,13 @@ def test_a_restarted_engine_numbering_from_zero_clears_the_index() -> None:
 def test_silence_after_requests_that_must_store_blocks_takes_the_stream_out() -> None:
     async def scenario(ctx: zmq.asyncio.Context, pub: Publisher, hub: EventHub) -> None:
         stream = subscribe(hub, pub, make_backend(), silence_seconds=0.2)
-        await until(lambda: stream.state == "live")
-        stream.expect_blocks()
-        assert stream.live()
-        await asyncio.sleep(0.25)
-        assert not stream.live() and stream.state == "silent"
+        await until(lambda: stream.state == "live", "the stream live")
+        sent = 1000.0  # (the times routing tells the stream, here of a clock of the test's)
+        stream.expect_blocks(sent)
+        assert stream.live(sent + 0.1)
+        assert not stream.live(sent + 0.25) and stream.state == "silent"
         await pub.publish(stored([1], None, TOKENS[:16]))
-        await until(lambda: stream.live())
+        await until(stream.live, "the stream live again")
 
     run(scenario)
 
@@ -220,13 +217,13 @@ def test_a_backend_coming_back_up_resyncs_from_the_replay_buffer() -> None:
     async def scenario(ctx: zmq.asyncio.Context, pub: Publisher, hub: EventHub) -> None:
         backend = make_backend()
         stream = subscribe(hub, pub, backend)
-        await until(lambda: stream.state == "live")
+        await until(lambda: stream.state == "live", "the stream live")
         await pub.publish(stored([1, 2], None, TOKENS[:32]))
-        await until(lambda: held(stream) == 32)
+        await until(lambda: held(stream) == 32, "32 tokens held")
         backend.record_probe(Probe(Health.DOWN))
         backend.record_probe(Probe(Health.READY))  # epoch moves: not trusted until resynced
         assert not stream.live()
-        await until(lambda: stream.counters.resets["epoch"] == 1 and stream.live())
+        await until(lambda: stream.counters.resets["epoch"] == 1 and stream.live(), "resynced after the epoch")
         assert held(stream) == 32  # it only flapped: the replay restored everything
 
     run(scenario)
@@ -234,14 +231,17 @@ def test_a_backend_coming_back_up_resyncs_from_the_replay_buffer() -> None:
 
 def test_without_a_replay_socket_the_first_batch_starts_a_partial_stream() -> None:
     async def scenario(ctx: zmq.asyncio.Context, pub: Publisher, hub: EventHub) -> None:
-        stream = subscribe(hub, pub, make_backend(), history_seconds=0.2)
-        await until(lambda: stream.state == "partial")
-        await asyncio.sleep(0.1)
-        await pub.publish(stored([1], None, TOKENS[:16]))
-        await until(lambda: held(stream) == 16)
+        stream = subscribe(hub, pub, make_backend(), history_seconds=60)
+        await until(lambda: stream.state == "partial", "the stream partial")
+
+        async def published() -> bool:  # (again until one arrives: the subscription may not have reached it yet)
+            await pub.publish(stored([1], None, TOKENS[:16]))
+            return held(stream) == 16
+
+        await until_true(published, "16 tokens held")
         assert not stream.live()
-        await asyncio.sleep(0.2)
-        assert stream.live()
+        ends = stream._partial_until
+        assert not stream.live(ends - 0.01) and stream.live(ends)
 
     run(scenario, replay=False)
 
@@ -249,10 +249,10 @@ def test_without_a_replay_socket_the_first_batch_starts_a_partial_stream() -> No
 def test_undecodable_messages_are_counted_and_skipped() -> None:
     async def scenario(ctx: zmq.asyncio.Context, pub: Publisher, hub: EventHub) -> None:
         stream = subscribe(hub, pub, make_backend())
-        await until(lambda: stream.state == "live")
+        await until(lambda: stream.state == "live", "the stream live")
         await pub.pub.send_multipart([b"", (0).to_bytes(8, "big"), b"\xc1"])
         await pub.publish(stored([1], None, TOKENS[:16]))
-        await until(lambda: held(stream) == 16)
+        await until(lambda: held(stream) == 16, "16 tokens held")
         assert stream.counters.decode_errors == 1
 
     run(scenario)
@@ -265,11 +265,11 @@ def test_a_huge_batch_is_decoded_and_applied_a_few_thousand_blocks_at_a_time() -
 
     async def scenario(ctx: zmq.asyncio.Context, pub: Publisher, hub: EventHub) -> None:
         stream = subscribe(hub, pub, make_backend())
-        await until(lambda: stream.state == "live")
+        await until(lambda: stream.state == "live", "the stream live")
         async with Turns() as turns:
             many = [stored([1000 + i], None, TOKENS[:16]) for i in range(60_000)]
             await pub.publish(*many, stored([1], None, TOKENS[:16]))
-            await until(lambda: stream.counters.events == 60_001, within=15)
+            await until(lambda: stream.counters.events == 60_001, "the huge batch applied", within=15)
             # decoding and applying each paused every PACE blocks (an event counts 1 plus its blocks)
             assert turns.count >= 2 * (2 * 60_000) // PACE, turns.count
             assert held(stream) == 16
@@ -291,10 +291,11 @@ class EndlessReplay(Publisher):
         while True:
             hashes = list(range(seq * self.blocks + 10, (seq + 1) * self.blocks + 10))
             event = stored(hashes, None, TOKENS[:16] * self.blocks) | {"medium": self.medium}
-            payload = msgpack.packb([time.time(), [event], 0])
+            payload = msgpack.packb([TS + seq, [event], 0])
             await self.router.send_multipart([frames[0], b"", b"", seq.to_bytes(8, "big"), payload])
             seq += 1
-            await asyncio.sleep(self.pause)  # (a send to a peer that left completes at once: let the gateway run)
+            # (0: a loop turn, as a send to a peer that left completes at once: let the gateway run)
+            await asyncio.sleep(self.pause)  # real time: the pace, against the subscriber's REPLAY_MAX_SECONDS
 
 
 @pytest.mark.parametrize(("blocks", "medium", "bound"), [(1, "GPU", "batches"), (2000, "GPU", "work"),
@@ -321,10 +322,10 @@ def test_a_replay_that_never_ends_is_refused_at_its_bound_and_the_live_stream_go
 
     async def scenario(ctx: zmq.asyncio.Context, pub: Publisher, hub: EventHub) -> None:
         stream = subscribe(hub, pub, make_backend(), history_seconds=60)
-        await until(lambda: stream.counters.replays["failed"] == 1, within=10)
+        await until(lambda: stream.counters.replays["failed"] == 1, "the replay refused")
         assert stream.state == "partial" and held(stream) == 0
         await pub.publish(stored([1], None, TOKENS[:16]))
-        await until(lambda: held(stream) == 16)
+        await until(lambda: held(stream) == 16, "16 tokens held")
 
     run(scenario, EndlessReplay)
 
@@ -340,7 +341,7 @@ def test_live_messages_past_the_backlog_bound_are_dropped_and_the_hole_is_filled
 
     async def scenario(ctx: zmq.asyncio.Context, pub: Publisher, hub: EventHub) -> None:
         stream = subscribe(hub, pub, make_backend())
-        await until(lambda: stream.state == "live")
+        await until(lambda: stream.state == "live", "the stream live")
         gate = asyncio.Event()  # (the index applies nothing until it opens: what arrives meanwhile waits)
         apply = stream._on_message
 
@@ -351,10 +352,10 @@ def test_live_messages_past_the_backlog_bound_are_dropped_and_the_hole_is_filled
         stream._on_message = held_back  # type: ignore[method-assign]
         for i in range(60):  # ~45 KB each: no more than four wait together
             await pub.publish(stored(list(range(10_000 + 2000 * i, 12_000 + 2000 * i)), None, [99] * 16 * 2000))
-        await until(lambda: stream.counters.dropped >= 50)
+        await until(lambda: stream.counters.dropped >= 50, "50 messages dropped")
         gate.set()
         await pub.publish(stored([1], None, TOKENS[:16]))
-        await until(lambda: held(stream) == 16, within=10)
+        await until(lambda: held(stream) == 16, "16 tokens held", within=10)
         assert stream.counters.dropped > 0 and stream.counters.gaps > 0
         assert stream.counters.replays["complete"] >= 2 and stream.counters.batches == 61, stream.counters
 
@@ -368,18 +369,21 @@ def test_a_flood_of_small_messages_leaves_the_event_loop_to_everyone_else() -> N
 
     async def scenario(ctx: zmq.asyncio.Context, pub: Publisher, hub: EventHub) -> None:
         stream = subscribe(hub, pub, make_backend())
-        await until(lambda: stream.state == "live")
+        await until(lambda: stream.state == "live", "the stream live")
         async with Turns() as turns:
             for _ in range(5000):
                 pub.pub.send_multipart([b"", (0).to_bytes(8, "big"), b"\xc1"], flags=zmq.NOBLOCK)
-            # (a real-time wait, the loop held: ZeroMQ's own thread queues them all for the subscriber, as a
-            # publisher faster than the gateway does; past its high-water mark the publisher drops some)
-            time.sleep(0.5)  # noqa: ASYNC251
+            # (the loop held while ZeroMQ's own thread queues them all for the subscriber, as a publisher faster
+            # than the gateway does; past its high-water mark the publisher drops some)
+            time.sleep(0.5)  # noqa: ASYNC251  real time: ZeroMQ's thread queueing the flood, the loop held
             before = turns.count
-            seen = -1
-            while seen != stream.counters.decode_errors:  # (until they stop coming)
-                seen = stream.counters.decode_errors
-                await asyncio.sleep(0.3)
+
+            async def behind_them() -> bool:  # a batch after the flood applied: every message before it was read
+                await pub.publish(stored([1], None, TOKENS[:16]))  # (again until one is not dropped)
+                return held(stream) == 16
+
+            await until_true(behind_them, "a batch sent after the flood applied")
+            seen = stream.counters.decode_errors
             assert seen >= 100 and turns.count - before >= seen, (seen, turns.count - before)  # a turn after each one
 
     run(scenario)
@@ -395,16 +399,16 @@ def test_a_message_of_more_parts_than_a_batch_has_ends_the_subscription_and_a_re
         monitor = pub.pub.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
         try:
             stream = subscribe(hub, pub, make_backend())
-            await until(lambda: stream.state == "live")
+            await until(lambda: stream.state == "live", "the stream live")
             assert (await recv_monitor_message(monitor))["event"] == zmq.EVENT_ACCEPTED
             await pub.pub.send_multipart([b""] * 200_000)
             await pub.publish(stored([1], None, TOKENS[:16]))  # (behind it: lost with the subscription)
             assert (await recv_monitor_message(monitor))["event"] == zmq.EVENT_DISCONNECTED  # the gateway hung up
             assert stream.counters.decode_errors == 1
             assert (await recv_monitor_message(monitor))["event"] == zmq.EVENT_ACCEPTED  # and subscribed again
-            await until(lambda: held(stream) == 16, within=10)  # the batch after it, replayed
+            await until(lambda: held(stream) == 16, "16 tokens held", within=10)  # the batch after it, replayed
             await pub.publish(stored([2], 1, TOKENS[16:32]))
-            await until(lambda: held(stream) == 32)
+            await until(lambda: held(stream) == 32, "32 tokens held")
             assert stream.counters.decode_errors == 1 and stream.state == "live"
         finally:
             pub.pub.disable_monitor()
