@@ -9,7 +9,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -44,10 +43,8 @@ def messages(user: Any = "hello there", system: str = SYSTEM) -> list[dict[str, 
 
 # -- the generated directory ------------------------------------------------------------------------------------
 @pytest.mark.system
-def test_generation_is_deterministic_across_processes_and_fast(tokenizer_dir: Path) -> None:
-    start = time.perf_counter()
+def test_generation_is_deterministic_across_processes(tokenizer_dir: Path) -> None:
     text = tokenizer_json()
-    assert time.perf_counter() - start < 5.0  # (a bound, not a measurement: ~0.5 s idle; over 2 s once on a loaded run)
     assert (tokenizer_dir / "tokenizer.json").read_text(encoding="utf-8") == text
     code = ("import hashlib; from gateway.sim.tokenizer_files import tokenizer_json; "
             "print(hashlib.sha256(tokenizer_json().encode()).hexdigest())")

@@ -23,6 +23,7 @@ from gateway.sim.hf_tokenizer import HFTokenizer
 from gateway.sim.kv_events import END_OF_REPLAY, KvEventPublisher
 from gateway.sim.prefix_cache import BlockCache, RadixCache
 from gateway.sim.tokenizer_files import ensure_tokenizer
+from tests.waiting import until
 
 TOPIC = "kv@sim"
 SYSTEM = "You are a test assistant." + " kalo mine ruta wenso bade fezu" * 12
@@ -123,9 +124,8 @@ class Subscriber:
         """Live batches up to ``until_seq`` (default: every batch published so far)."""
         until = self.published() - 1 if until_seq is None else until_seq
         out: list[Batch] = []
-        deadline = time.monotonic() + 3
         while not out or out[-1][0] < until:
-            assert self.sub.poll(max(1, int((deadline - time.monotonic()) * 1000))), f"no batch {until}: {out}"
+            assert self.sub.poll(10_000), f"no batch {until}: {out}"
             topic, seq, payload = self.sub.recv_multipart()
             assert topic == TOPIC.encode() and len(seq) == 8
             out.append((int.from_bytes(seq, "big"), msgpack.unpackb(payload, raw=False)))
@@ -205,14 +205,17 @@ def test_a_first_request_stores_its_prompt_in_the_engines_wire_format(param: tup
         sub = Subscriber(server)
         try:
             body = chat("first question")
+            sent = time.time()
             post(server, body)
             batches = sub.receive()
+            received = time.time()
         finally:
             sub.close()
     ids = hf.chat_ids(body["messages"])
     (seq, batch), *_ = batches
     assert seq == 0 and [b[0] for b in batches] == list(range(len(batches)))
-    assert len(batch) == 3 and isinstance(batch[0], float) and batch[2] == 0 and abs(batch[0] - time.time()) < 5
+    assert len(batch) == 3 and isinstance(batch[0], float) and batch[2] == 0
+    assert sent <= batch[0] <= received  # real time: stamped with the wall clock's seconds as it is published
     stored = batch[1][0]
     assert list(stored) == (VLLM_KEYS if engine == "vllm" else SGLANG_KEYS)  # "type" first, fields in order
     assert stored["type"] == "BlockStored" and stored["parent_block_hash"] is None and stored["medium"] == "GPU"
@@ -399,10 +402,8 @@ def test_one_batch_per_loop_turn_sglang_coalescing_and_a_clean_close() -> None:
         try:
             assert pub.endpoint.startswith("tcp://127.0.0.1:") and not pub.endpoint.endswith(":0")
             pub.start()
-            deadline = time.monotonic() + 5  # (a new thread names itself ZMQbg once it runs: seen late under load)
-            while _tasks() <= threads:
-                assert time.monotonic() < deadline, "the publisher runs ZMQ threads (so the count below can tell)"
-                await asyncio.sleep(0.01)
+            # (a new thread names itself ZMQbg once it runs: seen late under load)
+            await until(lambda: _tasks() > threads, "the publisher runs ZMQ threads (so the count below can tell)")
             pub.stored([1, 2], None, [10, 11], 1)
             pub.stored([3], 2, [12], 1)  # continues the chain: joins the event
             pub.stored([4], 1, [20], 1)  # a sibling: an event of its own

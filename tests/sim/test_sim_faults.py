@@ -2,24 +2,15 @@
 
 from __future__ import annotations
 
-import time
+import contextlib
 
-import anyio
 import httpx
 import pytest
 
 from gateway.sim import FleetThread, SimServer
+from tests.waiting import until_true, wait_until
 
 CHAT = {"model": "sim-llama-2-7b", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
-
-
-def wait_for(cond, timeout: float = 5.0) -> bool:  # type: ignore[no-untyped-def]
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if cond():
-            return True
-        time.sleep(0.01)
-    return False
 
 
 @pytest.mark.parametrize("engine", ["llamacpp", "vllm", "sglang", "tabbyapi"])
@@ -64,9 +55,14 @@ async def test_slow_start_per_engine(make_spec) -> None:  # type: ignore[no-unty
             assert (await c.get(llama.url + "/health")).status_code == 503
             with pytest.raises(httpx.ConnectError):
                 await c.get(vllm.url + "/health")
-            await anyio.sleep(0.8)
-            assert (await c.get(llama.url + "/health")).status_code == 200
-            assert (await c.get(vllm.url + "/health")).status_code == 200
+
+            async def healthy(url: str) -> bool:
+                with contextlib.suppress(httpx.ConnectError):
+                    return (await c.get(url + "/health")).status_code == 200
+                return False
+
+            await until_true(lambda: healthy(llama.url), "llama.cpp loaded")
+            await until_true(lambda: healthy(vllm.url), "vLLM loaded")
     finally:
         await llama.stop()
         await vllm.stop()
@@ -126,8 +122,8 @@ def test_client_disconnect_aborts_the_sequence(fleet: FleetThread) -> None:
         it = r.iter_bytes()
         next(it)
         next(it)
-    assert wait_for(lambda: server.stats.cancelled == before + 1)
-    assert wait_for(lambda: server.stats.active_sequences == 0)
+    wait_until(lambda: server.stats.cancelled == before + 1, "the sequence cancelled")
+    wait_until(lambda: server.stats.active_sequences == 0, "no sequence active")
     assert server.stats.last_cancel_time is not None
 
 
@@ -139,7 +135,7 @@ def test_crash_then_restart_on_the_same_port(make_spec) -> None:  # type: ignore
             assert c.post(server.url + "/v1/chat/completions", json=CHAT).status_code == 200
             assert server.stats.completed == 1
             ft.loop.call_soon_threadsafe(server.faults.crash)
-            assert wait_for(lambda: not server.running)
+            wait_until(lambda: not server.running, "the server crashed")
             with pytest.raises(httpx.ConnectError):
                 c.get(server.url + "/health")
             ft.call(server.start())

@@ -8,6 +8,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.sim import FleetThread, SimServer
+from tests.waiting import until
 
 
 def families(text: str) -> dict[str, tuple[str, list[float]]]:
@@ -95,9 +96,7 @@ async def test_running_and_waiting_gauges_under_load(make_spec) -> None:  # type
             async with anyio.create_task_group() as tg:
                 for _ in range(5):
                     tg.start_soon(one)
-                with anyio.fail_after(5):
-                    while server.stats.waiting != 3:  # noqa: ASYNC110 - polls a plain counter
-                        await anyio.sleep(0.005)
+                await until(lambda: server.stats.waiting == 3, "three requests waiting")
                 fams = families((await c.get(server.url + "/metrics")).text)
                 tg.cancel_scope.cancel()
         assert fams["vllm:num_requests_running"][1] == [2.0]
