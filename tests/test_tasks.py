@@ -9,6 +9,7 @@ import logging
 import pytest
 
 from gateway.tasks import cancel_and_wait
+from tests.waiting import until
 
 pytestmark = pytest.mark.unit
 
@@ -17,7 +18,7 @@ async def _loses_one_cancellation(rounds: list[int]) -> None:
     lost = False
     while True:
         try:
-            await asyncio.sleep(0.01)
+            await asyncio.sleep(0)
         except asyncio.CancelledError:
             if lost:
                 raise
@@ -29,12 +30,14 @@ async def _loses_one_cancellation(rounds: list[int]) -> None:
 async def test_a_task_that_loses_a_cancellation_is_cancelled_again_until_it_ends() -> None:
     rounds: list[int] = []
     task = asyncio.create_task(_loses_one_cancellation(rounds))
-    await asyncio.sleep(0.03)
-    once = asyncio.create_task(_loses_one_cancellation([]))
-    await asyncio.sleep(0.03)
+    await until(lambda: rounds, "the task running")
+    once_rounds: list[int] = []
+    once = asyncio.create_task(_loses_one_cancellation(once_rounds))
+    await until(lambda: once_rounds, "the other running")
     once.cancel()
-    done, _ = await asyncio.wait([once], timeout=0.3)
-    assert not done, "one cancel() is not enough for it (await would hang)"
+    cancelled_at = len(once_rounds)
+    await until(lambda: len(once_rounds) > cancelled_at + 2, "it going on past its cancellation")
+    assert not once.done(), "one cancel() is not enough for it (await would hang)"
     await asyncio.wait_for(cancel_and_wait([task, once, None]), 5)
     assert task.cancelled() and once.cancelled()
 

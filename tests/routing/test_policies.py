@@ -4,7 +4,6 @@ context and concurrency filters, and profiles assembled from YAML."""
 from __future__ import annotations
 
 import collections
-import time
 
 import pytest
 
@@ -248,7 +247,7 @@ def test_engine_shape_gives_an_idle_backend_what_its_peers_learned_when_that_is_
                                  ttft=1000 / seed.prefill_tok_s / 10, decode_seconds=31 / seed.tok_s / 10,
                                  prompt_tokens=1000, completion_tokens=32), a)
     shape = next(s for s, _ in pipeline.scorers if isinstance(s, EngineShapeScorer))
-    now = time.monotonic()
+    now = 1000.0  # (the same moment for both: neither has a load reading to be fresh or stale)
     assert shape.predict(request, b, now) == pytest.approx(shape.predict(request, a, now))  # alike, both idle
     a.in_flight = 2  # its slots full: the next one would queue there
     assert pipeline.route(chat("s", "q", max_tokens=32), [a, b]).ranked[0] is b
