@@ -7,7 +7,6 @@ import shutil
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,6 +16,7 @@ import yaml
 
 from gateway.bench.procs import ChildProcess
 from tests.conftest import free_port
+from tests.waiting import wait_until
 
 
 class RedisServer:
@@ -38,18 +38,22 @@ class RedisServer:
              "--dir", str(self._workdir), "--logfile", str(self._workdir / "redis.log"),
              *(["--requirepass", self.password] if self.password else [])],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as sock:
-                    sock.sendall(b"PING\r\n")
-                    if sock.recv(16).startswith((b"+PONG", b"-NOAUTH")):
-                        return self
-            except OSError:
-                pass
-            if time.monotonic() > deadline or self.proc.poll() is not None:
-                raise RuntimeError(f"redis-server did not start:\n{(self._workdir / 'redis.log').read_text()}")
-            time.sleep(0.05)
+        try:
+            wait_until(self._answers, "redis-server answering PING")
+        except AssertionError as exc:
+            raise RuntimeError(f"{exc}:\n{(self._workdir / 'redis.log').read_text()}") from None
+        return self
+
+    def _answers(self) -> bool:
+        assert self.proc is not None
+        if self.proc.poll() is not None:
+            raise AssertionError("redis-server exited")
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as sock:
+                sock.sendall(b"PING\r\n")
+                return sock.recv(16).startswith((b"+PONG", b"-NOAUTH"))
+        except OSError:
+            return False
 
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

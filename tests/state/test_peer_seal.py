@@ -5,7 +5,6 @@ nothing, a message replayed or stale is dropped, and bytes that are not a messag
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import time
 from collections.abc import AsyncIterator
@@ -19,7 +18,8 @@ from gateway.config import StateSettings
 from gateway.state import SharedState, Slotted
 from gateway.state.sealing import Rejected, Seal, fleet_secret
 from tests.state.conftest import RedisServer
-from tests.state.test_shared import settings, stop, until
+from tests.state.test_shared import settings, stop
+from tests.waiting import until, until_true
 
 pytestmark = pytest.mark.system
 
@@ -28,14 +28,27 @@ EVIL = {"name": "evil", "engine": "openai", "url": "http://127.0.0.1:9", "models
 
 
 async def sealed(server: RedisServer, names: list[str], secret: bytes = FLEET) -> list[SharedState]:
-    out = []
-    for name in names:
-        state = SharedState(settings(server, heartbeat_seconds=5.0), replica_id=name, secret=secret)
-        state.slotted = lambda: {"b"}
-        await state.start()
-        state.replicas = 3  # (as if the heartbeats had counted them: a lone replica publishes nothing)
-        out.append(state)
-    await asyncio.sleep(0.1)  # (the subscriptions are in place)
+    """Replicas ``names`` started, once Redis counts their subscriptions to every channel."""
+    out = [SharedState(settings(server, heartbeat_seconds=5.0), replica_id=name, secret=secret) for name in names]
+    channels = (out[0]._peers_channel, out[0]._freed_channel, out[0]._wanted_channel)
+    client = redis.asyncio.Redis.from_url(server.url)
+
+    async def subscribers() -> int:
+        return min(count for _, count in await client.pubsub_numsub(*channels))
+
+    try:
+        before = await subscribers()
+        for state in out:
+            state.slotted = lambda: {"b"}
+            await state.start()
+            state.replicas = 3  # (as if the heartbeats had counted them: a lone replica publishes nothing)
+
+        async def subscribed() -> bool:
+            return await subscribers() >= before + len(out)
+
+        await until_true(subscribed, "the replicas subscribed to their channels")
+    finally:
+        await client.aclose()
     return out
 
 
@@ -74,10 +87,11 @@ async def test_what_anyone_else_publishes_on_the_replicas_channels_changes_nothi
         await attacker.publish("gateway:freed", b"b\0r0")  # (the free-slot and wanted messages as they were)
         await attacker.publish("gateway:wanted", b"r1\0b")  # (it would have had r0 give back its kept slots)
         other.publish("drain", ["b", True])  # a replica sealing with another secret is not heard either
-        await asyncio.sleep(0.05)
+        await until(lambda: b.rejected["unauthenticated"] == 10 and a.rejected["unauthenticated"] == 7,
+                    "every forged message turned away")
         a.publish("routing", [{"policy": "round-robin"}, "ops"])  # the real ones, after them all
         a.settle(None, 0, "b")  # (it keeps two already: this slot goes back, announced as freed)
-        await until(lambda: len(got) >= 2)
+        await until(lambda: len(got) >= 2, "the real messages heard")
         assert sorted(got) == [("freed", "b"), ("routing", [{"policy": "round-robin"}, "ops"])]
         assert a.kept("b") == 2, "a forged wanted message took no kept slot back"
         # (each skips what heads like its own: b the four in r0's name, a those in r1's and its own)
@@ -98,9 +112,9 @@ async def test_a_message_replayed_or_stamped_long_ago_is_dropped(redis_server: R
     await recorder.subscribe("gateway:peers")
     try:
         a.set_drained("b", True)
-        await until(lambda: got == [("drain", "b", True)])
+        await until(lambda: got == [("drain", "b", True)], "the drain heard")
         a.set_drained("b", False)
-        await until(lambda: got[-1] == ("drain", "b", False))
+        await until(lambda: got[-1] == ("drain", "b", False), "the undrain heard")
         recorded = []
         while len(recorded) < 2:
             message = await recorder.get_message(ignore_subscribe_messages=True, timeout=1.0)
@@ -111,7 +125,7 @@ async def test_a_message_replayed_or_stamped_long_ago_is_dropped(redis_server: R
         old = Seal(FLEET, "r0", clock=lambda: time.time() - 120)
         await attacker.publish("gateway:peers", old.seal(b"gateway:peers", msgpack.packb([["drain", ["b", True]]])))
         a.publish("reload", "ops")
-        await until(lambda: got[-1] == ("reload", "ops"))
+        await until(lambda: got[-1] == ("reload", "ops"), "the reload heard")
         assert got == [("drain", "b", True), ("drain", "b", False), ("reload", "ops")]
         assert b.rejected["replayed"] == 1 and b.rejected["stale"] == 1
     finally:
@@ -133,11 +147,11 @@ async def test_a_message_sealed_before_a_replica_listened_is_dropped(redis_serve
     try:
         got_b = heard(b)
         a.set_drained("good", True)
-        await until(lambda: got_b == [("drain", "good", True)])
+        await until(lambda: got_b == [("drain", "good", True)], "the drain heard")
         a.set_drained("good", False)
-        await until(lambda: got_b[-1] == ("drain", "good", False))
+        await until(lambda: got_b[-1] == ("drain", "good", False), "the undrain heard")
         a.publish("routing", [{"policy": "round-robin"}, "ops"])
-        await until(lambda: got_b[-1] == ("routing", [{"policy": "round-robin"}, "ops"]))
+        await until(lambda: got_b[-1] == ("routing", [{"policy": "round-robin"}, "ops"]), "the routing change heard")
         recorded: list[bytes] = []
         while len(recorded) < 3:
             message = await recorder.get_message(ignore_subscribe_messages=True, timeout=1.0)
@@ -148,7 +162,7 @@ async def test_a_message_sealed_before_a_replica_listened_is_dropped(redis_serve
         for message in recorded:  # the drain (the sweep's), and the rest of what it recorded
             await attacker.publish("gateway:peers", message)
         a.publish("reload", "ops")  # (after them: what the new worker hears from now on)
-        await until(lambda: ("reload", "ops") in got)
+        await until(lambda: ("reload", "ops") in got, "the reload heard by the new worker")
         assert got == [("reload", "ops")] and late[0].rejected["replayed"] == 3
         assert got_b[-1] == ("reload", "ops") and b.rejected["replayed"] == 3
     finally:
@@ -166,7 +180,7 @@ async def test_a_drain_follows_the_shared_set_not_the_message(redis_server: Redi
     try:
         a.publish("drain", ["x", True])  # (what the versions before sent, the set left as it was)
         a.set_drained("y", True)
-        await until(lambda: ("drain", "y", True) in got)
+        await until(lambda: ("drain", "y", True) in got, "the drain of y heard")
         assert got == [("drain", "y", True)]
         assert {m.decode() for m in await b._redis.smembers("gateway:drained")} == {"y"}
     finally:
@@ -187,7 +201,7 @@ async def test_bytes_that_are_not_a_message_end_nothing(redis_server: RedisServe
             await attacker.publish(channel, fake.seal(channel.encode(), b"\xff\xfe\0\xfd"))
         await attacker.publish("gateway:peers", fake.seal(b"gateway:peers", msgpack.packb([1, [2]])))
         a.settle(None, 0, "b")  # (a freed slot, announced)
-        await until(lambda: ("freed", "b") in got)
+        await until(lambda: ("freed", "b") in got, "the freed slot heard")
         assert got == [("freed", "\ufffd\ufffd\0\ufffd"), ("freed", "b")]
         assert b.errors["subscribe"] == 0 and b.up and a.up
         assert b.rejected["unauthenticated"] == 3 and b.rejected["malformed"] == 2

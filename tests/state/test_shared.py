@@ -16,6 +16,7 @@ from gateway.config import StateSettings
 from gateway.state import Budget, SharedState, Slotted, StateUnavailable
 from gateway.state.shared import key_place_of
 from gateway.state.stored_responses import StoreBounds
+from tests import waiting
 from tests.state.conftest import RedisServer
 
 pytestmark = pytest.mark.system
@@ -41,28 +42,28 @@ async def stop(states: list[SharedState]) -> None:
         await state.stop()
 
 
-async def until(predicate: Callable[[], bool], seconds: float = 5.0) -> None:
-    deadline = time.monotonic() + seconds
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("timed out")
-        await asyncio.sleep(0.01)
+async def until(predicate: Callable[[], object], seconds: float = 5.0) -> None:
+    """``tests.waiting.until``, for the modules that still import it from here without saying what they wait for
+    (test_limit_state, test_garbage_keys, test_stored_responses)."""
+    await waiting.until(predicate, "the shared state's awaited state", seconds)
 
 
 async def listening(*states: SharedState, seconds: float = 5.0) -> None:
     """Until Redis counts every replica's subscription to the peers' channel (a message published before it is
     not theirs to hear)."""
-    deadline = time.monotonic() + seconds
     channel = states[0]._peers_channel
-    while (await states[0]._redis.pubsub_numsub(channel))[0][1] < len(states):
-        assert time.monotonic() < deadline, "the replicas did not subscribe"
-        await asyncio.sleep(0.01)
+
+    async def subscribed() -> bool:
+        return bool((await states[0]._redis.pubsub_numsub(channel))[0][1] >= len(states))
+
+    await waiting.until_true(subscribed, "the replicas subscribed to the peers' channel", seconds)
 
 
 async def heartbeats(*states: SharedState, count: int = 2, seconds: float = 5.0) -> None:
     """Until each replica has answered ``count`` more heartbeats (each read what was written before it)."""
     targets = [state.beats + count for state in states]
-    await until(lambda: all(s.beats >= t for s, t in zip(states, targets, strict=True)), seconds)
+    await waiting.until(lambda: all(s.beats >= t for s, t in zip(states, targets, strict=True)),
+                        f"{count} more heartbeats of each replica", seconds)
 
 
 @pytest.fixture
@@ -92,7 +93,7 @@ async def test_tokens_are_reserved_then_settled_and_admit_while_positive(pair: l
     assert (await a.admit(budget, 1, [])).limited == "tokens"
     b.settle(budget, -500, None)  # that one used nothing: given back
     a.settle(budget, -400, None)
-    await until(lambda: not a.pending and not b.pending)
+    await waiting.until(lambda: not a.pending and not b.pending, "not a.pending and not b.pending")
     assert (await b.admit(budget, 1, [])).limited is None
 
 
@@ -109,7 +110,7 @@ async def test_a_keys_max_in_flight_holds_across_replicas_and_a_refusal_takes_no
     full = await b.admit(budget, 0, [Slotted("b", 1)])
     assert full.limited == "in_flight" and a.remote_in_flight("b") == 0 and b.holds("b") == 0
     b.settle(budget, 0, None, key_place=True)
-    await until(lambda: not b.pending)
+    await waiting.until(lambda: not b.pending, "not b.pending")
     again = await a.admit(budget, 0, [])
     assert again.limited is None and again.key_place
 
@@ -124,13 +125,14 @@ async def test_a_backend_named_like_a_keys_places_shares_no_count_with_that_key(
         assert (await b.admit(None, 0, backend)).slot and (await b.admit(None, 0, backend)).slot
         assert [(await a.admit(lim, 0, [])).limited for _ in range(3)] == [None, None, "in_flight"]
         assert (await a.admit(None, 0, backend)).full, "lim's requests took none of the backend's slots either"
-        await until(lambda: a.remote_in_flight("key:lim") == 2 and b.remote_in_flight(key_place_of("lim")) == 2)
+        await waiting.until(lambda: a.remote_in_flight("key:lim") == 2 and b.remote_in_flight(key_place_of("lim")) == 2,
+                            "a.remote_in_flight('key:lim') == 2 and b.remote_in_flight(key_place_of('lim')) == 2")
         assert a.holds("key:lim") == 0 and a.holds(key_place_of("lim")) == 2
         assert a.remote_in_flight(key_place_of("lim")) == 0 and b.remote_in_flight("key:lim") == 0
         # the key's places stay where replicas of the version before count them (a rolling upgrade keeps them)
         assert await a._redis.hget("gateway:inflight:key:lim", "r0") == b"2"
         b.settle(None, 0, "key:lim")
-        await until(lambda: not b.pending)
+        await waiting.until(lambda: not b.pending, "not b.pending")
         assert (await a.admit(None, 0, backend)).slot
     finally:
         await stop([a, b])
@@ -150,7 +152,7 @@ async def test_a_slot_is_taken_on_the_first_candidate_with_one_and_freed_for_the
     assert third.full  # nothing taken
     assert (await b.admit(None, 0, [Slotted("b", 1), Slotted("x", None)])).chosen == 1, "a backend without a limit"
     a.settle(None, 0, "b")
-    await until(lambda: freed == ["b"])
+    await waiting.until(lambda: freed == ["b"], "freed == ['b']")
     assert (await b.admit(None, 0, two)).chosen == 0
 
 
@@ -168,7 +170,7 @@ async def test_the_others_slots_are_read_by_the_heartbeat(pair: list[SharedState
     a, b = pair
     await a.admit(None, 0, B)
     await a.admit(None, 0, B)
-    await until(lambda: b.remote_in_flight("b") == 2)
+    await waiting.until(lambda: b.remote_in_flight("b") == 2, "b.remote_in_flight('b') == 2")
     assert a.remote_in_flight("b") == 0 and a.holds("b") == 2
     assert await b.acquire(Slotted("b", 3)) and not await b.acquire(Slotted("b", 3))
 
@@ -183,7 +185,7 @@ async def test_a_replica_that_stops_renewing_is_reaped_and_its_slots_freed(redis
         assert (await alive.admit(None, 0, [Slotted("b", 1)])).full
         for task in dying._tasks:  # it dies: no heartbeat, no goodbye
             task.cancel()
-        await until(lambda: "*" in freed, seconds=5)
+        await waiting.until(lambda: "*" in freed, "'*' in freed", within=5)
         assert (await alive.admit(None, 0, [Slotted("b", 1)])).slot
     finally:
         await stop([alive])
@@ -195,11 +197,12 @@ async def test_peers_get_each_others_messages_not_their_own(pair: list[SharedSta
     got: dict[str, list[Any]] = {"a": [], "b": []}
     a.subscribe("session", got["a"].append)
     b.subscribe("session", got["b"].append)
-    await until(lambda: a.replicas == 2 and b.replicas == 2)  # (a replica alone publishes nothing)
+    await waiting.until(lambda: a.replicas == 2 and b.replicas == 2,
+                        "a.replicas == 2 and b.replicas == 2")  # (a replica alone publishes nothing)
     await listening(a, b)
     a.publish("session", ["s1", "backend-1"])
     a.publish("session", ["s2", "backend-2"])
-    await until(lambda: len(got["b"]) == 2)
+    await waiting.until(lambda: len(got["b"]) == 2, "len(got['b']) == 2")
     assert got["b"] == [["s1", "backend-1"], ["s2", "backend-2"]] and got["a"] == []
 
 
@@ -207,7 +210,7 @@ async def test_peers_get_each_others_messages_not_their_own(pair: list[SharedSta
 async def test_stored_responses_are_read_by_another_replica(pair: list[SharedState]) -> None:
     a, b = pair
     a.responses.put_response("", "resp_1", b'[{"role":"user","content":"hi"}]', StoreBounds(ttl_seconds=0.3))
-    await until(lambda: not a._background)
+    await waiting.until(lambda: not a._background, "not a._background")
     assert await b.responses.get_response("", "resp_1") == b'[{"role":"user","content":"hi"}]'
     await asyncio.sleep(0.4)  # (real time: Redis expires the stored response by its own clock, 0.3 s)
     assert await b.responses.get_response("", "resp_1") is None, "expired"
@@ -225,7 +228,7 @@ async def test_redis_going_away_and_back(redis_server: RedisServer) -> None:
         state.settle(None, 0, "b")  # waits for Redis
         assert state.pending == 1 and state.remote_in_flight("b") == 0
         redis_server.start()  # empty: its scripts and counts are gone
-        await until(lambda: state.up and not state.pending, seconds=5)
+        await waiting.until(lambda: state.up and not state.pending, "state.up and not state.pending", within=5)
         # its own count was written again (0 now), so the limit holds from the truth
         assert (await state.admit(None, 0, B)).slot and (await state.admit(None, 0, B)).slot
         assert (await state.admit(None, 0, B)).full
@@ -241,17 +244,19 @@ async def test_a_drain_reaches_every_replica_and_one_that_starts_later(redis_ser
     b.on_drained(lambda name, drained: seen["b"].__setitem__(name, drained))
     late: SharedState | None = None
     try:
-        await until(lambda: a.replicas == 2 and b.replicas == 2)
+        await waiting.until(lambda: a.replicas == 2 and b.replicas == 2, "a.replicas == 2 and b.replicas == 2")
         await listening(a, b)
         a.set_drained("x", True)
-        await until(lambda: seen["b"].get("x") is True)
+        await waiting.until(lambda: seen["b"].get("x") is True, "seen['b'].get('x') is True")
         assert seen["a"].get("x", True) is True  # (its own heartbeat may read it back: never the other way)
         (late,) = await replicas(redis_server, 1)
         late_seen: dict[str, bool] = {}
         late.on_drained(late_seen.__setitem__)
-        await until(lambda: late_seen.get("x") is True)  # read from the shared set by its heartbeat
+        await waiting.until(lambda: late_seen.get("x") is True,
+                            "late_seen.get('x') is True")  # read from the shared set by its heartbeat
         b.set_drained("x", False)
-        await until(lambda: seen["a"].get("x") is False and late_seen.get("x") is False)
+        await waiting.until(lambda: seen["a"].get("x") is False and late_seen.get("x") is False,
+                            "seen['a'].get('x') is False and late_seen.get('x') is False")
     finally:
         await stop([a, b, *([late] if late is not None else [])])
 
@@ -294,7 +299,7 @@ async def test_a_freed_slot_is_kept_for_the_next_request_which_takes_it_without_
         for _ in range(2):
             a.settle(None, 0, "b")
         assert a.kept("b") == 2, "at most max_concurrency // 8"
-        await until(lambda: not a.pending)
+        await waiting.until(lambda: not a.pending, "not a.pending")
         assert await lease(a, "b") == 2
         # a limited key still asks Redis (its budget is there), and a backend ranked first without a kept slot
         # is asked for, not passed over for one that has
@@ -353,12 +358,12 @@ async def test_kept_slots_go_back_at_once_when_another_replica_finds_the_backend
         freed: list[str] = []
         b.on_freed(freed.append)
         assert (await b.admit(None, 0, sixteen)).full  # ... and says so
-        await until(lambda: a.kept("b") == 0 and bool(freed))
+        await waiting.until(lambda: a.kept("b") == 0 and bool(freed), "a.kept('b') == 0 and bool(freed)")
         assert (await b.admit(None, 0, sixteen)).slot
         # while the others want it, what a frees goes back at once
         a.settle(None, 0, "b")
         assert a.kept("b") == 0
-        await until(lambda: not a.pending)
+        await waiting.until(lambda: not a.pending, "not a.pending")
         assert await lease(a, "b") == 13 and await lease(b, "b") == 1
     finally:
         await stop([a, b])
@@ -372,7 +377,7 @@ async def test_kept_slots_unused_for_a_heartbeat_go_back(redis_server: RedisServ
         assert a.kept("b") == 8  # (taken with the admission: 64 // 8)
         a.settle(None, 0, "b")
         assert a.kept("b") == 8 and await lease(a, "b") in (8, 9)  # (its own slot goes back: none to keep)
-        await until(lambda: a.kept("b") == 0 and not a.pending, seconds=3)
+        await waiting.until(lambda: a.kept("b") == 0 and not a.pending, "a.kept('b') == 0 and not a.pending", within=3)
         assert await lease(a, "b") == 0
     finally:
         await stop([a])
@@ -391,7 +396,7 @@ async def test_an_admission_keeps_at_most_half_of_the_slots_still_free(redis_ser
         await b._redis.hset(b._inflight("p"), b.replica, 64)
         admitted = await a.admit(None, 0, [Slotted("p", 64), Slotted("q", 8)])
         assert admitted.slot and admitted.chosen == 1 and a.kept("q") == 1
-        await until(lambda: not a.pending)
+        await waiting.until(lambda: not a.pending, "not a.pending")
         assert await lease(a, "q") == 2 and await lease(a, "p") == 0
     finally:
         await stop([a, b])
@@ -412,7 +417,7 @@ async def test_a_burst_of_requests_arriving_together_pays_one_round_trip(redis_s
         burst = await asyncio.gather(*(a.admit(budget, 0, roomy) for _ in range(16)))
         assert all(r.slot and r.limited is None for r in burst) and calls[:2] == ["admit", "admit"], calls
         # (sixteen leased, fifteen taken: the lease ran low, and sixteen more came in the background)
-        await until(lambda: not a._refilling)
+        await waiting.until(lambda: not a._refilling, "not a._refilling")
         assert calls == ["admit", "admit", "lease"] and a.leased("k") == 17 and a.refills == 1
         # a key with max_in_flight asks Redis for each, as before
         capped = Budget("c", 6000, None, max_in_flight=50)
@@ -436,15 +441,15 @@ async def test_max_concurrency_holds_across_replicas_that_keep_slots(redis_serve
         for _ in range(150):
             if (await state.admit(None, 0, sixteen)).slot:
                 peak = max(peak, sum(s.holds("b") for s in states))
-                await asyncio.sleep(rng.random() * 0.004)
+                await asyncio.sleep(rng.random() * 0.004)  # real time: a slot held a random moment (interleavings)
                 state.settle(None, 0, "b")
             else:
-                await asyncio.sleep(0.002)
+                await asyncio.sleep(0.002)  # real time: a refused request's pause before it tries again
 
     try:
-        await until(lambda: all(s.replicas == 3 for s in states))
+        await waiting.until(lambda: all(s.replicas == 3 for s in states), "all(s.replicas == 3 for s in states)")
         await asyncio.gather(*(worker(s) for s in states for _ in range(8)))
-        await until(lambda: not any(s.pending for s in states))
+        await waiting.until(lambda: not any(s.pending for s in states), "not any(s.pending for s in states)")
         assert 8 <= peak <= 16, peak
         for state in states:
             assert await lease(state, "b") == state.holds("b") + state.kept("b") == state.kept("b")
@@ -466,7 +471,7 @@ async def test_after_an_outage_the_resync_is_not_undone_by_the_releases_that_wai
         state.settle(None, 0, "b")
         assert state.pending == 1
         redis_server.start()
-        await until(lambda: state.up and not state.pending, seconds=5)
+        await waiting.until(lambda: state.up and not state.pending, "state.up and not state.pending", within=5)
         assert await lease(state, "b") == 1
         assert (await state.admit(None, 0, B)).slot and (await state.admit(None, 0, B)).full
     finally:
@@ -519,7 +524,7 @@ async def test_a_keys_requests_and_tokens_are_leased_a_few_at_a_time_and_taken_w
             assert (await a.admit(tpm, 10, free)).limited is None
         assert len(calls) == before + 2 and a.leased("t", "tokens") == 0
         # topped up in the background as it ran low: sixteen requests and sixteen reservations again
-        await until(lambda: not a.pending and not a._refilling)
+        await waiting.until(lambda: not a.pending and not a._refilling, "not a.pending and not a._refilling")
         assert calls[-1] == "lease" and len(calls) == before + 3
         assert a.leased("t") == 16 and a.leased("t", "tokens") == 160
         # their settlements go into the lease: used less gives back to it, used more takes from it, and nothing
@@ -534,7 +539,7 @@ async def test_a_keys_requests_and_tokens_are_leased_a_few_at_a_time_and_taken_w
         # topped up by sixteen requests' worth: the reservation (10) and a moving average of what was used beyond
         over = a._overuse["t"]
         assert 25 < over < 26 and a._refilling.keys() == {"t"}
-        await until(lambda: not a.pending and not a._refilling)
+        await waiting.until(lambda: not a.pending and not a._refilling, "not a.pending and not a._refilling")
         assert len(calls) == before + 4 and a.leased("t", "tokens") == 165 + 16 * (10 + 25)
         # a reservation larger than what is leased asks Redis
         assert (await a.admit(tpm, 3000, free)).limited is None and len(calls) == before + 5
@@ -557,7 +562,7 @@ async def test_leases_never_let_the_replicas_exceed_the_limit_and_stop_as_the_bu
     results = [await pair[i % 2].admit(budget, 0, free) for i in range(700)]
     refill = 600 * (time.monotonic() - started) / 60
     admitted = sum(r.limited is None for r in results)
-    assert 600 <= admitted <= 600 + refill + 1, (admitted, refill)
+    assert 600 <= admitted <= 600 + refill + 1, (admitted, refill)  # real time: Redis refills the bucket meanwhile
     assert all(r.limited is None for r in results[:600])  # (nothing refused while leases sat elsewhere)
     assert pair[0].leased("k") + pair[1].leased("k") <= 1  # none taken as the bucket ran low
 
@@ -569,8 +574,8 @@ async def test_unused_leases_go_back_after_a_heartbeat_and_when_the_replica_stop
     try:
         await a.admit(Budget("k", 6000, None), 0, [Slotted("x", None)])
         assert a.leased("k") == 16
-        await until(lambda: a.leased("k") == 0)
-        await until(lambda: not a.pending)
+        await waiting.until(lambda: a.leased("k") == 0, "a.leased('k') == 0")
+        await waiting.until(lambda: not a.pending, "not a.pending")
         assert await level(a, "k") >= 5999 - 0.5  # (given back: one used; refill on top is capped)
         await b.admit(Budget("j", 6000, None), 0, [Slotted("x", None)])
         assert b.leased("j") == 16
@@ -595,7 +600,7 @@ async def test_a_busy_keys_lease_is_topped_up_ahead_so_its_requests_seldom_wait(
             for _ in range(20):
                 admitted = await a.admit(budget, 10, roomy)
                 assert admitted.limited is None and admitted.slot
-                await asyncio.sleep(rng.uniform(0.002, 0.006))
+                await asyncio.sleep(rng.uniform(0.002, 0.006))  # real time: its service time (top-ups land meanwhile)
                 a.settle(budget, 12, "b")  # (each used more than it reserved: 22 tokens)
 
         await asyncio.gather(*(client() for _ in range(16)))
@@ -619,7 +624,7 @@ async def test_a_top_up_that_brings_nothing_is_not_tried_again_for_a_heartbeat(r
         results = []
         for _ in range(45):
             results.append(await a.admit(budget, 0, free))
-            await until(lambda: not a._refilling)
+            await waiting.until(lambda: not a._refilling, "not a._refilling")
         assert 40 <= sum(r.limited is None for r in results) <= 41  # (the bucket refills 0.67 a second)
         # (the first admission leased 38 // 16 = 2; the top-up after its first take brought 37 // 16 = 2 of the
         # 16 it asked for)
@@ -639,21 +644,21 @@ async def test_a_drain_survives_redis_losing_its_data_and_an_undrain_after_it_st
     a.on_drained(lambda name, drained: seen["a"].__setitem__(name, drained))
     b.on_drained(lambda name, drained: seen["b"].__setitem__(name, drained))
     try:
-        await until(lambda: a.replicas == 2 and b.replicas == 2)
+        await waiting.until(lambda: a.replicas == 2 and b.replicas == 2, "a.replicas == 2 and b.replicas == 2")
         await listening(a, b)
         a.set_drained("x", True)
-        await until(lambda: seen["b"].get("x") is True)
+        await waiting.until(lambda: seen["b"].get("x") is True, "seen['b'].get('x') is True")
         await heartbeats(a, b)  # (both have read it)
         redis_server.kill()
-        await until(lambda: not a.up and not b.up, seconds=5)
+        await waiting.until(lambda: not a.up and not b.up, "not a.up and not b.up", within=5)
         redis_server.start()  # empty
-        await until(lambda: a.up and b.up, seconds=5)
+        await waiting.until(lambda: a.up and b.up, "a.up and b.up", within=5)
         await heartbeats(a, b, count=3)  # several of each, on the empty Redis
         assert seen["a"].get("x", True) is True and seen["b"]["x"] is True
         members = await a._redis.smembers(a._drained_key)
         assert {m.decode() for m in members} == {"x"}, "written back for replicas that start later"
         b.set_drained("x", False)  # and an operator's undrain after it is not written over
-        await until(lambda: seen["a"].get("x") is False)
+        await waiting.until(lambda: seen["a"].get("x") is False, "seen['a'].get('x') is False")
         await heartbeats(a, b, count=3)  # (none of them writes the drain back)
         assert seen["a"]["x"] is False and not await a._redis.smembers(a._drained_key)
     finally:
