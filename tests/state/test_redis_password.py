@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import time
 from pathlib import Path
 
 import httpx
@@ -16,6 +15,7 @@ from gateway.app import create_app
 from gateway.config import settings_from_mapping
 from tests.conftest import free_port, serve_in_thread
 from tests.state.conftest import RedisServer
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.system
 
@@ -39,10 +39,8 @@ def test_a_redis_password_is_neither_shown_nor_logged(tmp_path: Path, form: str,
         with serve_in_thread(app) as gateway:
             shared = app.gateway.shared
             assert shared is not None
-            deadline = time.monotonic() + 10
-            while not shared.up:  # (connected with the password: else Redis answers NOAUTH)
-                assert time.monotonic() < deadline, "never reached the password-protected Redis"
-                time.sleep(0.05)
+            # (connected with the password: else Redis answers NOAUTH)
+            wait_until(lambda: shared.up, "the password-protected Redis reached")
             shown = httpx.get(gateway.url + "/admin/config", headers={"authorization": f"Bearer {OPS_KEY}"})
         assert shown.status_code == 200
         assert PASSWORD not in shown.text and "[redacted]" in shown.json()["state"]["url"]

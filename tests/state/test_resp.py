@@ -11,6 +11,7 @@ import redis.asyncio
 
 from gateway.state.resp import RespConnection, RespError
 from tests.state.conftest import RedisServer
+from tests.waiting import until_true
 
 pytestmark = pytest.mark.system
 
@@ -83,7 +84,15 @@ async def test_redis_dying_fails_what_is_in_flight_and_the_next_command_connects
     try:
         assert await conn.execute([("PING",)]) == [b"PONG"]
         pending = asyncio.ensure_future(conn.execute([("BLPOP", "nothing-here", 5)]))
-        await asyncio.sleep(0.05)
+        admin = redis.asyncio.Redis.from_url(redis_server.url)
+
+        async def blocked() -> bool:
+            return bool((await admin.info("clients"))["blocked_clients"] == 1)
+
+        try:
+            await until_true(blocked, "the BLPOP blocked in Redis")
+        finally:
+            await admin.aclose()
         redis_server.kill()
         assert isinstance((await pending)[0], ConnectionError)
         with pytest.raises(OSError):  # nothing listens: connecting fails (ConnectionRefusedError)
@@ -96,14 +105,18 @@ async def test_redis_dying_fails_what_is_in_flight_and_the_next_command_connects
 
 def test_the_port_is_free_after_close(redis_server: RedisServer) -> None:
     # (the protocol holds no socket after close: the server sees its client go)
-    async def go() -> int:
+    async def go() -> None:
         conn = connection(redis_server.url)
         await conn.execute([("CLIENT", "SETNAME", "resp-test")])
         conn.close()
-        await asyncio.sleep(0.1)
         admin = redis.asyncio.Redis.from_url(redis_server.url)
-        clients = await admin.client_list()
-        await admin.aclose()
-        return sum(1 for c in clients if c.get("name") == "resp-test")
 
-    assert asyncio.run(go()) == 0
+        async def gone() -> bool:
+            return not any(c.get("name") == "resp-test" for c in await admin.client_list())
+
+        try:
+            await until_true(gone, "the server seeing its client go")
+        finally:
+            await admin.aclose()
+
+    asyncio.run(go())
