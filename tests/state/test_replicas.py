@@ -11,7 +11,7 @@ import json
 import random
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +24,7 @@ from gateway.bench.procs import ChildProcess
 from gateway.sim import FleetThread, SimSpec
 from tests.conftest import free_port_block
 from tests.state.conftest import RedisServer, start_replica
+from tests.waiting import until, until_true, wait_until
 
 pytestmark = pytest.mark.system
 
@@ -77,16 +78,14 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
 
 
 def wait_models(url: str) -> None:
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
+    def both_listed() -> bool:
         try:
             models = httpx.get(url + "/v1/models", headers={"authorization": f"Bearer {KEYS['free']}"}, timeout=2)
-            if models.status_code == 200 and {m["id"] for m in models.json()["data"]} == {"m", "s"}:
-                return
         except httpx.TransportError:
-            pass
-        time.sleep(0.1)
-    raise RuntimeError(f"{url} did not come up")
+            return False
+        return models.status_code == 200 and {m["id"] for m in models.json()["data"]} == {"m", "s"}
+
+    wait_until(both_listed, f"{url} up, listing both models", within=60)
 
 
 async def chat(client: httpx.AsyncClient, url: str, key: str, model: str = "m", max_tokens: int = 4,
@@ -111,21 +110,28 @@ def test_a_keys_max_in_flight_is_one_cap_across_the_replicas(cluster: Cluster) -
             for server in servers:  # the backends hold each request 0.6 s (below the health checks' timeout)
                 server.faults.update({"added_latency_s": 0.6})
             try:
-                held = [asyncio.ensure_future(chat(client, cluster.url(i), "cap", model="s", max_tokens=1))
-                        for i in range(3)]  # one on each replica
-                await asyncio.sleep(0.3)
+                held = [asyncio.ensure_future(chat(client, cluster.url(i), "cap", model="s", max_tokens=1,
+                                                   content=f"held {i}")) for i in range(3)]  # one on each replica
+
+                def arrived() -> bool:  # (admitted, each: the key's three places taken)
+                    asked = {r.body["messages"][0]["content"] for server in servers for r in list(server.received)
+                             if r.path == "/v1/chat/completions" and isinstance(r.body, dict)}
+                    return {f"held {i}" for i in range(3)} <= asked
+
+                await until(arrived, "the three at the backends")
                 refused = await chat(client, cluster.url(1), "cap", model="s", max_tokens=1)
                 statuses = [r.status_code for r in await asyncio.gather(*held)]
             finally:
                 for server in servers:
                     server.faults.update({"added_latency_s": 0.0})
-            after = 0
-            for _ in range(40):  # their places come back as their settlements reach Redis
-                after = (await chat(client, cluster.url(2), "cap", model="s", max_tokens=1)).status_code
-                if after == 200:
-                    break
-                await asyncio.sleep(0.05)
-            return statuses, refused, after
+            after = [0]
+
+            async def answered() -> bool:  # their places come back as their settlements reach Redis
+                after[0] = (await chat(client, cluster.url(2), "cap", model="s", max_tokens=1)).status_code
+                return after[0] == 200
+
+            await until_true(answered, "a place of the key's free again")
+            return statuses, refused, after[0]
 
     statuses, refused, after = run(go())
     assert statuses == [200, 200, 200] and after == 200
@@ -167,7 +173,7 @@ def test_tokens_per_minute_holds_within_5_percent_under_32_streams(cluster: Clus
             else:
                 assert reply.status_code == 429 and reply.json()["error"]["code"] == "rate_limit_tokens", reply.text
                 refused += 1
-                await asyncio.sleep(0.05)
+                await asyncio.sleep(0.05)  # real time: a refused client's pause, as the bucket refills by the clock
 
     async def drive() -> float:
         async with httpx.AsyncClient(limits=httpx.Limits(max_connections=64)) as client:
@@ -219,11 +225,20 @@ def test_a_session_sticks_to_one_backend_whichever_replica_it_reaches(cluster: C
     assert len({backends[0] for backends in served.values()}) == 2, "sessions started on both backends"
 
 
-def until(check: Any) -> None:
-    deadline = time.monotonic() + 10
-    while not check():
-        assert time.monotonic() < deadline, "the replicas did not agree in time"
-        time.sleep(0.05)
+OPS = {"authorization": f"Bearer {KEYS['ops']}"}
+
+
+def on_every_replica(cluster: Cluster, check: Callable[[str], bool], what: str) -> None:
+    """Until ``check`` holds of every replica's URL (what one was told has reached the others)."""
+    wait_until(lambda: all(check(url) for url in cluster.urls), f"{what}, on every replica")
+
+
+def drained(url: str, backend: str) -> bool:
+    return bool(httpx.get(url + f"/admin/backends/{backend}", headers=OPS).json()["drained"])
+
+
+def policy(url: str) -> str:
+    return str(httpx.get(url + "/admin/config", headers=OPS).json()["routing"]["policy"])
 
 
 def test_a_drain_and_a_routing_change_made_on_one_replica_hold_on_all(cluster: Cluster) -> None:
@@ -238,18 +253,16 @@ def test_a_drain_and_a_routing_change_made_on_one_replica_hold_on_all(cluster: C
 
     try:
         assert httpx.post(cluster.url(0) + "/admin/backends/s0/drain", headers=ops).json()["drained"]
-        until(lambda: all(httpx.get(u + "/admin/backends/s0", headers=ops).json()["drained"] for u in cluster.urls))
+        on_every_replica(cluster, lambda u: drained(u, "s0"), "s0 drained")
         assert {served_by(i) for i in range(30)} == {"s1"}
         changed = httpx.put(cluster.url(1) + "/admin/routing", headers=ops, json={"policy": "round-robin"})
         assert changed.status_code == 200
-        until(lambda: all(httpx.get(u + "/admin/config", headers=ops).json()["routing"]["policy"] == "round-robin"
-                          for u in cluster.urls))
+        on_every_replica(cluster, lambda u: policy(u) == "round-robin", "the round-robin policy")
     finally:
         httpx.post(cluster.url(2) + "/admin/backends/s0/undrain", headers=ops)
         httpx.put(cluster.url(2) + "/admin/routing", headers=ops, json={"policy": "default"})
-    until(lambda: not any(httpx.get(u + "/admin/backends/s0", headers=ops).json()["drained"] for u in cluster.urls))
-    until(lambda: all(httpx.get(u + "/admin/config", headers=ops).json()["routing"]["policy"] == "default"
-                      for u in cluster.urls))
+    on_every_replica(cluster, lambda u: not drained(u, "s0"), "s0 undrained")
+    on_every_replica(cluster, lambda u: policy(u) == "default", "the default policy")
 
 
 def test_a_backend_added_or_removed_on_one_replica_is_on_all(cluster: Cluster) -> None:
@@ -263,9 +276,9 @@ def test_a_backend_added_or_removed_on_one_replica_is_on_all(cluster: Cluster) -
         added = httpx.post(cluster.url(0) + "/admin/backends", headers=ops,
                            json={"name": "s1b", "engine": "vllm", "url": s1})
         assert added.status_code == 200, added.text
-        until(lambda: all("s1b" in names(u) for u in cluster.urls))
+        on_every_replica(cluster, lambda u: "s1b" in names(u), "s1b added")
         assert httpx.delete(cluster.url(1) + "/admin/backends/s1b", headers=ops).status_code == 200
-        until(lambda: all("s1b" not in names(u) for u in cluster.urls))
+        on_every_replica(cluster, lambda u: "s1b" not in names(u), "s1b removed")
     finally:
         for url in cluster.urls:
             if "s1b" in names(url):
@@ -289,8 +302,7 @@ def test_what_anyone_else_publishes_to_redis_changes_no_replica(cluster: Cluster
         attacker.close()
     try:  # a real change after them: once every replica has it, each has read what came before it
         assert httpx.put(cluster.url(0) + "/admin/routing", headers=ops, json={"policy": "round-robin"}).is_success
-        until(lambda: all(httpx.get(u + "/admin/config", headers=ops).json()["routing"]["policy"] == "round-robin"
-                          for u in cluster.urls))
+        on_every_replica(cluster, lambda u: policy(u) == "round-robin", "the round-robin policy")
         for url in cluster.urls:
             backends = httpx.get(url + "/admin/backends", headers=ops).json()["backends"]
             assert "evil" not in {b["name"] for b in backends}
@@ -300,8 +312,7 @@ def test_what_anyone_else_publishes_to_redis_changes_no_replica(cluster: Cluster
             assert 'gateway_state_messages_rejected_total{reason="unauthenticated"} 4.0' in metrics, url
     finally:
         httpx.put(cluster.url(2) + "/admin/routing", headers=ops, json={"policy": "default"})
-    until(lambda: all(httpx.get(u + "/admin/config", headers=ops).json()["routing"]["policy"] == "default"
-                      for u in cluster.urls))
+    on_every_replica(cluster, lambda u: policy(u) == "default", "the default policy")
 
 
 def test_stored_responses_continue_on_any_replica_for_their_key_alone(cluster: Cluster) -> None:
@@ -310,7 +321,11 @@ def test_stored_responses_continue_on_any_replica_for_their_key_alone(cluster: C
                        json={"model": "s", "input": "Tell me about the gateway.", "max_output_tokens": 8})
     assert first.status_code == 200, first.text
     rid = first.json()["id"]
-    time.sleep(0.2)  # (it is written to the shared store after the answer)
+    store = redis.Redis(port=cluster.redis.port)
+    try:  # (it is written to the shared store after the answer)
+        wait_until(lambda: any(store.scan_iter(match=f"gateway:response:*:{rid}")), "the response in the store")
+    finally:
+        store.close()
     for i in (1, 2):  # the other replicas find it in the shared store
         more = httpx.post(cluster.url(i) + "/v1/responses", headers=headers, timeout=30,
                           json={"model": "s", "input": "And more?", "max_output_tokens": 8,
@@ -336,24 +351,36 @@ def test_redis_killed_and_restarted_loses_no_request_and_limits_resume(cluster: 
     failures: list[str] = []
     done = 0
 
-    async def steady(i: int, client: httpx.AsyncClient, stop: float) -> None:
+    async def steady(i: int, client: httpx.AsyncClient, stop: asyncio.Event) -> None:
         nonlocal done
         n = 0
-        while time.monotonic() < stop:
+        while not stop.is_set():
             reply = await chat(client, cluster.url(i + n), "free", model="s", max_tokens=2)
             n += 1
             if reply.status_code != 200:
                 failures.append(reply.text)
             done += 1
 
+    async def state_up(client: httpx.AsyncClient, up: bool) -> bool:
+        texts = [(await client.get(url + "/metrics")).text for url in cluster.urls]
+        return all(f"gateway_state_up {float(up)}" in text for text in texts)
+
+    async def served(more: int, what: str) -> None:
+        before = done
+        await until(lambda: done >= before + more, what)
+
     async def drive() -> None:
         async with httpx.AsyncClient() as client:
-            stop = time.monotonic() + 5.0
+            stop = asyncio.Event()
             load = asyncio.gather(*(steady(i, client, stop) for i in range(8)))
-            await asyncio.sleep(1.0)
+            await served(20, "requests served with Redis up")
             cluster.redis.kill()
-            await asyncio.sleep(1.5)
+            await until_true(lambda: state_up(client, False), "every replica seeing Redis gone")
+            await served(20, "requests served with Redis gone")
             cluster.redis.start()
+            await until_true(lambda: state_up(client, True), "every replica seeing Redis back")
+            await served(20, "requests served with Redis back")
+            stop.set()
             await load
 
     run(drive())
