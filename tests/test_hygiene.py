@@ -2,8 +2,9 @@
 "Tiers, and time"): read from the test sources themselves.
 
 - A ``sleep`` of a non-zero duration (``time``, ``asyncio``, ``anyio``) is allowed only where the behaviour under
-  test is itself a real-time one, said in a ``# real time: why`` comment on its line or the line above. To wait
-  for a state, wait for its event, or use ``tests.waiting`` (the one bounded helper).
+  test is itself a real-time one, said in a ``# real time: why`` comment on its line or the line above, or where
+  it moves a fake-time loop's clock (no real time passes), said in a ``# fake time: what passes`` comment. To
+  wait for a state, wait for its event, or use ``tests.waiting`` (the one bounded helper).
 - An ``assert`` on a clock reading (``time.monotonic()``, ``perf_counter()``, ``time()``, a name computed from
   one) likewise: a deadline is ``tests.waiting``'s business, and a duration belongs in ``gateway bench``.
 """
@@ -18,7 +19,7 @@ import pytest
 pytestmark = pytest.mark.unit
 
 TESTS = Path(__file__).resolve().parent
-MARKER = "real time:"
+MARKERS = ("real time:", "fake time:")
 HELPER = TESTS / "waiting.py"
 CLOCKS = {"monotonic", "perf_counter", "time", "monotonic_ns", "perf_counter_ns", "time_ns"}
 SLEEPS = {"sleep"}
@@ -47,7 +48,7 @@ def _marked(lines: list[str], node: ast.AST) -> bool:
     first = node.lineno - 1
     last = getattr(node, "end_lineno", node.lineno) - 1
     window = lines[max(0, first - 1):last + 1]
-    return any(MARKER in line for line in window)
+    return any(marker in line for line in window for marker in MARKERS)
 
 
 def _zero(arg: ast.expr) -> bool:
@@ -97,8 +98,9 @@ def test_the_check_sees_what_it_forbids(tmp_path: Path) -> None:
         "    await asyncio.sleep(0)\n"
         "    # real time: the engine's answer is slow, as the breaker must see\n"
         "    await asyncio.sleep(1)\n"
+        "    await asyncio.sleep(30)  # fake time: the deadline passing\n"
         "    started = time.monotonic()\n"
         "    took = time.monotonic() - started\n"
         "    assert took < 0.2\n"
         "    assert time.perf_counter() > 0  # real time: what is said here\n")
-    assert offences(sample, tmp_path) == ["sample.py:3: sleeps", "sample.py:9: asserts on the clock"]
+    assert offences(sample, tmp_path) == ["sample.py:3: sleeps", "sample.py:10: asserts on the clock"]

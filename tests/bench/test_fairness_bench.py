@@ -79,7 +79,7 @@ def test_the_scenarios_report_is_put_together_from_every_scenarios_outcomes(monk
 
     async def one(session: Any, url: str, key: str, cfg: Config, started: float,
                   headers: dict[str, str] | None = None) -> Outcome:
-        await asyncio.sleep(0.01)  # real time: a stand-in request's length (the fake-time loop's clock)
+        await asyncio.sleep(0.01)  # fake time: a stand-in request's length
         if key == "A":
             return Outcome(key, 0.0, status=429, retry_after="1")
         return Outcome(key, 0.0, status=200, ttft=0.020 if flooding else 0.010)

@@ -228,7 +228,7 @@ async def test_one_key_filling_the_queue_gives_up_its_newest_places_to_other_key
 async def test_a_waiter_past_its_deadline_is_refused_with_timeout() -> None:
     q = Queue()
     await q.enter("short", max_wait=0.05)
-    await asyncio.sleep(0.1)  # real time: past its 0.05 s deadline (the fake-time loop's)
+    await asyncio.sleep(0.1)  # fake time: past its 0.05 s deadline
     ticket = q.admission.ticket("m", "k", place(max_wait=0.05))
     with pytest.raises(Refused) as refused:
         await asyncio.wait_for(q.admission.wait(ticket), 2)
@@ -523,7 +523,7 @@ async def test_what_is_kept_ends_after_the_window_and_is_capped() -> None:
     assert not admission.held_back(flood, slots(8, admission))
     admit(admission, "flood", 1)
     assert admission.held_back(flood, slots(8, admission))
-    # real time: the window passing, on the fake-time loop's clock
+    # fake time: the window passing
     await asyncio.sleep(1.3)  # (peaks are per second: one lasts until its second's end is the window old)
     assert not admission.held_back(flood, slots(8, admission))
     await q.done()
@@ -618,7 +618,7 @@ async def test_a_higher_priority_waiting_on_another_replica_makes_a_lower_reques
     admission.elsewhere("replica-b", "m", None)  # nothing waits there any more
     assert not admission.outranked(standard)
     admission.elsewhere("replica-b", "m", 100)
-    # real time: three kick periods passing, on the fake-time loop's clock
+    # fake time: three kick periods passing
     await asyncio.sleep(0.2)  # not renewed for three kick periods: the replica is presumed gone
     assert not admission.outranked(standard)
     admission.elsewhere("replica-b", "m", 100)
@@ -640,7 +640,7 @@ async def test_each_change_of_the_highest_priority_waiting_is_announced_and_rene
     assert q.order == ["high"] and said[2:] == [("m", 0)]
     q.admission.abandon(low)
     assert said[3:] == []  # (low2 still waits: the same)
-    # real time: a kick period passing, on the fake-time loop's clock
+    # fake time: a kick period passing
     await asyncio.sleep(0.35)  # the periodic look renews the announcement, then wakes the first waiter
     assert said[3:] == [("m", 0), ("m", None)] and q.order == ["high", "low2"]
     await q.done()

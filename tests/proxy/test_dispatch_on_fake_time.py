@@ -93,15 +93,15 @@ async def test_after_the_cooldown_one_request_is_the_probe_and_its_success_close
         assert (await client.post("/v1/chat/completions", json=CHAT)).status_code == 502
         assert only.breaker.state is BreakerState.OPEN
         opened = now()
-        # real time: the cooldown running, on the fake-time loop's clock
+        # fake time: the cooldown running
         await asyncio.sleep(2.0)  # its health checks pass again: the breaker, not health, keeps it out
         assert only.health.value == "ready"
         refused = await client.post("/v1/chat/completions", json=CHAT)
         assert refused.status_code == 503 and "ejected" in refused.text and len(seen) == 1, "none reaches it"
         failing = False
-        await asyncio.sleep(opened + 4.9 - now())  # real time: to just before the cooldown's end (fake-time loop)
+        await asyncio.sleep(opened + 4.9 - now())  # fake time: to just before the cooldown's end
         assert (await client.post("/v1/chat/completions", json=CHAT)).status_code == 503, "not before the cooldown"
-        await asyncio.sleep(0.1)  # real time: past the cooldown's end (the fake-time loop's clock)
+        await asyncio.sleep(0.1)  # fake time: past the cooldown's end
         probe = asyncio.create_task(client.post("/v1/chat/completions", json=CHAT))
         await probe_in.wait()
         assert only.breaker.state is BreakerState.HALF_OPEN and only.breaker.probing
@@ -130,7 +130,7 @@ async def test_a_waiter_is_refused_exactly_at_its_deadline_and_the_slot_goes_to_
         assert waiter.status_code == 429 and waiter.json()["error"]["code"] == "queue_timeout", waiter.text
         assert now() - queued_at == pytest.approx(30.0), "refused at its deadline, not before or after"
         late = asyncio.create_task(client.post("/v1/chat/completions", json=CHAT))
-        await asyncio.sleep(10.0)  # real time: the slot held 10 s more (the fake-time loop's clock)
+        await asyncio.sleep(10.0)  # fake time: the slot held 10 s more
         release.set()
         assert (await holder).status_code == 200 and (await late).status_code == 200
         assert started[1] - started[0] == pytest.approx(40.0), "the next waiter got the slot when it was freed"

@@ -201,7 +201,7 @@ class _ReadResponse(MockResponse):
     def stream_to(self, sink: Any) -> None:
         async def feed() -> None:
             for read in self.reads:
-                await asyncio.sleep(self.delay)  # real time: the gap between two reads, on a fake-time loop's clock
+                await asyncio.sleep(self.delay)  # fake time: the gap between two reads
                 for piece in read:
                     if piece == self.END:
                         sink.end(None)
