@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import socket
 import threading
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -15,6 +14,7 @@ import uvicorn
 
 from gateway.config import ServerSettings
 from gateway.server_limits import uvicorn_config
+from tests.waiting import wait_until
 
 pytest_plugins = ["tests.tiers", "pytester"]
 
@@ -105,11 +105,9 @@ class ServerThread:
 
     def start(self) -> ServerThread:
         self._thread.start()
-        deadline = time.monotonic() + 20
-        while not self.server.started:
-            if not self._thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError("test server did not start")
-            time.sleep(0.01)
+        wait_until(lambda: self.server.started or not self._thread.is_alive(), "test server started", within=20)
+        if not self.server.started:
+            raise RuntimeError("test server did not start")
         return self
 
     def stop(self) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import time
 from collections.abc import Iterator
 
 import httpx
@@ -19,6 +18,7 @@ from gateway.routing.policies import check_settings
 from gateway.sim import FleetThread, SimSpec
 from tests.api.conftest import Running, gateway_settings
 from tests.conftest import serve_in_thread
+from tests.waiting import until, until_true
 
 CLIENT_KEY, OPS_KEY = "sk-client-0123", "sk-ops-4567"
 AUTH = {"keys": [
@@ -121,14 +121,10 @@ def test_drain_under_50_streams_loses_none_and_routes_nothing_new_to_it(two: Run
                                      limits=httpx.Limits(max_connections=200)) as client:
             first = [asyncio.create_task(stream(client)) for _ in range(50)]
             pool = two.app.gateway.pool
-            for _ in range(1000):  # until streams are on both (10 s at most)
-                if all(pool.get(n).in_flight for n in ("va", "vb")):
-                    break
-                await asyncio.sleep(0.01)
+            await until(lambda: all(pool.get(n).in_flight for n in ("va", "vb")), "streams on both backends")
             reply = await client.post("/admin/backends/va/drain", headers=OPS)
             assert reply.status_code == 200 and reply.json()["drained"] is True
             assert reply.json()["state"] == "draining"  # its streams are still running
-            drained_at = time.monotonic()
             later = [asyncio.create_task(stream(client)) for _ in range(30)]
             done = await asyncio.gather(*first)
             assert all(complete for _, complete in done), "a stream was cut by the drain"
@@ -137,9 +133,10 @@ def test_drain_under_50_streams_loses_none_and_routes_nothing_new_to_it(two: Run
             assert all(complete for _, complete in after)
             assert {backend for backend, _ in after} == {"vb"}, "a request went to the drained backend"
             # once its last stream ended it is reported idle
-            while (await client.get("/admin/backends/va", headers=OPS)).json()["state"] != "drained":
-                assert time.monotonic() - drained_at < 10
-                await asyncio.sleep(0.05)
+            async def drained() -> bool:
+                return bool((await client.get("/admin/backends/va", headers=OPS)).json()["state"] == "drained")
+
+            await until_true(drained, "va reported drained")
             assert (await client.get("/admin/backends/va", headers=OPS)).json()["in_flight"] == 0
             assert (await client.post("/admin/backends/va/undrain", headers=OPS)).json()["state"] == "serving"
             # routed to again: with the other drained it is the only one left (the prefix index would otherwise
@@ -241,10 +238,7 @@ def test_backends_added_and_removed_at_runtime() -> None:
                 async with httpx.AsyncClient(base_url=url, headers=CLIENT, timeout=60) as client:
                     first = [asyncio.create_task(stream(client)) for _ in range(20)]
                     pool = app.gateway.pool
-                    for _ in range(1000):
-                        if pool.get("va").in_flight:
-                            break
-                        await asyncio.sleep(0.01)
+                    await until(lambda: pool.get("va").in_flight, "a stream on va")
                     removed = await client.delete("/admin/backends/va", headers=OPS)
                     assert removed.status_code == 200 and removed.json()["removed"] == ["va"]
                     assert removed.json()["backend"]["state"] == "removing"
@@ -253,12 +247,11 @@ def test_backends_added_and_removed_at_runtime() -> None:
                     done = await asyncio.gather(*first)
                     assert all(complete for _, complete in done), "a stream was cut by the removal"
                     assert "va" in {b for b, _ in done}
-                    for _ in range(200):  # gone once its last stream ended
+                    async def gone() -> bool:  # once its last stream ended
                         listed = (await client.get("/admin/backends", headers=OPS)).json()["backends"]
-                        if [b["name"] for b in listed] == ["vb"]:
-                            break
-                        await asyncio.sleep(0.05)
-                    assert [b["name"] for b in listed] == ["vb"]
+                        return [b["name"] for b in listed] == ["vb"]
+
+                    await until_true(gone, "va gone from the backends listed")
 
             asyncio.run(scenario())
             metrics = httpx.get(url + "/metrics").text
