@@ -11,7 +11,6 @@ an operator put in one ``cache_domain`` still share each other's cached prefixes
 from __future__ import annotations
 
 import hashlib
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -27,6 +26,7 @@ from gateway.sim import FleetThread, SimServer, SimSpec
 from gateway.sim.tokenizer_files import ensure_tokenizer
 from tests.api.conftest import TIME_SCALE
 from tests.conftest import serve_in_thread
+from tests.waiting import wait_until
 
 MODEL = "m"
 PIN = "4821"
@@ -64,17 +64,32 @@ def observed(headers: httpx.Headers, body: dict[str, Any]) -> dict[str, Any]:
             "usage": body.get("usage"), "timings": sorted((body.get("timings") or {}).keys())}
 
 
-def settle(seconds: float = 0.3) -> None:
-    time.sleep(seconds)  # the engines' KV events of the last answer reach the gateway
-
-
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return ensure_tokenizer(tmp_path_factory.mktemp("tokenizer"))
 
 
+class Mixed:
+    """The gateway in front of a fleet whose vLLM emulators publish KV events."""
+
+    def __init__(self, url: str, servers: list[SimServer], app: Any) -> None:
+        self.url = url
+        self.servers = servers
+        self.app = app
+
+    def settle(self) -> None:
+        """Return once the gateway has applied every KV event the engines published (the last answer's)."""
+        streams = self.app.gateway.kv_events.streams
+
+        def caught_up() -> bool:
+            return all(s.spec.name in streams and streams[s.spec.name].counters.batches >= s.kv_events.seq
+                       for s in self.servers if s.kv_events is not None)
+
+        wait_until(caught_up, "the engines' KV events applied by the gateway")
+
+
 @pytest.fixture(scope="module")
-def mixed(tokenizer: Path) -> Iterator[str]:
+def mixed(tokenizer: Path) -> Iterator[Mixed]:
     """Two vLLM emulators publishing KV events and a llama.cpp emulator, one model, behind a gateway with the
     default policy (precise-prefix among its scorers), two tenants and two keys sharing a cache domain."""
     events = {"replay_endpoint": "tcp://127.0.0.1:*"}
@@ -93,39 +108,40 @@ def mixed(tokenizer: Path) -> Iterator[str]:
             "routing": {"tokenizers": {MODEL: str(tokenizer)}},
             "auth": {"keys": keys(**{"team-c": {"cache_domain": "team"}, "team-d": {"cache_domain": "team"},
                                      "operator": {"scopes": ["inference", "admin"]}})}})
-        with serve_in_thread(create_app(settings)) as gateway:
-            yield gateway.url
+        app = create_app(settings)
+        with serve_in_thread(app) as gateway:
+            yield Mixed(gateway.url, servers, app)
 
 
-def test_a_guessed_pin_looks_the_same_as_a_wrong_one_on_a_mixed_fleet(mixed: str) -> None:
-    ask(mixed, "tenant-a", secret_prompt(PIN), "What can you do for me?")
-    settle()
-    ask(mixed, "tenant-b", secret_prompt("0000"), "hello")  # the attacker's own warm-up
-    settle()
-    right = observed(*ask(mixed, "tenant-b", secret_prompt(PIN), "hello"))
-    settle()
-    wrong = observed(*ask(mixed, "tenant-b", secret_prompt("7305"), "hello"))
+def test_a_guessed_pin_looks_the_same_as_a_wrong_one_on_a_mixed_fleet(mixed: Mixed) -> None:
+    ask(mixed.url, "tenant-a", secret_prompt(PIN), "What can you do for me?")
+    mixed.settle()
+    ask(mixed.url, "tenant-b", secret_prompt("0000"), "hello")  # the attacker's own warm-up
+    mixed.settle()
+    right = observed(*ask(mixed.url, "tenant-b", secret_prompt(PIN), "hello"))
+    mixed.settle()
+    wrong = observed(*ask(mixed.url, "tenant-b", secret_prompt("7305"), "hello"))
     assert right == wrong
     assert "x-gateway-route-reason" not in right["headers"]
 
 
-def test_routing_internals_only_for_an_admin_key_that_asks(mixed: str) -> None:
+def test_routing_internals_only_for_an_admin_key_that_asks(mixed: Mixed) -> None:
     debug = {"x-gateway-debug": "route"}
-    tenant, _ = ask(mixed, "tenant-b", "short", "hi", extra_headers=debug)
+    tenant, _ = ask(mixed.url, "tenant-b", "short", "hi", extra_headers=debug)
     assert "x-gateway-route-reason" not in tenant and "x-gateway-policy" not in tenant
-    unasked, _ = ask(mixed, "operator", "short", "hi")
+    unasked, _ = ask(mixed.url, "operator", "short", "hi")
     assert "x-gateway-route-reason" not in unasked and "x-gateway-policy" not in unasked
-    told, _ = ask(mixed, "operator", "short", "hi", extra_headers=debug)
+    told, _ = ask(mixed.url, "operator", "short", "hi", extra_headers=debug)
     assert told["x-gateway-policy"] == "default"
     assert told["x-gateway-route-reason"].split(":")[0] in {"precise-prefix", "engine-shape", "least-load", "tie"}
 
 
-def test_keys_sharing_a_cache_domain_share_cached_prefixes(mixed: str) -> None:
+def test_keys_sharing_a_cache_domain_share_cached_prefixes(mixed: Mixed) -> None:
     system = "You are the team's assistant." + " zuba feso lint" * 120
-    headers, _ = ask(mixed, "team-c", system, "first question")
-    settle()
+    headers, _ = ask(mixed.url, "team-c", system, "first question")
+    mixed.settle()
     for i in range(3):
-        again, body = ask(mixed, "team-d", system, f"question {i}")
+        again, body = ask(mixed.url, "team-d", system, f"question {i}")
         assert again["x-gateway-backend"] == headers["x-gateway-backend"]
         if headers["x-gateway-backend"].startswith("v"):  # (vLLM: its own salted cache, its own figure)
             assert body["usage"]["prompt_tokens_details"]["cached_tokens"] > 300
