@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 import httpx
 import openai
 import pytest
@@ -11,6 +9,7 @@ import pytest
 from gateway.app import create_app
 from tests.api.conftest import Running, gateway_settings
 from tests.conftest import serve_in_thread
+from tests.waiting import wait_until
 
 CHAT = "/v1/chat/completions"
 
@@ -140,13 +139,15 @@ def test_a_request_no_backend_context_can_hold_is_refused_by_the_gateway(engines
 def test_no_backend_available_is_503_with_retry_after(pair: Running) -> None:
     for server in pair.fleet.fleet.servers:
         pair.fleet.call(server.stop())
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline:
-        response = httpx.post(pair.url + CHAT, json={"model": "shared", "messages": [{"role": "user",
-                                                                                       "content": "x"}]})
-        if response.status_code == 503:
-            break
-        time.sleep(0.05)
+    replies: list[httpx.Response] = []
+
+    def unavailable() -> bool:  # (each refused request takes its backend out of rotation)
+        replies.append(httpx.post(pair.url + CHAT, json={"model": "shared", "messages": [{"role": "user",
+                                                                                           "content": "x"}]}))
+        return replies[-1].status_code == 503
+
+    wait_until(unavailable, "a 503 once both backends are stopped")
+    response = replies[-1]
     assert_envelope(response, 503, code="no_backend_available")
     assert response.headers["retry-after"] == "1"
     assert httpx.get(pair.url + "/ready").status_code == 503

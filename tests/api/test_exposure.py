@@ -5,7 +5,6 @@ software named."""
 from __future__ import annotations
 
 import hashlib
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -19,6 +18,7 @@ from gateway.config import settings_from_mapping
 from gateway.sim import FleetThread, SimSpec
 from tests.api.conftest import TIME_SCALE, Running, gateway_settings
 from tests.conftest import ServerThread, serve_in_thread
+from tests.waiting import wait_until
 
 ASK: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hi"}]
 APP, PROM, OPS = "sk-app", "sk-prometheus", "sk-ops"
@@ -39,15 +39,9 @@ def keyed() -> Iterator[Running]:
         app = create_app(gateway_settings(fleet.fleet.servers, auth=auth))
         with serve_in_thread(app) as gateway:
             running = Running(fleet, gateway, app)
-            wait_for_models(running, {"m", "other"})
+            wait_until(lambda: {m.id for m in sdk(running, OPS).models.list()} == {"m", "other"},
+                       "the backends up, their models listed")
             yield running
-
-
-def wait_for_models(running: Running, models: set[str]) -> None:
-    deadline = time.monotonic() + 10
-    while {m.id for m in sdk(running, OPS).models.list()} != models:
-        assert time.monotonic() < deadline, "the backends did not come up"
-        time.sleep(0.05)
 
 
 def sdk(running: Running, secret: str) -> openai.OpenAI:
