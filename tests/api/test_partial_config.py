@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import hashlib
 import os
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,12 +22,13 @@ import openai
 import pytest
 import yaml
 
+from gateway import control
 from gateway.app import GatewayApp, create_app
 from gateway.config import load_settings
 from gateway.sim import FleetThread, SimSpec
 from tests.api.conftest import TIME_SCALE
 from tests.conftest import ServerThread, serve_in_thread
-from tests.waiting import wait_until
+from tests.waiting import until_true, wait_until
 
 CLIENT_KEY, OPS_KEY = "sk-client-0123", "sk-ops-4567"
 OPS = {"authorization": f"Bearer {OPS_KEY}"}
@@ -41,8 +41,8 @@ def digest(key: str) -> str:
 
 def keyed(fleet: FleetThread, names: list[str], **extra: Any) -> dict[str, Any]:
     """A configuration with API keys, its auth section last (where a cut loses it first), watched every 50 ms
-    (a change applied once it held still for server.reload_settle_seconds, 2 s by default: the writer below
-    pauses 0.3 s between pieces)."""
+    (a change applied once 40 more reads, server.reload_settle_seconds of 2 s by default, found it unchanged: the
+    writer below leaves each piece for a few reads)."""
     servers = {s.spec.name: s for s in fleet.fleet.servers}
     return {"server": {"reload_watch_seconds": 0.05},
             "backends": [{"name": n, "engine": "vllm", "url": servers[n].url} for n in names],
@@ -80,7 +80,8 @@ def anonymous_status(url: str) -> int:
     return httpx.post(url + "/v1/chat/completions", json=ASK).status_code
 
 
-def test_a_file_rewritten_in_place_slowly_never_opens_the_gateway(fleet: FleetThread, tmp_path: Path) -> None:
+def test_a_file_rewritten_in_place_slowly_never_opens_the_gateway(fleet: FleetThread, tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     path = tmp_path / "gateway.yaml"
     path.write_text(dump(keyed(fleet, ["va"])))
     text = dump(keyed(fleet, ["va", "vb"])).encode()
@@ -88,12 +89,27 @@ def test_a_file_rewritten_in_place_slowly_never_opens_the_gateway(fleet: FleetTh
     first_key_line = text.index(b"\n", text.index(b"- name: client")) + 1
     # empty, then everything but auth (valid YAML without keys), then a cut inside the first key, then the rest
     pieces = [text[:auth], text[auth:first_key_line], text[first_key_line:]]
+    reads: list[None] = []  # one per read of the file by the watch
+    read = control.read_settings_file
+
+    def counted(file: str | Path) -> bytes:
+        try:
+            return read(file)
+        finally:
+            reads.append(None)
+
+    monkeypatch.setattr(control, "read_settings_file", counted)
+
+    def seen_by_the_watch() -> None:
+        """Return once the watch has read the file as it is now, twice (two more reads begun after this)."""
+        begun = len(reads) + 1  # (a read under way may have begun before the last write)
+        wait_until(lambda: len(reads) >= begun + 2, "the watch reading the file")
 
     def rewrite_in_place() -> None:
         with path.open("r+b", buffering=0) as file:  # as tee, scp or rsync --inplace write it: same inode
             file.truncate(0)
             for piece in pieces:
-                time.sleep(0.3)
+                seen_by_the_watch()  # each prefix, the empty one first, is read, though not for long enough
                 file.write(piece)
                 os.fsync(file.fileno())
 
@@ -114,17 +130,20 @@ def test_a_file_rewritten_in_place_slowly_never_opens_the_gateway(fleet: FleetTh
                         return exc.status_code
                     return 200
 
-                writer = asyncio.create_task(asyncio.to_thread(rewrite_in_place))
-                deadline = time.monotonic() + 20
-                # ask throughout the rewrite and until the new file is in force (vb added), then a little more
-                applied_at: float | None = None
-                while applied_at is None or time.monotonic() < applied_at + 0.3:
-                    assert time.monotonic() < deadline, "the rewritten file was never applied"
+                async def ask() -> None:
                     anonymous.append((await http.post("/v1/chat/completions", json=ASK)).status_code)
                     stranger.append(await sdk_status("sk-nobody"))
                     client.append(await sdk_status(CLIENT_KEY))
-                    if applied_at is None and writer.done() and {b.name for b in app.gateway.pool} == {"va", "vb"}:
-                        applied_at = time.monotonic()
+
+                async def asked_until_applied() -> bool:
+                    await ask()
+                    return writer.done() and {b.name for b in app.gateway.pool} == {"va", "vb"}
+
+                writer = asyncio.create_task(asyncio.to_thread(rewrite_in_place))
+                # ask throughout the rewrite and until the new file is in force (vb added), then a little more
+                await until_true(asked_until_applied, "the rewritten file applied", within=20)
+                for _ in range(5):
+                    await ask()
                 await writer
             return anonymous, stranger, client
 
@@ -166,10 +185,7 @@ def test_an_empty_or_cut_file_is_refused_by_any_reload_and_changes_nothing(fleet
         path.write_text(cut_before_auth)
         rejected = reloads(gateway, "rejected")
         app.gateway.control.request_reload("SIGHUP")
-        deadline = time.monotonic() + 10
-        while reloads(gateway, "rejected") == rejected:
-            assert time.monotonic() < deadline, "SIGHUP's reload was neither applied nor refused"
-            time.sleep(0.05)
+        wait_until(lambda: reloads(gateway, "rejected") != rejected, "SIGHUP's reload applied or refused")
         assert httpx.get(gateway.url + "/admin/config", headers=OPS).json() == before
         assert anonymous_status(gateway.url) == 401
         assert reloads(gateway, "applied") == 0.0
@@ -197,10 +213,8 @@ def test_a_file_that_says_so_removes_every_backend_or_every_key(fleet: FleetThre
         path.write_text(dump({**keyed(fleet, ["va"]), "auth": {"open": True}}))
         reply = httpx.post(gateway.url + "/admin/reload", headers=OPS)
         assert reply.status_code == 200 and reply.json()["added"] == ["va"], reply.text
-        deadline = time.monotonic() + 10
-        while anonymous_status(gateway.url) != 200:  # (once va's first probe passed)
-            assert time.monotonic() < deadline, "the open gateway never served an anonymous request"
-            time.sleep(0.05)
+        # (once va's first probe passed)
+        wait_until(lambda: anonymous_status(gateway.url) == 200, "the open gateway serving an anonymous request")
         assert httpx.get(gateway.url + "/admin/config", headers=OPS).json()["error"]["code"] == "admin_disabled"
 
 
@@ -253,10 +267,8 @@ def test_a_fifo_in_the_files_place_is_refused_at_once_and_the_watch_goes_on(flee
         assert reply.status_code == 400 and "not a regular file" in reply.json()["error"]["message"], reply.text
         path.unlink()
         path.write_text(dump({**config, "backends": keyed(fleet, ["va", "vb"])["backends"]}))
-        deadline = time.monotonic() + 20
-        while {b.name for b in app.gateway.pool} != {"va", "vb"}:  # (the watch, still reading)
-            assert time.monotonic() < deadline, "the file watch stopped at the FIFO"
-            time.sleep(0.05)
+        wait_until(lambda: {b.name for b in app.gateway.pool} == {"va", "vb"},  # (the watch, still reading)
+                   "the file watch going on past the FIFO", within=20)
 
 
 def test_a_bad_port_is_refused_and_a_reload_that_fails_still_revokes_keys_and_the_watch_goes_on(
