@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -17,15 +16,9 @@ from gateway.app import create_app
 from gateway.sim import FleetThread, SimSpec
 from tests.api.conftest import TIME_SCALE, Running, gateway_settings
 from tests.conftest import serve_in_thread
+from tests.waiting import wait_until
 
 FAR = 3600.0  # an ejection that outlasts the test, whatever the machine's load
-
-
-def wait_until(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.05)
 
 
 def ready(running: Running) -> httpx.Response:
@@ -69,7 +62,7 @@ def gauges(running: Running, name: str) -> dict[str, float]:
 
 
 def test_one_model_down_leaves_the_others_served_and_says_which(engines: Running) -> None:
-    wait_until(lambda: all_ready(engines))
+    wait_until(lambda: all_ready(engines), "every backend ready")
     eject(engines, "sim-vllm")
     try:
         response = ready(engines)
@@ -94,7 +87,7 @@ def test_one_model_down_leaves_the_others_served_and_says_which(engines: Running
 
 
 def test_no_model_servable_is_503_though_every_backend_is_healthy(pair: Running) -> None:
-    wait_until(lambda: all_ready(pair))
+    wait_until(lambda: all_ready(pair), "every backend ready")
     eject(pair, "vllm-a")
     body = ready(pair).json()
     assert ready(pair).status_code == 200
@@ -128,7 +121,8 @@ def test_with_keys_an_anonymous_ready_tells_counts_not_the_models_a_key_cannot_s
                 return httpx.get(gateway.url + "/ready",
                                  headers={"authorization": f"Bearer {key}"} if key is not None else {})
 
-            wait_until(lambda: ready(keys["ops"]).json()["models"].get("m-secret", {}).get("ready") is True)
+            wait_until(lambda: ready(keys["ops"]).json()["models"].get("m-secret", {}).get("ready") is True,
+                       "m-secret ready")
             sdk = openai.OpenAI(base_url=gateway.url + "/v1", api_key=keys["client"], max_retries=0)
             assert [m.id for m in sdk.models.list()] == ["m-public"]
             for key in (None, keys["client"], "sk-wrong"):
