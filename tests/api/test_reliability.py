@@ -15,18 +15,37 @@ import openai
 import pytest
 
 from gateway.app import create_app
+from gateway.clock import SYSTEM, Clock
 from gateway.sim import FleetThread, SimSpec
 from tests.api.conftest import TIME_SCALE, Running
 from tests.conftest import serve_in_thread
+from tests.waiting import until
 
 ASK = [{"role": "user", "content": "hi"}]
 
 
-def running(specs: list[SimSpec], **extra: Any) -> Iterator[Running]:
+class SkippingClock(Clock):
+    """The real clock, which a test may move ahead at once (``skip``): whatever reads the time sees that much more
+    pass (a breaker's cooldown); sleeps stay real."""
+
+    def __init__(self) -> None:
+        self.ahead = 0.0
+
+    def monotonic(self) -> float:
+        return time.monotonic() + self.ahead
+
+    def time(self) -> float:
+        return time.time() + self.ahead
+
+    def skip(self, seconds: float) -> None:
+        self.ahead += seconds
+
+
+def running(specs: list[SimSpec], clock: Clock = SYSTEM, **extra: Any) -> Iterator[Running]:
     from tests.api.conftest import gateway_settings
 
     with FleetThread(specs) as fleet:
-        app = create_app(gateway_settings(fleet.fleet.servers, **extra))
+        app = create_app(gateway_settings(fleet.fleet.servers, **extra), clock=clock)
         with serve_in_thread(app) as gateway:
             yield Running(fleet, gateway, app)
 
@@ -35,7 +54,7 @@ def running(specs: list[SimSpec], **extra: Any) -> Iterator[Running]:
 def pair_rr() -> Iterator[Running]:
     # a cooldown well above the time the ejection test takes to send its dozen requests on a loaded machine
     specs = [SimSpec(engine="vllm", model="m", name=f"v{i}", time_scale=TIME_SCALE) for i in range(2)]
-    yield from running(specs, routing={"policy": "round-robin"},
+    yield from running(specs, SkippingClock(), routing={"policy": "round-robin"},
                        breaker={"consecutive_failures": 3, "cooldown_seconds": 1.5})
 
 
@@ -98,7 +117,9 @@ def test_a_failing_backend_is_ejected_then_probed_back(pair_rr: Running) -> None
     ready = httpx.get(pair_rr.url + "/ready").json()
     assert ready["backends"]["v0"]["health"] == "ready", "its /health still passes: the breaker decides"
     bad.faults.update({"error_rate": 0.0})
-    time.sleep(1.6)  # past the cooldown: the next request routed there is the probe
+    clock = pair_rr.app.gateway.clock
+    assert isinstance(clock, SkippingClock)
+    clock.skip(1.5)  # past the cooldown: the next request routed there is the probe
     served = {sdk(pair_rr).chat.completions.with_raw_response.create(
         model="m", messages=ASK, max_tokens=2).headers["x-gateway-backend"] for _ in range(6)}
     assert served == {"v0", "v1"}
@@ -170,7 +191,8 @@ def test_a_keys_max_in_flight_turns_away_the_next_request_until_one_ends(keyed: 
             keyed.server("v").faults.update({"added_latency_s": 0.6})
             try:
                 held = [asyncio.ensure_future(client.post("/v1/chat/completions", json=body)) for _ in range(2)]
-                await asyncio.sleep(0.2)
+                backend = keyed.app.gateway.pool.get("v")
+                await until(lambda: backend.in_flight == 2, "the two requests at the backend")
                 refused = await client.post("/v1/chat/completions", json=body)  # at once: no place left
                 statuses = [r.status_code for r in await asyncio.gather(*held)]
             finally:
