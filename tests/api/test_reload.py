@@ -10,7 +10,6 @@ import hashlib
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,7 @@ from gateway.app import GatewayApp, create_app
 from gateway.config import load_settings
 from gateway.sim import FleetThread, SimSpec
 from tests.conftest import ServerThread, free_port, serve_in_thread
+from tests.waiting import until, until_true, wait_until
 
 CLIENT_KEY, SMALL_KEY, OPS_KEY = "sk-client-0123", "sk-small-8910", "sk-ops-4567"
 CLIENT = {"authorization": f"Bearer {CLIENT_KEY}"}
@@ -86,10 +86,7 @@ def test_a_reload_that_adds_removes_and_changes_a_limit_drops_none_of_100_stream
                                          limits=httpx.Limits(max_connections=300)) as client:
                 first = [asyncio.create_task(stream(client)) for _ in range(100)]
                 pool = app.gateway.pool
-                for _ in range(1000):  # until streams run on both backends (10 s at most)
-                    if all(pool.get(n).in_flight for n in ("va", "vb")):
-                        break
-                    await asyncio.sleep(0.01)
+                await until(lambda: all(pool.get(n).in_flight for n in ("va", "vb")), "streams on both backends")
                 write(path, config(fleet, ["vb", "vc"], small_rpm=2, timeouts={"first_byte": 30}))
                 reply = await client.post("/admin/reload", headers=OPS)
                 assert reply.status_code == 200, reply.text
@@ -111,12 +108,11 @@ def test_a_reload_that_adds_removes_and_changes_a_limit_drops_none_of_100_stream
                                             headers=SMALL)).status_code for _ in range(3)]
                 assert small == [200, 200, 429]
                 # the removed backend leaves once its streams ended
-                for _ in range(200):
-                    names = {b["name"] for b in (await client.get("/admin/backends", headers=OPS)).json()["backends"]}
-                    if names == {"vb", "vc"}:
-                        break
-                    await asyncio.sleep(0.05)
-                assert names == {"vb", "vc"}
+                async def left() -> bool:
+                    listed = (await client.get("/admin/backends", headers=OPS)).json()["backends"]
+                    return {b["name"] for b in listed} == {"vb", "vc"}
+
+                await until_true(left, "va gone from the backends listed")
                 assert (await client.get("/admin/config", headers=OPS)).json()["timeouts"]["first_byte"] == 30
 
         asyncio.run(scenario())
@@ -180,10 +176,7 @@ def test_the_file_watch_reloads_a_changed_file(fleet: FleetThread, tmp_path: Pat
     write(path, config(fleet, ["va"], server={"reload_watch_seconds": 0.1}))
     with serving(path) as (_gateway, app):
         write(path, config(fleet, ["va", "vb"], server={"reload_watch_seconds": 0.1}))
-        deadline = time.monotonic() + 10
-        while {b.name for b in app.gateway.pool} != {"va", "vb"}:
-            assert time.monotonic() < deadline, "the watch did not reload the file"
-            time.sleep(0.05)
+        wait_until(lambda: {b.name for b in app.gateway.pool} == {"va", "vb"}, "the watch reloading the file")
 
 
 @pytest.mark.system
@@ -200,23 +193,19 @@ def test_sighup_reloads_the_file_of_gateway_serve(fleet: FleetThread, tmp_path: 
     def backends() -> set[str]:
         return {b["name"] for b in httpx.get(url + "/admin/backends", headers=OPS).json()["backends"]}
 
+    def ready() -> bool:
+        assert proc.poll() is None, "gateway serve exited"
+        try:
+            return httpx.get(url + "/ready").status_code == 200
+        except httpx.TransportError:
+            return False
+
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                if httpx.get(url + "/ready").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert proc.poll() is None and time.monotonic() < deadline, "gateway did not become ready"
-            time.sleep(0.1)
+        wait_until(ready, "gateway serve ready", within=30)
         assert backends() == {"va"}
         write(path, config(fleet, ["va", "vc"], server={"port": 9}))
         proc.send_signal(signal.SIGHUP)
-        deadline = time.monotonic() + 10
-        while backends() != {"va", "vc"}:
-            assert time.monotonic() < deadline, "SIGHUP did not reload the file"
-            time.sleep(0.05)
+        wait_until(lambda: backends() == {"va", "vc"}, "SIGHUP reloading the file")
         assert proc.poll() is None
     finally:
         proc.send_signal(signal.SIGTERM)
