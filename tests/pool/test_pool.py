@@ -5,14 +5,20 @@ from __future__ import annotations
 import asyncio
 
 import httpx
+import looptime
 import pytest
 
+from gateway.clock import SYSTEM, Clock
 from gateway.config import BackendSettings, ScrapeSettings
 from gateway.engines.base import EngineAdapter
 from gateway.pool.pool import Pool
 from gateway.pool.state import Health
+from tests.clock import ManualClock
+from tests.waiting import until
 
 pytestmark = pytest.mark.unit
+
+FAKE_TIME = ("asyncio", {"loop_factory": lambda: looptime.new_event_loop(start=1000.0)})  # anyio_backend
 
 
 class FakeEngine:
@@ -42,13 +48,13 @@ class FakeEngine:
         return httpx.Response(404)
 
 
-def make_pool(engine: FakeEngine, **backend: object) -> Pool:
+def make_pool(engine: FakeEngine, clock: Clock = SYSTEM, **backend: object) -> Pool:
     settings = BackendSettings(name="a", engine="llamacpp", url="http://a", **backend)  # type: ignore[arg-type]
 
     def factory(s: BackendSettings, adapter: EngineAdapter) -> httpx.AsyncClient:
         return httpx.AsyncClient(transport=httpx.MockTransport(engine.handler), base_url=s.url)
 
-    return Pool([settings], ScrapeSettings(interval=60, stale_after=5), factory)
+    return Pool([settings], ScrapeSettings(interval=60, stale_after=5), factory, clock=clock)
 
 
 @pytest.mark.anyio
@@ -107,7 +113,7 @@ async def test_a_server_that_serves_no_model_is_not_routable() -> None:
 
 
 # -- a follower (server.workers > 1): the first worker's readings instead of its own scrapes -----------------
-def follower(engine: FakeEngine, answers: list[bytes | None], interval: float = 60) -> Pool:
+def follower(engine: FakeEngine, answers: list[bytes | None], interval: float = 60, clock: Clock = SYSTEM) -> Pool:
     settings = BackendSettings(name="a", engine="llamacpp", url="http://a")
 
     def factory(s: BackendSettings, adapter: EngineAdapter) -> httpx.AsyncClient:
@@ -116,21 +122,21 @@ def follower(engine: FakeEngine, answers: list[bytes | None], interval: float = 
     async def leader() -> bytes | None:
         return answers.pop(0) if answers else None
 
-    return Pool([settings], ScrapeSettings(interval=interval, stale_after=5), factory, leader=leader)
+    return Pool([settings], ScrapeSettings(interval=interval, stale_after=5), factory, leader=leader, clock=clock)
 
 
 @pytest.mark.anyio
 async def test_a_follower_takes_the_leaders_readings_and_ignores_stale_or_superseded_ones() -> None:
-    import time
-
     import orjson
 
+    clock = ManualClock()  # (both workers' clocks: time.monotonic(), the same in every process of a pod)
     engine = FakeEngine()
-    leader_pool = make_pool(engine)
+    leader_pool = make_pool(engine, clock)
     await leader_pool.start()
-    pool = follower(FakeEngine(), [])
+    pool = follower(FakeEngine(), [], clock=clock)
     await pool.start()  # its own first probe, as at a worker's start
     try:
+        clock.advance(1)
         engine.busy = 2
         await leader_pool.scrape_once(leader_pool.get("a"))
         fresh = orjson.dumps(leader_pool.snapshot())
@@ -139,14 +145,16 @@ async def test_a_follower_takes_the_leaders_readings_and_ignores_stale_or_supers
         assert a.load is not None and a.load.running == 2 and a.health is Health.READY
         assert a.models == {"m1"} and a.capacity.slots == 2
         # the proxy saw it fail after that reading: the same reading does not bring it back
+        clock.advance(1)
         a.mark_down("connection refused")
         assert pool.apply_snapshot(fresh) and a.health is Health.DOWN
         # a newer reading does
+        clock.advance(1)
         await leader_pool.scrape_once(leader_pool.get("a"))
         assert pool.apply_snapshot(orjson.dumps(leader_pool.snapshot())) and a.health is Health.READY
         # a reading older than stale_after is no reading: the follower must scrape for itself
         old = leader_pool.snapshot()
-        old["backends"]["a"]["probed_at"] = time.monotonic() - 6
+        old["backends"]["a"]["probed_at"] = clock.now - 6
         assert not pool.apply_snapshot(orjson.dumps(old))
         assert not pool.apply_snapshot(b"{not json")
     finally:
@@ -156,19 +164,13 @@ async def test_a_follower_takes_the_leaders_readings_and_ignores_stale_or_supers
 
 @pytest.mark.anyio
 async def test_a_follower_whose_leader_has_nothing_to_give_scrapes_for_itself() -> None:
-    import asyncio
-
     engine = FakeEngine()
     pool = follower(engine, [None, b"garbage"], interval=0.01)
     await pool.start()
     try:
         a = pool.get("a")
         engine.busy = 0
-        for _ in range(100):
-            await asyncio.sleep(0.01)
-            if a.load is not None and a.load.running == 0:
-                break
-        assert a.load is not None and a.load.running == 0  # read from the engine itself
+        await until(lambda: a.load is not None and a.load.running == 0, "a reading from the engine itself")
     finally:
         await pool.stop()
 
@@ -183,11 +185,12 @@ async def test_a_reload_brings_back_a_backend_it_removed_while_that_one_drains()
     pool.get("a").in_flight = 1  # a request still on it
     changes = await pool.reconcile([entry("b", 10)], drain_seconds=5)
     assert changes == {"added": [], "removed": ["a"], "changed": []} and pool.get("a").drained
+    removal = next(t for t in pool._background if t.get_name() == "remove:a")
     again = await pool.reconcile([entry("a", 9), entry("b", 10, max_concurrency=4)], drain_seconds=5)
     assert again == {"added": [], "removed": [], "changed": ["b"]}
     assert not pool.get("a").drained and pool.get("b").max_concurrency == 4
     pool.get("a").in_flight = 0
-    await asyncio.sleep(0.2)  # (the first reload's removal would have run by now)
+    await asyncio.wait([removal])  # the first reload's removal, run to its end (its drain over)
     assert {b.name for b in pool} == {"a", "b"}
     await pool.stop()
 
@@ -226,16 +229,18 @@ async def test_a_backend_added_again_while_its_removal_runs_keeps_its_settings_a
 
 # -- a probe that times out while the proxy is being answered ------------------------------------------------
 class SlowHealth(FakeEngine):
-    """Its health path answers after ``delay`` seconds; everything else at once."""
+    """While ``hanging``, its health path never answers (a probe waits to its timeout), and says when it is
+    asked (``asked``); everything else answers at once."""
 
-    def __init__(self, delay: float) -> None:
+    def __init__(self) -> None:
         super().__init__()
-        self.delay = 0.0
-        self.later = delay
+        self.hanging = False
+        self.asked = asyncio.Event()
 
     async def async_handler(self, request: httpx.Request) -> httpx.Response:
-        if request.url.path == "/health":
-            await asyncio.sleep(self.delay)
+        if request.url.path == "/health" and self.hanging:
+            self.asked.set()
+            await asyncio.Event().wait()  # (until the probe gives up)
         return self.handler(request)
 
 
@@ -249,19 +254,21 @@ def slow_pool(engine: SlowHealth) -> Pool:
 
 
 @pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", [FAKE_TIME], ids=["fake-time"])
 async def test_a_probe_timing_out_while_the_backend_answers_requests_does_not_eject_it() -> None:
     """An event loop behind under load times out its own probes: the requests the backend answered meanwhile
-    say it is up. Without them a timed-out probe still takes it out."""
-    engine = SlowHealth(0.5)
+    say it is up. Without them a timed-out probe still takes it out. (On a fake-time loop: each probe's 0.2 s
+    timeout passes at once.)"""
+    engine = SlowHealth()
     pool = slow_pool(engine)
     await pool.start()
     try:
         a = pool.get("a")
         assert a.health is Health.READY
-        engine.delay = engine.later
+        engine.hanging = True
 
         async def answering() -> None:
-            await asyncio.sleep(0.05)
+            await engine.asked.wait()  # while the probe waits for its answer
             a.answered += 1  # what the forwarder counts when a response head comes from it
 
         await asyncio.gather(pool.scrape_once(a), answering())
@@ -271,9 +278,10 @@ async def test_a_probe_timing_out_while_the_backend_answers_requests_does_not_ej
         await pool.scrape_once(a)  # nothing answered while this one waited
         assert a.health is Health.DOWN and a.detail == "health check timed out"
 
+        engine.asked.clear()
         await asyncio.gather(pool.scrape_once(a), answering())  # answers do not bring a down backend back
         assert a.health is Health.DOWN
-        engine.delay = 0.0
+        engine.hanging = False
         await pool.scrape_once(a)
         assert a.health is Health.READY
     finally:
