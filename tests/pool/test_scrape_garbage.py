@@ -220,6 +220,7 @@ async def test_a_reading_trickled_byte_by_byte_ends_within_the_scrape_timeout() 
 
     async def trickle() -> AsyncIterator[bytes]:  # (~1.7 s in all, of a fake-time loop's: none of it real)
         for byte in b'[{"id": 0, "is_processing": true}]':
+            # real time: the trickle's pace is the behaviour (a byte every 0.05 s, of the fake-time loop's time)
             await asyncio.sleep(0.05)
             yield bytes([byte])
 
