@@ -14,8 +14,7 @@ the newest release and as an older one (``SimSpec.version``), behind one gateway
 from __future__ import annotations
 
 import re
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import httpx
 import pytest
@@ -25,6 +24,7 @@ from gateway.pool.state import Health
 from gateway.sim import FleetThread, SimSpec
 from tests.api.conftest import TIME_SCALE, Running, gateway_settings
 from tests.conftest import serve_in_thread
+from tests.waiting import wait_until
 
 VERSIONS = {"tabbyapi": ("e632af4", "2026-03-29"), "sglang": ("0.5.23", "0.5.19"), "vllm": ("0.34.0", "0.33.0")}
 ASK = [{"role": "user", "content": "Say something."}]
@@ -41,15 +41,8 @@ def fleet() -> Iterator[Running]:
         app = create_app(gateway_settings(ft.fleet.servers))
         with serve_in_thread(app) as gateway:
             running = Running(ft, gateway, app)
-            until(lambda: all(b.health is Health.READY for b in app.gateway.pool.backends))
+            wait_until(lambda: all(b.health is Health.READY for b in app.gateway.pool.backends), "every backend ready")
             yield running
-
-
-def until(condition: Callable[[], bool], seconds: float = 10.0) -> None:
-    deadline = time.monotonic() + seconds
-    while not condition():
-        assert time.monotonic() < deadline, "the condition did not come true in time"
-        time.sleep(0.02)
 
 
 def completion_tokens(running: Running, model: str) -> float:
@@ -72,7 +65,7 @@ def test_a_non_streamed_tabbyapi_answer_is_counted(fleet: Running, version: str,
                        json={"model": model, "prompt": "Once", "max_tokens": 5, "ignore_eos": True})
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["completion_tokens"] == 5  # (the client gets usage, as OpenAI answers carry it)
-    until(lambda: completion_tokens(fleet, model) == before + 5)
+    wait_until(lambda: completion_tokens(fleet, model) == before + 5, "the answer's tokens counted")
     sent = [x for x in fleet.server(model).received if x.method == "POST"][-1].body
     assert sent["stream_options"] == {"include_usage": True}
 
@@ -88,7 +81,8 @@ def test_a_tabbyapi_whose_health_says_unhealthy_for_good_stays_in_rotation(fleet
     backend = fleet.app.gateway.pool.find(model)
     assert backend is not None
     probes = fleet.server(model).stats.requests
-    until(lambda: fleet.server(model).stats.requests > probes + 3)  # (probes went on after the error)
+    wait_until(lambda: fleet.server(model).stats.requests > probes + 3,  # (probes went on after the error)
+               "more probes of the unhealthy engine")
     assert backend.health is Health.READY
     r = httpx.post(fleet.url + "/v1/chat/completions", timeout=20,
                    json={"model": model, "messages": ASK, "max_tokens": 3})
@@ -103,13 +97,13 @@ def test_a_paused_sglang_leaves_rotation_and_comes_back(fleet: Running) -> None:
     try:
         assert httpx.post(server.url + "/pause_generation", json={}, headers=KEY, timeout=5).status_code == 200
         assert httpx.get(server.url + "/v1/models", headers=KEY, timeout=5).status_code == 200
-        until(lambda: backend.health is Health.LOADING)
+        wait_until(lambda: backend.health is Health.LOADING, "the paused engine out of rotation")
         r = httpx.post(fleet.url + "/v1/chat/completions", timeout=20,
                        json={"model": model, "messages": ASK, "max_tokens": 3})
         assert r.status_code == 503, r.text  # (no backend for the model is ready; it would wait on the engine)
     finally:
         httpx.post(server.url + "/continue_generation", json={}, headers=KEY, timeout=5)
-    until(lambda: backend.health is Health.READY)
+    wait_until(lambda: backend.health is Health.READY, "the engine back in rotation")
     r = httpx.post(fleet.url + "/v1/chat/completions", timeout=20,
                    json={"model": model, "messages": ASK, "max_tokens": 3})
     assert r.status_code == 200, r.text
@@ -125,6 +119,6 @@ def test_an_sglang_without_ready_is_probed_on_its_models_list(fleet: Running) ->
 
 def test_vllms_block_size_is_read_from_what_it_shows(fleet: Running) -> None:
     pool = fleet.app.gateway.pool
-    until(lambda: all(pool.find(f"vllm-{v}").capacity.page_tokens is not None  # type: ignore[union-attr]
-                      for v in VERSIONS["vllm"]))
+    wait_until(lambda: all(pool.find(f"vllm-{v}").capacity.page_tokens is not None  # type: ignore[union-attr]
+                           for v in VERSIONS["vllm"]), "both vLLM block sizes read")
     assert [pool.find(f"vllm-{v}").capacity.page_tokens for v in VERSIONS["vllm"]] == [64, 16]  # type: ignore[union-attr]
