@@ -156,8 +156,7 @@ def test_health_answers_while_heavy_constraints_are_validated_in_a_worker(engine
         return httpx.post(engines.url + "/v1/chat/completions", timeout=60,
                           json={"model": "m-llamacpp", "messages": ASK, "max_tokens": 5, **fields})
 
-    oversized = chain_grammar(12_000)
-    heavy = [{"grammar": oversized}] * 10  # refused by size
+    heavy = [{"grammar": chain_grammar(12_000)}] * 10  # refused by size
     # within every limit but invalid at its very end: each is parsed whole, in a worker process
     heavy += [{"grammar": long_grammar(1_900, f"undefined-{i}")} for i in range(10)]
     parsed.hold = True
