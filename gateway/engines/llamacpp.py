@@ -18,7 +18,7 @@ import httpx
 
 from gateway.engines import readings
 from gateway.engines.base import BackendError, EngineAdapter, get, get_json, json_of, native_grammar, parse_metrics
-from gateway.engines.spec import LLAMACPP_CACHE_FIGURES, RERANK_ROUTES, EngineSpec
+from gateway.engines.spec import LLAMACPP_CACHE_FIGURES, LLAMACPP_CACHE_REPORTS, RERANK_ROUTES, EngineSpec
 from gateway.pool.state import Capacity, LoadRecord, ShapeSeed
 from gateway.structured import Constraint
 from gateway.structured.syntax import gbnf_from_choices
@@ -57,7 +57,7 @@ SPEC = EngineSpec(
     # a slot's (or the host-RAM cache's) prompt is reused by any request sharing its prefix. Its answers report
     # cache_n and the prompt's processing in timings, and return_progress streams prompt_progress.cache
     cache_figures=LLAMACPP_CACHE_FIGURES,
-    cache_report_params=frozenset({"return_progress"}),
+    cache_report_params=LLAMACPP_CACHE_REPORTS,
     # a few slots, each decoding at full speed alone; anchored to published figures for a 7B model at ~4 bits
     # on one RTX 4090 (the curve is the engine's scheduling: slots share the GPU)
     shape=ShapeSeed(tok_s=186.0, growth=0.3, prefill_tok_s=5_000.0),

@@ -48,7 +48,11 @@ ALL_QUIRKS = StreamQuirks(crlf=True, usage_with_choices=True)
 CACHED_TOKENS: tuple[str, ...] = ("usage", "prompt_tokens_details", "cached_tokens")
 LLAMACPP_CACHE_FIGURES: tuple[tuple[str, ...], ...] = (
     CACHED_TOKENS, ("timings", "cache_n"), ("timings", "prompt_n"), ("timings", "prompt_ms"),
-    ("timings", "prompt_per_token_ms"), ("timings", "prompt_per_second"))
+    ("timings", "prompt_per_token_ms"), ("timings", "prompt_per_second"), ("__verbose",), ("prompt_progress",))
+# request fields that make llama.cpp report its cache as it goes: ``verbose`` (``__verbose``: ``tokens_cached``
+# and the prompt's timings, in the answer or the first chunk), ``return_progress`` (``prompt_progress.cache``),
+# ``timings_per_token`` (timings in every chunk) and ``response_fields`` (which picks fields of ``__verbose``)
+LLAMACPP_CACHE_REPORTS = frozenset({"verbose", "return_progress", "timings_per_token", "response_fields"})
 TABBYAPI_CACHE_FIGURES: tuple[tuple[str, ...], ...] = (
     CACHED_TOKENS, ("usage", "prompt_time"), ("usage", "prompt_tokens_per_sec"), ("usage", "total_time"))
 ALL_CACHE_FIGURES = tuple(dict.fromkeys(LLAMACPP_CACHE_FIGURES + TABBYAPI_CACHE_FIGURES))
