@@ -71,7 +71,7 @@ import msgpack
 from gateway.clock import SYSTEM, Clock
 from gateway.config import StateSettings
 from gateway.redaction import redact_url
-from gateway.state import scripts
+from gateway.state import replies, scripts
 from gateway.state.autopipeline import AutoPipeline
 from gateway.state.errors import StateUnavailable as StateUnavailable  # (where callers import it from)
 from gateway.state.loop_lag import LoopLag
@@ -480,7 +480,8 @@ class SharedState:
                 *(self._inflight(c.name) for c in chosen_from)]
         divisor = LEASE_SHARE * max(1, self.replicas) if (rpm or tpm) and not cap else 0
         room = self._keep_room(chosen_from[0].name, chosen_from[0].max_concurrency) if chosen_from else 0
-        args = [self.replica, rpm, tpm, reserve, cap, divisor, LEASE_MAX, LEASE_MAX * self._unit(name, reserve), room,
+        most_tokens = LEASE_MAX * self._unit(name, reserve)  # (leased at most: the answer is checked against it)
+        args = [self.replica, rpm, tpm, reserve, cap, divisor, LEASE_MAX, most_tokens, room,
                 *(c.max_concurrency or 0 for c in chosen_from)]
         if not self.up:  # (it went down while this waited: a resync is due, and nothing may be sent before it)
             raise StateUnavailable("down")
@@ -489,7 +490,7 @@ class SharedState:
         if not cap and flight not in self._admitting:
             done = self._admitting[flight] = asyncio.get_running_loop().create_future()
         epoch = self._epoch
-        undo = partial(self._admission_abandoned, name, rpm, tpm, reserve, cap, chosen_from, epoch)
+        undo = partial(self._admission_abandoned, name, rpm, tpm, reserve, cap, chosen_from, epoch, most_tokens, room)
         try:
             reply = await self._script("admit", scripts.ADMIT, keys, args, undo, timed=True)
         except self._errors as exc:
@@ -502,13 +503,18 @@ class SharedState:
         if epoch != self._epoch:  # a resync was sent meanwhile: it wrote this replica's counts without this one
             undo(reply)
             raise StateUnavailable("the shared state was resynchronised during the admission")
-        status, value, *more = reply
-        if status == 0 and len(more) >= 2:
-            for kind, limit, amount in (("requests", rpm, int(more[0])), ("tokens", tpm, int(more[1]))):
+        try:
+            status, value, leased, tleased, extra = replies.admitted(reply, len(chosen_from), LEASE_MAX, most_tokens,
+                                                                     room)
+        except replies.BadReply as exc:
+            self._lost("admit", exc)  # (what it may have taken is unknown: the heartbeat writes the counts afresh)
+            raise
+        if status == 0:
+            for kind, limit, amount in (("requests", rpm, leased), ("tokens", tpm, tleased)):
                 if amount > 0:
                     self._lease(name, kind, limit, amount)
         if status == 1 or status == 2:
-            return Admitted(limited="requests" if status == 1 else "tokens", retry_after=int(value) / 1000)
+            return Admitted(limited="requests" if status == 1 else "tokens", retry_after=value / 1000)
         if status == 3:
             self._announce(self._wanted_channel, self._wanted_message(chosen_from))
             return Admitted(full=True)
@@ -517,17 +523,17 @@ class SharedState:
         if cap:
             place = key_place_of(name)
             self._held[place] = self._held.get(place, 0) + 1
-        index = int(value)
+        index = value
         slot = bool(chosen_from) and bool(chosen_from[index].max_concurrency)
         if slot:
             self._took(chosen_from[index])
-            extra = int(more[2]) if len(more) >= 3 else 0
             if extra > 0:
                 self._kept_extra(chosen_from[index], extra)
         return Admitted(chosen=index, slot=slot, key_place=bool(cap))
 
     def _admission_abandoned(self, name: str, rpm: int, tpm: int, reserve: int, cap: int,
-                             chosen_from: list[Candidate], epoch: int, reply: Any) -> None:
+                             chosen_from: list[Candidate], epoch: int, most_tokens: int, room: int,
+                             reply: Any) -> None:
         """Redis's answer to an admission no request uses (its request gave up: timed out or left; or a resync
         was sent meanwhile): what it took goes back, the key's requests and tokens included (the request was
         not admitted by it). A slot or place it took is not given back after a resync: the resync wrote this
@@ -538,10 +544,14 @@ class SharedState:
             if not isinstance(reply, self._refused):  # (an error reply: it took nothing)
                 self._lost("admit", reply)
             return
-        status, index, *more = reply
+        try:
+            status, index, leased, tleased, kept = replies.admitted(reply, len(chosen_from), LEASE_MAX, most_tokens,
+                                                                    room)
+        except replies.BadReply as exc:
+            self._lost("admit", exc)
+            return
         if status != 0:
             return  # (refused: it took nothing)
-        leased, tleased, kept = (int(m) for m in more[:3])
         if rpm:
             self._queue_settle(name, rpm, -(1 + leased), None, 0, None, bucket="requests")
         counted = epoch == self._epoch
@@ -607,8 +617,13 @@ class SharedState:
             keys = [self._bucket(name, "requests"), self._bucket(name, "tokens")]
             args = [rpm, tpm, LEASE_SHARE * max(1, self.replicas), want, want_tokens, reserve]
             try:
-                leased, tokens = await self._script("lease", scripts.LEASE, keys, args,
-                                                    partial(self._lease_abandoned, name, rpm, tpm), timed=True)
+                leased, tokens = replies.leased(
+                    await self._script("lease", scripts.LEASE, keys, args,
+                                       partial(self._lease_abandoned, name, rpm, tpm, want, want_tokens), timed=True),
+                    want, want_tokens)
+            except replies.BadReply as exc:
+                self._lost("lease", exc)
+                return
             except self._errors as exc:
                 self._failed("lease", exc)
                 return
@@ -622,12 +637,17 @@ class SharedState:
             del self._refilling[name]
             done.set_result(None)
 
-    def _lease_abandoned(self, name: str, rpm: int, tpm: int, reply: Any) -> None:
+    def _lease_abandoned(self, name: str, rpm: int, tpm: int, want: int, want_tokens: int, reply: Any) -> None:
         """Redis's answer to a top-up that gave up waiting: what it leased goes back to the buckets."""
         self.abandoned += 1
         if isinstance(reply, BaseException):
             return  # (no answer: what it may have leased is lost to the key until its buckets refill)
-        for kind, limit, amount in (("requests", rpm, int(reply[0])), ("tokens", tpm, int(reply[1]))):
+        try:
+            leased = replies.leased(reply, want, want_tokens)
+        except replies.BadReply as exc:
+            self._lost("lease", exc)
+            return
+        for kind, limit, amount in (("requests", rpm, leased[0]), ("tokens", tpm, leased[1])):
             if amount > 0:
                 self._queue_settle(name, limit, -amount, None, 0, None, bucket=kind)
 
@@ -641,8 +661,11 @@ class SharedState:
         epoch = self._epoch
         undo = partial(self._slot_abandoned, backend.name, epoch)
         try:
-            taken = await self._script("acquire", scripts.ACQUIRE, [self._inflight(backend.name)],
-                                       [self.replica, backend.max_concurrency], undo, timed=True)
+            taken = replies.acquired(await self._script("acquire", scripts.ACQUIRE, [self._inflight(backend.name)],
+                                                        [self.replica, backend.max_concurrency], undo, timed=True))
+        except replies.BadReply as exc:
+            self._lost("acquire", exc)
+            raise
         except self._errors as exc:
             self._failed("acquire", exc)
             raise StateUnavailable(str(exc)) from None
