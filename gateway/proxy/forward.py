@@ -139,6 +139,10 @@ class Forwarder:
                     if options.on_status is not None:
                         options.on_status(response.status)
                     if response.status != 200:
+                        if not 400 <= response.status <= 599:
+                            # (no answer of an inference API: relayed, a 204 or 304 with a body broke the client's
+                            # connection, and a status past 599 the gateway's own, sweep 19)
+                            raise UpstreamError(f"it answered HTTP {response.status}, neither an answer nor an error")
                         raw, cut_short = await response.read_prefix(ERROR_BODY_BYTES)
                         if response.status in (401, 403):
                             # the backend refused the gateway's own credentials for it: the client's key was

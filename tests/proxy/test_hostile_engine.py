@@ -9,6 +9,7 @@ from typing import Any
 
 import httpx
 import orjson
+import pytest
 
 from gateway.engines.readings import MAX_MODELS
 from tests.proxy.scripted_upstream import ScriptedUpstream, gateway_over
@@ -95,3 +96,20 @@ def test_a_backend_listing_many_models_is_served_for_a_thousand_and_one_listing_
             wait_until(lambda: httpx.get(gw.url + "/ready").status_code == 503,
                        "the flooding backend is down", within=20)
             assert httpx.get(gw.url + "/v1/models").json()["data"] == []
+
+
+@pytest.mark.parametrize("status", [204, 304, 302, 201, 600, 999])
+def test_a_status_no_inference_api_answers_is_a_502_and_the_clients_connection_goes_on(status: int) -> None:
+    """Sweep 19: a 204 or 304 was relayed with the engine's JSON body (the next request on that connection met
+    the body: "illegal status line"), and a status past 599 crashed the gateway's own status line: the client's
+    connection closed with no answer and no failover. They are the backend failing now: 502, and a next backend
+    tried where there is one."""
+    body = b'{"error": {"message": "odd"}}'
+    with ScriptedUpstream(mode="script") as upstream:
+        upstream.script = lambda _headers: (status, "application/json", [body])
+        _app, server = gateway_over(upstream, retries={"max_attempts": 1})
+        with server as gw, httpx.Client(base_url=gw.url) as client:
+            ask = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+            odd = client.post("/v1/chat/completions", json=ask)
+            assert odd.status_code == 502 and odd.json()["error"]["code"] == "upstream_failed", odd.text
+            assert client.get("/v1/models").status_code == 200  # (the same connection: nothing left on it)
