@@ -264,7 +264,7 @@ class Gateway:
         await self.validation_workers.close()
         if self.siblings is not None:
             await self.siblings.stop()
-        self.tracing.shutdown()
+        await self.tracing.shutdown()
         await self.metrics.loop_lag.stop()
 
 

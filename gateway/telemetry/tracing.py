@@ -11,8 +11,11 @@ Off, the request path makes no tracing call at all: ``Tracing.enabled`` is check
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import os
+import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -25,6 +28,7 @@ from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 log = logging.getLogger("gateway.tracing")
+SHUTDOWN_SECONDS = 5.0  # what exporting the last spans may add to a shutdown
 
 OPERATION = {"chat": "chat", "completions": "text_completion", "embeddings": "embeddings", "rerank": "rerank"}
 _PROPAGATOR = TraceContextTextMapPropagator()
@@ -90,9 +94,33 @@ class Tracing:
         span.set_attribute("error.type", error_type)
         span.set_status(Status(StatusCode.ERROR, message))
 
-    def shutdown(self) -> None:
-        if self.provider is not None:
-            self.provider.shutdown()
+    async def shutdown(self, within: float = SHUTDOWN_SECONDS) -> None:
+        """Export what is left and stop, waiting ``within`` seconds at most: the exporter waits out its own
+        timeouts on a collector that does not answer (a black hole held the gateway's exit 30 s, on the event
+        loop). Past it, the spans not yet exported are dropped, and it says so."""
+        provider = self.provider
+        if provider is None:
+            return
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[None] = loop.create_future()
+
+        def finished() -> None:
+            if not done.done():
+                done.set_result(None)
+
+        def stop() -> None:
+            try:
+                provider.shutdown()
+            finally:
+                with contextlib.suppress(RuntimeError):  # (the loop closed meanwhile)
+                    loop.call_soon_threadsafe(finished)
+
+        threading.Thread(target=stop, name="otel-shutdown", daemon=True).start()
+        try:
+            await asyncio.wait_for(done, within)
+        except TimeoutError:
+            log.warning("tracing: the span exporter did not finish within %g s; the spans it had not sent are "
+                        "dropped", within)
 
 
 class RequestTrace:

@@ -145,3 +145,27 @@ def test_access_log_timestamps_are_those_datetime_writes(monkeypatch: pytest.Mon
         monkeypatch.setattr(accounting.time, "time", lambda now=now: now)
         expected = datetime.datetime.fromtimestamp(now, datetime.UTC).isoformat(timespec="milliseconds")
         assert accounting._timestamp() == expected
+
+
+@pytest.mark.anyio
+async def test_a_collector_that_never_answers_holds_a_shutdown_no_longer_than_its_bound(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Sweep 19: with the OTLP endpoint a black hole (a socket that takes connections and answers nothing), the
+    gateway's exit waited out the exporter's timeouts, 30 s, on the event loop. The shutdown now waits its bound,
+    then drops what was not sent and says so; the exporter, still waiting, is left to its daemon thread."""
+    import socket
+    import threading
+
+    from gateway.telemetry.tracing import Tracing
+
+    with socket.socket() as hole:
+        hole.bind(("127.0.0.1", 0))
+        hole.listen(8)
+        endpoint = f"http://127.0.0.1:{hole.getsockname()[1]}/v1/traces"
+        tracing = Tracing(provider_from_environment({"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": endpoint}))
+        tracing.start_request("chat", []).end()
+        with caplog.at_level(logging.WARNING, logger="gateway.tracing"):
+            await tracing.shutdown(within=0.2)
+        assert "did not finish within 0.2 s" in caplog.text
+        assert any(t.name == "otel-shutdown" and t.is_alive() for t in threading.enumerate()), \
+            "the exporter was still waiting on the collector: the bound, not the exporter, ended the wait"
