@@ -5,7 +5,6 @@ placement of the prefix benchmarks finds for the same requests and caches."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 
 import httpx
@@ -19,6 +18,7 @@ from gateway.sim.template import render_chat
 from gateway.sim.tokenizer import Tokenizer
 from tests.api.conftest import TIME_SCALE, gateway_settings
 from tests.conftest import serve_in_thread
+from tests.waiting import wait_until
 
 BACKENDS = 4
 KV_TOKENS = 8192  # every backend could hold every prefix: only placement decides what is reused
@@ -32,7 +32,7 @@ def hit_rate(policy: str, requests: Sequence[BenchRequest]) -> float:
                      overrides={"kv_capacity_tokens": KV_TOKENS}) for i in range(BACKENDS)]
     with FleetThread(specs) as fleet, \
             serve_in_thread(create_app(gateway_settings(fleet.fleet.servers, routing={"policy": policy}))) as gw:
-        wait_ready(gw.url, BACKENDS)
+        wait_until(lambda: ready(gw.url) == BACKENDS, f"the gateway sees its {BACKENDS} backends ready")
         client = openai.OpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0)
         cached = prompt = 0
         for r in requests:
@@ -43,14 +43,10 @@ def hit_rate(policy: str, requests: Sequence[BenchRequest]) -> float:
     return cached / prompt
 
 
-def wait_ready(url: str, backends: int, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        states = httpx.get(url + "/ready").json().get("backends", {}).values()
-        if sum(1 for b in states if b.get("health") == "ready" and b.get("models")) == backends:
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"the gateway did not see its {backends} backends ready")
+def ready(url: str) -> int:
+    """How many backends the gateway sees ready, with their models."""
+    states = httpx.get(url + "/ready").json().get("backends", {}).values()
+    return sum(1 for b in states if b.get("health") == "ready" and b.get("models"))
 
 
 def test_prefix_policy_serves_more_from_the_engines_caches_than_round_robin() -> None:
