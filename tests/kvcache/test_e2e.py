@@ -4,7 +4,6 @@ engine's wire format and tokenizing with the generated tokenizer, the gateway su
 from __future__ import annotations
 
 import random
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,7 @@ from gateway.kvcache.tokenizer import PromptTokenizer
 from gateway.sim import FleetThread, SimServer, SimSpec
 from gateway.sim.tokenizer_files import ensure_tokenizer
 from tests.conftest import serve_in_thread
+from tests.waiting import until, wait_until
 
 MODEL = "m"
 SYSTEM = "You are assistant seven." + " kalo mine ruta wenso bade fezu" * 60
@@ -100,8 +100,6 @@ def test_the_event_index_matches_the_engines_cache_through_evictions(engine: str
         backend.record_probe(Probe(Health.READY))
 
         async def follow() -> list[tuple[int, int]]:
-            import asyncio
-
             hub = EventHub()
             assert server.kv_events_endpoint is not None
             hub.sync([(backend, StreamSettings(server.kv_events_endpoint, server.kv_replay_endpoint))])
@@ -109,10 +107,8 @@ def test_the_event_index_matches_the_engines_cache_through_evictions(engine: str
                 for body in prompts:
                     assert (await client.post("/v1/chat/completions", json=body)).status_code == 200
             stream = hub.streams["e"]
-            deadline = time.monotonic() + 5
-            while server.kv_events is not None and stream.counters.batches < server.kv_events.seq:
-                assert time.monotonic() < deadline
-                await asyncio.sleep(0.02)
+            await until(lambda: server.kv_events is None or stream.counters.batches >= server.kv_events.seq,
+                        "the engine's KV events applied by the subscriber")
             assert stream.live()
             out = []
             for body in prompts:
@@ -137,21 +133,32 @@ def truth(server: SimServer, tokens: list[int], chunk: int) -> int:
     return held // chunk * chunk
 
 
+def settle(fleet: Any, app: Any) -> None:
+    """Return once the gateway has applied every KV-event batch the engines published (a gap's by replay)."""
+    streams = app.gateway.kv_events.streams
+
+    def caught_up() -> bool:
+        return all(s.spec.name in streams and streams[s.spec.name].counters.batches >= s.kv_events.seq
+                   for s in fleet.fleet.servers if s.kv_events is not None)
+
+    wait_until(caught_up, "the engines' KV events applied by the gateway")
+
+
 @pytest.fixture(scope="module")
-def routed(tokenizer: Path) -> Iterator[tuple[Any, Any]]:
+def routed(tokenizer: Path) -> Iterator[tuple[Any, Any, Any]]:
     specs = [spec("vllm", "v1", tokenizer), spec("vllm", "v2", tokenizer), spec("sglang", "s1", tokenizer)]
     with FleetThread(specs) as fleet:
         app = create_app(settings(fleet.fleet.servers, tokenizer, policy="precise-prefix"))
         with serve_in_thread(app) as gateway:
-            yield fleet, gateway
+            yield fleet, gateway, app
 
 
-def test_requests_sharing_a_prefix_follow_the_engine_whose_events_hold_it(routed: tuple[Any, Any]) -> None:
-    _fleet, gateway = routed
+def test_requests_sharing_a_prefix_follow_the_engine_whose_events_hold_it(routed: tuple[Any, Any, Any]) -> None:
+    fleet, gateway, app = routed
     first = httpx.post(f"{gateway.url}/v1/chat/completions", json=chat("first question"))
     assert first.status_code == 200
     home = first.headers["x-gateway-backend"]
-    time.sleep(0.3)  # its blocks announced
+    settle(fleet, app)  # its blocks announced
     for i in range(5):
         r = httpx.post(f"{gateway.url}/v1/chat/completions", json=chat(f"question number {i}"),
                        headers={"x-gateway-debug": "route"})
@@ -165,31 +172,36 @@ def test_requests_sharing_a_prefix_follow_the_engine_whose_events_hold_it(routed
     assert f'gateway_kv_event_index_blocks{{backend="{home}"}}' in metrics
 
 
-def test_a_restarted_engine_is_forgotten_and_a_dropped_batch_replayed(routed: tuple[Any, Any]) -> None:
-    fleet, gateway = routed
+def test_a_restarted_engine_is_forgotten_and_a_dropped_batch_replayed(routed: tuple[Any, Any, Any]) -> None:
+    fleet, gateway, app = routed
     server: SimServer = fleet.fleet["v1"]
     assert server.kv_events is not None
     server.kv_events.drop_next = 1  # the next batch is numbered and buffered, never sent
     body = chat("a prompt for v1 only", system="Another system prompt." + " zuba feso" * 50)
     httpx.post(f"{server.url}/v1/chat/completions", json=body)  # straight to the engine
     httpx.post(f"{server.url}/v1/chat/completions", json=chat("x", system="Third." + " hogi" * 40))
-    time.sleep(0.3)
+    settle(fleet, app)  # the hole the dropped batch left is seen at the next one, and filled by a replay
     metrics = httpx.get(f"{gateway.url}/metrics").text
     assert 'gateway_kv_event_gaps_total{backend="v1"} 1.0' in metrics
     assert 'gateway_kv_event_replays_total{backend="v1",result="complete"}' in metrics
     fleet.call(server.stop())
     fleet.call(server.start())  # a fresh process on the same ports: numbering starts again at 0
-    deadline = time.monotonic() + 10
     i = 0
     # The new process is noticed either by its numbering from 0 again (reason="restart") or, when a health probe
     # (every 0.1 s here) saw the backend down and up first, by its health epoch (reason="epoch"): both clear the
     # index and replay the new process's history. The numbering path alone is tested in test_subscriber.
     noticed = [f'gateway_kv_event_index_resets_total{{backend="v1",reason="{r}"}} 1.0' for r in ("restart", "epoch")]
-    while not any(line in (metrics := httpx.get(f"{gateway.url}/metrics").text) for line in noticed):
+
+    def restart_noticed() -> bool:
         # the subscriber reconnects on its own; a batch published before it has is replayed once it notices
-        assert time.monotonic() < deadline, metrics
+        nonlocal metrics, i
+        metrics = httpx.get(f"{gateway.url}/metrics").text
+        if any(line in metrics for line in noticed):
+            return True
         httpx.post(f"{server.url}/v1/chat/completions", json=chat("after", system=f"Fresh {i}." + " wen" * 40))
         i += 1
-        time.sleep(0.1)
+        return False
+
+    wait_until(restart_noticed, "the restarted engine noticed: its index reset (restart or epoch)")
     blocks = float(metrics.split('gateway_kv_event_index_blocks{backend="v1"} ')[1].split()[0])
     assert 0 < blocks < 13 * (i + 1)  # what the new process stored since, not what the old one held
