@@ -12,6 +12,7 @@ import pytest
 from gateway.config import TimeoutSettings
 from gateway.proxy.h1 import H1Response, H1Transport
 from gateway.proxy.upstream import UpstreamError
+from tests.waiting import until
 
 pytestmark = pytest.mark.anyio
 
@@ -19,21 +20,27 @@ Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]
 
 
 class Server:
-    """A loopback server running ``handler`` per connection; counts connections."""
+    """A loopback server running ``handler`` per connection; counts connections. A handler still running at the
+    end (one holding its connection, or waiting for what never comes) is cancelled then."""
 
     def __init__(self, handler: Handler) -> None:
         self.handler = handler
         self.connections = 0
         self.requests: list[bytes] = []
         self._server: asyncio.Server | None = None
+        self._handlers: set[asyncio.Task[None]] = set()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.connections += 1
+        task = asyncio.current_task()
+        assert task is not None
+        self._handlers.add(task)
         try:
             await self.handler(reader, writer)
         except (ConnectionError, asyncio.IncompleteReadError):
             pass
         finally:
+            self._handlers.discard(task)
             writer.close()
 
     async def read_request(self, reader: asyncio.StreamReader) -> bytes:
@@ -56,6 +63,10 @@ class Server:
     async def __aexit__(self, *exc: object) -> None:
         assert self._server is not None
         self._server.close()
+        handlers = list(self._handlers)
+        for task in handlers:
+            task.cancel()
+        await asyncio.gather(*handlers, return_exceptions=True)
 
 
 @pytest.fixture
@@ -90,6 +101,8 @@ async def test_keep_alive_reuses_one_connection_and_frames_by_length(transport: 
 
 
 async def test_chunked_bodies_arrive_piece_by_piece_and_whole(transport: H1Transport) -> None:
+    taken = asyncio.Event()  # the client has the piece sent last: the next may go (each piece in a read of its own)
+
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         while True:
             await server.read_request(reader)
@@ -97,15 +110,25 @@ async def test_chunked_bodies_arrive_piece_by_piece_and_whole(transport: H1Trans
             for piece in (b"data: 1\n\n", b"data: 2\n\n"):
                 writer.write(b"%x\r\n%s\r\n" % (len(piece), piece))
                 await writer.drain()
-                await asyncio.sleep(0.01)
+                await taken.wait()
+                taken.clear()
             writer.write(b"0\r\n\r\n")
 
     async with Server(handler) as server:
         response = await transport.post(server.url, b"{}", {})
-        assert [c async for c in response.chunks()] == [b"data: 1\n\n", b"data: 2\n\n"]
+        pieces: list[bytes] = []
+        async for chunk in response.chunks():
+            pieces.append(chunk)
+            taken.set()
+        assert pieces == [b"data: 1\n\n", b"data: 2\n\n"]
         response.release()
         response = await transport.post(server.url, b"{}", {})
-        assert await response.read() == b"data: 1\n\ndata: 2\n\n"
+        whole = asyncio.create_task(response.read())
+        await until(lambda: len(response._pieces) == 1, "the first piece buffered")
+        taken.set()
+        await until(lambda: len(response._pieces) == 2, "the second piece buffered, on its own")
+        taken.set()
+        assert await whole == b"data: 1\n\ndata: 2\n\n"
         response.release()
     assert server.connections == 1
 
@@ -125,19 +148,25 @@ async def test_a_close_delimited_body_ends_with_the_connection_which_is_not_pool
     assert server.connections == 2
 
 
-async def test_a_pooled_connection_the_backend_closed_is_retried_once_afresh(transport: H1Transport) -> None:
+@pytest.mark.parametrize("crossing", [True, False], ids=["close-crossing-the-request", "close-seen-while-idle"])
+async def test_a_pooled_connection_the_backend_closed_is_retried_once_afresh(transport: H1Transport,
+                                                                              crossing: bool) -> None:
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await server.read_request(reader)
         writer.write(ok(b"{}"))
         await writer.drain()
-        # keep-alive was promised, but the connection is closed before the next request is read: that request
-        # is lost with it, as when a backend's idle timeout and a new request cross
+        if crossing and server.connections == 1:
+            await reader.readuntil(b"\r\n\r\n")  # (the next request is here: it goes unanswered, unrecorded)
+        # keep-alive was promised, but the connection is closed before the next request is answered: that request
+        # is lost with it, as when a backend's idle timeout and a new request cross (retried on a fresh connection);
+        # or the close is seen while the connection is idle (it leaves the pool: a fresh one is opened)
 
     async with Server(handler) as server:
         first = await transport.post(server.url, b"{}", {})
         assert await first.read() == b"{}"
         first.release()
-        await asyncio.sleep(0.05)  # (the close may or may not have been seen yet: both paths end the same)
+        if not crossing:
+            await until(lambda: not any(transport._idle.values()), "the backend's close seen by the idle connection")
         second = await transport.post(server.url, b"{}", {})
         assert await second.read() == b"{}"
         second.release()
@@ -167,7 +196,7 @@ async def test_bytes_that_are_not_http_are_an_upstream_error(transport: H1Transp
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await server.read_request(reader)
         writer.write(answer)
-        await asyncio.sleep(1)
+        await reader.read()  # (the connection held until the client closes it)
 
     async with Server(handler) as server:
         with pytest.raises(UpstreamError, match="malformed"):
@@ -183,7 +212,7 @@ async def test_headers_and_whole_bodies_are_bounded() -> None:
             writer.write(b"HTTP/1.1 200 OK\r\n" + b"X-Pad: " + b"p" * 2000 + b"\r\n\r\n")
         else:
             writer.write(ok(b"x" * 10_000))
-        await asyncio.sleep(1)
+        await reader.read()  # (the connection held until the client closes it)
 
     async with Server(handler) as server:
         with pytest.raises(UpstreamError, match="headers exceed 1024"):
@@ -235,7 +264,7 @@ async def test_interim_responses_are_taken_a_few_at_most(transport: H1Transport)
         body = await server.read_request(reader)
         if body == b"hints":
             writer.write(b"HTTP/1.1 103 Early Hints\r\nLink: </a>; rel=preload\r\n\r\n" + ok(b"fine"))
-            await asyncio.sleep(1)  # (the engine keeps the connection; the test is done long before)
+            await reader.read()  # (the engine keeps the connection until the client closes it)
             return
         while sent < 100_000:
             writer.write(b"HTTP/1.1 100 Continue\r\n\r\n" * 100)
@@ -287,8 +316,10 @@ class Sink:
     def __init__(self) -> None:
         self.pieces: list[bytes] = []
         self.ended: list[BaseException | None] = []
+        self.handed = asyncio.Event()  # set as each piece is handed over (taken or refused): a server may send on
 
     def data(self, chunk: bytes) -> None:
+        self.handed.set()
         if chunk == b"boom":
             raise RuntimeError("refused")
         self.pieces.append(chunk)
@@ -297,44 +328,44 @@ class Sink:
         self.ended.append(error)
 
 
-async def _streaming_server(pieces: list[bytes], finish: bool) -> tuple[Server, asyncio.Event]:
+async def _streaming_server(pieces: list[bytes], finish: bool) -> tuple[Server, asyncio.Event, Sink]:
+    """A server sending ``pieces`` once told to go, each once ``sink`` had the one before (a read of its own)."""
     go = asyncio.Event()
+    sink = Sink()
 
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await server.read_request(reader)
         writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
-        for piece in pieces:
-            await go.wait()
+        await go.wait()
+        for i, piece in enumerate(pieces):
+            if i:
+                await sink.handed.wait()
+            sink.handed.clear()
             writer.write(b"%x\r\n%s\r\n" % (len(piece), piece))
             await writer.drain()
-            await asyncio.sleep(0.01)
         if finish:
+            await sink.handed.wait()
             writer.write(b"0\r\n\r\n")
             await writer.drain()
-            await asyncio.sleep(1)
+            await reader.read()  # (the connection held until the client closes it)
 
     server = Server(handler)
-    return server, go
+    return server, go, sink
 
 
-async def _streamed(transport: H1Transport, url: str, go: asyncio.Event) -> Sink:
-    """A response streamed to a sink: the server told to go, waited for until the sink has its end."""
+async def _streamed(transport: H1Transport, url: str, go: asyncio.Event, sink: Sink) -> None:
+    """A response streamed to ``sink``: the server told to go, waited for until the sink has its end."""
     response = await transport.post(url, b"{}", {})
-    sink = Sink()
     response.stream_to(sink)
     go.set()
-    for _ in range(200):
-        if sink.ended:
-            break
-        await asyncio.sleep(0.01)
+    await until(lambda: sink.ended, "the sink's end")
     response.release()
-    return sink
 
 
 async def test_a_sink_gets_each_piece_from_the_callbacks_then_the_end(transport: H1Transport) -> None:
-    server, go = await _streaming_server([b"one", b"two", b"three"], finish=True)
+    server, go, sink = await _streaming_server([b"one", b"two", b"three"], finish=True)
     async with server:
-        sink = await _streamed(transport, server.url, go)
+        await _streamed(transport, server.url, go, sink)
         assert sink.pieces == [b"one", b"two", b"three"] and sink.ended == [None]
 
 
@@ -349,24 +380,25 @@ async def test_chunks_that_arrive_in_one_read_reach_the_sink_as_one_piece_before
         await go.wait()
         writer.write(b"3\r\none\r\n3\r\ntwo\r\n")  # one write, two chunks
         await writer.drain()
-        await asyncio.sleep(0.05)
+        await sink.handed.wait()  # (the sink had them: what follows comes in a read of its own)
         writer.write(b"5\r\nthree\r\n4\r\nfour\r\n0\r\n\r\n")  # two more and the end, together
         await writer.drain()
-        await asyncio.sleep(1)
+        await reader.read()  # (the connection held until the client closes it)
 
     go = asyncio.Event()
+    sink = Sink()
     async with Server(handler) as server:
-        sink = await _streamed(transport, server.url, go)
+        await _streamed(transport, server.url, go, sink)
         assert sink.pieces == [b"onetwo", b"threefour"] and sink.ended == [None]
 
 
 async def test_a_stream_cut_short_ends_the_sink_with_an_error(transport: H1Transport) -> None:
-    server, go = await _streaming_server([b"one"], finish=False)
+    server, go, sink = await _streaming_server([b"one"], finish=False)
     async with server:
         response = await transport.post(server.url, b"{}", {})
-        sink = Sink()
         go.set()
-        await asyncio.sleep(0.1)  # "one" and the close arrive before the sink: both are handed over in order
+        # "one" and the close arrive before the sink: both are handed over in order
+        await until(lambda: response.error is not None, "the piece and the close arrived")
         response.stream_to(sink)
         assert sink.pieces == [b"one"] and len(sink.ended) == 1
         assert isinstance(sink.ended[0], UpstreamError) and "cut off" in str(sink.ended[0])
@@ -374,42 +406,36 @@ async def test_a_stream_cut_short_ends_the_sink_with_an_error(transport: H1Trans
 
 
 async def test_what_a_sink_raises_ends_the_response_with_it(transport: H1Transport) -> None:
-    server, go = await _streaming_server([b"boom", b"after"], finish=True)
+    server, go, sink = await _streaming_server([b"boom", b"after"], finish=True)
     async with server:
         response = await transport.post(server.url, b"{}", {})
-        sink = Sink()
         response.stream_to(sink)
         go.set()
-        for _ in range(100):
-            if sink.ended:
-                break
-            await asyncio.sleep(0.01)
+        await until(lambda: sink.ended, "the sink's end")
         assert sink.pieces == [] and isinstance(sink.ended[0], RuntimeError)
         response.release()
 
 
 async def test_an_unread_body_pauses_the_backend_instead_of_filling_memory(transport: H1Transport) -> None:
     sent = 0
-    blocked = asyncio.Event()
+    waiting = False  # the backend waits for room to write more (its drain does not return)
 
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        nonlocal sent
+        nonlocal sent, waiting
         await server.read_request(reader)
         writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
         piece = b"x" * 65536
         while sent < 64 << 20:
             writer.write(b"%x\r\n%s\r\n" % (len(piece), piece))
-            try:
-                await asyncio.wait_for(writer.drain(), 0.5)
-            except TimeoutError:
-                blocked.set()
-                await asyncio.sleep(10)
-                return
+            waiting = True
+            await writer.drain()
+            waiting = False
             sent += len(piece)
 
     async with Server(handler) as server:
         response: H1Response = await transport.post(server.url, b"{}", {})
-        await asyncio.wait_for(blocked.wait(), 10)
+        # the client stopped reading (it reads on only when asked to), and the backend waits for it
+        await until(lambda: response._conn._paused and waiting, "the client paused and the backend waiting")
         assert sent < 16 << 20  # the client's 1 MiB and the sockets' buffers, not the whole body
         response.release()
 
@@ -419,16 +445,18 @@ async def test_a_request_abandoned_before_its_answer_closes_the_connection(trans
     answer) cancels the attempt. The connection stayed open and the engine computed on: QA saw an emulated vLLM
     hold 16 sequences against a max_concurrency of 4 with the gateway counting 0 in flight. Closing it is how
     HTTP/1.1 says "stop"."""
+    received = asyncio.Event()
     closed = asyncio.Event()
 
     async def never_answers(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await server.read_request(reader)
+        received.set()
         await reader.read()  # b"" once the client closes
         closed.set()
 
     async with Server(never_answers) as server:
         task = asyncio.create_task(transport.post(server.url + "/v1/chat/completions", b"{}", {}))
-        await asyncio.sleep(0.1)
+        await asyncio.wait_for(received.wait(), 10)  # (the engine computes its answer)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
@@ -444,7 +472,7 @@ async def test_a_whole_body_read_of_more_than_the_pause_mark_completes(transport
         await server.read_request(reader)
         writer.write(ok(body))
         await writer.drain()
-        await asyncio.sleep(1)
+        await reader.read()  # (the connection held until the client closes it)
 
     async with Server(handler) as server:
         response: H1Response = await transport.post(server.url, b"{}", {})
