@@ -150,6 +150,10 @@ def routed(tokenizer: Path) -> Iterator[tuple[Any, Any, Any]]:
     with FleetThread(specs) as fleet:
         app = create_app(settings(fleet.fleet.servers, tokenizer, policy="precise-prefix"))
         with serve_in_thread(app) as gateway:
+            streams = app.gateway.kv_events.streams
+            # each engine's stream subscribed and its history replayed: a batch from now on reaches the gateway live
+            wait_until(lambda: all(s.spec.name in streams and streams[s.spec.name].state == "live"
+                                   for s in fleet.fleet.servers), "the engines' KV-event streams live")
             yield fleet, gateway, app
 
 
