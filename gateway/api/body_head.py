@@ -46,6 +46,7 @@ class _Fields(msgspec.Struct):
     max_output_tokens: msgspec.Raw = _NULL
     n: msgspec.Raw = _NULL
     best_of: msgspec.Raw = _NULL
+    n_cmpl: msgspec.Raw = _NULL
     prompt: msgspec.Raw = _NULL
     previous_response_id: msgspec.Raw = _NULL
 
@@ -54,6 +55,8 @@ _DECODER = msgspec.json.Decoder(_Fields)
 # what a request may generate, however it is spelled: chat, completions; Responses; llama.cpp (which reads it
 # before max_tokens): the most any of them says
 _OUTPUT_FIELDS = ("max_completion_tokens", "max_tokens", "max_output_tokens", "n_predict")
+# how many choices a request asks for, however it is spelled (llama.cpp's own: n_cmpl)
+CHOICE_FIELDS = ("n", "best_of", "n_cmpl")
 
 
 def _bad(message: str, param: str | None) -> GatewayError:
@@ -80,9 +83,9 @@ def _positive(value: Any) -> int:
 class BodyHead:
     """The top-level fields of a request body the key's checks read. ``output``: the largest positive integer
     of ``max_completion_tokens``, ``max_tokens``, ``max_output_tokens``, ``n_predict`` (0: none); ``choices``: the
-    largest of ``n`` and ``best_of`` (1 when neither); ``prompts``: how many prompts a completions ``prompt`` holds;
-    ``previous``: the Responses conversation it continues. A value the validation will refuse later reads as
-    absent here."""
+    largest of ``n``, ``best_of`` and llama.cpp's ``n_cmpl`` (1 when none); ``prompts``: how many prompts a
+    completions ``prompt`` holds; ``previous``: the Responses conversation it continues. A value the validation
+    will refuse later reads as absent here."""
 
     model: str
     output: int
@@ -105,7 +108,7 @@ class BodyHead:
         if not isinstance(model, str) or not model:
             raise _bad("'model' is required and must be a non-empty string", "model")
         output = max(_positive(_short(getattr(fields, f))) for f in _OUTPUT_FIELDS)
-        choices = max(1, _positive(_short(fields.n)), _positive(_short(fields.best_of)))
+        choices = max(1, *(_positive(_short(getattr(fields, f))) for f in CHOICE_FIELDS))
         previous = _short(fields.previous_response_id)
         return cls(model, output, choices, _prompts(fields.prompt), previous if isinstance(previous, str) else None)
 
@@ -133,7 +136,7 @@ def _short_value(value: Any) -> Any:
     return value if len(orjson.dumps(value)) <= _SHORT else None
 
 
-def _prompt_count(prompt: Any) -> int:
+def prompt_count(prompt: Any) -> int:
     if isinstance(prompt, list) and prompt and (all(isinstance(p, str) for p in prompt)
                                                 or all(isinstance(p, list) for p in prompt)):
         return len(prompt)
@@ -148,8 +151,8 @@ def head_of(body: dict[str, Any]) -> BodyHead:
         raise _bad("'model' is required and must be a non-empty string", "model")
     previous = _short_value(body.get("previous_response_id"))
     return BodyHead(model, max(_positive(_short_value(body.get(f))) for f in _OUTPUT_FIELDS),
-                    max(1, _positive(_short_value(body.get("n"))), _positive(_short_value(body.get("best_of")))),
-                    _prompt_count(body.get("prompt")), previous if isinstance(previous, str) else None)
+                    max(1, *(_positive(_short_value(body.get(f))) for f in CHOICE_FIELDS)),
+                    prompt_count(body.get("prompt")), previous if isinstance(previous, str) else None)
 
 
 def check_same(head: BodyHead, body: dict[str, Any]) -> None:

@@ -9,6 +9,7 @@ from typing import Any
 
 import orjson
 
+from gateway.api.body_head import CHOICE_FIELDS, prompt_count
 from gateway.config import LimitSettings
 from gateway.errors import GatewayError
 from gateway.routing.request import POOLING_ROUTES, RouteRequest
@@ -164,10 +165,14 @@ def parse_body(route: str, body: dict[str, Any], limits: LimitSettings | None = 
             raise _bad("The 'stream_options' parameter is only allowed when 'stream' is enabled.", "stream_options")
         if not isinstance(options, dict):
             raise _bad("'stream_options' must be an object", "stream_options")
-    for key in ("n", "best_of"):  # (each choice is a sequence the engine generates: n=10^9 was passed on)
+    generations = 1  # the sequences the engine generates for it: each choice of each prompt
+    for key in CHOICE_FIELDS:  # (each choice is a sequence the engine generates: n=10^9 was passed on)
         choices = _positive_int(body, key)
         if choices is not None and choices > limits.max_n:
             raise _bad(f"'{key}' is {choices}; this gateway accepts at most {limits.max_n}", key)
+        generations = max(generations, choices or 1)
+    if route == "completions":
+        generations *= prompt_count(body.get("prompt"))
     # Engines read different fields (TabbyAPI max_tokens, llama.cpp n_predict before max_tokens): each is bounded,
     # and the request may generate the most any of them says.
     max_tokens: int | None = None
@@ -179,7 +184,7 @@ def parse_body(route: str, body: dict[str, Any], limits: LimitSettings | None = 
             max_tokens = max(max_tokens or 0, value)
     constraint = _constraint(body, limits) if route not in POOLING_ROUTES else None
     return RouteRequest(route=route, model=model, stream=stream, max_tokens=max_tokens, body=body,
-                        constraint=constraint)
+                        constraint=constraint, generations=generations)
 
 
 def _constraint(body: dict[str, Any], limits: LimitSettings | None) -> Constraint | None:

@@ -112,6 +112,11 @@ class EngineSpec:
     # another cache domain's prompt), and request fields that ask for more such reports as it goes (not sent then)
     cache_figures: tuple[tuple[str, ...], ...] = (CACHED_TOKENS,)
     cache_report_params: frozenset[str] = frozenset()
+    # whether it can take a request of several generations (n choices, a completions list of prompts) and both
+    # report their usage in all and schedule each as the sequence it is: llama.cpp answers such a request with one
+    # choice's (one prompt's) usage and runs each in a slot of its own, so the gateway could neither charge nor
+    # count it (a key ran 8x to ~490x its token budget and took every slot as one request: sweep 19)
+    several_generations: bool = True
     # with priority scheduling on, the request field "priority" orders its queue, this way by default (None:
     # the engine has no such field)
     priority_order: Literal["lower-first", "higher-first"] | None = None

@@ -685,6 +685,17 @@ class Dispatcher:
             return GatewayError(400, f"no backend serving '{model}' can honour the {constraint.describe()} "
                                      f"constraint; engines that can: {', '.join(able) or 'none'}",
                                 param=constraint.source, code="unsupported_constraint")
+        if exc.stage == "several-generations":
+            request = exc.request
+            prompts = request.body.get("prompt") if request.route == "completions" else None
+            several = isinstance(prompts, list) and len(prompts) > 1 and not isinstance(prompts[0], int)
+            param = "prompt" if several else "n"
+            unable = sorted({b.spec.name for b in backends if model in b.models and not b.spec.several_generations})
+            return GatewayError(400, f"no backend serving '{model}' can take {request.generations} generations in "
+                                     f"one request: {', '.join(unable) or 'its engine'} answers several choices or "
+                                     "prompts with the usage of one and runs each in a slot of its own, so the "
+                                     "request could be neither charged nor scheduled; send one generation per "
+                                     "request (n=1, one prompt)", param=param, code="unsupported_value")
         if exc.stage == "fits-context":
             largest = max((b.capacity.context_length or 0 for b in backends if model in b.models), default=0)
             needed = exc.request.estimated_tokens

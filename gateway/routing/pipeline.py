@@ -61,6 +61,10 @@ class Pipeline:
             timings[flt.name] = clock() - start
             if not candidates:
                 raise NoRoute(flt.name, request)
+        if request.generations > 1:  # (not a configurable filter: what a key is charged depends on it)
+            candidates = [b for b in candidates if b.spec.several_generations]
+            if not candidates:
+                raise NoRoute("several-generations", request)
         if len(candidates) == 1:  # nothing to choose: no scorer runs (their routed hooks still do)
             return Decision(ranked=[candidates[0]], policy=self.policy, reason="only-candidate",
                             detail="only one eligible backend", timings=timings)

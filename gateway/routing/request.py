@@ -25,6 +25,7 @@ class RouteRequest:
     body: dict[str, Any]  # the parsed request, for plugins that need the prompt
     session_key: str | None = None  # from the session header or the body's "user"
     constraint: Constraint | None = None  # structured-output constraint, in whatever field it came
+    generations: int = 1  # sequences the engine generates for it: choices (n, best_of, n_cmpl) times prompts
     # whose cached prompts it may profit from (its key's; set by the front door before anything is routed)
     cache_domain: CacheDomain = SHARED
     _prompt: bytes | None = field(default=None, repr=False)

@@ -116,3 +116,23 @@ def test_ties_are_broken_alike_by_every_replica_and_spread_over_prompts() -> Non
     for other in (bs[0], bs[2], bs[3]):
         other.in_flight = 1  # b has fewer in flight than the others: wins every tie
     assert a.pick(chat("x", "y"), bs, [0.5] * 4)[0] is bs[1]
+
+
+@pytest.mark.parametrize("policy", ["default", "round-robin", "prefix"])
+def test_a_request_of_several_generations_goes_only_where_they_are_charged_and_scheduled(policy: str) -> None:
+    """llama.cpp answers n choices (or a completions list of prompts) with the usage of one and runs each in a slot
+    of its own (sweep 19: 8x to ~490x a key's token budget, every slot taken as one request): a request of several
+    generations goes to another engine serving the model, under every policy (this is no configurable filter);
+    where none serves it, it is refused (the dispatcher says why)."""
+    from tests.routing.helpers import backend as engine_backend
+
+    pipeline = build_pipeline(policy)
+    llama, vllm = engine_backend("l", engine="llamacpp"), engine_backend("v", engine="vllm")
+    several = RouteRequest(route="chat", model="m", stream=False, max_tokens=8, body={"n": 2}, generations=2)
+    for _ in range(5):
+        assert [b.name for b in pipeline.route(several, [llama, vllm]).ranked] == ["v"]
+    with pytest.raises(NoRoute) as refused:
+        pipeline.route(several, [llama])
+    assert refused.value.stage == "several-generations"
+    one = RouteRequest(route="chat", model="m", stream=False, max_tokens=8, body={})
+    assert pipeline.route(one, [llama]).ranked[0] is llama

@@ -1,0 +1,60 @@
+"""A request of several generations (``n`` or llama.cpp's ``n_cmpl`` choices, a completions list of prompts) and a
+real llama-server: the server answers it with the usage of one generation (checked first, on the server itself),
+so the gateway could not charge it, and runs each generation in a slot of its own while the gateway would count
+one. Sweep 19: a key ran 8x (n=8) to ~490x (512 prompts) its token budget and held every slot. Such a request is
+refused where only llama.cpp serves the model, naming the field."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from gateway.app import create_app
+from gateway.config import settings_from_mapping
+from gateway.llamacpp.server import LlamaServer
+from tests.conftest import serve_in_thread
+from tests.llamacpp.conftest import start_servers
+
+pytestmark = pytest.mark.system
+
+ASK = [{"role": "user", "content": "Tell me about the gateway."}]
+
+
+@pytest.fixture(scope="module")
+def server(llama_binary: Any, tiny_model: Any) -> Iterator[LlamaServer]:
+    (one,) = start_servers(llama_binary, tiny_model, 1, slots=4, ctx=4096)
+    yield one
+    one.stop()
+
+
+def test_the_server_reports_the_usage_of_one_generation(server: LlamaServer) -> None:
+    with httpx.Client(base_url=server.url, timeout=120) as c:
+        two = c.post("/v1/chat/completions", json={"messages": ASK, "max_tokens": 8, "n": 2,
+                                                   "ignore_eos": True}).json()
+        assert len(two["choices"]) == 2 and two["usage"]["completion_tokens"] == 8, two["usage"]
+        listed = c.post("/v1/completions", json={"prompt": ["one", "two", "three"], "max_tokens": 8,
+                                                 "ignore_eos": True}).json()
+        assert len(listed["choices"]) == 3 and listed["usage"]["completion_tokens"] == 8, listed["usage"]
+
+
+@pytest.mark.parametrize(("route", "extra", "param"), [
+    ("chat/completions", {"messages": ASK, "n": 2}, "n"),
+    ("chat/completions", {"messages": ASK, "n_cmpl": 4}, "n"),
+    ("completions", {"prompt": ["one", "two"]}, "prompt"),
+    ("completions", {"prompt": [[1, 2], [3, 4]]}, "prompt"),
+])
+def test_several_generations_are_refused_where_only_llamacpp_serves_the_model(
+        server: LlamaServer, route: str, extra: dict[str, Any], param: str) -> None:
+    settings = settings_from_mapping({"backends": [{"name": "l", "engine": "llamacpp", "url": server.url}]})
+    with serve_in_thread(create_app(settings)) as gateway, httpx.Client(base_url=gateway.url, timeout=120) as c:
+        model = c.get("/v1/models").json()["data"][0]["id"]
+        refused = c.post(f"/v1/{route}", json={"model": model, "max_tokens": 8, **extra})
+        assert refused.status_code == 400, refused.text
+        error = refused.json()["error"]
+        assert error["param"] == param and "one generation per request" in error["message"], error
+        one = c.post(f"/v1/{route}", json={"model": model, "max_tokens": 8,
+                                           **({"messages": ASK} if route == "chat/completions" else {"prompt": "one"})})
+        assert one.status_code == 200, one.text
