@@ -120,6 +120,16 @@ class LimitSettings(_Strict):
                                              "keys in one object, one container, took 0.23-0.31 s)")
     max_tokens: int = Field(default=131072, gt=0, description="largest max_tokens / max_completion_tokens accepted")
     max_n: int = Field(default=128, gt=0, description="most choices (n, best_of) one request asks for (OpenAI's cap)")
+    max_stop: int = Field(
+        default=32, gt=0, description="most stop sequences one request gives (stop, stop_sequences, and the engines' "
+                                      "bad_words and stop_regex; OpenAI's cap is 4): engines check each at every "
+                                      "token they generate, for every request beside it (900,000 of them held "
+                                      "other keys' streams to a tenth of their pace)")
+    max_stop_chars: int = Field(default=4096, gt=0, description="most characters of one request's stop sequences "
+                                                                "in all")
+    max_token_entries: int = Field(
+        default=2048, gt=0, description="most entries of one request's per-token lists and maps (logit_bias, "
+                                        "stop_token_ids, allowed_token_ids): an engine reads them at every token")
     max_nesting: int = Field(default=64, ge=4, le=200,
                              description="deepest nesting of a JSON schema, regex group or grammar expression")
     max_constraint_bytes: int = Field(default=128 * 1024, gt=0,

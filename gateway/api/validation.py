@@ -50,6 +50,33 @@ def _check_messages(messages: Any) -> None:
                        f"messages[{i}].content")
 
 
+# request fields an engine reads at every token it generates, for every request in the batch (stop strings are
+# matched against the text so far; token lists and maps are looked up or applied to the logits)
+STOP_FIELDS = ("stop", "stop_sequences", "bad_words", "stop_regex")
+TOKEN_FIELDS = ("logit_bias", "stop_token_ids", "allowed_token_ids")
+
+
+def _check_per_token(body: dict[str, Any], limits: LimitSettings) -> None:
+    chars = 0
+    for field in STOP_FIELDS:
+        value = body.get(field)
+        if value is None:
+            continue
+        stops = [value] if isinstance(value, str) else value
+        if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+            raise _bad(f"'{field}' must be a string or an array of strings", field)
+        if len(stops) > limits.max_stop:
+            raise _bad(f"'{field}' has {len(stops)} entries; this gateway accepts at most {limits.max_stop}", field)
+        chars += sum(map(len, stops))
+        if chars > limits.max_stop_chars:
+            raise _bad(f"the stop sequences hold more than {limits.max_stop_chars} characters in all", field)
+    for field in TOKEN_FIELDS:
+        value = body.get(field)
+        if isinstance(value, list | dict) and len(value) > limits.max_token_entries:
+            raise _bad(f"'{field}' has {len(value)} entries; this gateway accepts at most "
+                       f"{limits.max_token_entries}", field)
+
+
 def _check_tools(tools: Any, limits: LimitSettings) -> None:
     if tools is None:
         return
@@ -152,6 +179,8 @@ def parse_body(route: str, body: dict[str, Any], limits: LimitSettings | None = 
     else:
         _check_input(body.get("input"), limits)
     _check_tools(body.get("tools"), limits)
+    if route not in POOLING_ROUTES:
+        _check_per_token(body, limits)
     stream = body.get("stream", False)
     if stream is None:
         stream = False
