@@ -56,6 +56,24 @@ STOP_FIELDS = ("stop", "stop_sequences", "bad_words", "stop_regex")
 TOKEN_FIELDS = ("logit_bias", "stop_token_ids", "allowed_token_ids")
 
 
+# request fields of an engine's own that the gateway does not pass on from a client, and why (a 400 naming the
+# field: dropped, the client would be served as if it had been honoured)
+NOT_ACCEPTED = {
+    "lora_path": "name the adapter as the model: the key's list of models applies to it (SGLang served the "
+                 "adapter a lora_path named, whatever models the key may use)",
+    "custom_logit_processor": "it is code the engine runs (SGLang, with --enable-custom-logit-processor)",
+    "logits_processors": "it names code the engine loads (vLLM, with --logits-processor-pattern)",
+    "session_params": "it continues an engine session by its id, which the gateway cannot tie to a key (SGLang)",
+}
+
+
+def _check_not_accepted(body: dict[str, Any]) -> None:
+    for field, why in NOT_ACCEPTED.items():
+        if body.get(field) is not None:
+            raise GatewayError(400, f"'{field}' is not accepted through this gateway: {why}", param=field,
+                               code="unsupported_parameter")
+
+
 def _check_per_token(body: dict[str, Any], limits: LimitSettings) -> None:
     chars = 0
     for field in STOP_FIELDS:
@@ -179,6 +197,7 @@ def parse_body(route: str, body: dict[str, Any], limits: LimitSettings | None = 
     else:
         _check_input(body.get("input"), limits)
     _check_tools(body.get("tools"), limits)
+    _check_not_accepted(body)
     if route not in POOLING_ROUTES:
         _check_per_token(body, limits)
     stream = body.get("stream", False)

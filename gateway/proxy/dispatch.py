@@ -399,8 +399,11 @@ class Dispatcher:
                                                                  request.constraint)
         isolate(body, request, backend.spec, request.route)  # (the request's cache domain: its salt, if any)
         field = backend.spec.slot_field
-        if field is not None and request.engine_slot is not None and request.cached_on is backend:
-            body[field] = request.engine_slot
+        if field is not None:  # (the gateway's to choose: a client's own pinned any tenant's slot, evicting its prompt)
+            if request.engine_slot is not None and request.cached_on is backend:
+                body[field] = request.engine_slot
+            else:
+                body.pop(field, None)
         order = backend.priority_order
         if order is not None:
             body["priority"] = -priority if order == "lower-first" else priority

@@ -29,3 +29,39 @@ def test_a_clients_prefill_decode_fields_reach_no_engine(engine: str, route: str
             sent = orjson.loads(upstream.seen_body)
     assert not set(STEERING) & set(sent), sent
     assert sent["max_tokens"] == 2  # (the rest as the client sent it)
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("lora_path", "tenant-a-adapter"), ("custom_logit_processor", "gASV..."),
+    ("logits_processors", ["my.module.Processor"]), ("session_params", {"id": "s-1", "rid": "r-1"}),
+])
+def test_an_engine_field_that_picks_weights_runs_code_or_reopens_a_session_is_a_400(field: str, value: object) -> None:
+    """Sweep 19: a key allowed only the base model named another tenant's adapter in SGLang's lora_path (which
+    SGLang serves, whatever the model says); custom_logit_processor is code SGLang runs where it is enabled, and
+    logits_processors code vLLM loads. Dropped, the client would be served as if they had been honoured: a 400."""
+    with ScriptedUpstream(mode="complete", tokens=2) as upstream:
+        _app, server = gateway_over(upstream)
+        with server as gw:
+            answer = httpx.post(f"{gw.url}/v1/chat/completions", json={
+                "model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}], field: value})
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == field, answer.text
+    assert upstream.posts == 0
+
+
+def test_a_clients_own_llamacpp_slot_reaches_no_engine() -> None:
+    """The gateway places a llama.cpp request in a slot (id_slot) where its prefix routing says; a client's own
+    id_slot pinned any tenant's slot, evicting the prompt cached there. Without a placement of the gateway's,
+    the engine chooses."""
+    from gateway.app import create_app
+    from gateway.sim import FleetThread, SimSpec
+    from tests.api.conftest import gateway_settings
+    from tests.conftest import serve_in_thread
+
+    with FleetThread([SimSpec(engine="llamacpp", model="m", name="l", time_scale=40.0)]) as fleet:
+        settings = gateway_settings(fleet.fleet.servers, routing={"policy": "round-robin"})
+        with serve_in_thread(create_app(settings)) as gw:
+            answer = httpx.post(gw.url + "/v1/chat/completions", timeout=30, json={
+                "model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}], "id_slot": 1})
+            assert answer.status_code == 200, answer.text
+            sent = [q.body for q in list(fleet.fleet["l"].received) if q.path == "/v1/chat/completions"]
+    assert sent and all("id_slot" not in body for body in sent), sent
