@@ -41,8 +41,8 @@ from tests.waiting import wait_until
 PROMETHEUS_CONFIG = ROOT / "deploy" / "prometheus" / "prometheus.yml"
 PREVIEW = ROOT / "reports" / "dashboard-preview.png"
 TIME_SCALE = 20.0
-LOAD_SECONDS = 10.0
-RATE_INTERVAL = "10s"  # what $__rate_interval stands for here: ten 1 s scrapes
+LOAD_SECONDS = 5.0
+RATE_INTERVAL = "5s"  # what $__rate_interval stands for here: five 1 s scrapes
 SYSTEM = "You are a helpful assistant for the gateway's dashboard test. " * 8  # a shared prefix: cache hits
 
 pytestmark = [pytest.mark.skipif(shutil.which("prometheus") is None or shutil.which("promtool") is None,
