@@ -52,7 +52,7 @@ def _check_messages(messages: Any) -> None:
 
 # request fields an engine reads at every token it generates, for every request in the batch (stop strings are
 # matched against the text so far; token lists and maps are looked up or applied to the logits)
-STOP_FIELDS = ("stop", "stop_sequences", "bad_words", "stop_regex")
+STOP_FIELDS = ("stop", "stop_sequences", "bad_words", "stop_regex", "dry_sequence_breakers")
 TOKEN_FIELDS = ("logit_bias", "stop_token_ids", "allowed_token_ids")
 
 
@@ -64,7 +64,21 @@ NOT_ACCEPTED = {
     "custom_logit_processor": "it is code the engine runs (SGLang, with --enable-custom-logit-processor)",
     "logits_processors": "it names code the engine loads (vLLM, with --logits-processor-pattern)",
     "session_params": "it continues an engine session by its id, which the gateway cannot tie to a key (SGLang)",
+    "lora": "name the adapter as the model: the key's list of models applies to it (llama.cpp's adapters by id)",
+    # set by llama.cpp's own chat templates; from a client on /v1/completions a value llama-server does not know
+    # aborts the process (an unknown grammar trigger type, an unknown chat format: sweep 20), and a failover took
+    # the request, and the abort, to every backend of the model
+    "grammar_triggers": "it is set by llama.cpp's chat templates, and an unknown trigger type aborts llama-server",
+    "preserved_tokens": "it is set by llama.cpp's chat templates",
+    "chat_format": "it is set by llama.cpp's chat templates, and an unknown format aborts llama-server",
+    "chat_parser": "it is set by llama.cpp's chat templates",
 }
+# llama.cpp's sampler settings whose size sets what its main loop does at every token, or at a slot's start, for
+# every slot (sweep 20: 2,000 repeated samplers held other keys' streams to 1% of their pace; 20,000 DRY sequence
+# breakers held the loop 34 s; a repeat_last_n of 50 million took 670 MB)
+MAX_SAMPLERS = 16  # llama.cpp has about a dozen, each once
+MAX_LAST_N = 131_072  # repeat_last_n, dry_penalty_last_n (-1: the context; 0: off)
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound (vLLM's default max_logprobs); n_probs is llama.cpp's spelling
 
 
 def _check_not_accepted(body: dict[str, Any]) -> None:
@@ -93,6 +107,14 @@ def _check_per_token(body: dict[str, Any], limits: LimitSettings) -> None:
         if isinstance(value, list | dict) and len(value) > limits.max_token_entries:
             raise _bad(f"'{field}' has {len(value)} entries; this gateway accepts at most "
                        f"{limits.max_token_entries}", field)
+    samplers = body.get("samplers")
+    if samplers is not None and (not isinstance(samplers, str | list) or len(samplers) > MAX_SAMPLERS):
+        raise _bad(f"'samplers' must be a string or an array of at most {MAX_SAMPLERS} samplers", "samplers")
+    for field, low, high in (("repeat_last_n", -1, MAX_LAST_N), ("dry_penalty_last_n", -1, MAX_LAST_N),
+                             ("top_logprobs", 0, MAX_TOP_LOGPROBS), ("n_probs", 0, MAX_TOP_LOGPROBS)):
+        value = body.get(field)
+        if value is not None and (type(value) is not int or not low <= value <= high):
+            raise _bad(f"'{field}' must be an integer from {low} to {high}", field)
 
 
 def _check_tools(tools: Any, limits: LimitSettings) -> None:

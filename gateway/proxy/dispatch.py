@@ -695,10 +695,11 @@ class Dispatcher:
             param = "prompt" if several else "n"
             unable = sorted({b.spec.name for b in backends if model in b.models and not b.spec.several_generations})
             return GatewayError(400, f"no backend serving '{model}' can take {request.generations} generations in "
-                                     f"one request: {', '.join(unable) or 'its engine'} answers several choices or "
-                                     "prompts with the usage of one and runs each in a slot of its own, so the "
-                                     "request could be neither charged nor scheduled; send one generation per "
-                                     "request (n=1, one prompt)", param=param, code="unsupported_value")
+                                     f"one request ({', '.join(unable) or 'its engine'}): llama.cpp answers several "
+                                     "choices or prompts with the usage of one and runs each in a slot of its own, "
+                                     "and a plain 'openai' server may be llama-server, so the request could be "
+                                     "neither charged nor scheduled; send one generation per request (n=1, one "
+                                     "prompt)", param=param, code="unsupported_value")
         if exc.stage == "fits-context":
             largest = max((b.capacity.context_length or 0 for b in backends if model in b.models), default=0)
             needed = exc.request.estimated_tokens

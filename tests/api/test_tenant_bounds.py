@@ -353,6 +353,13 @@ def test_a_schema_whose_type_is_not_a_name_is_a_400(running: Running, padding: i
     ("/v1/chat/completions", "logit_bias", {str(i): 1 for i in range(3000)}, "'logit_bias' has 3000 entries"),
     ("/v1/chat/completions", "stop_token_ids", list(range(5000)), "'stop_token_ids' has 5000 entries"),
     ("/v1/chat/completions", "stop", 7, "must be a string or an array of strings"),
+    ("/v1/completions", "dry_sequence_breakers", [f"b{i}" for i in range(8000)], "'dry_sequence_breakers' has 8000"),
+    ("/v1/chat/completions", "samplers", "e" * 2000, "at most 16 samplers"),
+    ("/v1/completions", "samplers", ["penalties"] * 2000, "at most 16 samplers"),
+    ("/v1/chat/completions", "repeat_last_n", 50_000_000, "'repeat_last_n' must be an integer from -1 to 131072"),
+    ("/v1/completions", "dry_penalty_last_n", 2**31 - 1, "'dry_penalty_last_n' must be an integer from -1"),
+    ("/v1/chat/completions", "top_logprobs", 5000, "'top_logprobs' must be an integer from 0 to 20"),
+    ("/v1/completions", "n_probs", 5000, "'n_probs' must be an integer from 0 to 20"),
 ])
 def test_what_an_engine_reads_at_every_token_is_bounded(running: Running, path: str, field: str, value: Any,
                                                         said: str) -> None:
@@ -364,6 +371,9 @@ def test_what_an_engine_reads_at_every_token_is_bounded(running: Running, path: 
     reply = post(running, "open", {"model": "m", "max_tokens": 4, **ask, field: value}, path)
     assert reply.status_code == 400, reply.text[:300]
     assert said in reply.text, reply.text[:300]
-    within = post(running, "open", {"model": "m", "max_tokens": 4, **ask, field: value[:1] if isinstance(
-        value, list) else ({"1": 1} if isinstance(value, dict) else "stop")}, path)
+    fine = value[:1] if isinstance(value, list | str) else {"1": 1} if isinstance(value, dict) else 1
+    if field == "stop" and not isinstance(value, list | str):
+        fine = "stop"
+    extra = {"logprobs": True} if field == "top_logprobs" else {}  # (with logprobs only, as OpenAI)
+    within = post(running, "open", {"model": "m", "max_tokens": 4, **ask, field: fine, **extra}, path)
     assert within.status_code == 200, within.text[:300]

@@ -128,11 +128,12 @@ def test_a_request_of_several_generations_goes_only_where_they_are_charged_and_s
 
     pipeline = build_pipeline(policy)
     llama, vllm = engine_backend("l", engine="llamacpp"), engine_backend("v", engine="vllm")
+    plain = engine_backend("o", engine="openai")  # (llama-server may be one: sweep 20)
     several = RouteRequest(route="chat", model="m", stream=False, max_tokens=8, body={"n": 2}, generations=2)
     for _ in range(5):
-        assert [b.name for b in pipeline.route(several, [llama, vllm]).ranked] == ["v"]
+        assert [b.name for b in pipeline.route(several, [llama, vllm, plain]).ranked] == ["v"]
     with pytest.raises(NoRoute) as refused:
-        pipeline.route(several, [llama])
+        pipeline.route(several, [llama, plain])
     assert refused.value.stage == "several-generations"
     one = RouteRequest(route="chat", model="m", stream=False, max_tokens=8, body={})
     assert pipeline.route(one, [llama]).ranked[0] is llama
