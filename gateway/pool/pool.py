@@ -407,6 +407,16 @@ class Pool:
             backend.scrape_errors += 1
             self._complain(backend, f"reading it failed: {type(exc).__name__}: {exc}")
 
+    async def still_answers(self, backend: Backend) -> bool:
+        """Whether ``backend`` answers its health check now (within the scrape's timeout): asked when a request's
+        connection to it broke, before the request is sent to another."""
+        try:
+            probe = await asyncio.wait_for(self.adapters[backend.name].probe(self._clients[backend.name]),
+                                           self._scrape.timeout)
+        except Exception:  # (down, slow or garbage: no answer)
+            return False
+        return probe.health is not Health.DOWN
+
     def _complain(self, backend: Backend, what: str) -> None:
         """Log a failed reading: a warning at most every COMPLAINT_SECONDS per backend, else at debug level.
         The backend's address and credentials are scrubbed from the whole message."""

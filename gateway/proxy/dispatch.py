@@ -59,6 +59,8 @@ class Fleet(Protocol):
     @property
     def adapters(self) -> Mapping[str, EngineAdapter]: ...
 
+    async def still_answers(self, backend: Backend) -> bool: ...
+
 
 def client_wants_usage(body: dict[str, Any]) -> bool:
     options = body.get("stream_options")
@@ -551,6 +553,13 @@ class Dispatcher:
                 # the request reached the engine, which read its prompt: its key pays for it, as for a 5xx (each
                 # backend timed out on was a prompt's work for nothing, sweep 16)
                 exchange.failed_over += 1
+                if not exc.timeout and not exc.auth and not await self._fleet.still_answers(backend):
+                    # the engine went with the request: one that ends its engine would end the next one too (one
+                    # request aborted every llama-server of a model, each failover to the next: sweep 20)
+                    backend.mark_down(f"stopped answering after a request: {exc}")
+                    raise GatewayError(502, f"backend {backend.name}: {exc}, and it stopped answering; the request "
+                                            "is not sent to another backend", code=exc.code,
+                                       headers={"x-gateway-backend": backend.name}) from None
             raise self._retry(exchange, backend, exc.reason, final) from None
         except (GatewayError, asyncio.CancelledError):
             raise
