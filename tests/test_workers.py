@@ -345,6 +345,49 @@ def test_a_worker_started_again_runs_the_configuration_in_force_not_the_one_the_
         redis.kill()
 
 
+def test_an_admin_reload_reaches_every_worker_while_redis_does_not_answer(tmp_path: Path) -> None:
+    """Sweep 20: a key revoked through POST /admin/reload while Redis did not answer was revoked in the worker that
+    took the request only: the others heard of reloads over Redis alone and kept serving the key (200 on about
+    half the connections, a minute later too). The supervisor now passes what one worker applied to the others."""
+    base = free_port_block(2)
+    redis = RedisServer(base, tmp_path).start()
+    ops, team = "sk-ops-0123", "sk-team-4567"
+
+    def key(name: str, secret: str, scopes: list[str]) -> dict[str, Any]:
+        return {"name": name, "key_sha256": hashlib.sha256(secret.encode()).hexdigest(), "scopes": scopes}
+
+    def statuses(secret: str, count: int = 30) -> set[int]:
+        # fresh connections, which the kernel spreads over both workers
+        return {httpx.get(pod.url + "/v1/models", headers={"authorization": f"Bearer {secret}",
+                                                           "connection": "close"}, timeout=10).status_code
+                for _ in range(count)}
+
+    try:
+        with FleetThread([SimSpec(engine="vllm", model="m", name=n, time_scale=20) for n in ("a", "b")]) as fleet:
+            config = pod_config(fleet, redis, base + 1)
+            config["auth"] = {"keys": [key("ops", ops, ["admin"]), key("team", team, ["inference"])]}
+            pod = start_pod(tmp_path, fleet, redis, base + 1, config)
+            assert redis.proc is not None
+            try:
+                assert statuses(team) == {200}
+                redis.proc.send_signal(signal.SIGSTOP)  # (Redis takes connections and answers nothing)
+                try:
+                    config["auth"]["keys"] = config["auth"]["keys"][:1]  # team revoked
+                    (tmp_path / "gateway.yaml").write_text(yaml.safe_dump(config))
+                    reply = httpx.post(pod.url + "/admin/reload", headers={"authorization": f"Bearer {ops}"},
+                                       timeout=30)
+                    assert reply.status_code == 200, reply.text
+                    logged_until(pod.log, lambda: statuses(team, count=10) == {401},
+                                 "the reload reached both workers with Redis stopped", 30)
+                    assert statuses(team) == {401}
+                finally:
+                    redis.proc.send_signal(signal.SIGCONT)
+            finally:
+                pod.supervisor.stop()
+    finally:
+        redis.kill()
+
+
 def test_sighups_while_workers_start_kill_none_and_the_file_is_reloaded(tmp_path: Path) -> None:
     """A SIGHUP sent to the process group (``kill -HUP`` under systemd or Kubernetes), or forwarded while a worker
     started again, reached a worker before it had installed its handler, and SIGHUP's default action ended it.
