@@ -52,8 +52,11 @@ def _check_messages(messages: Any) -> None:
 
 # request fields an engine reads at every token it generates, for every request in the batch (stop strings are
 # matched against the text so far; token lists and maps are looked up or applied to the logits)
-STOP_FIELDS = ("stop", "stop_sequences", "bad_words", "stop_regex", "dry_sequence_breakers")
-TOKEN_FIELDS = ("logit_bias", "stop_token_ids", "allowed_token_ids")
+STOP_FIELDS = ("stop", "stop_sequences", "bad_words", "stop_regex", "dry_sequence_breakers", "banned_strings")
+# (TabbyAPI also takes its token lists as one comma-separated string: counted by its commas)
+TOKEN_FIELDS = ("logit_bias", "stop_token_ids", "allowed_token_ids", "banned_tokens", "custom_token_bans",
+                "allowed_tokens")
+MAX_BIAS_KEY = 64  # characters of a logit_bias key (llama.cpp tokenizes a key that is text: one entry a token)
 
 
 # request fields of an engine's own that the gateway does not pass on from a client, and why (a 400 naming the
@@ -104,9 +107,13 @@ def _check_per_token(body: dict[str, Any], limits: LimitSettings) -> None:
             raise _bad(f"the stop sequences hold more than {limits.max_stop_chars} characters in all", field)
     for field in TOKEN_FIELDS:
         value = body.get(field)
-        if isinstance(value, list | dict) and len(value) > limits.max_token_entries:
-            raise _bad(f"'{field}' has {len(value)} entries; this gateway accepts at most "
+        entries = (len(value) if isinstance(value, list | dict) else value.count(",") + 1 if isinstance(value, str)
+                   else 0)
+        if entries > limits.max_token_entries:
+            raise _bad(f"'{field}' has {entries} entries; this gateway accepts at most "
                        f"{limits.max_token_entries}", field)
+        if isinstance(value, dict) and any(len(k) > MAX_BIAS_KEY for k in value):
+            raise _bad(f"'{field}' has a key of more than {MAX_BIAS_KEY} characters", field)
     samplers = body.get("samplers")
     if samplers is not None and (not isinstance(samplers, str | list) or len(samplers) > MAX_SAMPLERS):
         raise _bad(f"'samplers' must be a string or an array of at most {MAX_SAMPLERS} samplers", "samplers")

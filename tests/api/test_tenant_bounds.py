@@ -360,6 +360,10 @@ def test_a_schema_whose_type_is_not_a_name_is_a_400(running: Running, padding: i
     ("/v1/completions", "dry_penalty_last_n", 2**31 - 1, "'dry_penalty_last_n' must be an integer from -1"),
     ("/v1/chat/completions", "top_logprobs", 5000, "'top_logprobs' must be an integer from 0 to 20"),
     ("/v1/completions", "n_probs", 5000, "'n_probs' must be an integer from 0 to 20"),
+    ("/v1/chat/completions", "banned_strings", [f"b{i}" for i in range(100)], "'banned_strings' has 100 entries"),
+    ("/v1/chat/completions", "custom_token_bans", ",".join(map(str, range(5000))), "'custom_token_bans' has 5000"),
+    ("/v1/chat/completions", "allowed_tokens", list(range(5000)), "'allowed_tokens' has 5000 entries"),
+    ("/v1/chat/completions", "logit_bias", {"9" * 4000: 1}, "a key of more than 64 characters"),
 ])
 def test_what_an_engine_reads_at_every_token_is_bounded(running: Running, path: str, field: str, value: Any,
                                                         said: str) -> None:
