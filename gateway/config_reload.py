@@ -85,6 +85,10 @@ class KnownKeys:
             if self._names.get(digest) == name:
                 del self._names[digest]
 
+    def history(self) -> tuple[ApiKeySettings, ...]:
+        """Every key remembered, oldest first, with the settings it last had (see ``InForce.known``)."""
+        return tuple(key for key, _ in self._last.values())
+
     def last(self, key: ApiKeySettings) -> ApiKeySettings | None:
         """The settings ``key`` (its name, else its hash) last had in force, or None for a key never seen."""
         seen = self._last.get(key.name)

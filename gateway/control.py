@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from multiprocessing.connection import Connection
 from typing import Any, NoReturn
 
@@ -30,7 +30,14 @@ import orjson
 from prometheus_client import CollectorRegistry, Counter
 
 from gateway.clock import SYSTEM, Clock
-from gateway.config import ConfigError, Settings, parse_settings, read_settings_file, settings_from_mapping
+from gateway.config import (
+    ApiKeySettings,
+    ConfigError,
+    Settings,
+    parse_settings,
+    read_settings_file,
+    settings_from_mapping,
+)
 from gateway.config_reload import KnownKeys, check_reload, stable_contents
 from gateway.errors import GatewayError
 from gateway.pool.backend import Backend
@@ -72,7 +79,8 @@ class ControlPlane:
                  config_path: str | None = None, recent: Recent | None = None,
                  models: Callable[[], ModelMap] | None = None, siblings: Siblings | None = None,
                  config_content: bytes | None = None, on_applied: Callable[[InForce], None] | None = None,
-                 pushed: Connection | None = None, clock: Clock = SYSTEM) -> None:
+                 pushed: Connection | None = None, known: Sequence[ApiKeySettings] = (),
+                 clock: Clock = SYSTEM) -> None:
         self._clock = clock  # (the pool's: its readings' ages are told on it)
         self._settings = settings  # the configuration in effect now
         self._reconfigure = apply
@@ -86,7 +94,8 @@ class ControlPlane:
         self._reload_waiting = False  # a SIGHUP's reload waits for its turn (more SIGHUPs meanwhile: that one)
         self._reload_at_start: str | None = None  # a SIGHUP came before start(): a reload once started
         # every key in force since the start: one a change removed and a reload brings back is held to what it had
-        self._known = KnownKeys(settings().auth.keys)
+        self._known = KnownKeys(known)  # (what the other workers had in force: see InForce.known)
+        self._known.saw(settings().auth.keys)
         self._on_applied = on_applied  # told what is in force after each change (a worker's supervisor)
         # what another worker of this gateway applied, passed on by the supervisor (read on the loop once started):
         # told over Redis alone, a change made while Redis was down, or as a worker started again, never reached
@@ -174,6 +183,8 @@ class ControlPlane:
         async with self._changing:
             if in_force.settings == self._settings() and in_force.content == self._content:
                 return  # (told over Redis too, or this worker's own)
+            self._known.saw(in_force.known)  # (the keys it knew of, this one's too: the next line holds to them)
+            self._known.saw(self._settings().auth.keys)
             try:
                 check_reload(self._settings(), in_force.settings, self._known)
                 check_settings(in_force.settings)
@@ -524,7 +535,8 @@ class ControlPlane:
         if self._on_applied is not None:
             async with self._reporting:
                 try:
-                    await asyncio.to_thread(self._on_applied, InForce(self._settings(), self._content))
+                    await asyncio.to_thread(self._on_applied, InForce(self._settings(), self._content,
+                                                                        self._known.history()))
                 except OSError as exc:  # (the supervisor is gone: this worker is about to stop too)
                     log.warning("could not tell the supervisor what is in force: %s", exc)
         self.reloads.labels("applied").inc()

@@ -211,7 +211,7 @@ def _worker(in_force: InForce, identity: WorkerIdentity, log_level: str, parent:
     raise_nofile_limit()
     settings = in_force.settings
     app = create_app(settings, worker=identity, config_path=config_path, config_content=in_force.content,
-                     on_applied=report.send, pushed=pushed)
+                     on_applied=report.send, pushed=pushed, known_keys=in_force.known)
     _reload_on_sighup(app)
     gcpolicy.quiet()
     _serve(app, settings, log_level, reuseport_socket(settings.server.host, settings.server.port))

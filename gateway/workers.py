@@ -27,7 +27,7 @@ from pathlib import Path
 import orjson
 from prometheus_client import CollectorRegistry, generate_latest
 
-from gateway.config import Settings
+from gateway.config import ApiKeySettings, Settings
 from gateway.pool.pool import Pool
 from gateway.telemetry.merge import merge_expositions
 
@@ -40,10 +40,13 @@ _MAX_ANSWER = 64 * 1024 * 1024
 @dataclass(frozen=True, slots=True)
 class InForce:
     """The configuration a worker runs: its effective settings, and the file's bytes they were read from (what
-    its file watch compares the file with; None: read the file when the watch starts)."""
+    its file watch compares the file with; None: read the file when the watch starts); and every API key in force
+    since the start, oldest first, with the settings it last had (a reload that brings a removed key back holds it
+    to them: a worker started again knew none, and took such a key back without its limits: sweep 20)."""
 
     settings: Settings
     content: bytes | None
+    known: tuple[ApiKeySettings, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

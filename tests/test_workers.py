@@ -388,6 +388,52 @@ def test_an_admin_reload_reaches_every_worker_while_redis_does_not_answer(tmp_pa
         redis.kill()
 
 
+def test_a_worker_started_again_remembers_a_removed_keys_limits(tmp_path: Path) -> None:
+    """A reload that brings a removed key back leaving out its limits is refused (the key would come back without
+    them). Sweep 20: a worker started again after the removal knew nothing of the key, and took it back bare:
+    the key ran past its limits, on models it was never allowed, there (and, once the other worker was started
+    again from what it reported, everywhere). The keys a worker has had in force travel with what it reports."""
+    base = free_port_block(2)
+    redis = RedisServer(base, tmp_path).start()
+    ops, team = "sk-ops-0123", "sk-team-4567"
+
+    def key(name: str, secret: str, **extra: Any) -> dict[str, Any]:
+        return {"name": name, "key_sha256": hashlib.sha256(secret.encode()).hexdigest(), **extra}
+
+    def statuses(secret: str, count: int = 30) -> set[int]:
+        return {httpx.get(pod.url + "/v1/models", headers={"authorization": f"Bearer {secret}",
+                                                           "connection": "close"}, timeout=10).status_code
+                for _ in range(count)}
+
+    def write(keys: list[dict[str, Any]]) -> None:
+        config["auth"] = {"keys": keys}
+        (tmp_path / "gateway.yaml").write_text(yaml.safe_dump(config))
+
+    try:
+        with FleetThread([SimSpec(engine="vllm", model="m", name=n, time_scale=20) for n in ("a", "b")]) as fleet:
+            config = pod_config(fleet, redis, base + 1)
+            admin, limited = key("ops", ops, scopes=["admin"]), key("team", team, models=["m"], requests_per_minute=5)
+            write([admin, limited])
+            pod = start_pod(tmp_path, fleet, redis, base + 1, config)
+            try:
+                write([admin])  # team removed
+                reply = httpx.post(pod.url + "/admin/reload", headers={"authorization": f"Bearer {ops}"}, timeout=10)
+                assert reply.status_code == 200, reply.text
+                logged_until(pod.log, lambda: statuses(team, count=10) == {401}, "team removed everywhere", 30)
+                killed = pod.workers()[:1]
+                os.kill(killed[0], signal.SIGKILL)
+                wait_restarted(pod, killed)
+                write([admin, key("team", team)])  # back, its limits left out
+                os.kill(pod.supervisor.pid, signal.SIGHUP)  # (every worker reads the file)
+                logged_until(pod.log, lambda: pod.log.read_text().count("reload (SIGHUP) rejected") >= 2,
+                             "both workers refused the file", 30)
+                assert statuses(team) == {401}
+            finally:
+                pod.supervisor.stop()
+    finally:
+        redis.kill()
+
+
 def test_sighups_while_workers_start_kill_none_and_the_file_is_reloaded(tmp_path: Path) -> None:
     """A SIGHUP sent to the process group (``kill -HUP`` under systemd or Kubernetes), or forwarded while a worker
     started again, reached a worker before it had installed its handler, and SIGHUP's default action ended it.
