@@ -10,7 +10,7 @@ import re
 from collections.abc import Callable, Iterable
 from functools import partial
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import quote, unquote, urlsplit
 
 import orjson
 
@@ -73,6 +73,10 @@ def _holds(text: str | bytes, raw: tuple[Any, ...], escapes: tuple[Any, ...], ba
     return False
 
 
+# path segments of a backend URL that name an API, not anything of the operator's own (see Redactor)
+_API_SEGMENTS = frozenset({"v1", "v2", "v3", "api", "openai", "inference", "llm", "llms", "serving", "models"})
+
+
 class Redactor:
     """Takes a backend's address and credentials out of text bound for a client or a log.
 
@@ -98,6 +102,15 @@ class Redactor:
         parts = urlsplit(url)
         host, port = parts.hostname or "", parts.port
         alternatives = [re.escape(url.rstrip("/")) + r"[^\s'\"]*"]  # the URL with whatever path follows
+        path = parts.path.rstrip("/")
+        own = [segment for segment in unquote(path).split("/") if segment and segment.lower() not in _API_SEGMENTS]
+        if own:
+            # a path of the operator's own (a token a reverse proxy routes by): echoed alone, as an engine or a
+            # proxy names the path it was asked (sweep 20); the path, and each long segment of it, in any spelling
+            pieces = [path, *(segment for segment in own if len(segment) >= 6)]
+            spellings = {spelling for piece in pieces for spelling in (piece, quote(piece), quote(piece, safe=""),
+                                                                        unquote(piece))}
+            alternatives += [re.escape(p) for p in sorted(spellings, key=len, reverse=True)]
         if host:
             if port is not None:
                 alternatives.append(re.escape(f"{host}:{port}"))

@@ -31,3 +31,16 @@ pytestmark = pytest.mark.unit
 )
 def test_a_urls_credentials_and_secret_parameters_are_redacted(url: str, shown: str) -> None:
     assert redact_url(url) == shown
+
+
+def test_a_path_of_the_operators_own_in_a_backend_url_is_taken_out_where_it_is_echoed_alone() -> None:
+    """Sweep 20: a token in a backend URL's path (a reverse proxy routing by it) reached clients in every error
+    an engine or proxy wrote naming the path it was asked ("Cannot POST /t/<token>/v1/chat/completions"): the URL
+    was taken out whole, its host and port alone, never its path alone. A path naming an API only stays."""
+    from gateway.errors import Redactor
+
+    secret = Redactor("e", "http://127.0.0.1:28842/t/TOKSECRETPATH123")
+    for echoed in ("Cannot POST /t/TOKSECRETPATH123/v1/chat/completions", "upstream /t%2FTOKSECRETPATH123 failed"):
+        assert "TOKSECRETPATH123" not in secret.scrub(echoed), secret.scrub(echoed)
+    plain = Redactor("v", "http://10.0.0.7:8000/v1")
+    assert plain.scrub("Cannot POST /v1/chat/completions") == "Cannot POST /v1/chat/completions"
