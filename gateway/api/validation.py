@@ -67,6 +67,9 @@ NOT_ACCEPTED = {
     "custom_logit_processor": "it is code the engine runs (SGLang, with --enable-custom-logit-processor)",
     "logits_processors": "it names code the engine loads (vLLM, with --logits-processor-pattern)",
     "session_params": "it continues an engine session by its id, which the gateway cannot tie to a key (SGLang)",
+    "session_id": "it continues an engine session by its id, which the gateway cannot tie to a key (SGLang)",
+    "input_ids": "the prompt is the messages or prompt the gateway checks, routes and charges; SGLang would "
+                 "serve these token ids in their place",
     "lora": "name the adapter as the model: the key's list of models applies to it (llama.cpp's adapters by id)",
     # set by llama.cpp's own chat templates; from a client on /v1/completions a value llama-server does not know
     # aborts the process (an unknown grammar trigger type, an unknown chat format: sweep 20), and a failover took

@@ -34,6 +34,8 @@ def test_a_clients_prefill_decode_fields_reach_no_engine(engine: str, route: str
 @pytest.mark.parametrize(("field", "value"), [
     ("lora_path", "tenant-a-adapter"), ("custom_logit_processor", "gASV..."),
     ("logits_processors", ["my.module.Processor"]), ("session_params", {"id": "s-1", "rid": "r-1"}),
+    ("session_id", "s-1"), ("input_ids", [1, 2, 3]), ("lora", [{"id": 0, "scale": 1.0}]),
+    ("grammar_triggers", [{"type": 9, "value": "x"}]), ("chat_format", 99999),
 ])
 def test_an_engine_field_that_picks_weights_runs_code_or_reopens_a_session_is_a_400(field: str, value: object) -> None:
     """Sweep 19: a key allowed only the base model named another tenant's adapter in SGLang's lora_path (which
