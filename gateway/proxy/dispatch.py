@@ -554,12 +554,16 @@ class Dispatcher:
                 # backend timed out on was a prompt's work for nothing, sweep 16)
                 exchange.failed_over += 1
                 if not exc.timeout and not exc.auth and not await self._fleet.still_answers(backend):
-                    # the engine went with the request: one that ends its engine would end the next one too (one
-                    # request aborted every llama-server of a model, each failover to the next: sweep 20)
+                    # The engine went with the request. Most often it died of its own (killed, out of memory), and
+                    # the request goes to the next backend; but a request that ends its engine ends the next one
+                    # too (one request aborted every llama-server of a model, each failover to the next: sweep 20).
+                    # So a request after which a second engine went is sent to no other.
                     backend.mark_down(f"stopped answering after a request: {exc}")
-                    raise GatewayError(502, f"backend {backend.name}: {exc}, and it stopped answering; the request "
-                                            "is not sent to another backend", code=exc.code,
-                                       headers={"x-gateway-backend": backend.name}) from None
+                    exchange.engines_lost += 1
+                    if exchange.engines_lost > 1:
+                        raise GatewayError(502, f"backend {backend.name}: {exc}, and it stopped answering, the second "
+                                                "backend to after this request; it is not sent to another",
+                                           code=exc.code, headers={"x-gateway-backend": backend.name}) from None
             raise self._retry(exchange, backend, exc.reason, final) from None
         except (GatewayError, asyncio.CancelledError):
             raise

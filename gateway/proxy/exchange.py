@@ -85,6 +85,7 @@ class Exchange:
     # least a byte, or a byte's fallback; a template's few words per message fit in the JSON around them)
     body_bytes: int = 0
     failed_over: int = 0  # backends that read its prompt and were failed over from (each is charged that prompt)
+    engines_lost: int = 0  # backends that stopped answering after an attempt of it (see Dispatcher._attempt)
     rereads: int = 0  # bytes an engine reads beyond the body: a rerank's query again, with each later document
     # with shared state: the key's budget, admitted on arrival (gateway.state), and the backend whose shared slot
     # this request holds (taken after routing)
