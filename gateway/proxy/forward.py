@@ -181,9 +181,13 @@ class Forwarder:
                             raise UpstreamError(f"the backend answered 200 with a body that is not a JSON object: "
                                                 f"{backend.secrets.excerpt(raw, 80)!r}")
                         shown = without(doc, options.hidden) if options.hidden else None
-                        if backend.secrets.echoed(raw):  # (bytes.find; the answer is walked only where it matches)
+                        # an error in a 200 body is scrubbed as an error is, its address too (sweep 21: a path
+                        # token echoed there reached the client); an answer, for credentials alone (bytes.find: the
+                        # answer is walked only where it matches)
+                        an_error = "error" in doc and not doc.get("choices")
+                        if an_error or backend.secrets.echoed(raw):
                             target = shown if shown is not None else doc
-                            if backend.secrets.scrub_json(target):
+                            if backend.secrets.scrub_json(target, address=an_error):
                                 shown = target
                         if shown is not None:
                             raw = orjson.dumps(shown)

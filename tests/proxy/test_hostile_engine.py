@@ -152,3 +152,24 @@ def test_a_request_after_which_two_engines_stopped_answering_is_not_sent_to_a_th
         assert posts == [0, 1, 1] and "it is not sent to another" in answer.text, (posts, answer.text)
     else:
         assert posts == [1, 1, 1], "failed over to each, which failed it too"
+
+
+def test_a_path_token_echoed_in_an_error_of_a_200_body_is_redacted() -> None:
+    """Sweep 21: with a token in the backend URL's path, an engine's 200 body holding an error that names the path
+    reached the client whole (such a body was scrubbed for credentials only, as an answer is); it is scrubbed as
+    an error now, the backend's address and path included. A 200 answer's own text is left alone."""
+    from gateway.app import create_app
+    from gateway.config import settings_from_mapping
+    from tests.conftest import serve_in_thread
+
+    with ScriptedUpstream(mode="script") as upstream:
+        upstream.script = lambda _headers: (200, "application/json", [orjson.dumps(
+            {"error": {"message": "upstream /t/TOKSECRETPATH123/v1/chat/completions failed"}})])
+        settings = settings_from_mapping({"backends": [{"name": "p", "engine": "openai",
+                                                        "url": upstream.url + "/t/TOKSECRETPATH123"}],
+                                          "scrape": {"interval": 0.1, "timeout": 1.0}})
+        with serve_in_thread(create_app(settings)) as gw:
+            wait_until(lambda: httpx.get(gw.url + "/ready").status_code == 200, "the backend ready")
+            answer = httpx.post(gw.url + "/v1/chat/completions", timeout=30,
+                                json={"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+    assert "TOKSECRETPATH123" not in answer.text, answer.text
