@@ -46,6 +46,17 @@ def slack(truth: float) -> float:
     return max(0.002, 0.05 * abs(truth))
 
 
+# the client's time to first token holds the loopback hops to the gateway and back, which the gateway's does not:
+# under load they grew to 29 ms of a 223 ms mean (a sweep running beside the suite). The client's figure may be
+# above the gateway's by as much as this share of it, never below it by more than the slack.
+HOPS = 0.15
+
+
+def close_ttft(gateway: float, client: float, what: str) -> None:
+    assert client - max(slack(client), HOPS * client) <= gateway <= client + slack(client), (
+        f"{what}: gateway {gateway:.5f} vs the client's {client:.5f}")
+
+
 def histogram(text: str, name: str, **labels: str) -> tuple[float, float]:
     total = count = 0.0
     for family in text_string_to_metric_families(text):
@@ -87,20 +98,21 @@ def exact_quantile(q: float, values: list[float]) -> float:
     return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
 
 
-def close_quantiles(text: str, name: str, values: list[float], what: str, **labels: str) -> None:
+def close_quantiles(text: str, name: str, values: list[float], what: str, hops: float = 0.0, **labels: str) -> None:
     """p50 and p90 from the gateway's histogram against the exact ones of ``values`` (the same requests).
 
     Tolerance: the histogram knows only which bucket an observation fell in, so the exact value may lie
     anywhere in the bucket ``histogram_quantile`` interpolates in, [lower, upper] (the bucket's width, not
     a share of the value); and each of the gateway's observations may differ from its counterpart in
     ``values`` by ``slack`` (2 ms or 5%, as for the means), which moves an order statistic by at most as much.
-    So the exact quantile must lie within [lower - slack, upper + slack]."""
+    So the exact quantile must lie within [lower - slack, upper + slack]; ``hops``: a share of each value that is
+    the client's own (see HOPS), by which the exact one may lie above."""
     cumulative = buckets(text, name, **labels)
     assert cumulative[-1][1] == len(values), f"{what}: {cumulative[-1][1]} observations vs {len(values)}"
     for q in (0.5, 0.9):
         estimate, lower, upper = histogram_quantile(q, cumulative)
         truth = exact_quantile(q, values)
-        assert lower - slack(truth) <= truth <= upper + slack(truth), (
+        assert lower - slack(truth) <= truth <= upper + max(slack(truth), hops * truth), (
             f"{what} p{100 * q:.0f}: gateway {estimate:.5f} (bucket {lower}..{upper}) vs exact {truth:.5f}")
 
 
@@ -223,9 +235,9 @@ def test_gateway_figures_match_the_client_and_the_emulator(tmp_path: Path) -> No
         # TTFT: the client's includes loopback both ways, the gateway's does not
         total, count = histogram(text, "gateway_time_to_first_token_seconds", backend=backend)
         assert count == len(runs)
-        close(total / count, statistics.fmean(r["ttft"] for r in runs), f"{backend} TTFT")
+        close_ttft(total / count, statistics.fmean(r["ttft"] for r in runs), f"{backend} TTFT")
         close_quantiles(text, "gateway_time_to_first_token_seconds", [r["ttft"] for r in runs], f"{backend} TTFT",
-                        backend=backend)
+                        hops=HOPS, backend=backend)
         # inter-token latency: mean gap between text events
         gaps = [g for r in runs for g in r["gaps"]]
         total, count = histogram(text, "gateway_inter_token_latency_seconds", backend=backend)
