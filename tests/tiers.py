@@ -118,6 +118,10 @@ def _done(item: pytest.Item) -> set[str]:
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Any:
+    if nextitem is None or nextitem.module is not item.module:  # type: ignore[attr-defined]
+        # (module and session fixtures end here, what they do is no act of this test's: a session's llama-server
+        # stopped after a unit test, the last one run, failed it)
+        _current.clear()
     result = yield
     done = _done(item)
     tier = item.stash.get(_TIER, DEFAULT)
