@@ -41,6 +41,9 @@ _MODEL_MAX = 1024
 class _Fields(msgspec.Struct):
     model: msgspec.Raw = _NULL
     n_predict: msgspec.Raw = _NULL
+    max_length: msgspec.Raw = _NULL
+    min_tokens: msgspec.Raw = _NULL
+    min_length: msgspec.Raw = _NULL
     max_tokens: msgspec.Raw = _NULL
     max_completion_tokens: msgspec.Raw = _NULL
     max_output_tokens: msgspec.Raw = _NULL
@@ -54,7 +57,8 @@ class _Fields(msgspec.Struct):
 _DECODER = msgspec.json.Decoder(_Fields)
 # what a request may generate, however it is spelled: chat, completions; Responses; llama.cpp (which reads it
 # before max_tokens): the most any of them says
-_OUTPUT_FIELDS = ("max_completion_tokens", "max_tokens", "max_output_tokens", "n_predict")
+_OUTPUT_FIELDS = ("max_completion_tokens", "max_tokens", "max_output_tokens", "n_predict", "max_length", "min_tokens",
+                  "min_length")
 # how many choices a request asks for, however it is spelled (llama.cpp's own: n_cmpl)
 CHOICE_FIELDS = ("n", "best_of", "n_cmpl")
 

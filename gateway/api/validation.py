@@ -18,7 +18,8 @@ from gateway.structured.offload import ValidationBusy, ValidationWorkers
 
 _MAX_DEPTH = 254  # the deepest nesting orjson encodes
 # what a request may generate, however an engine spells it (OpenAI chat, completions, llama.cpp)
-OUTPUT_FIELDS = ("max_completion_tokens", "max_tokens", "n_predict")
+# (TabbyAPI's max_length is its alias of max_tokens)
+OUTPUT_FIELDS = ("max_completion_tokens", "max_tokens", "n_predict", "max_length")
 _ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
 
 
@@ -52,7 +53,8 @@ def _check_messages(messages: Any) -> None:
 
 # request fields an engine reads at every token it generates, for every request in the batch (stop strings are
 # matched against the text so far; token lists and maps are looked up or applied to the logits)
-STOP_FIELDS = ("stop", "stop_sequences", "bad_words", "stop_regex", "dry_sequence_breakers", "banned_strings")
+STOP_FIELDS = ("stop", "stop_sequences", "bad_words", "stop_regex", "dry_sequence_breakers", "banned_strings",
+               "stop_sequence")  # (the last: TabbyAPI's alias of stop)
 # (TabbyAPI also takes its token lists as one comma-separated string: counted by its commas)
 TOKEN_FIELDS = ("logit_bias", "stop_token_ids", "allowed_token_ids", "banned_tokens", "custom_token_bans",
                 "allowed_tokens")
@@ -117,14 +119,31 @@ def _check_per_token(body: dict[str, Any], limits: LimitSettings) -> None:
                        f"{limits.max_token_entries}", field)
         if isinstance(value, dict) and any(len(k) > MAX_BIAS_KEY for k in value):
             raise _bad(f"'{field}' has a key of more than {MAX_BIAS_KEY} characters", field)
+    bias = body.get("logit_bias")  # (llama.cpp also takes it as [[token or text, bias], ...])
+    if isinstance(bias, list) and any(isinstance(pair, list) and pair and isinstance(pair[0], str)
+                                      and len(pair[0]) > MAX_BIAS_KEY for pair in bias):
+        raise _bad(f"'logit_bias' has a key of more than {MAX_BIAS_KEY} characters", "logit_bias")
     samplers = body.get("samplers")
-    if samplers is not None and (not isinstance(samplers, str | list) or len(samplers) > MAX_SAMPLERS):
-        raise _bad(f"'samplers' must be a string or an array of at most {MAX_SAMPLERS} samplers", "samplers")
+    if samplers is not None and (not isinstance(samplers, str | list) or len(samplers) > MAX_SAMPLERS
+                                 or not all(isinstance(s, str) for s in samplers)
+                                 or len(set(samplers)) != len(samplers)):
+        # (each once: the chain runs every entry over the candidates at every token; 16 typical samplers, each
+        # sorting a 128k vocabulary, held other keys' streams to 2% of their pace: sweep 21)
+        raise _bad(f"'samplers' must be a string or an array of at most {MAX_SAMPLERS} samplers, each once",
+                   "samplers")
     for field, low, high in (("repeat_last_n", -1, MAX_LAST_N), ("dry_penalty_last_n", -1, MAX_LAST_N),
+                             ("penalty_range", -1, MAX_LAST_N), ("rep_pen_range", -1, MAX_LAST_N),
                              ("top_logprobs", 0, MAX_TOP_LOGPROBS), ("n_probs", 0, MAX_TOP_LOGPROBS)):
         value = body.get(field)
         if value is not None and (type(value) is not int or not low <= value <= high):
             raise _bad(f"'{field}' must be an integer from {low} to {high}", field)
+    for field in ("min_tokens", "min_length"):  # (generated at least: reserved as the most, see body_head)
+        value = body.get(field)
+        if value is not None and (type(value) is not int or not 0 <= value <= limits.max_tokens):
+            raise _bad(f"'{field}' must be an integer from 0 to {limits.max_tokens}", field)
+    logprobs = body.get("logprobs")  # (an integer on completions: how many; llama.cpp reads it as n_probs)
+    if type(logprobs) is int and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
+        raise _bad(f"'logprobs' must be an integer from 0 to {MAX_TOP_LOGPROBS}", "logprobs")
 
 
 def _check_tools(tools: Any, limits: LimitSettings) -> None:

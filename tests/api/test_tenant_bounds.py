@@ -364,6 +364,13 @@ def test_a_schema_whose_type_is_not_a_name_is_a_400(running: Running, padding: i
     ("/v1/chat/completions", "custom_token_bans", ",".join(map(str, range(5000))), "'custom_token_bans' has 5000"),
     ("/v1/chat/completions", "allowed_tokens", list(range(5000)), "'allowed_tokens' has 5000 entries"),
     ("/v1/chat/completions", "logit_bias", {"9" * 4000: 1}, "a key of more than 64 characters"),
+    ("/v1/completions", "logit_bias", [["0123456789" * 1000, 0.5]], "a key of more than 64 characters"),
+    ("/v1/completions", "logprobs", 1638, "'logprobs' must be an integer from 0 to 20"),
+    ("/v1/chat/completions", "samplers", "yy", "each once"),
+    ("/v1/chat/completions", "stop_sequence", [f"s{i}" for i in range(100)], "'stop_sequence' has 100 entries"),
+    ("/v1/chat/completions", "rep_pen_range", 10**9, "'rep_pen_range' must be an integer from -1 to 131072"),
+    ("/v1/chat/completions", "min_tokens", 10**6, "'min_tokens' must be an integer from 0 to 131072"),
+    ("/v1/chat/completions", "max_length", 10**6, "'max_length' is 1000000; this gateway accepts at most"),
 ])
 def test_what_an_engine_reads_at_every_token_is_bounded(running: Running, path: str, field: str, value: Any,
                                                         said: str) -> None:
@@ -378,6 +385,8 @@ def test_what_an_engine_reads_at_every_token_is_bounded(running: Running, path: 
     fine = value[:1] if isinstance(value, list | str) else {"1": 1} if isinstance(value, dict) else 1
     if field == "stop" and not isinstance(value, list | str):
         fine = "stop"
+    if field == "logit_bias":  # (in OpenAI's spelling: the emulated vLLM takes no other, as vLLM)
+        fine = {"1": 1}
     extra = {"logprobs": True} if field == "top_logprobs" else {}  # (with logprobs only, as OpenAI)
     within = post(running, "open", {"model": "m", "max_tokens": 4, **ask, field: fine, **extra}, path)
     assert within.status_code == 200, within.text[:300]
