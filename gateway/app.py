@@ -7,7 +7,6 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from multiprocessing.connection import Connection
 from pathlib import Path
 
 from fastapi import FastAPI
@@ -75,7 +74,6 @@ class Gateway:
         config_path: str | None = None,
         config_content: bytes | None = None,
         on_applied: Callable[[InForce], None] | None = None,
-        pushed: Connection | None = None,
         known_keys: Sequence[ApiKeySettings] = (),
         clock: Clock = SYSTEM,
     ) -> None:
@@ -150,7 +148,7 @@ class Gateway:
                                     self.metrics.registry, apply=self.reconfigure, config_path=config_path,
                                     recent=self.recent, models=lambda: self.dispatcher.models,
                                     siblings=self.siblings, config_content=config_content, on_applied=on_applied,
-                                    pushed=pushed, known=known_keys, clock=clock)
+                                    known=known_keys, clock=clock)
         self._endpoints: list[ProxyEndpoint] = []
         self.started_at = int(time.time())
 
@@ -298,18 +296,17 @@ def create_app(
     config_path: str | None = None,
     config_content: bytes | None = None,
     on_applied: Callable[[InForce], None] | None = None,
-    pushed: Connection | None = None,
     known_keys: Sequence[ApiKeySettings] = (),
     clock: Clock = SYSTEM,
 ) -> GatewayApp:
     """The gateway's ASGI app. ``config_path``: the file a reload reads, ``config_content`` the bytes of it that
     ``settings`` came from (what the file watch compares the file with); ``on_applied`` is told what is in force
-    after each change (a worker tells its supervisor); ``pushed`` brings what the other workers applied (from
-    the supervisor), ``known_keys`` the keys they have had in force (``InForce.known``)."""
+    after each change (a worker tells its supervisor); ``known_keys``: the keys the gateway's workers have had in
+    force (``InForce.known``)."""
     gateway = Gateway(settings, client_factory=client_factory, registry=registry, resolver=resolver,
                       tracer_provider=tracer_provider, transport=transport, worker=worker, config_path=config_path,
-                      config_content=config_content, on_applied=on_applied, pushed=pushed,
-                      known_keys=known_keys, clock=clock)
+                      config_content=config_content, on_applied=on_applied, known_keys=known_keys,
+                      clock=clock)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -23,7 +23,6 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
-from multiprocessing.connection import Connection
 from typing import Any, NoReturn
 
 import orjson
@@ -79,8 +78,7 @@ class ControlPlane:
                  config_path: str | None = None, recent: Recent | None = None,
                  models: Callable[[], ModelMap] | None = None, siblings: Siblings | None = None,
                  config_content: bytes | None = None, on_applied: Callable[[InForce], None] | None = None,
-                 pushed: Connection | None = None, known: Sequence[ApiKeySettings] = (),
-                 clock: Clock = SYSTEM) -> None:
+                 known: Sequence[ApiKeySettings] = (), clock: Clock = SYSTEM) -> None:
         self._clock = clock  # (the pool's: its readings' ages are told on it)
         self._settings = settings  # the configuration in effect now
         self._reconfigure = apply
@@ -97,10 +95,6 @@ class ControlPlane:
         self._known = KnownKeys(known)  # (what the other workers had in force: see InForce.known)
         self._known.saw(settings().auth.keys)
         self._on_applied = on_applied  # told what is in force after each change (a worker's supervisor)
-        # what another worker of this gateway applied, passed on by the supervisor (read on the loop once started):
-        # told over Redis alone, a change made while Redis was down, or as a worker started again, never reached
-        # the others (a revoked key kept being served by them: sweep 20)
-        self._pushed = pushed
         self._reporting = asyncio.Lock()  # (one report at a time, so that the last one told is the latest)
         self._pool = pool
         self._admission = admission
@@ -132,8 +126,6 @@ class ControlPlane:
         it held still ``settle_seconds``) when asked for."""
         self._loop = asyncio.get_running_loop()
         self._spawn(self._sample_forever())
-        if self._pushed is not None:
-            self._loop.add_reader(self._pushed.fileno(), self._on_pushed)
         if self._reload_at_start is not None:
             self._reload_once_more(self._reload_at_start)
         if watch_seconds and self._path is not None:
@@ -153,8 +145,6 @@ class ControlPlane:
 
     async def stop(self) -> None:
         self.close("stopped")
-        if self._pushed is not None and self._loop is not None:
-            self._loop.remove_reader(self._pushed.fileno())
         await cancel_and_wait(list(self._tasks))
 
     async def _sample_forever(self) -> None:
@@ -165,33 +155,6 @@ class ControlPlane:
                 recent.forget(gone)
             recent.sample(time.perf_counter(), names, sum(admission.depth().values()))
             await self._clock.sleep(recent.step / 2)
-
-    def _on_pushed(self) -> None:
-        assert self._pushed is not None and self._loop is not None
-        try:
-            in_force = self._pushed.recv()
-        except (EOFError, OSError):  # (the supervisor is gone: this worker is about to stop too)
-            self._loop.remove_reader(self._pushed.fileno())
-            return
-        if isinstance(in_force, InForce):
-            self._spawn(self._adopt(in_force))
-
-    async def _adopt(self, in_force: InForce) -> None:
-        """Apply what another worker applied (a reload, an admin change), checked as a reload is."""
-        if self._closing is not None:
-            return
-        async with self._changing:
-            if in_force.settings == self._settings() and in_force.content == self._content:
-                return  # (told over Redis too, or this worker's own)
-            self._known.saw(in_force.known)  # (the keys it knew of, this one's too: the next line holds to them)
-            self._known.saw(self._settings().auth.keys)
-            try:
-                check_reload(self._settings(), in_force.settings, self._known)
-                check_settings(in_force.settings)
-            except ConfigError as exc:
-                log.error("another worker's configuration not applied here: %s", exc)
-                return
-            await self._applied(in_force.settings, "another worker", "reload", in_force.content)
 
     def request_reload(self, source: str) -> None:
         """Re-read the configuration file (SIGHUP): safe to call from a signal handler on the loop's thread or

@@ -27,7 +27,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from types import FrameType
@@ -201,9 +201,8 @@ def _orphan_watch(parent: int) -> None:
 
 
 def _worker(in_force: InForce, identity: WorkerIdentity, log_level: str, parent: int, config_path: str | None,
-            report: Connection, pushed: Connection) -> None:
-    """One worker: serves ``in_force`` and tells the supervisor, over ``report``, what it applies later; over
-    ``pushed`` it hears what the other workers applied."""
+            report: Connection) -> None:
+    """One worker: serves ``in_force`` and tells the supervisor, over ``report``, what it applies later."""
     configure_logging(log_level)
     signal.signal(signal.SIGINT, _stop)
     signal.signal(signal.SIGTERM, _stop)
@@ -211,7 +210,7 @@ def _worker(in_force: InForce, identity: WorkerIdentity, log_level: str, parent:
     raise_nofile_limit()
     settings = in_force.settings
     app = create_app(settings, worker=identity, config_path=config_path, config_content=in_force.content,
-                     on_applied=report.send, pushed=pushed, known_keys=in_force.known)
+                     on_applied=report.send, known_keys=in_force.known)
     _reload_on_sighup(app)
     gcpolicy.quiet()
     _serve(app, settings, log_level, reuseport_socket(settings.server.host, settings.server.port))
@@ -219,30 +218,27 @@ def _worker(in_force: InForce, identity: WorkerIdentity, log_level: str, parent:
 
 class _Applied:
     """What the workers report they applied, the latest kept: a worker started again runs what is in force now
-    (the last reload, and the admin API's changes since), not the configuration the gateway started with; and
-    what one worker applies is passed on to the others. Told over Redis alone, a change made while Redis was
-    down, or while a worker started again, never reached them: a key revoked through the admin API kept being
-    served by the other workers until a restart (sweep 20)."""
+    (the last reload, and the admin API's changes since, with the keys they have had in force), not the
+    configuration the gateway started with.
 
-    def __init__(self, first: InForce) -> None:
+    A worker that applied another reading of the file (a reload by the admin API, SIGHUP or its file watch) has
+    the others read it too (``new_file``: the supervisor sends them SIGHUP). Told over Redis alone, a reload made
+    while Redis did not answer, or while a worker was started again, never reached them: a key revoked through the
+    admin API kept being served by the other workers (sweep 20). The file is what they read, not a worker's
+    settings: passed on whole, the settings of two changes made at once overwrote each other, an older one
+    bringing a revoked key back, or went round the workers for good (sweep 21)."""
+
+    def __init__(self, first: InForce, new_file: Callable[[int], None]) -> None:
         self.latest = first
+        self._new_file = new_file  # told the index of a worker that applied another reading of the file
         self._reports: dict[int, Connection] = {}  # worker index -> its pipe's reading end
-        # worker index -> what is to be sent to it, by a thread of its own (a send blocks while the worker does not
-        # read, as while it starts: the supervisor must not)
-        self._pushes: dict[int, queue.SimpleQueue[InForce | None]] = {}
 
-    def channel(self, index: int) -> tuple[Connection, Connection]:
-        """New pipes for worker ``index`` (started or started again): the end its process writes its reports to,
-        and the end it reads the others' from."""
+    def channel(self, index: int) -> Connection:
+        """A new pipe for worker ``index`` (started or started again): the end its process writes to."""
         self.close(index)
-        spawn = multiprocessing.get_context("spawn")
-        receive, send = spawn.Pipe(duplex=False)
+        receive, send = multiprocessing.get_context("spawn").Pipe(duplex=False)
         self._reports[index] = receive
-        pushed, push = spawn.Pipe(duplex=False)
-        waiting: queue.SimpleQueue[InForce | None] = queue.SimpleQueue()
-        self._pushes[index] = waiting
-        threading.Thread(target=_send_each, args=(push, waiting), name=f"push-{index}", daemon=True).start()
-        return send, pushed
+        return send
 
     def waitables(self) -> list[Connection]:
         return list(self._reports.values())
@@ -253,36 +249,18 @@ class _Applied:
             try:
                 while conn.poll():
                     report = conn.recv()
-                    if isinstance(report, InForce) and report != self.latest:
+                    if isinstance(report, InForce):
+                        new_file = report.content is not None and report.content != self.latest.content
                         self.latest = report
-                        self._push(report, index)
+                        if new_file:
+                            self._new_file(index)
             except (EOFError, OSError):
                 self.close(index)
-
-    def _push(self, report: InForce, source: int) -> None:
-        """``report`` (worker ``source``'s) to every other worker (one that has it already does nothing)."""
-        for index, waiting in list(self._pushes.items()):
-            if index != source:
-                waiting.put(report)
 
     def close(self, index: int) -> None:
         conn = self._reports.pop(index, None)
         if conn is not None:
             conn.close()
-        waiting = self._pushes.pop(index, None)
-        if waiting is not None:
-            waiting.put(None)  # (its thread closes the pipe)
-
-
-def _send_each(push: Connection, waiting: queue.SimpleQueue[InForce | None]) -> None:
-    """Send a worker what ``waiting`` brings, in order, until None (or the worker is gone); then close the pipe."""
-    try:
-        while (report := waiting.get()) is not None:
-            push.send(report)
-    except OSError:  # (the worker is gone: started again, it runs the latest)
-        pass
-    finally:
-        push.close()
 
 
 def supervise(settings: Settings, log_level: str, count: int, config_path: str | None = None,
@@ -312,15 +290,20 @@ def supervise(settings: Settings, log_level: str, count: int, config_path: str |
             if proc.pid is not None and proc.is_alive():
                 os.kill(proc.pid, signal.SIGHUP)
 
-    applied = _Applied(InForce(settings, content))
+    def others_reload(index: int) -> None:
+        for other, proc in list(procs.items()):
+            if other != index and proc.pid is not None and proc.is_alive():
+                os.kill(proc.pid, signal.SIGHUP)
+
+    applied = _Applied(InForce(settings, content), others_reload)
     secret = fleet_secret(settings.state, [k.digest() for k in settings.auth.keys])
 
     def start(index: int) -> BaseProcess:
         identity = WorkerIdentity(index, count, run_dir, secret)
         applied.take()  # (what a worker said before it died, or just now)
-        report, pushed = applied.channel(index)
-        proc = ctx.Process(target=_worker, args=(applied.latest, identity, log_level, parent, config_path, report,
-                                                 pushed), name=f"worker-{index}")
+        report = applied.channel(index)
+        proc = ctx.Process(target=_worker, args=(applied.latest, identity, log_level, parent, config_path, report),
+                           name=f"worker-{index}")
         # SIGHUP's default action ends a process, and a worker's handler is installed only once its app is built:
         # a reload signal sent to the process group, or forwarded while a worker started (again), killed it. The
         # mask is inherited across fork and exec: the worker unblocks SIGHUP once its handler is in place, and a
@@ -330,8 +313,7 @@ def supervise(settings: Settings, log_level: str, count: int, config_path: str |
             proc.start()
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
-        report.close()  # (the worker holds its own copies)
-        pushed.close()
+        report.close()  # (the worker holds its own copy)
         return proc
 
     procs: dict[int, BaseProcess] = {}

@@ -18,6 +18,7 @@ import socket
 import sys
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -374,14 +375,22 @@ def test_an_admin_reload_reaches_every_worker_while_redis_does_not_answer(tmp_pa
                 try:
                     config["auth"]["keys"] = config["auth"]["keys"][:1]  # team revoked
                     (tmp_path / "gateway.yaml").write_text(yaml.safe_dump(config))
-                    reply = httpx.post(pod.url + "/admin/reload", headers={"authorization": f"Bearer {ops}"},
-                                       timeout=30)
+                    admin = {"authorization": f"Bearer {ops}"}
+                    # (with changes of the routing made at once on both workers: sweep 21's passed the settings
+                    # of each change to the others, an older one brought the key back, or went round for good)
+                    with ThreadPoolExecutor(4) as pool:
+                        routing = [pool.submit(httpx.put, pod.url + "/admin/routing", headers=admin, timeout=30,
+                                               json={"policy": policy})
+                                   for policy in ("round-robin", "default", "round-robin")]
+                        reply = httpx.post(pod.url + "/admin/reload", headers=admin, timeout=30)
+                        assert all(r.result().status_code == 200 for r in routing)
                     assert reply.status_code == 200, reply.text
                     logged_until(pod.log, lambda: statuses(team, count=10) == {401},
                                  "the reload reached both workers with Redis stopped", 30)
                     assert statuses(team) == {401}
                 finally:
                     redis.proc.send_signal(signal.SIGCONT)
+                assert statuses(team) == {401}  # (and once the routing changes came over Redis)
             finally:
                 pod.supervisor.stop()
     finally:
