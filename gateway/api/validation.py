@@ -89,6 +89,13 @@ MAX_LAST_N = 131_072  # repeat_last_n, dry_penalty_last_n (-1: the context; 0: o
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound (vLLM's default max_logprobs); n_probs is llama.cpp's spelling
 
 
+# Request fields an engine's own prefill/decode router sets, never a client: vLLM's kv_transfer_params (where
+# a decode instance pulls the prompt's KV blocks from: host, port, block ids) and SGLang's bootstrap_* (the
+# same for its disaggregated mode). From a client, on an engine run with a KV connector, they would steer its
+# transfers to another request's blocks or to any host; they reach no engine (taken out of the body here, once)
+SERVING_SYSTEM_FIELDS = frozenset({"kv_transfer_params", "bootstrap_host", "bootstrap_port", "bootstrap_room"})
+
+
 def _check_not_accepted(body: dict[str, Any]) -> None:
     for field, why in NOT_ACCEPTED.items():
         if body.get(field) is not None:
@@ -249,6 +256,8 @@ def parse_body(route: str, body: dict[str, Any], limits: LimitSettings | None = 
         _check_input(body.get("input"), limits)
     _check_tools(body.get("tools"), limits)
     _check_not_accepted(body)
+    for field in SERVING_SYSTEM_FIELDS:
+        body.pop(field, None)
     if route not in POOLING_ROUTES:
         _check_per_token(body, limits)
     stream = body.get("stream", False)

@@ -41,11 +41,6 @@ from gateway.structured.offload import ValidationWorkers
 from gateway.telemetry.metrics import GatewayMetrics
 
 log = logging.getLogger("gateway.proxy")
-# Request fields an engine's own prefill/decode router sets, never a client: vLLM's kv_transfer_params (where
-# a decode instance pulls the prompt's KV blocks from: host, port, block ids) and SGLang's bootstrap_* (the
-# same for its disaggregated mode). From a client, on an engine run with a KV connector, they would steer its
-# transfers to another request's blocks or to any host; they reach no engine.
-SERVING_SYSTEM_FIELDS = frozenset({"kv_transfer_params", "bootstrap_host", "bootstrap_port", "bootstrap_room"})
 
 PLUGIN_SAMPLE = 8  # gateway_routing_plugin_seconds observes one routing decision in this many
 
@@ -395,8 +390,7 @@ class Dispatcher:
         to an engine that schedules by it (the gateway's, whatever the client wrote there). A client's own
         ``priority`` reaches no engine: vLLM and SGLang order their queue by it under a policy the gateway may
         not have been told of, and a key would then reorder every tenant's requests there (the gateway's
-        priorities are its keys' and the x-gateway-priority header's, see docs/flow-control.md). Nor do the
-        fields a prefill/decode router sets (:data:`SERVING_SYSTEM_FIELDS`)."""
+        priorities are its keys' and the x-gateway-priority header's, see docs/flow-control.md)."""
         body = self._fleet.adapters[backend.name].prepare_body(request.route, dict(request.body),
                                                                  request.constraint)
         isolate(body, request, backend.spec, request.route)  # (the request's cache domain: its salt, if any)
@@ -411,8 +405,6 @@ class Dispatcher:
             body["priority"] = -priority if order == "lower-first" else priority
         else:
             body.pop("priority", None)
-        for name in SERVING_SYSTEM_FIELDS.intersection(body):
-            del body[name]
         return orjson.dumps(body)
 
     async def _attempt(self, exchange: Exchange, request: RouteRequest, backend: Backend, last: bool,
