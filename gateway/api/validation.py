@@ -11,6 +11,7 @@ import orjson
 
 from gateway.api.body_head import CHOICE_FIELDS, prompt_count
 from gateway.config import LimitSettings
+from gateway.engines.sampling import sampler_chain, whole_vocabulary
 from gateway.errors import GatewayError
 from gateway.routing.request import POOLING_ROUTES, RouteRequest
 from gateway.structured import Constraint, ConstraintInvalid, extract
@@ -131,11 +132,11 @@ def _check_per_token(body: dict[str, Any], limits: LimitSettings) -> None:
                                       and len(pair[0]) > MAX_BIAS_KEY for pair in bias):
         raise _bad(f"'logit_bias' has a key of more than {MAX_BIAS_KEY} characters", "logit_bias")
     samplers = body.get("samplers")
-    if samplers is not None and (not isinstance(samplers, str | list) or len(samplers) > MAX_SAMPLERS
-                                 or not all(isinstance(s, str) for s in samplers)
-                                 or len(set(samplers)) != len(samplers)):
-        # (each once: the chain runs every entry over the candidates at every token; 16 typical samplers, each
-        # sorting a 128k vocabulary, held other keys' streams to 2% of their pace: sweep 21)
+    chain = (sampler_chain(samplers) if isinstance(samplers, str | list) and len(samplers) <= MAX_SAMPLERS
+             else None)
+    if samplers is not None and (chain is None or len(set(chain)) != len(chain)):
+        # (each once, however spelt: the chain runs every entry over the candidates at every token; 16 typical
+        # samplers, each sorting a 128k vocabulary, held other keys' streams to 2% of their pace: sweep 21)
         raise _bad(f"'samplers' must be a string or an array of at most {MAX_SAMPLERS} samplers, each once",
                    "samplers")
     for field, low, high in (("repeat_last_n", -1, MAX_LAST_N), ("dry_penalty_last_n", -1, MAX_LAST_N),
@@ -292,7 +293,8 @@ def parse_body(route: str, body: dict[str, Any], limits: LimitSettings | None = 
             max_tokens = max(max_tokens or 0, value)
     constraint = _constraint(body, limits) if route not in POOLING_ROUTES else None
     return RouteRequest(route=route, model=model, stream=stream, max_tokens=max_tokens, body=body,
-                        constraint=constraint, generations=generations)
+                        constraint=constraint, generations=generations,
+                        whole_vocabulary=whole_vocabulary(body) if route not in POOLING_ROUTES else None)
 
 
 def _constraint(body: dict[str, Any], limits: LimitSettings | None) -> Constraint | None:

@@ -16,7 +16,8 @@ from gateway.engines.spec import ALL_CACHE_FIGURES, ALL_QUIRKS, LLAMACPP_CACHE_R
 # (any OpenAI-compatible server: llama-server, TabbyAPI and the rest may be behind one, so what any of them says of
 # its cache is taken out, and what makes llama-server say more is not sent)
 SPEC = EngineSpec(name="openai", health_path="/v1/models", stream=ALL_QUIRKS, cache_figures=ALL_CACHE_FIGURES,
-                  cache_report_params=LLAMACPP_CACHE_REPORTS, several_generations=False)
+                  cache_report_params=LLAMACPP_CACHE_REPORTS, several_generations=False,
+                  whole_vocabulary=False)
 
 
 class OpenAIAdapter(EngineAdapter):

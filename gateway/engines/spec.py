@@ -117,6 +117,10 @@ class EngineSpec:
     # choice's (one prompt's) usage and runs each in a slot of its own, so the gateway could neither charge nor
     # count it (a key ran 8x to ~490x its token budget and took every slot as one request: sweep 19)
     several_generations: bool = True
+    # whether it may take a request whose sampling sorts the whole vocabulary at every token (top_k 0, a sampler
+    # chain without top_k first, mirostat): llama.cpp samples each slot's token on the main loop all slots share,
+    # so one such request held every other's stream to an eighth of its pace with a 128k vocabulary (sweep 21)
+    whole_vocabulary: bool = True
     # with priority scheduling on, the request field "priority" orders its queue, this way by default (None:
     # the engine has no such field)
     priority_order: Literal["lower-first", "higher-first"] | None = None

@@ -24,6 +24,7 @@ from gateway.auth import ANONYMOUS
 from gateway.config import RetrySettings, StructuredOutputSettings
 from gateway.engines.base import EngineAdapter
 from gateway.engines.registry import ENGINES
+from gateway.engines.sampling import MAX_TOP_K
 from gateway.errors import GatewayError, normalise_upstream_error
 from gateway.pool.backend import Backend
 from gateway.proxy.admission import Admission, Priorities, Refused, Ticket, retry_after
@@ -705,6 +706,15 @@ class Dispatcher:
                                      "and a plain 'openai' server may be llama-server, so the request could be "
                                      "neither charged nor scheduled; send one generation per request (n=1, one "
                                      "prompt)", param=param, code="unsupported_value")
+        if exc.stage == "whole-vocabulary":
+            field = exc.request.whole_vocabulary
+            unable = sorted({b.spec.name for b in backends if model in b.models and not b.spec.whole_vocabulary})
+            return GatewayError(400, f"no backend serving '{model}' can take this request's '{field}' "
+                                     f"({', '.join(unable) or 'its engine'}): it would have llama.cpp sort the whole "
+                                     "vocabulary at every token, on the loop every other request shares, and a plain "
+                                     "'openai' server may be llama-server; give top_k from 1 to "
+                                     f"{MAX_TOP_K}, a samplers chain with top_k before top_p, typical_p, min_p and "
+                                     "xtc, and no mirostat", param=field, code="unsupported_value")
         if exc.stage == "fits-context":
             largest = max((b.capacity.context_length or 0 for b in backends if model in b.models), default=0)
             needed = exc.request.estimated_tokens

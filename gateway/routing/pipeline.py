@@ -65,6 +65,10 @@ class Pipeline:
             candidates = [b for b in candidates if b.spec.several_generations]
             if not candidates:
                 raise NoRoute("several-generations", request)
+        if request.whole_vocabulary is not None:  # (nor this: one such request slows every other on llama.cpp)
+            candidates = [b for b in candidates if b.spec.whole_vocabulary]
+            if not candidates:
+                raise NoRoute("whole-vocabulary", request)
         if len(candidates) == 1:  # nothing to choose: no scorer runs (their routed hooks still do)
             return Decision(ranked=[candidates[0]], policy=self.policy, reason="only-candidate",
                             detail="only one eligible backend", timings=timings)

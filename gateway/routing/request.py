@@ -26,6 +26,9 @@ class RouteRequest:
     session_key: str | None = None  # from the session header or the body's "user"
     constraint: Constraint | None = None  # structured-output constraint, in whatever field it came
     generations: int = 1  # sequences the engine generates for it: choices (n, best_of, n_cmpl) times prompts
+    # the field by which llama.cpp's sampling would sort the whole vocabulary at every token (top_k, samplers,
+    # mirostat: gateway.api.validation.whole_vocabulary), if any
+    whole_vocabulary: str | None = None
     # whose cached prompts it may profit from (its key's; set by the front door before anything is routed)
     cache_domain: CacheDomain = SHARED
     _prompt: bytes | None = field(default=None, repr=False)

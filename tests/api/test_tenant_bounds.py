@@ -367,6 +367,7 @@ def test_a_schema_whose_type_is_not_a_name_is_a_400(running: Running, padding: i
     ("/v1/completions", "logit_bias", [["0123456789" * 1000, 0.5]], "a key of more than 64 characters"),
     ("/v1/completions", "logprobs", 1638, "'logprobs' must be an integer from 0 to 20"),
     ("/v1/chat/completions", "samplers", "yy", "each once"),
+    ("/v1/chat/completions", "samplers", ["typ_p", "TYP-P", "typ"], "each once"),  # (one sampler, three names)
     ("/v1/chat/completions", "stop_sequence", [f"s{i}" for i in range(100)], "'stop_sequence' has 100 entries"),
     ("/v1/chat/completions", "rep_pen_range", 10**9, "'rep_pen_range' must be an integer from -1 to 131072"),
     ("/v1/chat/completions", "min_tokens", 10**6, "'min_tokens' must be an integer from 0 to 131072"),

@@ -15,6 +15,7 @@ import pytest
 
 from gateway.app import create_app
 from gateway.config import settings_from_mapping
+from gateway.engines.sampling import NAMES, SAMPLERS, whole_vocabulary
 from gateway.llamacpp.server import LlamaServer
 from tests.conftest import serve_in_thread
 from tests.llamacpp.conftest import start_servers
@@ -59,6 +60,42 @@ def test_several_generations_are_refused_where_only_llamacpp_serves_the_model(
         one = c.post(f"/v1/{route}", json={"model": model, "max_tokens": 8,
                                            **({"messages": ASK} if route == "chat/completions" else {"prompt": "one"})})
         assert one.status_code == 200, one.text
+
+
+def test_llama_server_reads_the_sampler_names_as_the_gateway_does(server: LlamaServer) -> None:
+    """The gateway judges a client's sampler chain (gateway.engines.sampling) by llama.cpp's names; the server says
+    which samplers it built from them (generation_settings). Its own default chain, and its default top_k, are
+    ones the gateway lets through."""
+    with httpx.Client(base_url=server.url, timeout=120) as c:
+        for name, letter in SAMPLERS.items():
+            for spelt in (name, name.upper()):
+                built = c.post("/completion", json={"prompt": "hi", "n_predict": 1, "samplers": [spelt]}).json()
+                assert [NAMES[s] for s in built["generation_settings"]["samplers"]] == [letter], (spelt, built)
+        skipped = c.post("/completion", json={"prompt": "hi", "n_predict": 1, "samplers": ["typical_p"]}).json()
+        assert skipped["generation_settings"]["samplers"] == [], "a name llama.cpp does not know is skipped"
+        default = c.get("/props").json()["default_generation_settings"]["params"]
+    assert whole_vocabulary({"samplers": default["samplers"], "top_k": default["top_k"]}) is None, default
+
+
+@pytest.mark.parametrize("field", [{"top_k": 0}, {"top_k": -1}, {"samplers": "pk"}, {"samplers": ["typ_p", "top_k"]},
+                                   {"mirostat": 2}], ids=["top_k-0", "top_k-1", "p-first", "typical-first", "mirostat"])
+def test_sampling_the_whole_vocabulary_is_refused_where_only_llamacpp_serves(server: LlamaServer,
+                                                                            field: dict[str, Any]) -> None:
+    """Sweep 21: with top_k 0 and typical_p, or a chain with typical_p before top_k, llama-server sorts the whole
+    vocabulary at every token on the loop every slot shares (a 128k vocabulary: another key's stream from 393 to
+    46 tokens/s). The server takes such a request (checked first); the gateway refuses it, naming the field, and
+    takes the same sampler with top_k first."""
+    body = {"prompt": "hi", "max_tokens": 4, "typical_p": 0.99, **field}
+    assert httpx.post(server.url + "/v1/completions", json=body, timeout=120).status_code == 200
+    settings = settings_from_mapping({"backends": [{"name": "l", "engine": "llamacpp", "url": server.url}]})
+    with serve_in_thread(create_app(settings)) as gateway, httpx.Client(base_url=gateway.url, timeout=120) as c:
+        model = c.get("/v1/models").json()["data"][0]["id"]
+        refused = c.post("/v1/completions", json={"model": model, **body})
+        assert refused.status_code == 400, refused.text
+        error = refused.json()["error"]
+        assert error["param"] == next(iter(field)) and "whole vocabulary" in error["message"], error
+        fine = c.post("/v1/completions", json={"model": model, **body, "top_k": 40, "samplers": "kyt", "mirostat": 0})
+        assert fine.status_code == 200, fine.text
 
 
 @pytest.mark.parametrize("field", [{"grammar_triggers": [{"type": 9, "value": "x"}]}, {"chat_format": 99999}],

@@ -137,3 +137,53 @@ def test_a_request_of_several_generations_goes_only_where_they_are_charged_and_s
     assert refused.value.stage == "several-generations"
     one = RouteRequest(route="chat", model="m", stream=False, max_tokens=8, body={})
     assert pipeline.route(one, [llama]).ranked[0] is llama
+
+
+@pytest.mark.parametrize("policy", ["default", "round-robin", "prefix"])
+def test_a_request_sampling_the_whole_vocabulary_never_goes_to_llamacpp(policy: str) -> None:
+    """llama.cpp samples every slot's token on the main loop all slots share: top_k 0, a sampler chain with top_p
+    or typical_p before top_k, or mirostat sorts the whole vocabulary at every token (sweep 21: other keys' streams
+    at an eighth of their pace with a 128k vocabulary). Such a request goes to another engine, under every policy;
+    where none serves the model, it is refused (the dispatcher says why)."""
+    from tests.routing.helpers import backend as engine_backend
+
+    pipeline = build_pipeline(policy)
+    llama, vllm = engine_backend("l", engine="llamacpp"), engine_backend("v", engine="vllm")
+    plain = engine_backend("o", engine="openai")
+    whole = RouteRequest(route="chat", model="m", stream=False, max_tokens=8, body={"top_k": 0},
+                         whole_vocabulary="top_k")
+    for _ in range(5):
+        assert [b.name for b in pipeline.route(whole, [llama, vllm, plain]).ranked] == ["v"]
+    with pytest.raises(NoRoute) as refused:
+        pipeline.route(whole, [llama, plain])
+    assert refused.value.stage == "whole-vocabulary"
+
+
+@pytest.mark.parametrize(("body", "field"), [
+    ({}, None),
+    ({"top_k": 40, "typical_p": 0.9}, None),
+    ({"top_k": 1000}, None),
+    ({"top_k": 0}, "top_k"),
+    ({"top_k": -1}, "top_k"),
+    ({"top_k": 1001}, "top_k"),
+    ({"top_k": 40.0}, "top_k"),
+    ({"top_k": True}, "top_k"),
+    ({"samplers": "edskypmxt"}, None),  # (llama.cpp's default chain)
+    ({"samplers": ["penalties", "DRY", "top-n-sigma", "TopK", "typ_p", "nucleus", "min_p", "xtc", "temp"]}, None),
+    ({"samplers": "t"}, None),  # (a linear pass, then the token drawn)
+    ({"samplers": ""}, None),
+    ({"samplers": "a"}, None),
+    ({"samplers": "y"}, "samplers"),
+    ({"samplers": "tpk"}, "samplers"),
+    ({"samplers": ["Typ", "top_k"]}, "samplers"),
+    # (a name llama.cpp 0.3.36 skips may be a sampler of another version: counted as one that sorts)
+    ({"samplers": ["typical_p", "top_k"]}, "samplers"),
+    ({"samplers": "m"}, "samplers"),
+    ({"mirostat": 2}, "mirostat"),
+    ({"mirostat": 1, "top_k": 40}, "mirostat"),
+    ({"mirostat": 0, "samplers": "kp"}, None),
+])
+def test_which_requests_sample_the_whole_vocabulary(body: dict[str, object], field: str | None) -> None:
+    from gateway.engines.sampling import whole_vocabulary
+
+    assert whole_vocabulary(body) == field
