@@ -19,11 +19,13 @@ and refuses nothing (how the markers were first chosen).
 from __future__ import annotations
 
 import json
+import os
 import platform
 import socket
 import subprocess
 import threading
 import time
+import traceback
 from typing import Any
 
 import pytest
@@ -39,6 +41,7 @@ _now: list[str] = []  # the id of the test running now
 _fixture: list[str] = []  # the fixtures being set up now (their FixtureDefs' keys), innermost last
 _by_fixture: dict[str, set[str]] = {}  # fixture -> what its setup did (counted for every test using it)
 _record: list[str] = []  # --tier-record's file, when given
+_where: dict[tuple[str, str], str] = {}  # (test id, what) -> the other thread that did it for the test, and where
 
 # what each kind of act needs at least
 _NEEDS = {"network socket": "integration", "sleep": "integration", "process": "system"}
@@ -120,16 +123,19 @@ def _done(item: pytest.Item) -> set[str]:
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Any:
     if nextitem is None or nextitem.module is not item.module:  # type: ignore[attr-defined]
         # (module and session fixtures end here, what they do is no act of this test's: a session's llama-server
-        # stopped after a unit test, the last one run, failed it)
+        # stopped after a unit test, the last one run, failed it; a sleep in a session fixture's teardown failed the
+        # last unit test of a run of tests/api)
         _current.clear()
+        _now.clear()
     result = yield
     done = _done(item)
     tier = item.stash.get(_TIER, DEFAULT)
     wrong = sorted(what for what in done if _RANK[_NEEDS[what]] > _RANK[tier])
     if wrong and not _record:
         needs = max((_NEEDS[w] for w in wrong), key=_RANK.__getitem__)
+        where = "; ".join(f"{w}: {_where[item.nodeid, w]}" for w in wrong if (item.nodeid, w) in _where)
         pytest.fail(f"{_a(tier)} test must not start a {' or '.join(wrong)}: it belongs in the {needs} tier "
-                    f"(pytest.mark.{needs}; see tests/tiers.py)", pytrace=False)
+                    f"(pytest.mark.{needs}; see tests/tiers.py)" + (f" ({where})" if where else ""), pytrace=False)
     return result
 
 
@@ -160,6 +166,12 @@ def _note(what: str) -> None:
     if owner is None:
         return  # (between tests: a session fixture's teardown; or a thread started before this test)
     test, fixtures = owner
+    thread = threading.current_thread()
+    if test is not None and not fixtures and thread is not threading.main_thread():
+        # (named in the failure: another thread's act is found only at teardown)
+        frames = traceback.extract_stack(limit=6)[:-2]
+        _where.setdefault((test, what), f"thread {thread.name!r} at " + " < ".join(
+            f"{os.path.basename(f.filename)}:{f.lineno}" for f in reversed(frames)))
     if fixtures:
         for name in fixtures:
             _by_fixture.setdefault(name, set()).add(what)
