@@ -419,9 +419,10 @@ class ControlPlane:
             raise GatewayError(409, "the gateway was started without a configuration file: nothing to reload",
                                code="no_config_file")
         async with self._changing:
-            return await self._reload_now(source, content, read_at)
+            return await self._reload_now(source, content, read_at, tell=tell)
 
-    async def _reload_now(self, source: str, content: bytes | None, read_at: float | None) -> dict[str, Any]:
+    async def _reload_now(self, source: str, content: bytes | None, read_at: float | None, *,
+                          tell: bool = False) -> dict[str, Any]:
         """The reload's work, its turn come (``self._changing`` held)."""
         assert self._path is not None
         self._open_for_changes()  # (the gateway may have begun stopping while this waited)
@@ -441,7 +442,7 @@ class ControlPlane:
             log.error("reload (%s) rejected, the running configuration stays: %s", source, exc)
             raise GatewayError(400, f"configuration rejected, the running one stays: {exc}",
                                code="invalid_config") from None
-        result = await self._applied(new, source, "reload", content)
+        result = await self._applied(new, source, "reload", content, tell=tell)
         self._read_at = read_at
         return result
 
@@ -488,9 +489,10 @@ class ControlPlane:
                                code="invalid_config") from None
         return new
 
-    async def _applied(self, new: Settings, who: str, action: str, content: bytes | None = None) -> dict[str, Any]:
-        """Apply ``new`` (``content``: the file's bytes it was read from, for a reload), then tell who asked to be
-        told what is in force now."""
+    async def _applied(self, new: Settings, who: str, action: str, content: bytes | None = None, *,
+                       tell: bool = False) -> dict[str, Any]:
+        """Apply ``new`` (``content``: the file's bytes it was read from, for a reload; ``tell``: a reload every
+        other worker must make too), then tell who asked to be told what is in force now."""
         result = await self._reconfigure(new)
         self._known.saw(self._settings().auth.keys)
         if content is not None:
@@ -499,7 +501,7 @@ class ControlPlane:
             async with self._reporting:
                 try:
                     await asyncio.to_thread(self._on_applied, InForce(self._settings(), self._content,
-                                                                        self._known.history()))
+                                                                        self._known.history(), tell))
                 except OSError as exc:  # (the supervisor is gone: this worker is about to stop too)
                     log.warning("could not tell the supervisor what is in force: %s", exc)
         self.reloads.labels("applied").inc()

@@ -222,11 +222,13 @@ class _Applied:
     configuration the gateway started with.
 
     A worker that applied another reading of the file (a reload by the admin API, SIGHUP or its file watch) has
-    the others read it too (``new_file``: the supervisor sends them SIGHUP). Told over Redis alone, a reload made
-    while Redis did not answer, or while a worker was started again, never reached them: a key revoked through the
-    admin API kept being served by the other workers (sweep 20). The file is what they read, not a worker's
-    settings: passed on whole, the settings of two changes made at once overwrote each other, an older one
-    bringing a revoked key back, or went round the workers for good (sweep 21)."""
+    the others read it too (``new_file``: the supervisor sends them SIGHUP), and so does a reload by the admin API of
+    an unchanged file (it undoes the admin API's changes since, which reached the others over Redis alone: a
+    backend it removed kept being served by the others while Redis did not answer, sweep 22). Told over Redis
+    alone, a reload made while Redis did not answer, or while a worker was started again, never reached them: a
+    key revoked through the admin API kept being served by the other workers (sweep 20). The file is what they
+    read, not a worker's settings: passed on whole, the settings of two changes made at once overwrote each
+    other, an older one bringing a revoked key back, or went round the workers for good (sweep 21)."""
 
     def __init__(self, first: InForce, new_file: Callable[[int], None]) -> None:
         self.latest = first
@@ -250,7 +252,8 @@ class _Applied:
                 while conn.poll():
                     report = conn.recv()
                     if isinstance(report, InForce):
-                        new_file = report.content is not None and report.content != self.latest.content
+                        new_file = report.content is not None and (report.tell
+                                                                   or report.content != self.latest.content)
                         self.latest = report
                         if new_file:
                             self._new_file(index)

@@ -47,6 +47,9 @@ class InForce:
     settings: Settings
     content: bytes | None
     known: tuple[ApiKeySettings, ...] = ()
+    # a reload the other workers must make too, whatever the file holds (the admin API's: it also undoes the
+    # admin API's changes since, which reached the others over Redis alone; sweep 22)
+    tell: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -349,7 +349,9 @@ def test_a_worker_started_again_runs_the_configuration_in_force_not_the_one_the_
 def test_an_admin_reload_reaches_every_worker_while_redis_does_not_answer(tmp_path: Path) -> None:
     """Sweep 20: a key revoked through POST /admin/reload while Redis did not answer was revoked in the worker that
     took the request only: the others heard of reloads over Redis alone and kept serving the key (200 on about
-    half the connections, a minute later too). The supervisor now passes what one worker applied to the others."""
+    half the connections, a minute later too). The supervisor now passes what one worker applied to the others.
+    Sweep 22: so it did only when the file had changed; a reload of the same file, which takes away a backend the
+    admin API added, left it served by the other worker."""
     base = free_port_block(2)
     redis = RedisServer(base, tmp_path).start()
     ops, team = "sk-ops-0123", "sk-team-4567"
@@ -363,19 +365,32 @@ def test_an_admin_reload_reaches_every_worker_while_redis_does_not_answer(tmp_pa
                                                            "connection": "close"}, timeout=10).status_code
                 for _ in range(count)}
 
+    def served(model: str, count: int = 30) -> set[bool]:
+        return {model in {m["id"] for m in httpx.get(pod.url + "/v1/models", timeout=10, headers={
+            "authorization": f"Bearer {team}", "connection": "close"}).json()["data"]} for _ in range(count)}
+
     try:
-        with FleetThread([SimSpec(engine="vllm", model="m", name=n, time_scale=20) for n in ("a", "b")]) as fleet:
+        specs = [SimSpec(engine="vllm", model="mx" if n == "x" else "m", name=n, time_scale=20) for n in "abx"]
+        with FleetThread(specs) as fleet:
             config = pod_config(fleet, redis, base + 1)
             config["auth"] = {"keys": [key("ops", ops, ["admin"]), key("team", team, ["inference"])]}
             pod = start_pod(tmp_path, fleet, redis, base + 1, config)
             assert redis.proc is not None
+            admin = {"authorization": f"Bearer {ops}"}
             try:
                 assert statuses(team) == {200}
+                added = httpx.post(pod.url + "/admin/backends", headers=admin, timeout=30, json={
+                    "name": "x", "engine": "vllm", "url": fleet.fleet["x"].url})
+                assert added.status_code == 200, added.text
+                logged_until(pod.log, lambda: served("mx", 10) == {True}, "the added backend on both workers", 30)
                 redis.proc.send_signal(signal.SIGSTOP)  # (Redis takes connections and answers nothing)
                 try:
+                    reply = httpx.post(pod.url + "/admin/reload", headers=admin, timeout=30)  # (the same file)
+                    assert reply.status_code == 200 and reply.json()["removed"] == ["x"], reply.text
+                    logged_until(pod.log, lambda: served("mx", 10) == {False},
+                                 "the reload of the same file reached both workers with Redis stopped", 30)
                     config["auth"]["keys"] = config["auth"]["keys"][:1]  # team revoked
                     (tmp_path / "gateway.yaml").write_text(yaml.safe_dump(config))
-                    admin = {"authorization": f"Bearer {ops}"}
                     # (with changes of the routing made at once on both workers: sweep 21's passed the settings
                     # of each change to the others, an older one brought the key back, or went round for good)
                     with ThreadPoolExecutor(4) as pool:

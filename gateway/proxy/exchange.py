@@ -18,6 +18,8 @@ from gateway.telemetry.tracing import RequestTrace
 _ITL_SLOTS = len(ITL_BUCKETS) + 1  # the inter-token histogram's buckets, +Inf last
 
 
+# tokens a chat template may add of its own to any prompt (a default system prompt, tool instructions)
+TEMPLATE_TOKENS = 1024
 BYTES_PER_TOKEN = 4  # the gateway's own estimate of a text's tokens, where no engine counted them: ASCII's
 _ASCII = bytes(range(128))
 
@@ -122,11 +124,24 @@ class Exchange:
             prompt = usage_figure(usage.get("prompt_tokens"))
             completion = usage.get("completion_tokens")
             completion = 0 if completion is None and self.route in POOLING_ROUTES else usage_figure(completion)
-            if prompt is not None and completion is not None:
+            if prompt is not None and completion is not None and self._could_cost(prompt, completion):
                 return prompt + completion
         if self.backend is None or self.request is None:
             return 0
         return self.estimated_tokens(self.request)
+
+    def _could_cost(self, prompt: int, completion: int) -> bool:
+        """Whether usage figures are ones the request could have cost: a prompt within twice its bound
+        (:meth:`prompt_bound`) and a template's default prompt, a completion within ``max_tokens`` (else the
+        backend's context) for each generation. An engine answering a 5-token request with 134 million tokens of
+        usage put its key 4.5 hours in debt (sweep 22): such figures are no reading."""
+        request, backend = self.request, self.backend
+        if request is None or backend is None:
+            return True
+        if prompt > 2 * self.prompt_bound() + TEMPLATE_TOKENS:
+            return False
+        per_generation = request.max_tokens or backend.capacity.context_length
+        return per_generation is None or completion <= (per_generation + 1) * request.generations
 
     def prompt_bound(self) -> int:
         """The most its prompt may have cost the engine, where the engine did not say: its body's bytes (documents

@@ -180,14 +180,29 @@ class Forwarder:
                         if doc is None:
                             raise UpstreamError(f"the backend answered 200 with a body that is not a JSON object: "
                                                 f"{backend.secrets.excerpt(raw, 80)!r}")
+                        if engine_error(doc):
+                            # an engine failing with a 200 (an error and no answer) fails like one that says so:
+                            # relayed, a huge one was scrubbed whole on the loop (60 MB: other keys stalled 3.7 s)
+                            # and never failed over (sweep 22); the message is an excerpt, scrubbed as an error's
+                            raise UpstreamError("the backend answered 200 with an error and no answer: "
+                                                + backend.secrets.excerpt(_error_text(doc), 300))
                         shown = without(doc, options.hidden) if options.hidden else None
-                        # an error in a 200 body is scrubbed as an error is, its address too (sweep 21: a path
-                        # token echoed there reached the client); an answer, for credentials alone (bytes.find: the
-                        # answer is walked only where it matches)
-                        an_error = "error" in doc and not doc.get("choices")
-                        if an_error or backend.secrets.echoed(raw):
+                        # an answer's error member (a failed Responses object) is scrubbed as an error is, its
+                        # address too (sweep 21: a path token echoed there reached the client), where it is small;
+                        # the answer, for credentials alone (bytes.find: walked only where it matches)
+                        failed = doc.get("error")
+                        if failed and len(raw) > SCRUB_WALK_BYTES:
+                            raise UpstreamError(f"the backend's answer of {len(raw)} bytes holds an error (more than "
+                                                f"{SCRUB_WALK_BYTES} bytes are not scrubbed)")
+                        if failed or backend.secrets.echoed(raw):
                             target = shown if shown is not None else doc
-                            if backend.secrets.scrub_json(target, address=an_error):
+                            scrubbed = backend.secrets.scrub_json(target, address=False)
+                            if isinstance(failed, str):
+                                target["error"] = backend.secrets.scrub(failed)
+                                scrubbed = scrubbed or target["error"] != failed
+                            elif failed and backend.secrets.scrub_json(target["error"], address=True):
+                                scrubbed = True
+                            if scrubbed:
                                 shown = target
                         if shown is not None:
                             raw = orjson.dumps(shown)
@@ -296,6 +311,27 @@ class Forwarder:
 
 
 PARSE_COUNTED_BYTES = 64 * 1024  # answers larger than this have their parsing cost counted first
+# the members of a 200 answer (chat and completions, embeddings, rerank, Responses, Messages): a body with none of
+# them and an error (or FastAPI's detail), or old vLLM's {"object": "error"}, is an engine's error, not an answer
+ANSWER_MEMBERS = ("choices", "data", "results", "output", "content")
+
+
+def engine_error(doc: dict[str, Any]) -> bool:
+    if doc.get("object") == "error":
+        return True
+    return bool(doc.get("error") or doc.get("detail")) and not any(key in doc for key in ANSWER_MEMBERS)
+
+
+def _error_text(doc: dict[str, Any]) -> str:
+    """The message of an engine's error body (any of the shapes normalise_upstream_error reads), as a string."""
+    inner = doc.get("error")
+    for where in (inner if isinstance(inner, dict) else {}, doc):
+        for key in ("message", "detail", "msg"):
+            if isinstance(where.get(key), str):
+                return str(where[key])
+    return inner if isinstance(inner, str) else "(no message)"
+
+
 SCRUB_WALK_BYTES = 1 << 20  # answers larger than this that hold the backend's credentials are refused, not walked
 
 

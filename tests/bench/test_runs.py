@@ -25,7 +25,9 @@ def test_closed_loop_counts_tokens_and_bounds_concurrency(raw_backend: RawBacken
     assert all(r.ttfb <= r.ttft <= r.e2e for r in rs)
     stats = httpx.get(raw_backend.url + "/stats").json()
     assert stats["requests"] == 30
-    assert stats["peak_streams"] == 6  # the closed loop never has more than its users in flight
+    # the closed loop never has more than its users in flight (and has several: how many overlap at the backend
+    # is the machine's timing, 4 of 6 on a loaded one)
+    assert 2 <= stats["peak_streams"] <= 6
 
 
 def test_interleaved_compare_gives_every_target_the_same_requests(raw_backend: RawBackendThread) -> None:

@@ -62,7 +62,7 @@ def test_a_backend_reporting_negative_usage_does_not_refill_the_keys_token_budge
     """The sweep's backend answered ``prompt_tokens: -1000000``: settling against it refilled the key's token
     bucket to the full, whatever the key had spent. No reading, it is charged the gateway's own count (the most its
     prompt can cost, a token a byte of its body: more than the 30 tokens left; tests/proxy/test_garbage_usage.py)."""
-    honest = {"prompt_tokens": 45, "completion_tokens": 45, "total_tokens": 90}
+    honest = {"prompt_tokens": 82, "completion_tokens": 8, "total_tokens": 90}  # (no more than max_tokens)
     with ScriptedUpstream(mode="complete", tokens=8) as upstream:
         _app, server = gateway_over(upstream, **keyed(300))
         with server as gw:
@@ -80,6 +80,31 @@ def test_a_backend_reporting_negative_usage_does_not_refill_the_keys_token_budge
     assert spent == [200] * 3 and hostile == 200
     # the key in debt: 429 until it has refilled; refilled to 300 by the hostile answer, the key had four more
     assert after == [429] * 6, after
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("usage", [(2**27, 2**27), (5, 2**27), (2**27, 5)], ids=["both", "completion", "prompt"])
+def test_usage_a_request_could_not_have_cost_is_no_reading(stream: bool, usage: tuple[int, int]) -> None:
+    """Sweep 22: an engine answering a request of max_tokens 5 with 134 million tokens of usage (each figure
+    within what a usage figure may be) put a key of a million tokens a minute 4.5 hours in debt, streamed too.
+    A prompt more than twice its body's bound, or a completion past max_tokens, is no reading: the key is charged
+    the gateway's own count, and keeps being served."""
+    with ScriptedUpstream(mode="stream" if stream else "complete", tokens=3) as upstream:
+        _app, server = gateway_over(upstream, **keyed(100_000))
+        with server as gw:
+            def ask() -> int:
+                return httpx.post(gw.url + "/v1/chat/completions", headers={"authorization": "Bearer sk-team"},
+                                  json={"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                                        "max_tokens": 5, "stream": stream,
+                                        **({"stream_options": {"include_usage": True}} if stream else {})},
+                                  timeout=30).status_code
+
+            upstream.usage = {"prompt_tokens": usage[0], "completion_tokens": usage[1],
+                              "total_tokens": sum(usage)}
+            hostile = [ask() for _ in range(3)]
+            upstream.usage = {"prompt_tokens": 40, "completion_tokens": 3, "total_tokens": 43}
+            after = [ask() for _ in range(3)]
+    assert hostile == [200] * 3 and after == [200] * 3, (hostile, after)
 
 
 def test_a_backend_listing_many_models_is_served_for_a_thousand_and_one_listing_300000_is_no_backend() -> None:
@@ -156,8 +181,8 @@ def test_a_request_after_which_two_engines_stopped_answering_is_not_sent_to_a_th
 
 def test_a_path_token_echoed_in_an_error_of_a_200_body_is_redacted() -> None:
     """Sweep 21: with a token in the backend URL's path, an engine's 200 body holding an error that names the path
-    reached the client whole (such a body was scrubbed for credentials only, as an answer is); it is scrubbed as
-    an error now, the backend's address and path included. A 200 answer's own text is left alone."""
+    reached the client whole (such a body was scrubbed for credentials only, as an answer is); it fails as an
+    engine's error now (sweep 22), its message scrubbed, the backend's address and path included."""
     from gateway.app import create_app
     from gateway.config import settings_from_mapping
     from tests.conftest import serve_in_thread
@@ -172,4 +197,69 @@ def test_a_path_token_echoed_in_an_error_of_a_200_body_is_redacted() -> None:
             wait_until(lambda: httpx.get(gw.url + "/ready").status_code == 200, "the backend ready")
             answer = httpx.post(gw.url + "/v1/chat/completions", timeout=30,
                                 json={"model": "m", "messages": [{"role": "user", "content": "hi"}]})
-    assert "TOKSECRETPATH123" not in answer.text, answer.text
+    assert answer.status_code == 502 and "TOKSECRETPATH123" not in answer.text, answer.text
+    assert "upstream backend p/v1/chat/completions failed" in answer.text, answer.text
+
+
+ERROR_SHAPES = {"error": {"error": {"message": "engine is sad", "type": "InternalError"}},
+                "old-vllm": {"object": "error", "message": "engine is sad", "type": "InternalServerError"},
+                "detail": {"detail": "engine is sad"},
+                "huge": {"error": {"message": "engine is sad " + "x" * 20_000_000}}}
+
+
+@pytest.mark.parametrize("shape", list(ERROR_SHAPES))
+def test_an_engine_answering_200_with_an_error_fails_over_like_one_that_says_so(shape: str) -> None:
+    """Sweep 22: a 200 body holding an error and no answer was relayed as the answer: never failed over (half the
+    requests of a model another backend served got the error), and a 60 MB one was scrubbed whole on the event
+    loop (another key's requests stalled 3.7 s). It is an engine's failure now: the request goes to the next
+    backend, and where none is left the client gets a 502 with an excerpt of the engine's message."""
+    from gateway.app import create_app
+    from gateway.config import settings_from_mapping
+    from tests.conftest import serve_in_thread
+
+    body = orjson.dumps(ERROR_SHAPES[shape])
+    with ScriptedUpstream(mode="script") as failing, ScriptedUpstream(mode="complete", tokens=3) as good:
+        failing.script = lambda _headers: (200, "application/json", [body])
+        backends = [{"name": "bad", "engine": "vllm", "url": failing.url},
+                    {"name": "good", "engine": "vllm", "url": good.url}]
+        settings = settings_from_mapping({"backends": backends, "routing": {"policy": "round-robin"},
+                                          "scrape": {"interval": 0.1, "timeout": 1.0}})
+        ask = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+        with serve_in_thread(create_app(settings)) as gw:
+            wait_until(lambda: httpx.get(gw.url + "/ready").json()["backends"]["bad"]["routable"]
+                       and httpx.get(gw.url + "/ready").json()["backends"]["good"]["routable"], "both ready")
+            answers = [httpx.post(gw.url + "/v1/chat/completions", json=ask, timeout=30) for _ in range(6)]
+            assert [a.status_code for a in answers] == [200] * 6, [a.text[:200] for a in answers]
+            assert all(a.json()["choices"] for a in answers)
+            assert failing.posts >= 1, "round-robin sent some to the failing backend first"
+        settings = settings_from_mapping({"backends": backends[:1], "scrape": {"interval": 0.1, "timeout": 1.0}})
+        with serve_in_thread(create_app(settings)) as gw:
+            wait_until(lambda: httpx.get(gw.url + "/ready").status_code == 200, "the backend ready")
+            alone = httpx.post(gw.url + "/v1/chat/completions", json=ask, timeout=30)
+    assert alone.status_code == 502, alone.text[:300]
+    message = alone.json()["error"]["message"]
+    assert "answered 200 with an error and no answer: engine is sad" in message and len(message) < 600, message
+
+
+def test_an_answer_whose_error_is_null_is_relayed_as_written() -> None:
+    """Sweep 22: a Responses answer carries "error": null (OpenAI's shape); it was taken for an error and scrubbed
+    as one, every mention of the backend's host in the generated text rewritten, for every tenant."""
+    from gateway.app import create_app
+    from gateway.config import settings_from_mapping
+    from tests.conftest import serve_in_thread
+
+    with ScriptedUpstream(mode="script") as upstream:
+        text = f"the host is 127.0.0.1, see {upstream.url}/docs"
+        answer = {"id": "resp_1", "object": "response", "created_at": 1, "status": "completed", "model": "m",
+                  "error": None, "incomplete_details": None,
+                  "output": [{"type": "message", "id": "msg_1", "role": "assistant", "status": "completed",
+                              "content": [{"type": "output_text", "text": text, "annotations": []}]}],
+                  "usage": {"input_tokens": 3, "output_tokens": 5, "total_tokens": 8}}
+        upstream.script = lambda _headers: (200, "application/json", [orjson.dumps(answer)])
+        settings = settings_from_mapping({"backends": [{"name": "p", "engine": "vllm", "url": upstream.url}],
+                                          "scrape": {"interval": 0.1, "timeout": 1.0}})
+        with serve_in_thread(create_app(settings)) as gw:
+            wait_until(lambda: httpx.get(gw.url + "/ready").status_code == 200, "the backend ready")
+            got = httpx.post(gw.url + "/v1/responses", timeout=30, json={"model": "m", "input": "hi", "store": False})
+    assert got.status_code == 200, got.text
+    assert got.json()["output"][0]["content"][0]["text"] == text, "passed through natively, as written"
