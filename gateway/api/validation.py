@@ -81,11 +81,21 @@ NOT_ACCEPTED = {
     "preserved_tokens": "it is set by llama.cpp's chat templates",
     "chat_format": "it is set by llama.cpp's chat templates, and an unknown format aborts llama-server",
     "chat_parser": "it is set by llama.cpp's chat templates",
+    "prompt_embeds": "the prompt is the messages or prompt the gateway checks, routes and charges; vLLM would "
+                     "serve these embeddings in their place",
+    "chat_template": "it is a template the engine runs in place of the model's own: the gateway routes and "
+                     "charges the prompt the model's template makes",
+    "negative_prompt": "TabbyAPI runs it as a second prompt beside the request's at every token, which the gateway "
+                       "neither bounds nor charges (sweep 22: 400,000 characters were charged 16 tokens)",
 }
 # llama.cpp's sampler settings whose size sets what its main loop does at every token, or at a slot's start, for
 # every slot (sweep 20: 2,000 repeated samplers held other keys' streams to 1% of their pace; 20,000 DRY sequence
 # breakers held the loop 34 s; a repeat_last_n of 50 million took 670 MB)
 MAX_SAMPLERS = 16  # llama.cpp has about a dozen, each once
+# DRY sequence breakers: llama.cpp reads the whole vocabulary for each when a request starts (~8 ms each with a
+# 128k vocabulary: 32 of them, at 4 requests a second, held other keys' requests from 0.25 to 6.6 s, sweep 22);
+# its default is 4
+MAX_DRY_BREAKERS = 8
 MAX_LAST_N = 131_072  # repeat_last_n, dry_penalty_last_n (-1: the context; 0: off)
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound (vLLM's default max_logprobs); n_probs is llama.cpp's spelling
 
@@ -139,8 +149,24 @@ def _check_per_token(body: dict[str, Any], limits: LimitSettings) -> None:
         # samplers, each sorting a 128k vocabulary, held other keys' streams to 2% of their pace: sweep 21)
         raise _bad(f"'samplers' must be a string or an array of at most {MAX_SAMPLERS} samplers, each once",
                    "samplers")
+    if chain is not None and "i" in chain:
+        # (llama.cpp's fill-in-the-middle sampler, which its /infill sets: its cost is the square of the
+        # candidates, at every token, on the loop every slot shares: 7.4 s a token at top_k 16,000, sweep 22)
+        raise _bad("'samplers' may not name infill: llama.cpp's /infill route sets it", "samplers")
+    breakers = body.get("dry_sequence_breakers")
+    if isinstance(breakers, str):  # (TabbyAPI reads a string as the inside of a JSON array)
+        try:
+            parsed = orjson.loads("[" + breakers + "]")
+        except orjson.JSONDecodeError:
+            parsed = [breakers]
+        breakers = parsed if isinstance(parsed, list) else [breakers]
+    if isinstance(breakers, list) and len(breakers) > MAX_DRY_BREAKERS:
+        raise _bad(f"'dry_sequence_breakers' has {len(breakers)} entries; this gateway accepts at most "
+                   f"{MAX_DRY_BREAKERS}", "dry_sequence_breakers")
     for field, low, high in (("repeat_last_n", -1, MAX_LAST_N), ("dry_penalty_last_n", -1, MAX_LAST_N),
                              ("penalty_range", -1, MAX_LAST_N), ("rep_pen_range", -1, MAX_LAST_N),
+                             ("repetition_range", -1, MAX_LAST_N), ("repetition_penalty_range", -1, MAX_LAST_N),
+                             ("dry_range", -1, MAX_LAST_N),
                              ("top_logprobs", 0, MAX_TOP_LOGPROBS), ("n_probs", 0, MAX_TOP_LOGPROBS)):
         value = body.get(field)
         if value is not None and (type(value) is not int or not low <= value <= high):
@@ -149,8 +175,9 @@ def _check_per_token(body: dict[str, Any], limits: LimitSettings) -> None:
         value = body.get(field)
         if value is not None and (type(value) is not int or not 0 <= value <= limits.max_tokens):
             raise _bad(f"'{field}' must be an integer from 0 to {limits.max_tokens}", field)
-    logprobs = body.get("logprobs")  # (an integer on completions: how many; llama.cpp reads it as n_probs)
-    if type(logprobs) is int and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
+    logprobs = body.get("logprobs")  # (an integer on completions: how many; llama.cpp reads any number as n_probs)
+    if (isinstance(logprobs, int | float) and not isinstance(logprobs, bool)
+            and (type(logprobs) is not int or not 0 <= logprobs <= MAX_TOP_LOGPROBS)):
         raise _bad(f"'logprobs' must be an integer from 0 to {MAX_TOP_LOGPROBS}", "logprobs")
 
 

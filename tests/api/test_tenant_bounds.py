@@ -368,6 +368,17 @@ def test_a_schema_whose_type_is_not_a_name_is_a_400(running: Running, padding: i
     ("/v1/completions", "logprobs", 1638, "'logprobs' must be an integer from 0 to 20"),
     ("/v1/chat/completions", "samplers", "yy", "each once"),
     ("/v1/chat/completions", "samplers", ["typ_p", "TYP-P", "typ"], "each once"),  # (one sampler, three names)
+    # sweep 22: a float is a number llama.cpp reads as n_probs; infill is quadratic in the candidates; a DRY
+    # breaker costs a pass over the vocabulary (TabbyAPI reads a string as a JSON array's inside); TabbyAPI's
+    # other spellings of its ranges
+    ("/v1/completions", "logprobs", 1638.0, "'logprobs' must be an integer from 0 to 20"),
+    ("/v1/chat/completions", "samplers", ["top_k", "infill"], "may not name infill"),
+    ("/v1/chat/completions", "dry_sequence_breakers", [str(i) for i in range(9)], "'dry_sequence_breakers' has 9"),
+    ("/v1/chat/completions", "dry_sequence_breakers", ",".join(f'"{i}"' for i in range(20)),
+     "'dry_sequence_breakers' has 20 entries"),
+    ("/v1/chat/completions", "repetition_range", 10**9, "'repetition_range' must be an integer from -1 to 131072"),
+    ("/v1/chat/completions", "repetition_penalty_range", 10**9, "'repetition_penalty_range' must be an integer"),
+    ("/v1/chat/completions", "dry_range", 10**9, "'dry_range' must be an integer from -1 to 131072"),
     ("/v1/chat/completions", "stop_sequence", [f"s{i}" for i in range(100)], "'stop_sequence' has 100 entries"),
     ("/v1/chat/completions", "rep_pen_range", 10**9, "'rep_pen_range' must be an integer from -1 to 131072"),
     ("/v1/chat/completions", "min_tokens", 10**6, "'min_tokens' must be an integer from 0 to 131072"),

@@ -36,6 +36,9 @@ def test_a_clients_prefill_decode_fields_reach_no_engine(engine: str, route: str
     ("logits_processors", ["my.module.Processor"]), ("session_params", {"id": "s-1", "rid": "r-1"}),
     ("session_id", "s-1"), ("input_ids", [1, 2, 3]), ("lora", [{"id": 0, "scale": 1.0}]),
     ("grammar_triggers", [{"type": 9, "value": "x"}]), ("chat_format", 99999),
+    # sweep 22: a prompt in place of the one checked and charged, a template of the client's own, and TabbyAPI's
+    # second prompt (400,000 characters charged 16 tokens)
+    ("prompt_embeds", "AAAA"), ("chat_template", "{{ messages }}"), ("negative_prompt", "x" * 1000),
 ])
 def test_an_engine_field_that_picks_weights_runs_code_or_reopens_a_session_is_a_400(field: str, value: object) -> None:
     """Sweep 19: a key allowed only the base model named another tenant's adapter in SGLang's lora_path (which

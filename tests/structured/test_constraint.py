@@ -97,6 +97,12 @@ def test_no_constraint() -> None:
         ({"regex": "((a{999}){999}){999}"}, "regex", "unroll to more than 100,000 positions"),
         ({"json_schema": {"type": "string", "pattern": "^(x{400}){400}$"}}, "json_schema",
          "the pattern at /pattern has counted repetitions that unroll"),
+        # sweep 22: 90,000 ways to split a run of a's between two varying counts (under the positions' bound):
+        # llama.cpp's grammar followed each at every token and froze, every slot with it, for minutes
+        ({"json_schema": {"type": "string", "pattern": "^(a{0,300}){0,300}$"}}, "json_schema",
+         "repetitions of varying count nested in one another"),
+        ({"regex": "([ab]{0,40}){0,40}"}, "regex", "more than 1,000 ways"),
+        ({"regex": "((a{0,10}){0,10}){0,11}"}, "regex", "more than 1,000 ways"),
         ({"choice": []}, "choice", "non-empty array of strings"),
         ({"choice": ["a", 1]}, "choice", "non-empty array of strings"),
         ({"grammar": 'root ::= "unclosed'}, "grammar", "not a valid GBNF grammar"),
@@ -213,7 +219,8 @@ def test_satisfiable_schemas_with_refs_bounds_and_enums_pass() -> None:
 
 
 def test_long_counted_repetitions_that_real_patterns_use_are_accepted() -> None:
-    for pattern in (".{0,5000}", r"(\w{1,100} ){1,500}", r"\d{3}-\d{4}", "(a{300}){300}"):
+    for pattern in (".{0,5000}", r"(\w{1,100} ){1,500}", r"\d{3}-\d{4}", "(a{300}){300}", r"^(\d{1,3}\.){3}\d{1,3}$",
+                    r"([^,]{0,100},){0,100}", r"( [a-z]{1,10}){1,500}", "((a{0,10}){0,10}){0,10}"):
         assert extract({"regex": pattern}) is not None, pattern
     with pytest.raises(ConstraintInvalid) as err:
         extract({"regex": "((a{999}){999}){999}"})

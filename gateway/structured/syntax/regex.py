@@ -139,12 +139,99 @@ def unrolled_positions(tree: Any, cap: int = MAX_REGEX_POSITIONS) -> int:
     return total
 
 
+# The most places a text may be at once in a repetition of a repetition of varying count: ``(a{0,300}){0,300}``
+# has a run of a's split between the counts in 300 x 301 ways, each a parse llama.cpp's grammar keeps and checks
+# every candidate token against, at every token (90,000 of them, under MAX_REGEX_POSITIONS, froze llama-server
+# for minutes, every slot with it: sweep 22); ``(\d{1,3}\.){3}`` has 9.
+MAX_NESTED_STATES = 1000
+
+
+def nested_states(tree: Any) -> tuple[int, bool, int]:
+    """The places a text may be at once in the pattern's repetitions (a repetition of varying count, its copies;
+    one of what varies in length, its copies times the places inside that), whether its length varies, and the
+    most places of any repetition of what varies in length (what MAX_NESTED_STATES bounds)."""
+    most, varies, nest = 1, False, 0
+    for op, av in tree:
+        kind = str(op)
+        if kind == "SUBPATTERN":
+            states, inner, deep = nested_states(av[3])
+        elif kind == "BRANCH":
+            found = [nested_states(branch) for branch in av[1]]
+            states, inner, deep = max(f[0] for f in found), True, max(f[2] for f in found)
+        elif kind in ("MAX_REPEAT", "MIN_REPEAT", "POSSESSIVE_REPEAT"):
+            lo, hi, sub = av
+            copies = lo + 1 if hi == _constants.MAXREPEAT else max(hi, 1)
+            below, inner, deep = nested_states(sub)
+            if inner and not _delimited(sub):
+                states = copies * below
+                deep = max(deep, states)
+            else:
+                states = copies if hi != lo else 1
+            inner = inner or hi != lo
+        elif kind in ("ASSERT", "ASSERT_NOT"):
+            states, inner, deep = 1, False, nested_states(av[1])[2]
+        else:
+            states, inner, deep = 1, False, 0
+        most, varies, nest = max(most, states), varies or inner, max(nest, deep)
+    return most, varies, nest
+
+
+def _one_char(node: tuple[Any, Any]) -> charset.Ranges | None:
+    """The characters a node of one character matches (its own flags aside), or None if it is not one."""
+    op, av = node
+    kind = str(op)
+    if kind == "LITERAL":
+        return ((av, av),)
+    if kind == "NOT_LITERAL":
+        return charset.members(((av, av),), True)
+    if kind == "ANY":
+        return charset.members(_NO_NEWLINE, True)
+    if kind == "IN":
+        try:
+            found = _class(list(av), 0)
+        except ConstraintError:
+            return None
+        assert isinstance(found, CharClass)
+        return found.members()
+    return None
+
+
+def _varying_char(node: tuple[Any, Any]) -> charset.Ranges | None:
+    """The characters of a repetition of one character whose count varies, or None if the node is not one."""
+    op, av = node
+    if str(op) not in ("MAX_REPEAT", "MIN_REPEAT", "POSSESSIVE_REPEAT") or av[0] == av[1] or len(av[2]) != 1:
+        return None
+    return _one_char(av[2][0])
+
+
+def _delimited(body: Any) -> bool:
+    """Whether what a repetition repeats begins or ends with a character its neighbouring repetition cannot
+    match (``(\\w{1,100} )``, ``(-[a-z]+)``): where one copy ends and the next begins is then never in doubt."""
+    items = list(body)
+    while len(items) == 1 and str(items[0][0]) == "SUBPATTERN":
+        items = list(items[0][1][3])
+    if len(items) < 2:
+        return False
+    for edge, neighbour in ((items[0], items[1]), (items[-1], items[-2])):
+        fixed, varying = _one_char(edge), _varying_char(neighbour)
+        if fixed is not None and varying is not None and not _overlap(fixed, varying):
+            return True
+    return False
+
+
+def _overlap(a: charset.Ranges, b: charset.Ranges) -> bool:
+    return any(lo <= other_hi and other_lo <= hi for lo, hi in a for other_lo, other_hi in b)
+
+
 def expansion_problem(tree: Any) -> str | None:
     """Why no engine could build an automaton for a parsed pattern, or None: its repetitions unroll past
-    MAX_REGEX_POSITIONS."""
+    MAX_REGEX_POSITIONS, or nest past MAX_NESTED_STATES."""
     if unrolled_positions(tree) > MAX_REGEX_POSITIONS:
         return (f"counted repetitions that unroll to more than {MAX_REGEX_POSITIONS:,} positions (an engine "
                 "builds its automaton from them)")
+    if nested_states(tree)[2] > MAX_NESTED_STATES:
+        return (f"repetitions of varying count nested in one another, a text splitting between them in more than "
+                f"{MAX_NESTED_STATES:,} ways (an engine's grammar follows each, at every token)")
     return None
 
 
