@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import threading
 from collections.abc import Iterator
@@ -17,6 +18,32 @@ from gateway.server_limits import uvicorn_config
 from tests.waiting import wait_until
 
 pytest_plugins = ["tests.tiers", "pytester"]
+
+
+def _one_tls_context() -> None:
+    """Every httpx client a test makes (thousands: each httpx.get is one, and each OpenAI SDK client) verifies
+    with one TLS context, made once, as the gateway's own clients do (gateway.pool.pool.tls_context): made for
+    each, httpx parses certifi's authorities again, 15-90 ms a client, 32 s of tests/proxy's 55. The tests reach
+    loopback over plain HTTP; a client given its own verify= or cert= still gets its own."""
+    import os
+
+    import httpx._transports.default as transports
+
+    made = transports.create_ssl_context
+    shared: dict[tuple[bool, str | None, str | None], Any] = {}
+
+    def create(verify: Any = True, cert: Any = None, trust_env: bool = True) -> Any:
+        if verify is not True or cert is not None:
+            return made(verify=verify, cert=cert, trust_env=trust_env)
+        key = (trust_env, os.environ.get("SSL_CERT_FILE"), os.environ.get("SSL_CERT_DIR"))
+        if key not in shared:
+            shared[key] = made(verify=verify, cert=cert, trust_env=trust_env)
+        return shared[key]
+
+    transports.create_ssl_context = create
+
+
+_one_tls_context()
 
 
 AGENT_LLAMA = "agent-llama-server"  # the model a real llama-server serves to the agent tests
@@ -71,6 +98,43 @@ def free_port_block(count: int) -> int:
     raise RuntimeError("no block of free ports found")
 
 
+class _Server(uvicorn.Server):
+    """uvicorn's server, told to stop at once: its main loop looks for ``should_exit`` every 0.1 s, which every
+    test server's stop waited out (hundreds of them a run)."""
+
+    _woken: asyncio.Event | None = None
+
+    async def main_loop(self) -> None:
+        self._woken = asyncio.Event()
+        counter = 0
+        should_exit = await self.on_tick(counter)
+        while not should_exit:
+            counter = (counter + 1) % 864000
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._woken.wait(), 0.1)
+            should_exit = await self.on_tick(counter)
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        """uvicorn's, less its fixed 0.1 s pause for connections to close where there is none (the test's clients
+        closed theirs); with connections open, uvicorn's own."""
+        if self.server_state.connections:
+            await super().shutdown(sockets)
+            return
+        for server in self.servers:
+            server.close()
+        for sock in sockets or []:
+            sock.close()
+        await self._wait_tasks_to_complete()
+        if not self.force_exit:
+            await self.lifespan.shutdown()
+
+    def wake(self, loop: asyncio.AbstractEventLoop | None) -> None:
+        woken = self._woken
+        if loop is not None and woken is not None and not loop.is_closed():
+            with contextlib.suppress(RuntimeError):  # (the loop may have just ended)
+                loop.call_soon_threadsafe(woken.set)
+
+
 class ServerThread:
     """A uvicorn server (uvloop + httptools, as in production) on its own loop in a daemon thread.
 
@@ -86,7 +150,7 @@ class ServerThread:
             server = gateway.settings.server if gateway is not None else ServerSettings()
         server = server.model_copy(update={"host": "127.0.0.1", "port": self.port})
         config = uvicorn_config(app, server, log_level="warning")
-        self.server = uvicorn.Server(config)
+        self.server = _Server(config)
         self.loop: asyncio.AbstractEventLoop | None = None
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -112,6 +176,7 @@ class ServerThread:
 
     def stop(self) -> None:
         self.server.should_exit = True
+        self.server.wake(self.loop)
         self._thread.join(timeout=15)
 
 
