@@ -188,6 +188,11 @@ def test_a_restarted_engine_is_forgotten_and_a_dropped_batch_replayed(routed: tu
     metrics = httpx.get(f"{gateway.url}/metrics").text
     assert 'gateway_kv_event_gaps_total{backend="v1"} 1.0' in metrics
     assert 'gateway_kv_event_replays_total{backend="v1",result="complete"}' in metrics
+    # the old process numbered 60 batches more: the new one, numbering from 0 again, stays behind it for as many
+    # of its own (the restart is seen as numbers going back) while the subscriber reconnects; a new process
+    # that had numbered past the old one before it reconnected would look like a hole, not a restart
+    for n in range(60):
+        httpx.post(f"{server.url}/v1/chat/completions", json=chat(f"before {n}", system=f"Old {n}." + " kel" * 40))
     fleet.call(server.stop())
     fleet.call(server.start())  # a fresh process on the same ports: numbering starts again at 0
     i = 0
