@@ -177,6 +177,7 @@ class ProxyEndpoint:
                                            history)
             exchange.body_tokens = body_tokens + history // BYTES_PER_TOKEN
             exchange.body_bytes = len(raw) + history
+            exchange.max_answer_tokens = settings.limits.max_tokens
         reserve = exchange.reserve
         shared = self._shared
         if shared is None:

@@ -93,9 +93,9 @@ NOT_ACCEPTED = {
 # breakers held the loop 34 s; a repeat_last_n of 50 million took 670 MB)
 MAX_SAMPLERS = 16  # llama.cpp has about a dozen, each once
 # DRY sequence breakers: llama.cpp reads the whole vocabulary for each when a request starts (~8 ms each with a
-# 128k vocabulary: 32 of them, at 4 requests a second, held other keys' requests from 0.25 to 6.6 s, sweep 22);
-# its default is 4
-MAX_DRY_BREAKERS = 8
+# 128k vocabulary: 32 of them, at 4 requests a second, held other keys' requests from 0.25 to 6.6 s, sweep 22; 8
+# still tripled another key's p50 at 10 a second, sweep 23): as many as its default has
+MAX_DRY_BREAKERS = 4
 MAX_LAST_N = 131_072  # repeat_last_n, dry_penalty_last_n (-1: the context; 0: off)
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound (vLLM's default max_logprobs); n_probs is llama.cpp's spelling
 

@@ -63,6 +63,9 @@ def client_wants_usage(body: dict[str, Any]) -> bool:
     return isinstance(options, dict) and options.get("include_usage") is True
 
 
+NO_SUCH_ROUTE = frozenset({404, 405})  # an engine's answer that is no one request's doing
+
+
 class _Retry(Exception):
     """This attempt failed in a way another backend may fix. ``final`` is the answer if none is tried."""
 
@@ -530,6 +533,8 @@ class Dispatcher:
                 # model ejected it, then kept it from everyone as the half-open probe (sweep 13; ejecting the
                 # only backend moves no traffic anywhere; a stuck one still times out each request)
                 breaker.release()
+            elif exc.answered and not breaker.corroborated(_owner(exchange)):
+                breaker.release()  # (an error it answered, as a 5xx: counted where another key met one too)
             else:
                 breaker.record(False)
             settled = True
@@ -597,7 +602,12 @@ class Dispatcher:
                     breaker.release()  # (it answered; whose doing the 5xx is, nothing here can tell)
                 elif exchange.outcome in ("upstream_failed", "upstream_timeout"):
                     breaker.record(False)
-                elif exchange.status >= 500:  # (it answered a 5xx: see Breaker.corroborated)
+                elif (exchange.status >= 500 or exchange.status in NO_SUCH_ROUTE
+                      or (exchange.outcome == "upstream_error" and exchange.status < 400)):
+                    # it answered a 5xx, a 404 or 405 (no such route or model: an engine answering every request
+                    # so), or an error inside a 200 stream: none is a success (failing at once, such an engine
+                    # looked fastest and drew nearly every request, sweep 23); counted against it where another
+                    # key's request met one there too (see Breaker.corroborated)
                     if breaker.corroborated(_owner(exchange)):
                         breaker.record(False)
                     else:

@@ -87,6 +87,7 @@ class Exchange:
     # least a byte, or a byte's fallback; a template's few words per message fit in the JSON around them)
     body_bytes: int = 0
     failed_over: int = 0  # backends that read its prompt and were failed over from (each is charged that prompt)
+    max_answer_tokens: int = 131_072  # the most tokens one answer may be (limits.max_tokens, set on arrival)
     engines_lost: int = 0  # backends that stopped answering after an attempt of it (see Dispatcher._attempt)
     rereads: int = 0  # bytes an engine reads beyond the body: a rerank's query again, with each later document
     # with shared state: the key's budget, admitted on arrival (gateway.state), and the backend whose shared slot
@@ -138,10 +139,16 @@ class Exchange:
         request, backend = self.request, self.backend
         if request is None or backend is None:
             return True
-        if prompt > 2 * self.prompt_bound() + TEMPLATE_TOKENS:
+        if prompt > self._prompt_cap():
             return False
-        per_generation = request.max_tokens or backend.capacity.context_length
-        return per_generation is None or completion <= (per_generation + 1) * request.generations
+        # (without max_tokens, the backend's context, and never past the most a request may ask for: a context is
+        # what the engine lists, and an openai backend lists none, sweep 23)
+        per_generation = min(request.max_tokens or backend.capacity.context_length or self.max_answer_tokens,
+                             self.max_answer_tokens)
+        return completion <= (per_generation + 1) * request.generations
+
+    def _prompt_cap(self) -> int:
+        return 2 * self.prompt_bound() + TEMPLATE_TOKENS
 
     def prompt_bound(self) -> int:
         """The most its prompt may have cost the engine, where the engine did not say: its body's bytes (documents
@@ -172,6 +179,8 @@ class Exchange:
         if not self.failed_over:
             return 0
         prompt = usage_figure((self.usage or {}).get("prompt_tokens"))
+        if prompt is not None and prompt > self._prompt_cap():
+            prompt = None  # (a figure the prompt could not cost, times every backend failed over from: sweep 23)
         return self.failed_over * max(1, prompt if prompt is not None else self.prompt_bound())
 
     def usage_int(self, key: str) -> int:

@@ -185,7 +185,7 @@ class Forwarder:
                             # relayed, a huge one was scrubbed whole on the loop (60 MB: other keys stalled 3.7 s)
                             # and never failed over (sweep 22); the message is an excerpt, scrubbed as an error's
                             raise UpstreamError("the backend answered 200 with an error and no answer: "
-                                                + backend.secrets.excerpt(_error_text(doc), 300))
+                                                + backend.secrets.excerpt(_error_text(doc), 300), answered=True)
                         shown = without(doc, options.hidden) if options.hidden else None
                         # an answer's error member (a failed Responses object) is scrubbed as an error is, its
                         # address too (sweep 21: a path token echoed there reached the client), where it is small;
@@ -319,7 +319,8 @@ ANSWER_MEMBERS = ("choices", "data", "results", "output", "content")
 def engine_error(doc: dict[str, Any]) -> bool:
     if doc.get("object") == "error":
         return True
-    return bool(doc.get("error") or doc.get("detail")) and not any(key in doc for key in ANSWER_MEMBERS)
+    # (an empty or null answer member beside the error is no answer: {"error": ..., "choices": []}, sweep 23)
+    return bool(doc.get("error") or doc.get("detail")) and not any(doc.get(key) for key in ANSWER_MEMBERS)
 
 
 def _error_text(doc: dict[str, Any]) -> str:

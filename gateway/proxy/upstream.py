@@ -10,11 +10,15 @@ class UpstreamError(Exception):
     ``auth`` when it refused the gateway's own credentials for it (401/403): a configuration fault of the
     gateway's, never the client's."""
 
-    def __init__(self, message: str, *, connect: bool = False, timeout: bool = False, auth: bool = False) -> None:
+    def __init__(self, message: str, *, connect: bool = False, timeout: bool = False, auth: bool = False,
+                 answered: bool = False) -> None:
         super().__init__(message)
         self.connect = connect
         self.timeout = timeout
         self.auth = auth
+        # it answered, with an error in a 200 body: counted against it as a 5xx is, where another key's request
+        # met one there too (Breaker.corroborated; one key's requests must not eject an engine for everyone)
+        self.answered = answered
 
     @property
     def code(self) -> str:
@@ -33,7 +37,8 @@ class UpstreamError(Exception):
         return "connect_failed" if self.connect else "upstream_failed"
 
     def redacted(self, redactor: Redactor) -> UpstreamError:
-        return UpstreamError(redactor.scrub(str(self)), connect=self.connect, timeout=self.timeout, auth=self.auth)
+        return UpstreamError(redactor.scrub(str(self)), connect=self.connect, timeout=self.timeout, auth=self.auth,
+                             answered=self.answered)
 
 
 class ResponseTooLarge(UpstreamError):

@@ -83,24 +83,27 @@ def test_a_backend_reporting_negative_usage_does_not_refill_the_keys_token_budge
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
-@pytest.mark.parametrize("usage", [(2**27, 2**27), (5, 2**27), (2**27, 5)], ids=["both", "completion", "prompt"])
-def test_usage_a_request_could_not_have_cost_is_no_reading(stream: bool, usage: tuple[int, int]) -> None:
+@pytest.mark.parametrize("usage", [(2**27, 2**27), (5, 2**27), (2**27, 5), (5, 2**27, "no max_tokens")],
+                         ids=["both", "completion", "prompt", "completion-no-max-tokens"])
+def test_usage_a_request_could_not_have_cost_is_no_reading(stream: bool, usage: tuple[Any, ...]) -> None:
     """Sweep 22: an engine answering a request of max_tokens 5 with 134 million tokens of usage (each figure
     within what a usage figure may be) put a key of a million tokens a minute 4.5 hours in debt, streamed too.
     A prompt more than twice its body's bound, or a completion past max_tokens, is no reading: the key is charged
-    the gateway's own count, and keeps being served."""
+    the gateway's own count, and keeps being served. Sweep 23: without max_tokens, on a backend that lists no
+    context (a plain openai one), the completion was not bounded at all: it is by limits.max_tokens."""
+    bounded = {"max_tokens": 5} if len(usage) == 2 else {}
     with ScriptedUpstream(mode="stream" if stream else "complete", tokens=3) as upstream:
         _app, server = gateway_over(upstream, **keyed(100_000))
         with server as gw:
             def ask() -> int:
                 return httpx.post(gw.url + "/v1/chat/completions", headers={"authorization": "Bearer sk-team"},
                                   json={"model": "m", "messages": [{"role": "user", "content": "hi"}],
-                                        "max_tokens": 5, "stream": stream,
+                                        **bounded, "stream": stream,
                                         **({"stream_options": {"include_usage": True}} if stream else {})},
                                   timeout=30).status_code
 
             upstream.usage = {"prompt_tokens": usage[0], "completion_tokens": usage[1],
-                              "total_tokens": sum(usage)}
+                              "total_tokens": usage[0] + usage[1]}
             hostile = [ask() for _ in range(3)]
             upstream.usage = {"prompt_tokens": 40, "completion_tokens": 3, "total_tokens": 43}
             after = [ask() for _ in range(3)]
@@ -202,6 +205,8 @@ def test_a_path_token_echoed_in_an_error_of_a_200_body_is_redacted() -> None:
 
 
 ERROR_SHAPES = {"error": {"error": {"message": "engine is sad", "type": "InternalError"}},
+                "beside-empty-choices": {"error": {"message": "engine is sad"}, "choices": []},
+                "beside-null-data": {"error": "engine is sad", "data": None},
                 "old-vllm": {"object": "error", "message": "engine is sad", "type": "InternalServerError"},
                 "detail": {"detail": "engine is sad"},
                 "huge": {"error": {"message": "engine is sad " + "x" * 20_000_000}}}
@@ -239,6 +244,59 @@ def test_an_engine_answering_200_with_an_error_fails_over_like_one_that_says_so(
     assert alone.status_code == 502, alone.text[:300]
     message = alone.json()["error"]["message"]
     assert "answered 200 with an error and no answer: engine is sad" in message and len(message) < 600, message
+
+
+def test_a_failover_is_charged_a_prompt_the_request_could_have_cost() -> None:
+    """Sweep 23: a request failed over from a backend is charged its prompt for that backend too, as the engine
+    that answered counted it, unchecked: an answer claiming 134 million prompt tokens put the key hours in debt.
+    A figure past the prompt's bound is no reading there either."""
+    from gateway.app import create_app
+    from gateway.config import settings_from_mapping
+    from tests.conftest import serve_in_thread
+
+    with ScriptedUpstream(mode="script") as failing, ScriptedUpstream(mode="complete", tokens=3) as answering:
+        failing.script = lambda _h: (500, "application/json", [b'{"error": {"message": "down"}}'])
+        answering.usage = {"prompt_tokens": 2**27, "completion_tokens": 3, "total_tokens": 2**27 + 3}
+        settings = settings_from_mapping({
+            "backends": [{"name": "a", "engine": "vllm", "url": failing.url},
+                         {"name": "b", "engine": "vllm", "url": answering.url}],
+            "routing": {"policy": "round-robin"}, "scrape": {"interval": 0.1, "timeout": 1.0},
+            "breaker": {"consecutive_failures": 1000, "min_requests": 1000}, **keyed(100_000)})
+        app = create_app(settings)
+        with serve_in_thread(app) as gw:
+            wait_until(lambda: all(b.routable for b in app.gateway.pool.backends), "both ready")
+            statuses = [httpx.post(gw.url + "/v1/chat/completions", headers={"authorization": "Bearer sk-team"},
+                                   json={"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                                         "max_tokens": 3}, timeout=30).status_code for _ in range(8)]
+    assert failing.posts >= 2, "some requests were failed over"
+    assert statuses == [200] * 8, statuses
+
+
+@pytest.mark.parametrize("failing", ["stream-error", "404"])
+def test_an_engine_failing_every_request_inside_a_200_stream_or_with_404_is_ejected(failing: str) -> None:
+    """Sweep 23: an engine whose every stream was a 200 with an error event (or that answered 404 to everything)
+    counted as succeeding: failing at once it looked fastest, drew nearly every request (748 errors to 1 answer)
+    and was never ejected. Such answers count against it now, as a 5xx does."""
+    from gateway.app import create_app
+    from gateway.config import settings_from_mapping
+    from tests.conftest import serve_in_thread
+
+    error_event = b'data: {"error": {"message": "engine is sad", "type": "InternalError"}}\n\n'
+    with ScriptedUpstream(mode="script") as bad, ScriptedUpstream(mode="stream", tokens=2) as good:
+        bad.script = (lambda _h: (200, "text/event-stream", [error_event])) if failing == "stream-error" else (
+            lambda _h: (404, "application/json", [b'{"error": {"message": "no such route"}}']))
+        settings = settings_from_mapping({
+            "backends": [{"name": "bad", "engine": "vllm", "url": bad.url},
+                         {"name": "good", "engine": "vllm", "url": good.url}],
+            "routing": {"policy": "round-robin"}, "scrape": {"interval": 0.1, "timeout": 1.0}})
+        with serve_in_thread(create_app(settings)) as gw:
+            wait_until(lambda: all(b["routable"] for b in httpx.get(gw.url + "/ready").json()["backends"].values()),
+                       "both ready")
+            ask = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stream": True}
+            served = [httpx.post(gw.url + "/v1/chat/completions", json=ask, timeout=30).headers.get(
+                "x-gateway-backend") for _ in range(30)]
+    assert bad.posts <= 8, (bad.posts, served)  # (5 in a row open the breaker; a half-open probe or two)
+    assert served[-10:] == ["good"] * 10, served
 
 
 def test_an_answer_whose_error_is_null_is_relayed_as_written() -> None:

@@ -100,9 +100,15 @@ def test_no_constraint() -> None:
         # sweep 22: 90,000 ways to split a run of a's between two varying counts (under the positions' bound):
         # llama.cpp's grammar followed each at every token and froze, every slot with it, for minutes
         ({"json_schema": {"type": "string", "pattern": "^(a{0,300}){0,300}$"}}, "json_schema",
-         "repetitions of varying count nested in one another"),
-        ({"regex": "([ab]{0,40}){0,40}"}, "regex", "more than 1,000 ways"),
-        ({"regex": "((a{0,10}){0,10}){0,11}"}, "regex", "more than 1,000 ways"),
+         "parts of varying length (nested, optional under a count, or side by side)"),
+        ({"regex": "([ab]{0,40}){0,40}"}, "regex", "more than 100 ways"),
+        ({"regex": "((a{0,10}){0,10}){0,11}"}, "regex", "more than 100 ways"),
+        # sweep 23: each froze llama-server too (16 characters, the first): optional items under a count, varying
+        # ones side by side, a nest of small counts
+        ({"regex": "^([ab]?){0,100}$"}, "regex", "more than 100 ways"),
+        ({"regex": "^" + "[ab]{0,30}" * 12 + "$"}, "regex", "more than 100 ways"),
+        ({"regex": "^(((([ab]{0,5}){0,5}){0,5}){0,5})$"}, "regex", "more than 100 ways"),
+        ({"regex": "^" + "[ab]?" * 150 + "$"}, "regex", "more than 100 ways"),
         ({"choice": []}, "choice", "non-empty array of strings"),
         ({"choice": ["a", 1]}, "choice", "non-empty array of strings"),
         ({"grammar": 'root ::= "unclosed'}, "grammar", "not a valid GBNF grammar"),
@@ -220,7 +226,8 @@ def test_satisfiable_schemas_with_refs_bounds_and_enums_pass() -> None:
 
 def test_long_counted_repetitions_that_real_patterns_use_are_accepted() -> None:
     for pattern in (".{0,5000}", r"(\w{1,100} ){1,500}", r"\d{3}-\d{4}", "(a{300}){300}", r"^(\d{1,3}\.){3}\d{1,3}$",
-                    r"([^,]{0,100},){0,100}", r"( [a-z]{1,10}){1,500}", "((a{0,10}){0,10}){0,10}"):
+                    r"([^,]{0,100},){0,100}", r"( [a-z]{1,10}){1,500}", r"^[a-z0-9._%+-]+@[a-z0-9.-]+\.[a-z]{2,}$",
+                    r"^\d{4}-\d{2}-\d{2}(T\d{2}:\d{2}(:\d{2})?)?$", "[A-Z][a-z]{0,20} [A-Z][a-z]{0,20}"):
         assert extract({"regex": pattern}) is not None, pattern
     with pytest.raises(ConstraintInvalid) as err:
         extract({"regex": "((a{999}){999}){999}"})

@@ -139,41 +139,66 @@ def unrolled_positions(tree: Any, cap: int = MAX_REGEX_POSITIONS) -> int:
     return total
 
 
-# The most places a text may be at once in a repetition of a repetition of varying count: ``(a{0,300}){0,300}``
-# has a run of a's split between the counts in 300 x 301 ways, each a parse llama.cpp's grammar keeps and checks
-# every candidate token against, at every token (90,000 of them, under MAX_REGEX_POSITIONS, froze llama-server
-# for minutes, every slot with it: sweep 22); ``(\d{1,3}\.){3}`` has 9.
-MAX_NESTED_STATES = 1000
+# The most ways a run of text may split between a pattern's parts of varying length (see nested_states): each a
+# parse llama.cpp's grammar keeps and checks every candidate token against, at every token. ``(a{0,300}){0,300}``
+# (90,000, under MAX_REGEX_POSITIONS) froze llama-server for minutes, every slot with it (sweep 22); so did
+# ``([ab]?){0,100}``, ``[ab]{0,30}`` a hundred times over, and nests of small counts at 512 ways; 125 ways cost a
+# request 20 times a plain pattern's (sweep 23). ``(\d{1,3}\.){3}`` has none: a character ends each copy.
+MAX_NESTED_STATES = 100
 
 
 def nested_states(tree: Any) -> tuple[int, bool, int]:
-    """The places a text may be at once in the pattern's repetitions (a repetition of varying count, its copies;
-    one of what varies in length, its copies times the places inside that), whether its length varies, and the
-    most places of any repetition of what varies in length (what MAX_NESTED_STATES bounds)."""
-    most, varies, nest = 1, False, 0
+    """The places a text may be at once in the pattern's repetitions, whether its length varies, and the most
+    places of any part where a run of text may split in several ways (what MAX_NESTED_STATES bounds): a repetition
+    of varying count has its copies; one of what varies in length, its copies times the places inside that (2 to
+    the copies where each copy may be empty: ``([ab]?){0,100}``); items of varying length side by side, the sum of
+    their places (``[ab]{0,30}`` a hundred times over)."""
+    return _states(tree)[:3]
+
+
+_CAP = 1 << 40
+
+
+def _states(tree: Any) -> tuple[int, bool, int, bool]:
+    """:func:`nested_states`, and whether the part may match nothing."""
+    total, varies, nest, nullable, varying_items = 0, False, 0, True, 0
     for op, av in tree:
         kind = str(op)
         if kind == "SUBPATTERN":
-            states, inner, deep = nested_states(av[3])
+            states, inner, deep, empty = _states(av[3])
         elif kind == "BRANCH":
-            found = [nested_states(branch) for branch in av[1]]
-            states, inner, deep = max(f[0] for f in found), True, max(f[2] for f in found)
+            found = [_states(branch) for branch in av[1]]
+            # (alternatives of one fixed length, none varying, are a fixed-length item: (ab|cd))
+            inner = any(f[1] for f in found) or len({unrolled_positions(b) for b in av[1]}) > 1
+            states, deep = max(f[0] for f in found), max(f[2] for f in found)
+            empty = any(f[3] for f in found)
         elif kind in ("MAX_REPEAT", "MIN_REPEAT", "POSSESSIVE_REPEAT"):
             lo, hi, sub = av
             copies = lo + 1 if hi == _constants.MAXREPEAT else max(hi, 1)
-            below, inner, deep = nested_states(sub)
-            if inner and not _delimited(sub):
-                states = copies * below
+            below, inner, deep, body_empty = _states(sub)
+            if inner and body_empty and copies > 1:  # (each copy empty or at any of its places)
+                states = _CAP if copies * (below + 1).bit_length() > 41 else min((below + 1) ** copies, _CAP)
+                deep = max(deep, states)
+            elif inner and not _delimited(sub):
+                states = min(copies * below, _CAP)
                 deep = max(deep, states)
             else:
                 states = copies if hi != lo else 1
             inner = inner or hi != lo
+            empty = lo == 0 or body_empty
         elif kind in ("ASSERT", "ASSERT_NOT"):
-            states, inner, deep = 1, False, nested_states(av[1])[2]
+            states, inner, deep, empty = 1, False, _states(av[1])[2], True
+        elif kind == "AT":
+            states, inner, deep, empty = 1, False, 0, True
         else:
-            states, inner, deep = 1, False, 0
-        most, varies, nest = max(most, states), varies or inner, max(nest, deep)
-    return most, varies, nest
+            states, inner, deep, empty = 1, False, 0, False
+        if inner:
+            total = min(total + states, _CAP)
+            varying_items += 1
+        varies, nest, nullable = varies or inner, max(nest, deep), nullable and empty
+    if varying_items > 1:
+        nest = max(nest, total)
+    return max(total, 1), varies, nest, nullable
 
 
 def _one_char(node: tuple[Any, Any]) -> charset.Ranges | None:
@@ -230,8 +255,9 @@ def expansion_problem(tree: Any) -> str | None:
         return (f"counted repetitions that unroll to more than {MAX_REGEX_POSITIONS:,} positions (an engine "
                 "builds its automaton from them)")
     if nested_states(tree)[2] > MAX_NESTED_STATES:
-        return (f"repetitions of varying count nested in one another, a text splitting between them in more than "
-                f"{MAX_NESTED_STATES:,} ways (an engine's grammar follows each, at every token)")
+        return (f"parts of varying length (nested, optional under a count, or side by side) that a run of text may "
+                f"split between in more than {MAX_NESTED_STATES:,} ways (an engine's grammar follows each, at every "
+                "token)")
     return None
 
 
