@@ -379,10 +379,21 @@ def test_an_admin_reload_reaches_every_worker_while_redis_does_not_answer(tmp_pa
             admin = {"authorization": f"Bearer {ops}"}
             try:
                 assert statuses(team) == {200}
-                added = httpx.post(pod.url + "/admin/backends", headers=admin, timeout=30, json={
-                    "name": "x", "engine": "vllm", "url": fleet.fleet["x"].url})
-                assert added.status_code == 200, added.text
-                logged_until(pod.log, lambda: served("mx", 10) == {True}, "the added backend on both workers", 30)
+                def add() -> int:
+                    return httpx.post(pod.url + "/admin/backends", headers={**admin, "connection": "close"},
+                                      timeout=30, json={"name": "x", "engine": "vllm",
+                                                        "url": fleet.fleet["x"].url}).status_code
+
+                def on_both() -> bool:
+                    if served("mx", 20) == {True}:
+                        return True
+                    # (a worker whose subscription was not up yet when the other added it never hears of it
+                    # over Redis: asked on a fresh connection, the one without it adds it itself)
+                    add()
+                    return False
+
+                assert add() == 200
+                logged_until(pod.log, on_both, "the added backend on both workers", 30)
                 redis.proc.send_signal(signal.SIGSTOP)  # (Redis takes connections and answers nothing)
                 try:
                     reply = httpx.post(pod.url + "/admin/reload", headers=admin, timeout=30)  # (the same file)
