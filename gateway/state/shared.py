@@ -1101,17 +1101,21 @@ class SharedState:
             if known:
                 log.warning("shared state: Redis had lost the drained backends; written back: %s", ", ".join(known))
             now |= set(known)
-        self._drained_read = now
         # only what changed in the shared set since the last read, and not for a backend this replica is writing:
-        # its own drain or undrain still on its way to Redis is not undone by a read that predates it
+        # its own drain or undrain still on its way to Redis is not undone by a read that predates it. Such a
+        # change is not taken as read either: the next read finds it again (taken as read, another replica's
+        # undrain that came while this one's drain was on its way left the backend drained here for good)
         changes = [(b, True) for b in sorted(now - (before or set()))]
         if before is not None:
             changes += [(b, False) for b in sorted(before - now)]
+        kept = set(now)
         for backend, drained in changes:
             if backend in self._drain_writes:
+                (kept.discard if drained else kept.add)(backend)
                 continue
             for callback in self._on_drained:
                 callback(backend, drained)
+        self._drained_read = kept
 
     # -- heartbeat ----------------------------------------------------------------------------------------------
     async def _heartbeat_loop(self) -> None:

@@ -261,6 +261,32 @@ async def test_a_drain_reaches_every_replica_and_one_that_starts_later(redis_ser
         await stop([a, b, *([late] if late is not None else [])])
 
 
+@pytest.mark.anyio
+async def test_an_undrain_read_while_this_replicas_own_drain_was_on_its_way_is_read_again(
+        redis_server: RedisServer) -> None:
+    """Soak run 4 of the stop after sweep 23: a backend stayed drained on one replica after another undrained it.
+    A replica passes over a change of the shared set for a backend whose own drain or undrain is still on its
+    way to Redis (a read that predates its write must not undo it); the change passed over was taken as read
+    all the same, and never applied. It is found again by the next read once the write is done."""
+    a, b = await replicas(redis_server, 2, heartbeat_seconds=0.2)
+    seen: dict[str, bool] = {}
+    a.on_drained(seen.__setitem__)
+    try:
+        await waiting.until(lambda: a.replicas == 2 and b.replicas == 2, "a.replicas == 2 and b.replicas == 2")
+        await listening(a, b)
+        b.set_drained("x", True)
+        await waiting.until(lambda: seen.get("x") is True, "a heard of the drain")
+        a._drain_writes["x"] = 1  # (a's own drain of x, still on its way to Redis)
+        b.set_drained("x", False)
+        await waiting.until(lambda: not b._drain_writes, "b's undrain written")
+        await a._read_drained()  # (a read while a's write is on its way: passed over)
+        assert seen["x"] is True
+        del a._drain_writes["x"]  # (a's write done: the shared set says undrained, and a's next read says so too)
+        await waiting.until(lambda: seen.get("x") is False, "the undrain read again once a's write was done")
+    finally:
+        await stop([a, b])
+
+
 # -- kept slots ----------------------------------------------------------------------------------------------
 def counting(state: SharedState) -> list[str]:
     """The scripts ``state`` runs in Redis from now on (the admission's round trips), by name."""
