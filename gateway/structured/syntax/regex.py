@@ -139,7 +139,7 @@ def unrolled_positions(tree: Any, cap: int = MAX_REGEX_POSITIONS) -> int:
     return total
 
 
-# The most ways a run of text may split between a pattern's parts of varying length (see nested_states): each a
+# The most ways a run of text may split between a pattern's parts of varying length (see _states): each a
 # parse llama.cpp's grammar keeps and checks every candidate token against, at every token. ``(a{0,300}){0,300}``
 # (90,000, under MAX_REGEX_POSITIONS) froze llama-server for minutes, every slot with it (sweep 22); so did
 # ``([ab]?){0,100}``, ``[ab]{0,30}`` a hundred times over, and nests of small counts at 512 ways; 125 ways cost a
@@ -147,20 +147,15 @@ def unrolled_positions(tree: Any, cap: int = MAX_REGEX_POSITIONS) -> int:
 MAX_NESTED_STATES = 100
 
 
-def nested_states(tree: Any) -> tuple[int, bool, int]:
-    """The places a text may be at once in the pattern's repetitions, whether its length varies, and the most
-    places of any part where a run of text may split in several ways (what MAX_NESTED_STATES bounds): a repetition
-    of varying count has its copies; one of what varies in length, its copies times the places inside that (2 to
-    the copies where each copy may be empty: ``([ab]?){0,100}``); items of varying length side by side, the sum of
-    their places (``[ab]{0,30}`` a hundred times over)."""
-    return _states(tree)[:3]
-
-
 _CAP = 1 << 40
 
 
 def _states(tree: Any) -> tuple[int, bool, int, bool]:
-    """:func:`nested_states`, and whether the part may match nothing."""
+    """The places a text may be at once in the pattern's repetitions, whether its length varies, the most places
+    of any part where a run of text may split in several ways (what MAX_NESTED_STATES bounds), and whether it may
+    match nothing. A repetition of varying count has its copies; one of what varies in length, its copies times
+    the places inside that ((places + 1) to the copies where each copy may be empty: ``([ab]?){0,100}``); items
+    of varying length side by side, the sum of their places (``[ab]{0,30}`` a hundred times over)."""
     total, varies, nest, nullable, varying_items = 0, False, 0, True, 0
     for op, av in tree:
         kind = str(op)
@@ -254,7 +249,7 @@ def expansion_problem(tree: Any) -> str | None:
     if unrolled_positions(tree) > MAX_REGEX_POSITIONS:
         return (f"counted repetitions that unroll to more than {MAX_REGEX_POSITIONS:,} positions (an engine "
                 "builds its automaton from them)")
-    if nested_states(tree)[2] > MAX_NESTED_STATES:
+    if _states(tree)[2] > MAX_NESTED_STATES:
         return (f"parts of varying length (nested, optional under a count, or side by side) that a run of text may "
                 f"split between in more than {MAX_NESTED_STATES:,} ways (an engine's grammar follows each, at every "
                 "token)")
