@@ -15,7 +15,7 @@ import re
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import lru_cache, partial
 from typing import Any, Literal
 from urllib.parse import unquote
 
@@ -44,9 +44,12 @@ from gateway.structured.syntax import (
     first_cycle,
     forget_prepared,
     gbnf_to_ebnf,
+    llama_parses,
+    parse_grammar,
     regex_nesting,
-    validate_grammar,
 )
+from gateway.structured.syntax.grammar_ast import Grammar
+from gateway.structured.syntax.parses import INLINE_BUDGET, MAX_PARSES, WORKER_BUDGET, most_parses, parses_problem
 
 _parser: Any = importlib.import_module("re._parser")
 
@@ -157,9 +160,11 @@ def _check_depth(schema: Any, param: str, bounds: Bounds, max_nodes: int | None)
 
 def check_patterns(value: Any, param: str, bounds: Bounds) -> int:
     """The schema's regexes (``pattern``, ``patternProperties``) within what engines can build automata of, as a
-    regex constraint is; their compile cost. Invalid ones are left to the metaschema check (which judges them,
-    if they are a schema's and not data that looks like one)."""
+    regex constraint is, and within what llama.cpp's grammar sampler follows at each token (it compiles a schema's
+    patterns into its grammar: see gateway.structured.syntax.parses); their compile cost. Invalid ones are left to
+    the metaschema check (which judges them, if they are a schema's and not data that looks like one)."""
     compiling = 0
+    budget = PATTERNS_BUDGET
     for at, pattern, data in schema_patterns(value):
         try:
             tree = _parse_regex(pattern, param, f" at {at[:200]}", bounds.max_nesting)
@@ -172,10 +177,36 @@ def check_patterns(value: Any, param: str, bounds: Bounds) -> int:
             raise ConstraintInvalid(f"{param}: the pattern at {at[:200]} has {problem}, which no engine can enforce "
                                     "(they match with automata)", param)
         problem = None if data else expansion_problem(tree)
+        if not problem and not data and budget > 0:
+            found = _pattern_parses(pattern, tree, min(budget, INLINE_BUDGET))
+            budget -= found[1]
+            problem = found[0]
         if problem:
             raise ConstraintInvalid(f"{param}: the pattern at {at[:200]} has {problem}", param, "constraint_too_large")
         compiling += parsed_compile_cost(tree, pattern)
     return compiling
+
+
+# what searching a schema's patterns for llama.cpp's parses may spend in all (a pattern at most INLINE_BUDGET)
+PATTERNS_BUDGET = 4 * INLINE_BUDGET
+_pattern_verdicts: dict[str, tuple[str | None, int]] = {}
+
+
+def _pattern_parses(pattern: str, tree: Any, budget: int) -> tuple[str | None, int]:
+    """(why llama.cpp should not take ``pattern``, or None; what the search spent), memoised by pattern: a
+    schema's many equal patterns, and every request's same schema, are searched once."""
+    known = _pattern_verdicts.get(pattern)
+    if known is not None:
+        return known[0], 0
+    found = llama_parses(tree, budget)
+    if found is None:
+        return None, 0
+    verdict = parses_problem(found), found.spent
+    if found.complete or verdict[0]:  # (a search cut short is tried again, with the budget of its next schema)
+        if len(_pattern_verdicts) >= 4096:
+            _pattern_verdicts.clear()
+        _pattern_verdicts[pattern] = verdict
+    return verdict
 
 
 def _schema(text: bytes, param: str, bounds: Bounds, inline: bool) -> None:
@@ -376,9 +407,9 @@ def check_grammar(text: Any, dialect: Dialect, param: str, bounds: Bounds, inlin
     return (_inline_grammar if inline else _grammar)(text, dialect, param, bounds)
 
 
-def _grammar(text: str, dialect: Dialect, param: str, bounds: Bounds) -> Renderings:
+def _grammar(text: str, dialect: Dialect, param: str, bounds: Bounds, inline: bool = False) -> Renderings:
     try:
-        validate_grammar(text, dialect, bounds.max_nesting, bounds.max_rules)
+        grammar = parse_grammar(text, dialect, bounds.max_nesting, bounds.max_rules)
     except ConstraintTooDeep as exc:
         raise ConstraintInvalid(f"{param}: {exc}; this gateway accepts at most limits.max_nesting = "
                                 f"{bounds.max_nesting}", param, "constraint_too_deep") from None
@@ -388,19 +419,34 @@ def _grammar(text: str, dialect: Dialect, param: str, bounds: Bounds) -> Renderi
     except ConstraintError as exc:
         raise ConstraintInvalid(f"{param} is not a valid {dialect.upper()} grammar: {exc}", param) from None
     renderings: list[tuple[Dialect, str]] = [(dialect, text)]
+    if dialect == "gbnf":  # (llama.cpp's own dialect: see _llama_parses)
+        problem = _llama_parses(grammar, inline)
+        if problem:
+            raise ConstraintInvalid(f"{param}: the GBNF grammar has {problem}", param, "constraint_too_large")
     try:
         if dialect == "gbnf":  # -> xgrammar EBNF, always faithful (see gateway.structured.syntax.convert)
             renderings.append(("ebnf", gbnf_to_ebnf(text, bounds.max_nesting, bounds.max_rules)))
         elif dialect == "ebnf":  # -> GBNF when llama.cpp reads the same grammar from the text
             as_gbnf = ebnf_as_gbnf(text, bounds.max_nesting, bounds.max_rules)
-            if as_gbnf is not None:
+            # (not for llama.cpp where its parse would go too many ways at once: xgrammar's engines take it)
+            if as_gbnf is not None and not _llama_parses(
+                    parse_grammar(as_gbnf, "gbnf", bounds.max_nesting, bounds.max_rules), inline):
                 renderings.append(("gbnf", as_gbnf))
     except ConstraintError:
         pass
     return tuple(renderings)
 
 
-_inline_grammar = lru_cache(maxsize=128)(_grammar)
+def _llama_parses(grammar: Grammar, inline: bool) -> str | None:
+    """Why llama.cpp's grammar sampler should not take ``grammar`` (its parse goes too many ways at once), or
+    None; Offload when the event loop's share of the search ran out before it ended."""
+    found = most_parses(grammar, INLINE_BUDGET if inline else WORKER_BUDGET)
+    if inline and not found.complete and found.count <= MAX_PARSES:
+        raise Offload
+    return parses_problem(found)
+
+
+_inline_grammar = lru_cache(maxsize=128)(partial(_grammar, inline=True))
 
 
 # -- choices ----------------------------------------------------------------------------------------------

@@ -75,7 +75,7 @@ class Parsed:
 def parsed(engines: Running, monkeypatch: pytest.MonkeyPatch) -> Iterator[Parsed]:
     assert engines.gateway.loop is not None
     seen = Parsed(engines.gateway.loop)
-    parse, run = checks.validate_grammar, offload.ValidationWorkers._run
+    parse, run = checks.parse_grammar, offload.ValidationWorkers._run
 
     def parse_here(text: str, *args: Any) -> Any:
         seen.here.append(text)
@@ -90,7 +90,7 @@ def parsed(engines: Running, monkeypatch: pytest.MonkeyPatch) -> Iterator[Parsed
             await seen.released.wait()
         return verdict
 
-    monkeypatch.setattr(checks, "validate_grammar", parse_here)
+    monkeypatch.setattr(checks, "parse_grammar", parse_here)
     monkeypatch.setattr(offload.ValidationWorkers, "_run", run_in_worker)
     try:
         yield seen

@@ -17,6 +17,8 @@ from gateway.app import create_app
 from gateway.config import settings_from_mapping
 from gateway.engines.sampling import NAMES, SAMPLERS, whole_vocabulary
 from gateway.llamacpp.server import LlamaServer
+from gateway.structured.syntax import parse_grammar
+from gateway.structured.syntax.parses import most_parses
 from tests.conftest import serve_in_thread
 from tests.llamacpp.conftest import start_servers
 
@@ -122,3 +124,37 @@ def test_a_field_that_aborts_llama_server_never_reaches_it(llama_binary: Any, ti
             assert fresh.proc.wait(timeout=30) != 0, "sent directly, the field ends llama-server"
     finally:
         fresh.kill()
+
+
+def test_llama_server_pays_for_every_stack_the_gateway_counts(server: LlamaServer) -> None:
+    """Sweep 22: llama.cpp checks every candidate token against each way its grammar's parse may go on (a stack),
+    on the loop every slot shares; `root ::= s+` with 60 alternatives of a's cost 649 ms a token with a 128k
+    vocabulary. The gateway counts the stacks as llama.cpp keeps them: here the real server's time a token grows
+    with that count (1,831 stacks against 11: ~50-80x measured on 2 cores), and the gateway refuses the grammar
+    past its bound, naming where, and passes the other."""
+    def alternatives(longest: int) -> str:
+        return "root ::= s+\ns ::= " + " | ".join('"' + "a" * k + '"' for k in range(1, longest + 1)) + "\n"
+
+    few, many = alternatives(4), alternatives(60)
+    assert [most_parses(parse_grammar(g, "gbnf"), 10**6, limit=10**6).count for g in (few, many)] == [11, 1831]
+
+    def per_token(grammar: str) -> float:
+        body = {"prompt": "hi", "n_predict": 48, "ignore_eos": True, "grammar": grammar, "cache_prompt": False}
+        times = []
+        for _ in range(2):
+            answer = httpx.post(server.url + "/completion", json=body, timeout=300).json()
+            assert answer["timings"]["predicted_n"] == 48 and set(answer["content"]) == {"a"}, answer
+            times.append(answer["timings"]["predicted_per_token_ms"])
+        return min(times)
+
+    assert per_token(many) > 8 * per_token(few)
+    settings = settings_from_mapping({"backends": [{"name": "l", "engine": "llamacpp", "url": server.url}]})
+    with serve_in_thread(create_app(settings)) as gateway, httpx.Client(base_url=gateway.url, timeout=120) as c:
+        model = c.get("/v1/models").json()["data"][0]["id"]
+        refused = c.post("/v1/completions", json={"model": model, "prompt": "hi", "max_tokens": 4, "grammar": many})
+        assert refused.status_code == 400, refused.text
+        error = refused.json()["error"]
+        assert error["param"] == "grammar" and error["code"] == "constraint_too_large", error
+        assert "ways at once (after 'a'" in error["message"], error
+        fine = c.post("/v1/completions", json={"model": model, "prompt": "hi", "max_tokens": 4, "grammar": few})
+        assert fine.status_code == 200 and set(fine.json()["choices"][0]["text"]) <= {"a"}, fine.text

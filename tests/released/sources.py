@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gateway.llamacpp.build import cache_dir
+from gateway.llamacpp.build import SDIST_VERSION, cache_dir
 
 SIMPLE_INDEX = "https://pypi.org/simple"
 TIMEOUT_S = 60.0
@@ -35,7 +35,8 @@ class Release:
     package: str  # the distribution's name on PyPI
     version: str
     kind: str  # "sdist" or "wheel": which file of the release holds the Python sources
-    top: str  # the import package inside it ("vllm", "sglang")
+    top: str  # the import package inside it ("vllm", "sglang"), or the folder wanted from it
+    suffix: str = ".py"  # the files unpacked from ``top``
 
     @property
     def label(self) -> str:
@@ -47,6 +48,8 @@ SGLANG_NEWEST = Release("sglang", "0.5.23", "wheel", "sglang")
 SGLANG_OLDEST = Release("sglang", "0.5.19", "wheel", "sglang")
 VLLM_NEWEST = Release("vllm", "0.34.0", "sdist", "vllm")
 VLLM_OLDEST = Release("vllm", "0.23.0", "sdist", "vllm")
+# llama.cpp's example grammars, from the sdist llama-server is built from
+LLAMA_CPP_GRAMMARS = Release("llama-cpp-python", SDIST_VERSION, "sdist", "vendor/llama.cpp/grammars", ".gbnf")
 
 
 class Unreachable(RuntimeError):
@@ -112,7 +115,9 @@ def _pick(index: dict[str, Any], release: Release) -> tuple[str, str, str]:
     each; the pure-Python one if there is one, else the smallest, for a deterministic pick)."""
     files = [f for f in index.get("files", []) if isinstance(f, dict)]
     if release.kind == "sdist":
-        wanted = [f for f in files if f["filename"] in (f"{release.label}.tar.gz", f"{release.label}.zip")]
+        stems = (release.label, f"{release.package.replace('-', '_')}-{release.version}")  # (PEP 625's name)
+        names = {f"{stem}{ext}" for stem in stems for ext in (".tar.gz", ".zip")}
+        wanted = [f for f in files if f["filename"] in names]
     else:
         stem = f"{release.package.replace('-', '_')}-{release.version}-"
         wanted = sorted((f for f in files if f["filename"].startswith(stem) and f["filename"].endswith(".whl")),
@@ -125,20 +130,21 @@ def _pick(index: dict[str, Any], release: Release) -> tuple[str, str, str]:
 
 
 def _unpack_python(archive: Path, release: Release, into: Path) -> None:
-    """Only the import package's ``.py`` files, as ``into/<top>/...``; nothing is executed."""
+    """Only the import package's ``.py`` files (``release.suffix``), as ``into/<top>/...``; nothing is executed."""
     into.mkdir()
     if archive.name.endswith(".whl"):
         with zipfile.ZipFile(archive) as wheel:
             for name in wheel.namelist():
-                if name.startswith(f"{release.top}/") and name.endswith(".py") and ".." not in name:
+                if name.startswith(f"{release.top}/") and name.endswith(release.suffix) and ".." not in name:
                     target = into / name
                     target.parent.mkdir(parents=True, exist_ok=True)
                     with wheel.open(name) as src, target.open("wb") as dst:
                         shutil.copyfileobj(src, dst)
         return
-    prefix = f"{release.label}/{release.top}/"
+    stem = archive.name.removesuffix(".tar.gz")
+    prefix = f"{stem}/{release.top}/"
     with tarfile.open(archive) as sdist:
         for member in sdist:
-            if member.isfile() and member.name.startswith(prefix) and member.name.endswith(".py"):
-                member.name = member.name.removeprefix(f"{release.label}/")
+            if member.isfile() and member.name.startswith(prefix) and member.name.endswith(release.suffix):
+                member.name = member.name.removeprefix(f"{stem}/")
                 sdist.extract(member, into, filter="data")

@@ -97,7 +97,8 @@ DEEPEST = LimitSettings(max_nesting=200)  # the most max_nesting may be set to
     {"regex": "(" * 200 + "a" + ")" * 200},
     {"regex": "(?:a|" * 200 + "b" + ")" * 200},
     {"regex": "(?:a{2,5}|(?:" * 100 + "b" + "))" * 100},
-    {"grammar": "root ::= " + '("a" | "b" (' * 100 + '"c"' + ")*)*" * 100},
+    # (each level closed by "d": without it a run of b's could nest any way, more than llama.cpp should follow)
+    {"grammar": "root ::= " + '("a" | "b" (' * 100 + '"c"' + ')* "d")*' * 100},
     {"grammar": "root ::= " + '("a" ' * 199 + '"b"*' + ")" * 199},
     {"ebnf": "root ::= " + '("a" ' * 100 + 'Regex("' + "(a|" * 100 + "b" + ")" * 100 + '")' + ")" * 100},
     {"grammar": "start: " + '["a" | ["b" ' * 14 + "/" + "(a|" * 172 + "b" + ")" * 172 + "/" + "]]" * 14,

@@ -13,7 +13,7 @@ from .convert import ebnf_as_gbnf, gbnf_to_ebnf
 from .errors import DEFAULT_MAX_NESTING, ConstraintError, ConstraintTooDeep, ConstraintTooLarge
 from .grammars import GrammarDialect, forget_prepared, parse_grammar, validate_grammar
 from .left_recursion import first_cycle
-from .regex import automaton_problem, expansion_problem, parse_regex, regex_nesting, validate_regex
+from .regex import automaton_problem, expansion_problem, llama_parses, parse_regex, regex_nesting, validate_regex
 
 __all__ = [
     "DEFAULT_MAX_NESTING",
@@ -28,6 +28,7 @@ __all__ = [
     "forget_prepared",
     "gbnf_from_choices",
     "gbnf_to_ebnf",
+    "llama_parses",
     "parse_grammar",
     "parse_regex",
     "regex_from_choices",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 from .errors import ConstraintError
@@ -22,9 +23,40 @@ def check_choices(choices: Sequence[str]) -> None:
 
 
 def gbnf_from_choices(choices: Sequence[str]) -> str:
-    """A GBNF grammar whose root matches exactly one of ``choices``."""
+    """A GBNF grammar whose root matches exactly one of ``choices``, written as a tree of their common beginnings
+    (``"s" ("et" | "um")``, not ``"set" | "sum"``): llama.cpp keeps a parse for each alternative that matches
+    the text so far and checks every candidate token against each, so a flat list of choices that begin alike
+    cost it one parse per choice at every token of their common beginning. Each branching is a rule of its
+    own, called last (llama.cpp's stacks do not grow with the tree's depth, nor does a parser's recursion)."""
     check_choices(choices)
-    return "root ::= " + " | ".join(render_literal(c, "gbnf") for c in choices) + "\n"
+    words = sorted(set(choices))
+    rules: list[str] = []
+    named = 0
+    todo: list[tuple[str, int, int, int]] = [("root", 0, len(words), 0)]  # (rule, first word, end, common length)
+    while todo:
+        name, first, end, depth = todo.pop()
+        alternatives: list[str] = []
+        at = first
+        if len(words[at]) == depth:  # (one choice ends here: sorted first)
+            alternatives.append('""')
+            at += 1
+        while at < end:
+            group_end = at + 1
+            while group_end < end and words[group_end][depth] == words[at][depth]:
+                group_end += 1
+            # (character by character, as wanted: the beginning all the sorted group shares)
+            common = len(os.path.commonprefix([words[at], words[group_end - 1]]))  # noqa: RUF071
+            literal = render_literal(words[at][depth:common], "gbnf")
+            if group_end - at == 1 and len(words[at]) == common:
+                alternatives.append(literal)
+            else:
+                named += 1
+                child = f"c{named}"
+                todo.append((child, at, group_end, common))
+                alternatives.append(f"{literal} {child}")
+            at = group_end
+        rules.append(f"{name} ::= " + " | ".join(alternatives))
+    return "\n".join(rules) + "\n"
 
 
 def escape_regex(text: str) -> str:

@@ -27,6 +27,7 @@ from .errors import DEFAULT_MAX_NESTING, ConstraintError, ConstraintTooDeep
 from .grammar_ast import ANY_CHAR, CharClass, Expr, Grammar, Lit, Repeat, alt, seq
 from .grammar_check import CostTable
 from .least_cost import INFINITE
+from .parses import Parses, most_parses
 
 _parser: Any = importlib.import_module("re._parser")
 _constants: Any = importlib.import_module("re._constants")
@@ -254,6 +255,16 @@ def expansion_problem(tree: Any) -> str | None:
                 f"split between in more than {MAX_NESTED_STATES:,} ways (an engine's grammar follows each, at every "
                 "token)")
     return None
+
+
+def llama_parses(tree: Any, budget: int) -> Parses | None:
+    """The search of :func:`~gateway.structured.syntax.parses.most_parses` over a parsed pattern, as llama.cpp
+    compiles a schema's ``pattern`` into its grammar; None for a pattern outside the subset converted here."""
+    try:
+        expr = _convert(tree, int(tree.state.flags))
+    except ConstraintError:
+        return None
+    return most_parses(Grammar({"regex": expr}, "regex", "regex"), budget)
 
 
 def _category(name: str, in_negated_class: bool) -> charset.Ranges:

@@ -1,0 +1,294 @@
+"""How many ways at once llama.cpp's grammar sampler may follow a grammar's parse: found by searching, bounded.
+
+llama.cpp keeps one *stack* per way the text so far may parse (llama-grammar.cpp of llama-cpp-python 0.3.36,
+``llama_grammar_advance_stack``: each stack is the positions of the rules entered, the innermost on top, always
+a character element; equal stacks are kept once), and at every token checks each candidate token of the whole
+vocabulary against each stack, on the main loop every slot shares. Stacks multiply where alternatives share a
+beginning and stay apart where those alternatives differ in length under a repetition: ``root ::= s+`` with
+``s ::= "a" | "aa" | ... (60 a's)`` holds ~1,800 stacks after 60 a's, and cost 649 ms a token with a 128k
+vocabulary, stopping every other slot's stream (sweep 22). A grammar with one way at a time costs one stack.
+
+:func:`most_parses` follows llama.cpp's own steps on the gateway's grammar model, compiled as llama.cpp compiles
+it (each group and repetition a rule of its own, ``S{m,n}`` as m copies of S and a chain of n - m optional
+rules, a reference at an alternative's end replacing its caller's frame), and searches the texts for one after
+which more than ``limit`` stacks are kept. It cannot try every text, so it searches where stacks multiply: from
+the root and from the start of every rule, each character chosen among those the current stacks accept (one
+per class of characters they all treat alike), keeping the ``BEAM`` texts with the most stacks at each step, for
+``steps`` characters, within a ``budget`` of stack expansions. A grammar whose blow-up it does not reach within
+those is not reported (the limit of a search, said in docs/security.md); what it reports is real: the text it
+returns is one after which llama.cpp keeps that many stacks.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from . import charset
+from .grammar_ast import Alt, CharClass, Expr, Grammar, Lit, Ref, Repeat, Seq
+
+# The most stacks a grammar may make llama.cpp keep. llama.cpp's own example grammars keep at most 13 (c.gbnf;
+# json.gbnf 12); each stack costs ~2.8 ns a candidate token, so 64 cost ~23 ms a token with a 128k vocabulary.
+MAX_PARSES = 64
+STEPS = 2 * MAX_PARSES  # characters searched from each start: a repetition growing by one stack a character
+BEAM = 3  # texts kept at each step of a search
+SHAPE_DEPTH = 3  # the innermost frames by which sets of stacks already searched from are known again
+INLINE_BUDGET = 2_000  # stack expansions on the event loop (~1 ms); past it the search goes to a worker
+WORKER_BUDGET = 300_000  # in a validation worker (~0.3 s)
+
+# A rule: a named one, a group (an alternation inside a sequence: id of its Alt node), or a repetition's state
+# (id of its Repeat node, mandatory copies left, optional copies left or None for unbounded)
+RuleKey = str | tuple[int] | tuple[int, int, int | None]
+# An element: a rule reference ("rule", key), or a character class as the code-point ranges it matches
+Element = tuple[str, RuleKey] | charset.Ranges
+Position = tuple[RuleKey, int, int]  # (rule, alternative, element)
+
+
+@dataclass(frozen=True, slots=True)
+class Parses:
+    """The most stacks the search found, the text (from the start of ``rule``) after which it found them."""
+
+    count: int
+    text: str
+    rule: str
+    complete: bool  # whether the search ended within its budget
+    spent: int = 0  # stack expansions it took
+
+
+class _Exhausted(Exception):
+    pass
+
+
+class _Compiled:
+    """The grammar as llama.cpp compiles it, built lazily: only the rules a search reaches, so a chain of 2,000
+    optional copies costs only the copies the search enters."""
+
+    def __init__(self, grammar: Grammar, budget: int) -> None:
+        self.grammar = grammar
+        self.nodes: dict[int, Expr] = {}
+        self._alternatives: dict[RuleKey, tuple[tuple[Element, ...], ...]] = {}
+        self.budget = budget
+        self._stacks: list[tuple[int, Position]] = [(0, ("", 0, 0))]  # (below, top) by number; 0: empty
+        self._ids: dict[tuple[int, Position], int] = {}
+        # sets of stacks already searched from, from any start, by their size and innermost frames: a nesting rule
+        # (JSON's value in an array in an array...) makes new stacks at every step, the same set again but deeper
+        self.shapes: set[tuple[int, frozenset[tuple[Position, ...]]]] = set()
+
+    def spend(self, amount: int = 1) -> None:
+        self.budget -= amount
+        if self.budget < 0:
+            raise _Exhausted
+
+    def alternatives(self, rule: RuleKey) -> tuple[tuple[Element, ...], ...]:
+        found = self._alternatives.get(rule)
+        if found is None:
+            found = self._alternatives[rule] = self._compile(rule)
+        return found
+
+    def _compile(self, rule: RuleKey) -> tuple[tuple[Element, ...], ...]:
+        if isinstance(rule, str):
+            defined = self.grammar.rules[rule]
+            options = defined.options if isinstance(defined, Alt) else (defined,)
+            return tuple(self.elements(option) for option in options)
+        node = self.nodes[rule[0]]
+        if len(rule) == 1:
+            assert isinstance(node, Alt)
+            return tuple(self.elements(option) for option in node.options)
+        assert isinstance(node, Repeat) and len(rule) == 3
+        _, copies, optional = rule
+        item = self.elements(node.item)
+        self.spend(len(item))
+        if copies > 0:  # (a mandatory copy, then the rest)
+            rest: RuleKey = (rule[0], copies - 1, optional)
+            return ((*item, ("rule", rest)) if copies > 1 or optional != 0 else item,)
+        if optional is None:  # S' ::= S S' |
+            return ((*item, ("rule", rule)), ())
+        # S'(k) ::= S S'(k-1) |   (S'(1) ::= S |)
+        return ((*item, ("rule", (rule[0], 0, optional - 1))) if optional > 1 else item, ())
+
+    def elements(self, expr: Expr) -> tuple[Element, ...]:
+        out: list[Element] = []
+        todo = [expr]
+        while todo:
+            node = todo.pop()
+            if isinstance(node, Lit):
+                out.extend(((ord(ch), ord(ch)),) for ch in node.text)
+            elif isinstance(node, CharClass):
+                out.append(node.members())
+            elif isinstance(node, Ref):
+                out.append(("rule", node.name))
+            elif isinstance(node, Seq):
+                todo.extend(reversed(node.items))
+            elif isinstance(node, Alt):
+                self.nodes[id(node)] = node
+                out.append(("rule", (id(node),)))
+            else:
+                assert isinstance(node, Repeat)
+                if node.hi == 0:
+                    continue
+                self.nodes[id(node)] = node
+                out.append(("rule", (id(node), node.lo, None if node.hi is None else node.hi - node.lo)))
+        self.spend(len(out))
+        return tuple(out)
+
+    def push(self, below: int, position: Position) -> int:
+        """The stack ``below`` with ``position`` on top (stacks are interned: equal stacks are one number)."""
+        key = (below, position)
+        found = self._ids.get(key)
+        if found is None:
+            found = self._ids[key] = len(self._stacks)
+            self._stacks.append(key)
+        return found
+
+    def top(self, stack: int) -> Position:
+        return self._stacks[stack][1]
+
+    def depth_key(self, stack: int, depth: int) -> tuple[Position, ...]:
+        """The ``depth`` innermost positions of a stack."""
+        out: list[Position] = []
+        while stack and len(out) < depth:
+            stack, position = self._stacks[stack]
+            out.append(position)
+        return tuple(out)
+
+    def _after(self, stack: int) -> int:
+        """The stack with its top element passed: the next element of that alternative, or the caller's frame."""
+        below, (rule, alternative, index) = self._stacks[stack]
+        if index + 1 < len(self.alternatives(rule)[alternative]):
+            return self.push(below, (rule, alternative, index + 1))
+        return below
+
+    def expand(self, stack: int, into: dict[int, None]) -> None:
+        """llama_grammar_advance_stack: the stacks ``stack`` stands for, each with a character element on top
+        (or empty, 0: the grammar complete), added to ``into``."""
+        todo = [stack]
+        seen: set[int] = set()
+        while todo:
+            current = todo.pop()
+            if current in seen:
+                continue
+            seen.add(current)
+            self.spend()
+            if not current:
+                into[current] = None
+                continue
+            rule, alternative, index = self.top(current)
+            element = self.alternatives(rule)[alternative][index]
+            if not element or element[0] != "rule":
+                into[current] = None
+                continue
+            called: RuleKey = element[1]
+            below = self._after(current)
+            for number, option in enumerate(self.alternatives(called)):
+                todo.append(self.push(below, (called, number, 0)) if option else below)
+
+    def start(self, rule: RuleKey) -> dict[int, None]:
+        stacks: dict[int, None] = {}
+        for number, option in enumerate(self.alternatives(rule)):
+            self.expand(self.push(0, (rule, number, 0)) if option else 0, stacks)
+        return stacks
+
+    def _class(self, stack: int) -> charset.Ranges:
+        rule, alternative, index = self.top(stack)
+        return self.alternatives(rule)[alternative][index]  # type: ignore[return-value]
+
+    def accept(self, stacks: dict[int, None], code_point: int) -> dict[int, None]:
+        """llama_grammar_accept: the stacks after one more character."""
+        out: dict[int, None] = {}
+        for stack in stacks:
+            if stack and charset.contains(self._class(stack), code_point):
+                self.expand(self._after(stack), out)
+        return out
+
+    def classes(self, stacks: dict[int, None]) -> list[int]:
+        """One character of each class the stacks' top elements all treat alike, accepted by one of them."""
+        tops = {self._class(stack) for stack in stacks if stack}
+        cuts = sorted({edge for ranges in tops for lo, hi in ranges for edge in (lo, hi + 1)})
+        self.spend(len(cuts) * len(tops))
+        return [c for c in cuts if any(charset.contains(t, c) for t in tops)]
+
+
+def _starts(compiled: _Compiled) -> Iterator[tuple[RuleKey, str, bool]]:
+    """Where to search from, and whether to search on or only count the stacks a rule starts with: the root and
+    every repetition (where stacks may multiply as the text goes on) searched, every other rule and group (where
+    they multiply only at its start: any later fan-out is a group or a repetition of its own) counted."""
+    grammar = compiled.grammar
+    yield grammar.root, grammar.root, True
+    entered: list[tuple[RuleKey, str, bool]] = [(name, name, False) for name in grammar.rules if name != grammar.root]
+    for name, body in grammar.rules.items():
+        todo = [body]
+        while todo:
+            node = todo.pop()
+            if isinstance(node, Repeat):
+                if node.hi != 0:
+                    compiled.nodes[id(node)] = node
+                    yield (id(node), node.lo, None if node.hi is None else node.hi - node.lo), name, True
+                todo.append(node.item)
+            elif isinstance(node, Seq):
+                todo.extend(node.items)
+            elif isinstance(node, Alt):
+                compiled.nodes[id(node)] = node
+                entered.append(((id(node),), name, False))
+                todo.extend(node.options)
+    yield from entered
+
+
+def most_parses(grammar: Grammar, budget: int, limit: int = MAX_PARSES, steps: int = STEPS) -> Parses:
+    """The most stacks llama.cpp keeps for ``grammar`` after any text the search tried: it stops at the first
+    text past ``limit``, after ``steps`` characters from each rule's start, or when ``budget`` stack expansions
+    are spent (``complete`` False: rules may be left unsearched)."""
+    compiled = _Compiled(grammar, budget)
+    most = Parses(0, "", grammar.root, True)
+    try:
+        for start, name, search in _starts(compiled):
+            count, text = _search(compiled, start, limit, steps if search else 0)
+            if count > most.count:
+                most = Parses(count, text, name, True)
+                if count > limit:
+                    break
+    except _Exhausted:
+        return Parses(most.count, most.text, most.rule, False, budget)
+    return Parses(most.count, most.text, most.rule, True, budget - compiled.budget)
+
+
+def _search(compiled: _Compiled, start: RuleKey, limit: int, steps: int) -> tuple[int, str]:
+    """The most stacks found from ``start``, and after what text."""
+    first = compiled.start(start)
+    most = (len(first), "")
+    beam: list[tuple[str, dict[int, None]]] = [("", first)]
+    seen = compiled.shapes
+    seen.add(_shape(compiled, first))
+    for _ in range(steps):
+        if most[0] > limit:
+            break
+        found: list[tuple[int, str, dict[int, None]]] = []
+        for text, stacks in beam:
+            for code_point in compiled.classes(stacks):
+                after = compiled.accept(stacks, code_point)
+                shape = _shape(compiled, after)
+                if shape not in seen:
+                    seen.add(shape)
+                    found.append((len(after), text + chr(code_point), after))
+        if not found:
+            break
+        found = heapq.nlargest(BEAM, found, key=lambda f: f[0])
+        most = max(most, found[0][:2])
+        beam = [(text, stacks) for _, text, stacks in found]
+    return most
+
+
+def _shape(compiled: _Compiled, stacks: dict[int, None]) -> tuple[int, frozenset[tuple[Position, ...]]]:
+    return len(stacks), frozenset(compiled.depth_key(stack, SHAPE_DEPTH) for stack in stacks)
+
+
+def parses_problem(found: Parses) -> str | None:
+    """Why llama.cpp should not take the grammar the search was over, or None."""
+    if found.count <= MAX_PARSES:
+        return None
+    where = f", in rule '{found.rule}'" if found.rule not in ("root", "regex") else ""
+    after = f"after {found.text[:40]!r}{where}" if found.text else f"at the start{where}"
+    return (f"a parse that may go {found.count} ways at once ({after}), more than {MAX_PARSES}: llama.cpp checks "
+            "every candidate token against each, at every token, on the loop all its requests share; write "
+            "alternatives that begin alike as one with the difference after (\"a\" (\"b\" | \"c\")), not side by "
+            "side (\"ab\" | \"ac\")")

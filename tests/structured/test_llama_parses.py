@@ -1,0 +1,134 @@
+"""The ways at once llama.cpp's grammar sampler follows a grammar's parse (gateway.structured.syntax.parses):
+counted as llama.cpp counts its stacks, proved on llama.cpp's own example grammars, and the grammars and
+patterns that froze llama-server refused before any engine sees them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from gateway.engines.registry import ENGINES
+from gateway.structured import ConstraintInvalid, can_honour, extract
+from gateway.structured.bounds import Bounds
+from gateway.structured.checks import run_check
+from gateway.structured.syntax import gbnf_from_choices, parse_grammar, parse_regex
+from gateway.structured.syntax.parses import MAX_PARSES, WORKER_BUDGET, most_parses
+from gateway.structured.syntax.regex import expansion_problem, llama_parses
+from tests.released.conftest import released
+from tests.released.sources import LLAMA_CPP_GRAMMARS
+
+pytestmark = pytest.mark.unit
+
+
+BOUNDS = Bounds(max_nesting=64, max_bytes=1 << 20, max_rules=1000)
+
+
+def verdict(body: dict[str, object]) -> tuple[str | None, str | None]:
+    """(problem, code) of a request's constraint, checked on the event loop or, past its budget, as a worker
+    checks it."""
+    try:
+        constraint = extract(body)
+    except ConstraintInvalid as exc:
+        return str(exc), exc.code
+    if constraint.pending is None:
+        return None, None
+    payload = constraint.grammar if constraint.kind == "grammar" else constraint.pattern
+    found = run_check(constraint.kind, payload, constraint.dialect, constraint.pending, BOUNDS)
+    return found.problem, found.code if found.problem else None
+
+
+def parses(grammar: str) -> int:
+    found = most_parses(parse_grammar(grammar, "gbnf"), WORKER_BUDGET, limit=10**6)
+    assert found.complete
+    return found.count
+
+
+def alternatives_of_a(longest: int) -> str:
+    return " | ".join('"' + "a" * k + '"' for k in range(1, longest + 1))
+
+
+# sweep 22: 60 alternatives of a's under a repetition held ~1,800 stacks: 649 ms a token with a 128k vocabulary
+SWEEP_22 = f"root ::= s+\ns ::= {alternatives_of_a(60)}\n"
+
+
+@pytest.mark.parametrize(("grammar", "count"), [
+    ('root ::= "yes" | "no"', 2),  # (one stack per alternative at the start)
+    ('root ::= "a" | "ab" | "ac"', 3),  # (after "a": one done (the empty stack), two on)
+    ("root ::= [a-z]+", 2),  # (after a letter: another, or the end)
+    ('root ::= "x" [0-9]{3}', 1),
+    ('root ::= ("a" | "b") ("c" | "d")', 2),
+    # after "aaa": s starts again (its 4 alternatives, and the end) and every longer one is in at each offset
+    # a split of the text leaves it (3 + 2 + 1): 11 (with 60 alternatives: 61 + 1,770, sweep 22's ~1,800)
+    (f"root ::= s+\ns ::= {alternatives_of_a(4)}\n", 11),
+])
+def test_stacks_are_counted_as_llama_cpp_keeps_them(grammar: str, count: int) -> None:
+    assert parses(grammar) == count
+
+
+@pytest.mark.integration  # (the sdist is fetched from PyPI once per machine)
+def test_llama_cpp_own_example_grammars_keep_few_stacks_and_pass() -> None:
+    root = released(LLAMA_CPP_GRAMMARS) / "vendor" / "llama.cpp" / "grammars"
+    grammars = sorted(root.glob("*.gbnf"))
+    assert {p.name for p in grammars} >= {"json.gbnf", "c.gbnf", "arithmetic.gbnf", "chess.gbnf", "list.gbnf"}
+    for path in grammars:
+        text = Path(path).read_text()
+        assert parses(text) <= 16, path.name  # (c.gbnf: 13, json.gbnf: 12)
+        assert verdict({"grammar": text}) == (None, None), path.name
+
+
+@pytest.mark.parametrize("grammar", [
+    SWEEP_22,
+    'root ::= ("x"{300} | "x")+\n',  # (one stack more at every character: 300 after 300)
+    f'root ::= "p"{{1900}} ({alternatives_of_a(12)})+\n',  # (deep in: 13 + 66 after 12 a's)
+    "root ::= item+\nitem ::= " + " | ".join(f'"w{i:03d}"' for i in range(80)) + "\n",  # (80 begin alike)
+])
+def test_a_grammar_whose_parse_goes_too_many_ways_is_refused(grammar: str) -> None:
+    problem, code = verdict({"grammar": grammar})
+    assert code == "constraint_too_large" and problem is not None and "ways at once" in problem, problem
+    assert f"more than {MAX_PARSES}" in problem
+
+
+@pytest.mark.integration
+def test_what_the_event_loop_cannot_finish_goes_to_a_worker() -> None:
+    root = released(LLAMA_CPP_GRAMMARS) / "vendor" / "llama.cpp" / "grammars"
+    json_gbnf = (root / "json.gbnf").read_text()
+    assert len(json_gbnf) <= 1024  # (checked inline by size; its search is larger than the inline budget)
+    assert extract({"grammar": json_gbnf}).pending == "grammar"
+
+
+def test_a_pattern_that_goes_too_many_ways_is_refused_in_a_schema() -> None:
+    pattern = "^(" + "|".join("a" * k for k in range(1, 21)) + ")+$"
+    # (the structural measure of nested repetitions passes it: each alternative is of fixed length)
+    assert expansion_problem(parse_regex(pattern)) is None
+    found = llama_parses(parse_regex(pattern), WORKER_BUDGET)
+    assert found is not None and found.count > MAX_PARSES
+    with pytest.raises(ConstraintInvalid) as err:
+        extract({"json_schema": {"type": "string", "pattern": pattern}})
+    assert err.value.code == "constraint_too_large" and "the pattern at /pattern" in str(err.value)
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"p": {"type": "string", "pattern": pattern}}}}}]
+    with pytest.raises(ConstraintInvalid):
+        extract({"tools": tools, "tool_choice": "required"})
+    extract({"json_schema": {"type": "string", "pattern": "^[a-z]+(,[a-z]+)*$"}})  # (one way at a time)
+
+
+def test_an_ebnf_grammar_too_ambiguous_for_llama_cpp_goes_to_xgrammar_engines_only() -> None:
+    ambiguous = f"root ::= s+\ns ::= {alternatives_of_a(20)}\n"  # (small enough for the event loop)
+    constraint = extract({"ebnf": ambiguous})
+    assert constraint.pending is None and [d for d, _ in constraint.renderings] == ["ebnf"]
+    able = {name for name, spec in ENGINES.items() if can_honour(constraint, spec.structured)}
+    assert "llamacpp" not in able and {"vllm", "sglang"} <= able
+    found = run_check("grammar", SWEEP_22, "ebnf", "ebnf", BOUNDS)  # (and as a worker checks a larger one)
+    assert found.problem is None and [d for d, _ in found.renderings] == ["ebnf"]
+    plain = extract({"ebnf": 'root ::= "a" [b-z]*'})
+    assert [d for d, _ in plain.renderings] == ["ebnf", "gbnf"]
+    assert {"llamacpp", "vllm", "sglang"} <= {n for n, s in ENGINES.items() if can_honour(plain, s.structured)}
+
+
+def test_choices_that_begin_alike_are_one_parse_on_llama_cpp() -> None:
+    choices = [f"customer-{i:04d}" for i in range(500)] + ["custom", "cust", ""]
+    grammar = gbnf_from_choices(choices)
+    flat = "root ::= " + " | ".join(f'"{c}"' for c in choices)
+    assert parses(flat) == len(choices)
+    assert parses(grammar) <= 11  # (the ten digits and the end, at most, where the choices part)
