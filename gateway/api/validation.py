@@ -14,7 +14,7 @@ from gateway.config import LimitSettings
 from gateway.engines.sampling import sampler_chain, whole_vocabulary
 from gateway.errors import GatewayError
 from gateway.routing.request import POOLING_ROUTES, RouteRequest
-from gateway.structured import Constraint, ConstraintInvalid, extract
+from gateway.structured import Constraint, ConstraintInvalid, extract, tools_fanout
 from gateway.structured.offload import ValidationBusy, ValidationWorkers
 
 _MAX_DEPTH = 254  # the deepest nesting orjson encodes
@@ -319,9 +319,13 @@ def parse_body(route: str, body: dict[str, Any], limits: LimitSettings | None = 
         if value is not None:
             max_tokens = max(max_tokens or 0, value)
     constraint = _constraint(body, limits) if route not in POOLING_ROUTES else None
+    fanout = constraint.fanout if constraint is not None else None
+    if fanout is None and body.get("tools") and route not in POOLING_ROUTES:
+        fanout = tools_fanout(body["tools"], limits)  # (llama.cpp compiles every tool into a lazy grammar)
     return RouteRequest(route=route, model=model, stream=stream, max_tokens=max_tokens, body=body,
                         constraint=constraint, generations=generations,
-                        whole_vocabulary=whole_vocabulary(body) if route not in POOLING_ROUTES else None)
+                        whole_vocabulary=whole_vocabulary(body) if route not in POOLING_ROUTES else None,
+                        fanout=fanout)
 
 
 def _constraint(body: dict[str, Any], limits: LimitSettings | None) -> Constraint | None:
@@ -340,6 +344,7 @@ async def validate_heavy(request: RouteRequest, workers: ValidationWorkers, owne
         return
     try:
         request.constraint = await workers.validate(constraint, owner)
+        request.fanout = request.fanout or request.constraint.fanout
     except ConstraintInvalid as exc:
         raise GatewayError(400, str(exc), param=exc.param, code=exc.code) from None
     except ValidationBusy as exc:

@@ -62,6 +62,7 @@ SPEC = EngineSpec(
     several_generations=False,
     # samples on the main loop: no top_k 0, no chain without top_k first, no mirostat (see EngineSpec)
     whole_vocabulary=False,
+    many_parses=False,
     # a few slots, each decoding at full speed alone; anchored to published figures for a 7B model at ~4 bits
     # on one RTX 4090 (the curve is the engine's scheduling: slots share the GPU)
     shape=ShapeSeed(tok_s=186.0, growth=0.3, prefill_tok_s=5_000.0),

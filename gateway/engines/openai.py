@@ -17,7 +17,7 @@ from gateway.engines.spec import ALL_CACHE_FIGURES, ALL_QUIRKS, LLAMACPP_CACHE_R
 # its cache is taken out, and what makes llama-server say more is not sent)
 SPEC = EngineSpec(name="openai", health_path="/v1/models", stream=ALL_QUIRKS, cache_figures=ALL_CACHE_FIGURES,
                   cache_report_params=LLAMACPP_CACHE_REPORTS, several_generations=False,
-                  whole_vocabulary=False)
+                  whole_vocabulary=False, many_parses=False)
 
 
 class OpenAIAdapter(EngineAdapter):

@@ -121,6 +121,11 @@ class EngineSpec:
     # chain without top_k first, mirostat): llama.cpp samples each slot's token on the main loop all slots share,
     # so one such request held every other's stream to an eighth of its pace with a 128k vocabulary (sweep 21)
     whole_vocabulary: bool = True
+    # whether it may take a request whose grammar (a constraint's, or one compiled from its tools' parameters) would
+    # have its parse go many ways at once (RouteRequest.fanout): llama.cpp checks every candidate token against each
+    # way at every token, on the main loop, and `root ::= s+` with 60 alternatives of a's held 1,831 of them: 649 ms
+    # a token with a 128k vocabulary, every other slot's stream stopped (sweep 22)
+    many_parses: bool = True
     # with priority scheduling on, the request field "priority" orders its queue, this way by default (None:
     # the engine has no such field)
     priority_order: Literal["lower-first", "higher-first"] | None = None

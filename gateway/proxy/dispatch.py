@@ -725,6 +725,17 @@ class Dispatcher:
                                      "'openai' server may be llama-server; give top_k from 1 to "
                                      f"{MAX_TOP_K}, a samplers chain with top_k before top_p, typical_p, min_p and "
                                      "xtc, and no mirostat", param=field, code="unsupported_value")
+        if exc.stage == "many-parses":
+            request = exc.request
+            param = request.constraint.source if request.constraint and request.constraint.fanout else "tools"
+            unable = sorted({b.spec.name for b in backends if model in b.models and not b.spec.many_parses})
+            return GatewayError(400, f"no backend serving '{model}' can take this request "
+                                     f"({', '.join(unable) or 'its engine'}): {request.fanout}; llama.cpp checks "
+                                     "every candidate token against each way its grammar's parse may go, at every "
+                                     "token, on the loop every other request shares, and a plain 'openai' server "
+                                     "may be llama-server. Write alternatives that begin alike as one with the "
+                                     'difference after ("a" ("b" | "c"), not "ab" | "ac"), or serve the model on '
+                                     "vLLM or SGLang too", param=param, code="constraint_too_large")
         if exc.stage == "fits-context":
             largest = max((b.capacity.context_length or 0 for b in backends if model in b.models), default=0)
             needed = exc.request.estimated_tokens

@@ -69,6 +69,10 @@ class Pipeline:
             candidates = [b for b in candidates if b.spec.whole_vocabulary]
             if not candidates:
                 raise NoRoute("whole-vocabulary", request)
+        if request.fanout is not None:  # (nor this, for the same reason: gateway.structured.syntax.parses)
+            candidates = [b for b in candidates if b.spec.many_parses]
+            if not candidates:
+                raise NoRoute("many-parses", request)
         if len(candidates) == 1:  # nothing to choose: no scorer runs (their routed hooks still do)
             return Decision(ranked=[candidates[0]], policy=self.policy, reason="only-candidate",
                             detail="only one eligible backend", timings=timings)

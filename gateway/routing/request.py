@@ -29,6 +29,9 @@ class RouteRequest:
     # the field by which llama.cpp's sampling would sort the whole vocabulary at every token (top_k, samplers,
     # mirostat: gateway.api.validation.whole_vocabulary), if any
     whole_vocabulary: str | None = None
+    # why llama.cpp should not take it: its constraint's or tools' grammar would go too many ways at once there
+    # (Constraint.fanout: gateway.structured.syntax.parses, checks.schema_fanout), if so
+    fanout: str | None = None
     # whose cached prompts it may profit from (its key's; set by the front door before anything is routed)
     cache_domain: CacheDomain = SHARED
     _prompt: bytes | None = field(default=None, repr=False)

@@ -18,15 +18,16 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from gateway.structured.constraint import CONSTRAINT_FIELDS, Constraint, ConstraintInvalid, extract
+    from gateway.structured.constraint import CONSTRAINT_FIELDS, Constraint, ConstraintInvalid, extract, tools_fanout
     from gateway.structured.support import can_honour, grammar_in
 
-__all__ = ["CONSTRAINT_FIELDS", "Constraint", "ConstraintInvalid", "can_honour", "extract", "grammar_in"]
+__all__ = ["CONSTRAINT_FIELDS", "Constraint", "ConstraintInvalid", "can_honour", "extract", "grammar_in",
+           "tools_fanout"]
 
 # Loaded on first use, so that ``gateway.structured.syntax`` (pure standard library, also used by the engine
 # emulators) can be imported without the request model and its settings.
 _HOME = {"CONSTRAINT_FIELDS": "constraint", "Constraint": "constraint", "ConstraintInvalid": "constraint",
-         "extract": "constraint", "can_honour": "support", "grammar_in": "support"}
+         "extract": "constraint", "tools_fanout": "constraint", "can_honour": "support", "grammar_in": "support"}
 
 
 def __getattr__(name: str) -> Any:

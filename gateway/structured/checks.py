@@ -142,13 +142,13 @@ def parse_schema(value: Any, param: str, bounds: Bounds) -> tuple[dict[str, Any]
     return value, text
 
 
-def check_schema(schema: dict[str, Any], text: bytes, param: str, bounds: Bounds, inline: bool) -> None:
+def check_schema(schema: dict[str, Any], text: bytes, param: str, bounds: Bounds, inline: bool) -> str | None:
     """Check the schema (and ``text``, it serialised): nesting, its regexes, $ref cycles, then against its
-    metaschema."""
+    metaschema. Returns why llama.cpp should not take it (:func:`schema_fanout`), or None."""
     if inline and len(text) > INLINE_SCHEMA_BYTES:
         _check_depth(schema, param, bounds, INLINE_SCAN_NODES)
         raise Offload
-    (_inline_schema if inline else _schema)(text, param, bounds, inline)
+    return (_inline_schema if inline else _schema)(text, param, bounds, inline)
 
 
 def _check_depth(schema: Any, param: str, bounds: Bounds, max_nodes: int | None) -> int:
@@ -158,13 +158,15 @@ def _check_depth(schema: Any, param: str, bounds: Bounds, max_nodes: int | None)
     return depth
 
 
-def check_patterns(value: Any, param: str, bounds: Bounds) -> int:
+def check_patterns(value: Any, param: str, bounds: Bounds) -> tuple[int, str | None]:
     """The schema's regexes (``pattern``, ``patternProperties``) within what engines can build automata of, as a
-    regex constraint is, and within what llama.cpp's grammar sampler follows at each token (it compiles a schema's
-    patterns into its grammar: see gateway.structured.syntax.parses); their compile cost. Invalid ones are left to
-    the metaschema check (which judges them, if they are a schema's and not data that looks like one)."""
+    regex constraint is; their compile cost, and why llama.cpp should not take one (it compiles a schema's patterns
+    into its grammar, whose parse would go too many ways at once: gateway.structured.syntax.parses), or None.
+    Invalid ones are left to the metaschema check (which judges them, if they are a schema's and not data that
+    looks like one)."""
     compiling = 0
     budget = PATTERNS_BUDGET
+    fanout: str | None = None
     for at, pattern, data in schema_patterns(value):
         try:
             tree = _parse_regex(pattern, param, f" at {at[:200]}", bounds.max_nesting)
@@ -177,14 +179,65 @@ def check_patterns(value: Any, param: str, bounds: Bounds) -> int:
             raise ConstraintInvalid(f"{param}: the pattern at {at[:200]} has {problem}, which no engine can enforce "
                                     "(they match with automata)", param)
         problem = None if data else expansion_problem(tree)
-        if not problem and not data and budget > 0:
-            found = _pattern_parses(pattern, tree, min(budget, INLINE_BUDGET))
-            budget -= found[1]
-            problem = found[0]
         if problem:
             raise ConstraintInvalid(f"{param}: the pattern at {at[:200]} has {problem}", param, "constraint_too_large")
+        if fanout is None and not data and budget > 0:
+            found, spent = _pattern_parses(pattern, tree, min(budget, INLINE_BUDGET))
+            budget -= spent
+            fanout = found and f"the pattern at {at[:200]} of {param} has {found}"
         compiling += parsed_compile_cost(tree, pattern)
-    return compiling
+    return compiling, fanout
+
+
+def schema_fanout(value: Any) -> str | None:
+    """Why llama.cpp should not take a schema, or None: an ``enum`` whose values begin alike so much, or an
+    ``anyOf``/``oneOf`` of so many alternatives, that its grammar would follow too many ways at once. llama.cpp
+    writes each as one flat alternation (common/json-schema-to-grammar.cpp, llama-cpp-python 0.3.36), one stack per
+    alternative from its start, each kept while its value's text still matches: a value costs it the sum, over its
+    characters, of the values that begin as it does up to there."""
+    for node, at, data in _objects(value):
+        if data:
+            continue
+        values = node.get("enum")
+        if isinstance(values, list) and len(values) > 1:
+            cost, value_text = _enum_cost([orjson.dumps(v) for v in values])
+            if cost > MAX_ENUM_COST:
+                return (f"the enum at {at[:200] or '/'} has {len(values)} values that begin alike: writing "
+                        f"{value_text[:40]!r} llama.cpp would check every candidate token against {cost} ways in "
+                        f"all, more than {MAX_ENUM_COST}")
+        for key in ("anyOf", "oneOf"):
+            options = node.get(key)
+            if isinstance(options, list) and len(options) > MAX_PARSES:
+                return (f"the {key} at {at[:200] or '/'} has {len(options)} alternatives, more than {MAX_PARSES} "
+                        "ways llama.cpp would follow at once")
+    return None
+
+
+# what one enum value may cost llama.cpp's grammar sampler in stacks summed over its characters: 64 values
+# alike for 16 characters (250 country names: ~520; 1,000 ids "customer-NNNN": ~10,000)
+MAX_ENUM_COST = 16 * MAX_PARSES
+
+
+def _enum_cost(texts: list[bytes]) -> tuple[int, str]:
+    """The most stacks summed over its characters that writing one of ``texts`` costs (each alternative is a
+    stack from the start; each stays while the text written matches its value), and that value. A trie counts
+    the values through each beginning: linear in the values' length."""
+    root: dict[int, Any] = {}
+    counts: dict[int, int] = {}
+    for text in texts:
+        node = root
+        for byte in text:
+            node = node.setdefault(byte, {})
+            counts[id(node)] = counts.get(id(node), 0) + 1
+    worst, worst_text = 0, b""
+    for text in texts:
+        node, cost = root, len(texts)
+        for byte in text[:-1]:  # (after its last character the value is done)
+            node = node[byte]
+            cost += counts[id(node)]
+        if cost > worst:
+            worst, worst_text = cost, text
+    return worst, worst_text.decode(errors="replace")
 
 
 # what searching a schema's patterns for llama.cpp's parses may spend in all (a pattern at most INLINE_BUDGET)
@@ -193,8 +246,8 @@ _pattern_verdicts: dict[str, tuple[str | None, int]] = {}
 
 
 def _pattern_parses(pattern: str, tree: Any, budget: int) -> tuple[str | None, int]:
-    """(why llama.cpp should not take ``pattern``, or None; what the search spent), memoised by pattern: a
-    schema's many equal patterns, and every request's same schema, are searched once."""
+    """(what makes llama.cpp's parse of ``pattern`` go too many ways at once, or None; what the search spent),
+    memoised by pattern: a schema's many equal patterns, and every request's same schema, are searched once."""
     known = _pattern_verdicts.get(pattern)
     if known is not None:
         return known[0], 0
@@ -209,11 +262,11 @@ def _pattern_parses(pattern: str, tree: Any, budget: int) -> tuple[str | None, i
     return verdict
 
 
-def _schema(text: bytes, param: str, bounds: Bounds, inline: bool) -> None:
+def _schema(text: bytes, param: str, bounds: Bounds, inline: bool) -> str | None:
     value = orjson.loads(text)
     if _check_depth(value, param, bounds, None) > INLINE_SCHEMA_DEPTH and inline:
         raise Offload
-    compiling = check_patterns(value, param, bounds)
+    compiling, fanout = check_patterns(value, param, bounds)
     if inline and compiling > INLINE_COMPILE_COST:
         raise Offload
     problem = _unsatisfiable(value)
@@ -227,6 +280,7 @@ def _schema(text: bytes, param: str, bounds: Bounds, inline: bool) -> None:
         where = "/".join(str(p) for p in error.path)
         raise ConstraintInvalid(f"{param} is not a valid JSON schema: {error.message}"
                                 + (f" (at {where})" if where else ""), param)
+    return fanout or schema_fanout(value)
 
 
 _inline_schema = lru_cache(maxsize=256)(_schema)
@@ -392,8 +446,10 @@ def _in_place_graph(root: Any) -> tuple[dict[int, Trail], dict[int, list[int]]]:
 
 
 # -- grammars ---------------------------------------------------------------------------------------------
-def check_grammar(text: Any, dialect: Dialect, param: str, bounds: Bounds, inline: bool) -> Renderings:
-    """The grammar written in each dialect it can be faithfully written in, its own first."""
+def check_grammar(text: Any, dialect: Dialect, param: str, bounds: Bounds, inline: bool,
+                  llama: bool = True) -> tuple[Renderings, str | None]:
+    """The grammar written in each dialect it can be faithfully written in, its own first; and, where it may go to
+    llama.cpp (``llama``: in GBNF, or EBNF that is GBNF too), why llama.cpp should not take it, or None."""
     if not isinstance(text, str) or not text.strip():
         raise ConstraintInvalid(f"{param} must be a non-empty grammar string", param)
     check_size(utf8_size(text), f"{dialect.upper()} grammar", param, bounds)
@@ -404,10 +460,11 @@ def check_grammar(text: Any, dialect: Dialect, param: str, bounds: Bounds, inlin
                                     f"at most limits.max_grammar_rules = {bounds.max_rules}", param,
                                     "constraint_too_large")
         raise Offload
-    return (_inline_grammar if inline else _grammar)(text, dialect, param, bounds)
+    return (_inline_grammar if inline else _grammar)(text, dialect, param, bounds, llama=llama)
 
 
-def _grammar(text: str, dialect: Dialect, param: str, bounds: Bounds, inline: bool = False) -> Renderings:
+def _grammar(text: str, dialect: Dialect, param: str, bounds: Bounds, inline: bool = False,
+             llama: bool = True) -> tuple[Renderings, str | None]:
     try:
         grammar = parse_grammar(text, dialect, bounds.max_nesting, bounds.max_rules)
     except ConstraintTooDeep as exc:
@@ -419,27 +476,24 @@ def _grammar(text: str, dialect: Dialect, param: str, bounds: Bounds, inline: bo
     except ConstraintError as exc:
         raise ConstraintInvalid(f"{param} is not a valid {dialect.upper()} grammar: {exc}", param) from None
     renderings: list[tuple[Dialect, str]] = [(dialect, text)]
-    if dialect == "gbnf":  # (llama.cpp's own dialect: see _llama_parses)
-        problem = _llama_parses(grammar, inline)
-        if problem:
-            raise ConstraintInvalid(f"{param}: the GBNF grammar has {problem}", param, "constraint_too_large")
+    as_llama = grammar if dialect == "gbnf" else None
     try:
         if dialect == "gbnf":  # -> xgrammar EBNF, always faithful (see gateway.structured.syntax.convert)
             renderings.append(("ebnf", gbnf_to_ebnf(text, bounds.max_nesting, bounds.max_rules)))
         elif dialect == "ebnf":  # -> GBNF when llama.cpp reads the same grammar from the text
             as_gbnf = ebnf_as_gbnf(text, bounds.max_nesting, bounds.max_rules)
-            # (not for llama.cpp where its parse would go too many ways at once: xgrammar's engines take it)
-            if as_gbnf is not None and not _llama_parses(
-                    parse_grammar(as_gbnf, "gbnf", bounds.max_nesting, bounds.max_rules), inline):
+            if as_gbnf is not None:
                 renderings.append(("gbnf", as_gbnf))
+                as_llama = parse_grammar(as_gbnf, "gbnf", bounds.max_nesting, bounds.max_rules)
     except ConstraintError:
         pass
-    return tuple(renderings)
+    fanout = _llama_parses(as_llama, inline) if llama and as_llama is not None else None
+    return tuple(renderings), fanout and f"the grammar of {param} has {fanout}"
 
 
 def _llama_parses(grammar: Grammar, inline: bool) -> str | None:
-    """Why llama.cpp's grammar sampler should not take ``grammar`` (its parse goes too many ways at once), or
-    None; Offload when the event loop's share of the search ran out before it ended."""
+    """What makes llama.cpp's parse of ``grammar`` go too many ways at once, or None; Offload when the event
+    loop's share of the search ran out before it ended."""
     found = most_parses(grammar, INLINE_BUDGET if inline else WORKER_BUDGET)
     if inline and not found.complete and found.count <= MAX_PARSES:
         raise Offload
@@ -465,6 +519,7 @@ class Verdict:
     renderings: Renderings = ()
     problem: str | None = None  # the ConstraintInvalid message when not valid
     code: Code = "invalid_constraint"
+    fanout: str | None = None  # why llama.cpp should not take it (Constraint.fanout)
 
 
 def prepare_worker() -> None:
@@ -490,11 +545,12 @@ def run_check(kind: str, payload: Any, dialect: Dialect, param: str, bounds: Bou
             check_tag_nodes(orjson.loads(payload), param, bounds, inline=False)
         elif kind == "json_schema":
             text = payload.encode() if isinstance(payload, str) else payload
-            check_schema(orjson.loads(text), text, param, bounds, inline=False)
+            return Verdict(fanout=check_schema(orjson.loads(text), text, param, bounds, inline=False))
         elif kind == "regex":
             check_regex(payload, param, bounds, inline=False)
         else:
-            return Verdict(check_grammar(payload, dialect, param, bounds, inline=False))
+            renderings, fanout = check_grammar(payload, dialect, param, bounds, inline=False)
+            return Verdict(renderings, fanout=fanout)
     except ConstraintInvalid as exc:
         return Verdict(problem=str(exc), code=exc.code)
     except RecursionError:  # the limits keep every input shallow enough (tests/structured); a last line only

@@ -39,6 +39,7 @@ from gateway.structured.checks import (
     check_regex,
     check_schema,
     parse_schema,
+    schema_fanout,
 )
 from gateway.structured.structural_tag import at_least_one, check_tag_nodes, parse_tag
 
@@ -58,7 +59,8 @@ CONSTRAINT_FIELDS = (
 )
 _DEFAULT_BOUNDS = Bounds.of(LimitSettings())
 
-__all__ = ["CONSTRAINT_FIELDS", "OPTIONS", "Constraint", "ConstraintInvalid", "Dialect", "Kind", "extract"]
+__all__ = ["CONSTRAINT_FIELDS", "OPTIONS", "Constraint", "ConstraintInvalid", "Dialect", "Kind", "extract",
+           "tools_fanout"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +84,9 @@ class Constraint:
     tag: Any = None  # structural_tag: the object, {"type": "structural_tag", ...} (see structural_tag.py)
     # vLLM's structured_outputs options the client set (name, value), carried to vLLM with the constraint
     options: tuple[tuple[str, Any], ...] = ()
+    # why llama.cpp should not take it: a grammar, pattern or enum whose parse there would go too many ways at once
+    # (gateway.structured.syntax.parses, checks.schema_fanout; RouteRequest.fanout)
+    fanout: str | None = None
 
     @property
     def best_effort(self) -> bool:
@@ -112,10 +117,10 @@ class Constraint:
 def _schema(source: str, value: Any, param: str, bounds: Bounds, **extra: Any) -> Constraint:
     schema, text = parse_schema(value, param, bounds)
     try:
-        check_schema(schema, text, param, bounds, inline=True)
+        fanout = check_schema(schema, text, param, bounds, inline=True)
     except Offload:
         return Constraint("json_schema", source, schema=schema, pending=param, **extra)
-    return Constraint("json_schema", source, schema=schema, **extra)
+    return Constraint("json_schema", source, schema=schema, fanout=fanout, **extra)
 
 
 def _tag(source: str, value: Any, param: str, bounds: Bounds) -> Constraint:
@@ -148,10 +153,10 @@ def _bnf_or(value: Any, otherwise: Dialect, bnf: Dialect) -> Dialect:
 
 def _grammar(source: str, value: Any, dialect: Dialect, param: str, bounds: Bounds) -> Constraint:
     try:
-        renderings = check_grammar(value, dialect, param, bounds, inline=True)
+        renderings, fanout = check_grammar(value, dialect, param, bounds, inline=True)
     except Offload:
         return Constraint("grammar", source, grammar=value, dialect=dialect, pending=param)
-    return Constraint("grammar", source, grammar=value, dialect=dialect, renderings=renderings)
+    return Constraint("grammar", source, grammar=value, dialect=dialect, renderings=renderings, fanout=fanout)
 
 
 def _from_response_format(rf: Any, bounds: Bounds) -> Constraint | None:
@@ -184,25 +189,34 @@ def _from_tools(body: dict[str, Any], bounds: Bounds) -> Constraint | None:
         return None
     # every tool's parameter schema is bounded, whatever the tool_choice: an engine may compile any of them into
     # a grammar (a forced or strict call; llama.cpp builds a lazy grammar of every tool for an optional call too)
-    _bound_parameters(tools, bounds)
+    fanout = _bound_parameters(tools, bounds)
     if choice == "required" or (isinstance(choice, dict) and choice.get("type") == "function"):
-        return Constraint("tool_call", "tool_choice")
+        return Constraint("tool_call", "tool_choice", fanout=fanout)
     strict = {t["function"]["name"]: t["function"].get("parameters")
               for t in tools if isinstance(t, dict) and isinstance(t.get("function"), dict)
               and t["function"].get("strict") is True and isinstance(t["function"].get("name"), str)}
     if strict and choice in (None, "auto"):
         # (schema: each strict tool's parameters by name, for the check after the fact)
-        return Constraint("strict_tools", "tools[].function.strict", schema=strict)
+        return Constraint("strict_tools", "tools[].function.strict", schema=strict, fanout=fanout)
     return None
 
 
-def _bound_parameters(tools: Any, bounds: Bounds) -> None:
+def tools_fanout(tools: Any, limits: LimitSettings | None = None) -> str | None:
+    """Why llama.cpp should not take a request offering ``tools`` (already bounded by :func:`extract`): it builds
+    a grammar of every tool's parameters, a lazy one for an optional call, whose parse would go too many ways at
+    once (Constraint.fanout); None if it may."""
+    return _bound_parameters(tools, _DEFAULT_BOUNDS if limits is None else Bounds.of(limits))
+
+
+def _bound_parameters(tools: Any, bounds: Bounds) -> str | None:
     """The tools' parameter schemas are a constraint like any other: within ``limits.max_constraint_bytes``
     together and ``limits.max_nesting`` each, their regexes within what engines can build automata of. An agent
-    sends the same tools with every turn: each schema's verdict is remembered by its text."""
+    sends the same tools with every turn: each schema's verdict is remembered by its text. Returns the first
+    schema's ``Constraint.fanout``, if any."""
     if not isinstance(tools, list):
-        return
+        return None
     total = 0
+    fanout: str | None = None
     for i, tool in enumerate(tools):
         function = tool.get("function") if isinstance(tool, dict) else None
         if not isinstance(function, dict) or function.get("parameters") is None:
@@ -211,17 +225,20 @@ def _bound_parameters(tools: Any, bounds: Bounds) -> None:
         _, text = parse_schema(function["parameters"], param, bounds)
         total += len(text)
         check_size(total, "tools' parameter schemas", param, bounds)
-        _checked_parameters(text, param, bounds)
+        found = _checked_parameters(text, param, bounds)
+        fanout = fanout or found
+    return fanout
 
 
 @lru_cache(maxsize=512)
-def _checked_parameters(text: bytes, param: str, bounds: Bounds) -> None:
+def _checked_parameters(text: bytes, param: str, bounds: Bounds) -> str | None:
     schema = orjson.loads(text)
     depth, where, _ = json_depth(schema, bounds.max_nesting)
     if depth > bounds.max_nesting:
         raise too_deep("JSON schema", f" (objects and arrays, at {where[:200] or '/'})", param, bounds.max_nesting)
-    check_patterns(schema, param, bounds)  # (regexes the engine builds automata of, as for any schema)
+    _, fanout = check_patterns(schema, param, bounds)  # (regexes the engine builds automata of, as for any schema)
     check_fan_out(schema, param)  # (a strict tool's calls are checked against it; engines inline its $refs)
+    return fanout or (f"{param}: {found}" if (found := schema_fanout(schema)) else None)
 
 
 def _from_vllm(so: Any, bounds: Bounds) -> list[Constraint]:

@@ -103,8 +103,8 @@ class _Worker:
         return orjson.loads(line)
 
     async def check(self, job: list[Any]) -> Verdict:
-        renderings, problem, code = await self.ask(job)
-        return Verdict(tuple((dialect, text) for dialect, text in renderings), problem, code)
+        renderings, problem, code, fanout = await self.ask(job)
+        return Verdict(tuple((dialect, text) for dialect, text in renderings), problem, code, fanout)
 
     def kill(self) -> None:
         if self.process.returncode is None:
@@ -157,7 +157,7 @@ class ValidationWorkers:
             self._verdicts.move_to_end(digest)
         if verdict.problem is not None:
             raise ConstraintInvalid(verdict.problem, param, verdict.code)
-        return replace(constraint, renderings=verdict.renderings, pending=None)
+        return replace(constraint, renderings=verdict.renderings, pending=None, fanout=verdict.fanout)
 
     async def _turn(self, owner: str, patience: float) -> tuple[int, _Worker]:
         """A worker slot in ``owner``'s turn and its (started) worker; release the slot when done. Raises

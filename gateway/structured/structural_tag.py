@@ -104,7 +104,7 @@ def check_tag_nodes(tag: dict[str, Any], param: str, bounds: Bounds, inline: boo
         elif kind == "regex":
             check_regex(value, where, bounds, inline=inline)  # (inline: each within the budget, memoised)
         else:
-            check_grammar(value, "ebnf", where, bounds, inline=inline)
+            check_grammar(value, "ebnf", where, bounds, inline=inline, llama=False)  # (no tag goes to llama.cpp)
 
 
 def _nodes(tag: dict[str, Any], param: str, bounds: Bounds) -> Iterator[tuple[str, Any, str, int]]:

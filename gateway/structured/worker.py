@@ -4,7 +4,7 @@ It says ``"ready"`` once its imports are done, then reads one job per line on st
 answer per line on standard output, both JSON:
 
 - a constraint's validation: ``[kind, payload, dialect, param, [max_nesting, max_bytes, max_rules]]`` in,
-  ``[renderings, problem, code]`` out;
+  ``[renderings, problem, code, fanout]`` out;
 - an answer's check: ``["answer", route, kind, spec, answer, seconds]`` in (``spec``: the schema, the strict
   tools' schemas by name, or the regex), ``[problem, unchecked]`` out. The check stops at its own deadline
   (``seconds``, a timer signal: Python's ``re`` and ``jsonschema`` both see it) and answers unchecked, so the
@@ -69,7 +69,7 @@ def main() -> None:
                 # restart costs the next request of every key a second): the client hears it is not valid
                 verdict = Verdict((), f"{param} could not be validated ({type(exc).__name__}); it is not a valid "
                                       "constraint", "invalid_constraint")
-            reply = [verdict.renderings, verdict.problem, verdict.code]
+            reply = [verdict.renderings, verdict.problem, verdict.code, verdict.fanout]
         out.write(orjson.dumps(reply) + b"\n")
         out.flush()
 

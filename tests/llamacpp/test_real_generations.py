@@ -130,8 +130,8 @@ def test_llama_server_pays_for_every_stack_the_gateway_counts(server: LlamaServe
     """Sweep 22: llama.cpp checks every candidate token against each way its grammar's parse may go on (a stack),
     on the loop every slot shares; `root ::= s+` with 60 alternatives of a's cost 649 ms a token with a 128k
     vocabulary. The gateway counts the stacks as llama.cpp keeps them: here the real server's time a token grows
-    with that count (1,831 stacks against 11: ~50-80x measured on 2 cores), and the gateway refuses the grammar
-    past its bound, naming where, and passes the other."""
+    with that count (1,831 stacks against 11: ~50-80x measured on 2 cores), and the gateway sends the grammar past
+    its bound to no llama.cpp backend (a 400 naming where, when only llama.cpp serves), and passes the other."""
     def alternatives(longest: int) -> str:
         return "root ::= s+\ns ::= " + " | ".join('"' + "a" * k + '"' for k in range(1, longest + 1)) + "\n"
 

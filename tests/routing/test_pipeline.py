@@ -159,6 +159,25 @@ def test_a_request_sampling_the_whole_vocabulary_never_goes_to_llamacpp(policy: 
     assert refused.value.stage == "whole-vocabulary"
 
 
+@pytest.mark.parametrize("policy", ["default", "round-robin", "prefix"])
+def test_a_request_whose_grammar_goes_many_ways_at_once_never_goes_to_llamacpp(policy: str) -> None:
+    """llama.cpp checks every candidate token against each way its grammar's parse may go, on the main loop
+    (sweep 22: 1,831 ways, 649 ms a token with a 128k vocabulary). A request whose constraint or tools would have it
+    follow too many (RouteRequest.fanout) goes to another engine, under every policy, or is refused."""
+    from tests.routing.helpers import backend as engine_backend
+
+    pipeline = build_pipeline(policy)
+    llama, vllm = engine_backend("l", engine="llamacpp"), engine_backend("v", engine="vllm")
+    plain = engine_backend("o", engine="openai")
+    many = RouteRequest(route="chat", model="m", stream=False, max_tokens=8, body={},
+                        fanout="the grammar of grammar has a parse that may go 120 ways at once")
+    for _ in range(5):
+        assert [b.name for b in pipeline.route(many, [llama, vllm, plain]).ranked] == ["v"]
+    with pytest.raises(NoRoute) as refused:
+        pipeline.route(many, [llama, plain])
+    assert refused.value.stage == "many-parses"
+
+
 @pytest.mark.parametrize(("body", "field"), [
     ({}, None),
     ({"top_k": 40, "typical_p": 0.9}, None),

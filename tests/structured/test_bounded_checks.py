@@ -155,8 +155,8 @@ def test_work_too_big_for_the_event_loop_is_left_to_a_worker() -> None:
     for body in bodies:
         constraint = extract(body)
         assert constraint is not None and constraint.pending == next(iter(body))
-    grammar = check_grammar(big_grammar, "gbnf", "grammar", Bounds(), inline=False)
-    assert [dialect for dialect, _ in grammar] == ["gbnf", "ebnf"]
+    grammar, fanout = check_grammar(big_grammar, "gbnf", "grammar", Bounds(), inline=False)
+    assert [dialect for dialect, _ in grammar] == ["gbnf", "ebnf"] and fanout is None
     payload = orjson.dumps({**big_schema, "required": "f1"}).decode()
     verdict = run_check("json_schema", payload, "gbnf", "json_schema", Bounds())
     assert verdict.problem is not None and "not a valid JSON schema" in verdict.problem

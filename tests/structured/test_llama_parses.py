@@ -1,15 +1,16 @@
-"""The ways at once llama.cpp's grammar sampler follows a grammar's parse (gateway.structured.syntax.parses):
-counted as llama.cpp counts its stacks, proved on llama.cpp's own example grammars, and the grammars and
-patterns that froze llama-server refused before any engine sees them."""
+"""The ways at once llama.cpp's grammar sampler follows a grammar's parse (gateway.structured.syntax.parses,
+checks.schema_fanout): counted as llama.cpp counts its stacks, proved on llama.cpp's own example grammars; the
+grammars, patterns and enums that froze llama-server are marked (Constraint.fanout) and never go to it."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import orjson
 import pytest
 
 from gateway.engines.registry import ENGINES
-from gateway.structured import ConstraintInvalid, can_honour, extract
+from gateway.structured import can_honour, extract, tools_fanout
 from gateway.structured.bounds import Bounds
 from gateway.structured.checks import run_check
 from gateway.structured.syntax import gbnf_from_choices, parse_grammar, parse_regex
@@ -24,18 +25,17 @@ pytestmark = pytest.mark.unit
 BOUNDS = Bounds(max_nesting=64, max_bytes=1 << 20, max_rules=1000)
 
 
-def verdict(body: dict[str, object]) -> tuple[str | None, str | None]:
-    """(problem, code) of a request's constraint, checked on the event loop or, past its budget, as a worker
-    checks it."""
-    try:
-        constraint = extract(body)
-    except ConstraintInvalid as exc:
-        return str(exc), exc.code
+def fanout(body: dict[str, object]) -> str | None:
+    """Why llama.cpp should not take the request's constraint (checked on the event loop or, past its budget,
+    as a worker checks it), or None; a constraint that is not valid fails the test."""
+    constraint = extract(body)
+    assert constraint is not None
     if constraint.pending is None:
-        return None, None
-    payload = constraint.grammar if constraint.kind == "grammar" else constraint.pattern
+        return constraint.fanout
+    payload = constraint.grammar if constraint.kind == "grammar" else orjson.dumps(constraint.schema)
     found = run_check(constraint.kind, payload, constraint.dialect, constraint.pending, BOUNDS)
-    return found.problem, found.code if found.problem else None
+    assert found.problem is None, found.problem
+    return found.fanout
 
 
 def parses(grammar: str) -> int:
@@ -74,7 +74,7 @@ def test_llama_cpp_own_example_grammars_keep_few_stacks_and_pass() -> None:
     for path in grammars:
         text = Path(path).read_text()
         assert parses(text) <= 16, path.name  # (c.gbnf: 13, json.gbnf: 12)
-        assert verdict({"grammar": text}) == (None, None), path.name
+        assert fanout({"grammar": text}) is None, path.name
 
 
 @pytest.mark.parametrize("grammar", [
@@ -83,10 +83,11 @@ def test_llama_cpp_own_example_grammars_keep_few_stacks_and_pass() -> None:
     f'root ::= "p"{{1900}} ({alternatives_of_a(12)})+\n',  # (deep in: 13 + 66 after 12 a's)
     "root ::= item+\nitem ::= " + " | ".join(f'"w{i:03d}"' for i in range(80)) + "\n",  # (80 begin alike)
 ])
-def test_a_grammar_whose_parse_goes_too_many_ways_is_refused(grammar: str) -> None:
-    problem, code = verdict({"grammar": grammar})
-    assert code == "constraint_too_large" and problem is not None and "ways at once" in problem, problem
-    assert f"more than {MAX_PARSES}" in problem
+def test_a_grammar_whose_parse_goes_too_many_ways_is_not_for_llamacpp(grammar: str) -> None:
+    for body in ({"grammar": grammar}, {"ebnf": grammar}):  # (GBNF, or EBNF that is GBNF too)
+        why = fanout(body)
+        assert why is not None and "ways at once" in why and f"more than {MAX_PARSES}" in why, why
+    assert fanout({"grammar": 'root ::= ("w" [0-9] [0-9] [0-9])+'}) is None
 
 
 @pytest.mark.integration
@@ -94,36 +95,43 @@ def test_what_the_event_loop_cannot_finish_goes_to_a_worker() -> None:
     root = released(LLAMA_CPP_GRAMMARS) / "vendor" / "llama.cpp" / "grammars"
     json_gbnf = (root / "json.gbnf").read_text()
     assert len(json_gbnf) <= 1024  # (checked inline by size; its search is larger than the inline budget)
-    assert extract({"grammar": json_gbnf}).pending == "grammar"
+    constraint = extract({"grammar": json_gbnf})
+    assert constraint is not None and constraint.pending == "grammar"
 
 
-def test_a_pattern_that_goes_too_many_ways_is_refused_in_a_schema() -> None:
+def test_a_pattern_enum_or_union_that_goes_too_many_ways_is_not_for_llamacpp() -> None:
     pattern = "^(" + "|".join("a" * k for k in range(1, 21)) + ")+$"
     # (the structural measure of nested repetitions passes it: each alternative is of fixed length)
     assert expansion_problem(parse_regex(pattern)) is None
     found = llama_parses(parse_regex(pattern), WORKER_BUDGET)
     assert found is not None and found.count > MAX_PARSES
-    with pytest.raises(ConstraintInvalid) as err:
-        extract({"json_schema": {"type": "string", "pattern": pattern}})
-    assert err.value.code == "constraint_too_large" and "the pattern at /pattern" in str(err.value)
+    why = fanout({"json_schema": {"type": "string", "pattern": pattern}})
+    assert why is not None and "the pattern at /pattern" in why, why
+    ids = [f"customer-{i:04d}" for i in range(1000)]  # (1,000 stacks through "customer-": ~10,000 in all)
+    why = fanout({"json_schema": {"type": "array", "items": {"enum": ids}}})
+    assert why is not None and "the enum at /items has 1000 values that begin alike" in why, why
+    union = {"anyOf": [{"type": "object", "properties": {"k": {"const": i}}} for i in range(MAX_PARSES + 1)]}
+    assert "anyOf at / has 65 alternatives" in (fanout({"json_schema": union}) or "")
     tools = [{"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "properties": {"p": {"type": "string", "pattern": pattern}}}}}]
-    with pytest.raises(ConstraintInvalid):
-        extract({"tools": tools, "tool_choice": "required"})
-    extract({"json_schema": {"type": "string", "pattern": "^[a-z]+(,[a-z]+)*$"}})  # (one way at a time)
+    constraint = extract({"tools": tools, "tool_choice": "required"})
+    assert constraint is not None and "tools[0].function.parameters" in (constraint.fanout or "")
+    assert extract({"tools": tools}) is None and tools_fanout(tools) is not None  # (llama.cpp's lazy grammar)
+    # what real schemas hold: 250 country names (~520 stacks through a value at most), a union of 64, an id pattern
+    countries = [f"{chr(65 + i % 26)}{chr(97 + i // 26)}land" for i in range(250)]
+    assert fanout({"json_schema": {"type": "array", "items": {"enum": countries}}}) is None
+    assert fanout({"json_schema": {"anyOf": union["anyOf"][:MAX_PARSES]}}) is None
+    assert fanout({"json_schema": {"type": "string", "pattern": "^[a-z]+(,[a-z]+)*$"}}) is None
 
 
-def test_an_ebnf_grammar_too_ambiguous_for_llama_cpp_goes_to_xgrammar_engines_only() -> None:
+def test_an_ebnf_grammar_too_ambiguous_for_llamacpp_goes_to_the_other_engines() -> None:
     ambiguous = f"root ::= s+\ns ::= {alternatives_of_a(20)}\n"  # (small enough for the event loop)
     constraint = extract({"ebnf": ambiguous})
-    assert constraint.pending is None and [d for d, _ in constraint.renderings] == ["ebnf"]
-    able = {name for name, spec in ENGINES.items() if can_honour(constraint, spec.structured)}
+    assert constraint is not None and constraint.pending is None and constraint.fanout is not None
+    able = {name for name, spec in ENGINES.items() if can_honour(constraint, spec.structured) and spec.many_parses}
     assert "llamacpp" not in able and {"vllm", "sglang"} <= able
-    found = run_check("grammar", SWEEP_22, "ebnf", "ebnf", BOUNDS)  # (and as a worker checks a larger one)
-    assert found.problem is None and [d for d, _ in found.renderings] == ["ebnf"]
     plain = extract({"ebnf": 'root ::= "a" [b-z]*'})
-    assert [d for d, _ in plain.renderings] == ["ebnf", "gbnf"]
-    assert {"llamacpp", "vllm", "sglang"} <= {n for n, s in ENGINES.items() if can_honour(plain, s.structured)}
+    assert plain is not None and plain.fanout is None and [d for d, _ in plain.renderings] == ["ebnf", "gbnf"]
 
 
 def test_choices_that_begin_alike_are_one_parse_on_llama_cpp() -> None:
