@@ -186,6 +186,13 @@ class Forwarder:
                             # and never failed over (sweep 22); the message is an excerpt, scrubbed as an error's
                             raise UpstreamError("the backend answered 200 with an error and no answer: "
                                                 + backend.secrets.excerpt(_error_text(doc), 300), answered=True)
+                        if native is None and exchange.route in ("chat", "completions") and not (
+                                isinstance(doc.get("choices"), list) and doc["choices"]):
+                            # (no choice is no answer: relayed, an engine answering {"choices": []} at once drew the
+                            # traffic of a latency-led policy and was never failed over, sweep 23)
+                            raise UpstreamError("the backend answered 200 with no choice: "
+                                                + backend.secrets.excerpt(raw.decode(errors="replace"), 120),
+                                                answered=True)
                         shown = without(doc, options.hidden) if options.hidden else None
                         # an answer's error member (a failed Responses object) is scrubbed as an error is, its
                         # address too (sweep 21: a path token echoed there reached the client), where it is small;

@@ -210,19 +210,23 @@ ERROR_SHAPES = {"error": {"error": {"message": "engine is sad", "type": "Interna
                 "old-vllm": {"object": "error", "message": "engine is sad", "type": "InternalServerError"},
                 "detail": {"detail": "engine is sad"},
                 "huge": {"error": {"message": "engine is sad " + "x" * 20_000_000}}}
+# sweep 23: no error, and no answer either (an engine answering this at once drew a latency-led policy's traffic)
+NO_CHOICE = {"empty-choices": {"id": "c1", "object": "chat.completion", "choices": []},
+             "no-choices": {"id": "c1", "object": "chat.completion", "usage": {"prompt_tokens": 1}}}
 
 
-@pytest.mark.parametrize("shape", list(ERROR_SHAPES))
+@pytest.mark.parametrize("shape", [*ERROR_SHAPES, *NO_CHOICE])
 def test_an_engine_answering_200_with_an_error_fails_over_like_one_that_says_so(shape: str) -> None:
     """Sweep 22: a 200 body holding an error and no answer was relayed as the answer: never failed over (half the
     requests of a model another backend served got the error), and a 60 MB one was scrubbed whole on the event
     loop (another key's requests stalled 3.7 s). It is an engine's failure now: the request goes to the next
-    backend, and where none is left the client gets a 502 with an excerpt of the engine's message."""
+    backend, and where none is left the client gets a 502 with an excerpt of the engine's message. So is a chat
+    answer with no choice (sweep 23)."""
     from gateway.app import create_app
     from gateway.config import settings_from_mapping
     from tests.conftest import serve_in_thread
 
-    body = orjson.dumps(ERROR_SHAPES[shape])
+    body = orjson.dumps(ERROR_SHAPES[shape] if shape in ERROR_SHAPES else NO_CHOICE[shape])
     with ScriptedUpstream(mode="script") as failing, ScriptedUpstream(mode="complete", tokens=3) as good:
         failing.script = lambda _headers: (200, "application/json", [body])
         backends = [{"name": "bad", "engine": "vllm", "url": failing.url},
@@ -243,7 +247,9 @@ def test_an_engine_answering_200_with_an_error_fails_over_like_one_that_says_so(
             alone = httpx.post(gw.url + "/v1/chat/completions", json=ask, timeout=30)
     assert alone.status_code == 502, alone.text[:300]
     message = alone.json()["error"]["message"]
-    assert "answered 200 with an error and no answer: engine is sad" in message and len(message) < 600, message
+    said = "answered 200 with an error and no answer: engine is sad" if shape in ERROR_SHAPES else \
+        'answered 200 with no choice: {"id":"c1"'
+    assert said in message and len(message) < 600, message
 
 
 def test_a_failover_is_charged_a_prompt_the_request_could_have_cost() -> None:
