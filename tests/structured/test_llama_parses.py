@@ -80,6 +80,9 @@ def test_llama_cpp_own_example_grammars_keep_few_stacks_and_pass() -> None:
 @pytest.mark.parametrize("grammar", [
     SWEEP_22,
     'root ::= ("x"{300} | "x")+\n',  # (one stack more at every character: 300 after 300)
+    # (one more every 20 characters, 1,000 after 20,000: reaches 65 after ~1,300, past the beam search's 128)
+    "root ::= (" + " ".join(['"x"{1999}'] * 10) + ' | "x"{20})+\n',
+    'root ::= (("xy"){999} | "xyxyxyxyxy")+\n',  # (the same, two characters at a time)
     f'root ::= "p"{{1900}} ({alternatives_of_a(12)})+\n',  # (deep in: 13 + 66 after 12 a's)
     "root ::= item+\nitem ::= " + " | ".join(f'"w{i:03d}"' for i in range(80)) + "\n",  # (80 begin alike)
 ])

@@ -14,7 +14,8 @@ rules, a reference at an alternative's end replacing its caller's frame), and se
 which more than ``limit`` stacks are kept. It cannot try every text, so it searches where stacks multiply: from
 the root and from the start of every rule, each character chosen among those the current stacks accept (one
 per class of characters they all treat alike), keeping the ``BEAM`` texts with the most stacks at each step, for
-``steps`` characters, within a ``budget`` of stack expansions. A grammar whose blow-up it does not reach within
+``steps`` characters, then along each repetition's greediest text for ``RUN_STEPS`` (where stacks pile up one
+every few characters), within a ``budget`` of stack expansions. A grammar whose blow-up it does not reach within
 those is not reported (the limit of a search, said in docs/security.md); what it reports is real: the text it
 returns is one after which llama.cpp keeps that many stacks.
 """
@@ -33,6 +34,9 @@ from .grammar_ast import Alt, CharClass, Expr, Grammar, Lit, Ref, Repeat, Seq
 MAX_PARSES = 64
 STEPS = 2 * MAX_PARSES  # characters searched from each start: a repetition growing by one stack a character
 BEAM = 3  # texts kept at each step of a search
+# characters a repetition is followed along its greediest text: one stack more every k characters reaches 65 only
+# after 65k (`("x"{1999} ... | "x"{30})+`: 667 stacks, after 20,000 x's), past what the beam search follows
+RUN_STEPS = 4096
 SHAPE_DEPTH = 3  # the innermost frames by which sets of stacks already searched from are known again
 INLINE_BUDGET = 2_000  # stack expansions on the event loop (~1 ms); past it the search goes to a worker
 WORKER_BUDGET = 100_000  # in a validation worker (~0.5 s on a loaded core; limits.validation_timeout is 2 s)
@@ -260,6 +264,8 @@ def most_parses(grammar: Grammar, budget: int, limit: int = MAX_PARSES, steps: i
     try:
         for start, name, search in _starts(compiled):
             count, text = _search(compiled, start, limit, steps if search else 0)
+            if count <= limit and search and start != grammar.root:
+                count, text = max((count, text), _run(compiled, start, limit, RUN_STEPS))
             if count > most.count:
                 most = Parses(count, text, name, True)
                 if count > limit:
@@ -292,6 +298,35 @@ def _search(compiled: _Compiled, start: RuleKey, limit: int, steps: int) -> tupl
         found = heapq.nlargest(BEAM, found, key=lambda f: f[0])
         most = max(most, found[0][:2])
         beam = [(text, stacks) for _, text, stacks in found]
+    return most
+
+
+def _run(compiled: _Compiled, start: RuleKey, limit: int, steps: int) -> tuple[int, str]:
+    """The most stacks along the text that, character by character, keeps the most (the first such character of
+    the lowest class), from ``start``, for up to ``steps`` characters or until the stacks come round again:
+    where stacks pile up slowly (one more every k characters, a repetition's long alternatives each started at
+    another offset), this follows them further than the beam search."""
+    stacks = compiled.start(start)
+    most, text = (len(stacks), ""), []
+    seen = {_shape(compiled, stacks)}
+    for _ in range(steps):
+        best: tuple[int, int, dict[int, None]] | None = None
+        for code_point in compiled.classes(stacks):
+            after = compiled.accept(stacks, code_point)
+            if best is None or len(after) > best[0]:
+                best = (len(after), code_point, after)
+        if best is None or not any(best[2]):
+            break
+        stacks = best[2]
+        text.append(chr(best[1]))
+        if best[0] > most[0]:
+            most = (best[0], "".join(text))
+            if best[0] > limit:
+                break
+        shape = _shape(compiled, stacks)  # (as the beam search knows sets again: nesting runs come round too)
+        if shape in seen:
+            break
+        seen.add(shape)
     return most
 
 
