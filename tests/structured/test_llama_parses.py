@@ -39,7 +39,7 @@ def fanout(body: dict[str, object]) -> str | None:
 
 
 def parses(grammar: str) -> int:
-    found = most_parses(parse_grammar(grammar, "gbnf"), WORKER_BUDGET, limit=10**6)
+    found = most_parses(parse_grammar(grammar, "gbnf"), 10**6, limit=10**6)  # (to the end: counting)
     assert found.complete
     return found.count
 
