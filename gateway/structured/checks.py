@@ -495,8 +495,11 @@ def _llama_parses(grammar: Grammar, inline: bool) -> str | None:
     """What makes llama.cpp's parse of ``grammar`` go too many ways at once, or None; Offload when the event
     loop's share of the search ran out before it ended."""
     found = most_parses(grammar, INLINE_BUDGET if inline else WORKER_BUDGET)
-    if inline and not found.complete and found.count <= MAX_PARSES:
-        raise Offload
+    if not found.complete:  # (an unfinished search is no verdict: a grammar could hide its fan-out behind decoys)
+        if inline:
+            raise Offload
+        return (f"a parse the gateway could not follow within {WORKER_BUDGET:,} steps (llama.cpp's own example "
+                "grammars take at most 110,000)")
     return parses_problem(found)
 
 

@@ -83,6 +83,9 @@ def test_llama_cpp_own_example_grammars_keep_few_stacks_and_pass() -> None:
     # (one more every 20 characters, 1,000 after 20,000: reaches 65 after ~1,300, past the beam search's 128)
     "root ::= (" + " ".join(['"x"{1999}'] * 10) + ' | "x"{20})+\n',
     'root ::= (("xy"){999} | "xyxyxyxyxy")+\n',  # (the same, two characters at a time)
+    # sweep 24: a recursion through named rules behind a prefix longer than the search from the root (one request
+    # took 49 s for 12 tokens and held another key's stream 34 s on a 128k vocabulary)
+    'root ::= "' + "x" * 130 + '" t\nt ::= s u\nu ::= t | ""\ns ::= ' + alternatives_of_a(60) + "\n",
     f'root ::= "p"{{1900}} ({alternatives_of_a(12)})+\n',  # (deep in: 13 + 66 after 12 a's)
     "root ::= item+\nitem ::= " + " | ".join(f'"w{i:03d}"' for i in range(80)) + "\n",  # (80 begin alike)
 ])
@@ -143,3 +146,16 @@ def test_choices_that_begin_alike_are_one_parse_on_llama_cpp() -> None:
     flat = "root ::= " + " | ".join(f'"{c}"' for c in choices)
     assert parses(flat) == len(choices)
     assert parses(grammar) <= 11  # (the ten digits and the end, at most, where the choices part)
+
+
+def test_a_grammar_the_search_cannot_follow_to_its_end_is_not_for_llamacpp(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An unfinished search is no verdict: decoys placed first could spend the budget before the rule that fans
+    out is reached. On the event loop it goes to a worker; there, past the worker's budget, it is kept from
+    llama.cpp (llama.cpp's own example grammars take at most ~110,000 of the 400,000)."""
+    from gateway.structured import checks
+
+    grammar = 'root ::= ("a" [b-d]* ("," [0-9]+)?)+ t\nt ::= "x" t | "y"\n'
+    assert fanout({"grammar": grammar}) is None
+    monkeypatch.setattr(checks, "WORKER_BUDGET", 50)
+    found = run_check("grammar", grammar, "gbnf", "grammar", BOUNDS)
+    assert found.problem is None and found.fanout is not None and "could not follow within 50 steps" in found.fanout

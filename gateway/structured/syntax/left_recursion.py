@@ -57,7 +57,7 @@ def check_no_growing_left_recursion(grammar: Grammar) -> None:
     nullable = {id(expr): value == 0 for expr, value in zip(flat.exprs, lengths.values, strict=True)}
     rules = reachable(grammar)
     steps = {name: _leading_refs(grammar.rules[name], nullable) for name in rules}
-    component = _components({name: [ref for ref, _ in found] for name, found in steps.items()})
+    component = strong_components({name: [ref for ref, _ in found] for name, found in steps.items()})
     for name, found in steps.items():
         for ref, last in found:
             if not last and component[ref] == component[name]:
@@ -85,7 +85,7 @@ def _path(steps: dict[str, list[tuple[str, bool]]], component: dict[str, int], s
     return path[::-1]
 
 
-def _components(edges: Mapping[K, Iterable[K]]) -> dict[K, int]:
+def strong_components(edges: Mapping[K, Iterable[K]]) -> dict[K, int]:
     """Each node's strongly connected component (Tarjan's algorithm, with an explicit stack)."""
     index: dict[K, int] = {}
     low: dict[K, int] = {}

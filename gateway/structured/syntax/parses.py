@@ -11,35 +11,39 @@ vocabulary, stopping every other slot's stream (sweep 22). A grammar with one wa
 :func:`most_parses` follows llama.cpp's own steps on the gateway's grammar model, compiled as llama.cpp compiles
 it (each group and repetition a rule of its own, ``S{m,n}`` as m copies of S and a chain of n - m optional
 rules, a reference at an alternative's end replacing its caller's frame), and searches the texts for one after
-which more than ``limit`` stacks are kept. It cannot try every text, so it searches where stacks multiply: from
-the root and from the start of every rule, each character chosen among those the current stacks accept (one
-per class of characters they all treat alike), keeping the ``BEAM`` texts with the most stacks at each step, for
-``steps`` characters, then along each repetition's greediest text for ``RUN_STEPS`` (where stacks pile up one
-every few characters), within a ``budget`` of stack expansions. A grammar whose blow-up it does not reach within
-those is not reported (the limit of a search, said in docs/security.md); what it reports is real: the text it
+which more than ``limit`` stacks are kept. It cannot try every text, so it searches where stacks multiply:
+from the root, every repetition and every recursive rule (each other rule and group counted at its start),
+each character chosen among those the current stacks accept (one per class of characters they all treat
+alike), keeping the ``BEAM`` texts with the most stacks at each step, for ``steps`` characters, then along
+each repetition's and recursion's greediest text for ``RUN_STEPS`` (where stacks pile up one every few
+characters), within a ``budget`` of stack expansions (``complete`` says whether it ended within it). A grammar
+whose blow-up it does not reach within those is not reported (the limit of a search, said in
+docs/security.md); what it reports is real: the text it
 returns is one after which llama.cpp keeps that many stacks.
 """
 
 from __future__ import annotations
 
 import heapq
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 from . import charset
-from .grammar_ast import Alt, CharClass, Expr, Grammar, Lit, Ref, Repeat, Seq
+from .grammar_ast import Alt, CharClass, Expr, Grammar, Lit, Ref, Repeat, Seq, refs_in
+from .left_recursion import strong_components
 
 # The most stacks a grammar may make llama.cpp keep. llama.cpp's own example grammars keep at most 13 (c.gbnf;
 # json.gbnf 12); each stack costs ~2.8 ns a candidate token, so 64 cost ~23 ms a token with a 128k vocabulary.
 MAX_PARSES = 64
-STEPS = 2 * MAX_PARSES  # characters searched from each start: a repetition growing by one stack a character
+STEPS = 32  # characters the beam search follows from each start (a slow pile-up is followed by _run)
 BEAM = 3  # texts kept at each step of a search
 # characters a repetition is followed along its greediest text: one stack more every k characters reaches 65 only
 # after 65k (`("x"{1999} ... | "x"{30})+`: 667 stacks, after 20,000 x's), past what the beam search follows
 RUN_STEPS = 4096
 SHAPE_DEPTH = 3  # the innermost frames by which sets of stacks already searched from are known again
 INLINE_BUDGET = 2_000  # stack expansions on the event loop (~1 ms); past it the search goes to a worker
-WORKER_BUDGET = 100_000  # in a validation worker (~0.5 s on a loaded core; limits.validation_timeout is 2 s)
+WORKER_BUDGET = 400_000  # in a validation worker (~1-2 us each on a loaded core; limits.validation_timeout is 2 s)
 
 # A rule: a named one, a group (an alternation inside a sequence: id of its Alt node), or a repetition's state
 # (id of its Repeat node, mandatory copies left, optional copies left or None for unbounded)
@@ -214,17 +218,21 @@ class _Compiled:
 
 
 def _starts(compiled: _Compiled) -> Iterator[tuple[RuleKey, str, bool]]:
-    """Where to search from, and whether to search on or only count the stacks a rule starts with: the root and
-    every repetition (where stacks may multiply as the text goes on) searched, every other rule and group (where
-    they multiply only at its start: any later fan-out is a group or a repetition of its own) counted. Each
+    """Where to search from, and whether to search on or only count the stacks a rule starts with: the root, every
+    repetition and every recursive rule (where stacks may multiply as the text goes on) searched, every other rule
+    and group (where they multiply only at its start: any later fan-out is a group, a repetition or a recursion of
+    its own) counted. Each
     expression once (a grammar repeats its pieces: 1,300 rules each ending in ``("," [0-9]+)?``), and no repetition
     of what has one way through (``[a-z]*``: one stack, or two where it may end)."""
     grammar = compiled.grammar
     yield grammar.root, grammar.root, True
     entered: list[tuple[RuleKey, str, bool]] = []
     known: set[Expr] = set()
+    recursive = _recursive(grammar)
     for name, body in grammar.rules.items():
-        if name != grammar.root and body not in known:
+        if name in recursive and name != grammar.root:  # (a rule that may come round again repeats as `*` does)
+            yield name, name, True
+        elif name != grammar.root and body not in known:
             known.add(body)
             entered.append((name, name, False))
         todo = [body]
@@ -247,6 +255,15 @@ def _starts(compiled: _Compiled) -> Iterator[tuple[RuleKey, str, bool]]:
     yield from entered
 
 
+def _recursive(grammar: Grammar) -> set[str]:
+    """The rules that may come round again through their references (``t ::= s u``, ``u ::= t | ""``)."""
+    edges = {name: [ref.name for ref in refs_in(body) if ref.name in grammar.rules]
+             for name, body in grammar.rules.items()}
+    component = strong_components(edges)
+    sizes = Counter(component.values())
+    return {name for name, refs in edges.items() if sizes[component[name]] > 1 or name in refs}
+
+
 def _one_way(expr: Expr) -> bool:
     """Whether ``expr`` is characters and character classes in a fixed sequence (no choice, nothing repeated, no
     rule that may hold either)."""
@@ -264,7 +281,7 @@ def most_parses(grammar: Grammar, budget: int, limit: int = MAX_PARSES, steps: i
     try:
         for start, name, search in _starts(compiled):
             count, text = _search(compiled, start, limit, steps if search else 0)
-            if count <= limit and search and start != grammar.root:
+            if count <= limit and search and start != grammar.root:  # (repetitions and recursive rules)
                 count, text = max((count, text), _run(compiled, start, limit, RUN_STEPS))
             if count > most.count:
                 most = Parses(count, text, name, True)
