@@ -111,6 +111,11 @@ class _Worker:
             self.process.kill()
 
 
+# what talking to a worker that died raises: its pipe closed (asyncio: ConnectionResetError, BrokenPipeError;
+# uvloop, which the server runs: RuntimeError "the handler is closed"), or a line cut short (ValueError)
+_DEAD = (OSError, RuntimeError, ValueError)
+
+
 class ValidationWorkers:
     """The worker processes of one gateway; ``close`` when it stops."""
 
@@ -173,6 +178,10 @@ class ValidationWorkers:
                                  "retry shortly") from None
         try:
             worker = self._workers[slot]
+            if worker is not None and worker.process.returncode is not None:
+                # (it died while idle: killed, a hang-up of the process group, the OOM killer; sweep 24 found it
+                # kept for good, and every later check of every key failing)
+                self._workers[slot] = worker = None
             if worker is None:  # its start is no part of any client's deadline
                 starting = self._starting.pop(slot, None)
                 try:
@@ -194,7 +203,7 @@ class ValidationWorkers:
                 self._kill(slot)
                 raise ConstraintInvalid(f"{param}: too complex to validate within {self._timeout:g} s "
                                         "(limits.validation_timeout)", param, "constraint_too_complex") from None
-            except (ConnectionError, ValueError):
+            except _DEAD:
                 self._kill(slot)
                 raise ValidationBusy("a constraint-validation worker died; retry shortly") from None
             except asyncio.CancelledError:  # the client left: stop the work it started
@@ -233,7 +242,7 @@ class ValidationWorkers:
                 asked.cancel()
                 self._kill(slot)
                 return None, "the check ran past its deadline (limits.output_check_timeout)"
-            except (ConnectionError, ValueError):
+            except _DEAD:
                 self._kill(slot)
                 return None, "the validation worker died"
             except asyncio.CancelledError:  # the client left: the check ends by its own deadline, and killing

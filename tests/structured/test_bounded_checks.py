@@ -201,6 +201,43 @@ def test_a_worker_past_the_deadline_is_killed_and_replaced_and_verdicts_are_reme
     assert runs == ["json_schema", "json_schema"]  # the second fast one was remembered
 
 
+@pytest.mark.system
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_a_worker_that_died_while_idle_is_replaced(loop: str) -> None:
+    """Sweep 24: a worker killed while idle (a hang-up of the process group, the OOM killer) stayed in its slot for
+    good under uvloop, whose closed pipe raises RuntimeError where asyncio's raises ConnectionResetError: every
+    later check of every key failed (500, or 502 after the answer). It is started again when next needed."""
+    import signal
+
+    import uvloop
+
+    big = {"type": "object", "properties": {f"field_{i}": {"type": "integer"} for i in range(200)}}
+    # (deadlines a cold worker's start cannot miss on a loaded machine: what is tested is that it is started)
+    workers = ValidationWorkers(LimitSettings(validation_timeout=30.0, output_check_timeout=30.0), workers=1)
+
+    async def scenario() -> list[Any]:
+        outcomes: list[Any] = []
+        try:
+            for round_ in range(3):
+                constraint = extract({"json_schema": {**big, "title": f"round {round_}"}})
+                assert constraint is not None and constraint.pending is not None
+                outcomes.append((await workers.validate(constraint, "k")).pending)
+                worker = workers._workers[0]
+                assert worker is not None
+                worker.process.send_signal(signal.SIGHUP if round_ == 0 else signal.SIGKILL)
+                await worker.process.wait()  # (dead, and idle: nothing was asked of it since)
+            answer = orjson.dumps({"choices": [{"message": {"content": '{"field_1": 1}'}}]})
+            checked = extract({"json_schema": big})
+            assert checked is not None
+            outcomes.append(await workers.check_answer("chat", answer, replace(checked, pending=None), "k"))
+        finally:
+            await workers.close()
+        return outcomes
+
+    ran = asyncio.run(scenario()) if loop == "asyncio" else uvloop.run(scenario())
+    assert ran == [None, None, None, (None, None)]
+
+
 @pytest.mark.parametrize(("schema", "words"), [
     ({"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"allOf": [{"$ref": "#/$defs/a"}]}}, "$ref": "#/$defs/a"},
      "#/$defs/a -> #/$defs/b -> #/$defs/b/allOf/0 -> #/$defs/a"),
