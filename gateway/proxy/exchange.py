@@ -166,12 +166,13 @@ class Exchange:
         """The gateway's own count of a request whose engine said no usable usage (none, a stream cut before its
         usage chunk, the client gone before the answer, garbage): a pooling request's inputs as reserved on
         arrival (its prompt is not rendered); else its prompt's bound (:meth:`prompt_bound`) plus one token per
-        generated-text event relayed, and for a whole answer at least what its key reserved on arrival (its
-        output is not counted on the way). Never less than one token."""
+        generated-text event relayed, and at least what its key reserved on arrival: a whole answer's output is
+        not counted on the way, and an event may carry several tokens (llama.cpp holds a character's bytes back
+        and sends it whole, 4 byte tokens in one event; SGLang's --stream-interval, speculative decoding), so a
+        stream cut before its usage paid a quarter of its tokens (sweep 24). Never less than one token."""
         if request.route in POOLING_ROUTES:  # (inputs, documents and the query read with each: all bound)
             return max(self.reserve, self.prompt_bound())
-        relayed = self.prompt_bound() + self.text_events
-        return max(1, relayed if self.stream else max(relayed, self.reserve))
+        return max(1, self.prompt_bound() + self.text_events, self.reserve)
 
     def failed_over_tokens(self) -> int:
         """What the backends it was failed over from read: its prompt each, as the engine that answered counted
