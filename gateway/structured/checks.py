@@ -181,8 +181,8 @@ def check_patterns(value: Any, param: str, bounds: Bounds) -> tuple[int, str | N
         problem = None if data else expansion_problem(tree)
         if problem:
             raise ConstraintInvalid(f"{param}: the pattern at {at[:200]} has {problem}", param, "constraint_too_large")
-        if fanout is None and not data and budget > 0:
-            found, spent = _pattern_parses(pattern, tree, min(budget, INLINE_BUDGET))
+        if fanout is None and not data:
+            found, spent = _pattern_parses(pattern, tree, budget)
             budget -= spent
             fanout = found and f"the pattern at {at[:200]} of {param} has {found}"
         compiling += parsed_compile_cost(tree, pattern)
@@ -240,25 +240,30 @@ def _enum_cost(texts: list[bytes]) -> tuple[int, str]:
     return worst, worst_text.decode(errors="replace")
 
 
-# what searching a schema's patterns for llama.cpp's parses may spend in all (a pattern at most INLINE_BUDGET)
+# what searching a schema's patterns for llama.cpp's parses may spend in all (simple patterns take tens of steps)
 PATTERNS_BUDGET = 4 * INLINE_BUDGET
 _pattern_verdicts: dict[str, tuple[str | None, int]] = {}
 
 
 def _pattern_parses(pattern: str, tree: Any, budget: int) -> tuple[str | None, int]:
     """(what makes llama.cpp's parse of ``pattern`` go too many ways at once, or None; what the search spent),
-    memoised by pattern: a schema's many equal patterns, and every request's same schema, are searched once."""
+    memoised by pattern: a schema's many equal patterns, and every request's same schema, are searched once. A
+    search that cannot end within ``budget`` (what is left of its schema's) is no verdict, and says so: decoys
+    placed first could spend it (sweep 24)."""
     known = _pattern_verdicts.get(pattern)
     if known is not None:
         return known[0], 0
+    if budget <= 0:
+        return f"a parse the gateway did not follow (its schema's {PATTERNS_BUDGET:,} steps were spent)", 0
     found = llama_parses(tree, budget)
     if found is None:
         return None, 0
+    if not found.complete:
+        return f"a parse the gateway could not follow within {budget:,} steps", found.spent
     verdict = parses_problem(found), found.spent
-    if found.complete or verdict[0]:  # (a search cut short is tried again, with the budget of its next schema)
-        if len(_pattern_verdicts) >= 4096:
-            _pattern_verdicts.clear()
-        _pattern_verdicts[pattern] = verdict
+    if len(_pattern_verdicts) >= 4096:
+        _pattern_verdicts.clear()
+    _pattern_verdicts[pattern] = verdict
     return verdict
 
 

@@ -86,6 +86,10 @@ def test_llama_cpp_own_example_grammars_keep_few_stacks_and_pass() -> None:
     # sweep 24: a recursion through named rules behind a prefix longer than the search from the root (one request
     # took 49 s for 12 tokens and held another key's stream 34 s on a 128k vocabulary)
     'root ::= "' + "x" * 130 + '" t\nt ::= s u\nu ::= t | ""\ns ::= ' + alternatives_of_a(60) + "\n",
+    # sweep 24: an unreferenced rule of 600 repetitions spent the search's budget first (the search skips what no
+    # rule refers to, and an unfinished search keeps the grammar from llama.cpp anyway)
+    'root ::= "' + "x" * 130 + '" t\nd ::= ' + " ".join(f'("{chr(97 + i % 26)}{i:05d}qwertyuiop")*' for i in range(600))
+    + "\nt ::= s+\ns ::= " + alternatives_of_a(60) + "\n",
     f'root ::= "p"{{1900}} ({alternatives_of_a(12)})+\n',  # (deep in: 13 + 66 after 12 a's)
     "root ::= item+\nitem ::= " + " | ".join(f'"w{i:03d}"' for i in range(80)) + "\n",  # (80 begin alike)
 ])
@@ -123,6 +127,12 @@ def test_a_pattern_enum_or_union_that_goes_too_many_ways_is_not_for_llamacpp() -
     constraint = extract({"tools": tools, "tool_choice": "required"})
     assert constraint is not None and "tools[0].function.parameters" in (constraint.fanout or "")
     assert extract({"tools": tools}) is None and tools_fanout(tools) is not None  # (llama.cpp's lazy grammar)
+    # sweep 24: decoy patterns placed first spent the schema's budget, and the pattern after them went unsearched
+    decoy = "^(" + "|".join("a" * k + "b" for k in range(1, 61)) + ")+$"
+    for order in (1, -1):
+        properties = [("v", {"type": "string", "pattern": pattern}),
+                      *((f"d{i}", {"type": "string", "pattern": decoy}) for i in range(5))][::order]
+        assert fanout({"json_schema": {"type": "object", "properties": dict(properties)}}) is not None
     # what real schemas hold: 250 country names (~520 stacks through a value at most), a union of 64, an id pattern
     countries = [f"{chr(65 + i % 26)}{chr(97 + i // 26)}land" for i in range(250)]
     assert fanout({"json_schema": {"type": "array", "items": {"enum": countries}}}) is None

@@ -30,7 +30,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from . import charset
-from .grammar_ast import Alt, CharClass, Expr, Grammar, Lit, Ref, Repeat, Seq, refs_in
+from .grammar_ast import Alt, CharClass, Expr, Grammar, Lit, Ref, Repeat, Seq, reachable, refs_in
 from .left_recursion import strong_components
 
 # The most stacks a grammar may make llama.cpp keep. llama.cpp's own example grammars keep at most 13 (c.gbnf;
@@ -229,7 +229,8 @@ def _starts(compiled: _Compiled) -> Iterator[tuple[RuleKey, str, bool]]:
     entered: list[tuple[RuleKey, str, bool]] = []
     known: set[Expr] = set()
     recursive = _recursive(grammar)
-    for name, body in grammar.rules.items():
+    for name in reachable(grammar):  # (a rule nothing refers to is never entered: sweep 24's decoys were such)
+        body = grammar.rules[name]
         if name in recursive and name != grammar.root:  # (a rule that may come round again repeats as `*` does)
             yield name, name, True
         elif name != grammar.root and body not in known:
