@@ -227,14 +227,15 @@ def _starts(compiled: _Compiled) -> Iterator[tuple[RuleKey, str, bool]]:
     grammar = compiled.grammar
     yield grammar.root, grammar.root, True
     entered: list[tuple[RuleKey, str, bool]] = []
-    known: set[Expr] = set()
+    known: set[Expr] = set()  # (repetitions and groups searched or counted already)
+    bodies: set[Expr] = set()  # (rules counted already: a rule that is one repetition is searched as that too)
     recursive = _recursive(grammar)
     for name in reachable(grammar):  # (a rule nothing refers to is never entered: sweep 24's decoys were such)
         body = grammar.rules[name]
         if name in recursive and name != grammar.root:  # (a rule that may come round again repeats as `*` does)
             yield name, name, True
-        elif name != grammar.root and body not in known:
-            known.add(body)
+        elif name != grammar.root and body not in bodies:
+            bodies.add(body)
             entered.append((name, name, False))
         todo = [body]
         while todo:
