@@ -31,11 +31,7 @@ from collections.abc import Generator, Iterable
 from dataclasses import dataclass, field
 from typing import Literal, TypeVar
 
-import zmq
-import zmq.asyncio
-
 from gateway.clock import SYSTEM, Clock
-from gateway.kvcache.contexts import close_context, open_context
 from gateway.kvcache.index import MAX_NODES, EventIndex
 from gateway.kvcache.wire import (
     MAX_PAYLOAD_BYTES,
@@ -46,6 +42,7 @@ from gateway.kvcache.wire import (
     replay_parts,
     work,
 )
+from gateway.kvcache.zmtp import Connection, ZmtpError
 from gateway.pool.backend import Backend
 from gateway.tasks import cancel_and_wait
 
@@ -62,24 +59,23 @@ RECENT_SEQS = 4096  # applied batches remembered (seq -> ts) to tell a duplicate
 REPLAY_MAX_BATCHES = 10_000
 REPLAY_MAX_WORK = MAX_NODES
 # bytes of live messages received and not yet applied: an engine publishing faster than they are applied (each
-# a valid batch of half a million blocks) had ZeroMQ's queue hold up to RCVHWM of them, 4.5 GB (sweep 16). A
-# message past this is dropped unread (received without a copy: dropping 1.3 GB/s through Python held the event
-# loop seconds, sweep 17); the hole in the sequence it leaves is filled by a replay, or the stream goes
-# partial, as for any message missed.
+# a valid batch of half a million blocks) had libzmq's queue hold 4.5 GB (sweep 16). A message past this is
+# dropped (dropping 1.3 GB/s through Python held the event loop seconds, sweep 17); the hole in the sequence it
+# leaves is filled by a replay, or the stream goes partial, as for any message missed.
 BACKLOG_BYTES = 2 * MAX_PAYLOAD_BYTES
 # a replay's payloads in all (what work() does not count, a long string in each event, grew a replay of one-block
 # batches by 32 MiB each: sweep 17)
 REPLAY_MAX_BYTES = 2 * MAX_PAYLOAD_BYTES
 # parts of a live message: topic, sequence number and payload (and one more, for what a release adds). A message
-# of more breaks the scheme: the subscription is closed there (ZeroMQ frees what its queue holds) and opened again
-# after the session's backoff, the hole filled by a replay. Reading such a message to its end to drop it cost
-# ~17 s of the gateway's CPU for each million one-byte parts (sweep 18), and libzmq queued the next ones meanwhile.
+# of more breaks the scheme: the subscription is closed at its fifth part's header, before the part is read, and
+# opened again after the session's backoff, the hole filled by a replay (read to its end, a million one-byte parts
+# cost ~17 s of CPU, sweep 18; held by libzmq until the last, 40 parts of 48 MiB took 2.1 GB, sweep 24).
 MAX_PARTS = 4
-# messages ZeroMQ's own thread keeps for the subscriber (a message a scheduler step): past it, ZeroMQ drops the
-# newest, and the hole is filled by a replay. It was the engines' PUB mark (100,000): a publisher of large valid
-# batches faster than the index applies them had libzmq hold gigabytes (sweep 18). A message is counted whole
-# whatever its size (a million one-byte parts are ~55 MB in libzmq), so the mark is what bounds that memory.
-RCVHWM = 16
+# the most bytes one part may have (a payload past MAX_PAYLOAD_BYTES is refused when decoded anyway): the
+# connection is closed at the part's header, before its body is read (gateway.kvcache.zmtp)
+MAX_FRAME_BYTES = MAX_PAYLOAD_BYTES + 1024
+CONNECT_SECONDS = 5.0  # to connect and complete ZeroMQ's handshake
+RECONNECT_SECONDS = 0.1  # after the publisher closed the connection (doubled while it stays down, to 2 s)
 MESSAGE_FLOOR = 1024  # bytes a message counts in the backlog at least (empty ones took no room: sweep 18)
 REPLAY_MAX_SECONDS = 60.0  # one replay in all, however its batches keep coming (each renews replay_timeout)
 
@@ -111,22 +107,20 @@ class StreamCounters:
 class EventStream:
     """The subscriber of one backend. ``live()`` says whether routing may trust ``index`` now."""
 
-    def __init__(self, backend: Backend, settings: StreamSettings, context: zmq.asyncio.Context,
-                 clock: Clock = SYSTEM) -> None:
+    def __init__(self, backend: Backend, settings: StreamSettings, clock: Clock = SYSTEM) -> None:
         self.backend = backend
         self.clock = clock
         self.settings = settings
         self.index = EventIndex(settings.block_size)
         self.counters = StreamCounters()
         self.state: State = "connecting"
-        self._context = context
         self._next_seq = 0
         self._recent: OrderedDict[int, float] = OrderedDict()  # seq -> ts of applied batches
         self._epoch = backend.epoch
         self._partial_until = 0.0
         self._expecting_since: float | None = None  # a request that must store new blocks was sent
         self.last_batch_at: float | None = None
-        self._dealer: zmq.asyncio.Socket | None = None
+        self._dealer: Connection | None = None
         self._task: asyncio.Task[None] | None = None
 
     # -- read by routing ------------------------------------------------------------------------------------------
@@ -162,47 +156,49 @@ class EventStream:
         self._close_dealer()
 
     async def _run(self) -> None:
-        backoff = 0.5
+        backoff, lost = 0.5, RECONNECT_SECONDS
         while True:
             try:
                 await self._session()
             except asyncio.CancelledError:
                 raise
-            except Exception as exc:  # a socket error: start over (the index is rebuilt from a replay)
+            except (OSError, TimeoutError, asyncio.IncompleteReadError) as exc:
+                # the publisher closed, restarted or is not up yet: connect again soon, as ZeroMQ's own sockets do
+                # every 100 ms (the restarted engine's first batches tell it restarted), more slowly while it is down
+                (log.info if lost == RECONNECT_SECONDS else log.debug)(  # (once an outage, not every 2 s of it)
+                    "kv events from %s: %r; connecting again", self.backend.name, exc)
+                self.state = "connecting"
+                await self.clock.sleep(lost)
+                lost = min(lost * 2, 2.0)
+            except Exception as exc:  # a broken message: start over (the index is rebuilt from a replay)
                 log.warning("kv events from %s: %s", self.backend.name, exc)
                 self.state = "connecting"
                 await self.clock.sleep(backoff)
                 backoff = min(backoff * 2, 10.0)
             else:
-                backoff = 0.5
+                backoff, lost = 0.5, RECONNECT_SECONDS
 
     async def _session(self) -> None:
-        sub = self._context.socket(zmq.SUB)
-        sub.setsockopt(zmq.LINGER, 0)
-        sub.setsockopt(zmq.RCVHWM, RCVHWM)
-        sub.setsockopt(zmq.MAXMSGSIZE, 64 * 1024 * 1024)
-        sub.setsockopt(zmq.SUBSCRIBE, self.settings.topic.encode())
-        # received at once, applied in turn: what waits is held here, bounded in bytes (see BACKLOG_BYTES)
-        backlog: collections.deque[tuple[list[zmq.Frame], int]] = collections.deque()
+        self._close_dealer()  # (a new session asks for history on a new connection: the engine may have restarted)
+        sub = await Connection.open(self.settings.endpoint, "SUB", max_frame=MAX_FRAME_BYTES, max_parts=MAX_PARTS,
+                                    seconds=CONNECT_SECONDS)
+        # received at once, applied in turn: what waits is held here, bounded in bytes (see BACKLOG_BYTES); the
+        # connection is read one message at a time, so what the publisher sends beyond waits in its own queue
+        backlog: collections.deque[tuple[list[bytes], int]] = collections.deque()
         held = 0
         arrived = asyncio.Event()
 
         async def receive() -> None:
-            # Part by part, a turn for everyone else after each message: ZeroMQ hands over a waiting message at
-            # once (awaiting it never suspends), so a publisher of ~200,000 tiny messages a second held the event
-            # loop for as long as it sent, and one message of five million one-byte parts (pyzmq reads a message's
-            # parts in one loop) held it 9 s (sweep 17). A message of more parts than MAX_PARTS ends the session.
+            # a turn for everyone else after each message: a publisher of ~200,000 tiny messages a second held the
+            # event loop for as long as it sent (sweep 17). A message of more parts than MAX_PARTS, or a part of
+            # more than MAX_FRAME_BYTES, ends the session where its header says so.
             nonlocal held
             while True:
-                frame = await sub.recv(copy=False)
-                frames = [frame]
-                while frame.more:
-                    if len(frames) == MAX_PARTS:
-                        self.counters.decode_errors += 1
-                        sub.close(0)  # (now: what ZeroMQ queued behind it goes with the socket)
-                        raise ValueError(f"a message of more than {MAX_PARTS} parts: subscribing again")
-                    frame = await sub.recv(copy=False)
-                    frames.append(frame)
+                try:
+                    frames = await sub.recv()
+                except ZmtpError as exc:
+                    self.counters.decode_errors += 1
+                    raise ValueError(f"{exc}: subscribing again") from None
                 size = max(MESSAGE_FLOOR, sum(len(f) for f in frames))
                 if held + size > BACKLOG_BYTES:
                     self.counters.dropped += 1
@@ -214,11 +210,16 @@ class EventStream:
 
         reader: asyncio.Task[None] | None = None
         try:
-            sub.connect(self.settings.endpoint)
+            await sub.send([b"\x01" + self.settings.topic.encode()])  # (a subscription, as ZMTP 3.0 writes one)
             reader = asyncio.create_task(receive(), name=f"kv-events-in:{self.backend.name}")
             reader.add_done_callback(lambda _: arrived.set())  # (its end wakes the loop below)
             await asyncio.sleep(0.05)  # let the subscription reach the publisher before asking for history
+            before = self._next_seq
             await self._resync(None)
+            if before > 0 and 0 <= self._next_seq < before and self.state == "live":
+                # (its whole history numbers less than what was seen before this connection: it restarted while
+                # the connection was down; the index was rebuilt from the new process's history already)
+                self.counters.resets["restart"] += 1
             while True:
                 if reader.done():
                     reader.result()  # (a socket error or a broken message: raised, and the session starts over)
@@ -231,11 +232,11 @@ class EventStream:
                     continue
                 frames, size = backlog.popleft()
                 held -= size
-                await self._on_message([frame.bytes for frame in frames])
+                await self._on_message(frames)
                 await asyncio.sleep(0)  # (a message that fails to decode, or a tiny batch, never pauses otherwise)
         finally:
             await cancel_and_wait([reader] if reader is not None else [])
-            sub.close(0)
+            sub.close()
 
     # -- the stream -----------------------------------------------------------------------------------------------
     async def _on_message(self, frames: list[bytes]) -> None:
@@ -339,18 +340,16 @@ class EventStream:
         endpoint = self.settings.replay_endpoint
         if endpoint is None:
             return None
-        if self._dealer is None:
-            dealer = self._context.socket(zmq.DEALER)
-            dealer.setsockopt(zmq.LINGER, 0)
-            dealer.setsockopt(zmq.MAXMSGSIZE, 64 * 1024 * 1024)
-            try:
-                dealer.connect(endpoint)
-            except zmq.ZMQError:  # (kept, it had no peer: the next replay waited on it for good)
-                dealer.close(0)
-                raise
-            self._dealer = dealer
-        dealer = self._dealer
-        await dealer.send_multipart([b"", max(0, start).to_bytes(8, "big")])
+        try:
+            if self._dealer is None:
+                self._dealer = await Connection.open(endpoint, "DEALER", max_frame=MAX_FRAME_BYTES,
+                                                     max_parts=MAX_PARTS, seconds=self.settings.replay_timeout)
+            dealer = self._dealer
+            await dealer.send([b"", max(0, start).to_bytes(8, "big")])
+        except (OSError, TimeoutError, asyncio.IncompleteReadError, ZmtpError) as exc:  # (no replay socket: no history)
+            log.debug("kv events from %s: no replay: %r", self.backend.name, exc)
+            self._close_dealer()
+            return None
         batches: list[Batch] = []
         brought = size = 0  # the replay's work so far (wire.work: blocks and tokens), and its payloads' bytes
         now = self.clock.monotonic
@@ -358,11 +357,15 @@ class EventStream:
         ends = now() + REPLAY_MAX_SECONDS
         while True:
             left = min(deadline, ends) - now()
-            if left <= 0 or not await dealer.poll(int(left * 1000) + 1):
+            try:
+                if left <= 0:
+                    raise TimeoutError
+                message = await asyncio.wait_for(dealer.recv(), left)
+            except (OSError, TimeoutError, asyncio.IncompleteReadError, ZmtpError):  # (ZmtpError: past a bound)
                 self._close_dealer()  # a late answer must not be read as the next one's
                 return None
             try:
-                parts = replay_parts(await dealer.recv_multipart())
+                parts = replay_parts(message)
                 if parts is None:
                     return batches
                 size += len(parts[1])
@@ -384,7 +387,7 @@ class EventStream:
 
     def _close_dealer(self) -> None:
         if self._dealer is not None:
-            self._dealer.close(0)
+            self._dealer.close()
             self._dealer = None
 
 
@@ -404,7 +407,6 @@ class EventHub:
 
     def __init__(self, clock: Clock = SYSTEM) -> None:
         self.clock = clock  # what the streams' windows, replay deadlines and backoff read
-        self._context: zmq.asyncio.Context | None = None
         self.streams: dict[str, EventStream] = {}
         self._stopping: set[asyncio.Task[None]] = set()
 
@@ -430,9 +432,7 @@ class EventHub:
                 continue
             if old is not None:
                 self._retire(old)
-            if self._context is None:
-                self._context = open_context(zmq.asyncio.Context)  # (never left to the collector: see contexts)
-            stream = self.streams[backend.name] = EventStream(backend, settings, self._context, self.clock)
+            stream = self.streams[backend.name] = EventStream(backend, settings, self.clock)
             stream.start()
 
     def _retire(self, stream: EventStream) -> None:
@@ -446,6 +446,3 @@ class EventHub:
             await stream.stop()
         if self._stopping:
             await asyncio.gather(*self._stopping, return_exceptions=True)
-        if self._context is not None:
-            close_context(self._context)
-            self._context = None

@@ -1,0 +1,132 @@
+"""The gateway's own ZeroMQ client for KV events (gateway.kvcache.zmtp), against libzmq's sockets (pyzmq): it
+speaks to them as their own SUB and DEALER do, and ends a message past its bounds at the frame's header."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import Iterator
+
+import pytest
+import zmq
+
+from gateway.kvcache.contexts import close_context, open_context
+from gateway.kvcache.zmtp import Connection, ZmtpError
+from tests.conftest import free_port_block
+
+
+@pytest.fixture
+def context() -> Iterator[zmq.Context[zmq.Socket[bytes]]]:
+    ctx = open_context(zmq.Context)
+    yield ctx
+    close_context(ctx)
+
+
+def publish_until(pub: zmq.Socket[bytes], parts: list[bytes], done: asyncio.Future[object]) -> asyncio.Task[None]:
+    """Send ``parts`` every 20 ms until ``done`` (a PUB drops what it sends before the subscription arrives)."""
+    async def loop() -> None:
+        while not done.done():
+            pub.send_multipart(parts)
+            await asyncio.sleep(0.02)
+    return asyncio.get_running_loop().create_task(loop())
+
+
+def test_a_sub_reads_what_a_libzmq_pub_sends_on_its_topic(context: zmq.Context[zmq.Socket[bytes]]) -> None:
+    port = free_port_block(1)
+    pub = context.socket(zmq.PUB)
+    pub.bind(f"tcp://127.0.0.1:{port}")
+    big = bytes(range(256)) * 4096  # (1 MiB: a frame of the long form)
+
+    async def scenario() -> list[bytes]:
+        sub = await Connection.open(f"tcp://127.0.0.1:{port}", "SUB", max_frame=2 << 20, max_parts=4, seconds=5)
+        await sub.send([b"\x01kv"])
+        done: asyncio.Future[object] = asyncio.get_running_loop().create_future()
+        sending = publish_until(pub, [b"kv", (7).to_bytes(8, "big"), big], done)
+        other = publish_until(pub, [b"other", b"x"], done)
+        try:
+            return await asyncio.wait_for(sub.recv(), 10)
+        finally:
+            done.set_result(None)
+            await asyncio.gather(sending, other)
+            sub.close()
+
+    assert asyncio.run(scenario()) == [b"kv", (7).to_bytes(8, "big"), big]
+    pub.close(0)
+
+
+@pytest.mark.parametrize(("parts", "words"), [([b"kv"] + [b"p" * 1024] * 39, "more than 4 parts"),
+                                             ([b"kv", b"seq", b"x" * 5000], "a frame of 5000 bytes, more than 4096")])
+def test_a_message_past_its_bounds_ends_at_the_header_that_says_so(
+        context: zmq.Context[zmq.Socket[bytes]], parts: list[bytes], words: str) -> None:
+    """Sweep 24: libzmq hands a message over only once its last part is in, bounding each part but not their
+    number: one message of 40 parts of 48 MiB took the gateway to 2.1 GB before it could count them."""
+    port = free_port_block(1)
+    pub = context.socket(zmq.PUB)
+    pub.bind(f"tcp://127.0.0.1:{port}")
+
+    async def scenario() -> str:
+        sub = await Connection.open(f"tcp://127.0.0.1:{port}", "SUB", max_frame=4096, max_parts=4, seconds=5)
+        await sub.send([b"\x01kv"])
+        done: asyncio.Future[object] = asyncio.get_running_loop().create_future()
+        sending = publish_until(pub, parts, done)
+        try:
+            with pytest.raises(ZmtpError) as raised:
+                await asyncio.wait_for(sub.recv(), 10)
+            return str(raised.value)
+        finally:
+            done.set_result(None)
+            await sending
+            sub.close()
+
+    assert words in asyncio.run(scenario())
+    pub.close(0)
+
+
+def test_a_dealer_asks_a_libzmq_router_and_reads_its_answer(context: zmq.Context[zmq.Socket[bytes]]) -> None:
+    port = free_port_block(1)
+    router = context.socket(zmq.ROUTER)
+    router.bind(f"tcp://127.0.0.1:{port}")
+
+    async def scenario() -> list[bytes]:
+        dealer = await Connection.open(f"tcp://127.0.0.1:{port}", "DEALER", max_frame=4096, max_parts=4, seconds=5)
+        await dealer.send([b"", (5).to_bytes(8, "big")])
+        loop = asyncio.get_running_loop()
+        identity, empty, start = await loop.run_in_executor(None, router.recv_multipart)
+        assert empty == b"" and int.from_bytes(start, "big") == 5
+        router.send_multipart([identity, b"", b"batch"])
+        try:
+            return await asyncio.wait_for(dealer.recv(), 10)
+        finally:
+            dealer.close()
+
+    assert asyncio.run(scenario()) == [b"", b"batch"]
+    router.close(0)
+
+
+def test_a_peer_that_is_not_zeromq_or_of_the_wrong_type_is_refused(context: zmq.Context[zmq.Socket[bytes]]) -> None:
+    port, other = free_port_block(2), 0
+    other = port + 1
+    listener = socket.create_server(("127.0.0.1", port))
+    pull = context.socket(zmq.PULL)
+    pull.bind(f"tcp://127.0.0.1:{other}")
+
+    async def scenario() -> tuple[str, str]:
+        async def not_zeromq() -> None:
+            loop = asyncio.get_running_loop()
+            connection, _ = await loop.run_in_executor(None, listener.accept)
+            connection.sendall(b"HTTP/1.1 400 Bad Request\r\n\r\n" + b" " * 64)
+            await asyncio.sleep(0.5)
+            connection.close()
+
+        serving = asyncio.get_running_loop().create_task(not_zeromq())
+        with pytest.raises(ZmtpError) as plain:
+            await Connection.open(f"tcp://127.0.0.1:{port}", "SUB", max_frame=4096, max_parts=4, seconds=5)
+        await serving
+        with pytest.raises(ZmtpError) as wrong:
+            await Connection.open(f"tcp://127.0.0.1:{other}", "SUB", max_frame=4096, max_parts=4, seconds=5)
+        return str(plain.value), str(wrong.value)
+
+    plain, wrong = asyncio.run(scenario())
+    assert "not a ZeroMQ socket" in plain and "cannot talk to the peer's b'PULL' socket" in wrong
+    listener.close()
+    pull.close(0)
