@@ -723,8 +723,9 @@ class Dispatcher:
                                      f"({', '.join(unable) or 'its engine'}): it would have llama.cpp sort the whole "
                                      "vocabulary at every token, on the loop every other request shares, and a plain "
                                      "'openai' server may be llama-server; give top_k from 1 to "
-                                     f"{MAX_TOP_K}, a samplers chain with top_k before top_p, typical_p, min_p and "
-                                     "xtc, and no mirostat", param=field, code="unsupported_value")
+                                     f"{MAX_TOP_K}, a samplers chain with top_k before top_p, typical_p, min_p, "
+                                     "xtc and a temperature with a dynatemp_range, and no mirostat",
+                                param=field, code="unsupported_value")
         if exc.stage == "many-parses":
             request = exc.request
             param = request.constraint.source if request.constraint and request.constraint.fanout else "tools"

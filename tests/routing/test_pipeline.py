@@ -190,6 +190,12 @@ def test_a_request_whose_grammar_goes_many_ways_at_once_never_goes_to_llamacpp(p
     ({"samplers": "edskypmxt"}, None),  # (llama.cpp's default chain)
     ({"samplers": ["penalties", "DRY", "top-n-sigma", "TopK", "typ_p", "nucleus", "min_p", "xtc", "temp"]}, None),
     ({"samplers": "t"}, None),  # (a linear pass, then the token drawn)
+    # sweep 24: a dynamic temperature range sorts every candidate (to weigh their entropy) where it is
+    ({"samplers": ["temperature", "top_k"], "dynatemp_range": 0.5}, "dynatemp_range"),
+    ({"samplers": "tk", "dynatemp_range": 2}, "dynatemp_range"),
+    ({"samplers": "kt", "dynatemp_range": 0.5}, None),  # (after top_k: what it sorts is top_k's)
+    ({"samplers": "tk", "dynatemp_range": 0}, None),
+    ({"dynatemp_range": 0.5}, None),  # (the default chain: temperature last)
     ({"samplers": ""}, None),
     ({"samplers": "a"}, None),
     ({"samplers": "y"}, "samplers"),
