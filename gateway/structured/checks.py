@@ -190,8 +190,9 @@ def check_patterns(value: Any, param: str, bounds: Bounds) -> tuple[int, str | N
 
 
 def schema_fanout(value: Any) -> str | None:
-    """Why llama.cpp should not take a schema, or None: an ``enum`` whose values begin alike so much, or an
-    ``anyOf``/``oneOf`` of so many alternatives, that its grammar would follow too many ways at once. llama.cpp
+    """Why llama.cpp should not take a schema, or None: an ``enum`` whose values (or an object whose optional
+    properties' names) begin alike so much, or an ``anyOf``/``oneOf`` of so many alternatives, that its grammar
+    would follow too many ways at once. llama.cpp
     writes each as one flat alternation (common/json-schema-to-grammar.cpp, llama-cpp-python 0.3.36), one stack per
     alternative from its start, each kept while its value's text still matches: a value costs it the sum, over its
     characters, of the values that begin as it does up to there."""
@@ -205,6 +206,18 @@ def schema_fanout(value: Any) -> str | None:
                 return (f"the enum at {at[:200] or '/'} has {len(values)} values that begin alike: writing "
                         f"{value_text[:40]!r} llama.cpp would check every candidate token against {cost} ways in "
                         f"all, more than {MAX_ENUM_COST}")
+        properties = node.get("properties")
+        if isinstance(properties, dict) and len(properties) > 1:
+            # (llama.cpp writes an object's optional properties as a choice of the one that comes next, among all
+            # that may: their names begin alike as an enum's values do; 1,000 with a 40-character prefix slowed
+            # another key's tokens from 3 to 524 ms, sweep 24)
+            required = node.get("required")
+            names = [key for key in properties if not (isinstance(required, list) and key in required)]
+            cost, name = _enum_cost([orjson.dumps(key) for key in names]) if len(names) > 1 else (0, "")
+            if cost > MAX_ENUM_COST:
+                return (f"the object at {at[:200] or '/'} has {len(names)} optional properties whose names begin "
+                        f"alike: writing {name[:40]!r} llama.cpp would check every candidate token against {cost} "
+                        f"ways in all, more than {MAX_ENUM_COST}")
         for key in ("anyOf", "oneOf"):
             options = node.get(key)
             if isinstance(options, list) and len(options) > MAX_PARSES:

@@ -120,6 +120,11 @@ def test_a_pattern_enum_or_union_that_goes_too_many_ways_is_not_for_llamacpp() -
     ids = [f"customer-{i:04d}" for i in range(1000)]  # (1,000 stacks through "customer-": ~10,000 in all)
     why = fanout({"json_schema": {"type": "array", "items": {"enum": ids}}})
     assert why is not None and "the enum at /items has 1000 values that begin alike" in why, why
+    # sweep 24: optional properties are a choice of the next one among all that may come, as an enum's values
+    alike = {f"{'customer_account_settings_preference_of_':s}{i:04d}": {"type": "integer"} for i in range(200)}
+    why = fanout({"json_schema": {"type": "object", "properties": alike}})
+    assert why is not None and "the object at / has 200 optional properties whose names begin alike" in why, why
+    assert fanout({"json_schema": {"type": "object", "properties": alike, "required": list(alike)}}) is None
     union = {"anyOf": [{"type": "object", "properties": {"k": {"const": i}}} for i in range(MAX_PARSES + 1)]}
     assert "anyOf at / has 65 alternatives" in (fanout({"json_schema": union}) or "")
     tools = [{"type": "function", "function": {"name": "f", "parameters": {
