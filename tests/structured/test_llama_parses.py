@@ -86,6 +86,8 @@ def test_llama_cpp_own_example_grammars_keep_few_stacks_and_pass() -> None:
     # sweep 24: a recursion through named rules behind a prefix longer than the search from the root (one request
     # took 49 s for 12 tokens and held another key's stream 34 s on a 128k vocabulary)
     'root ::= "' + "x" * 130 + '" t\nt ::= s u\nu ::= t | ""\ns ::= ' + alternatives_of_a(60) + "\n",
+    # sweep 24: parts side by side behind a long beginning (1,001 stacks; another key's stream from 0.18 to 120 s)
+    'root ::= "' + "x" * 130 + '" ' + " ".join(['"a"{0,40}'] * 25) + ' "a"{100}\n',
     # sweep 24: an unreferenced rule of 600 repetitions spent the search's budget first (the search skips what no
     # rule refers to, and an unfinished search keeps the grammar from llama.cpp anyway)
     'root ::= "' + "x" * 130 + '" t\nd ::= ' + " ".join(f'("{chr(97 + i % 26)}{i:05d}qwertyuiop")*' for i in range(600))

@@ -15,10 +15,10 @@ which more than ``limit`` stacks are kept. It cannot try every text, so it searc
 from the root, every repetition and every recursive rule (each other rule and group counted at its start),
 each character chosen among those the current stacks accept (one per class of characters they all treat
 alike), keeping the ``BEAM`` texts with the most stacks at each step, for ``steps`` characters, then along
-each repetition's and recursion's greediest text for ``RUN_STEPS`` (where stacks pile up one every few
-characters), within a ``budget`` of stack expansions (``complete`` says whether it ended within it). A grammar
-whose blow-up it does not reach within those is not reported (the limit of a search, said in
-docs/security.md); what it reports is real: the text it
+the root's, each repetition's and each recursion's greediest text for ``RUN_STEPS`` (where stacks pile up one
+every few characters, or fan out behind a long beginning), within a ``budget`` of stack expansions
+(``complete`` says whether it ended within it). A grammar whose blow-up it does not reach within those is not
+reported (the limit of a search, said in docs/security.md); what it reports is real: the text it
 returns is one after which llama.cpp keeps that many stacks.
 """
 
@@ -38,8 +38,9 @@ from .left_recursion import strong_components
 MAX_PARSES = 64
 STEPS = 32  # characters the beam search follows from each start (a slow pile-up is followed by _run)
 BEAM = 3  # texts kept at each step of a search
-# characters a repetition is followed along its greediest text: one stack more every k characters reaches 65 only
-# after 65k (`("x"{1999} ... | "x"{30})+`: 667 stacks, after 20,000 x's), past what the beam search follows
+# characters the root, a repetition or a recursion is followed along its greediest text: one stack more every k
+# characters reaches 65 only after 65k (`("x"{1999} ... | "x"{30})+`: 667 stacks after 20,000 x's), and what comes
+# after a long beginning (130 x's) is past what the beam search follows
 RUN_STEPS = 4096
 SHAPE_DEPTH = 3  # the innermost frames by which sets of stacks already searched from are known again
 INLINE_BUDGET = 2_000  # stack expansions on the event loop (~1 ms); past it the search goes to a worker
@@ -282,9 +283,12 @@ def most_parses(grammar: Grammar, budget: int, limit: int = MAX_PARSES, steps: i
     most = Parses(0, "", grammar.root, True)
     try:
         for start, name, search in _starts(compiled):
-            count, text = _search(compiled, start, limit, steps if search else 0)
-            if count <= limit and search and start != grammar.root:  # (repetitions and recursive rules)
-                count, text = max((count, text), _run(compiled, start, limit, RUN_STEPS))
+            count, text = _search(compiled, compiled.start(start), limit, steps if search else 0)
+            if count <= limit and search:  # (the root, repetitions and recursive rules)
+                # (from the root too: what comes after a long beginning is out of its beam search's reach, and parts
+                # side by side are no repetition of their own: `"x"{130} "a"{0,40} "a"{0,40} ... "a"{100}`, 1,001
+                # stacks, held another key's stream from 0.18 to 120 s, sweep 24)
+                count, text = max((count, text), _run(compiled, compiled.start(start), limit, RUN_STEPS))
             if count > most.count:
                 most = Parses(count, text, name, True)
                 if count > limit:
@@ -294,9 +298,8 @@ def most_parses(grammar: Grammar, budget: int, limit: int = MAX_PARSES, steps: i
     return Parses(most.count, most.text, most.rule, True, budget - compiled.budget)
 
 
-def _search(compiled: _Compiled, start: RuleKey, limit: int, steps: int) -> tuple[int, str]:
-    """The most stacks found from ``start``, and after what text."""
-    first = compiled.start(start)
+def _search(compiled: _Compiled, first: dict[int, None], limit: int, steps: int) -> tuple[int, str]:
+    """The most stacks found from the stacks ``first``, and after what text."""
     most = (len(first), "")
     beam: list[tuple[str, dict[int, None]]] = [("", first)]
     seen = compiled.shapes
@@ -320,12 +323,11 @@ def _search(compiled: _Compiled, start: RuleKey, limit: int, steps: int) -> tupl
     return most
 
 
-def _run(compiled: _Compiled, start: RuleKey, limit: int, steps: int) -> tuple[int, str]:
+def _run(compiled: _Compiled, stacks: dict[int, None], limit: int, steps: int) -> tuple[int, str]:
     """The most stacks along the text that, character by character, keeps the most (the first such character of
     the lowest class), from ``start``, for up to ``steps`` characters or until the stacks come round again:
     where stacks pile up slowly (one more every k characters, a repetition's long alternatives each started at
     another offset), this follows them further than the beam search."""
-    stacks = compiled.start(start)
     most, text = (len(stacks), ""), []
     seen = {_shape(compiled, stacks)}
     for _ in range(steps):
@@ -358,5 +360,6 @@ def parses_problem(found: Parses) -> str | None:
     if found.count <= MAX_PARSES:
         return None
     where = f", in rule '{found.rule}'" if found.rule not in ("root", "regex") else ""
-    after = f"after {found.text[:40]!r}{where}" if found.text else f"at the start{where}"
+    text = found.text if len(found.text) <= 40 else "..." + found.text[-37:]  # (where it fans out: the end)
+    after = f"after {text!r}{where}" if found.text else f"at the start{where}"
     return f"a parse that may go {found.count} ways at once ({after}), more than {MAX_PARSES}"
