@@ -134,8 +134,9 @@ class Exchange:
     def _could_cost(self, prompt: int, completion: int) -> bool:
         """Whether usage figures are ones the request could have cost: a prompt within twice its bound
         (:meth:`prompt_bound`) and a template's default prompt, a completion within ``max_tokens`` (else the
-        backend's context) for each generation. An engine answering a 5-token request with 134 million tokens of
-        usage put its key 4.5 hours in debt (sweep 22): such figures are no reading."""
+        backend's context) for each generation and at least half the text events relayed. An engine answering a
+        5-token request with 134 million tokens of usage put its key 4.5 hours in debt (sweep 22): such figures
+        are no reading."""
         request, backend = self.request, self.backend
         if request is None or backend is None:
             return True
@@ -145,7 +146,10 @@ class Exchange:
         # what the engine lists, and an openai backend lists none, sweep 23)
         per_generation = min(request.max_tokens or backend.capacity.context_length or self.max_answer_tokens,
                              self.max_answer_tokens)
-        return completion <= (per_generation + 1) * request.generations
+        # (and no fewer than half the text events it relayed, each a token or more: an engine reporting 1 for
+        # streams of 2,000 let a key take 415x its tokens per minute, sweep 24; half, as a reasoning parser may
+        # split one token's text in two events)
+        return self.text_events <= 2 * completion + 2 and completion <= (per_generation + 1) * request.generations
 
     def _prompt_cap(self) -> int:
         return 2 * self.prompt_bound() + TEMPLATE_TOKENS

@@ -89,3 +89,19 @@ def test_usage_figures_an_engine_reports_that_are_no_count_count_nothing() -> No
     prompt = [line for line in generate_latest(registry).decode().splitlines()
               if line.startswith("gateway_prompt_tokens_total{")]
     assert prompt and all(float(line.rsplit(" ", 1)[1]) == 0 for line in prompt), prompt
+
+
+def test_a_completion_figure_below_the_text_events_relayed_is_no_reading() -> None:
+    """Sweep 24: an engine reporting a completion of 1 for streams of 2,000 content events was believed, and a key
+    of 10,000 tokens a minute took 4.1M a minute. A stream's completion is at least half its text events (a
+    reasoning parser may split one token's text in two): a figure below is no reading, the gateway's count pays."""
+    from gateway.routing.request import RouteRequest
+
+    request = RouteRequest(route="chat", model="m", stream=True, max_tokens=2000, body={})
+    ex = Exchange(request_id="r", route="chat", t_start=0.0, stream=True, request=request,
+                  backend=Backend("b", "vllm", "http://b", spec=ENGINES["vllm"]))
+    ex.reserve, ex.body_tokens, ex.text_events = 2010, 10, 2000
+    ex.usage = {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}
+    assert ex.answer_tokens() >= 2000
+    ex.usage = {"prompt_tokens": 9, "completion_tokens": 1000, "total_tokens": 1009}  # (two events a token: read)
+    assert ex.answer_tokens() == 1009
