@@ -695,6 +695,19 @@ class StateSettings(_Strict):
                                   "others with (the same for all); default: derived from the Redis password and the "
                                   "API keys' digests")
 
+    @field_validator("url")
+    @classmethod
+    def _url_parses(cls, url: str | None) -> str | None:
+        # (as Redis's client reads it, at start-up: a raw '[' in a password passed check-config and then stopped
+        # `gateway serve` with "Invalid IPv6 URL", naming no field, sweep 24)
+        if url is not None and not url.startswith("unix://"):
+            try:
+                urlsplit(url).port  # noqa: B018  (reading it is the check)
+            except ValueError as exc:
+                raise ValueError(f"not a URL Redis's client can read ({exc}); percent-encode any '[', ']', '@', "
+                                 "':' or '/' in the password (%5B, %5D, %40, %3A, %2F)") from None
+        return url
+
     @model_validator(mode="after")
     def _secret_set(self) -> StateSettings:
         if self.secret_env is not None and not os.environ.get(self.secret_env):
