@@ -10,6 +10,8 @@ from collections.abc import Awaitable, Callable
 from gateway.config import BackendSettings
 
 Resolver = Callable[[str, int], Awaitable[list[str]]]
+# the replicas one DNS entry stands for at most (the first, by address: every gateway replica takes the same)
+MAX_DNS_REPLICAS = 256
 
 
 async def system_resolver(host: str, port: int) -> list[str]:

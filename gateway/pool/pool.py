@@ -20,7 +20,7 @@ from gateway.engines.readings import MAX_MODELS
 from gateway.engines.registry import create_adapter
 from gateway.errors import Redactor
 from gateway.pool.backend import Backend
-from gateway.pool.discovery import Resolver, replica_settings, system_resolver
+from gateway.pool.discovery import MAX_DNS_REPLICAS, Resolver, replica_settings, system_resolver
 from gateway.pool.state import Capacity, Health, KvEventSource, LoadRecord, Probe
 from gateway.redaction import redact_url
 from gateway.tasks import cancel_and_wait
@@ -310,6 +310,12 @@ class Pool:
             except OSError as exc:
                 log.warning("resolving %s for backend %s failed: %s", group.dns, group.name, exc)
                 continue
+            if len(addresses) > MAX_DNS_REPLICAS:
+                # (a selector's slip or a stale wildcard record: 2,000 dead addresses, each scraped every second,
+                # took 58% of a core and got the one live replica marked down, sweep 24)
+                log.warning("%s resolves to %d addresses for backend %s; taking the first %d (sorted)", group.dns,
+                            len(addresses), group.name, MAX_DNS_REPLICAS)
+                addresses = sorted(addresses)[:MAX_DNS_REPLICAS]
             wanted = {replica_settings(group, a).name: replica_settings(group, a) for a in addresses}
             members = self._group_members[group.name]
             for name in sorted(members - set(wanted)):

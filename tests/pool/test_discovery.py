@@ -95,3 +95,19 @@ async def test_two_gateway_replicas_discover_the_same_names_and_route_a_prefix_a
         picks = {p.route(RouteRequest("chat", "m", False, None, body), pool.backends).ranked[0].name
                  for p, pool in zip(pipelines, pools, strict=True)}
         assert len(picks) == 1
+
+
+@pytest.mark.anyio
+async def test_a_name_resolving_to_thousands_of_addresses_stands_for_the_first_256() -> None:
+    """Sweep 24: 2,000 addresses (a selector's slip, a stale wildcard record), each a backend scraped every second,
+    took 58% of a core and got the one live replica marked down. One entry stands for 256 at most, the same on
+    every gateway replica (the first by address)."""
+    from gateway.pool.discovery import MAX_DNS_REPLICAS
+
+    settings = settings_from_mapping({"backends": [{"name": "v", "engine": "vllm", "dns": "v.svc", "port": 8000,
+                                                    "models": ["m"]}]})
+    answers = [f"10.0.{i // 250}.{i % 250}" for i in range(2000)]
+    pool = Pool(settings.backends, settings.scrape, resolver=StubResolver(answers))
+    await pool.discover()  # (not started: nothing is probed)
+    assert len(pool.backends) == MAX_DNS_REPLICAS == 256
+    assert {b.name for b in pool.backends} == {f"v-{a}" for a in sorted(answers)[:256]}
