@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import Counter as Tally
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Protocol
 
@@ -762,10 +763,16 @@ class Dispatcher:
         if exc.stage == "serves-model":
             return GatewayError(404, f"The model '{model}' does not exist or is not served by any backend",
                                 type="invalid_request_error", param="model", code="model_not_found")
-        states = ", ".join(f"{b.name}: {b.health.value}{' (drained)' if b.drained else ''}"
-                           f"{'' if b.breaker.available() else ' (ejected)'}" for b in backends if model in b.models)
-        return GatewayError(503, f"no backend can take a request for model '{model}' now ({exc.stage} left none;"
-                                 f" {states})", code="no_backend_available", headers={"retry-after": "1"})
+        # (how many, in what state; not which: a backend's name and address are the operator's, and a DNS replica
+        # is named by its address, sweep 24; GET /admin/backends says which)
+        serving = [b for b in backends if model in b.models]
+        states = Tally(b.health.value for b in serving)
+        states.update(what for b in serving for what, is_so in (("drained", b.drained),
+                                                                 ("ejected", not b.breaker.available())) if is_so)
+        summary = ", ".join(f"{count} {state}" for state, count in sorted(states.items()))
+        return GatewayError(503, f"no backend can take a request for model '{model}' now ({exc.stage} left none "
+                                 f"of {len(serving)}: {summary})", code="no_backend_available",
+                            headers={"retry-after": "1"})
 
 
 def _owner(exchange: Exchange) -> str | None:

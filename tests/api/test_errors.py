@@ -150,5 +150,8 @@ def test_no_backend_available_is_503_with_retry_after(pair: Running) -> None:
     response = replies[-1]
     assert_envelope(response, 503, code="no_backend_available")
     assert response.headers["retry-after"] == "1"
+    # how many backends, in what state; not which (a DNS replica is named by its address: sweep 24)
+    message = response.json()["error"]["message"]
+    assert "of 2:" in message and "vllm-a" not in message and "vllm-b" not in message, message
     assert httpx.get(pair.url + "/ready").status_code == 503
     assert httpx.get(pair.url + "/health").status_code == 200
