@@ -107,6 +107,24 @@ class Seal:
             del self._last[which]
 
 
+def seal_value(secret: bytes, name: str, value: bytes) -> bytes:
+    """``value`` as it is kept under the Redis key ``name``: an HMAC of both first (32 hex digits), so whoever can
+    write to Redis can neither change a kept value nor move one to another key's name (another owner's)."""
+    return _value_mac(secret, name, value) + value
+
+
+def open_value(secret: bytes, name: str, kept: bytes) -> bytes | None:
+    """The value :func:`seal_value` kept under ``name``, or None when its seal does not hold."""
+    mac, value = kept[:2 * MAC_BYTES], kept[2 * MAC_BYTES:]
+    return value if hmac.compare_digest(mac, _value_mac(secret, name, value)) else None
+
+
+def _value_mac(secret: bytes, name: str, value: bytes) -> bytes:
+    key = name.encode()
+    signed = b"value\0" + len(key).to_bytes(4, "big") + key + value
+    return hmac.digest(secret, signed, "sha256")[:MAC_BYTES].hex().encode()
+
+
 def fleet_secret(settings: StateSettings, key_digests: Iterable[str] = ()) -> bytes | None:
     """The secret every replica seals its messages with: the value of the environment variable
     ``settings.secret_env`` names; else derived from the Redis password (``settings.url``) and the API keys'

@@ -280,7 +280,7 @@ class SharedState:
         self.slotted: Callable[[], set[str]] = set
         self._background: set[asyncio.Task[None]] = set()  # (referenced until done, as asyncio requires)
         self.responses = StoredResponses(self._redis, p, self._timeout * 5, self._errors, self._failed_alone,
-                                         self._spawn)
+                                         self._spawn, secret or PUBLIC)
 
     # -- keys ---------------------------------------------------------------------------------------------------
     def _bucket(self, key: str, kind: str) -> str:

@@ -27,6 +27,7 @@ keys' orders), which a standalone Redis or Valkey allows, as the gateway uses th
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections import deque
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from gateway.config import ResponsesSettings
 from gateway.state.errors import StateUnavailable
+from gateway.state.sealing import PUBLIC, open_value, seal_value
 
 if TYPE_CHECKING:
     import redis.asyncio
@@ -44,6 +46,8 @@ WAITING_MAX = 1024  # responses waiting to be written, at most (beyond, a write 
 WAITING_BYTES = 64 * 1024 * 1024  # ... and their bytes
 # what Redis holds per stored response beyond its value and its four names (measured, Redis 7.0: ~500), and per
 # key with stored responses (its order: ~900)
+log = logging.getLogger("gateway.state")
+
 ENTRY_OVERHEAD = 768
 OWNER_OVERHEAD = 1024
 
@@ -223,8 +227,11 @@ class StoredResponses:
 
     def __init__(self, client: redis.asyncio.Redis, prefix: str, timeout: float,
                  errors: tuple[type[BaseException], ...], failed: Callable[[str, BaseException], None],
-                 spawn: Callable[[Coroutine[Any, Any, None]], None]) -> None:
+                 spawn: Callable[[Coroutine[Any, Any, None]], None], secret: bytes = PUBLIC) -> None:
         self._redis = client
+        # (each value is sealed with the replicas' secret: whoever could write to Redis rewrote a tenant's kept
+        # conversation, and the next replica sent the engine that text as the tenant's own history, sweep 24)
+        self._secret = secret
         self._prefix = prefix
         self._timeout = timeout
         self._errors = errors
@@ -258,14 +265,21 @@ class StoredResponses:
         except self._errors as exc:
             self._failed("get_response", exc)
             raise StateUnavailable(str(exc)) from None
-        return raw if isinstance(raw, bytes) else None
+        if not isinstance(raw, bytes):
+            return None
+        value = open_value(self._secret, self.name(owner, response_id), raw)
+        if value is None:
+            log.warning("a stored response's seal does not hold (written by another hand, or before sealing, or "
+                        "with another secret): taken as unknown")
+        return value
 
     def put_response(self, owner: str, response_id: str, raw: bytes, bounds: StoreBounds) -> None:
         """Keep ``owner``'s conversation (its JSON) within ``bounds``, in the background."""
         key_entries, key_bytes = bounds.of_owner(owner)
         keys = [self.name(owner, response_id), self._order, self._owners + owner, self._sizes, self._usage]
         args: list[bytes | str | int] = [
-            raw, self.counted(owner, response_id, raw), max(1, int(bounds.ttl_seconds * 1000)), bounds.entries,
+            seal_value(self._secret, keys[0], raw), self.counted(owner, response_id, raw),
+            max(1, int(bounds.ttl_seconds * 1000)), bounds.entries,
             bounds.max_bytes, key_entries, key_bytes, owner, self._owners, OWNER_OVERHEAD, self._values]
 
         if len(self._waiting) >= WAITING_MAX or self._waiting_bytes + len(raw) > WAITING_BYTES:
