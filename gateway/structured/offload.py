@@ -110,7 +110,19 @@ class _Worker:
         if self.process.returncode is None:
             self.process.kill()
 
+    def cpu_seconds(self) -> float | None:
+        """The CPU time the worker has used (Linux's /proc), or None where that cannot be read."""
+        try:
+            with open(f"/proc/{self.process.pid}/stat", "rb") as stat:
+                fields = stat.read().rpartition(b")")[2].split()
+            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # (utime, stime)
+        except (OSError, ValueError, IndexError):
+            return None
 
+
+# the share of the validation deadline a worker must have spent on the CPU for a check past it to be the
+# constraint's fault (a quarter: a worker at work on a 2-core machine gets half a core at least)
+IDLE_SHARE = 0.25
 # what talking to a worker that died raises: its pipe closed (asyncio: ConnectionResetError, BrokenPipeError;
 # uvloop, which the server runs: RuntimeError "the handler is closed"), or a line cut short (ValueError)
 _DEAD = (OSError, RuntimeError, ValueError)
@@ -131,6 +143,7 @@ class ValidationWorkers:
         self._finishing: set[asyncio.Task[None]] = set()  # answer checks whose client left, running out
         # a killed worker's replacement, started at once (not in the next job's turn): slot -> its start
         self._starting: dict[int, asyncio.Task[_Worker]] = {}
+        self._dying: set[asyncio.Future[int]] = set()  # killed workers being reaped
         self._memo_chars = 0
 
     def set_limits(self, limits: LimitSettings) -> None:
@@ -197,10 +210,18 @@ class ValidationWorkers:
     async def _run(self, job: list[Any], param: str, owner: str) -> Verdict:
         slot, worker = await self._turn(owner, self._queue_timeout)
         try:
+            used = worker.cpu_seconds()
             try:
                 return await asyncio.wait_for(worker.check(job), self._timeout)
             except TimeoutError:
+                spent = worker.cpu_seconds()
                 self._kill(slot)
+                if (used is not None and spent is not None and self._timeout >= 0.5  # (CPU time comes in 10 ms ticks)
+                        and spent - used < IDLE_SHARE * self._timeout):
+                    # (it hardly ran: stopped, or starved of CPU; the constraint's fault it is not: a SIGSTOPped
+                    # idle worker made the next client's valid schema a 400, sweep 24)
+                    raise ValidationBusy("a constraint-validation worker did not work on it in time (stopped, or "
+                                         "the machine is overloaded); retry shortly") from None
                 raise ConstraintInvalid(f"{param}: too complex to validate within {self._timeout:g} s "
                                         "(limits.validation_timeout)", param, "constraint_too_complex") from None
             except _DEAD:
@@ -271,6 +292,11 @@ class ValidationWorkers:
         worker, self._workers[slot] = self._workers[slot], None
         if worker is not None:
             worker.kill()
+            # (reaped, and its pipes closed, while the loop runs: left to the collector they complained of a
+            # closed loop in whatever ran next)
+            dying = asyncio.ensure_future(worker.process.wait())
+            self._dying.add(dying)
+            dying.add_done_callback(self._dying.discard)
             if slot not in self._starting:  # (its replacement starts now, while the slot's holder finishes)
                 self._starting[slot] = asyncio.ensure_future(_Worker.start())
 
@@ -285,8 +311,8 @@ class ValidationWorkers:
         """Stop every worker (and wait for them to go)."""
         for task in list(self._finishing):
             task.cancel()
-        for starting in self._starting.values():
-            starting.cancel()
+        await asyncio.gather(*self._dying, return_exceptions=True)
+        # (a replacement starting is let finish, then stopped: cancelled mid-start, its process was left unreaped)
         started = await asyncio.gather(*self._starting.values(), return_exceptions=True)
         self._starting.clear()
         for worker in started:

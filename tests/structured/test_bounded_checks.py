@@ -17,7 +17,7 @@ from gateway.structured import Constraint, ConstraintInvalid, check, extract, gr
 from gateway.structured.bounds import Bounds, json_depth
 from gateway.structured.check import answer_verdict
 from gateway.structured.checks import _inline_schema, check_grammar, run_check
-from gateway.structured.offload import ValidationWorkers
+from gateway.structured.offload import ValidationBusy, ValidationWorkers
 from gateway.structured.regex_cost import steps
 
 pytestmark = pytest.mark.unit
@@ -236,6 +236,36 @@ def test_a_worker_that_died_while_idle_is_replaced(loop: str) -> None:
 
     ran = asyncio.run(scenario()) if loop == "asyncio" else uvloop.run(scenario())
     assert ran == [None, None, None, (None, None)]
+
+
+@pytest.mark.system
+def test_a_worker_that_did_not_run_past_the_deadline_is_busy_not_the_constraints_fault() -> None:
+    """Sweep 24: a SIGSTOPped idle worker made the next client's valid schema a 400 "too complex to validate".
+    A check past its deadline is the constraint's fault only where the worker spent a quarter of it on the CPU;
+    else the client is told to retry (503), and the worker is replaced."""
+    import signal
+
+    schema = {"type": "object", "properties": {f"field_{i}": {"type": "integer"} for i in range(200)}}
+    workers = ValidationWorkers(LimitSettings(validation_timeout=1.0, validation_queue_timeout=30.0), workers=1)
+
+    async def scenario() -> list[Any]:
+        outcomes: list[Any] = []
+        try:
+            for round_ in range(2):
+                constraint = extract({"json_schema": {**schema, "title": f"round {round_}"}})
+                assert constraint is not None
+                try:
+                    outcomes.append((await workers.validate(constraint, "k")).pending)
+                except (ConstraintInvalid, ValidationBusy) as exc:
+                    outcomes.append(type(exc).__name__)
+                worker = workers._workers[0]
+                if round_ == 0 and worker is not None:
+                    worker.process.send_signal(signal.SIGSTOP)
+        finally:
+            await workers.close()
+        return outcomes
+
+    assert asyncio.run(scenario()) == [None, "ValidationBusy"]
 
 
 @pytest.mark.parametrize(("schema", "words"), [
