@@ -48,8 +48,8 @@ def whole_vocabulary(body: dict[str, Any]) -> str | None:
     samplers = body.get("samplers")
     # (temperature with a dynamic range sorts every candidate to weigh their entropy: llama_sampler_temp_ext_apply,
     # softmax_impl(cur_p, true); before top_k, 17 ms a token against 3 with a 128k vocabulary, sweep 24)
-    dynamic = body.get("dynatemp_range")
-    dynamic = isinstance(dynamic, int | float) and not isinstance(dynamic, bool) and dynamic > 0
+    dynamic = body.get("dynatemp_range")  # (a boolean too: llama.cpp's JSON reads true as 1.0, sweep 25)
+    dynamic = isinstance(dynamic, int | float) and dynamic > 0
     for letter in (sampler_chain(samplers) or ()) if isinstance(samplers, str | list) else ():
         if letter == "k":
             break

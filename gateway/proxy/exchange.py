@@ -45,6 +45,12 @@ def estimate_tokens(text: str | bytes) -> int:
     return (len(data) - other) // BYTES_PER_TOKEN + other
 
 
+# the most tokens one streamed text event carries: llama.cpp holds a character's bytes back and sends it whole, a
+# 4-byte character's 4 byte tokens at once (SGLang's --stream-interval and speculative decoding may pack more: an
+# engine that does not say its usage is counted by this)
+MAX_TOKENS_PER_EVENT = 4
+
+
 @dataclass(slots=True)
 class Exchange:
     request_id: str
@@ -169,14 +175,18 @@ class Exchange:
     def estimated_tokens(self, request: RouteRequest) -> int:
         """The gateway's own count of a request whose engine said no usable usage (none, a stream cut before its
         usage chunk, the client gone before the answer, garbage): a pooling request's inputs as reserved on
-        arrival (its prompt is not rendered); else its prompt's bound (:meth:`prompt_bound`) plus one token per
-        generated-text event relayed, and at least what its key reserved on arrival: a whole answer's output is
+        arrival (its prompt is not rendered); else its prompt's bound (:meth:`prompt_bound`) plus
+        :data:`MAX_TOKENS_PER_EVENT` tokens per generated-text event relayed, and at least what its key reserved
+        on arrival: a whole answer's output is
         not counted on the way, and an event may carry several tokens (llama.cpp holds a character's bytes back
         and sends it whole, 4 byte tokens in one event; SGLang's --stream-interval, speculative decoding), so a
         stream cut before its usage paid a quarter of its tokens (sweep 24). Never less than one token."""
         if request.route in POOLING_ROUTES:  # (inputs, documents and the query read with each: all bound)
             return max(self.reserve, self.prompt_bound())
-        return max(1, self.prompt_bound() + self.text_events, self.reserve)
+        # (MAX_TOKENS_PER_EVENT a text event: without max_tokens the reservation is auth.reserve_tokens while
+        # llama.cpp generates to the context's end, and a stream of 1,000 emoji events cut before its usage paid
+        # ~1,139 tokens for 4,000, sweep 25)
+        return max(1, self.prompt_bound() + MAX_TOKENS_PER_EVENT * self.text_events, self.reserve)
 
     def failed_over_tokens(self) -> int:
         """What the backends it was failed over from read: its prompt each, as the engine that answered counted

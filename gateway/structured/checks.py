@@ -220,10 +220,30 @@ def schema_fanout(value: Any) -> str | None:
                         f"ways in all, more than {MAX_ENUM_COST}")
         for key in ("anyOf", "oneOf"):
             options = node.get(key)
-            if isinstance(options, list) and len(options) > MAX_PARSES:
-                return (f"the {key} at {at[:200] or '/'} has {len(options)} alternatives, more than {MAX_PARSES} "
-                        "ways llama.cpp would follow at once")
+            width = _union_width(options) if isinstance(options, list) else 0
+            if width > MAX_PARSES:
+                return (f"the {key} at {at[:200] or '/'} has {width} alternatives (through the unions and enums "
+                        f"in it), more than {MAX_PARSES} ways llama.cpp would follow at once")
     return None
+
+
+def _union_width(options: list[Any]) -> int:
+    """The alternatives llama.cpp's grammar of a union starts with, all at once: a union's alternatives, each
+    alternative that is itself a union or an enum counted by its own (an anyOf of 30 anyOfs of 30 consts held 900
+    stacks through their common beginning, sweep 25). Counted to MAX_PARSES + 1."""
+    width, todo = 0, list(options)
+    while todo and width <= MAX_PARSES:
+        option = todo.pop()
+        inner = [option.get(k) for k in ("anyOf", "oneOf")] if isinstance(option, dict) else []
+        nested = [o for union in inner if isinstance(union, list) for o in union]
+        values = option.get("enum") if isinstance(option, dict) else None
+        if nested:
+            todo.extend(nested)
+        elif isinstance(values, list) and values:
+            width += len(values)
+        else:
+            width += 1
+    return width
 
 
 # what one enum value may cost llama.cpp's grammar sampler in stacks summed over its characters: 64 values

@@ -78,12 +78,16 @@ def test_a_stream_cut_before_its_usage_is_charged_its_bodys_estimate_where_the_r
     exchange = Exchange(request_id="r", route="chat", t_start=0.0, stream=True, request=request)
     exchange.backend = object()  # type: ignore[assignment]  # (a backend was reached)
     exchange.reserve, exchange.body_tokens, exchange.text_events = 1500, 2010, 1
-    assert _tokens_used(exchange) == 2010 + 1
+    assert _tokens_used(exchange) == 2010 + 4  # (an event may carry four tokens: below)
     # sweep 24: llama.cpp sends a 4-byte character's 4 byte tokens as one event: a key asking for emoji with
     # max_tokens 1,800 and hanging up before the usage was charged 450 for 1,800 (2.8x its tokens per minute,
     # sustained). A stream cut before its usage pays at least what its key reserved, as a whole answer does.
     exchange.reserve, exchange.text_events = 2010 + 1800, 450
     assert _tokens_used(exchange) == 2010 + 1800
+    # sweep 25: without max_tokens the reservation is auth.reserve_tokens while llama.cpp generates to the context's
+    # end: 1,000 such events cut before the usage paid ~1,139 tokens for 4,000. Each pays four.
+    exchange.reserve, exchange.text_events = 10 + 1024, 1000
+    assert _tokens_used(exchange) == 2010 + 4000
 
 
 @pytest.mark.parametrize(("text", "escaped", "engine_tokens"), [

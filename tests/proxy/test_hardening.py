@@ -198,8 +198,8 @@ def keyed(tokens_per_minute: int) -> dict[str, Any]:
 def test_streams_cut_before_their_usage_are_charged_what_was_streamed() -> None:
     """Ten 100-token streams read to their last token and dropped before the usage chunk used to be charged
     nothing: all were admitted against a 300 tokens/min key. Each is now charged the most its prompt can cost (a
-    token a byte of its body, ~70) plus the text events relayed (100), so the third finds the bucket short of its
-    reservation."""
+    token a byte of its body, ~70) plus four tokens a text event relayed (an event may carry four: sweep 25), so
+    the second finds the bucket in debt."""
     with ScriptedUpstream(mode="stream", tokens=100, every=0.002, hold_usage=True) as upstream:
         _app, server = gateway_over(upstream, **keyed(300))
         with server as gw:
@@ -216,7 +216,7 @@ def test_streams_cut_before_their_usage_are_charged_what_was_streamed() -> None:
                             if texts == 100:
                                 break  # every token read; dropped while the usage chunk is still to come
                         assert texts == 100
-    assert statuses[:2] == [200, 200] and statuses.count(200) <= 3, statuses
+    assert statuses[0] == 200 and statuses.count(200) <= 2, statuses
 
 
 def test_a_burst_of_concurrent_requests_cannot_all_pass_on_one_positive_balance() -> None:

@@ -193,6 +193,7 @@ def test_a_request_whose_grammar_goes_many_ways_at_once_never_goes_to_llamacpp(p
     # sweep 24: a dynamic temperature range sorts every candidate (to weigh their entropy) where it is
     ({"samplers": ["temperature", "top_k"], "dynatemp_range": 0.5}, "dynatemp_range"),
     ({"samplers": "tk", "dynatemp_range": 2}, "dynatemp_range"),
+    ({"samplers": "tk", "dynatemp_range": True}, "dynatemp_range"),  # (llama.cpp reads true as 1.0: sweep 25)
     ({"samplers": "kt", "dynatemp_range": 0.5}, None),  # (after top_k: what it sorts is top_k's)
     ({"samplers": "tk", "dynatemp_range": 0}, None),
     ({"dynatemp_range": 0.5}, None),  # (the default chain: temperature last)

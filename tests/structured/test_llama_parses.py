@@ -127,8 +127,18 @@ def test_a_pattern_enum_or_union_that_goes_too_many_ways_is_not_for_llamacpp() -
     why = fanout({"json_schema": {"type": "object", "properties": alike}})
     assert why is not None and "the object at / has 200 optional properties whose names begin alike" in why, why
     assert fanout({"json_schema": {"type": "object", "properties": alike, "required": list(alike)}}) is None
+    # sweep 25: an anyOf of 30 anyOfs of 30 consts that begin alike (each union 30, no enum)
+    nested = {"anyOf": [{"anyOf": [{"const": f"customer-account-reference-identifier-{o:03d}{i:03d}"}
+                                   for i in range(30)]} for o in range(30)]}
+    assert "anyOf at / has 65 alternatives (through the unions and enums in it)" in (fanout({"json_schema": nested})
+                                                                                     or "")
     union = {"anyOf": [{"type": "object", "properties": {"k": {"const": i}}} for i in range(MAX_PARSES + 1)]}
     assert "anyOf at / has 65 alternatives" in (fanout({"json_schema": union}) or "")
+    # (and a grammar's alternatives are each searched: a decoy of 40 short ones beside a plain one that piles up
+    # 962 drew the search away, sweep 25)
+    trap = ('root ::= "' + "x" * 40 + '" ("y" ' + " ".join(['"a"{0,40}'] * 25) + ' | "z" ('
+            + " | ".join(f'"q{i:02d}"' for i in range(40)) + "))")
+    assert "ways at once (after 'yaa')" in (fanout({"grammar": trap}) or "")
     tools = [{"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "properties": {"p": {"type": "string", "pattern": pattern}}}}}]
     constraint = extract({"tools": tools, "tool_choice": "required"})

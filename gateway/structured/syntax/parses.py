@@ -192,10 +192,12 @@ class _Compiled:
             for number, option in enumerate(self.alternatives(called)):
                 todo.append(self.push(below, (called, number, 0)) if option else below)
 
-    def start(self, rule: RuleKey) -> dict[int, None]:
+    def start(self, rule: RuleKey, alternative: int | None = None) -> dict[int, None]:
+        """The stacks at the start of ``rule`` (of its ``alternative`` alone, if given)."""
         stacks: dict[int, None] = {}
         for number, option in enumerate(self.alternatives(rule)):
-            self.expand(self.push(0, (rule, number, 0)) if option else 0, stacks)
+            if alternative is None or number == alternative:
+                self.expand(self.push(0, (rule, number, 0)) if option else 0, stacks)
         return stacks
 
     def _class(self, stack: int) -> charset.Ranges:
@@ -218,26 +220,35 @@ class _Compiled:
         return [c for c in cuts if any(charset.contains(t, c) for t in tops)]
 
 
-def _starts(compiled: _Compiled) -> Iterator[tuple[RuleKey, str, bool]]:
-    """Where to search from, and whether to search on or only count the stacks a rule starts with: the root, every
-    repetition and every recursive rule (where stacks may multiply as the text goes on) searched, every other rule
-    and group (where they multiply only at its start: any later fan-out is a group, a repetition or a recursion of
-    its own) counted. Each
-    expression once (a grammar repeats its pieces: 1,300 rules each ending in ``("," [0-9]+)?``), and no repetition
-    of what has one way through (``[a-z]*``: one stack, or two where it may end)."""
+def _starts(compiled: _Compiled) -> Iterator[tuple[RuleKey, int | None, str, bool]]:
+    """Where to search from (a rule, and one of its alternatives or all), and whether to search on or only count
+    the stacks it starts with: the root, every repetition and every recursive rule (where stacks may multiply as the
+    text goes on) searched; every other rule and group counted at its start, and each alternative of one with
+    several searched on its own (a search from where they part follows the few texts keeping the most stacks at
+    first, and a decoy alternative of forty short ones drew it from a plain one that piled up 962 later, sweep 25).
+    Each expression once (a grammar repeats its pieces: 1,300 rules each ending in ``("," [0-9]+)?``), and no
+    repetition of what has one way through (``[a-z]*``: one stack, or two where it may end)."""
     grammar = compiled.grammar
-    yield grammar.root, grammar.root, True
-    entered: list[tuple[RuleKey, str, bool]] = []
+    yield grammar.root, None, grammar.root, True
+    entered: list[tuple[RuleKey, int | None, str, bool]] = []
     known: set[Expr] = set()  # (repetitions and groups searched or counted already)
     bodies: set[Expr] = set()  # (rules counted already: a rule that is one repetition is searched as that too)
     recursive = _recursive(grammar)
+
+    def branches(key: RuleKey, node: Expr, name: str) -> None:
+        if isinstance(node, Alt):
+            entered.extend((key, number, name, True) for number in range(len(node.options)))
+
     for name in reachable(grammar):  # (a rule nothing refers to is never entered: sweep 24's decoys were such)
         body = grammar.rules[name]
         if name in recursive and name != grammar.root:  # (a rule that may come round again repeats as `*` does)
-            yield name, name, True
+            yield name, None, name, True
         elif name != grammar.root and body not in bodies:
             bodies.add(body)
-            entered.append((name, name, False))
+            entered.append((name, None, name, False))
+            branches(name, body, name)
+        elif name == grammar.root:
+            branches(name, body, name)
         todo = [body]
         while todo:
             node = todo.pop()
@@ -245,7 +256,7 @@ def _starts(compiled: _Compiled) -> Iterator[tuple[RuleKey, str, bool]]:
                 if node.hi != 0 and not _one_way(node.item) and node not in known:
                     known.add(node)
                     compiled.nodes[id(node)] = node
-                    yield (id(node), node.lo, None if node.hi is None else node.hi - node.lo), name, True
+                    yield (id(node), node.lo, None if node.hi is None else node.hi - node.lo), None, name, True
                 todo.append(node.item)
             elif isinstance(node, Seq):
                 todo.extend(node.items)
@@ -253,7 +264,9 @@ def _starts(compiled: _Compiled) -> Iterator[tuple[RuleKey, str, bool]]:
                 if node not in known:
                     known.add(node)
                     compiled.nodes[id(node)] = node
-                    entered.append(((id(node),), name, False))
+                    entered.append(((id(node),), None, name, False))
+                    if node is not body:
+                        branches((id(node),), node, name)
                 todo.extend(node.options)
     yield from entered
 
@@ -282,13 +295,14 @@ def most_parses(grammar: Grammar, budget: int, limit: int = MAX_PARSES, steps: i
     compiled = _Compiled(grammar, budget)
     most = Parses(0, "", grammar.root, True)
     try:
-        for start, name, search in _starts(compiled):
-            count, text = _search(compiled, compiled.start(start), limit, steps if search else 0)
-            if count <= limit and search:  # (the root, repetitions and recursive rules)
+        for start, alternative, name, search in _starts(compiled):
+            first = compiled.start(start, alternative)
+            count, text = _search(compiled, first, limit, steps if search else 0)
+            if count <= limit and search:  # (the root, repetitions, recursive rules and alternatives)
                 # (from the root too: what comes after a long beginning is out of its beam search's reach, and parts
                 # side by side are no repetition of their own: `"x"{130} "a"{0,40} "a"{0,40} ... "a"{100}`, 1,001
                 # stacks, held another key's stream from 0.18 to 120 s, sweep 24)
-                count, text = max((count, text), _run(compiled, compiled.start(start), limit, RUN_STEPS))
+                count, text = max((count, text), _run(compiled, first, limit, RUN_STEPS))
             if count > most.count:
                 most = Parses(count, text, name, True)
                 if count > limit:
