@@ -400,7 +400,7 @@ class KvEventsSettings(_Strict):
             raise ValueError("set replay_endpoint or replay_port, not both")
         for name in ("endpoint", "replay_endpoint"):
             value = getattr(self, name)
-            if value is not None and not (value.startswith(("tcp://", "ipc://")) and "*" not in value):
+            if value is not None and not (value.startswith("ipc://") or _tcp_address(value)):
                 raise ValueError(f"{name} must be tcp://host:port (or ipc://path), the address to connect to")
         return self
 
@@ -412,6 +412,15 @@ class KvEventsSettings(_Strict):
         endpoint = self.endpoint or f"tcp://{host}:{self.port}"
         replay = self.replay_endpoint or (f"tcp://{host}:{self.replay_port}" if self.replay_port else None)
         return endpoint, replay
+
+
+def _tcp_address(value: str) -> bool:
+    """Whether ``value`` is tcp://host:port (no wildcard: an address to connect to)."""
+    parts = urlsplit(value)
+    try:
+        return parts.scheme == "tcp" and bool(parts.hostname) and parts.port is not None and "*" not in value
+    except ValueError:  # (a port that is no number)
+        return False
 
 
 class BackendSettings(_Strict):

@@ -74,6 +74,9 @@ def test_good_file_with_environment_overrides(tmp_path: pathlib.Path, monkeypatc
          "'url' is written twice in one mapping (lines 4 and 5)"),
         # a session's header value is kept, published to every replica and may be logged: never a credential
         ("routing: {session_header: Authorization}", "routing.session_header: 'Authorization' carries credentials"),
+        # sweep 25: a KV-event endpoint without a port passed, and never connected
+        ("backends:\n  - name: v\n    engine: vllm\n    url: http://x:8000\n    kv_events: {endpoint: 'tcp://h'}\n",
+         "endpoint must be tcp://host:port"),
         # sweep 24: passed, then `gateway serve` stopped with "Invalid IPv6 URL" (redis-py), naming no field
         ("state: {url: 'redis://:Sup3r[Secret@127.0.0.1:6379/0'}", "state.url: not a URL Redis's client can read"),
     ],

@@ -121,6 +121,7 @@ class EventStream:
         self._expecting_since: float | None = None  # a request that must store new blocks was sent
         self.last_batch_at: float | None = None
         self._dealer: Connection | None = None
+        self._connected = False  # the current session got through its handshake
         self._task: asyncio.Task[None] | None = None
 
     # -- read by routing ------------------------------------------------------------------------------------------
@@ -159,29 +160,32 @@ class EventStream:
         backoff, lost = 0.5, RECONNECT_SECONDS
         while True:
             try:
+                self._connected = False
                 await self._session()
             except asyncio.CancelledError:
                 raise
             except (OSError, TimeoutError, asyncio.IncompleteReadError) as exc:
                 # the publisher closed, restarted or is not up yet: connect again soon, as ZeroMQ's own sockets do
                 # every 100 ms (the restarted engine's first batches tell it restarted), more slowly while it is down
+                if self._connected:  # (a session that got through its handshake: this outage is a new one)
+                    lost = RECONNECT_SECONDS
                 (log.info if lost == RECONNECT_SECONDS else log.debug)(  # (once an outage, not every 2 s of it)
                     "kv events from %s: %r; connecting again", self.backend.name, exc)
                 self.state = "connecting"
                 await self.clock.sleep(lost)
                 lost = min(lost * 2, 2.0)
-            except Exception as exc:  # a broken message: start over (the index is rebuilt from a replay)
+            except Exception as exc:  # a broken message: start over (the index is rebuilt from a replay), more
+                # slowly each time (a publisher breaking every session is asked less and less often)
                 log.warning("kv events from %s: %s", self.backend.name, exc)
                 self.state = "connecting"
                 await self.clock.sleep(backoff)
                 backoff = min(backoff * 2, 10.0)
-            else:
-                backoff, lost = 0.5, RECONNECT_SECONDS
 
     async def _session(self) -> None:
         self._close_dealer()  # (a new session asks for history on a new connection: the engine may have restarted)
         sub = await Connection.open(self.settings.endpoint, "SUB", max_frame=MAX_FRAME_BYTES, max_parts=MAX_PARTS,
                                     seconds=CONNECT_SECONDS)
+        self._connected = True
         # received at once, applied in turn: what waits is held here, bounded in bytes (see BACKLOG_BYTES); the
         # connection is read one message at a time, so what the publisher sends beyond waits in its own queue
         backlog: collections.deque[tuple[list[bytes], int]] = collections.deque()
@@ -345,7 +349,8 @@ class EventStream:
                 self._dealer = await Connection.open(endpoint, "DEALER", max_frame=MAX_FRAME_BYTES,
                                                      max_parts=MAX_PARTS, seconds=self.settings.replay_timeout)
             dealer = self._dealer
-            await dealer.send([b"", max(0, start).to_bytes(8, "big")])
+            async with asyncio.timeout(self.settings.replay_timeout):  # (a peer that reads nothing: no wait for it)
+                await dealer.send([b"", max(0, start).to_bytes(8, "big")])
         except (OSError, TimeoutError, asyncio.IncompleteReadError, ZmtpError) as exc:  # (no replay socket: no history)
             log.debug("kv events from %s: no replay: %r", self.backend.name, exc)
             self._close_dealer()

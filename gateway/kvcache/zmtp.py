@@ -7,12 +7,13 @@ its parts, and a replay answer of the same to 795 MiB (sweep 24). Here every fra
 body, and a frame past ``max_frame`` bytes or a message past ``max_parts`` parts ends the connection with
 :class:`ZmtpError` before the rest is read: one message at a time, at most ``max_parts * max_frame`` bytes.
 
-What is spoken of ZMTP 3.0 (https://rfc.zeromq.org/spec/23/), as a client: the greeting (version 3.0, the NULL
-mechanism), the NULL handshake (``READY`` with this end's ``Socket-Type``, the peer's ``READY`` read and its
-socket type checked), message frames (``MORE``, ``LONG``), and commands between messages (``PING`` answered
-with ``PONG``, the rest skipped). A SUB subscribes with a message (``0x01`` and the topic), which ZMTP 3.0
-peers and ZMTP 3.1 peers (libzmq 4.2 and later) both read. No reconnection: a closed or broken connection is
-the caller's to open again, as the subscriber's sessions do.
+What is spoken of ZMTP 3.0 (https://rfc.zeromq.org/spec/23/), as a client, over ``tcp://host:port`` or
+``ipc://path``: the greeting (version 3.0, the NULL mechanism), the NULL handshake (``READY`` with this end's
+``Socket-Type``, the peer's ``READY`` read and its socket type checked), message frames (``MORE``, ``LONG``),
+and commands between messages (``PING`` answered with ``PONG`` while the last is sent, the rest skipped; more
+than :data:`MAX_COMMANDS` between two messages end the connection). A SUB subscribes with a message (``0x01``
+and the topic), which ZMTP 3.0 peers and ZMTP 3.1 peers (libzmq 4.2 and later) both read. No reconnection: a
+closed or broken connection is the caller's to open again, as the subscriber's sessions do.
 """
 
 from __future__ import annotations
@@ -27,18 +28,29 @@ MORE, LONG, COMMAND = 0x01, 0x02, 0x04
 # the peer socket types each of ours talks to (ZMTP 3.0's socket compatibility table)
 PEERS = {"SUB": {b"PUB", b"XPUB"}, "DEALER": {b"ROUTER", b"DEALER", b"REP"}}
 MAX_COMMAND_BYTES = 4096  # a READY or PING is tens of bytes
+# commands a peer may send between two messages: heartbeats come a few a minute; a peer sending commands instead of
+# messages held the event loop (one read of 256 KiB is ~43,000 six-byte commands, each handled in one turn) and,
+# with PINGs it never read the PONGs of, grew the gateway ~200 MB a second (sweep 25)
+MAX_COMMANDS = 16
+PONG_CONTEXT = 16  # bytes of a PING's context a PONG echoes (ZMTP 3.1: at most 16)
 
 
 class ZmtpError(Exception):
     """The peer broke the protocol or a bound: the caller closes the connection."""
 
 
-def address(endpoint: str) -> tuple[str, int]:
-    """(host, port) of a ``tcp://host:port`` endpoint."""
+def address(endpoint: str) -> tuple[str, int] | str:
+    """(host, port) of a ``tcp://host:port`` endpoint, or the path of an ``ipc://path`` one."""
+    if endpoint.startswith("ipc://"):
+        return endpoint.removeprefix("ipc://")
     parts = urlsplit(endpoint)
-    if parts.scheme != "tcp" or not parts.hostname or parts.port is None:
-        raise ValueError(f"not a tcp://host:port endpoint: {endpoint!r}")
-    return parts.hostname, parts.port
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    if parts.scheme != "tcp" or not parts.hostname or port is None:  # (the endpoint is not shown: it may hold a
+        raise ValueError("not a tcp://host:port or ipc://path endpoint")  # password an operator typed by mistake)
+    return parts.hostname, port
 
 
 class Connection:
@@ -56,9 +68,12 @@ class Connection:
                    seconds: float) -> Connection:
         """Connect to ``endpoint`` as a ``socket_type`` (``SUB`` or ``DEALER``) and complete the handshake within
         ``seconds``; OSError, TimeoutError or ZmtpError when that fails."""
-        host, port = address(endpoint)
+        where = address(endpoint)
         async with asyncio.timeout(seconds):
-            reader, writer = await asyncio.open_connection(host, port)
+            if isinstance(where, str):
+                reader, writer = await asyncio.open_unix_connection(where)
+            else:
+                reader, writer = await asyncio.open_connection(*where)
             connection = cls(reader, writer, max_frame, max_parts)
             try:
                 await connection._handshake(socket_type)
@@ -95,14 +110,21 @@ class Connection:
         """The next message's parts; ZmtpError past ``max_parts`` parts or ``max_frame`` bytes in a part (nothing
         more of it is read), asyncio.IncompleteReadError when the peer closes."""
         parts: list[bytes] = []
+        commands = 0
         while True:
-            flags, body = await self._read_frame(self.max_frame)
+            flags, body = await self._read_frame(self.max_frame if not commands else MAX_COMMAND_BYTES)
             if flags & COMMAND:
                 if parts:
                     raise ZmtpError("a command inside a message")
+                commands += 1
+                if commands > MAX_COMMANDS or len(body) > MAX_COMMAND_BYTES:
+                    raise ZmtpError(f"more than {MAX_COMMANDS} commands, or one of more than {MAX_COMMAND_BYTES} "
+                                    "bytes, between two messages")
                 name, _ = _parse_command(body)
-                if name == b"PING":  # (a heartbeat: PONG, with the context the peer sent after its TTL)
-                    self._writer.write(_frame(COMMAND, b"\x04PONG" + body[7:]))
+                # (a heartbeat: PONG, with the start of the context the peer sent after its TTL; none while the
+                # last ones are unsent: a peer that does not read them is owed nothing more)
+                if name == b"PING" and not self._writer.transport.get_write_buffer_size():
+                    self._writer.write(_frame(COMMAND, b"\x04PONG" + body[7:7 + PONG_CONTEXT]))
                 continue
             parts.append(body)
             if not flags & MORE:
@@ -121,8 +143,10 @@ class Connection:
         return flags, await self._reader.readexactly(size)
 
     def close(self) -> None:
+        """Close at once, dropping what is unsent: a peer that reads nothing kept a closed connection, and what it
+        was owed, for as long as it held its socket open (sweep 25)."""
         with contextlib.suppress(Exception):
-            self._writer.close()
+            self._writer.transport.abort()
 
 
 def _frame(flags: int, body: bytes) -> bytes:

@@ -42,6 +42,8 @@ from gateway.structured.checks import (
     schema_fanout,
 )
 from gateway.structured.structural_tag import at_least_one, check_tag_nodes, parse_tag
+from gateway.structured.syntax.choice import widest_branch
+from gateway.structured.syntax.parses import MAX_PARSES
 
 Kind = Literal["json_object", "json_schema", "regex", "choice", "grammar", "structural_tag", "tool_call",
                "strict_tools"]
@@ -143,7 +145,10 @@ def _regex(source: str, value: Any, param: str, bounds: Bounds) -> Constraint:
 
 
 def _choices(source: str, value: Any, param: str, bounds: Bounds) -> Constraint:
-    return Constraint("choice", source, choices=check_choices(value, param, bounds))
+    choices = check_choices(value, param, bounds)
+    ways = widest_branch(choices)  # (llama.cpp gets them as a tree of their common beginnings: one stack a branch)
+    fanout = f"the choices of {param} part {ways} ways at once, more than {MAX_PARSES}" if ways > MAX_PARSES else None
+    return Constraint("choice", source, choices=choices, fanout=fanout)
 
 
 def _bnf_or(value: Any, otherwise: Dialect, bnf: Dialect) -> Dialect:

@@ -4,6 +4,7 @@ speaks to them as their own SUB and DEALER do, and ends a message past its bound
 from __future__ import annotations
 
 import asyncio
+import pathlib
 import socket
 from collections.abc import Iterator
 
@@ -31,14 +32,17 @@ def publish_until(pub: zmq.Socket[bytes], parts: list[bytes], done: asyncio.Futu
     return asyncio.get_running_loop().create_task(loop())
 
 
-def test_a_sub_reads_what_a_libzmq_pub_sends_on_its_topic(context: zmq.Context[zmq.Socket[bytes]]) -> None:
-    port = free_port_block(1)
+@pytest.mark.parametrize("over", ["tcp", "ipc"])
+def test_a_sub_reads_what_a_libzmq_pub_sends_on_its_topic(context: zmq.Context[zmq.Socket[bytes]], over: str,
+                                                          tmp_path: pathlib.Path) -> None:
+    # (ipc://, which the configuration takes, too: the first of this client spoke tcp alone, sweep 25)
+    endpoint = f"tcp://127.0.0.1:{free_port_block(1)}" if over == "tcp" else f"ipc://{tmp_path}/kv.ipc"
     pub = context.socket(zmq.PUB)
-    pub.bind(f"tcp://127.0.0.1:{port}")
+    pub.bind(endpoint)
     big = bytes(range(256)) * 4096  # (1 MiB: a frame of the long form)
 
     async def scenario() -> list[bytes]:
-        sub = await Connection.open(f"tcp://127.0.0.1:{port}", "SUB", max_frame=2 << 20, max_parts=4, seconds=5)
+        sub = await Connection.open(endpoint, "SUB", max_frame=2 << 20, max_parts=4, seconds=5)
         await sub.send([b"\x01kv"])
         done: asyncio.Future[object] = asyncio.get_running_loop().create_future()
         sending = publish_until(pub, [b"kv", (7).to_bytes(8, "big"), big], done)
@@ -130,3 +134,48 @@ def test_a_peer_that_is_not_zeromq_or_of_the_wrong_type_is_refused(context: zmq.
     assert "not a ZeroMQ socket" in plain and "cannot talk to the peer's b'PULL' socket" in wrong
     listener.close()
     pull.close(0)
+
+
+@pytest.mark.parametrize("flood", ["pings", "commands"])
+def test_a_peer_sending_commands_instead_of_messages_is_cut_off(flood: str) -> None:
+    """Sweep 25: a publisher sending PINGs and never reading the PONGs grew the gateway ~200 MB a second, and one
+    sending small commands between messages held the event loop (another key's p50 from 21 to 557 ms). More than
+    MAX_COMMANDS between two messages end the connection; a PONG is owed only while the last one is sent."""
+    from gateway.kvcache.zmtp import GREETING, MAX_COMMANDS, _command, _frame
+
+    port = free_port_block(1)
+    listener = socket.create_server(("127.0.0.1", port))
+    ping = _frame(0x04, b"\x04PING" + b"\x00\x10" + b"c" * 200_000)
+    junk = _frame(0x04, b"\x03FOO")
+
+    async def scenario() -> str:
+        def publisher() -> int:  # (in a thread: its sends block)
+            connection, _ = listener.accept()
+            connection.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            connection.sendall(GREETING + _frame(0x04, _command(b"READY", {b"Socket-Type": b"PUB"})))
+            sent = 0
+            connection.settimeout(10)
+            try:
+                for _ in range(10 * MAX_COMMANDS):
+                    connection.sendall(ping if flood == "pings" else junk * 1000)
+                    sent += 1
+                while connection.recv(65536):  # (held open, unread by intent, until the gateway closes it)
+                    pass
+            except OSError:  # (the gateway cut it off)
+                pass
+            connection.close()
+            return sent
+
+        sending = asyncio.get_running_loop().run_in_executor(None, publisher)
+        sub = await Connection.open(f"tcp://127.0.0.1:{port}", "SUB", max_frame=1 << 20, max_parts=4, seconds=5)
+        await sub.send([b"\x01"])
+        try:
+            with pytest.raises(ZmtpError) as raised:
+                await asyncio.wait_for(sub.recv(), 10)
+            return str(raised.value)
+        finally:
+            sub.close()
+            await sending
+
+    assert f"more than {MAX_COMMANDS} commands" in asyncio.run(scenario())
+    listener.close()

@@ -59,6 +59,32 @@ def gbnf_from_choices(choices: Sequence[str]) -> str:
     return "\n".join(rules) + "\n"
 
 
+def widest_branch(choices: Sequence[str]) -> int:
+    """The most ways :func:`gbnf_from_choices`' tree parts at one point (a choice may also end there): what
+    llama.cpp's grammar sampler holds at once there, one stack each (10,000 one-character choices: 10,000 at the
+    first character, 11.8 s for 4 tokens with a 128k vocabulary, sweep 25)."""
+    words = sorted(set(choices))
+    widest = 0
+    # (in a sorted list, the words beginning with a prefix are consecutive: count the parts at each depth by
+    # comparing neighbours, level by level over the groups that share a prefix)
+    todo: list[tuple[int, int, int]] = [(0, len(words), 0)]
+    while todo:
+        first, end, depth = todo.pop()
+        ways, at = 0, first
+        if len(words[at]) == depth:
+            ways, at = 1, at + 1
+        while at < end:
+            group_end = at + 1
+            while group_end < end and words[group_end][depth] == words[at][depth]:
+                group_end += 1
+            ways += 1
+            if group_end - at > 1 or len(words[at]) > depth + 1:
+                todo.append((at, group_end, depth + 1))
+            at = group_end
+        widest = max(widest, ways)
+    return widest
+
+
 def escape_regex(text: str) -> str:
     """Escape ``text`` portably (Python, ECMAScript and Rust regex agree on this form)."""
     out: list[str] = []
