@@ -4,6 +4,7 @@ speaks to them as their own SUB and DEALER do, and ends a message past its bound
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import pathlib
 import socket
 from collections.abc import Iterator
@@ -23,13 +24,12 @@ def context() -> Iterator[zmq.Context[zmq.Socket[bytes]]]:
     close_context(ctx)
 
 
-def publish_until(pub: zmq.Socket[bytes], parts: list[bytes], done: asyncio.Future[object]) -> asyncio.Task[None]:
-    """Send ``parts`` every 20 ms until ``done`` (a PUB drops what it sends before the subscription arrives)."""
-    async def loop() -> None:
-        while not done.done():
-            pub.send_multipart(parts)
-            await asyncio.sleep(0.02)
-    return asyncio.get_running_loop().create_task(loop())
+async def publish_once_subscribed(pub: zmq.Socket[bytes], parts: list[bytes]) -> None:
+    """Send ``parts`` once the subscription has reached ``pub`` (an XPUB: it hears subscriptions; a plain PUB drops
+    what it sends before)."""
+    subscription = await asyncio.get_running_loop().run_in_executor(None, pub.recv)
+    assert subscription[:1] == b"\x01"
+    pub.send_multipart(parts)
 
 
 @pytest.mark.parametrize("over", ["tcp", "ipc"])
@@ -37,21 +37,20 @@ def test_a_sub_reads_what_a_libzmq_pub_sends_on_its_topic(context: zmq.Context[z
                                                           tmp_path: pathlib.Path) -> None:
     # (ipc://, which the configuration takes, too: the first of this client spoke tcp alone, sweep 25)
     endpoint = f"tcp://127.0.0.1:{free_port_block(1)}" if over == "tcp" else f"ipc://{tmp_path}/kv.ipc"
-    pub = context.socket(zmq.PUB)
+    pub = context.socket(zmq.XPUB)
     pub.bind(endpoint)
     big = bytes(range(256)) * 4096  # (1 MiB: a frame of the long form)
 
     async def scenario() -> list[bytes]:
         sub = await Connection.open(endpoint, "SUB", max_frame=2 << 20, max_parts=4, seconds=5)
+        sending = asyncio.get_running_loop().create_task(
+            publish_once_subscribed(pub, [b"other", b"x"]))  # (another topic first: not for this subscriber)
         await sub.send([b"\x01kv"])
-        done: asyncio.Future[object] = asyncio.get_running_loop().create_future()
-        sending = publish_until(pub, [b"kv", (7).to_bytes(8, "big"), big], done)
-        other = publish_until(pub, [b"other", b"x"], done)
+        await sending
+        pub.send_multipart([b"kv", (7).to_bytes(8, "big"), big])
         try:
             return await asyncio.wait_for(sub.recv(), 10)
         finally:
-            done.set_result(None)
-            await asyncio.gather(sending, other)
             sub.close()
 
     assert asyncio.run(scenario()) == [b"kv", (7).to_bytes(8, "big"), big]
@@ -65,21 +64,19 @@ def test_a_message_past_its_bounds_ends_at_the_header_that_says_so(
     """Sweep 24: libzmq hands a message over only once its last part is in, bounding each part but not their
     number: one message of 40 parts of 48 MiB took the gateway to 2.1 GB before it could count them."""
     port = free_port_block(1)
-    pub = context.socket(zmq.PUB)
+    pub = context.socket(zmq.XPUB)
     pub.bind(f"tcp://127.0.0.1:{port}")
 
     async def scenario() -> str:
         sub = await Connection.open(f"tcp://127.0.0.1:{port}", "SUB", max_frame=4096, max_parts=4, seconds=5)
+        sending = asyncio.get_running_loop().create_task(publish_once_subscribed(pub, parts))
         await sub.send([b"\x01kv"])
-        done: asyncio.Future[object] = asyncio.get_running_loop().create_future()
-        sending = publish_until(pub, parts, done)
+        await sending
         try:
             with pytest.raises(ZmtpError) as raised:
                 await asyncio.wait_for(sub.recv(), 10)
             return str(raised.value)
         finally:
-            done.set_result(None)
-            await sending
             sub.close()
 
     assert words in asyncio.run(scenario())
@@ -119,7 +116,9 @@ def test_a_peer_that_is_not_zeromq_or_of_the_wrong_type_is_refused(context: zmq.
             loop = asyncio.get_running_loop()
             connection, _ = await loop.run_in_executor(None, listener.accept)
             connection.sendall(b"HTTP/1.1 400 Bad Request\r\n\r\n" + b" " * 64)
-            await asyncio.sleep(0.5)
+            connection.settimeout(10)
+            with contextlib.suppress(OSError):  # (open until the client gives up on it, closing or resetting it)
+                await loop.run_in_executor(None, connection.recv, 1024)
             connection.close()
 
         serving = asyncio.get_running_loop().create_task(not_zeromq())
