@@ -201,7 +201,7 @@ def schema_fanout(value: Any) -> str | None:
             continue
         values = node.get("enum")
         if isinstance(values, list) and len(values) > 1:
-            cost, value_text = _enum_cost([orjson.dumps(v) for v in values])
+            cost, value_text = enum_cost([orjson.dumps(v) for v in values])
             if cost > MAX_ENUM_COST:
                 return (f"the enum at {at[:200] or '/'} has {len(values)} values that begin alike: writing "
                         f"{value_text[:40]!r} llama.cpp would check every candidate token against {cost} ways in "
@@ -213,7 +213,7 @@ def schema_fanout(value: Any) -> str | None:
             # another key's tokens from 3 to 524 ms, sweep 24)
             required = node.get("required")
             names = [key for key in properties if not (isinstance(required, list) and key in required)]
-            cost, name = _enum_cost([orjson.dumps(key) for key in names]) if len(names) > 1 else (0, "")
+            cost, name = enum_cost([orjson.dumps(key) for key in names]) if len(names) > 1 else (0, "")
             if cost > MAX_ENUM_COST:
                 return (f"the object at {at[:200] or '/'} has {len(names)} optional properties whose names begin "
                         f"alike: writing {name[:40]!r} llama.cpp would check every candidate token against {cost} "
@@ -251,7 +251,7 @@ def _union_width(options: list[Any]) -> int:
 MAX_ENUM_COST = 16 * MAX_PARSES
 
 
-def _enum_cost(texts: list[bytes]) -> tuple[int, str]:
+def enum_cost(texts: list[bytes]) -> tuple[int, str]:
     """The most stacks summed over its characters that writing one of ``texts`` costs (each alternative is a
     stack from the start; each stays while the text written matches its value), and that value. A trie counts
     the values through each beginning: linear in the values' length."""

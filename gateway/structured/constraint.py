@@ -30,6 +30,7 @@ from gateway.config import LimitSettings
 from gateway.structured.bounds import Bounds, ConstraintInvalid, Offload, check_size, json_depth, too_deep
 from gateway.structured.checks import (
     INLINE_REGEX_CHARS,
+    MAX_ENUM_COST,
     Dialect,
     Renderings,
     check_choices,
@@ -38,6 +39,7 @@ from gateway.structured.checks import (
     check_patterns,
     check_regex,
     check_schema,
+    enum_cost,
     parse_schema,
     schema_fanout,
 )
@@ -232,7 +234,22 @@ def _bound_parameters(tools: Any, bounds: Bounds) -> str | None:
         check_size(total, "tools' parameter schemas", param, bounds)
         found = _checked_parameters(text, param, bounds)
         fanout = fanout or found
-    return fanout
+    return fanout or _names_fanout(tools)
+
+
+def _names_fanout(tools: list[Any]) -> str | None:
+    """Why llama.cpp should not take ``tools`` for their names: its tool-call grammar is a choice of the tool whose
+    call comes, each alternative its name's text, so names that begin alike hold as many stacks as an enum's values
+    (checks.schema_fanout)."""
+    names = [t["function"]["name"] for t in tools if isinstance(t, dict) and isinstance(t.get("function"), dict)
+             and isinstance(t["function"].get("name"), str)]
+    if len(names) < 2:
+        return None
+    cost, name = enum_cost([orjson.dumps(n) for n in names])
+    if cost <= MAX_ENUM_COST:
+        return None
+    return (f"tools: {len(names)} tool names that begin alike: writing {name[:40]!r} llama.cpp would check every "
+            f"candidate token against {cost} ways in all, more than {MAX_ENUM_COST}")
 
 
 @lru_cache(maxsize=512)

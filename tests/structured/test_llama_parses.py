@@ -144,6 +144,12 @@ def test_a_pattern_enum_or_union_that_goes_too_many_ways_is_not_for_llamacpp() -
     constraint = extract({"tools": tools, "tool_choice": "required"})
     assert constraint is not None and "tools[0].function.parameters" in (constraint.fanout or "")
     assert extract({"tools": tools}) is None and tools_fanout(tools) is not None  # (llama.cpp's lazy grammar)
+    # (its tool-call grammar is a choice of the tool, each alternative its name: names that begin alike count as an
+    # enum's values do; 64 tools of distinct names do not)
+    alike = [{"type": "function", "function": {"name": f"get_customer_account_record_{i:03d}"}} for i in range(200)]
+    assert "200 tool names that begin alike" in (tools_fanout(alike) or "")
+    distinct = [{"type": "function", "function": {"name": f"{chr(97 + i % 26)}{i}_tool"}} for i in range(64)]
+    assert tools_fanout(distinct) is None
     # sweep 24: decoy patterns placed first spent the schema's budget, and the pattern after them went unsearched
     decoy = "^(" + "|".join("a" * k + "b" for k in range(1, 61)) + ")+$"
     for order in (1, -1):
