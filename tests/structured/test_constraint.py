@@ -109,6 +109,9 @@ def test_no_constraint() -> None:
         ({"regex": "^" + "[ab]{0,30}" * 12 + "$"}, "regex", "more than 100 ways"),
         ({"regex": "^(((([ab]{0,5}){0,5}){0,5}){0,5})$"}, "regex", "more than 100 ways"),
         ({"regex": "^" + "[ab]?" * 150 + "$"}, "regex", "more than 100 ways"),
+        # sweep 26: alternatives of several lengths side by side, behind a decoy the search's greedy run takes
+        ({"regex": "^The answer follows: (bq*)?cdefg" + ("(" + "|".join("a" * k for k in range(1, 11)) + ")") * 12
+          + "~$"}, "regex", "more than 100 ways"),
         ({"choice": []}, "choice", "non-empty array of strings"),
         ({"choice": ["a", 1]}, "choice", "non-empty array of strings"),
         ({"grammar": 'root ::= "unclosed'}, "grammar", "not a valid GBNF grammar"),

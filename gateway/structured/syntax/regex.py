@@ -164,9 +164,12 @@ def _states(tree: Any) -> tuple[int, bool, int, bool]:
             states, inner, deep, empty = _states(av[3])
         elif kind == "BRANCH":
             found = [_states(branch) for branch in av[1]]
-            # (alternatives of one fixed length, none varying, are a fixed-length item: (ab|cd))
-            inner = any(f[1] for f in found) or len({unrolled_positions(b) for b in av[1]}) > 1
-            states, deep = max(f[0] for f in found), max(f[2] for f in found)
+            # (alternatives of one fixed length, none varying, are a fixed-length item: (ab|cd); of several lengths,
+            # a text may be at as many places in them: 25 of (a|aa|...|20 a's) side by side held 4,384 stacks in
+            # llama.cpp, counted 25, sweep 26)
+            lengths = len({unrolled_positions(b) for b in av[1]})
+            inner = any(f[1] for f in found) or lengths > 1
+            states, deep = max(max(f[0] for f in found), lengths), max(f[2] for f in found)
             empty = any(f[3] for f in found)
         elif kind in ("MAX_REPEAT", "MIN_REPEAT", "POSSESSIVE_REPEAT"):
             lo, hi, sub = av
