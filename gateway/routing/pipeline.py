@@ -65,14 +65,14 @@ class Pipeline:
             candidates = [b for b in candidates if b.spec.several_generations]
             if not candidates:
                 raise NoRoute("several-generations", request)
-        if request.whole_vocabulary is not None:  # (nor this: one such request slows every other on llama.cpp)
-            candidates = [b for b in candidates if b.spec.whole_vocabulary]
-            if not candidates:
-                raise NoRoute("whole-vocabulary", request)
-        if request.fanout is not None:  # (nor this, for the same reason: gateway.structured.syntax.parses)
-            candidates = [b for b in candidates if b.spec.many_parses]
-            if not candidates:
-                raise NoRoute("many-parses", request)
+        # (nor these: one such request slows every other on llama.cpp, sampling the whole vocabulary or following
+        # its grammar's parse many ways at every token)
+        for asks, takes, stage in ((request.whole_vocabulary, "whole_vocabulary", "whole-vocabulary"),
+                                   (request.fanout, "many_parses", "many-parses")):
+            if asks is not None:
+                candidates = [b for b in candidates if getattr(b.spec, takes)]
+                if not candidates:
+                    raise NoRoute(stage, request)
         if len(candidates) == 1:  # nothing to choose: no scorer runs (their routed hooks still do)
             return Decision(ranked=[candidates[0]], policy=self.policy, reason="only-candidate",
                             detail="only one eligible backend", timings=timings)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from .errors import ConstraintError
 from .render import render_literal
@@ -22,6 +22,34 @@ def check_choices(choices: Sequence[str]) -> None:
             raise ConstraintError(f"choice[{index}] is {type(choice).__name__}, not a string")
 
 
+def _tree(choices: Sequence[str]) -> Iterator[tuple[int, bool, list[tuple[str, int | None]]]]:
+    """The tree of the choices' common beginnings, a node at a time: its number (the root's is 0), whether a choice
+    ends there, and its branches, each a text and the node it leads to (None: a choice ends with it). In a sorted
+    list the words beginning alike are consecutive, so each node is a range of it."""
+    words = sorted(set(choices))
+    named = 0
+    todo: list[tuple[int, int, int, int]] = [(0, 0, len(words), 0)]  # (node, first word, end, common length)
+    while todo:
+        node, at, end, depth = todo.pop()
+        ends = len(words[at]) == depth  # (sorted first)
+        at += ends
+        branches: list[tuple[str, int | None]] = []
+        while at < end:
+            group_end = at + 1
+            while group_end < end and words[group_end][depth] == words[at][depth]:
+                group_end += 1
+            # (character by character, as wanted: the beginning all the sorted group shares)
+            common = len(os.path.commonprefix([words[at], words[group_end - 1]]))  # noqa: RUF071
+            child: int | None = None
+            if group_end - at > 1 or len(words[at]) > common:
+                named += 1
+                child = named
+                todo.append((child, at, group_end, common))
+            branches.append((words[at][depth:common], child))
+            at = group_end
+        yield node, ends, branches
+
+
 def gbnf_from_choices(choices: Sequence[str]) -> str:
     """A GBNF grammar whose root matches exactly one of ``choices``, written as a tree of their common beginnings
     (``"s" ("et" | "um")``, not ``"set" | "sum"``): llama.cpp keeps a parse for each alternative that matches
@@ -29,33 +57,12 @@ def gbnf_from_choices(choices: Sequence[str]) -> str:
     cost it one parse per choice at every token of their common beginning. Each branching is a rule of its
     own, called last (llama.cpp's stacks do not grow with the tree's depth, nor does a parser's recursion)."""
     check_choices(choices)
-    words = sorted(set(choices))
-    rules: list[str] = []
-    named = 0
-    todo: list[tuple[str, int, int, int]] = [("root", 0, len(words), 0)]  # (rule, first word, end, common length)
-    while todo:
-        name, first, end, depth = todo.pop()
-        alternatives: list[str] = []
-        at = first
-        if len(words[at]) == depth:  # (one choice ends here: sorted first)
-            alternatives.append('""')
-            at += 1
-        while at < end:
-            group_end = at + 1
-            while group_end < end and words[group_end][depth] == words[at][depth]:
-                group_end += 1
-            # (character by character, as wanted: the beginning all the sorted group shares)
-            common = len(os.path.commonprefix([words[at], words[group_end - 1]]))  # noqa: RUF071
-            literal = render_literal(words[at][depth:common], "gbnf")
-            if group_end - at == 1 and len(words[at]) == common:
-                alternatives.append(literal)
-            else:
-                named += 1
-                child = f"c{named}"
-                todo.append((child, at, group_end, common))
-                alternatives.append(f"{literal} {child}")
-            at = group_end
-        rules.append(f"{name} ::= " + " | ".join(alternatives))
+    rules = []
+    for node, ends, branches in _tree(choices):
+        alternatives = ['""'] if ends else []
+        alternatives += [render_literal(text, "gbnf") + (f" c{child}" if child is not None else "")
+                         for text, child in branches]
+        rules.append(f"{'root' if node == 0 else f'c{node}'} ::= " + " | ".join(alternatives))
     return "\n".join(rules) + "\n"
 
 
@@ -63,26 +70,7 @@ def widest_branch(choices: Sequence[str]) -> int:
     """The most ways :func:`gbnf_from_choices`' tree parts at one point (a choice may also end there): what
     llama.cpp's grammar sampler holds at once there, one stack each (10,000 one-character choices: 10,000 at the
     first character, 11.8 s for 4 tokens with a 128k vocabulary, sweep 25)."""
-    words = sorted(set(choices))
-    widest = 0
-    # (in a sorted list, the words beginning with a prefix are consecutive: count the parts at each depth by
-    # comparing neighbours, level by level over the groups that share a prefix)
-    todo: list[tuple[int, int, int]] = [(0, len(words), 0)]
-    while todo:
-        first, end, depth = todo.pop()
-        ways, at = 0, first
-        if len(words[at]) == depth:
-            ways, at = 1, at + 1
-        while at < end:
-            group_end = at + 1
-            while group_end < end and words[group_end][depth] == words[at][depth]:
-                group_end += 1
-            ways += 1
-            if group_end - at > 1 or len(words[at]) > depth + 1:
-                todo.append((at, group_end, depth + 1))
-            at = group_end
-        widest = max(widest, ways)
-    return widest
+    return max(ends + len(branches) for _, ends, branches in _tree(choices))
 
 
 def escape_regex(text: str) -> str:
