@@ -537,7 +537,7 @@ def _llama_parses(grammar: Grammar, inline: bool) -> str | None:
         if inline:
             raise Offload
         return (f"a parse the gateway could not follow within {WORKER_BUDGET:,} steps (llama.cpp's own example "
-                "grammars take at most 110,000)")
+                "grammars take at most 97,000)")
     return parses_problem(found)
 
 

@@ -10,39 +10,28 @@ vocabulary, stopping every other slot's stream (sweep 22). A grammar with one wa
 
 :func:`most_parses` follows llama.cpp's own steps on the gateway's grammar model, compiled as llama.cpp compiles
 it (each group and repetition a rule of its own, ``S{m,n}`` as m copies of S and a chain of n - m optional
-rules, a reference at an alternative's end replacing its caller's frame), and searches the texts for one after
-which more than ``limit`` stacks are kept. It cannot try every text, so it searches where stacks multiply:
-from the root, every repetition and every recursive rule (each other rule and group counted at its start),
-each character chosen among those the current stacks accept (one per class of characters they all treat
-alike), keeping the ``BEAM`` texts with the most stacks at each step, for ``steps`` characters, then along
-the root's, each repetition's and each recursion's greediest text for ``RUN_STEPS`` (where stacks pile up one
-every few characters, or fan out behind a long beginning), within a ``budget`` of stack expansions
-(``complete`` says whether it ended within it). A grammar whose blow-up it does not reach within those is not
-reported (the limit of a search, said in docs/security.md); what it reports is real: the text it
-returns is one after which llama.cpp keeps that many stacks.
+rules, a reference at an alternative's end replacing its caller's frame), and searches every text, from the root,
+for one after which more than ``limit`` stacks are kept: each character chosen among those the current stacks
+accept (one per class of characters they all treat alike), each set of stacks followed on once. Sets that differ
+only where their futures are alike count as one (:class:`_Known`): a recursion's deeper copies, and the places
+of a chain of optional copies but its last; that makes the search end on a recursive grammar, and it is the one
+place a blow-up could go unseen (said in docs/security.md). A search that does not end within its ``budget`` of
+stack expansions is no verdict (``complete`` False): the caller keeps such a grammar from llama.cpp. What it
+reports is real: the text it returns is one after which llama.cpp keeps that many stacks.
 """
 
 from __future__ import annotations
 
-import heapq
 from collections import Counter
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 from . import charset
-from .grammar_ast import Alt, CharClass, Expr, Grammar, Lit, Ref, Repeat, Seq, reachable, refs_in
+from .grammar_ast import Alt, CharClass, Expr, Grammar, Lit, Ref, Repeat, Seq, refs_in
 from .left_recursion import strong_components
 
 # The most stacks a grammar may make llama.cpp keep. llama.cpp's own example grammars keep at most 13 (c.gbnf;
 # json.gbnf 12); each stack costs ~2.8 ns a candidate token, so 64 cost ~23 ms a token with a 128k vocabulary.
 MAX_PARSES = 64
-STEPS = 32  # characters the beam search follows from each start (a slow pile-up is followed by _run)
-BEAM = 3  # texts kept at each step of a search
-# characters the root, a repetition or a recursion is followed along its greediest text: one stack more every k
-# characters reaches 65 only after 65k (`("x"{1999} ... | "x"{30})+`: 667 stacks after 20,000 x's), and what comes
-# after a long beginning (130 x's) is past what the beam search follows
-RUN_STEPS = 4096
-SHAPE_DEPTH = 3  # the innermost frames by which sets of stacks already searched from are known again
 INLINE_BUDGET = 2_000  # stack expansions on the event loop (~1 ms); past it the search goes to a worker
 WORKER_BUDGET = 400_000  # in a validation worker (~1-2 us each on a loaded core; limits.validation_timeout is 2 s)
 
@@ -80,9 +69,6 @@ class _Compiled:
         self.budget = budget
         self._stacks: list[tuple[int, Position]] = [(0, ("", 0, 0))]  # (below, top) by number; 0: empty
         self._ids: dict[tuple[int, Position], int] = {}
-        # sets of stacks already searched from, from any start, by their size and innermost frames: a nesting rule
-        # (JSON's value in an array in an array...) makes new stacks at every step, the same set again but deeper
-        self.shapes: set[tuple[int, frozenset[tuple[Position, ...]]]] = set()
 
     def spend(self, amount: int = 1) -> None:
         self.budget -= amount
@@ -153,13 +139,9 @@ class _Compiled:
     def top(self, stack: int) -> Position:
         return self._stacks[stack][1]
 
-    def depth_key(self, stack: int, depth: int) -> tuple[Position, ...]:
-        """The ``depth`` innermost positions of a stack."""
-        out: list[Position] = []
-        while stack and len(out) < depth:
-            stack, position = self._stacks[stack]
-            out.append(position)
-        return tuple(out)
+    def frame(self, stack: int) -> tuple[int, Position]:
+        """The stack's top position, and the stack below it."""
+        return self._stacks[stack]
 
     def _after(self, stack: int) -> int:
         """The stack with its top element passed: the next element of that alternative, or the caller's frame."""
@@ -220,159 +202,93 @@ class _Compiled:
         return [c for c in cuts if any(charset.contains(t, c) for t in tops)]
 
 
-def _starts(compiled: _Compiled) -> Iterator[tuple[RuleKey, int | None, str, bool]]:
-    """Where to search from (a rule, and one of its alternatives or all), and whether to search on or only count
-    the stacks it starts with: the root, every repetition and every recursive rule (where stacks may multiply as the
-    text goes on) searched; every other rule and group counted at its start, and each alternative of one with
-    several searched on its own (a search from where they part follows the few texts keeping the most stacks at
-    first, and a decoy alternative of forty short ones drew it from a plain one that piled up 962 later, sweep 25).
-    Each expression once (a grammar repeats its pieces: 1,300 rules each ending in ``("," [0-9]+)?``), and no
-    repetition of what has one way through (``[a-z]*``: one stack, or two where it may end)."""
-    grammar = compiled.grammar
-    yield grammar.root, None, grammar.root, True
-    entered: list[tuple[RuleKey, int | None, str, bool]] = []
-    known: set[Expr] = set()  # (repetitions and groups searched or counted already)
-    bodies: set[Expr] = set()  # (rules counted already: a rule that is one repetition is searched as that too)
-    recursive = _recursive(grammar)
-
-    def branches(key: RuleKey, node: Expr, name: str) -> None:
-        if isinstance(node, Alt):
-            entered.extend((key, number, name, True) for number in range(len(node.options)))
-
-    for name in reachable(grammar):  # (a rule nothing refers to is never entered: sweep 24's decoys were such)
-        body = grammar.rules[name]
-        if name in recursive and name != grammar.root:  # (a rule that may come round again repeats as `*` does)
-            yield name, None, name, True
-        elif name != grammar.root and body not in bodies:
-            bodies.add(body)
-            entered.append((name, None, name, False))
-            branches(name, body, name)
-        elif name == grammar.root:
-            branches(name, body, name)
-        todo = [body]
-        while todo:
-            node = todo.pop()
-            if isinstance(node, Repeat):
-                if node.hi != 0 and not _one_way(node.item) and node not in known:
-                    known.add(node)
-                    compiled.nodes[id(node)] = node
-                    yield (id(node), node.lo, None if node.hi is None else node.hi - node.lo), None, name, True
-                todo.append(node.item)
-            elif isinstance(node, Seq):
-                todo.extend(node.items)
-            elif isinstance(node, Alt):
-                if node not in known:
-                    known.add(node)
-                    compiled.nodes[id(node)] = node
-                    entered.append(((id(node),), None, name, False))
-                    if node is not body:
-                        branches((id(node),), node, name)
-                todo.extend(node.options)
-    yield from entered
-
-
-def _recursive(grammar: Grammar) -> set[str]:
-    """The rules that may come round again through their references (``t ::= s u``, ``u ::= t | ""``)."""
+def _recursive(grammar: Grammar) -> dict[str, int]:
+    """The rules that may come round again through their references (``t ::= s u``, ``u ::= t | ""``), each with
+    the number of the group of rules it comes round through."""
     edges = {name: [ref.name for ref in refs_in(body) if ref.name in grammar.rules]
              for name, body in grammar.rules.items()}
     component = strong_components(edges)
     sizes = Counter(component.values())
-    return {name for name, refs in edges.items() if sizes[component[name]] > 1 or name in refs}
+    return {name: component[name] for name, refs in edges.items() if sizes[component[name]] > 1 or name in refs}
 
 
-def _one_way(expr: Expr) -> bool:
-    """Whether ``expr`` is characters and character classes in a fixed sequence (no choice, nothing repeated, no
-    rule that may hold either)."""
-    if isinstance(expr, Seq):
-        return all(isinstance(item, Lit | CharClass) for item in expr.items)
-    return isinstance(expr, Lit | CharClass)
+class _Known:
+    """Sets of stacks by what makes their futures differ, so that a search follows each once: every stack as its
+    frames down to the second one of a recursion (JSON's value in an array in an object in an array...: the set
+    again, deeper, is known again; what lies below is followed from where it was shallower), and a chain of optional
+    copies by whether it has one copy left or more (`[ \\t]{0,20}`: its 20 places alike; the last apart, and a
+    chain of mandatory copies, `"x"{1999}`, exactly: stacks that pile up one every k characters are told apart)."""
+
+    def __init__(self, compiled: _Compiled) -> None:
+        self.compiled = compiled
+        self.recursive = _recursive(compiled.grammar)
+        self._stacks: dict[int, tuple[Position, ...]] = {}
+        self.seen: set[tuple[int, frozenset[tuple[Position, ...]]]] = set()
+
+    def add(self, stacks: dict[int, None]) -> bool:
+        """Whether the set ``stacks`` is new (it is known from now on)."""
+        key = len(stacks), frozenset(self._stack(stack) for stack in stacks)
+        if key in self.seen:
+            return False
+        self.seen.add(key)
+        return True
+
+    def _stack(self, stack: int) -> tuple[Position, ...]:
+        found = self._stacks.get(stack)
+        if found is None:
+            out: list[Position] = []
+            groups: set[int] = set()
+            current = stack
+            while current:
+                current, (rule, alternative, index) = self.compiled.frame(current)
+                if isinstance(rule, tuple) and len(rule) == 3 and rule[1] == 0 and rule[2] is not None:
+                    rule = (rule[0], 0, min(rule[2], 2))
+                out.append((rule, alternative, index))
+                group = self.recursive.get(rule) if isinstance(rule, str) else None
+                if group is not None:
+                    if group in groups:
+                        break
+                    groups.add(group)
+            found = self._stacks[stack] = tuple(out)
+        return found
 
 
-def most_parses(grammar: Grammar, budget: int, limit: int = MAX_PARSES, steps: int = STEPS) -> Parses:
-    """The most stacks llama.cpp keeps for ``grammar`` after any text the search tried: it stops at the first
-    text past ``limit``, after ``steps`` characters from each rule's start, or when ``budget`` stack expansions
-    are spent (``complete`` False: rules may be left unsearched)."""
+def most_parses(grammar: Grammar, budget: int, limit: int = MAX_PARSES) -> Parses:
+    """The most stacks llama.cpp keeps for ``grammar`` after any text: a search from the root through every set
+    of stacks a character leads to (each set once, as :class:`_Known` tells them apart; the characters that keep
+    the most stacks first), to the first set past ``limit`` or every set, within ``budget`` stack expansions
+    (``complete`` False when it ran out: an unfinished search is no verdict)."""
     compiled = _Compiled(grammar, budget)
-    most = Parses(0, "", grammar.root, True)
+    texts: list[tuple[str, int]] = [("", 0)]  # (a character, the text it follows) by number; 0: the empty text
+
+    def text(number: int) -> str:
+        out: list[str] = []
+        while number:
+            character, number = texts[number]
+            out.append(character)
+        return "".join(reversed(out))
+
+    most = (0, 0)
     try:
-        for start, alternative, name, search in _starts(compiled):
-            first = compiled.start(start, alternative)
-            count, text = _search(compiled, first, limit, steps if search else 0)
-            if count <= limit and search:  # (the root, repetitions, recursive rules and alternatives)
-                # (from the root too: what comes after a long beginning is out of its beam search's reach, and parts
-                # side by side are no repetition of their own: `"x"{130} "a"{0,40} "a"{0,40} ... "a"{100}`, 1,001
-                # stacks, held another key's stream from 0.18 to 120 s, sweep 24)
-                count, text = max((count, text), _run(compiled, first, limit, RUN_STEPS))
-            if count > most.count:
-                most = Parses(count, text, name, True)
-                if count > limit:
-                    break
-    except _Exhausted:
-        return Parses(most.count, most.text, most.rule, False, budget)
-    return Parses(most.count, most.text, most.rule, True, budget - compiled.budget)
-
-
-def _search(compiled: _Compiled, first: dict[int, None], limit: int, steps: int) -> tuple[int, str]:
-    """The most stacks found from the stacks ``first``, and after what text."""
-    most = (len(first), "")
-    beam: list[tuple[str, dict[int, None]]] = [("", first)]
-    seen = compiled.shapes
-    seen.add(_shape(compiled, first))
-    for _ in range(steps):
-        if most[0] > limit:
-            break
-        found: list[tuple[int, str, dict[int, None]]] = []
-        for text, stacks in beam:
+        known = _Known(compiled)
+        first = compiled.start(grammar.root)
+        known.add(first)
+        most = (len(first), 0)
+        todo: list[tuple[dict[int, None], int]] = [(first, 0)]
+        while todo and most[0] <= limit:
+            stacks, before = todo.pop()
+            found: list[tuple[int, int, dict[int, None]]] = []
             for code_point in compiled.classes(stacks):
                 after = compiled.accept(stacks, code_point)
-                shape = _shape(compiled, after)
-                if shape not in seen:
-                    seen.add(shape)
-                    found.append((len(after), text + chr(code_point), after))
-        if not found:
-            break
-        found = heapq.nlargest(BEAM, found, key=lambda f: f[0])
-        most = max(most, found[0][:2])
-        beam = [(text, stacks) for _, text, stacks in found]
-    return most
-
-
-def _run(compiled: _Compiled, stacks: dict[int, None], limit: int, steps: int) -> tuple[int, str]:
-    """The most stacks along the text that, character by character, keeps the most (the first such character of
-    the lowest class), from ``start``, for up to ``steps`` characters or until the stacks come round again:
-    where stacks pile up slowly (one more every k characters, a repetition's long alternatives each started at
-    another offset), this follows them further than the beam search."""
-    most, text = (len(stacks), ""), []
-    seen = {_shape(compiled, stacks)}
-    taken = 0
-    while taken < steps:
-        best: tuple[int, int, dict[int, None]] | None = None
-        classes = compiled.classes(stacks)
-        for code_point in classes:
-            after = compiled.accept(stacks, code_point)
-            if best is None or len(after) > best[0]:
-                best = (len(after), code_point, after)
-        # (a character forced, the stacks as many: a literal's run, which costs the budget and not the steps: 4,200
-        # x's took a pile-up of 962 stacks past 4,096 steps, sweep 25)
-        if not (len(classes) == 1 and best is not None and best[0] == len(stacks)):
-            taken += 1
-        if best is None or not any(best[2]):
-            break
-        stacks = best[2]
-        text.append(chr(best[1]))
-        if best[0] > most[0]:
-            most = (best[0], "".join(text))
-            if best[0] > limit:
-                break
-        shape = _shape(compiled, stacks)  # (as the beam search knows sets again: nesting runs come round too)
-        if shape in seen:
-            break
-        seen.add(shape)
-    return most
-
-
-def _shape(compiled: _Compiled, stacks: dict[int, None]) -> tuple[int, frozenset[tuple[Position, ...]]]:
-    return len(stacks), frozenset(compiled.depth_key(stack, SHAPE_DEPTH) for stack in stacks)
+                if any(after) and known.add(after):  # (a set of the empty stack alone: the grammar is complete)
+                    texts.append((chr(code_point), before))
+                    found.append((len(after), len(texts) - 1, after))
+                    most = max(most, (len(after), len(texts) - 1))
+            found.sort(key=lambda f: f[0])  # (the most stacks searched on first)
+            todo.extend((after, number) for _, number, after in found)
+    except _Exhausted:
+        return Parses(most[0], text(most[1]), grammar.root, False, budget)
+    return Parses(most[0], text(most[1]), grammar.root, True, budget - compiled.budget)
 
 
 def parses_problem(found: Parses) -> str | None:
