@@ -1059,6 +1059,12 @@ class SharedState:
                 (pipe.sadd if drained else pipe.srem)(self._drained_key, backend)
                 pipe.set(self._drained_mark, "1")
                 await self._lag.wait(pipe.execute(), self._timeout * 5)
+                # taken as read here, between two reads (the lock): else a read that came before it is this
+                # replica's last, and another replica's undrain of the backend, read next, changes nothing from it
+                # (the test of replicas saw a backend this replica drained stay drained after another undrained it)
+                async with self._drained_reading:
+                    if self._drained_read is not None:
+                        (self._drained_read.add if drained else self._drained_read.discard)(backend)
                 self.publish("drain", [backend, drained])
             except self._errors as exc:
                 self._failed("drain", exc)

@@ -287,6 +287,31 @@ async def test_an_undrain_read_while_this_replicas_own_drain_was_on_its_way_is_r
         await stop([a, b])
 
 
+@pytest.mark.anyio
+async def test_a_replicas_own_drain_is_its_last_read_when_another_undrains_before_its_heartbeat(
+        redis_server: RedisServer) -> None:
+    """The test of replicas' rare failure: a replica's own drain was not its last read of the shared set until its
+    next heartbeat read it back; another replica's undrain heard before that read the set as it had last read it
+    (nothing drained), so nothing changed, and the backend stayed drained on the replica that drained it."""
+    a, b = await replicas(redis_server, 2, heartbeat_seconds=60, replica_ttl_seconds=120)
+    seen: dict[str, dict[str, bool]] = {"a": {}, "b": {}}
+    a.on_drained(lambda name, drained: seen["a"].__setitem__(name, drained))
+    b.on_drained(lambda name, drained: seen["b"].__setitem__(name, drained))
+    try:
+        for state in (a, b, a):  # (each counts the other, and has read the set: nothing drained)
+            await state._heartbeat()
+        assert a.replicas == 2 and b.replicas == 2
+        await listening(a, b)
+        beats = a.beats
+        a.set_drained("x", True)
+        await waiting.until(lambda: seen["b"].get("x") is True and not a._drain_writes, "the drain written and heard")
+        b.set_drained("x", False)
+        await waiting.until(lambda: seen["a"].get("x") is False, "a heard the undrain of the backend it drained")
+        assert a.beats == beats, "no heartbeat read in between: the message alone did it"
+    finally:
+        await stop([a, b])
+
+
 # -- kept slots ----------------------------------------------------------------------------------------------
 def counting(state: SharedState) -> list[str]:
     """The scripts ``state`` runs in Redis from now on (the admission's round trips), by name."""
