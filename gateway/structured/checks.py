@@ -49,7 +49,14 @@ from gateway.structured.syntax import (
     regex_nesting,
 )
 from gateway.structured.syntax.grammar_ast import Grammar
-from gateway.structured.syntax.parses import INLINE_BUDGET, MAX_PARSES, WORKER_BUDGET, most_parses, parses_problem
+from gateway.structured.syntax.parses import (
+    INLINE_BUDGET,
+    MAX_PARSES,
+    WORKER_BUDGET,
+    most_parses,
+    nesting_problem,
+    parses_problem,
+)
 
 _parser: Any = importlib.import_module("re._parser")
 
@@ -274,7 +281,7 @@ def enum_cost(texts: list[bytes]) -> tuple[int, str]:
 
 
 # what searching a schema's patterns for llama.cpp's parses may spend in all (simple patterns take tens of steps)
-PATTERNS_BUDGET = 4 * INLINE_BUDGET
+PATTERNS_BUDGET = 8_000  # (~30 ms; a pattern of 1,000 characters counted 50 times 20 takes ~4,700)
 _pattern_verdicts: dict[str, tuple[str | None, int]] = {}
 
 
@@ -532,12 +539,15 @@ def _grammar(text: str, dialect: Dialect, param: str, bounds: Bounds, inline: bo
 def _llama_parses(grammar: Grammar, inline: bool) -> str | None:
     """What makes llama.cpp's parse of ``grammar`` go too many ways at once, or None; Offload when the event
     loop's share of the search ran out before it ended."""
+    growing = nesting_problem(grammar)  # (from the grammar alone: no search tells a recursion's levels apart)
+    if growing is not None:
+        return growing
     found = most_parses(grammar, INLINE_BUDGET if inline else WORKER_BUDGET)
     if not found.complete:  # (an unfinished search is no verdict: a grammar could hide its fan-out behind decoys)
         if inline:
             raise Offload
         return (f"a parse the gateway could not follow within {WORKER_BUDGET:,} steps (llama.cpp's own example "
-                "grammars take at most 97,000)")
+                "grammars take at most 92,000)")
     return parses_problem(found)
 
 

@@ -22,18 +22,20 @@ reports is real: the text it returns is one after which llama.cpp keeps that man
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections import Counter
 from dataclasses import dataclass
 
 from . import charset
 from .grammar_ast import Alt, CharClass, Expr, Grammar, Lit, Ref, Repeat, Seq, refs_in
+from .least_cost import flatten, least_costs
 from .left_recursion import strong_components
 
 # The most stacks a grammar may make llama.cpp keep. llama.cpp's own example grammars keep at most 13 (c.gbnf;
 # json.gbnf 12); each stack costs ~2.8 ns a candidate token, so 64 cost ~23 ms a token with a 128k vocabulary.
 MAX_PARSES = 64
-INLINE_BUDGET = 2_000  # stack expansions on the event loop (~1 ms); past it the search goes to a worker
-WORKER_BUDGET = 400_000  # in a validation worker (~1-2 us each on a loaded core; limits.validation_timeout is 2 s)
+INLINE_BUDGET = 1_000  # steps on the event loop (~3 ms); past it the search goes to a worker
+WORKER_BUDGET = 200_000  # in a validation worker (~3 us each: ~0.7 s of a core; limits.validation_timeout is 2 s)
 
 # A rule: a named one, a group (an alternation inside a sequence: id of its Alt node), or a repetition's state
 # (id of its Repeat node, mandatory copies left, optional copies left or None for unbounded)
@@ -65,10 +67,12 @@ class _Compiled:
     def __init__(self, grammar: Grammar, budget: int) -> None:
         self.grammar = grammar
         self.nodes: dict[int, Expr] = {}
+        self.owner: dict[int, str] = {}  # a group's or repetition's node -> the named rule it is written in
         self._alternatives: dict[RuleKey, tuple[tuple[Element, ...], ...]] = {}
         self.budget = budget
         self._stacks: list[tuple[int, Position]] = [(0, ("", 0, 0))]  # (below, top) by number; 0: empty
         self._ids: dict[tuple[int, Position], int] = {}
+        self._nexts: dict[int, dict[int, None]] = {}
 
     def spend(self, amount: int = 1) -> None:
         self.budget -= amount
@@ -85,14 +89,14 @@ class _Compiled:
         if isinstance(rule, str):
             defined = self.grammar.rules[rule]
             options = defined.options if isinstance(defined, Alt) else (defined,)
-            return tuple(self.elements(option) for option in options)
+            return tuple(self.elements(option, rule) for option in options)
         node = self.nodes[rule[0]]
         if len(rule) == 1:
             assert isinstance(node, Alt)
-            return tuple(self.elements(option) for option in node.options)
+            return tuple(self.elements(option, self.owner[rule[0]]) for option in node.options)
         assert isinstance(node, Repeat) and len(rule) == 3
         _, copies, optional = rule
-        item = self.elements(node.item)
+        item = self.elements(node.item, self.owner[rule[0]])
         self.spend(len(item))
         if copies > 0:  # (a mandatory copy, then the rest)
             rest: RuleKey = (rule[0], copies - 1, optional)
@@ -102,7 +106,7 @@ class _Compiled:
         # S'(k) ::= S S'(k-1) |   (S'(1) ::= S |)
         return ((*item, ("rule", (rule[0], 0, optional - 1))) if optional > 1 else item, ())
 
-    def elements(self, expr: Expr) -> tuple[Element, ...]:
+    def elements(self, expr: Expr, owner: str) -> tuple[Element, ...]:
         out: list[Element] = []
         todo = [expr]
         while todo:
@@ -117,12 +121,14 @@ class _Compiled:
                 todo.extend(reversed(node.items))
             elif isinstance(node, Alt):
                 self.nodes[id(node)] = node
+                self.owner[id(node)] = owner
                 out.append(("rule", (id(node),)))
             else:
                 assert isinstance(node, Repeat)
                 if node.hi == 0:
                     continue
                 self.nodes[id(node)] = node
+                self.owner[id(node)] = owner
                 out.append(("rule", (id(node), node.lo, None if node.hi is None else node.hi - node.lo)))
         self.spend(len(out))
         return tuple(out)
@@ -191,7 +197,40 @@ class _Compiled:
         out: dict[int, None] = {}
         for stack in stacks:
             if stack and charset.contains(self._class(stack), code_point):
-                self.expand(self._after(stack), out)
+                out.update(self._next(stack))
+        return out
+
+    def _next(self, stack: int) -> dict[int, None]:
+        """The stacks after ``stack``'s top character, expanded (once for each stack: a search meets the same
+        stacks in many sets)."""
+        found = self._nexts.get(stack)
+        if found is None:
+            found = self._nexts[stack] = {}
+            self.expand(self._after(stack), found)
+        else:
+            self.spend()
+        return found
+
+    def children(self, stacks: dict[int, None]) -> list[tuple[int, dict[int, None]]]:
+        """The sets of stacks one more character leads to: one character of each class the stacks' top elements all
+        treat alike and one of them accepts, with the stacks after it (:meth:`classes` and :meth:`accept` at once)."""
+        tops: dict[charset.Ranges, list[int]] = {}
+        for stack in stacks:
+            if stack:
+                tops.setdefault(self._class(stack), []).append(stack)
+        cuts = sorted({edge for ranges in tops for lo, hi in ranges for edge in (lo, hi + 1)})
+        taking: dict[int, list[int]] = {}  # (a class, by the index of its first character in cuts -> its stacks)
+        for ranges, group in tops.items():
+            for lo, hi in ranges:
+                for at in range(bisect_left(cuts, lo), bisect_left(cuts, hi + 1)):
+                    taking.setdefault(at, []).extend(group)
+        self.spend(len(cuts) + len(stacks))
+        out: list[tuple[int, dict[int, None]]] = []
+        for at in sorted(taking):
+            after: dict[int, None] = {}
+            for stack in taking[at]:
+                after.update(self._next(stack))
+            out.append((cuts[at], after))
         return out
 
     def classes(self, stacks: dict[int, None]) -> list[int]:
@@ -213,11 +252,15 @@ def _recursive(grammar: Grammar) -> dict[str, int]:
 
 
 class _Known:
-    """Sets of stacks by what makes their futures differ, so that a search follows each once: every stack as its
-    frames down to the second one of a recursion (JSON's value in an array in an object in an array...: the set
-    again, deeper, is known again; what lies below is followed from where it was shallower), and a chain of optional
-    copies by whether it has one copy left or more (`[ \\t]{0,20}`: its 20 places alike; the last apart, and a
-    chain of mandatory copies, `"x"{1999}`, exactly: stacks that pile up one every k characters are told apart)."""
+    """Sets of stacks by what makes their futures differ, so that a search follows each once. A stack is known
+    by its top, then its frames (the places rules were called from) down to the second of the innermost recursion
+    it is in, then where that recursion was entered from, and of each recursion further down only the place it
+    returns to (JSON's value in an array in an object in an array...: the set again, deeper, is known again; the
+    levels between are passed over, and what each returns to is kept: a rule entered from two places goes on
+    differently from each, and a recursion's second level is where it returns to itself). A chain of optional
+    copies is known by whether it has one copy left or more (`[ \\t]{0,20}`: its 20 places alike, the last apart);
+    a chain of mandatory copies, `"x"{1999}`, exactly (stacks that pile up one every k characters are told
+    apart). A recursion whose levels add stacks as they return is :func:`nesting_problem`'s."""
 
     def __init__(self, compiled: _Compiled) -> None:
         self.compiled = compiled
@@ -238,16 +281,23 @@ class _Known:
         if found is None:
             out: list[Position] = []
             groups: set[int] = set()
+            skipping: int | None = None  # (the recursion whose deeper frames are passed over)
             current = stack
             while current:
                 current, (rule, alternative, index) = self.compiled.frame(current)
+                group = self.recursive.get(rule if isinstance(rule, str) else self.compiled.owner[rule[0]])
+                if skipping is not None:
+                    if group == skipping:
+                        continue
+                    skipping = None  # (where the recursion was entered from: kept, it is where it returns to)
+                    if group is not None:
+                        skipping = group  # (and of a recursion below, only where it returns to)
                 if isinstance(rule, tuple) and len(rule) == 3 and rule[1] == 0 and rule[2] is not None:
                     rule = (rule[0], 0, min(rule[2], 2))
                 out.append((rule, alternative, index))
-                group = self.recursive.get(rule) if isinstance(rule, str) else None
-                if group is not None:
+                if group is not None and skipping is None and len(out) > 1:  # (a place a rule of it was called)
                     if group in groups:
-                        break
+                        skipping = group
                     groups.add(group)
             found = self._stacks[stack] = tuple(out)
         return found
@@ -278,8 +328,7 @@ def most_parses(grammar: Grammar, budget: int, limit: int = MAX_PARSES) -> Parse
         while todo and most[0] <= limit:
             stacks, before = todo.pop()
             found: list[tuple[int, int, dict[int, None]]] = []
-            for code_point in compiled.classes(stacks):
-                after = compiled.accept(stacks, code_point)
+            for code_point, after in compiled.children(stacks):
                 if any(after) and known.add(after):  # (a set of the empty stack alone: the grammar is complete)
                     texts.append((chr(code_point), before))
                     found.append((len(after), len(texts) - 1, after))
@@ -289,6 +338,71 @@ def most_parses(grammar: Grammar, budget: int, limit: int = MAX_PARSES) -> Parse
     except _Exhausted:
         return Parses(most[0], text(most[1]), grammar.root, False, budget)
     return Parses(most[0], text(most[1]), grammar.root, True, budget - compiled.budget)
+
+
+def nesting_problem(grammar: Grammar) -> str | None:
+    """A recursion each of whose levels leaves, after the reference in, a part that may match nothing (``r ::= "("
+    r s | "x"`` with ``s ::= "a" | ""``), or None. llama.cpp keeps a frame for that part at every level; once the
+    innermost ends, every level's part may come next at once: one stack more per level the text nests (101 after
+    100 "("), without bound, and no search of sets of stacks tells the levels apart (:class:`_Known` takes a
+    recursion's deeper copies as alike). Found from the grammar alone: a cycle of references, among those
+    reachable from the root, each in last place (no frame) or followed by what may match nothing, one at least
+    the latter. A reference followed by anything that must match (JSON's ``"]"``) ends such a chain."""
+    flat = flatten(grammar)
+    lengths = least_costs(grammar, 0, flat)
+    empty = {id(expr): value == 0 for expr, value in zip(flat.exprs, lengths.values, strict=True)}
+
+    def elements(expr: Expr) -> list[Expr]:  # (as llama.cpp's rule for it holds them: groups are rules of their own)
+        if isinstance(expr, Seq):
+            return [element for item in expr.items for element in elements(item)]
+        if (isinstance(expr, Lit) and not expr.text) or (isinstance(expr, Repeat) and expr.hi == 0):
+            return []
+        return [expr]
+
+    def key(expr: Expr) -> str | int | None:
+        return expr.name if isinstance(expr, Ref) else id(expr) if isinstance(expr, Alt | Repeat) else None
+
+    edges: dict[str | int, list[str | int]] = {}
+    growing: list[tuple[str | int, str | int]] = []
+    owner: dict[str | int, str] = {}
+    todo: list[tuple[str | int, Expr, str]] = [(grammar.root, grammar.rules[grammar.root], grammar.root)]
+    while todo:
+        node, body, name = todo.pop()
+        if node in edges:
+            continue
+        edges[node], owner[node] = [], name
+        if isinstance(body, Repeat):  # (S{m,n}: copies of S, each followed by the rest of the chain or nothing)
+            lo, hi = body.lo, body.hi
+            more = hi is None or hi - lo >= 2 or (lo >= 1 and hi > lo) or (lo >= 2 and empty[id(body.item)])
+            options, after = [elements(body.item)], more
+        else:
+            options = [elements(option) for option in (body.options if isinstance(body, Alt) else (body,))]
+            after = False
+        for items in options:
+            for index, item in enumerate(items):
+                target = key(item)
+                if target is None:
+                    continue
+                if isinstance(item, Ref):
+                    if item.name not in grammar.rules:
+                        continue
+                    todo.append((item.name, grammar.rules[item.name], item.name))
+                else:
+                    todo.append((target, item, name))
+                rest = items[index + 1:]
+                if not all(empty[id(r)] for r in rest):
+                    continue  # (what must match comes after it: a chain of levels ends here)
+                edges[node].append(target)
+                if rest or after:
+                    growing.append((node, target))
+    component = strong_components(edges)
+    for node, target in growing:
+        if component[node] == component[target]:
+            rule = owner.get(target, str(target))
+            return (f"a recursion through rule '{owner[node]}' whose every level may leave a part that matches "
+                    f"nothing after rule '{rule}': each level the text nests keeps one more way at once, without "
+                    f"bound (more than {MAX_PARSES} after {MAX_PARSES} levels)")
+    return None
 
 
 def parses_problem(found: Parses) -> str | None:
