@@ -53,6 +53,7 @@ from gateway.structured.syntax.parses import (
     INLINE_BUDGET,
     MAX_PARSES,
     WORKER_BUDGET,
+    WORKER_SECONDS,
     most_parses,
     nesting_problem,
     parses_problem,
@@ -542,12 +543,13 @@ def _llama_parses(grammar: Grammar, inline: bool) -> str | None:
     growing = nesting_problem(grammar)  # (from the grammar alone: no search tells a recursion's levels apart)
     if growing is not None:
         return growing
-    found = most_parses(grammar, INLINE_BUDGET if inline else WORKER_BUDGET)
+    found = most_parses(grammar, INLINE_BUDGET, seconds=None) if inline else (
+        most_parses(grammar, WORKER_BUDGET, seconds=WORKER_SECONDS))
     if not found.complete:  # (an unfinished search is no verdict: a grammar could hide its fan-out behind decoys)
         if inline:
             raise Offload
-        return (f"a parse the gateway could not follow within {WORKER_BUDGET:,} steps (llama.cpp's own example "
-                "grammars take at most 92,000)")
+        return (f"a parse the gateway could not follow within {WORKER_BUDGET:,} steps or {WORKER_SECONDS:g} s of a "
+                "core (llama.cpp's own example grammars take at most 92,000 steps)")
     return parses_problem(found)
 
 

@@ -22,6 +22,7 @@ reports is real: the text it returns is one after which llama.cpp keeps that man
 
 from __future__ import annotations
 
+import time
 from bisect import bisect_left
 from collections import Counter
 from dataclasses import dataclass
@@ -36,6 +37,9 @@ from .left_recursion import strong_components
 MAX_PARSES = 64
 INLINE_BUDGET = 1_000  # steps on the event loop (~3 ms); past it the search goes to a worker
 WORKER_BUDGET = 200_000  # in a validation worker (~3 us each: ~0.7 s of a core; limits.validation_timeout is 2 s)
+# and at most this much of its CPU time there, whatever the steps (on a slower core than the one the budget was
+# measured on): past it the grammar is kept from llama.cpp, rather than a 400 for a grammar the others take
+WORKER_SECONDS = 0.6
 
 # A rule: a named one, a group (an alternation inside a sequence: id of its Alt node), or a repetition's state
 # (id of its Repeat node, mandatory copies left, optional copies left or None for unbounded)
@@ -64,8 +68,10 @@ class _Compiled:
     """The grammar as llama.cpp compiles it, built lazily: only the rules a search reaches, so a chain of 2,000
     optional copies costs only the copies the search enters."""
 
-    def __init__(self, grammar: Grammar, budget: int) -> None:
+    def __init__(self, grammar: Grammar, budget: int, seconds: float | None = None) -> None:
         self.grammar = grammar
+        self.deadline = None if seconds is None else time.process_time() + seconds  # (this process's CPU time)
+        self._check_at = max(budget - 2048, 0)  # (the clock is read every 2,048 steps)
         self.nodes: dict[int, Expr] = {}
         self.owner: dict[int, str] = {}  # a group's or repetition's node -> the named rule it is written in
         self._alternatives: dict[RuleKey, tuple[tuple[Element, ...], ...]] = {}
@@ -76,8 +82,10 @@ class _Compiled:
 
     def spend(self, amount: int = 1) -> None:
         self.budget -= amount
-        if self.budget < 0:
-            raise _Exhausted
+        if self.budget < self._check_at:
+            if self.budget < 0 or (self.deadline is not None and time.process_time() > self.deadline):
+                raise _Exhausted
+            self._check_at = max(self.budget - 2048, 0)
 
     def alternatives(self, rule: RuleKey) -> tuple[tuple[Element, ...], ...]:
         found = self._alternatives.get(rule)
@@ -214,6 +222,12 @@ class _Compiled:
     def children(self, stacks: dict[int, None]) -> list[tuple[int, dict[int, None]]]:
         """The sets of stacks one more character leads to: one character of each class the stacks' top elements all
         treat alike and one of them accepts, with the stacks after it (:meth:`classes` and :meth:`accept` at once)."""
+        if len(stacks) == 1:  # (one way on, as along most of a grammar's literals: its class's first character)
+            (stack,) = stacks
+            if not stack:
+                return []
+            self.spend(2)
+            return [(self._class(stack)[0][0], self._next(stack))]
         tops: dict[charset.Ranges, list[int]] = {}
         for stack in stacks:
             if stack:
@@ -267,9 +281,14 @@ class _Known:
         self.recursive = _recursive(compiled.grammar)
         self._stacks: dict[int, tuple[Position, ...]] = {}
         self.seen: set[tuple[int, frozenset[tuple[Position, ...]]]] = set()
+        self._exact: set[frozenset[int]] = set()
 
     def add(self, stacks: dict[int, None]) -> bool:
         """Whether the set ``stacks`` is new (it is known from now on)."""
+        exact = frozenset(stacks)  # (most sets met again are the very same stacks: known without their frames)
+        if exact in self._exact:
+            return False
+        self._exact.add(exact)
         key = len(stacks), frozenset(self._stack(stack) for stack in stacks)
         if key in self.seen:
             return False
@@ -303,12 +322,13 @@ class _Known:
         return found
 
 
-def most_parses(grammar: Grammar, budget: int, limit: int = MAX_PARSES) -> Parses:
+def most_parses(grammar: Grammar, budget: int, limit: int = MAX_PARSES, seconds: float | None = None) -> Parses:
     """The most stacks llama.cpp keeps for ``grammar`` after any text: a search from the root through every set
     of stacks a character leads to (each set once, as :class:`_Known` tells them apart; the characters that keep
-    the most stacks first), to the first set past ``limit`` or every set, within ``budget`` stack expansions
-    (``complete`` False when it ran out: an unfinished search is no verdict)."""
-    compiled = _Compiled(grammar, budget)
+    the most stacks first), to the first set past ``limit`` or every set, within ``budget`` stack expansions and
+    ``seconds`` of this process's CPU time (``complete`` False when either ran out: an unfinished search is no
+    verdict)."""
+    compiled = _Compiled(grammar, budget, seconds)
     texts: list[tuple[str, int]] = [("", 0)]  # (a character, the text it follows) by number; 0: the empty text
 
     def text(number: int) -> str:
