@@ -15,6 +15,7 @@ from gateway.engines.sampling import sampler_chain, whole_vocabulary
 from gateway.errors import GatewayError
 from gateway.routing.request import POOLING_ROUTES, RouteRequest
 from gateway.structured import Constraint, ConstraintInvalid, extract, tools_fanout
+from gateway.structured.bounds import Offload
 from gateway.structured.offload import ValidationBusy, ValidationWorkers
 
 _MAX_DEPTH = 254  # the deepest nesting orjson encodes
@@ -320,12 +321,18 @@ def parse_body(route: str, body: dict[str, Any], limits: LimitSettings | None = 
             max_tokens = max(max_tokens or 0, value)
     constraint = _constraint(body, limits) if route not in POOLING_ROUTES else None
     fanout = constraint.fanout if constraint is not None else None
-    if fanout is None and body.get("tools") and route not in POOLING_ROUTES:
-        fanout = tools_fanout(body["tools"], limits)  # (llama.cpp compiles every tool into a lazy grammar)
+    tools_pending = False
+    if body.get("tools") and route not in POOLING_ROUTES:
+        try:  # (bounded like any constraint; llama.cpp compiles every tool into a lazy grammar)
+            fanout = fanout or tools_fanout(body["tools"], limits, inline=True)
+        except Offload:  # (too much for the event loop: validate_heavy has a worker check them)
+            tools_pending = True
+        except ConstraintInvalid as exc:
+            raise GatewayError(400, str(exc), param=exc.param, code=exc.code) from None
     return RouteRequest(route=route, model=model, stream=stream, max_tokens=max_tokens, body=body,
                         constraint=constraint, generations=generations,
                         whole_vocabulary=whole_vocabulary(body) if route not in POOLING_ROUTES else None,
-                        fanout=fanout)
+                        fanout=fanout, tools_pending=tools_pending)
 
 
 def _constraint(body: dict[str, Any], limits: LimitSettings | None) -> Constraint | None:
@@ -340,11 +347,16 @@ async def validate_heavy(request: RouteRequest, workers: ValidationWorkers, owne
     the event loop (``Constraint.pending``), in ``owner``'s (the API key's) fair share of the workers. Returns
     at once for every other request."""
     constraint = request.constraint
-    if constraint is None or constraint.pending is None:
+    if (constraint is None or constraint.pending is None) and not request.tools_pending:
         return
     try:
-        request.constraint = await workers.validate(constraint, owner)
-        request.fanout = request.fanout or request.constraint.fanout
+        if constraint is not None and constraint.pending is not None:
+            request.constraint = await workers.validate(constraint, owner)
+            request.fanout = request.fanout or request.constraint.fanout
+        if request.tools_pending:
+            fanout = await workers.validate_tools(request.body["tools"], owner)
+            request.tools_pending = False
+            request.fanout = request.fanout or fanout
     except ConstraintInvalid as exc:
         raise GatewayError(400, str(exc), param=exc.param, code=exc.code) from None
     except ValidationBusy as exc:

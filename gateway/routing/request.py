@@ -32,6 +32,8 @@ class RouteRequest:
     # why llama.cpp should not take it: its constraint's or tools' grammar would go too many ways at once there
     # (Constraint.fanout: gateway.structured.syntax.parses, checks.schema_fanout), if so
     fanout: str | None = None
+    # the tools' parameter schemas were too much to check on the event loop: a worker checks them (validate_heavy)
+    tools_pending: bool = False
     # whose cached prompts it may profit from (its key's; set by the front door before anything is routed)
     cache_domain: CacheDomain = SHARED
     _prompt: bytes | None = field(default=None, repr=False)

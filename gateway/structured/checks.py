@@ -589,8 +589,8 @@ def prepare_worker() -> None:
 
 
 def run_check(kind: str, payload: Any, dialect: Dialect, param: str, bounds: Bounds) -> Verdict:
-    """One whole check of a constraint (``kind``: json_schema, regex, grammar or structural_tag) without the event
-    loop's budget: it runs in a worker process."""
+    """One whole check of a constraint (``kind``: json_schema, regex, grammar or structural_tag; or a request's
+    tools) without the event loop's budget: it runs in a worker process."""
     try:
         if kind == "structural_tag":
             from gateway.structured.structural_tag import check_tag_nodes  # (it builds on this module's checks)
@@ -601,6 +601,11 @@ def run_check(kind: str, payload: Any, dialect: Dialect, param: str, bounds: Bou
             return Verdict(fanout=check_schema(orjson.loads(text), text, param, bounds, inline=False))
         elif kind == "regex":
             check_regex(payload, param, bounds, inline=False)
+        elif kind == "tools":
+            from gateway.structured.constraint import check_tools  # (it builds on this module's checks)
+
+            text = payload.encode() if isinstance(payload, str) else payload
+            return Verdict(fanout=check_tools(text, bounds))
         else:
             renderings, fanout = check_grammar(payload, dialect, param, bounds, inline=False)
             return Verdict(renderings, fanout=fanout)

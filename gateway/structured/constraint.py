@@ -20,6 +20,7 @@ Accepted spellings (at most one constraint per request, as vLLM and SGLang requi
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Any, Literal
@@ -196,7 +197,10 @@ def _from_tools(body: dict[str, Any], bounds: Bounds) -> Constraint | None:
         return None
     # every tool's parameter schema is bounded, whatever the tool_choice: an engine may compile any of them into
     # a grammar (a forced or strict call; llama.cpp builds a lazy grammar of every tool for an optional call too)
-    fanout = _bound_parameters(tools, bounds)
+    try:
+        fanout = _bound_parameters(tools, bounds, inline=True)
+    except Offload:  # (too much for the event loop: parse_body's tools_fanout leaves them to a worker)
+        fanout = None
     if choice == "required" or (isinstance(choice, dict) and choice.get("type") == "function"):
         return Constraint("tool_call", "tool_choice", fanout=fanout)
     strict = {t["function"]["name"]: t["function"].get("parameters")
@@ -208,22 +212,36 @@ def _from_tools(body: dict[str, Any], bounds: Bounds) -> Constraint | None:
     return None
 
 
-def tools_fanout(tools: Any, limits: LimitSettings | None = None) -> str | None:
-    """Why llama.cpp should not take a request offering ``tools`` (already bounded by :func:`extract`): it builds
-    a grammar of every tool's parameters, a lazy one for an optional call, whose parse would go too many ways at
-    once (Constraint.fanout); None if it may."""
-    return _bound_parameters(tools, _DEFAULT_BOUNDS if limits is None else Bounds.of(limits))
+def tools_fanout(tools: Any, limits: LimitSettings | None = None, inline: bool = False) -> str | None:
+    """Why llama.cpp should not take a request offering ``tools`` (bounded by it: ConstraintInvalid where they are
+    not): it builds a grammar of every tool's parameters, a lazy one for an optional call, whose parse would go too
+    many ways at once (Constraint.fanout); None if it may. ``inline`` (on the event loop): Offload when checking them
+    would hold it too long, for a worker process to do (:func:`check_tools`)."""
+    return _bound_parameters(tools, _DEFAULT_BOUNDS if limits is None else Bounds.of(limits), inline)
 
 
-def _bound_parameters(tools: Any, bounds: Bounds) -> str | None:
+def check_tools(payload: bytes, bounds: Bounds) -> str | None:
+    """:func:`tools_fanout` of the tools in ``payload`` (their JSON), whatever it takes: in a worker process."""
+    return _bound_parameters(orjson.loads(payload), bounds, inline=False)
+
+
+# what checking the tools' parameter schemas may take on the event loop: a schema past INLINE_TOOL_BYTES, or the
+# tools past INLINE_TOOLS_SECONDS (each schema's own checks are bounded: PATTERNS_BUDGET), goes to a worker. 512
+# tools of one distinct pattern each held the loop 2-4 s a request, another key's p50 from 5 ms to 3 s (sweep 27)
+INLINE_TOOL_BYTES = 4096
+INLINE_TOOLS_SECONDS = 0.005
+
+
+def _bound_parameters(tools: Any, bounds: Bounds, inline: bool) -> str | None:
     """The tools' parameter schemas are a constraint like any other: within ``limits.max_constraint_bytes``
     together and ``limits.max_nesting`` each, their regexes within what engines can build automata of. An agent
-    sends the same tools with every turn: each schema's verdict is remembered by its text. Returns the first
-    schema's ``Constraint.fanout``, if any."""
+    sends the same tools with every turn: each schema's verdict is remembered by its text (and, past the event
+    loop's share, by the worker's memo). Returns the first schema's ``Constraint.fanout``, if any."""
     if not isinstance(tools, list):
         return None
     total = 0
     fanout: str | None = None
+    started = time.thread_time()  # (the event loop's thread: what it spends, not what others do meanwhile)
     for i, tool in enumerate(tools):
         function = tool.get("function") if isinstance(tool, dict) else None
         if not isinstance(function, dict) or function.get("parameters") is None:
@@ -232,6 +250,8 @@ def _bound_parameters(tools: Any, bounds: Bounds) -> str | None:
         _, text = parse_schema(function["parameters"], param, bounds)
         total += len(text)
         check_size(total, "tools' parameter schemas", param, bounds)
+        if inline and (len(text) > INLINE_TOOL_BYTES or time.thread_time() - started > INLINE_TOOLS_SECONDS):
+            raise Offload
         found = _checked_parameters(text, param, bounds)
         fanout = fanout or found
     return fanout or _names_fanout(tools)

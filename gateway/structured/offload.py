@@ -161,21 +161,30 @@ class ValidationWorkers:
         if param is None:
             return constraint
         kind, payload = _payload(constraint)
-        key = hashlib.blake2b(repr((owner, kind, constraint.dialect, param, self._bounds)).encode(),
-                              digest_size=16)
+        verdict = await self._verdict(kind, payload, constraint.dialect, param, owner)
+        return replace(constraint, renderings=verdict.renderings, pending=None, fanout=verdict.fanout)
+
+    async def validate_tools(self, tools: Any, owner: str) -> str | None:
+        """A request's tools bounded (their parameter schemas, as :func:`~gateway.structured.constraint.tools_fanout`
+        bounds them) in ``owner``'s turn: why llama.cpp should not take them, or None; ConstraintInvalid or
+        ValidationBusy as :meth:`validate`."""
+        return (await self._verdict("tools", orjson.dumps(tools).decode(), "gbnf", "tools", owner)).fanout
+
+    async def _verdict(self, kind: str, payload: str, dialect: str, param: str, owner: str) -> Verdict:
+        key = hashlib.blake2b(repr((owner, kind, dialect, param, self._bounds)).encode(), digest_size=16)
         key.update(payload.encode("utf-8", "surrogatepass"))
         digest = key.digest()
         verdict = self._verdicts.get(digest)
         if verdict is None:
             bounds = self._bounds
-            job = [kind, payload, constraint.dialect, param, [bounds.max_nesting, bounds.max_bytes, bounds.max_rules]]
+            job = [kind, payload, dialect, param, [bounds.max_nesting, bounds.max_bytes, bounds.max_rules]]
             verdict = await self._run(job, param, owner)
             self._remember(digest, verdict)
         else:
             self._verdicts.move_to_end(digest)
         if verdict.problem is not None:
             raise ConstraintInvalid(verdict.problem, param, verdict.code)
-        return replace(constraint, renderings=verdict.renderings, pending=None, fanout=verdict.fanout)
+        return verdict
 
     async def _turn(self, owner: str, patience: float) -> tuple[int, _Worker]:
         """A worker slot in ``owner``'s turn and its (started) worker; release the slot when done. Raises

@@ -6,6 +6,7 @@ may use."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 from collections.abc import Iterator
 from typing import Any
@@ -16,13 +17,16 @@ import pytest
 
 import gateway.api.agent_apis as agent_apis
 import gateway.api.proxy_endpoint as proxy_endpoint
+import gateway.structured.constraint as constraint_module
 from gateway.api.body_head import BodyHead, check_same
 from gateway.api.proxy_endpoint import reservation
+from gateway.api.validation import parse_body, validate_heavy
 from gateway.app import create_app
 from gateway.config import LimitSettings
 from gateway.errors import GatewayError
 from gateway.proxy.exchange import estimate_tokens
 from gateway.sim import FleetThread, SimSpec
+from gateway.structured.offload import ValidationWorkers
 from tests.api.conftest import TIME_SCALE, Running, gateway_settings, streaming
 from tests.conftest import serve_in_thread
 
@@ -171,6 +175,63 @@ def test_the_parameter_schemas_of_tools_are_bounded_like_any_constraint(running:
     fine = post(running, "open", {"model": "m", "messages": ASK, "max_tokens": 4,
                                   "tools": [tool("f", {"type": "object", "properties": {"a": {"type": "string"}}})]})
     assert fine.status_code == 200, fine.text[:300]
+
+
+def test_tools_too_costly_for_the_event_loop_are_checked_in_a_worker(running: Running,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sweep 27: 512 tools, each with one regex distinct per request (no memo holds it), were checked on the event
+    loop, each schema with its own search budget: 2-4 s a request, another key's p50 from 5 ms to 3 s, and the
+    request then refused, its tokens given back. Past a few milliseconds (or a schema past 4 KB) the rest goes to a
+    validation worker, in the key's turn: its verdict is the same, a 400 naming the tool or the answer."""
+    checked: list[str] = []
+    original = constraint_module._checked_parameters
+    monkeypatch.setattr(constraint_module, "_checked_parameters",
+                        lambda text, param, bounds: checked.append(param) or original(text, param, bounds))
+
+    def tools(count: int, pattern: str, bad: int | None = None) -> list[dict[str, Any]]:
+        return [{"type": "function", "function": {"name": f"f{i}", "parameters": {"type": "object", "properties": {
+            "a": {"type": "string", "pattern": "((a{999}){999}){999}" if i == bad else pattern.format(i)}}}}}
+            for i in range(count)]
+
+    body = {"model": "m", "messages": ASK, "max_tokens": 4}
+    # the attack: its worker runs out of time (a 400 in ~2 s, in the key's own turn), the loop holds no one
+    reply = post(running, "open", {**body, "tools": tools(512, "(?:(?:[a-z][a-z]){{10}}){{50}}s{}")})
+    assert reply.status_code == 400 and reply.json()["error"]["code"] == "constraint_too_complex", reply.text[:300]
+    assert 1 <= len(checked) <= 3, f"{len(checked)} of 512 tools checked on the event loop"
+    checked.clear()
+    reply = post(running, "open", {**body, "tools": tools(20, "(?:[a-z][a-z]){{60}}t{}")})  # (~2 ms each)
+    assert reply.status_code == 200, reply.text[:300]
+    assert len(checked) < 20, "some, not all, checked on the event loop"
+    reply = post(running, "open", {**body, "tools": tools(20, "(?:[a-z][a-z]){{60}}u{}", bad=15)})
+    assert reply.status_code == 400 and "tools[15].function.parameters" in reply.json()["error"]["message"]
+    large = {"type": "object", "properties": {f"p{i}": {"type": "string", "description": "d" * 100}
+                                              for i in range(60)}}  # (~7 KB: one schema past 4 KB)
+    checked.clear()
+    one = post(running, "open", {**body, "tools": [{"type": "function", "function": {"name": "f",
+                                                                                     "parameters": large}}]})
+    assert one.status_code == 200 and checked == [], one.text[:300]
+
+
+@pytest.mark.system  # (it starts a validation worker)
+def test_the_verdict_of_tools_checked_in_a_worker_routes_as_one_checked_inline() -> None:
+    """What the worker finds in the tools (llama.cpp's parse of their patterns going too many ways at once) keeps
+    the request from llama.cpp as it does when found on the event loop."""
+    fans = "^(" + "|".join("a" * k for k in range(1, 21)) + ")+$"
+    tools = [{"type": "function", "function": {"name": f"f{i}", "parameters": {"type": "object", "properties": {
+        "a": {"type": "string", "pattern": fans if i == 7 else f"[a-z]+{i}", "description": "d" * 4200}}}}}
+        for i in range(10)]  # (each schema past 4 KB: all go to the worker)
+    request = parse_body("chat", {"model": "m", "messages": ASK, "tools": tools}, LimitSettings())
+    assert request.tools_pending and request.fanout is None
+
+    async def run() -> None:
+        workers = ValidationWorkers(LimitSettings(validation_timeout=30.0), workers=1)
+        try:
+            await validate_heavy(request, workers, "k")
+        finally:
+            await workers.close()
+
+    asyncio.run(run())
+    assert not request.tools_pending and "tools[7].function.parameters" in (request.fanout or "")
 
 
 def test_an_embeddings_request_of_more_inputs_than_the_limit_is_a_400(running: Running) -> None:
