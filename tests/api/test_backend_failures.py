@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import hashlib
 import json
 import time
 
@@ -15,6 +16,8 @@ from gateway.sim import FleetThread, SimSpec
 from tests.api.conftest import TIME_SCALE, Running, gateway_settings
 from tests.conftest import serve_in_thread
 from tests.waiting import wait_until
+
+KEY = {"authorization": "Bearer sk-k"}
 
 ASK = [{"role": "user", "content": "Tell me a long story."}]
 
@@ -77,6 +80,40 @@ def test_client_disconnect_cancels_the_upstream_request(engine: str) -> None:
             # cancelled, not generated to its end (2000 tokens: ~10 s at this speed)
             wait_until(lambda: server.stats.cancelled == 1, "the upstream request cancelled")
             assert server.stats.active_sequences == 0 and server.stats.completed == 0
+
+
+@pytest.mark.parametrize("engine", ["llamacpp", "vllm"])
+def test_a_whole_answer_without_max_tokens_is_waited_for_when_its_client_leaves_and_charged_its_usage(
+        engine: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sweep 27: a whole (unstreamed) answer the client set no max_tokens for, left after 6.5 s, was cut and
+    charged its reservation, ~1,050 tokens, for the ~3,300 a llama-server had written: a key had 3.3x its tokens
+    per minute generated, sustained. Such an answer is waited for now (and dropped), its usage charged; one with
+    max_tokens is cut at once, its reservation (max_tokens) being all it could have cost."""
+    import gateway.api.proxy_endpoint as proxy_endpoint
+
+    charged: list[int] = []
+    original = proxy_endpoint._tokens_used
+    monkeypatch.setattr(proxy_endpoint, "_tokens_used", lambda exchange: charged.append(original(exchange))
+                        or charged[-1])
+    spec = SimSpec(engine=engine, model="slow", name="slow", time_scale=1.0,  # real-time: ~200 tok/s
+                   overrides={"natural_min_tokens": 600, "natural_max_tokens": 600})
+    with FleetThread([spec]) as fleet:
+        server = fleet.fleet["slow"]
+        keys = [{"name": "k", "key_sha256": hashlib.sha256(b"sk-k").hexdigest(), "tokens_per_minute": 100_000}]
+        with serve_in_thread(create_app(gateway_settings(fleet.fleet.servers, auth={"keys": keys}))) as gateway:
+            body: dict[str, object] = {"model": "slow", "messages": ASK}
+            leaving = httpx.Timeout(30.0, read=0.5)  # (the client leaves half a second in)
+            with pytest.raises(httpx.ReadTimeout):
+                httpx.post(gateway.url + "/v1/chat/completions", json=body, timeout=leaving, headers=KEY)
+            wait_until(lambda: charged, "the request settled, once the engine had answered it", within=30)
+            assert server.stats.completed == 1 and server.stats.cancelled == 0
+            assert charged[0] >= 600, charged  # (its usage: not the 1,024 tokens reserved, 600 and the prompt)
+            with pytest.raises(httpx.ReadTimeout):
+                httpx.post(gateway.url + "/v1/chat/completions", json={**body, "max_tokens": 600}, timeout=leaving,
+                           headers=KEY)
+            wait_until(lambda: server.stats.cancelled == 1, "the bounded request cancelled")
+            wait_until(lambda: len(charged) == 2, "the bounded request settled")
+            assert charged[1] >= 600 and server.stats.completed == 1
 
 
 @pytest.mark.parametrize("engine", ["llamacpp", "vllm", "sglang", "tabbyapi"])
