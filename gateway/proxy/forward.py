@@ -89,6 +89,20 @@ class AttemptOptions:
     on_status: Callable[[int], None] | None = None  # told the backend's status as soon as it answers
 
 
+UNBOUNDED_TOKENS = 1 << 20  # what a request without max_tokens may generate, where its backend's context is unknown
+EXTRA_EVENTS = 256  # an engine's events beside its tokens' (role, finish, usage, an agent API's block events)
+
+
+def _max_events(exchange: Exchange, backend: Backend) -> int:
+    """The most data events a stream may carry: one a token of each generation, up to its max_tokens (else its
+    backend's context), and EXTRA_EVENTS."""
+    request = exchange.request
+    tokens = (request.max_tokens if request is not None and request.max_tokens is not None
+              else backend.capacity.context_length or UNBOUNDED_TOKENS)
+    generations = request.generations if request is not None else 1
+    return tokens * max(1, generations) + EXTRA_EVENTS
+
+
 class Forwarder:
     """Forwards attempts through ``transport``. A non-streamed answer is read up to ``max_response_bytes`` (past it:
     :class:`~gateway.proxy.upstream.ResponseTooLarge`, found without reading the rest; as well past
@@ -229,7 +243,7 @@ class Forwarder:
                     relay = SSERelay(options.keep_usage, backend.secrets, backend.spec.stream,
                                      native.end if native is not None else None,
                                      None if native is not None else partial(_reshape_error, backend),
-                                     options.hidden)
+                                     options.hidden, _max_events(exchange, backend))
                     stream = _Stream(exchange, relay, clock,
                                      native.generated if native is not None else text_events_in)
                     stream_to = getattr(response, "stream_to", None)

@@ -56,7 +56,7 @@ from gateway.proxy.cache_figures import FieldPath, without
 
 # an upstream that sends this much without ending an event is not speaking SSE
 MAX_PENDING_BYTES = 1 << 20
-MAX_IDLE_BYTES = 1 << 20  # of comments and blank lines between two data events
+MAX_IDLE_BYTES = 1 << 20  # of comments, blank lines and events without text between two with text
 # events the relay parses (usage, timings, errors) larger than BIG_ACTED_BYTES: at most MAX_ACTED_BYTES of them in
 # one stream (a usage event is a few hundred bytes; back-to-back 1 MiB ones, each parsed, starved the event loop:
 # sweep 9)
@@ -182,14 +182,19 @@ def _parse(payload: bytes) -> dict[str, Any]:
 class SSERelay:
     """Feed it upstream bytes; it returns what to send to the client (possibly ``b""``)."""
 
-    __slots__ = ("_acted", "_buf", "_crlf", "_end", "_head", "_head_key", "_hidden", "_idle", "_reshape", "_secrets",
-                 "_split_usage", "done", "error", "events", "keep_usage", "texts", "timings", "usage")
+    __slots__ = ("_acted", "_buf", "_crlf", "_end", "_head", "_head_key", "_hidden", "_idle", "_max_events", "_reshape",
+                 "_secrets", "_split_usage", "done", "error", "events", "keep_usage", "texts", "timings", "usage")
 
     def __init__(self, keep_usage: bool, secrets: Redactor | None = None,
                  quirks: StreamQuirks = ALL_QUIRKS, end: re.Pattern[bytes] | None = None,
                  reshape_error: Callable[[bytes], bytes] | None = None,
-                 hidden: Sequence[FieldPath] = ()) -> None:
+                 hidden: Sequence[FieldPath] = (), max_events: int = 1 << 40) -> None:
         self.keep_usage = keep_usage
+        # the most data events the request may be sent: an engine sends at most one a token it generates, and a
+        # few of its own (role, finish, usage); past it the engine is not generating, and the stream is cut (a
+        # request of max_tokens 5 was relayed 146 MB of one-character events, every other key's p50 from 8 ms to
+        # 1.2 s while it lasted, sweep 27)
+        self._max_events = max_events
         self._hidden = hidden  # fields removed from the events (only usage and timings events carry them)
         self._end = end  # an agent API's own last event (its streams have no [DONE]); None: OpenAI's [DONE]
         # an upstream error event's data in the shape the client expects (OpenAI's envelope, secrets scrubbed):
@@ -225,10 +230,15 @@ class SSERelay:
             # with the fewest steps (slices compared: ``endswith`` and ``startswith`` parse their arguments the
             # slow way on CPython 3.11, ~0.25 us a call here)
             self.events += 1
-            self._idle = 0
+            if self.events > self._max_events:
+                raise InvalidStream(f"more than {self._max_events} events, more than the request may generate")
             if self._end is not None and self._end.search(data) is not None:
                 self.done = True
             found = self._scan(data)
+            if any(found):
+                self._idle = 0
+            else:  # (no text: as a comment is, else `data: {}` unpaced held every other key's requests seconds)
+                self._idled(len(data))
             if b"" not in found:  # nothing that matters: the event passes, and its text events are counted
                 self.texts = len(found)
                 return data
@@ -297,11 +307,16 @@ class SSERelay:
         events.pop()  # the b"" after the last blank line
         for event in events:
             if event[:7] == b"data: {" and event[-1:] == b"}" and event.find(b"\n") < 0:  # the usual form
-                self._idle = 0
                 self.events += 1
+                if self.events > self._max_events:
+                    raise InvalidStream(f"more than {self._max_events} events, more than the request may generate")
                 if self._end is not None and self._end.search(event) is not None:
                     self.done = True
                 found = self._scan(event)
+                if any(found):
+                    self._idle = 0
+                else:  # (no text: counted as a comment is)
+                    self._idled(len(event) + 2)
                 if b"" not in found:
                     out.append(event)
                     if texts is not None:
@@ -342,7 +357,8 @@ class SSERelay:
     def _idled(self, size: int) -> None:
         self._idle += size
         if self._idle > MAX_IDLE_BYTES:
-            raise InvalidStream(f"more than {MAX_IDLE_BYTES} bytes of comments and blank lines without an event")
+            raise InvalidStream(f"more than {MAX_IDLE_BYTES} bytes of comments, blank lines and events without text "
+                                "between two that have it")
 
     def _fields(self, event: bytes) -> bytes | None:
         """``event`` with its comment lines dropped and its other fields scrubbed of the credentials, or None when
@@ -360,6 +376,8 @@ class SSERelay:
         """Check one data event not of the usual form (several lines, other fields, spacing): None when it passes
         unchanged, else the events to send instead."""
         self.events += 1
+        if self.events > self._max_events:
+            raise InvalidStream(f"more than {self._max_events} events, more than the request may generate")
         payload = _payload(event)
         cleaned = self._fields(event)
         if cleaned is not None:

@@ -428,9 +428,38 @@ def test_a_flood_of_comments_or_blank_lines_between_events_ends_the_stream() -> 
     chunk = b'data: {"choices":[{"delta":{"content":"hi"}}]}\n\n'
     relay.feed(chunk + b": p\n\n" * 100_000 + chunk)  # (under the bound, and a data event resets it)
     relay.feed(b"\n" * 500_000)
-    with pytest.raises(InvalidStream, match="comments and blank lines"):
+    with pytest.raises(InvalidStream, match="comments, blank lines and events without text"):
         for _ in range(200):
             relay.feed(b": p\n\n" * 1000)
+
+
+@pytest.mark.parametrize("empty", [b"data: {}\n\n", b'data: {"choices":[]}\n\n',
+                                   b'data: {"choices":[{"delta":{"content":""}}]}\n\n',
+                                   b'data: {"choices":[],"usage":{"prompt_tokens":1,"completion_tokens":1}}\n\n'])
+@pytest.mark.parametrize("per_read", [1, 500])
+def test_a_flood_of_events_without_text_ends_the_stream_as_comments_do(empty: bytes, per_read: int) -> None:
+    """Sweep 27: `data: {}` (or usage alone, which the relay parses and the client never sees) unpaced from one
+    backend held every other key's requests 2-6 s on the replica: a data event reset the bound on comments. An
+    event without text counts toward it now; one with text resets it."""
+    relay = SSERelay(keep_usage=False)
+    text = b'data: {"choices":[{"delta":{"content":"hi"}}]}\n\n'
+    relay.feed(empty * 1000 + text)  # (a few are what engines send: the role's chunk, the usage)
+    with pytest.raises(InvalidStream, match="events without text"):
+        for _ in range(2 * (1 << 20) // (len(empty) * per_read) + 1):
+            relay.feed(empty * per_read)
+
+
+def test_a_stream_of_more_events_than_the_request_may_generate_is_cut() -> None:
+    """Sweep 27: a request of max_tokens 5 was relayed 146 MB of one-character events (every other key's p50 from
+    8 ms to 1.2 s while it lasted). One event a token, and a few besides, is all an engine sends."""
+    text = b'data: {"choices":[{"delta":{"content":"x"}}]}\n\n'
+    relay = SSERelay(keep_usage=True, max_events=5 + 256)
+    relay.feed(text * 261)
+    with pytest.raises(InvalidStream, match="more than 261 events"):
+        relay.feed(text)
+    relay = SSERelay(keep_usage=True, max_events=5 + 256)
+    with pytest.raises(InvalidStream, match="more than 261 events"):
+        relay.feed(text * 262)  # (many in one read)
 
 
 def test_a_credential_split_across_data_lines_is_scrubbed_from_the_error_that_shows_it() -> None:
@@ -449,9 +478,10 @@ def test_large_events_the_relay_parses_are_bounded_per_stream() -> None:
     keys on other models got 503 when Redis calls missed their timeout)."""
     relay = SSERelay(keep_usage=True)
     big = b'data: {"choices":[],"usage":{"prompt_tokens":1,"completion_tokens":1,"x":"' + b"a" * 300_000 + b'"}}\n\n'
-    relay.feed(big)
-    relay.feed(big)
-    relay.feed(big)
+    text = b'data: {"choices":[{"delta":{"content":"hi"}}]}\n\n'  # (so the bound on idle bytes is not what trips)
+    relay.feed(big + text)
+    relay.feed(big + text)
+    relay.feed(big + text)
     with pytest.raises(InvalidStream, match="usage, timings or an error"):
         relay.feed(big)
     small = SSERelay(keep_usage=True)
