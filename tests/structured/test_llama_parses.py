@@ -74,7 +74,15 @@ def test_llama_cpp_own_example_grammars_keep_few_stacks_and_pass() -> None:
     for path in grammars:
         text = Path(path).read_text()
         assert parses(text) <= 16, path.name  # (c.gbnf: 13, json.gbnf: 12)
+        if path.name == "c.gbnf":  # (the one refused: see below)
+            continue
         assert fanout({"grammar": text}) is None, path.name
+    # c.gbnf's statement ends with an optional `else`, and the statement after it may begin with `e`: where one
+    # nested level's part ends and the next one's begins may be either place, the shape of sweep 27's grammar whose
+    # stacks grow with the depth it nested. Here they do not (the next level's `}` tells them apart: 5 stacks
+    # after 1 or 80 ifs closed and "el"), but the check from the grammar alone cannot tell: kept from llama.cpp
+    c_gbnf = (root / "c.gbnf").read_text()
+    assert "may each end where the next one's may begin" in (fanout({"grammar": c_gbnf}) or "")
 
 
 @pytest.mark.parametrize("grammar", [
@@ -124,8 +132,23 @@ def test_a_recursion_whose_every_level_leaves_an_optional_part_is_not_for_llamac
     assert why is not None and "a recursion through rule 'r' whose every level may leave" in why, why
     for growing in ('root ::= r\nr ::= "(" r* | "x"\n', 'root ::= r\nr ::= "(" (r " "?) | "x"\n'):
         assert "a recursion through rule 'r'" in (fanout({"grammar": growing}) or ""), growing
+    # sweep 27: each level's part may end where the next one's begins (p: 8 lengths of a's): after 300 a's, a b and
+    # 100 a's the text splits between the levels 3,094 ways (6.8 s a token with a 128k vocabulary; another key's
+    # 16-token requests from 0.12 to 100 s)
+    unwinding = ('root ::= blk+\nblk ::= r "x"\nr ::= "a" r p | "b"\np ::= '
+                 + " | ".join('"' + "a" * k + '"' for k in range(1, 9)) + "\n")
+    compiled = _Compiled(parse_grammar(unwinding, "gbnf"), 10**9)
+    stacks = compiled.start("root")
+    for character in "a" * 300 + "b" + "a" * 100:
+        stacks = compiled.accept(stacks, ord(character))
+    assert len(stacks) > 1000
+    for grammar in (unwinding, 'root ::= r\nr ::= "a" r [a-z]+ | "x"\n',
+                    'root ::= r\nr ::= "a" r ("ab" | "abab") | "x"\n'):
+        why = fanout({"grammar": grammar})
+        assert why is not None and "may each end where the next one's may begin" in why, (grammar, why)
     # (what must match after the reference ends the chain of levels; a reference in last place keeps no frame)
     for bounded in ('root ::= r\nr ::= "(" r ")" s | "x"\ns ::= "a"?\n', 'root ::= r\nr ::= "(" r | "x"\n',
+                    'root ::= r\nr ::= "a" r ("a" | "b") | "x"\n', 'root ::= r\nr ::= "(" r ")" [ ]* | "x"\n',
                     'root ::= r ("," r)*\nr ::= "[" (r ("," r)*)? "]" | "x"\n'):
         assert fanout({"grammar": bounded}) is None, bounded
 
@@ -189,6 +212,28 @@ def test_a_pattern_enum_or_union_that_goes_too_many_ways_is_not_for_llamacpp() -
     assert fanout({"json_schema": {"type": "array", "items": {"enum": countries}}}) is None
     assert fanout({"json_schema": {"anyOf": union["anyOf"][:MAX_PARSES]}}) is None
     assert fanout({"json_schema": {"type": "string", "pattern": "^[a-z]+(,[a-z]+)*$"}}) is None
+
+
+def test_a_schemas_unions_enums_and_optional_properties_are_counted_together() -> None:
+    """Sweep 27: each counted alone, an anyOf of 64 objects each with a 450-value enum (through a $ref) passed, and
+    llama.cpp held 28,800 stacks (19.6 s a token with a 128k vocabulary; another key's p50 from 0.12 to 12.9 s);
+    so did 30 objects of 300 optional properties, and unions of unions of such enums."""
+    values = [f"{chr(0x100 + i)}" for i in range(450)]
+    product = {"$defs": {"e": {"enum": values}},
+               "anyOf": [{"type": "object", "properties": {"a": {"$ref": "#/$defs/e"}}, "required": ["a"]}
+                         for _ in range(64)]}
+    assert "together may hold 28,800 ways at once" in (fanout({"json_schema": product}) or "")
+    optional = {"anyOf": [{"type": "object", "properties": {f"p{i:03d}": {"type": "integer"} for i in range(100)}}
+                          for _ in range(30)]}  # (sweep 27's: 300 properties, 88 KB)
+    assert "together may hold 3,000 ways at once" in (fanout({"json_schema": optional}) or "")
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "$defs": product["$defs"], "properties": {"x": {"anyOf": product["anyOf"]}}}}}]
+    assert "together may hold" in (tools_fanout(tools) or "")
+    # what real schemas hold passes: one such enum, a union of a few objects with a few properties each
+    assert fanout({"json_schema": {"type": "object", "properties": {"a": {"enum": values}}}}) is None
+    few = {"anyOf": [{"type": "object", "properties": {"kind": {"const": k}, "n": {"type": "integer"}},
+                      "required": ["kind"]} for k in ("a", "b", "c")]}
+    assert fanout({"json_schema": few}) is None
 
 
 def test_an_ebnf_grammar_too_ambiguous_for_llamacpp_goes_to_the_other_engines() -> None:
