@@ -57,6 +57,33 @@ def test_a_sub_reads_what_a_libzmq_pub_sends_on_its_topic(context: zmq.Context[z
     pub.close(0)
 
 
+def test_a_publisher_with_heartbeats_is_read_however_long_it_is_quiet(context: zmq.Context[zmq.Socket[bytes]]) -> None:
+    """Sweep 27: libzmq's ZMQ_HEARTBEAT_IVL PINGs counted toward the commands allowed between two messages (an
+    idle publisher was cut at the 17th), and a message after one was held to a command's 4 KiB."""
+    endpoint = f"tcp://127.0.0.1:{free_port_block(1)}"
+    pub = context.socket(zmq.XPUB)
+    pub.setsockopt(zmq.HEARTBEAT_IVL, 40)  # (ms: 25 PINGs a second)
+    pub.bind(endpoint)
+    batch = b"b" * 10_000
+
+    async def scenario() -> list[bytes]:
+        sub = await Connection.open(endpoint, "SUB", max_frame=2 << 20, max_parts=4, seconds=5)
+        sending = asyncio.get_running_loop().create_task(publish_once_subscribed(pub, [b"kv", b"x"]))
+        await sub.send([b"\x01kv"])
+        await sending
+        try:
+            assert await asyncio.wait_for(sub.recv(), 10) == [b"kv", b"x"]
+            reading = asyncio.get_running_loop().create_task(sub.recv())  # (answering each PING meanwhile)
+            await asyncio.sleep(1.5)  # real time: ~37 heartbeats while the publisher is quiet
+            pub.send_multipart([b"kv", batch])
+            return await asyncio.wait_for(reading, 10)
+        finally:
+            sub.close()
+
+    assert asyncio.run(scenario()) == [b"kv", batch]
+    pub.close(0)
+
+
 @pytest.mark.parametrize(("parts", "words"), [([b"kv"] + [b"p" * 1024] * 39, "more than 4 parts"),
                                              ([b"kv", b"seq", b"x" * 5000], "a frame of 5000 bytes, more than 4096")])
 def test_a_message_past_its_bounds_ends_at_the_header_that_says_so(
@@ -176,5 +203,9 @@ def test_a_peer_sending_commands_instead_of_messages_is_cut_off(flood: str) -> N
             sub.close()
             await sending
 
-    assert f"more than {MAX_COMMANDS} commands" in asyncio.run(scenario())
+    why = asyncio.run(scenario())
+    # (a PING past 4 KiB is refused at its header, before its body is read; small commands, past MAX_COMMANDS in a
+    # second)
+    expected = f"more than {MAX_COMMANDS} commands" if flood != "pings" else "a frame of 200007 bytes, more than 4096"
+    assert expected in why
     listener.close()
