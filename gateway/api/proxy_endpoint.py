@@ -28,7 +28,7 @@ from gateway.auth import ANONYMOUS, Client, KeyStore
 from gateway.config import LimitSettings, Settings
 from gateway.errors import GatewayError
 from gateway.proxy.dispatch import Dispatcher
-from gateway.proxy.exchange import BYTES_PER_TOKEN, Exchange, estimate_tokens, rerank_rereads
+from gateway.proxy.exchange import BYTES_PER_TOKEN, HOPS_HEADER, Exchange, estimate_tokens, hops, rerank_rereads
 from gateway.routing.request import POOLING_ROUTES
 from gateway.server_protocol import ARRIVAL
 from gateway.state.shared import Budget, SharedState, StateUnavailable
@@ -251,6 +251,7 @@ class ProxyEndpoint:
             if scope["method"] != "POST":
                 raise GatewayError(405, f"{scope['path']} only accepts POST", code="method_not_allowed",
                                    headers={"allow": "POST"})
+            exchange.hops = hops(header(scope, HOPS_HEADER))
             client = exchange.client = self._keys.authenticate(header(scope, b"authorization"),
                                                                header(scope, b"x-api-key"))
             exchange.explain = KeyStore.explains_routing(client, header(scope, b"x-gateway-debug"))

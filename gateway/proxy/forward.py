@@ -128,7 +128,8 @@ class Forwarder:
         t = self._timeouts
         exchange.t_dispatch = time.perf_counter()
         deadline = loop.time() + t.total
-        headers = {**backend.request_headers, "X-Request-Id": exchange.request_id}
+        headers = {**backend.request_headers, "X-Request-Id": exchange.request_id,
+                   "X-Gateway-Hops": str(exchange.hops + 1)}
         if exchange.stream and not backend.spec.keeps_alive_after_stream:
             headers["Connection"] = "close"  # it closes anyway: never pool the connection
         if options.upstream_headers:
