@@ -601,7 +601,9 @@ class ProfileSettings(_Strict):
 
 # request headers that carry a client's credentials, and words that say a header does
 CREDENTIAL_HEADERS = frozenset({"authorization", "proxy-authorization", "cookie", "x-api-key", "api-key"})
-CREDENTIAL_WORDS = ("auth", "cookie", "api-key", "apikey", "api_key", "token", "secret", "password")
+# (and, sweep 27, the names other gateways and proxies give theirs: x-litellm-key, x-passwd, x-jwt, x-client-cert)
+CREDENTIAL_WORDS = ("auth", "cookie", "api-key", "apikey", "api_key", "token", "secret", "password", "passwd",
+                    "key", "credential", "jwt", "bearer", "cert", "signature")
 
 
 class RoutingSettings(_Strict):

@@ -74,6 +74,9 @@ def test_good_file_with_environment_overrides(tmp_path: pathlib.Path, monkeypatc
          "'url' is written twice in one mapping (lines 4 and 5)"),
         # a session's header value is kept, published to every replica and may be logged: never a credential
         ("routing: {session_header: Authorization}", "routing.session_header: 'Authorization' carries credentials"),
+        # sweep 27: other gateways' and proxies' names for theirs passed
+        *((f"routing: {{session_header: {name}}}", f"routing.session_header: '{name}' carries credentials")
+          for name in ("x-litellm-key", "x-passwd", "x-credential", "x-jwt", "x-bearer", "x-client-cert")),
         # sweep 25: a KV-event endpoint without a port passed, and never connected
         ("backends:\n  - name: v\n    engine: vllm\n    url: http://x:8000\n    kv_events: {endpoint: 'tcp://h'}\n",
          "endpoint must be tcp://host:port"),
