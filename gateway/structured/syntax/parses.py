@@ -70,7 +70,7 @@ class _Compiled:
 
     def __init__(self, grammar: Grammar, budget: int, seconds: float | None = None) -> None:
         self.grammar = grammar
-        self.deadline = None if seconds is None else time.process_time() + seconds  # (this process's CPU time)
+        self.deadline = None if seconds is None else time.thread_time() + seconds  # (this thread's CPU time)
         self._check_at = max(budget - 2048, 0)  # (the clock is read every 2,048 steps)
         self.nodes: dict[int, Expr] = {}
         self.owner: dict[int, str] = {}  # a group's or repetition's node -> the named rule it is written in
@@ -83,7 +83,7 @@ class _Compiled:
     def spend(self, amount: int = 1) -> None:
         self.budget -= amount
         if self.budget < self._check_at:
-            if self.budget < 0 or (self.deadline is not None and time.process_time() > self.deadline):
+            if self.budget < 0 or (self.deadline is not None and time.thread_time() > self.deadline):
                 raise _Exhausted
             self._check_at = max(self.budget - 2048, 0)
 
@@ -330,7 +330,7 @@ def most_parses(grammar: Grammar, budget: int, limit: int = MAX_PARSES, seconds:
     """The most stacks llama.cpp keeps for ``grammar`` after any text: a search from the root through every set
     of stacks a character leads to (each set once, as :class:`_Known` tells them apart; the characters that keep
     the most stacks first), to the first set past ``limit`` or every set, within ``budget`` stack expansions and
-    ``seconds`` of this process's CPU time (``complete`` False when either ran out: an unfinished search is no
+    ``seconds`` of this thread's CPU time (``complete`` False when either ran out: an unfinished search is no
     verdict)."""
     compiled = _Compiled(grammar, budget, seconds)
     texts: list[tuple[str, int]] = [("", 0)]  # (a character, the text it follows) by number; 0: the empty text
