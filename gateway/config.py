@@ -601,9 +601,10 @@ class ProfileSettings(_Strict):
 
 # request headers that carry a client's credentials, and words that say a header does
 CREDENTIAL_HEADERS = frozenset({"authorization", "proxy-authorization", "cookie", "x-api-key", "api-key"})
-# (and, sweep 27, the names other gateways and proxies give theirs: x-litellm-key, x-passwd, x-jwt, x-client-cert)
-CREDENTIAL_WORDS = ("auth", "cookie", "api-key", "apikey", "api_key", "token", "secret", "password", "passwd",
-                    "key", "credential", "jwt", "bearer", "cert", "signature")
+# (and, sweeps 27-28, the names other gateways and proxies give theirs: x-litellm-key, x-pass, x-jwt, x-hmac,
+# x-amzn-oidc-data, x-ms-client-principal)
+CREDENTIAL_WORDS = ("auth", "cookie", "api-key", "apikey", "api_key", "token", "secret", "pass", "pwd", "key",
+                    "credential", "jwt", "bearer", "cert", "sig", "hmac", "otp", "psk", "oidc", "principal")
 
 
 class RoutingSettings(_Strict):

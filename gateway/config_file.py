@@ -187,11 +187,18 @@ class _StrictLoader(yaml.SafeLoader):
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
         lines: dict[Any, int] = {}
-        for key_node, _ in node.value:
+        for key_node, value_node in node.value:
             if key_node.tag == _MERGE:  # (``<<: *defaults``: the keys written beside it override, on purpose)
                 continue
             key = self.construct_object(key_node, deep=True)
             line = key_node.start_mark.line + 1
+            if (isinstance(value_node, yaml.ScalarNode) and value_node.tag == "tag:yaml.org,2002:null"
+                    and value_node.value == "" and not value_node.style):
+                # (an empty value reads as null, and null is "none": `max_in_flight:` a template left empty lifted a
+                # key's limit, `url:` under state started a replica without the fleet's Redis, sweep 28)
+                name = f"{key!r}" if isinstance(key, str) and _FIELD.fullmatch(key) else "a key"
+                raise ConfigError(f"{self.source}: {name} at line {line} has no value (what a template's missing "
+                                  "variable leaves); to mean none, write null")
             try:
                 first = lines.get(key)
             except TypeError:  # (an unhashable key: the base class refuses it)

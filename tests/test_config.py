@@ -74,9 +74,15 @@ def test_good_file_with_environment_overrides(tmp_path: pathlib.Path, monkeypatc
          "'url' is written twice in one mapping (lines 4 and 5)"),
         # a session's header value is kept, published to every replica and may be logged: never a credential
         ("routing: {session_header: Authorization}", "routing.session_header: 'Authorization' carries credentials"),
+        # sweep 28: an empty value in the middle (a template's missing variable) read as null, "none": a key's limit
+        # lifted, a replica started without the fleet's Redis
+        ("auth:\n  keys:\n    - name: a\n      key_sha256: " + "a" * 64 + "\n      max_in_flight:\n      models: [m]\n",
+         "'max_in_flight' at line 5 has no value (what a template's missing variable leaves)"),
+        ("state:\n  url:\n  on_failure: closed\n", "'url' at line 2 has no value"),
         # sweep 27: other gateways' and proxies' names for theirs passed
         *((f"routing: {{session_header: {name}}}", f"routing.session_header: '{name}' carries credentials")
-          for name in ("x-litellm-key", "x-passwd", "x-credential", "x-jwt", "x-bearer", "x-client-cert")),
+          for name in ("x-litellm-key", "x-passwd", "x-credential", "x-jwt", "x-bearer", "x-client-cert", "x-pass",
+                       "x-pwd", "x-hmac", "x-otp", "x-sig", "x-psk", "x-amzn-oidc-data", "x-ms-client-principal")),
         # sweep 25: a KV-event endpoint without a port passed, and never connected
         ("backends:\n  - name: v\n    engine: vllm\n    url: http://x:8000\n    kv_events: {endpoint: 'tcp://h'}\n",
          "endpoint must be tcp://host:port"),
