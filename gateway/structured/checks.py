@@ -52,8 +52,10 @@ from gateway.structured.syntax.grammar_ast import Grammar
 from gateway.structured.syntax.parses import (
     INLINE_BUDGET,
     MAX_PARSES,
+    NESTING_INLINE,
     WORKER_BUDGET,
     WORKER_SECONDS,
+    Unfollowed,
     most_parses,
     nesting_problem,
     parses_problem,
@@ -622,7 +624,10 @@ def _grammar(text: str, dialect: Dialect, param: str, bounds: Bounds, inline: bo
 def _llama_parses(grammar: Grammar, inline: bool) -> str | None:
     """What makes llama.cpp's parse of ``grammar`` go too many ways at once, or None; Offload when the event
     loop's share of the search ran out before it ended."""
-    growing = nesting_problem(grammar)  # (from the grammar alone: no search tells a recursion's levels apart)
+    try:  # (from the grammar alone: no search tells a recursion's levels apart)
+        growing = nesting_problem(grammar, NESTING_INLINE if inline else 0)
+    except Unfollowed:
+        raise Offload from None
     if growing is not None:
         return growing
     found = most_parses(grammar, INLINE_BUDGET, seconds=None) if inline else (

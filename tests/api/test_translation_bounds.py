@@ -162,3 +162,29 @@ def test_a_translated_stream_that_fails_ends_at_once_and_lets_the_engine_go(path
             assert upstream.written < len(pieces)  # (the client's answer ended before the engine's: ~5 s)
             wait_until(lambda: app.gateway.pool.get("scripted").in_flight == 0, "the request let go of its backend")
             assert upstream.written < len(pieces), upstream.written  # (and the engine's answer was let go)
+
+
+def test_a_whole_answer_without_max_tokens_that_ends_without_usage_is_charged_its_backends_context() -> None:
+    """Sweep 28: a json_schema of long strings made llama-server write ~6,000 tokens and answer 500; without
+    max_tokens the request was charged its reservation (~1,100-1,600), and failing over charged each engine its
+    prompt: a key had 5.7x (chat) and 6.2x (Responses, through two llama-servers) its tokens per minute generated,
+    sustained. Such an answer, ended without the engine's count, is charged what it may have generated."""
+    from types import SimpleNamespace
+
+    from gateway.api.proxy_endpoint import _tokens_used
+    from gateway.proxy.exchange import Exchange
+    from gateway.routing.request import RouteRequest
+
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    request = RouteRequest(model="m", route="chat", stream=False, max_tokens=None, body=body)
+    exchange = Exchange(request_id="r", route="chat", t_start=0.0, stream=False, request=request)
+    exchange.backend = SimpleNamespace(capacity=SimpleNamespace(context_length=8192))  # type: ignore[assignment]
+    exchange.reserve, exchange.body_tokens, exchange.outcome = 1100, 60, "upstream_error"
+    assert _tokens_used(exchange) == 8192
+    exchange.failed_over = 1
+    assert _tokens_used(exchange) == 2 * 8192
+    exchange.outcome, exchange.failed_over = "success", 0  # (a whole answer without usage: its estimate, as before)
+    assert _tokens_used(exchange) == 1100
+    bounded = RouteRequest(model="m", route="chat", stream=False, max_tokens=50, body=body)
+    exchange.request, exchange.outcome = bounded, "upstream_error"  # (bounded: its reservation is the most)
+    assert _tokens_used(exchange) == 1100

@@ -377,3 +377,22 @@ def test_strict_tool_arguments_are_checked_against_their_own_schema_after_the_fa
     problem = output_problem("chat", answer("weather", '{"town": "Oslo"}'), constraint)
     assert problem is not None and "'weather'" in problem and "city" in problem
     assert "not valid JSON" in (output_problem("chat", answer("weather", '{"ci'), constraint) or "")
+
+
+def test_a_request_naming_several_constraints_is_refused_before_any_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sweep 28: one body stacking every constraint field, each salted and under its inline size, had each checked on
+    the event loop (~110 ms a request) before it was refused for naming several."""
+    import gateway.structured.constraint as constraint_module
+
+    checked: list[str] = []
+    for name in ("_schema", "_regex", "_grammar", "_choices"):
+        original = getattr(constraint_module, name)
+        monkeypatch.setattr(constraint_module, name,
+                            lambda *args, _o=original, **kw: checked.append(args[0]) or _o(*args, **kw))
+    body = {"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "object"}}},
+            "guided_regex": "a+", "grammar": 'root ::= "x"', "structured_outputs": {"json": {"type": "string"}}}
+    with pytest.raises(ConstraintInvalid) as refused:
+        extract(body)
+    assert str(refused.value).endswith("only one structured-output constraint per request; got response_format, "
+                                       "structured_outputs.json, guided_regex, grammar")
+    assert checked == []

@@ -165,6 +165,21 @@ def test_the_check_of_a_long_ring_of_rules_is_linear_in_them() -> None:
     assert nesting_problem(ring) is None  # (within the bound: a ")" ends each level)
 
 
+def test_the_check_of_recursions_is_bounded_on_the_event_loop_and_in_a_worker() -> None:
+    """Sweep 28: a 1 KB grammar whose recursion's parts hold hundreds of separate characters took nesting_problem 4 s
+    on the event loop (one step sorted ~100,000 ranges): each range it holds is a step now, and past the loop's
+    share the check goes to a worker; past the worker's, the grammar is kept from llama.cpp."""
+    from gateway.structured.syntax.parses import NESTING_INLINE, Unfollowed, nesting_problem
+
+    spaced = "".join(chr(0x100 + 2 * i) for i in range(300))  # (300 ranges of one character each)
+    grammar = f'root ::= r\nr ::= "x" | [{spaced}] r [{spaced}]* "y"\n'
+    with pytest.raises(Unfollowed):
+        nesting_problem(parse_grammar(grammar, "gbnf"), NESTING_INLINE)
+    constraint = extract({"grammar": grammar})
+    assert constraint is not None and constraint.pending == "grammar"  # (for a worker)
+    assert nesting_problem(parse_grammar(grammar, "gbnf")) is None  # (in the worker: its verdict, within its steps)
+
+
 @pytest.mark.integration
 def test_what_the_event_loop_cannot_finish_goes_to_a_worker() -> None:
     root = released(LLAMA_CPP_GRAMMARS) / "vendor" / "llama.cpp" / "grammars"

@@ -35,7 +35,8 @@ from .left_recursion import strong_components
 # The most stacks a grammar may make llama.cpp keep. llama.cpp's own example grammars keep at most 13 (c.gbnf;
 # json.gbnf 12); each stack costs ~2.8 ns a candidate token, so 64 cost ~23 ms a token with a 128k vocabulary.
 MAX_PARSES = 64
-NESTING_BUDGET = 1_000_000  # expressions nesting_problem evaluates (~0.3 s; a 127 KB grammar of 1,900 rules: ~100k)
+NESTING_BUDGET = 1_000_000  # steps of nesting_problem in a worker (an expression, and a step a range it holds)
+NESTING_INLINE = 2_000  # and on the event loop (past it, the check goes to a worker)
 INLINE_BUDGET = 1_000  # steps on the event loop (~3 ms); past it the search goes to a worker
 WORKER_BUDGET = 200_000  # in a validation worker (~3 us each: ~0.7 s of a core; limits.validation_timeout is 2 s)
 # and at most this much of its CPU time there, whatever the steps (on a slower core than the one the budget was
@@ -365,7 +366,11 @@ def most_parses(grammar: Grammar, budget: int, limit: int = MAX_PARSES, seconds:
     return Parses(most[0], text(most[1]), grammar.root, True, budget - compiled.budget)
 
 
-def nesting_problem(grammar: Grammar) -> str | None:
+class Unfollowed(Exception):
+    """The check ran out of its steps before it ended: no verdict."""
+
+
+def nesting_problem(grammar: Grammar, budget: int = 0) -> str | None:
     """What makes llama.cpp's stacks multiply with the depth a recursion nests to, or None; found from the grammar
     alone, since no search of sets of stacks tells a recursion's levels apart (:class:`_Known` takes its deeper
     copies as alike). llama.cpp keeps a frame at every level for what follows the reference in (its rest), and once
@@ -445,20 +450,22 @@ def nesting_problem(grammar: Grammar) -> str | None:
     cycles = strong_components(every)
     if not any(cycles[node] == cycles[target] for node, target, _ in rests):
         return None  # (no recursion leaves anything after its reference)
-    try:
-        sets = _CharacterSets(grammar, empty)
-    except _Exhausted:
-        return (f"recursions the gateway could not follow within {NESTING_BUDGET:,} steps (whether their stacks grow "
-                "with the depth they nest)")
     begins: dict[int, charset.Ranges] = {}  # (what a level's rest may begin with, by recursion)
     ending: list[tuple[str | int, str | int, charset.Ranges]] = []
-    for node, target, after_it in rests:
-        if cycles[node] != cycles[target]:
-            continue
-        null, first, going_on, _ = sets.of(after_it)
-        begins[cycles[node]] = charset.normalize((*begins.get(cycles[node], ()), *first))
-        if not null:
-            ending.append((node, target, going_on))
+    try:
+        sets = _CharacterSets(grammar, empty, budget or NESTING_BUDGET)
+        for node, target, after_it in rests:
+            if cycles[node] != cycles[target]:
+                continue
+            null, first, going_on, _ = sets.of(after_it)
+            begins[cycles[node]] = charset.normalize((*begins.get(cycles[node], ()), *first))
+            if not null:
+                ending.append((node, target, going_on))
+    except _Exhausted:
+        if budget:  # (the event loop's share: no verdict, for a worker to find)
+            raise Unfollowed from None
+        return (f"recursions the gateway could not follow within {NESTING_BUDGET:,} steps (whether their stacks grow "
+                "with the depth they nest)")
     for node, target, going_on in ending:
         if _meet(going_on, begins[cycles[node]]):
             return (f"a recursion through rule '{owner[node]}' whose levels' parts after rule "
@@ -542,10 +549,15 @@ class _CharacterSets:
                     todo.update(dict.fromkeys(c for c in callers.get(name, ()) if c in members))
 
     def of(self, expr: Expr) -> tuple[bool, charset.Ranges, charset.Ranges, charset.Ranges]:
-        """(may match nothing, begins with, goes on with, holds)."""
-        self.budget -= 1
+        """(may match nothing, begins with, goes on with, holds): each costs a step and a step a range it holds
+        (one step sorted ~100,000 ranges: a 1 KB grammar held the event loop 4 s, sweep 28)."""
+        found = self._of(expr)
+        self.budget -= 1 + len(found[1]) + len(found[2]) + len(found[3])
         if self.budget < 0:
             raise _Exhausted
+        return found
+
+    def _of(self, expr: Expr) -> tuple[bool, charset.Ranges, charset.Ranges, charset.Ranges]:
         none: charset.Ranges = ()
         if isinstance(expr, Lit):
             if not expr.text:
