@@ -17,8 +17,9 @@ Parsing (:func:`read_yaml`): PyYAML keeps the second of two equal keys in one ma
 the first section is gone without a word), so a key written twice is refused, naming it and its lines. And the
 document's end is looked at, since a file read while it is rewritten in place ends where the writer had got to:
 
-* a field with no value at the very end (``requests_per_minute:``) reads as null, which would lift the limit it
-  names; written on purpose, null is ``null`` (or ``~``), so an empty value that ends the document is a cut;
+* a field with no value (``requests_per_minute:``) reads as null, which would lift the limit it names: at the very
+  end it is what a cut leaves, inside the file what a template's missing variable leaves; written on purpose,
+  null is ``null`` (or ``~``), so an empty value is refused wherever it stands (sweep 28);
 * a plain (unquoted) or block value that ends the document with no line break after it may be cut inside
   itself (``-100`` cut to ``-10``, ``llama-3-8b-instruct`` to ``llama-3-8b``, a hash cut after the new key's
   line): a file ends with a line break.
@@ -197,8 +198,8 @@ class _StrictLoader(yaml.SafeLoader):
                 # (an empty value reads as null, and null is "none": `max_in_flight:` a template left empty lifted a
                 # key's limit, `url:` under state started a replica without the fleet's Redis, sweep 28)
                 name = f"{key!r}" if isinstance(key, str) and _FIELD.fullmatch(key) else "a key"
-                raise ConfigError(f"{self.source}: {name} at line {line} has no value (what a template's missing "
-                                  "variable leaves); to mean none, write null")
+                raise ConfigError(f"{self.source}: {name} at line {line} has no value (what a file cut there, or a "
+                                  "template's missing variable, leaves); to mean none, write null")
             try:
                 first = lines.get(key)
             except TypeError:  # (an unhashable key: the base class refuses it)

@@ -77,7 +77,7 @@ def test_good_file_with_environment_overrides(tmp_path: pathlib.Path, monkeypatc
         # sweep 28: an empty value in the middle (a template's missing variable) read as null, "none": a key's limit
         # lifted, a replica started without the fleet's Redis
         ("auth:\n  keys:\n    - name: a\n      key_sha256: " + "a" * 64 + "\n      max_in_flight:\n      models: [m]\n",
-         "'max_in_flight' at line 5 has no value (what a template's missing variable leaves)"),
+         "'max_in_flight' at line 5 has no value (what a file cut there, or a template's missing variable"),
         ("state:\n  url:\n  on_failure: closed\n", "'url' at line 2 has no value"),
         # sweep 27: other gateways' and proxies' names for theirs passed
         *((f"routing: {{session_header: {name}}}", f"routing.session_header: '{name}' carries credentials")
