@@ -189,15 +189,22 @@ class Exchange:
         # llama.cpp generates to the context's end, and a stream of 1,000 emoji events cut before its usage paid
         # ~1,139 tokens for 4,000, sweep 25)
         bound = max(1, self.prompt_bound() + MAX_TOKENS_PER_EVENT * self.text_events, self.reserve)
-        backend = self.backend
-        if (not self.stream and request.max_tokens is None and self.outcome != "success" and backend is not None
-                and backend.capacity.context_length):
+        if self.outcome != "success":
             # a whole answer without a bound that ended without the engine's count (an engine error after it wrote,
             # a timeout): nothing of it was counted on the way, and it may have written to its context's end. A
             # json_schema of long strings made llama-server write ~6,000 tokens and answer 500: charged ~1,100, a
             # key had 5.7x its tokens per minute generated, sustained (sweep 28)
-            bound = max(bound, backend.capacity.context_length * max(1, request.generations))
+            bound = max(bound, self._unbounded_context())
         return bound
+
+    def _unbounded_context(self) -> int:
+        """What a whole answer without max_tokens may have cost its engine, unseen: its backend's context for each
+        generation (0 for any other request, or where the context is not known)."""
+        request, backend = self.request, self.backend
+        if (request is None or self.stream or request.max_tokens is not None or backend is None
+                or not backend.capacity.context_length):
+            return 0
+        return backend.capacity.context_length * max(1, request.generations)
 
     def failed_over_tokens(self) -> int:
         """What the backends it was failed over from read: its prompt each, as the engine that answered counted
@@ -207,13 +214,9 @@ class Exchange:
         prompt = usage_figure((self.usage or {}).get("prompt_tokens"))
         if prompt is not None and prompt > self._prompt_cap():
             prompt = None  # (a figure the prompt could not cost, times every backend failed over from: sweep 23)
-        each = max(1, prompt if prompt is not None else self.prompt_bound())
-        request, backend = self.request, self.backend
-        if (request is not None and not self.stream and request.max_tokens is None and backend is not None
-                and backend.capacity.context_length):
-            # (an unbounded whole answer: each engine failed over from may have written to its context's end before
-            # it failed, 6.2x a key's tokens per minute through two llama-servers, sweep 28)
-            each = max(each, backend.capacity.context_length * max(1, request.generations))
+        # (an unbounded whole answer: each engine failed over from may have written to its context's end before it
+        # failed, 6.2x a key's tokens per minute through two llama-servers, sweep 28)
+        each = max(1, prompt if prompt is not None else self.prompt_bound(), self._unbounded_context())
         return self.failed_over * each
 
     def usage_int(self, key: str) -> int:

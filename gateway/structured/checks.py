@@ -52,6 +52,7 @@ from gateway.structured.syntax.grammar_ast import Grammar
 from gateway.structured.syntax.parses import (
     INLINE_BUDGET,
     MAX_PARSES,
+    NESTING_BUDGET,
     NESTING_INLINE,
     WORKER_BUDGET,
     WORKER_SECONDS,
@@ -625,9 +626,12 @@ def _llama_parses(grammar: Grammar, inline: bool) -> str | None:
     """What makes llama.cpp's parse of ``grammar`` go too many ways at once, or None; Offload when the event
     loop's share of the search ran out before it ended."""
     try:  # (from the grammar alone: no search tells a recursion's levels apart)
-        growing = nesting_problem(grammar, NESTING_INLINE if inline else 0)
+        growing = nesting_problem(grammar, NESTING_INLINE if inline else NESTING_BUDGET)
     except Unfollowed:
-        raise Offload from None
+        if inline:
+            raise Offload from None
+        return (f"recursions the gateway could not follow within {NESTING_BUDGET:,} steps (whether their stacks grow "
+                "with the depth they nest)")
     if growing is not None:
         return growing
     found = most_parses(grammar, INLINE_BUDGET, seconds=None) if inline else (

@@ -24,6 +24,16 @@ def context() -> Iterator[zmq.Context[zmq.Socket[bytes]]]:
     close_context(ctx)
 
 
+async def refusal(connection: Connection) -> str:
+    """Why ``connection`` refused what came next (its ZmtpError's words); closed after."""
+    try:
+        with pytest.raises(ZmtpError) as raised:
+            await asyncio.wait_for(connection.recv(), 10)
+        return str(raised.value)
+    finally:
+        connection.close()
+
+
 async def publish_once_subscribed(pub: zmq.Socket[bytes], parts: list[bytes]) -> None:
     """Send ``parts`` once the subscription has reached ``pub`` (an XPUB: it hears subscriptions; a plain PUB drops
     what it sends before)."""
@@ -71,10 +81,22 @@ def test_a_publisher_with_heartbeats_is_read_however_long_it_is_quiet(context: z
         sending = asyncio.get_running_loop().create_task(publish_once_subscribed(pub, [b"kv", b"x"]))
         await sub.send([b"\x01kv"])
         await sending
+        heard, enough = [0], asyncio.Event()
+        read = sub._read_frame
+
+        async def counting(most: int | None = None) -> tuple[int, bytes]:
+            flags, body = await read(most)
+            if flags & 0x04:  # (a command: here, a heartbeat)
+                heard[0] += 1
+                if heard[0] >= 24:
+                    enough.set()
+            return flags, body
+
+        sub._read_frame = counting  # type: ignore[method-assign]
         try:
             assert await asyncio.wait_for(sub.recv(), 10) == [b"kv", b"x"]
             reading = asyncio.get_running_loop().create_task(sub.recv())  # (answering each PING meanwhile)
-            await asyncio.sleep(1.5)  # real time: ~37 heartbeats while the publisher is quiet
+            await asyncio.wait_for(enough.wait(), 10)  # (24 heartbeats while the publisher is quiet: 16 cut it)
             pub.send_multipart([b"kv", batch])
             return await asyncio.wait_for(reading, 10)
         finally:
@@ -99,12 +121,7 @@ def test_a_message_past_its_bounds_ends_at_the_header_that_says_so(
         sending = asyncio.get_running_loop().create_task(publish_once_subscribed(pub, parts))
         await sub.send([b"\x01kv"])
         await sending
-        try:
-            with pytest.raises(ZmtpError) as raised:
-                await asyncio.wait_for(sub.recv(), 10)
-            return str(raised.value)
-        finally:
-            sub.close()
+        return await refusal(sub)
 
     assert words in asyncio.run(scenario())
     pub.close(0)
@@ -196,11 +213,8 @@ def test_a_peer_sending_commands_instead_of_messages_is_cut_off(flood: str) -> N
         sub = await Connection.open(f"tcp://127.0.0.1:{port}", "SUB", max_frame=1 << 20, max_parts=4, seconds=5)
         await sub.send([b"\x01"])
         try:
-            with pytest.raises(ZmtpError) as raised:
-                await asyncio.wait_for(sub.recv(), 10)
-            return str(raised.value)
+            return await refusal(sub)
         finally:
-            sub.close()
             await sending
 
     why = asyncio.run(scenario())

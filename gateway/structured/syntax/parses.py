@@ -370,7 +370,7 @@ class Unfollowed(Exception):
     """The check ran out of its steps before it ended: no verdict."""
 
 
-def nesting_problem(grammar: Grammar, budget: int = 0) -> str | None:
+def nesting_problem(grammar: Grammar, budget: int = NESTING_BUDGET) -> str | None:
     """What makes llama.cpp's stacks multiply with the depth a recursion nests to, or None; found from the grammar
     alone, since no search of sets of stacks tells a recursion's levels apart (:class:`_Known` takes its deeper
     copies as alike). llama.cpp keeps a frame at every level for what follows the reference in (its rest), and once
@@ -385,7 +385,7 @@ def nesting_problem(grammar: Grammar, budget: int = 0) -> str | None:
       vocabulary, sweep 27). JSON's ``]`` and ws, C's ``)``, end where the next begins.
 
     Among the references reachable from the root; a rest's characters are over-counted where alternatives begin
-    alike (any character either may hold), never under."""
+    alike (any character either may hold), never under. Unfollowed past ``budget`` steps: no verdict."""
     flat = flatten(grammar)
     lengths = least_costs(grammar, 0, flat)
     empty = {id(expr): value == 0 for expr, value in zip(flat.exprs, lengths.values, strict=True)}
@@ -453,7 +453,7 @@ def nesting_problem(grammar: Grammar, budget: int = 0) -> str | None:
     begins: dict[int, charset.Ranges] = {}  # (what a level's rest may begin with, by recursion)
     ending: list[tuple[str | int, str | int, charset.Ranges]] = []
     try:
-        sets = _CharacterSets(grammar, empty, budget or NESTING_BUDGET)
+        sets = _CharacterSets(grammar, empty, budget)
         for node, target, after_it in rests:
             if cycles[node] != cycles[target]:
                 continue
@@ -462,10 +462,7 @@ def nesting_problem(grammar: Grammar, budget: int = 0) -> str | None:
             if not null:
                 ending.append((node, target, going_on))
     except _Exhausted:
-        if budget:  # (the event loop's share: no verdict, for a worker to find)
-            raise Unfollowed from None
-        return (f"recursions the gateway could not follow within {NESTING_BUDGET:,} steps (whether their stacks grow "
-                "with the depth they nest)")
+        raise Unfollowed from None
     for node, target, going_on in ending:
         if _meet(going_on, begins[cycles[node]]):
             return (f"a recursion through rule '{owner[node]}' whose levels' parts after rule "
@@ -515,13 +512,40 @@ def _callees_first(edges: dict[str, list[str]]) -> list[list[str]]:
     return order
 
 
+def _shared(sets: list[charset.Ranges]) -> charset.Ranges:
+    """The characters two or more of ``sets`` (each normalized) hold."""
+    edges = sorted([(lo, 1) for ranges in sets for lo, _ in ranges]
+                   + [(hi + 1, -1) for ranges in sets for _, hi in ranges])
+    out: list[tuple[int, int]] = []
+    count, since = 0, 0
+    for at, step in edges:
+        if count >= 2 and at > since:
+            out.append((since, at - 1))
+        count += step
+        since = at
+    return charset.normalize(out)
+
+
+def _next_after_prefixes(texts: list[str]) -> list[tuple[int, int]]:
+    """The characters that follow, in one of ``texts`` (sorted, distinct), another that it begins with: those
+    beginning with ``u`` follow it in order, and each next character is found once (by a jump past it)."""
+    out: list[tuple[int, int]] = []
+    for i, u in enumerate(texts):
+        at = i + 1
+        while at < len(texts) and texts[at].startswith(u):
+            c = texts[at][len(u)]
+            out.append((ord(c), ord(c)))
+            at = bisect_left(texts, u + chr(ord(c) + 1), at) if ord(c) < charset.MAX_CODE_POINT else len(texts)
+    return out
+
+
 class _CharacterSets:
     """For an expression: whether it may match nothing, the characters it may begin with, those that may follow
     where it could already end (its match going on: ``"a" | "aa"`` after "a"), and every character it may hold.
     Named rules by a fixpoint over the grammar (each set only grows); alternatives that begin alike (or one that may
     match nothing) may go on with any character of another: counted so, more than exactly."""
 
-    def __init__(self, grammar: Grammar, empty: dict[int, bool], budget: int = NESTING_BUDGET) -> None:
+    def __init__(self, grammar: Grammar, empty: dict[int, bool], budget: int) -> None:
         self.grammar = grammar
         self.empty = empty
         self.budget = budget  # (expressions evaluated: _Exhausted past it)
@@ -596,14 +620,13 @@ class _CharacterSets:
             parts = [self.of(option) for option in expr.options]
             going = [r for p in parts for r in p[2]]
             if all(isinstance(o, Lit) for o in expr.options):  # (exact: one a beginning of another)
-                texts = [o.text for o in expr.options if isinstance(o, Lit)]
-                going.extend((ord(t[len(u)]), ord(t[len(u)])) for u in texts for t in texts
-                             if len(t) > len(u) and t.startswith(u))
-            else:
-                for i, a in enumerate(parts):
-                    for j, b in enumerate(parts):
-                        if i != j and (a[0] or _meet(a[1], b[1])):
-                            going.extend(b[3])
+                going.extend(_next_after_prefixes(sorted({o.text for o in expr.options if isinstance(o, Lit)})))
+            else:  # (an option that another may begin as, or follow when that one matches nothing: all it holds)
+                empties = sum(p[0] for p in parts)
+                shared = _shared([p[1] for p in parts])
+                for part in parts:
+                    if empties - part[0] > 0 or _meet(part[1], shared):
+                        going.extend(part[3])
             return (any(p[0] for p in parts), charset.normalize(r for p in parts for r in p[1]),
                     charset.normalize(going), charset.normalize(r for p in parts for r in p[3]))
         assert isinstance(expr, Repeat)
