@@ -26,13 +26,17 @@ def test_a_backend_whose_load_turns_to_nan_and_then_goes_down_is_marked_down() -
             assert httpx.get(gw.url + "/ready").json()["backends"]["scripted"]["routable"] is True
             upstream.get_answers["/metrics"] = (200, NAN)
             seen = upstream.gets.get("/metrics", 0)
-            wait_until(lambda: upstream.gets.get("/metrics", 0) >= seen + 3,
-                       "the NaN load read three times", within=20)
+
+            def scrape_errors() -> float:
+                found = re.search(r'gateway_backend_scrape_errors_total\{backend="scripted",engine="vllm"\} (\S+)',
+                                  httpx.get(gw.url + "/metrics").text)
+                return float(found[1]) if found else 0.0
+
+            # the engine counts a read when asked, the gateway its error once the answer is parsed: wait for both
+            wait_until(lambda: upstream.gets.get("/metrics", 0) >= seen + 3 and scrape_errors() >= 3,
+                       "the NaN load read three times, each counted an error", within=20)
             ready = httpx.get(gw.url + "/ready")
             assert ready.status_code == 200 and ready.json()["backends"]["scripted"]["routable"] is True
-            errors = re.search(r'gateway_backend_scrape_errors_total\{backend="scripted",engine="vllm"\} (\S+)',
-                               httpx.get(gw.url + "/metrics").text)
-            assert errors is not None and float(errors[1]) >= 3, "each garbage reading is counted"
 
             upstream.get_answers["/health"] = (503, b'{"error": "engine dead"}')
             wait_until(lambda: httpx.get(gw.url + "/ready").status_code == 503, "/ready says not ready", within=20)
