@@ -125,6 +125,7 @@ class Gateway:
                                      settings.structured_output, shared=self.shared,
                                      priorities=Priorities(settings.admission, settings.auth.keys),
                                      models=ModelMap(settings.models), checker=self.validation_workers)
+        self.pool.on_loop = self.dispatcher.guard.reading
         self.metrics.flow.admission = self.admission
         if self.shared is not None:
             pool, admission = self.pool, self.admission

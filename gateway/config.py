@@ -661,6 +661,24 @@ class ScrapeSettings(_Strict):
     models_every: int = Field(default=30, ge=1, description="re-discover models every N scrapes")
 
 
+class StallGuardSettings(_Strict):
+    """What the gateway does when the one loop an engine runs every request on (llama.cpp's) slows while requests
+    with a constraint or tools (a grammar it follows token by token) run there: the static checks of grammars and
+    schemas bound what they know, and this bounds what they miss (docs/security.md)."""
+
+    enabled: bool = Field(default=True, description="stop such requests when the loop stalls, and keep them off")
+    stall_seconds: float = Field(
+        default=1.0, gt=0, description="a load reading that waits this much longer than the health check before it "
+                                       "(the loop's step) is a stall; raise it where a step is that slow anyway "
+                                       "(a large model on CPUs)")
+    stall_factor: float = Field(
+        default=8.0, ge=1, description="so is one this many times the loop's usual (the 90th percentile of its "
+                                       "recent readings, none while a prompt is read), from 0.1 s")
+    strike_seconds: float = Field(
+        default=600.0, gt=0, description="how long the constraint that stalled it, and its key's constrained "
+                                         "requests, are kept from such engines; doubled at each repeat, to a day")
+
+
 class StructuredOutputSettings(_Strict):
     """Checking non-streamed JSON answers against the request's schema (json_object: that it is JSON)."""
 
@@ -670,6 +688,7 @@ class StructuredOutputSettings(_Strict):
     models: dict[str, Literal["off", "mark", "retry"]] = Field(
         default_factory=dict, description="per-model override of validate_outputs"
     )
+    stall_guard: StallGuardSettings = Field(default_factory=StallGuardSettings)
 
     @field_validator("validate_outputs", mode="before")
     @classmethod

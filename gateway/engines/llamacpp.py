@@ -63,6 +63,7 @@ SPEC = EngineSpec(
     # samples on the main loop: no top_k 0, no chain without top_k first, no mirostat (see EngineSpec)
     whole_vocabulary=False,
     many_parses=False,
+    load_waits_for_loop=True,
     # a few slots, each decoding at full speed alone; anchored to published figures for a 7B model at ~4 bits
     # on one RTX 4090 (the curve is the engine's scheduling: slots share the GPU)
     shape=ShapeSeed(tok_s=186.0, growth=0.3, prefill_tok_s=5_000.0),
@@ -89,6 +90,7 @@ class LlamaCppAdapter(EngineAdapter):
     async def read_load(self, client: httpx.AsyncClient) -> LoadRecord | None:
         running: int | None = None
         waiting: int | None = None
+        prefilling = False
         figures = readings.Figures()
         if self._slots_enabled:
             response = await get(client, "/slots")
@@ -102,6 +104,7 @@ class LlamaCppAdapter(EngineAdapter):
                     raise BackendError("/slots is not a list")
                 running = figures.count("running", sum(1 for slot in slots if isinstance(slot, dict)
                                                        and slot.get("is_processing") is True))
+                prefilling = any(_prefilling(slot) for slot in slots)
         if self._metrics_enabled:
             response = await get(client, "/metrics")
             if response.status_code == 501:
@@ -117,7 +120,7 @@ class LlamaCppAdapter(EngineAdapter):
         if running is None and waiting is None and not figures.rejected:
             return None
         return LoadRecord(running=running, waiting=waiting, kv_usage=None, read_at=time.monotonic(),
-                          rejected=tuple(figures.rejected))
+                          rejected=tuple(figures.rejected), prefilling=prefilling)
 
     async def read_capacity(self, client: httpx.AsyncClient) -> Capacity:
         props: Any = await get_json(client, "/props")
@@ -135,3 +138,12 @@ class LlamaCppAdapter(EngineAdapter):
         return Capacity(slots=slots, context_length=n_ctx,
                         cache_tokens=readings.positive(slots * n_ctx) if slots and n_ctx else None,
                         tool_calls=tools if isinstance(tools, bool) else None)
+
+
+def _prefilling(slot: Any) -> bool:
+    """Whether a /slots entry is a sequence reading its prompt: processing, with nothing generated yet."""
+    if not isinstance(slot, dict) or slot.get("is_processing") is not True:
+        return False
+    nexts = slot.get("next_token")
+    first = nexts[0] if isinstance(nexts, list) and nexts else None
+    return isinstance(first, dict) and first.get("n_decoded") == 0

@@ -126,6 +126,10 @@ class EngineSpec:
     # way at every token, on the main loop, and `root ::= s+` with 60 alternatives of a's held 1,831 of them: 649 ms
     # a token with a 128k vocabulary, every other slot's stream stopped (sweep 22)
     many_parses: bool = True
+    # whether its load reading (/metrics) is answered by the loop that generates, between two of its steps
+    # (llama.cpp posts the read as a task to its one loop): how long the reading takes beyond its health check,
+    # answered by the HTTP thread alone, is how long that loop's step takes (gateway.proxy.stall_guard)
+    load_waits_for_loop: bool = False
     # with priority scheduling on, the request field "priority" orders its queue, this way by default (None:
     # the engine has no such field)
     priority_order: Literal["lower-first", "higher-first"] | None = None

@@ -33,6 +33,7 @@ class Backend:
         "in_flight",
         "kv_source",
         "load",
+        "loop_step",
         "marked_down",
         "marked_down_at",
         "max_concurrency",
@@ -84,6 +85,9 @@ class Backend:
         self.load: LoadRecord | None = None
         self.capacity = Capacity()
         self.kv_source: KvEventSource | None = None  # where it says it publishes KV events (kv_events: discover)
+        # its loop's last step as read (EngineSpec.load_waits_for_loop): seconds at least, the sequences it said it
+        # runs (None: the reading timed out; -1: unsaid), clock.monotonic() when read, whether one read its prompt
+        self.loop_step: tuple[float, int | None, float, bool] | None = None
         self.in_flight = 0
         self._in_flight_at_read = 0
         self.scrape_errors = 0

@@ -21,7 +21,7 @@ from gateway.engines.registry import create_adapter
 from gateway.errors import Redactor
 from gateway.pool.backend import Backend
 from gateway.pool.discovery import MAX_DNS_REPLICAS, Resolver, replica_settings, system_resolver
-from gateway.pool.state import Capacity, Health, KvEventSource, LoadRecord, Probe
+from gateway.pool.state import Capacity, Health, KvEventSource, LoadRecord, LoopReading, Probe
 from gateway.redaction import redact_url
 from gateway.tasks import cancel_and_wait
 
@@ -30,6 +30,7 @@ log = logging.getLogger("gateway.pool")
 ClientFactory = Callable[[BackendSettings, EngineAdapter], httpx.AsyncClient]
 # a follower's way to the pool snapshot of the worker that scrapes for the whole pod (None: no answer)
 Leader = Callable[[], Awaitable[bytes | None]]
+LoopReader = Callable[[LoopReading], None]
 # a backend answering garbage is logged at most this often (each failed reading is still counted)
 COMPLAINT_SECONDS = 60.0
 
@@ -73,7 +74,11 @@ class Pool:
         leader: Leader | None = None,
         clock: Clock = SYSTEM,
         on_kv_source: Callable[[], None] | None = None,
+        on_loop: LoopReader | None = None,
     ) -> None:
+        # told each reading of a backend's loop step (EngineSpec.load_waits_for_loop; the stall guard,
+        # gateway.proxy.stall_guard)
+        self.on_loop = on_loop
         # told whenever a backend's discovered KV-event source changes (kv_events: discover), to subscribe
         self._on_kv_source = on_kv_source
         self._kv_unknown: dict[str, str] = {}  # backend -> why its engine showed no usable source (logged once)
@@ -371,7 +376,7 @@ class Pool:
                              b.capacity.page_tokens, b.capacity.tool_calls],
                 "load": None if load is None else [load.running, load.waiting, load.kv_usage, load.read_at,
                                                    load.queue_histogram],
-                "probed_at": self._probed_at.get(b.name), "scrape_errors": b.scrape_errors,
+                "probed_at": self._probed_at.get(b.name), "scrape_errors": b.scrape_errors, "loop": b.loop_step,
                 "kv_source": None if b.kv_source is None else [b.kv_source.endpoint, b.kv_source.replay_endpoint,
                                                                b.kv_source.topic, b.kv_source.block_size],
             }
@@ -398,6 +403,14 @@ class Pool:
                     backend.models = frozenset(entry["models"])
                 backend.capacity = Capacity(*entry["capacity"])
                 backend.scrape_errors = entry["scrape_errors"]
+                step = entry.get("loop")
+                if step is not None and (backend.loop_step is None or backend.loop_step[2] != step[2]):
+                    backend.loop_step = (float(step[0]), None if step[1] is None else int(step[1]), float(step[2]),
+                                         bool(step[3]))
+                    if self.on_loop is not None:
+                        # (the engine runs every worker's requests; this worker knows its own in flight alone)
+                        self.on_loop(LoopReading(name, backend.loop_step[0], backend.loop_step[1], None,
+                                                 backend.loop_step[3]))
                 kv = entry.get("kv_source")
                 self._set_kv_source(backend, None if kv is None else KvEventSource(*kv))
                 load = entry["load"]
@@ -452,6 +465,7 @@ class Pool:
         cycle = self._cycles.get(backend.name, 0)
         self._cycles[backend.name] = cycle + 1
         marks, answered = backend.marked_down, backend.answered
+        began = self._clock.monotonic()
         try:
             probe = await asyncio.wait_for(adapter.probe(client), self._scrape.timeout)
         except BackendError as exc:
@@ -472,6 +486,7 @@ class Pool:
             probe = Probe(Health.DOWN, f"health check failed: {type(exc).__name__}")
             backend.scrape_errors += 1
             self._complain(backend, f"health check failed: {type(exc).__name__}: {exc}")
+        probed = self._clock.monotonic() - began  # (what the network and this process's lateness take)
         self._late.discard(backend.name)
         if backend.marked_down != marks:
             return  # the proxy saw it fail while this probe was out: the probe's answer is older news
@@ -502,20 +517,36 @@ class Pool:
         if self._discovers(backend) and (recovering or (backend.kv_source is None
                                                         and backend.name not in self._kv_unknown)):
             await self._read_kv_source(backend, adapter, client)
+        began = self._clock.monotonic()
         try:
             load = await asyncio.wait_for(adapter.read_load(client), self._scrape.timeout)
         except Exception as exc:  # (the last reading goes stale: routing falls back to the in-flight count)
             backend.scrape_errors += 1
             self._complain(backend, f"load reading failed: {_why(exc)}")
+            if isinstance(exc, TimeoutError):  # (the loop's step is longer than the reading could wait)
+                self._loop_reading(backend, self._scrape.timeout - probed, None)
         else:
+            step = self._clock.monotonic() - began - probed
             if load is not None:  # (read when it came, on this pool's clock)
                 load = dataclasses.replace(load, read_at=self._clock.monotonic())
             backend.record_load(load)
+            self._loop_reading(backend, step, -1 if load is None or load.running is None
+                               else load.running + (load.waiting or 0), load is not None and load.prefilling)
             if load is not None and load.rejected:
                 backend.scrape_errors += 1
                 self._complain(backend, f"its load reading had garbage for {', '.join(load.rejected)} (taken as no "
                                         f"reading)")
         self._transition(backend, probe)
+
+    def _loop_reading(self, backend: Backend, step: float, running: int | None, prefilling: bool = False) -> None:
+        """Where the load reading waits for the engine's loop, how long it waited (at least what was left of the
+        step under way), the sequences it said it runs (None: the reading timed out; -1: it came, unsaid), and
+        whether one was reading its prompt."""
+        if not backend.spec.load_waits_for_loop:
+            return
+        backend.loop_step = (max(0.0, step), running, self._clock.monotonic(), prefilling)
+        if self.on_loop is not None:
+            self.on_loop(LoopReading(backend.name, backend.loop_step[0], running, backend.in_flight, prefilling))
 
     def _discovers(self, backend: Backend) -> bool:
         settings = self._settings.get(backend.name)

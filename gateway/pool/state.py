@@ -29,6 +29,9 @@ class LoadRecord:
     queue_histogram: tuple[tuple[tuple[str, float], ...], float, float] | None = None
     # the fields the engine gave garbage for (NaN, Inf, negative, not a number), left None above
     rejected: tuple[str, ...] = ()
+    # a sequence was reading its prompt (llama.cpp's /slots: processing, nothing generated yet): its loop's steps
+    # are as long as a batch of prompt takes (gateway.proxy.stall_guard)
+    prefilling: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,3 +80,17 @@ class ShapeSeed:
 
 # an unknown engine: middling speed, mild slowdown with concurrency
 NEUTRAL_SHAPE = ShapeSeed(tok_s=100.0, growth=0.05, prefill_tok_s=5_000.0)
+
+
+@dataclass(frozen=True, slots=True)
+class LoopReading:
+    """One reading of a backend's loop (EngineSpec.load_waits_for_loop): its step took ``step`` seconds or more;
+    the engine said it runs or queues ``running`` sequences (None: the reading timed out; -1: unsaid); ``in_flight``:
+    this process's requests there then (None: not known here, a worker taking another's readings); ``prefilling``:
+    a sequence was reading its prompt (a step is then as long as a batch of prompt takes)."""
+
+    backend: str
+    step: float
+    running: int | None
+    in_flight: int | None
+    prefilling: bool = False

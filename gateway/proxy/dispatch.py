@@ -33,7 +33,8 @@ from gateway.proxy.cache_isolation import hidden_figures, isolate
 from gateway.proxy.exchange import Exchange
 from gateway.proxy.forward import PATHS, AttemptOptions, Forwarder, InvalidOutput, NativeApi, RetryableStatus
 from gateway.proxy.models import FALLBACK_CODES, ModelMap
-from gateway.proxy.upstream import ResponseTooLarge, UpstreamError
+from gateway.proxy.stall_guard import StallGuard
+from gateway.proxy.upstream import ResponseTooLarge, Stopped, UpstreamError
 from gateway.routing.pipeline import Decision, NoRoute, Pipeline
 from gateway.routing.request import POOLING_ROUTES, RouteRequest
 from gateway.state.shared import SharedState, Slotted, StateUnavailable
@@ -80,8 +81,11 @@ class Dispatcher:
     def __init__(self, fleet: Fleet, pipeline: Pipeline, admission: Admission, forwarder: Forwarder,
                  metrics: GatewayMetrics, retries: RetrySettings, structured_output: StructuredOutputSettings,
                  shared: SharedState | None = None, priorities: Priorities | None = None,
-                 models: ModelMap | None = None, checker: ValidationWorkers | None = None) -> None:
+                 models: ModelMap | None = None, checker: ValidationWorkers | None = None,
+                 guard: StallGuard | None = None) -> None:
         self._shared = shared
+        # stops a request with a grammar that stalls an engine's one loop, and keeps it and its key's off such
+        self.guard = guard or StallGuard(structured_output.stall_guard, admission.clock, metrics.registry)
         self._checker = checker  # where answers are checked against their constraints (validate_outputs)
         self._fleet = fleet
         self._pipeline = pipeline
@@ -105,6 +109,7 @@ class Dispatcher:
         self._pipeline = pipeline
         self._retries = retries
         self._structured_output = structured_output
+        self.guard.configure(structured_output.stall_guard)
         self.priorities = priorities
         self.models = models
 
@@ -165,6 +170,7 @@ class Dispatcher:
         admission = self._admission
         placement = exchange.placement = exchange.placement or self.priorities.place(None, None, None)
         ticket = admission.ticket(request.model, key, placement)
+        request.stalled = self.guard.kept(request, _owner(exchange))
         try:
             decision = await self._route(exchange, request, ticket)
         except BaseException:
@@ -489,6 +495,7 @@ class Dispatcher:
                 probe_settled = True
 
         options.on_status = on_status
+        options.watched = self.guard.watch(backend, request, _owner(exchange))
         backend.in_flight += 1
         settled = False
         try:
@@ -516,6 +523,16 @@ class Dispatcher:
                                  body=normalise_upstream_error(exc.status, exc.body, backend.name, backend.secrets,
                                                                cut_short=exc.cut_short))
             raise self._retry(exchange, backend, f"status_{exc.status}", final) from None
+        except Stopped as exc:
+            # the stall guard stopped it (the engine's loop stalled while it ran there): the engine did nothing
+            # wrong, and another such engine would stall as well; not failed over
+            breaker.release()
+            settled = True
+            if trace is not None:
+                trace.upstream_end(None, str(exc))
+            exchange.outcome = exc.code
+            raise GatewayError(503, str(exc), code=exc.code,
+                               headers={"x-gateway-backend": backend.name, "retry-after": "1"}) from None
         except ResponseTooLarge as exc:
             # the backend answered; the answer is more than the gateway holds: any backend would answer as much
             breaker.record(True)
@@ -587,6 +604,8 @@ class Dispatcher:
             raise self._retry(exchange, backend, "attempt_failed", final) from None
         finally:
             backend.in_flight -= 1
+            if options.watched is not None:
+                self.guard.ended(options.watched)
             if exchange.shared_slot == backend.name and shared is not None:
                 exchange.shared_slot = None
                 shared.settle(None, 0, backend.name)
@@ -739,6 +758,15 @@ class Dispatcher:
                                      f"{MAX_TOP_K}, a samplers chain with top_k before top_p, typical_p, min_p, "
                                      "xtc and a temperature with a dynatemp_range, and no mirostat",
                                 param=field, code="unsupported_value")
+        if exc.stage == "stalled-loop":
+            request = exc.request
+            unable = sorted({b.spec.name for b in backends if model in b.models and b.spec.load_waits_for_loop})
+            assert request.stalled is not None
+            why, seconds = request.stalled
+            return GatewayError(429, f"no backend serving '{model}' can take this request now "
+                                     f"({', '.join(unable) or 'its engine'}): {why}. Serve the model on vLLM or "
+                                     "SGLang too, or send it without a constraint or tools",
+                                code="constraint_stalled_engine", headers={"retry-after": str(max(1, int(seconds)))})
         if exc.stage == "many-parses":
             request = exc.request
             param = request.constraint.source if request.constraint and request.constraint.fanout else "tools"

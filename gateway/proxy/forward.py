@@ -27,8 +27,9 @@ from gateway.pool.backend import Backend
 from gateway.proxy.cache_figures import FieldPath, without
 from gateway.proxy.exchange import Exchange
 from gateway.proxy.sse import InvalidStream, SSERelay, text_events_in
+from gateway.proxy.stall_guard import Watched
 from gateway.proxy.transport import BodySink, Transport, UpstreamResponse
-from gateway.proxy.upstream import ResponseTooLarge, UpstreamError
+from gateway.proxy.upstream import ResponseTooLarge, Stopped, UpstreamError
 
 # what is read of a backend's error body (the rest is never read, and its connection closed): an error worth
 # relaying says what went wrong in far fewer bytes, and one of hundreds of MB held memory and the event loop
@@ -87,6 +88,7 @@ class AttemptOptions:
     # answer fields the client must not see (the engine's cache figures: gateway.proxy.cache_isolation)
     hidden: Sequence[FieldPath] = ()
     on_status: Callable[[int], None] | None = None  # told the backend's status as soon as it answers
+    watched: Watched | None = None  # the stall guard's note of it, given the means to stop it while it is forwarded
 
 
 UNBOUNDED_TOKENS = 1 << 20  # what a request without max_tokens may generate, where its backend's context is unknown
@@ -144,6 +146,8 @@ class Forwarder:
         ]
         stream: _Stream | None = None
         clock = _Clock(loop, min(loop.time() + t.first_byte, deadline), t.idle, deadline)
+        if options.watched is not None:
+            options.watched.stop = clock.stop
         try:
             try:
                 response = await self._transport.post(url, payload, headers)
@@ -267,10 +271,14 @@ class Forwarder:
                     response.release()
             except asyncio.CancelledError:
                 if clock.expired():
+                    if clock.stopped is not None:
+                        raise Stopped(clock.stopped) from None
                     raise TimeoutError from None
                 raise
             finally:
                 clock.cancel()
+                if options.watched is not None:
+                    options.watched.stop = None
         except (InvalidOutput, RetryableStatus):
             raise
         except Exception as exc:  # map_error re-raises what is not an upstream failure
@@ -398,7 +406,8 @@ class _Clock:
     would move its timer per event or per few. A stall is cut ``idle`` after it began.
     On expiry the task is cancelled; the attempt turns that cancellation into ``TimeoutError``."""
 
-    __slots__ = ("_cancelling", "_expired", "_handle", "_task", "deadline", "first", "idle", "last", "loop")
+    __slots__ = ("_cancelling", "_expired", "_handle", "_task", "deadline", "first", "idle", "last", "loop",
+                 "stopped")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, first: float, idle: float, deadline: float) -> None:
         task = asyncio.current_task()
@@ -411,6 +420,7 @@ class _Clock:
         self.idle = idle
         self.deadline = deadline
         self.last: float | None = None  # loop time of the latest data event
+        self.stopped: str | None = None  # why the gateway stopped it (:meth:`stop`)
         # (never later than idle from now: a stall right after the first event is then cut on time)
         self._handle = loop.call_at(min(first, loop.time() + idle), self._check)
 
@@ -422,6 +432,16 @@ class _Clock:
             self._task.cancel()
         else:
             self._handle = self.loop.call_at(min(due, now + self.idle), self._check)
+
+    def stop(self, reason: str) -> bool:
+        """End the attempt now, for ``reason`` (the attempt raises :class:`Stopped`); False if it has ended."""
+        if self._expired or self._task.done():
+            return False
+        self.stopped = reason
+        self._expired = True
+        self._handle.cancel()
+        self._task.cancel()
+        return True
 
     def expired(self) -> bool:
         """Whether the cancellation being handled is this clock's (then it is taken back)."""

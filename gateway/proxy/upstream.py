@@ -60,3 +60,19 @@ class ResponseTooLarge(UpstreamError):
 
     def redacted(self, redactor: Redactor) -> UpstreamError:
         return self
+
+
+class Stopped(UpstreamError):
+    """The gateway stopped the attempt (gateway.proxy.stall_guard: the engine's loop stalled while it ran there). Not
+    the backend's failure, and not tried on another: the client is told why, and may retry."""
+
+    @property
+    def code(self) -> str:
+        return "engine_stalled"
+
+    @property
+    def reason(self) -> str:
+        return "stopped"
+
+    def redacted(self, redactor: Redactor) -> UpstreamError:
+        return self

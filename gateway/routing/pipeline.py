@@ -73,6 +73,10 @@ class Pipeline:
                 candidates = [b for b in candidates if getattr(b.spec, takes)]
                 if not candidates:
                     raise NoRoute(stage, request)
+        if request.stalled is not None:  # (it, or its key's, stalled such a loop: gateway.proxy.stall_guard)
+            candidates = [b for b in candidates if not b.spec.load_waits_for_loop]
+            if not candidates:
+                raise NoRoute("stalled-loop", request)
         if len(candidates) == 1:  # nothing to choose: no scorer runs (their routed hooks still do)
             return Decision(ranked=[candidates[0]], policy=self.policy, reason="only-candidate",
                             detail="only one eligible backend", timings=timings)

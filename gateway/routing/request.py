@@ -32,6 +32,9 @@ class RouteRequest:
     # why llama.cpp should not take it: its constraint's or tools' grammar would go too many ways at once there
     # (Constraint.fanout: gateway.structured.syntax.parses, checks.schema_fanout), if so
     fanout: str | None = None
+    # why engines that run every request on one loop (llama.cpp) may not take it now, and for how many seconds more:
+    # it, or its key's request, has a grammar that stalled such a loop (gateway.proxy.stall_guard), if so
+    stalled: tuple[str, float] | None = None
     # the tools' parameter schemas were too much to check on the event loop: a worker checks them (validate_heavy)
     tools_pending: bool = False
     # whose cached prompts it may profit from (its key's; set by the front door before anything is routed)

@@ -12,7 +12,7 @@ from gateway.clock import SYSTEM, Clock
 from gateway.config import BackendSettings, ScrapeSettings
 from gateway.engines.base import EngineAdapter
 from gateway.pool.pool import Pool
-from gateway.pool.state import Health
+from gateway.pool.state import Health, LoopReading
 from tests.clock import ManualClock
 from tests.waiting import until
 
@@ -141,9 +141,13 @@ async def test_a_follower_takes_the_leaders_readings_and_ignores_stale_or_supers
         await leader_pool.scrape_once(leader_pool.get("a"))
         fresh = orjson.dumps(leader_pool.snapshot())
         a = pool.get("a")
+        loops: list[LoopReading] = []  # (the stall guard's: the leader's reading of the loop, once each)
+        pool.on_loop = loops.append
         assert pool.apply_snapshot(fresh)
         assert a.load is not None and a.load.running == 2 and a.health is Health.READY
         assert a.models == {"m1"} and a.capacity.slots == 2
+        assert pool.apply_snapshot(fresh)
+        assert [(r.backend, r.running, r.in_flight) for r in loops] == [("a", 2, None)], loops
         # the proxy saw it fail after that reading: the same reading does not bring it back
         clock.advance(1)
         a.mark_down("connection refused")

@@ -3,8 +3,9 @@ engine emulator produces on purpose: bytes that are not HTTP, an error body echo
 sent, an auth refusal, a stream of nothing but comment pings, a stream that never sends its usage.
 
 ``GET`` answers the model list (so discovery and the health probe pass), or, for a path in ``get_answers``,
-the status and body set there (an engine's ``/metrics`` or ``/health`` turning hostile); ``gets`` counts the
-GETs of each path. ``seen_headers`` and ``seen_body`` keep the headers and body of the last POST.
+the status and body set there (an engine's ``/metrics`` or ``/health`` turning hostile), after the seconds
+``get_delays`` sets for it; ``gets`` counts the GETs of each path. ``seen_headers`` and ``seen_body`` keep the
+headers and body of the last POST.
 :func:`gateway_over` puts a gateway in front of one.
 """
 
@@ -57,6 +58,7 @@ class ScriptedUpstream:
         self.seen_body = b""  # the last POST's body
         self.written = 0  # the pieces of ``script`` answers written
         self.get_answers: dict[str, tuple[int, bytes]] = {}  # path -> (status, body), set from the test's thread
+        self.get_delays: dict[str, float] = {}  # path -> seconds a GET of it waits before its answer
         # mode "script": the request's headers -> (status, content type, body pieces), set from the test's thread
         self.script: Callable[[dict[str, str]], tuple[int, str, list[bytes]]] | None = None
         self.gets: dict[str, int] = {}
@@ -103,6 +105,8 @@ class ScriptedUpstream:
                 if head.startswith(b"GET"):
                     path = head.split(b" ", 2)[1].decode()
                     self.gets[path] = self.gets.get(path, 0) + 1
+                    if self.get_delays.get(path):  # real time: an engine slow to answer, as the test sets
+                        await asyncio.sleep(self.get_delays[path])
                     status, answer = self.get_answers.get(path, (200, orjson.dumps(
                         {"object": "list", "data": [{"id": self.model, "object": "model"}]})))
                     writer.write(b"HTTP/1.1 %d X\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"

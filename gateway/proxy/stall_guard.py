@@ -1,0 +1,240 @@
+"""The stall guard: a request with a grammar that slows the loop an engine runs every request on is stopped, and it
+and its key's such requests are kept from such engines for a while.
+
+llama.cpp follows a request's grammar (its constraint's, or the one it compiles from its tools) on the one loop that
+samples every slot's token: a grammar whose parse goes many ways at once slows every other request on the server by
+as much, token after token (sweeps 22-28: another key's answers from 0.09 s to 49 s). The static checks
+(gateway.structured.syntax.parses, gateway.structured.checks) refuse or reroute the forms they know, and each sweep
+found a form they did not. This guard needs no knowledge of forms. The pool measures the loop's step at every
+scrape: a llama.cpp load reading is answered between two steps (``EngineSpec.load_waits_for_loop``), so it takes
+what is left of the step under way, less the health check just before it, which the HTTP thread answers alone (what
+the network and this gateway's own lateness add is not counted). When ``CONFIRM_READINGS`` readings in a row take
+``stall_seconds`` or more while requests with a grammar run there, the guard stops one (the one running longest: a
+parse grows with its answer) and waits. If the loop answers promptly once that request has ended there, it was the
+cause: its grammar (by the fingerprint of its constraint and tools) and its key's requests with a grammar are kept
+from such engines for ``strike_seconds``, doubled at each repeat up to a day: routed to engines that follow
+grammars another way (vLLM, SGLang), or refused with a 429 that says until when. If the loop is still slow
+(``ACQUIT_READINGS`` prompt-but-slow readings, or ``ACQUIT_SECONDS``, after it ended), the next is stopped. A
+request stopped is answered 503 (or ends its stream with that error); one not found to be the cause may be retried.
+
+Kept per process: each replica (and each worker of one) finds and strikes for itself, so a key gets one stall per
+process before it is struck everywhere it is.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+from prometheus_client import CollectorRegistry, Counter
+
+from gateway.clock import SYSTEM, Clock
+from gateway.config import StallGuardSettings
+from gateway.pool.backend import Backend
+from gateway.pool.state import LoopReading
+from gateway.routing.request import RouteRequest
+from gateway.structured import CONSTRAINT_FIELDS
+
+log = logging.getLogger(__name__)
+
+CONFIRM_READINGS = 2  # slow readings in a row before a request is stopped
+# readings answered after the engine let the stopped request go (it runs no more than this process sent it), all
+# slow: it was not the cause
+ACQUIT_READINGS = 2
+ACQUIT_SECONDS = 60.0  # or this long after it ended here with no prompt reading (the engine's letting go unseen)
+# a stall is a reading of stall_seconds, or of stall_factor times the loop's usual: the 90th percentile of its last
+# USUAL_READINGS readings outside stalls (once it has USUAL_LEAST of them), from STALL_FLOOR seconds
+USUAL_READINGS = 64
+USUAL_LEAST = 16
+STALL_FLOOR = 0.1
+MAX_BACKENDS = 4096  # backends whose usual readings are kept
+MAX_STRIKE_SECONDS = 86_400.0
+MAX_BARRED = 10_000  # grammars kept from such engines at once (the oldest bar dropped first)
+# what a request's grammar is made of, for its fingerprint
+GRAMMAR_FIELDS = (*CONSTRAINT_FIELDS, "response_format", "tools", "tool_choice")
+
+
+def has_grammar(request: RouteRequest) -> bool:
+    """Whether an engine such as llama.cpp follows a grammar for this request: its constraint's, or one it compiles
+    from the tools it may call."""
+    if request.constraint is not None:
+        return True
+    return bool(request.body.get("tools")) and request.body.get("tool_choice") != "none"
+
+
+def fingerprint(body: dict[str, Any]) -> bytes:
+    parts = {name: body[name] for name in GRAMMAR_FIELDS if name in body}
+    try:
+        text = orjson.dumps(parts, option=orjson.OPT_SORT_KEYS)
+    except (TypeError, orjson.JSONEncodeError):  # (an integer past 64 bits)
+        text = repr(sorted(parts.items())).encode()
+    return hashlib.sha256(text).digest()
+
+
+@dataclass(slots=True, eq=False)
+class Watched:
+    """A request with a grammar in flight on a backend whose loop is watched."""
+
+    backend: str
+    key: str | None  # its API key's name (None: no keys configured, no key to strike)
+    body: dict[str, Any]
+    started: float
+    stop: Callable[[str], bool] | None = None  # ends its attempt with a reason (set while it is forwarded)
+    ended_at: float | None = None
+
+
+@dataclass(slots=True)
+class _Loop:
+    running: list[Watched] = field(default_factory=list)
+    streak: int = 0  # slow readings in a row
+    stopped: Watched | None = None  # stopped, its verdict waiting on the readings after it ended
+    dropped: bool = False  # the engine was seen to let it go
+    slow_after: int = 0  # readings answered since, all slow
+
+
+class StallGuard:
+    def __init__(self, settings: StallGuardSettings, clock: Clock = SYSTEM,
+                 registry: CollectorRegistry | None = None) -> None:
+        self.settings = settings
+        self._clock = clock
+        self._loops: dict[str, _Loop] = {}
+        self._keys: dict[str, tuple[float, int]] = {}  # key -> (kept until, strikes)
+        self._barred: dict[bytes, float] = {}  # grammar fingerprint -> kept until
+        self._usual: dict[str, deque[float]] = {}  # backend -> its loop's last readings outside stalls
+        self.stops = Counter("gateway_stall_guard_stops", "Requests with a grammar stopped because the loop of "
+                             "the engine they ran on stalled, by backend and verdict (cause: the loop answered "
+                             "promptly once it ended; not_cause: it did not).", ["backend", "verdict"],
+                             registry=registry)
+
+    def configure(self, settings: StallGuardSettings) -> None:
+        self.settings = settings
+
+    # --- asked by the dispatcher ----------------------------------------------------------------------------
+    def kept(self, request: RouteRequest, key: str | None) -> tuple[str, float] | None:
+        """Why this request may not go to an engine whose loop is watched, and for how many seconds more, if it is
+        kept from them."""
+        if not self._keys and not self._barred:
+            return None
+        if not self.settings.enabled or not has_grammar(request):
+            return None
+        now = self._clock.monotonic()
+        if key is not None and key in self._keys:
+            until, _ = self._keys[key]
+            if until > now:
+                return (f"a request of this key with a grammar stalled the loop of an engine that runs every "
+                        f"request on one loop (llama.cpp); its requests with a constraint or tools are kept from "
+                        f"such engines for another {until - now:.0f} s", until - now)
+        if self._barred:
+            until = self._barred.get(fingerprint(request.body), 0.0)
+            if until > now:
+                return (f"this grammar (its constraint and tools) stalled the loop of an engine that runs every "
+                        f"request on one loop (llama.cpp); it is kept from such engines for another "
+                        f"{until - now:.0f} s", until - now)
+        return None
+
+    def watch(self, backend: Backend, request: RouteRequest, key: str | None) -> Watched | None:
+        """Note a request sent to ``backend``, if it has a grammar and the backend's loop is watched."""
+        if not self.settings.enabled or not backend.spec.load_waits_for_loop or not has_grammar(request):
+            return None
+        watched = Watched(backend.name, key, request.body, self._clock.monotonic())
+        self._loops.setdefault(backend.name, _Loop()).running.append(watched)
+        return watched
+
+    def ended(self, watched: Watched) -> None:
+        watched.ended_at = self._clock.monotonic()
+        watched.stop = None
+        loop = self._loops.get(watched.backend)
+        if loop is None:
+            return
+        if watched in loop.running:
+            loop.running.remove(watched)
+        if not loop.running and loop.stopped is None:
+            del self._loops[watched.backend]
+
+    # --- told by the pool ------------------------------------------------------------------------------------
+    def stall(self, backend: str) -> float:
+        """The seconds a reading of ``backend``'s loop takes at least to be a stall."""
+        usual = self._usual.get(backend)
+        ceiling = self.settings.stall_seconds
+        if usual is None or len(usual) < USUAL_LEAST:
+            return ceiling
+        ninetieth = sorted(usual)[(len(usual) - 1) * 9 // 10]
+        return min(ceiling, max(STALL_FLOOR, self.settings.stall_factor * ninetieth))
+
+    def reading(self, reading: LoopReading) -> None:
+        """A reading of a backend's loop (see :class:`~gateway.pool.state.LoopReading`). One taken while a sequence
+        read its prompt says nothing: a step is then as long as a batch of prompt takes."""
+        if reading.prefilling:
+            return
+        slow = reading.step >= self.stall(reading.backend)
+        loop = self._loops.get(reading.backend)
+        if not slow and reading.running is not None and (loop is None or loop.stopped is None):
+            if reading.backend not in self._usual and len(self._usual) >= MAX_BACKENDS:
+                del self._usual[next(iter(self._usual))]  # (backends found by DNS come and go)
+            self._usual.setdefault(reading.backend, deque(maxlen=USUAL_READINGS)).append(reading.step)
+        if loop is None:
+            return
+        stopped = loop.stopped
+        if stopped is not None:
+            if stopped.ended_at is None:
+                return  # its stop is under way
+            if not slow:
+                self._convict(stopped)
+                loop.stopped, loop.streak = None, 0
+                if not loop.running:
+                    del self._loops[reading.backend]
+                return
+            if (reading.running is not None and reading.in_flight is not None
+                    and 0 <= reading.running <= reading.in_flight):
+                loop.dropped = True  # the engine runs no more than this process sent it: it let the stopped one go
+            if loop.dropped and reading.running is not None:
+                loop.slow_after += 1
+            if (loop.slow_after < ACQUIT_READINGS
+                    and self._clock.monotonic() - stopped.ended_at < ACQUIT_SECONDS):
+                return
+            self.stops.labels(reading.backend, "not_cause").inc()
+            log.info("backend %s: its loop is still slow after a stopped request with a grammar left it; stopping "
+                     "the next", reading.backend)
+            loop.stopped = None
+            loop.streak = CONFIRM_READINGS
+        elif not slow:
+            loop.streak = 0
+            return
+        else:
+            loop.streak += 1
+        if loop.streak < CONFIRM_READINGS or not self.settings.enabled:
+            return
+        for watched in sorted(loop.running, key=lambda w: w.started):
+            if watched.stop is not None and watched.stop(
+                    f"the loop of backend {reading.backend}, which runs every request on it, slowed to "
+                    f"{reading.step:.1f} s or more a step while this request's grammar (its constraint or tools) ran "
+                    f"there; it was stopped (requests with a grammar there are stopped one at a time until the loop "
+                    f"recovers): retry, and if it was the cause it is kept from such engines for a while"):
+                loop.stopped, loop.slow_after, loop.dropped = watched, 0, False
+                log.warning("backend %s: its loop took %.1f s or more a step, %d readings in a row, while requests "
+                            "with a grammar ran there: stopped the one running longest (key %s)", reading.backend,
+                            reading.step, loop.streak, watched.key or "none")
+                return
+
+    def _convict(self, watched: Watched) -> None:
+        now = self._clock.monotonic()
+        self.stops.labels(watched.backend, "cause").inc()
+        strikes = 1
+        if watched.key is not None:
+            until, before = self._keys.get(watched.key, (0.0, 0))
+            strikes = before + 1 if until > now - MAX_STRIKE_SECONDS else 1
+        seconds = min(self.settings.strike_seconds * 2 ** (strikes - 1), MAX_STRIKE_SECONDS)
+        if watched.key is not None:
+            self._keys[watched.key] = (now + seconds, strikes)
+        self._barred = {fp: until for fp, until in self._barred.items() if until > now}
+        while len(self._barred) >= MAX_BARRED:
+            del self._barred[next(iter(self._barred))]
+        self._barred[fingerprint(watched.body)] = now + seconds
+        log.warning("backend %s: its loop answered promptly once a stopped request with a grammar ended: that "
+                    "grammar%s kept from such engines for %.0f s", watched.backend,
+                    f", and key {watched.key}'s requests with one," if watched.key is not None else " is", seconds)

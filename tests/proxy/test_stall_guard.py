@@ -1,0 +1,259 @@
+"""The stall guard's verdicts, reading by reading (gateway.proxy.stall_guard; on a real llama-server:
+tests/llamacpp/test_stall_guard.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import pytest
+from prometheus_client import CollectorRegistry
+
+from gateway.config import StallGuardSettings
+from gateway.engines.registry import create_adapter
+from gateway.pool.backend import Backend
+from gateway.pool.state import LoopReading
+from gateway.proxy.stall_guard import (
+    ACQUIT_SECONDS,
+    MAX_STRIKE_SECONDS,
+    STALL_FLOOR,
+    USUAL_LEAST,
+    StallGuard,
+)
+from gateway.routing.request import RouteRequest
+from gateway.structured import extract
+from tests.clock import ManualClock
+from tests.proxy.scripted_upstream import ScriptedUpstream, gateway_over
+from tests.waiting import wait_until
+
+GRAMMAR = 'root ::= "a"+\n'
+
+
+def llama(name: str = "l") -> Backend:
+    return Backend(name, "llamacpp", "http://127.0.0.1:1", spec=create_adapter("llamacpp").spec)
+
+
+def request(grammar: str | None = GRAMMAR, **body: Any) -> RouteRequest:
+    body = {"model": "m", "prompt": "hi", **body}
+    if grammar is not None:
+        body["grammar"] = grammar
+    return RouteRequest(route="completions", model="m", stream=False, max_tokens=8, body=body,
+                        constraint=extract(body))
+
+
+class Running:
+    """A request in flight as the dispatcher notes it, stopped by the guard when it says."""
+
+    def __init__(self, guard: StallGuard, backend: Backend, key: str | None, req: RouteRequest) -> None:
+        self.guard = guard
+        self.why: str | None = None
+        watched = guard.watch(backend, req, key)
+        assert watched is not None
+        self.watched = watched
+        watched.stop = self.stop
+
+    def stop(self, why: str) -> bool:
+        self.why = why
+        return True
+
+    def end(self) -> None:
+        self.guard.ended(self.watched)
+
+
+def reading(step: float, running: int | None = 0, in_flight: int | None = 0, backend: str = "l",
+            prefilling: bool = False) -> LoopReading:
+    return LoopReading(backend, step, running, in_flight, prefilling)
+
+
+def setup(**settings: Any) -> tuple[StallGuard, ManualClock, Backend]:
+    clock = ManualClock()
+    guard = StallGuard(StallGuardSettings(**settings), clock, CollectorRegistry())
+    return guard, clock, llama()
+
+
+def stops(guard: StallGuard, verdict: str) -> float:
+    return guard.stops.labels("l", verdict)._value.get()
+
+
+def test_two_slow_readings_stop_the_longest_running_and_a_prompt_loop_after_convicts_it() -> None:
+    guard, clock, backend = setup()
+    first = Running(guard, backend, "a", request())
+    clock.advance(1)
+    second = Running(guard, backend, "b", request(GRAMMAR + "# b\n"))
+    guard.reading(reading(2.0, running=2, in_flight=2))
+    assert first.why is None, "one slow reading is no stall"
+    guard.reading(reading(0.1, running=2, in_flight=2))
+    guard.reading(reading(2.0, running=2, in_flight=2))
+    assert first.why is None, "slow readings in a row, not in all"
+    guard.reading(reading(2.0, running=2, in_flight=2))
+    assert first.why is not None and "slowed to 2.0 s" in first.why and second.why is None
+    first.end()
+    guard.reading(reading(2.0, running=2, in_flight=1))  # (the engine has not let it go yet: no verdict)
+    assert stops(guard, "cause") == 0 and stops(guard, "not_cause") == 0
+    guard.reading(reading(0.05, running=1, in_flight=1))
+    assert stops(guard, "cause") == 1
+    # its key's requests with a grammar, and its grammar from any key, kept; the other key's others not
+    kept = guard.kept(request(GRAMMAR + "# other\n"), "a")
+    assert kept is not None and "this key" in kept[0] and kept[1] == 600
+    barred = guard.kept(request(), "b")
+    assert barred is not None and "this grammar" in barred[0]
+    assert guard.kept(request(GRAMMAR + "# b\n"), "b") is None
+    assert guard.kept(request(None), "a") is None, "a request without a grammar is not kept"
+    clock.advance(601)
+    assert guard.kept(request(), "a") is None, "kept for strike_seconds"
+    second.end()
+
+
+def test_a_stopped_request_that_was_not_the_cause_is_acquitted_and_the_next_stopped() -> None:
+    guard, clock, backend = setup()
+    first = Running(guard, backend, "innocent", request(GRAMMAR + "# i\n"))
+    clock.advance(1)
+    second = Running(guard, backend, "guilty", request())
+    guard.reading(reading(3.0, running=2, in_flight=2))
+    guard.reading(reading(3.0, running=2, in_flight=2))
+    assert first.why is not None and second.why is None
+    first.end()
+    # timed out, then answered, still slow: the engine let it go (it runs what this process sent), still slow
+    guard.reading(reading(2.0, running=None, in_flight=1))
+    guard.reading(reading(3.0, running=1, in_flight=1))
+    assert second.why is None
+    guard.reading(reading(3.0, running=1, in_flight=1))
+    assert stops(guard, "not_cause") == 1 and second.why is not None, "acquitted, and the next stopped at once"
+    second.end()
+    guard.reading(reading(0.01, running=0, in_flight=0))
+    assert stops(guard, "cause") == 1
+    assert guard.kept(request(GRAMMAR + "# x\n"), "innocent") is None
+    assert guard.kept(request(GRAMMAR + "# x\n"), "guilty") is not None
+
+
+def test_where_the_engine_is_not_seen_letting_go_the_verdict_waits_a_minute() -> None:
+    guard, clock, backend = setup()
+    first = Running(guard, backend, "a", request())
+    second = Running(guard, backend, "b", request(GRAMMAR + "# b\n"))
+    guard.reading(reading(5.0, running=None))
+    guard.reading(reading(5.0, running=None))
+    first.end()
+    for _ in range(10):  # (a worker that takes another's readings knows no in-flight count: in_flight None)
+        clock.advance(5)
+        guard.reading(reading(5.0, running=3, in_flight=None))
+    assert second.why is None
+    clock.advance(ACQUIT_SECONDS)
+    guard.reading(reading(5.0, running=3, in_flight=None))
+    assert second.why is not None and stops(guard, "not_cause") == 1
+    second.end()
+
+
+def test_each_repeat_doubles_the_time_a_key_is_kept_up_to_a_day() -> None:
+    guard, clock, backend = setup(strike_seconds=100)
+    kept_for = []
+    for n in range(12):
+        running = Running(guard, backend, "a", request(GRAMMAR + f"# {n}\n"))
+        guard.reading(reading(2.0))
+        guard.reading(reading(2.0))
+        running.end()
+        guard.reading(reading(0.01))
+        kept = guard.kept(request(GRAMMAR + "# another\n"), "a")
+        assert kept is not None
+        kept_for.append(kept[1])
+        clock.advance(kept[1] + 1)
+    assert kept_for[:4] == [100, 200, 400, 800] and kept_for[-1] == MAX_STRIKE_SECONDS, kept_for
+
+
+def test_without_keys_the_grammar_alone_is_kept() -> None:
+    guard, _clock, backend = setup()
+    running = Running(guard, backend, None, request())
+    guard.reading(reading(2.0))
+    guard.reading(reading(2.0))
+    running.end()
+    guard.reading(reading(0.0))
+    assert guard.kept(request(), None) is not None
+    assert guard.kept(request(GRAMMAR + "# other\n"), None) is None
+
+
+def test_the_guard_watches_only_requests_with_a_grammar_on_engines_with_one_loop() -> None:
+    guard, _clock, backend = setup()
+    assert guard.watch(backend, request(None), "a") is None
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    assert guard.watch(backend, request(None, tools=tools), "a") is not None
+    assert guard.watch(backend, request(None, tools=tools, tool_choice="none"), "a") is None
+    vllm = Backend("v", "vllm", "http://127.0.0.1:2", spec=create_adapter("vllm").spec)
+    assert guard.watch(vllm, request(), "a") is None
+    off, _, _ = setup(enabled=False)
+    assert off.watch(backend, request(), "a") is None
+
+
+def test_a_slow_loop_with_no_request_with_a_grammar_there_stops_nothing() -> None:
+    guard, _clock, backend = setup()
+    for _ in range(5):
+        guard.reading(reading(10.0))
+    running = Running(guard, backend, "a", request())
+    guard.reading(reading(0.5))
+    guard.reading(reading(0.9))
+    assert running.why is None, "below stall_seconds"
+    guard.reading(reading(2.0, backend="other"))
+    guard.reading(reading(2.0, backend="other"))
+    assert running.why is None, "another backend's loop"
+
+
+def test_the_loop_is_read_as_the_load_readings_wait_less_the_health_checks() -> None:
+    """llama.cpp answers /health on its HTTP thread and /metrics between two steps of its loop: what the reading
+    waits beyond the health check is the loop's; a slow network or gateway slows both and is not counted."""
+    with ScriptedUpstream(model="m") as upstream:
+        upstream.get_answers["/health"] = (200, b'{"status": "ok"}')
+        upstream.get_answers["/slots"] = (200, b'[{"id": 0, "is_processing": true}, {"id": 1, "is_processing": true}]')
+        upstream.get_answers["/metrics"] = (200, b"llamacpp:requests_processing 2\nllamacpp:requests_deferred 1\n")
+        upstream.get_delays["/metrics"] = 0.3
+        app, server = gateway_over(upstream, backend={"engine": "llamacpp"})
+        readings: list[LoopReading] = []
+        app.gateway.pool.on_loop = readings.append
+        with server:
+            wait_until(lambda: len(readings) >= 2, "two readings of the loop")
+            assert 0.25 < readings[-1].step < 1.0 and readings[-1].running == 3, readings[-1]
+            upstream.get_delays["/health"] = 0.3
+            seen = len(readings)
+            wait_until(lambda: len(readings) >= seen + 2, "two more readings")
+            assert readings[-1].step < 0.2, readings[-1]
+            upstream.get_delays["/metrics"] = 2.0  # (past the scrape's timeout of 1 s: a reading that did not come)
+            seen = len(readings)
+            wait_until(lambda: len(readings) >= seen + 2, "two more readings", within=20)
+            assert readings[-1].running is None and 0.5 < readings[-1].step <= 1.0, readings[-1]
+
+
+def test_a_stall_is_also_many_times_the_loops_usual_and_a_prompt_being_read_is_no_stall() -> None:
+    guard, _clock, backend = setup(stall_seconds=1.0, stall_factor=8)
+    assert guard.stall("l") == 1.0, "with no usual yet, stall_seconds"
+    for n in range(USUAL_LEAST):
+        guard.reading(reading(0.002 + n * 0.0002))
+    assert guard.stall("l") == STALL_FLOOR, "8x a usual of ~5 ms is below the floor"
+    for _ in range(USUAL_LEAST * 4):
+        guard.reading(reading(0.05))
+    assert guard.stall("l") == 0.4
+    running = Running(guard, backend, "a", request())
+    for _ in range(4):  # (a prompt being read: steps as long as a batch of it, whatever they take)
+        guard.reading(reading(5.0, running=1, in_flight=1, prefilling=True))
+    assert running.why is None
+    guard.reading(reading(0.5, running=1, in_flight=1))
+    guard.reading(reading(0.5, running=1, in_flight=1))
+    assert running.why is not None and "slowed to 0.5 s" in running.why
+    running.end()
+    guard.reading(reading(0.05, running=0, in_flight=0))
+    assert guard.kept(request(), "a") is not None
+
+
+@pytest.mark.anyio
+async def test_llamacpp_slots_reading_a_prompt_are_told_apart() -> None:
+    slots = [{"id": 0, "is_processing": True, "next_token": [{"n_decoded": 5}]},
+             {"id": 1, "is_processing": False, "next_token": [{"n_decoded": 0}]}]
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/slots":
+            return httpx.Response(200, json=slots)
+        return httpx.Response(200, text="llamacpp:requests_deferred 0\n")
+
+    adapter = create_adapter("llamacpp")
+    async with httpx.AsyncClient(transport=httpx.MockTransport(handler), base_url="http://l") as client:
+        load = await adapter.read_load(client)
+        assert load is not None and load.running == 1 and not load.prefilling
+        slots.append({"id": 2, "is_processing": True, "next_token": [{"n_decoded": 0}]})
+        load = await adapter.read_load(client)
+        assert load is not None and load.running == 2 and load.prefilling
