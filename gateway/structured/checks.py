@@ -229,6 +229,14 @@ def schema_fanout(value: Any) -> str | None:
                 return (f"the object at {at[:200] or '/'} has {len(names)} optional properties whose names begin "
                         f"alike: writing {name[:40]!r} llama.cpp would check every candidate token against {cost} "
                         f"ways in all, more than {MAX_ENUM_COST}")
+        names = _merged_optional(value, node.get("allOf"))
+        if len(names) > 1:  # (an allOf's anyOf parts: 1,500 names "required" there, ~1 s a token, sweep 28)
+            cost, name = enum_cost([orjson.dumps(key) for key in names])
+            if cost > MAX_ENUM_COST:
+                return (f"the allOf at {at[:200] or '/'} has {len(names)} properties in its anyOf parts, which "
+                        f"llama.cpp merges as optional whatever their 'required', and whose names begin alike: "
+                        f"writing {name[:40]!r} it would check every candidate token against {cost} ways in all, "
+                        f"more than {MAX_ENUM_COST}")
         for key in ("anyOf", "oneOf"):
             options = node.get(key)
             width = _union_width(options) if isinstance(options, list) else 0
@@ -291,6 +299,10 @@ class _Width:
         values = node.get("enum")
         if isinstance(values, list):
             widths.append(len(values))
+        pattern = node.get("pattern")
+        if isinstance(pattern, str):  # (as its search found it, check_patterns having run first: 64 strings of a
+            # 47-way pattern in a union held ~3,000 stacks, each counted 1, sweep 28)
+            widths.append(_pattern_ways.get(pattern, 1))
         types = node.get("type")
         if isinstance(types, list):
             widths.append(len(types))
@@ -309,11 +321,12 @@ class _Width:
             required = node.get("required")
             widths.append(sum(1 for name in properties if not (isinstance(required, list) and name in required)))
             widths.extend(self.of(child, depth + 1) for child in properties.values())
-        for field in ("items", "additionalProperties", "contains", "not"):
+        for field in ("items", "additionalItems", "additionalProperties", "contains", "not"):
             widths.append(self.of(node.get(field), depth + 1))
-        prefix = node.get("prefixItems")
-        if isinstance(prefix, list):
-            widths.extend(self.of(item, depth + 1) for item in prefix)
+        for field in ("prefixItems", "items"):  # (a list of items is a draft-07 tuple, as prefixItems: sweep 28)
+            listed = node.get(field)
+            if isinstance(listed, list):
+                widths.extend(self.of(item, depth + 1) for item in listed)
         self.open.discard(key)  # (definitions count where they are used, through $ref)
         width = min(max(widths), MAX_WIDTH + 1)
         self.memo[key] = width
@@ -369,6 +382,7 @@ def enum_cost(texts: list[bytes]) -> tuple[int, str]:
 # what searching a schema's patterns for llama.cpp's parses may spend in all (simple patterns take tens of steps)
 PATTERNS_BUDGET = 8_000  # (~30 ms; a pattern of 1,000 characters counted 50 times 20 takes ~4,700)
 _pattern_verdicts: dict[str, tuple[str | None, int]] = {}
+_pattern_ways: dict[str, int] = {}  # the ways at once a pattern's parse was found to go (for _Width)
 
 
 def _pattern_parses(pattern: str, tree: Any, budget: int) -> tuple[str | None, int]:
@@ -389,7 +403,9 @@ def _pattern_parses(pattern: str, tree: Any, budget: int) -> tuple[str | None, i
     verdict = parses_problem(found), found.spent
     if len(_pattern_verdicts) >= 4096:
         _pattern_verdicts.clear()
+        _pattern_ways.clear()
     _pattern_verdicts[pattern] = verdict
+    _pattern_ways[pattern] = found.count
     return verdict
 
 
@@ -501,6 +517,25 @@ def _unsatisfiable(root: Any) -> str | None:
                 which = "enum" if isinstance(node.get("enum"), list) else "const"
                 return f"no {which} value at {at or '/'} is of its type {'/'.join(kinds)}: no value satisfies it"
     return None
+
+
+def _merged_optional(root: Any, parts: Any) -> list[str]:
+    """The property names an ``allOf`` of ``parts`` leaves optional as llama.cpp merges it into one object
+    (common/json-schema-to-grammar.cpp): those of its parts' ``anyOf`` alternatives (through a local ``$ref`` each),
+    whatever their ``required``."""
+    if not isinstance(parts, list):
+        return []
+    names: list[str] = []
+    for part in parts:
+        options = part.get("anyOf") if isinstance(part, dict) else None
+        for option in options if isinstance(options, list) else ():
+            ref = option.get("$ref") if isinstance(option, dict) else None
+            if isinstance(ref, str) and ref.startswith("#"):
+                option = _resolve(root, ref)
+            properties = option.get("properties") if isinstance(option, dict) else None
+            if isinstance(properties, dict):
+                names.extend(properties)
+    return names
 
 
 def _resolve(root: Any, ref: str) -> Any:

@@ -256,6 +256,21 @@ def test_a_schemas_unions_enums_and_optional_properties_are_counted_together() -
     tools = [{"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "$defs": product["$defs"], "properties": {"x": {"anyOf": product["anyOf"]}}}}}]
     assert "together may hold" in (tools_fanout(tools) or "")
+    # sweep 28: the same union as a draft-07 tuple's item, and a union of strings each with a 47-way pattern
+    tuple_items = {"$schema": "http://json-schema.org/draft-07/schema#", "definitions": {"e": {"enum": values}},
+                   "type": "array", "items": [{"anyOf": [{"type": "object", "properties": {
+                       "a": {"$ref": "#/definitions/e"}}, "required": ["a"]} for _ in range(64)]}]}
+    assert "together may hold 28,800 ways at once" in (fanout({"json_schema": tuple_items}) or "")
+    pattern = "^(" + "|".join("a" * k for k in range(1, 11)) + ")*$"
+    patterned = {"type": "array", "items": {"anyOf": [{"type": "string", "pattern": pattern}] * 64}}
+    assert "together may hold" in (fanout({"json_schema": patterned}) or "")
+    assert fanout({"json_schema": {"type": "array", "items": {"type": "string", "pattern": pattern}}}) is None
+    # an allOf's anyOf parts: llama.cpp merges their properties as optional, whatever they require
+    names = {f"customer_record_field_{i:04d}": {} for i in range(300)}
+    merged = {"allOf": [{"anyOf": [{"type": "object", "properties": names, "required": list(names)}]}]}
+    assert "merges as optional" in (fanout({"json_schema": merged}) or "")
+    required = {"allOf": [{"type": "object", "properties": names, "required": list(names)}]}
+    assert fanout({"json_schema": required}) is None
     # what real schemas hold passes: one such enum, a union of a few objects with a few properties each
     assert fanout({"json_schema": {"type": "object", "properties": {"a": {"enum": values}}}}) is None
     few = {"anyOf": [{"type": "object", "properties": {"kind": {"const": k}, "n": {"type": "integer"}},
