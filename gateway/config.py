@@ -20,7 +20,7 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 
 # (ConfigError lives with the file's reading, a leaf; it is this module's error as much)
 from gateway.config_file import ConfigError as ConfigError
-from gateway.config_file import read_config_file, read_yaml
+from gateway.config_file import read_config_file, read_config_settled, read_yaml
 
 Scope = Literal["inference", "metrics", "admin"]  # what a gateway API key may use
 
@@ -898,6 +898,12 @@ def read_settings_file(path: str | Path) -> bytes:
     """The configuration file's bytes, read once: a regular file, bounded (ConfigError when it cannot be read;
     :func:`gateway.config_file.read_config_file`)."""
     return read_config_file(path)
+
+
+def read_settings_to_start(path: str | Path) -> bytes:
+    """The configuration file's bytes as a gateway starts from them: read once it has held still
+    (:func:`gateway.config_file.read_config_settled`)."""
+    return read_config_settled(path)
 
 
 def parse_settings(content: bytes, source: str) -> Settings:

@@ -35,6 +35,8 @@ import codecs
 import os
 import re
 import stat
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -87,6 +89,37 @@ def read_config_file(path: str | Path) -> bytes:
         raise ConfigError(f"cannot read configuration {path}: {exc.strerror}") from None
     finally:
         os.close(fd)
+
+
+# a file written more recently than this may be being rewritten in place: read at start once it has held still this
+# long (as the file watch's server.reload_settle_seconds, whose default it is), for at most START_SETTLE_LIMIT
+START_SETTLE_SECONDS = 2.0
+START_SETTLE_LIMIT = 30.0
+
+
+def read_config_settled(path: str | Path, settle: float = START_SETTLE_SECONDS, limit: float = START_SETTLE_LIMIT,
+                        *, now: Callable[[], float] = time.time,
+                        sleep: Callable[[float], None] = time.sleep) -> bytes:
+    """The file's bytes as a gateway starts from them, once they have held still. A file written less than
+    ``settle`` seconds ago (by its modification time) may be being rewritten in place (``tee``, ``scp``,
+    ``rsync --inplace``, a template), and a prefix of it can parse: cut before ``auth:``, a gateway started open
+    (sweep 27; a reload compares with the file in force, a start has nothing to compare with). So it is read
+    again until it was last modified ``settle`` seconds before the read; one still changing after ``limit``
+    seconds is refused. A file written earlier (every start but one right after a write) is read once."""
+    began = now()
+    while True:
+        content = read_config_file(path)
+        try:
+            modified = os.stat(path).st_mtime
+        except OSError as exc:
+            raise ConfigError(f"cannot read configuration {path}: {exc.strerror}") from None
+        age = now() - modified
+        if not 0 <= age < settle:  # (held still long enough; or stamped in the future: no writer's doing now)
+            return content
+        if now() - began > limit:
+            raise ConfigError(f"configuration {path} kept changing for {limit:g} s: not started from it (a file "
+                              f"being written is read once it has held still {settle:g} s)")
+        sleep(settle - age)
 
 
 @dataclass(frozen=True, slots=True)

@@ -37,7 +37,14 @@ import uvicorn
 from gateway import gcpolicy
 from gateway.api.admin import AdminApp
 from gateway.app import GatewayApp, create_app
-from gateway.config import ConfigError, Settings, is_loopback, parse_settings, read_settings_file, settings_from_mapping
+from gateway.config import (
+    ConfigError,
+    Settings,
+    is_loopback,
+    parse_settings,
+    read_settings_to_start,
+    settings_from_mapping,
+)
 from gateway.proxy.accounting import AccessLogHandler, AccessLogWriter
 from gateway.routing.policies import check_settings
 from gateway.server_limits import raise_nofile_limit, uvicorn_config
@@ -392,7 +399,7 @@ def serve(config_path: str | None, *, host: str | None, port: int | None, log_le
         # 'server' and answered restart_needed though nothing had changed.
         for key, value in server_overrides.items():
             os.environ[f"GATEWAY_SERVER__{key.upper()}"] = str(value)
-        content = read_settings_file(config_path)
+        content = read_settings_to_start(config_path)  # (once it held still: a file rewritten in place, sweep 27)
         settings = parse_settings(content, config_path)
         check_settings(settings)
         _run(settings, log_level, config_path, content)

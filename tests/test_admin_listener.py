@@ -17,6 +17,7 @@ import yaml
 
 from gateway.sim import FleetThread, SimSpec
 from tests.conftest import free_port
+from tests.files import write_config
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.system
@@ -31,7 +32,7 @@ def fleet() -> Iterator[FleetThread]:
 
 
 def serve(path: Path, raw: dict[str, Any]) -> subprocess.Popen[str]:
-    path.write_text(yaml.safe_dump(raw))
+    write_config(path, yaml.safe_dump(raw))
     return subprocess.Popen([sys.executable, "-m", "gateway", "serve", "--config", str(path)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 

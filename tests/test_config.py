@@ -12,7 +12,7 @@ import pytest
 
 from gateway.cli import main
 from gateway.config import ConfigError, load_settings
-from gateway.config_file import MAX_CONFIG_BYTES, MAX_CONFIG_NODES
+from gateway.config_file import MAX_CONFIG_BYTES, MAX_CONFIG_NODES, read_config_settled
 
 pytestmark = pytest.mark.unit
 
@@ -266,3 +266,35 @@ def test_a_control_character_in_the_file_is_a_yaml_error_naming_where_not_a_cras
                                           r"character 53"):
         load_settings(path)
     assert main(["check-config", str(path)]) == 2
+
+
+def test_a_start_reads_a_file_being_rewritten_once_it_has_held_still(tmp_path: pathlib.Path) -> None:
+    """Sweep 27: a file read at start while rewritten in place gave a prefix (cut before auth:, an open gateway). A
+    file modified within the settle time is read again until it has held still that long; one that keeps changing
+    is refused; one written earlier is read at once."""
+    path = tmp_path / "gateway.yaml"
+    whole = b"server: {port: 8080}\nauth:\n  keys: []\n"
+    clock = [1.7e9]
+    writes = [(clock[0] + 1.5, whole)]  # the writer's second half, 1.5 s after its first
+    path.write_bytes(whole[:20])
+    os.utime(path, (clock[0], clock[0]))
+    slept: list[float] = []
+
+    def sleep(seconds: float) -> None:
+        slept.append(seconds)
+        clock[0] += seconds
+        while writes and writes[0][0] <= clock[0]:
+            at, content = writes.pop(0)
+            path.write_bytes(content)
+            os.utime(path, (at, at))
+
+    assert read_config_settled(path, 2.0, now=lambda: clock[0], sleep=sleep) == whole
+    assert sum(slept) >= 3.5, slept  # (2 s after the last write)
+    slept.clear()
+    assert read_config_settled(path, 2.0, now=lambda: clock[0], sleep=sleep) == whole and slept == []
+    # a file that never holds still is refused
+    writes.extend((clock[0] + 0.5 * i, b"server: {port: %d}\n" % i) for i in range(1, 200))
+    path.write_bytes(b"server: {}\n")
+    os.utime(path, (clock[0], clock[0]))
+    with pytest.raises(ConfigError, match="kept changing for 30 s"):
+        read_config_settled(path, 2.0, 30.0, now=lambda: clock[0], sleep=sleep)

@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -18,6 +19,7 @@ from gateway.config import settings_from_mapping
 from gateway.serve import warn_if_open
 from gateway.sim import FleetThread, SimSpec
 from tests.conftest import free_port_block
+from tests.files import write_config
 from tests.test_admin_listener import wait_ready
 from tests.waiting import wait_until
 
@@ -84,7 +86,7 @@ def test_a_standard_error_nobody_reads_never_stalls_the_gateway(tmp_path: Path) 
     with FleetThread([SimSpec(engine="vllm", model="m", name="v", time_scale=50.0)]) as fleet:
         port = free_port_block(1)
         config = tmp_path / "gateway.yaml"
-        config.write_text(yaml.safe_dump({"server": {"port": port}, "access_log": {"enabled": False},
+        write_config(config, yaml.safe_dump({"server": {"port": port}, "access_log": {"enabled": False},
                                           "backends": [{"name": "v", "engine": "vllm",
                                                         "url": fleet.fleet.servers[0].url}]}))
         proc = subprocess.Popen([sys.executable, "-m", "gateway", "serve", "--config", str(config),
@@ -110,7 +112,7 @@ def test_a_gateway_without_keys_says_once_that_it_is_open(tmp_path: Path, caplog
     with FleetThread([SimSpec(engine="vllm", model="m", name="v", time_scale=50.0)]) as fleet:
         port = free_port_block(1)
         config = tmp_path / "gateway.yaml"
-        config.write_text(yaml.safe_dump({"server": {"host": "0.0.0.0", "port": port},
+        write_config(config, yaml.safe_dump({"server": {"host": "0.0.0.0", "port": port},
                                           "backends": [{"name": "v", "engine": "vllm",
                                                         "url": fleet.fleet.servers[0].url}]}))
         proc = subprocess.Popen([sys.executable, "-m", "gateway", "serve", "--config", str(config)],
@@ -132,3 +134,34 @@ def test_a_gateway_without_keys_says_once_that_it_is_open(tmp_path: Path, caplog
         warn_if_open(keyed)
     assert [r.getMessage()[:58] for r in caplog.records] == [
         "no API keys: the gateway on 127.0.0.1:8000 serves anyone w"]
+
+
+
+def test_a_gateway_started_while_its_file_is_rewritten_in_place_starts_from_the_whole_file(tmp_path: Path) -> None:
+    """Sweep 27: a gateway started while its file was rewritten in place (tee, scp, a template) read a prefix, and
+    cut before ``auth:`` it started open. A file written within the last 2 s is read once it has held still."""
+    with FleetThread([SimSpec(engine="vllm", model="m", name="v", time_scale=50.0)]) as fleet:
+        port = free_port_block(1)
+        config = tmp_path / "gateway.yaml"
+        whole = yaml.safe_dump({"server": {"port": port}, "backends": [
+            {"name": "v", "engine": "vllm", "url": fleet.fleet.servers[0].url}], "auth": {"keys": [
+                {"name": "team", "key_sha256": "0" * 64}]}}, sort_keys=False)
+        config.write_text(whole[:whole.index("auth:")])  # (what a reader finds halfway through the write)
+        proc = subprocess.Popen([sys.executable, "-m", "gateway", "serve", "--config", str(config)],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            # the writer is still at it (the file modified now and then) until the gateway has read what there is
+            # (its access time moves past the modification's)
+            while config.stat().st_atime_ns <= config.stat().st_mtime_ns:
+                assert proc.poll() is None, "the gateway exited"
+                os.utime(config)
+                time.sleep(0.2)  # real time: a writer's pace, while the gateway starts
+            with config.open("a") as rest:
+                rest.write(whole[whole.index("auth:"):])
+            url = f"http://127.0.0.1:{port}"
+            wait_ready(proc, url)
+            models = httpx.get(url + "/v1/models")
+            assert models.status_code == 401, models.text  # (keys in force: started from the whole file)
+        finally:
+            proc.kill()
+            proc.communicate(timeout=30)

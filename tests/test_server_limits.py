@@ -38,6 +38,7 @@ from gateway.pool.state import Health
 from gateway.server_limits import default_max_connections, raise_nofile_limit
 from gateway.sim import FleetThread, SimSpec
 from tests.conftest import ServerThread, free_port_block, serve_in_thread
+from tests.files import write_config
 from tests.waiting import until_true, wait_until
 
 HEADER_LIMIT = 64 * 1024
@@ -455,7 +456,7 @@ def test_an_idle_flood_leaves_gateway_serve_the_descriptors_its_backends_need(tm
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     config = tmp_path / "gateway.yaml"
     # a long keep-alive, so that the 16 clients' connections outlast however long the flood takes to open
-    config.write_text(yaml.safe_dump({"server": {"port": base + 1, "keepalive_timeout": 60},
+    write_config(config, yaml.safe_dump({"server": {"port": base + 1, "keepalive_timeout": 60},
                                       "backends": [{"name": "v", "engine": "vllm", "url": f"http://127.0.0.1:{base}"}],
                                       "scrape": {"interval": 0.2}}))
     gateway = subprocess.Popen([sys.executable, "-m", "gateway", "serve", "--config", str(config), "--log-level",

@@ -17,6 +17,7 @@ import pytest
 import yaml
 
 from tests.conftest import free_port_block
+from tests.files import write_config
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.system
@@ -52,7 +53,7 @@ def gateway_over_vllm(tmp_path: Path, server: dict[str, Any], admin: bool = Fals
                               "--port", str(base)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     config = tmp_path / "gateway.yaml"
     listeners = {"port": base + 1, **({"admin_port": base + 2} if admin else {})}
-    config.write_text(yaml.safe_dump({"server": {**listeners, **server},
+    write_config(config, yaml.safe_dump({"server": {**listeners, **server},
                                       "backends": [{"name": "v", "engine": "vllm", "url": f"http://127.0.0.1:{base}"}]}))
     gateway = subprocess.Popen([sys.executable, "-m", "gateway", "serve", "--config", str(config), "--log-level",
                                 "warning"], stdout=stdout, stderr=subprocess.DEVNULL)

@@ -37,6 +37,7 @@ from gateway.state.sealing import fleet_secret
 from gateway.telemetry.merge import merge_expositions
 from gateway.workers import WorkerIdentity
 from tests.conftest import free_port_block
+from tests.files import write_config
 from tests.state.conftest import RedisServer
 from tests.waiting import wait_until
 
@@ -90,7 +91,7 @@ def start_pod(tmp: Path, fleet: FleetThread, redis: RedisServer, port: int, conf
               **server: object) -> Pod:
     config = config or pod_config(fleet, redis, port, **server)
     path = tmp / "gateway.yaml"
-    path.write_text(yaml.safe_dump(config))
+    write_config(path, yaml.safe_dump(config))
     log = tmp / "gateway.log"
     proc = ChildProcess("gateway", [sys.executable, "-m", "gateway", "serve", "--config", str(path),
                                     "--log-level", "warning"], log).start()
@@ -487,7 +488,7 @@ def test_sighups_while_workers_start_kill_none_and_the_file_is_reloaded(tmp_path
             config = pod_config(fleet, redis, base + 1)
             config["auth"] = {"keys": [key("ops", ops, ["admin"]), key("team", team, ["inference"])]}
             path = tmp_path / "gateway.yaml"
-            path.write_text(yaml.safe_dump(config))
+            write_config(path, yaml.safe_dump(config))
             log = tmp_path / "gateway.log"
             supervisor = ChildProcess("gateway", [sys.executable, "-m", "gateway", "serve", "--config", str(path),
                                                   "--log-level", "warning"], log).start()

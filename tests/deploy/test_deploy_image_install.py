@@ -18,6 +18,7 @@ from deploy_support import GATEWAY_CONFIGS, ROOT
 from deploy_support import dockerfile_stage as stage
 
 from tests.conftest import free_port
+from tests.files import write_config
 from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.system]
@@ -78,7 +79,7 @@ def test_the_image_install_steps_work_in_a_clean_environment(tmp_path: Path) -> 
     # `gateway serve` from the installed package answers the image's own HEALTHCHECK command
     port = free_port()
     config = tmp_path / "gateway.yaml"
-    config.write_text(f"server: {{host: 127.0.0.1, port: {port}}}\n"
+    write_config(config, f"server: {{host: 127.0.0.1, port: {port}}}\n"
                       f"backends: [{{name: absent, engine: vllm, url: 'http://127.0.0.1:{free_port()}'}}]\n")
     healthcheck = json.loads(dict(stage("gateway"))["HEALTHCHECK"].split(" CMD ", 1)[1])
     assert healthcheck[0] == "python"

@@ -16,6 +16,7 @@ import yaml
 
 from gateway.bench.procs import ChildProcess
 from tests.conftest import free_port
+from tests.files import write_config
 from tests.waiting import wait_until
 
 
@@ -79,7 +80,7 @@ def start_replica(tmp: Path, i: int, port: int, redis: RedisServer, **config: An
                 "state": {"url": redis.url, "heartbeat_seconds": 0.2, "replica_ttl_seconds": 3},
                 "admission": {"max_wait_seconds": 60}, **config}
     path = tmp / f"gateway-{i}.yaml"
-    path.write_text(yaml.safe_dump(settings))
+    write_config(path, yaml.safe_dump(settings))
     proc = ChildProcess(f"gateway-{i}", [sys.executable, "-m", "gateway", "serve", "--config", str(path),
                                          "--log-level", "warning"], tmp / f"gateway-{i}.log").start()
     return proc, f"http://127.0.0.1:{port}"

@@ -32,6 +32,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import free_port_block
+from tests.files import write_config
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.system
@@ -202,7 +203,7 @@ def test_gateway_figures_match_the_client_and_the_emulator(tmp_path: Path) -> No
     (tmp_path / "fleet.yaml").write_text(yaml.safe_dump({"host": "127.0.0.1", "servers": [
         {"engine": "vllm", "model": "v", "name": "vllm", "port": base, "set": {"max_seqs": 4}},
         {"engine": "llamacpp", "model": "l", "name": "llama", "port": base + 1, "set": {"max_seqs": 1}}]}))
-    (tmp_path / "gateway.yaml").write_text(yaml.safe_dump({
+    write_config(tmp_path / "gateway.yaml", yaml.safe_dump({
         "server": {"host": "127.0.0.1", "port": base + 2},
         "backends": [{"name": "vllm", "engine": "vllm", "url": f"http://127.0.0.1:{base}"},
                      {"name": "llama", "engine": "llamacpp", "url": f"http://127.0.0.1:{base + 1}"}],

@@ -20,6 +20,7 @@ import yaml
 
 from gateway.sim import FleetThread, SimSpec
 from tests.conftest import free_port
+from tests.files import write_config
 from tests.test_admin_listener import wait_ready
 from tests.ui.cdp import Browser, chromium_path
 from tests.waiting import wait_until
@@ -97,7 +98,7 @@ class Load:
 
 def serve(tmp: Path, raw: dict[str, Any]) -> subprocess.Popen[bytes]:
     """`gateway serve` with ``raw`` as its configuration, its output (an access-log line per request) in a file."""
-    (tmp / "gateway.yaml").write_text(yaml.safe_dump(raw))
+    write_config(tmp / "gateway.yaml", yaml.safe_dump(raw))
     with (tmp / "gateway.log").open("wb") as log:
         return subprocess.Popen([sys.executable, "-m", "gateway", "serve", "--config", str(tmp / "gateway.yaml")],
                                 stdout=log, stderr=subprocess.STDOUT)
