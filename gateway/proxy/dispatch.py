@@ -85,7 +85,8 @@ class Dispatcher:
                  guard: StallGuard | None = None) -> None:
         self._shared = shared
         # stops a request with a grammar that stalls an engine's one loop, and keeps it and its key's off such
-        self.guard = guard or StallGuard(structured_output.stall_guard, admission.clock, metrics.registry)
+        self.guard = guard or StallGuard(structured_output.stall_guard, admission.clock, metrics.registry,
+                                         metrics.loop_lag.worst)
         self._checker = checker  # where answers are checked against their constraints (validate_outputs)
         self._fleet = fleet
         self._pipeline = pipeline

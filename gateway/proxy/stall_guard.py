@@ -53,6 +53,7 @@ USUAL_READINGS = 64
 USUAL_LEAST = 16
 STALL_FLOOR = 0.1
 MAX_BACKENDS = 4096  # backends whose usual readings are kept
+LATENESS_WINDOW = 5.0  # seconds back this process's own worst lag is taken off a reading (a reading takes 2-3 s)
 MAX_STRIKE_SECONDS = 86_400.0
 MAX_BARRED = 10_000  # grammars kept from such engines at once (the oldest bar dropped first)
 # what a request's grammar is made of, for its fingerprint
@@ -99,9 +100,13 @@ class _Loop:
 
 class StallGuard:
     def __init__(self, settings: StallGuardSettings, clock: Clock = SYSTEM,
-                 registry: CollectorRegistry | None = None) -> None:
+                 registry: CollectorRegistry | None = None,
+                 lateness: Callable[[float], float] | None = None) -> None:
         self.settings = settings
         self._clock = clock
+        # the longest this process's own event loop lagged in the last so many seconds (what a reading's time
+        # may owe to this process, not to the engine: taken off each reading's)
+        self._lateness = lateness
         self._loops: dict[str, _Loop] = {}
         self._keys: dict[str, tuple[float, int]] = {}  # key -> (kept until, strikes)
         self._barred: dict[bytes, float] = {}  # grammar fingerprint -> kept until
@@ -171,12 +176,15 @@ class StallGuard:
         read its prompt says nothing: a step is then as long as a batch of prompt takes."""
         if reading.prefilling:
             return
-        slow = reading.step >= self.stall(reading.backend)
+        step = reading.step
+        if self._lateness is not None and step > 0:
+            step = max(0.0, step - self._lateness(LATENESS_WINDOW))
+        slow = step >= self.stall(reading.backend)
         loop = self._loops.get(reading.backend)
         if not slow and reading.running is not None and (loop is None or loop.stopped is None):
             if reading.backend not in self._usual and len(self._usual) >= MAX_BACKENDS:
                 del self._usual[next(iter(self._usual))]  # (backends found by DNS come and go)
-            self._usual.setdefault(reading.backend, deque(maxlen=USUAL_READINGS)).append(reading.step)
+            self._usual.setdefault(reading.backend, deque(maxlen=USUAL_READINGS)).append(step)
         if loop is None:
             return
         stopped = loop.stopped
@@ -212,13 +220,13 @@ class StallGuard:
         for watched in sorted(loop.running, key=lambda w: w.started):
             if watched.stop is not None and watched.stop(
                     f"the loop of backend {reading.backend}, which runs every request on it, slowed to "
-                    f"{reading.step:.1f} s or more a step while this request's grammar (its constraint or tools) ran "
+                    f"{step:.1f} s or more a step while this request's grammar (its constraint or tools) ran "
                     f"there; it was stopped (requests with a grammar there are stopped one at a time until the loop "
                     f"recovers): retry, and if it was the cause it is kept from such engines for a while"):
                 loop.stopped, loop.slow_after, loop.dropped = watched, 0, False
                 log.warning("backend %s: its loop took %.1f s or more a step, %d readings in a row, while requests "
                             "with a grammar ran there: stopped the one running longest (key %s)", reading.backend,
-                            reading.step, loop.streak, watched.key or "none")
+                            step, loop.streak, watched.key or "none")
                 return
 
     def _convict(self, watched: Watched) -> None:

@@ -10,6 +10,8 @@ This is how the engine scrapes' whole-exposition parses (20-40 ms a second per v
 from __future__ import annotations
 
 import asyncio
+import time
+from collections import deque
 from collections.abc import Iterator
 
 from prometheus_client.core import HistogramMetricFamily, Metric
@@ -20,6 +22,7 @@ from gateway.telemetry.request_metrics import Buckets
 
 LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 INTERVAL = 0.05  # seconds between wake-ups: 20 a second, a few microseconds each
+NOTED_LAG = 0.01  # lags from this up are kept, with when they ended, for :meth:`LoopLag.worst`
 
 
 class LoopLag(Collector):
@@ -29,6 +32,7 @@ class LoopLag(Collector):
         self.interval = interval
         self.buckets = Buckets(LAG_BUCKETS)
         self._task: asyncio.Task[None] | None = None
+        self._noted: deque[tuple[float, float]] = deque(maxlen=256)  # (time.monotonic() it ended, lag)
 
     def start(self) -> None:
         if self._task is None:
@@ -40,11 +44,20 @@ class LoopLag(Collector):
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
-        clock, interval, observe = loop.time, self.interval, self.buckets.observe
+        clock, interval, observe, noted = loop.time, self.interval, self.buckets.observe, self._noted
         while True:
             due = clock() + interval
             await asyncio.sleep(interval)
-            observe(max(0.0, clock() - due))
+            lag = max(0.0, clock() - due)
+            observe(lag)
+            if lag >= NOTED_LAG:
+                noted.append((time.monotonic(), lag))
+
+    def worst(self, seconds: float) -> float:
+        """The longest lag measured in the last ``seconds`` (what this process's own lateness may have added to a
+        time it measured then: gateway.proxy.stall_guard)."""
+        since = time.monotonic() - seconds
+        return max((lag for at, lag in self._noted if at >= since), default=0.0)
 
     def collect(self) -> Iterator[Metric]:
         family = HistogramMetricFamily(

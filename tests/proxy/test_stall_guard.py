@@ -257,3 +257,18 @@ async def test_llamacpp_slots_reading_a_prompt_are_told_apart() -> None:
         slots.append({"id": 2, "is_processing": True, "next_token": [{"n_decoded": 0}]})
         load = await adapter.read_load(client)
         assert load is not None and load.running == 2 and load.prefilling
+
+
+def test_this_processs_own_lateness_is_taken_off_each_reading() -> None:
+    """A gateway whose own event loop lags measures every reading that much longer: that is not the engine's."""
+    clock = ManualClock()
+    late = [1.5]
+    guard = StallGuard(StallGuardSettings(), clock, CollectorRegistry(), lateness=lambda seconds: late[0])
+    running = Running(guard, llama(), "a", request())
+    guard.reading(reading(2.0, running=1, in_flight=1))
+    guard.reading(reading(2.0, running=1, in_flight=1))
+    assert running.why is None, "0.5 s of the engine's, under the 1 s threshold"
+    late[0] = 0.0
+    guard.reading(reading(2.0, running=1, in_flight=1))
+    guard.reading(reading(2.0, running=1, in_flight=1))
+    assert running.why is not None
