@@ -56,6 +56,9 @@ MAX_BACKENDS = 4096  # backends whose usual readings are kept
 LATENESS_WINDOW = 5.0  # seconds back this process's own worst lag is taken off a reading (a reading takes 2-3 s)
 MAX_STRIKE_SECONDS = 86_400.0
 MAX_BARRED = 10_000  # grammars kept from such engines at once (the oldest bar dropped first)
+MAX_KEYS = 100_000  # keys whose strikes, and unresolved stalls, are kept
+# a key among the suspects of this many stalls within strike_seconds that no one was found the cause of is struck
+UNRESOLVED_LIMIT = 3
 # what a request's grammar is made of, for its fingerprint
 GRAMMAR_FIELDS = (*CONSTRAINT_FIELDS, "response_format", "tools", "tool_choice")
 
@@ -96,6 +99,9 @@ class _Loop:
     stopped: Watched | None = None  # stopped, its verdict waiting on the readings after it ended
     dropped: bool = False  # the engine was seen to let it go
     slow_after: int = 0  # readings answered since, all slow
+    # the others with a grammar that ran there when it was stopped: one that ends before the verdict may be
+    # what the loop's recovery owes to (its client gone, or its answer done)
+    beside: list[Watched] = field(default_factory=list)
 
 
 class StallGuard:
@@ -110,11 +116,12 @@ class StallGuard:
         self._loops: dict[str, _Loop] = {}
         self._keys: dict[str, tuple[float, int]] = {}  # key -> (kept until, strikes)
         self._barred: dict[bytes, float] = {}  # grammar fingerprint -> kept until
+        self._unresolved: dict[str, list[float]] = {}  # key -> when it was among an unresolved stall's suspects
         self._usual: dict[str, deque[float]] = {}  # backend -> its loop's last readings outside stalls
         self.stops = Counter("gateway_stall_guard_stops", "Requests with a grammar stopped because the loop of "
                              "the engine they ran on stalled, by backend and verdict (cause: the loop answered "
-                             "promptly once it ended; not_cause: it did not).", ["backend", "verdict"],
-                             registry=registry)
+                             "promptly once it ended; not_cause: it did not; unresolved: it did, but other keys' "
+                             "such requests ended meanwhile).", ["backend", "verdict"], registry=registry)
 
     def configure(self, settings: StallGuardSettings) -> None:
         self.settings = settings
@@ -192,8 +199,8 @@ class StallGuard:
             if stopped.ended_at is None:
                 return  # its stop is under way
             if not slow:
-                self._convict(stopped)
-                loop.stopped, loop.streak = None, 0
+                self._verdict(stopped, [w for w in loop.beside if w.ended_at is not None])
+                loop.stopped, loop.streak, loop.beside = None, 0, []
                 if not loop.running:
                     del self._loops[reading.backend]
                 return
@@ -208,7 +215,7 @@ class StallGuard:
             self.stops.labels(reading.backend, "not_cause").inc()
             log.info("backend %s: its loop is still slow after a stopped request with a grammar left it; stopping "
                      "the next", reading.backend)
-            loop.stopped = None
+            loop.stopped, loop.beside = None, []
             loop.streak = CONFIRM_READINGS
         elif not slow:
             loop.streak = 0
@@ -224,25 +231,73 @@ class StallGuard:
                     f"there; it was stopped (requests with a grammar there are stopped one at a time until the loop "
                     f"recovers): retry, and if it was the cause it is kept from such engines for a while"):
                 loop.stopped, loop.slow_after, loop.dropped = watched, 0, False
+                loop.beside = [w for w in loop.running if w is not watched]
                 log.warning("backend %s: its loop took %.1f s or more a step, %d readings in a row, while requests "
                             "with a grammar ran there: stopped the one running longest (key %s)", reading.backend,
                             step, loop.streak, watched.key or "none")
                 return
 
-    def _convict(self, watched: Watched) -> None:
+    def _verdict(self, stopped: Watched, ended: list[Watched]) -> None:
+        """The loop answered promptly once ``stopped`` was let go. Were others with a grammar that ran beside it
+        ``ended`` meanwhile (their answers done, or their clients gone), the recovery may be theirs: with one key
+        among them all, that key is struck all the same; with several, none is, but each key counts the stall, and
+        one found among the suspects of UNRESOLVED_LIMIT unresolved stalls within ``strike_seconds`` is struck.
+        (Else a key could have another's request stopped and convicted by ending its own stalling one at that
+        moment, or escape its own conviction so.)"""
+        if not ended:
+            self._convict(stopped)
+            return
+        suspects = [stopped, *ended]
+        keys = {w.key for w in suspects}
+        if len(keys) == 1:
+            self._convict(stopped, also=ended)
+            return
+        self.stops.labels(stopped.backend, "unresolved").inc()
         now = self._clock.monotonic()
+        horizon = now - self.settings.strike_seconds
+        for key in keys - {None}:
+            assert key is not None
+            if key not in self._unresolved and len(self._unresolved) >= MAX_KEYS:
+                del self._unresolved[next(iter(self._unresolved))]
+            kept = [t for t in self._unresolved.get(key, []) if t > horizon]
+            times = [*kept[-(UNRESOLVED_LIMIT - 1):], now]
+            self._unresolved[key] = times
+            if len(times) >= UNRESOLVED_LIMIT:
+                del self._unresolved[key]
+                self._strike(stopped.backend, key, None)
+        log.info("backend %s: its loop answered promptly once a stopped request with a grammar ended, but %d other "
+                 "such request(s) of other keys ended meanwhile: no one struck for it", stopped.backend, len(ended))
+
+    def _convict(self, watched: Watched, also: list[Watched] | None = None) -> None:
         self.stops.labels(watched.backend, "cause").inc()
-        strikes = 1
-        if watched.key is not None:
-            until, before = self._keys.get(watched.key, (0.0, 0))
-            strikes = before + 1 if until > now - MAX_STRIKE_SECONDS else 1
-        seconds = min(self.settings.strike_seconds * 2 ** (strikes - 1), MAX_STRIKE_SECONDS)
-        if watched.key is not None:
-            self._keys[watched.key] = (now + seconds, strikes)
-        self._barred = {fp: until for fp, until in self._barred.items() if until > now}
+        self._strike(watched.backend, watched.key, watched.body)
+        for other in also or ():
+            self._bar(fingerprint(other.body), self._clock.monotonic() + self.settings.strike_seconds)
+
+    def _bar(self, grammar: bytes, until: float) -> None:
+        now = self._clock.monotonic()
+        self._barred = {fp: at for fp, at in self._barred.items() if at > now}
         while len(self._barred) >= MAX_BARRED:
             del self._barred[next(iter(self._barred))]
-        self._barred[fingerprint(watched.body)] = now + seconds
-        log.warning("backend %s: its loop answered promptly once a stopped request with a grammar ended: that "
-                    "grammar%s kept from such engines for %.0f s", watched.backend,
-                    f", and key {watched.key}'s requests with one," if watched.key is not None else " is", seconds)
+        self._barred[grammar] = max(until, self._barred.get(grammar, 0.0))
+
+    def _strike(self, backend: str, key: str | None, body: dict[str, Any] | None) -> None:
+        """Keep ``key``'s requests with a grammar (if a key), and the grammar of ``body`` (if given), from such
+        engines: for strike_seconds, doubled at each repeat of the key's, up to a day."""
+        now = self._clock.monotonic()
+        strikes = 1
+        if key is not None:
+            until, before = self._keys.get(key, (0.0, 0))
+            strikes = before + 1 if until > now - MAX_STRIKE_SECONDS else 1
+            if key not in self._keys and len(self._keys) >= MAX_KEYS:
+                self._keys = {k: v for k, v in self._keys.items() if v[0] > now - MAX_STRIKE_SECONDS}
+        seconds = min(self.settings.strike_seconds * 2 ** (strikes - 1), MAX_STRIKE_SECONDS)
+        if key is not None:
+            self._keys[key] = (now + seconds, strikes)
+        if body is not None:
+            self._bar(fingerprint(body), now + seconds)
+        log.warning("backend %s: its loop answered promptly once a stopped request with a grammar ended there: %s "
+                    "kept from such engines for %.0f s", backend,
+                    " and ".join(part for part in (
+                        "that grammar" if body is not None else "",
+                        f"key {key}'s requests with a grammar" if key is not None else "") if part), seconds)

@@ -17,6 +17,7 @@ from gateway.proxy.stall_guard import (
     ACQUIT_SECONDS,
     MAX_STRIKE_SECONDS,
     STALL_FLOOR,
+    UNRESOLVED_LIMIT,
     USUAL_LEAST,
     StallGuard,
 )
@@ -272,3 +273,47 @@ def test_this_processs_own_lateness_is_taken_off_each_reading() -> None:
     guard.reading(reading(2.0, running=1, in_flight=1))
     guard.reading(reading(2.0, running=1, in_flight=1))
     assert running.why is not None
+
+
+def stall_and_stop(guard: StallGuard) -> None:
+    guard.reading(reading(3.0, running=2, in_flight=2))
+    guard.reading(reading(3.0, running=2, in_flight=2))
+
+
+def test_a_key_cannot_get_anothers_request_convicted_by_ending_its_own_stalling_one() -> None:
+    """The victim's long request is the one stopped; the attacker's, which stalled the loop, ends at that moment
+    (its client gone): the loop recovers, and either could be why. With two keys among the suspects no one is
+    struck; a key among the suspects of three such stalls within strike_seconds is."""
+    guard, clock, backend = setup()
+    for n in range(UNRESOLVED_LIMIT):
+        victim = Running(guard, backend, "victim", request(GRAMMAR + "# victim\n"))
+        clock.advance(1)
+        attacker = Running(guard, backend, "attacker", request(GRAMMAR + f"# {n}\n"))
+        stall_and_stop(guard)
+        assert victim.why is not None and attacker.why is None
+        victim.end()
+        attacker.end()  # (its client leaves as the victim's request is stopped)
+        guard.reading(reading(0.01, running=0, in_flight=0))
+        if n < UNRESOLVED_LIMIT - 1:
+            assert guard.kept(request(GRAMMAR + "# victim\n"), "victim") is None, n
+            assert guard.kept(request(GRAMMAR + "# other\n"), "attacker") is None, n
+        clock.advance(60)
+    assert stops(guard, "unresolved") == UNRESOLVED_LIMIT and stops(guard, "cause") == 0
+    # each was among the suspects three times in ten minutes: both kept (the attacker pays as much as it costs)
+    assert guard.kept(request(GRAMMAR + "# other\n"), "attacker") is not None
+    assert guard.kept(request(GRAMMAR + "# other\n"), "victim") is not None
+
+
+def test_a_key_whose_other_request_ends_as_its_stalling_one_is_stopped_is_struck_all_the_same() -> None:
+    guard, clock, backend = setup()
+    first = Running(guard, backend, "a", request(GRAMMAR + "# 1\n"))
+    clock.advance(1)
+    second = Running(guard, backend, "a", request(GRAMMAR + "# 2\n"))
+    stall_and_stop(guard)
+    first.end()
+    second.end()
+    guard.reading(reading(0.01, running=0, in_flight=0))
+    assert stops(guard, "cause") == 1
+    assert guard.kept(request(GRAMMAR + "# 3\n"), "a") is not None
+    for n in (1, 2):  # (both its grammars kept, from any key)
+        assert guard.kept(request(GRAMMAR + f"# {n}\n"), "b") is not None
