@@ -180,15 +180,15 @@ class StallGuard:
 
     def reading(self, reading: LoopReading) -> None:
         """A reading of a backend's loop (see :class:`~gateway.pool.state.LoopReading`). One taken while a sequence
-        read its prompt says nothing: a step is then as long as a batch of prompt takes."""
-        if reading.prefilling:
-            return
+        read its prompt is held to ``stall_seconds`` alone, and is no part of the loop's usual: a step is then as
+        long as a batch of prompt takes (skipped, a key's long prompts kept its grammar's stall unseen)."""
         step = reading.step
         if self._lateness is not None and step > 0:
             step = max(0.0, step - self._lateness(LATENESS_WINDOW))
-        slow = step >= self.stall(reading.backend)
+        slow = step >= (self.settings.stall_seconds if reading.prefilling else self.stall(reading.backend))
         loop = self._loops.get(reading.backend)
-        if not slow and reading.running is not None and (loop is None or loop.stopped is None):
+        if (not slow and reading.running is not None and not reading.prefilling
+                and (loop is None or loop.stopped is None)):
             if reading.backend not in self._usual and len(self._usual) >= MAX_BACKENDS:
                 del self._usual[next(iter(self._usual))]  # (backends found by DNS come and go)
             self._usual.setdefault(reading.backend, deque(maxlen=USUAL_READINGS)).append(step)

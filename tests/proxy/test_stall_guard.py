@@ -220,7 +220,7 @@ def test_the_loop_is_read_as_the_load_readings_wait_less_the_health_checks() -> 
             assert readings[-1].running is None and 0.5 < readings[-1].step <= 1.0, readings[-1]
 
 
-def test_a_stall_is_also_many_times_the_loops_usual_and_a_prompt_being_read_is_no_stall() -> None:
+def test_a_stall_is_also_many_times_the_loops_usual_and_a_prompt_being_read_is_held_to_stall_seconds() -> None:
     guard, _clock, backend = setup(stall_seconds=1.0, stall_factor=8)
     assert guard.stall("l") == 1.0, "with no usual yet, stall_seconds"
     for n in range(USUAL_LEAST):
@@ -230,15 +230,20 @@ def test_a_stall_is_also_many_times_the_loops_usual_and_a_prompt_being_read_is_n
         guard.reading(reading(0.05))
     assert guard.stall("l") == 0.4
     running = Running(guard, backend, "a", request())
-    for _ in range(4):  # (a prompt being read: steps as long as a batch of it, whatever they take)
-        guard.reading(reading(5.0, running=1, in_flight=1, prefilling=True))
-    assert running.why is None
+    for _ in range(4):  # (a prompt being read: steps as long as a batch of it, held to stall_seconds alone)
+        guard.reading(reading(0.9, running=1, in_flight=1, prefilling=True))
+    assert running.why is None and guard.stall("l") == 0.4, "no part of the usual either"
     guard.reading(reading(0.5, running=1, in_flight=1))
     guard.reading(reading(0.5, running=1, in_flight=1))
     assert running.why is not None and "slowed to 0.5 s" in running.why
     running.end()
     guard.reading(reading(0.05, running=0, in_flight=0))
     assert guard.kept(request(), "a") is not None
+    # a key's long prompts do not hide its grammar's stall past stall_seconds
+    masked = Running(guard, backend, "b", request(GRAMMAR + "# b\n"))
+    guard.reading(reading(1.5, running=2, in_flight=2, prefilling=True))
+    guard.reading(reading(1.5, running=2, in_flight=2, prefilling=True))
+    assert masked.why is not None
 
 
 @pytest.mark.anyio
