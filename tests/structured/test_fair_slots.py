@@ -1,5 +1,6 @@
-"""The validation workers are shared between API keys in turns: a key queueing many constraints delays
-another key's one by at most one per worker, and a key's own queue is bounded."""
+"""The validation workers are shared between API keys by the time each used them: a key queueing many constraints
+delays another key's one by at most one per worker, a key whose checks are slow gets fewer turns, and a key's own
+queue is bounded."""
 
 from __future__ import annotations
 
@@ -33,8 +34,38 @@ def test_a_free_slot_goes_to_the_owners_in_turn_not_in_arrival_order() -> None:
         return order
 
     order = asyncio.run(scenario())
-    assert order.index("victim") == 1  # one of the flood's ran first (its turn), then the victim's
+    assert order.index("victim") == 0  # the flood had the worker: the victim's comes before its next
     assert len(order) == 11
+
+
+def test_a_slot_goes_to_the_owner_that_used_the_slots_least_not_only_in_turn() -> None:
+    """Sweep 28: one key's offloaded checks took 2-4 s each, and in plain turns every other key's check waited
+    behind one of them (0.23 -> 10.9 s). The time a slot is held is what its owner is charged."""
+    now = [0.0]
+
+    async def scenario() -> list[str]:
+        slots = FairSlots(1, per_owner=100, clock=lambda: now[0])
+        order: list[str] = []
+
+        async def job(owner: str, seconds: float) -> None:
+            slot = await slots.acquire(owner, 60)
+            order.append(owner)
+            await asyncio.sleep(0)
+            now[0] += seconds  # (what its check took)
+            slots.release(slot)
+
+        held = await slots.acquire("heavy", 1)
+        tasks = [asyncio.create_task(job("heavy", 2.0)) for _ in range(3)]
+        tasks += [asyncio.create_task(job("light", 0.1)) for _ in range(30)]
+        await asyncio.sleep(0)
+        now[0] += 2.0
+        slots.release(held)
+        await asyncio.gather(*tasks)
+        return order
+
+    order = asyncio.run(scenario())
+    # each of heavy's 2 s turns is worth 20 of light's 0.1 s ones, not one
+    assert order[:21] == ["light"] * 20 + ["heavy"] and order.count("heavy") == 3, order
 
 
 def test_an_owner_with_its_share_waiting_is_refused_at_once_and_others_are_not() -> None:
