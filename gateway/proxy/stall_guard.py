@@ -46,7 +46,10 @@ CONFIRM_READINGS = 2  # slow readings in a row before a request is stopped
 # readings answered after the engine let the stopped request go (it runs no more than this process sent it), all
 # slow: it was not the cause
 ACQUIT_READINGS = 2
-ACQUIT_SECONDS = 60.0  # or this long after it ended here with no prompt reading (the engine's letting go unseen)
+ACQUIT_SECONDS = 20.0  # or this long after it ended here with no verdict
+DROP_GRACE = 1.0  # the engine lets a request go within this (its look for a gone client) and DROP_STEPS steps
+DROP_STEPS = 3  # (of the longest read since the stop: one under way, one begun before its cancel is read, one more)
+MAX_STEP = 5.0  # (steps counted so at most)
 # a stall is a reading of stall_seconds, or of stall_factor times the loop's usual: the 90th percentile of its last
 # USUAL_READINGS readings outside stalls (once it has USUAL_LEAST of them), from STALL_FLOOR seconds
 USUAL_READINGS = 64
@@ -69,6 +72,11 @@ def has_grammar(request: RouteRequest) -> bool:
     if request.constraint is not None:
         return True
     return bool(request.body.get("tools")) and request.body.get("tool_choice") != "none"
+
+
+def _sees_all(reading: LoopReading) -> bool:
+    """Whether the engine runs nothing this process did not send it (no other worker's, replica's or client's)."""
+    return reading.in_flight is not None and reading.running is not None and 0 <= reading.running <= reading.in_flight
 
 
 def fingerprint(body: dict[str, Any]) -> bytes:
@@ -97,7 +105,8 @@ class _Loop:
     running: list[Watched] = field(default_factory=list)
     streak: int = 0  # slow readings in a row
     stopped: Watched | None = None  # stopped, its verdict waiting on the readings after it ended
-    dropped: bool = False  # the engine was seen to let it go
+    dropped: bool = False  # the engine let it go (by the time that takes)
+    worst: float = 0.0  # the longest step read since it was stopped
     slow_after: int = 0  # readings answered since, all slow
     # the others with a grammar that ran there when it was stopped: one that ends before the verdict may be
     # what the loop's recovery owes to (its client gone, or its answer done)
@@ -124,7 +133,14 @@ class StallGuard:
                              "such requests ended meanwhile).", ["backend", "verdict"], registry=registry)
 
     def configure(self, settings: StallGuardSettings) -> None:
+        """A reload's settings; turned off, the guard forgets what it holds (strikes, verdicts under way), which
+        is how an operator lifts them."""
         self.settings = settings
+        if not settings.enabled:
+            self._loops.clear()
+            self._keys.clear()
+            self._barred.clear()
+            self._unresolved.clear()
 
     # --- asked by the dispatcher ----------------------------------------------------------------------------
     def kept(self, request: RouteRequest, key: str | None) -> tuple[str, float] | None:
@@ -141,7 +157,7 @@ class StallGuard:
                 return (f"a request of this key with a grammar stalled the loop of an engine that runs every "
                         f"request on one loop (llama.cpp); its requests with a constraint or tools are kept from "
                         f"such engines for another {until - now:.0f} s", until - now)
-        if self._barred:
+        if self._barred and key is None:
             until = self._barred.get(fingerprint(request.body), 0.0)
             if until > now:
                 return (f"this grammar (its constraint and tools) stalled the loop of an engine that runs every "
@@ -179,38 +195,58 @@ class StallGuard:
         return min(ceiling, max(STALL_FLOOR, self.settings.stall_factor * ninetieth))
 
     def reading(self, reading: LoopReading) -> None:
-        """A reading of a backend's loop (see :class:`~gateway.pool.state.LoopReading`). One taken while a sequence
-        read its prompt is held to ``stall_seconds`` alone, and is no part of the loop's usual: a step is then as
-        long as a batch of prompt takes (skipped, a key's long prompts kept its grammar's stall unseen)."""
+        """A reading of a backend's loop (see :class:`~gateway.pool.state.LoopReading`). Only a reading of a loop
+        at work for requests without a grammar is part of its usual: an idle loop answers at once whatever its
+        steps take (a usual learnt idle was ~0, and an honest engine of 0.3 s steps had the first grammar that ran
+        alone stopped and convicted), and grammars below the threshold raised it until a worse one passed under
+        it (sweep 29). One taken while a sequence read its prompt is held to ``stall_seconds`` alone and is no
+        part of the usual: a step is then as long as a batch of prompt takes (skipped, a key's long prompts kept
+        its grammar's stall unseen)."""
         step = reading.step
         if self._lateness is not None and step > 0:
             step = max(0.0, step - self._lateness(LATENESS_WINDOW))
         slow = step >= (self.settings.stall_seconds if reading.prefilling else self.stall(reading.backend))
         loop = self._loops.get(reading.backend)
-        if (not slow and reading.running is not None and not reading.prefilling
-                and (loop is None or loop.stopped is None)):
+        if (not slow and reading.running is not None and reading.running > 0 and not reading.prefilling
+                and (loop is None or (loop.stopped is None and not loop.running))):
             if reading.backend not in self._usual and len(self._usual) >= MAX_BACKENDS:
                 del self._usual[next(iter(self._usual))]  # (backends found by DNS come and go)
             self._usual.setdefault(reading.backend, deque(maxlen=USUAL_READINGS)).append(step)
         if loop is None:
             return
+        now = self._clock.monotonic()
         stopped = loop.stopped
         if stopped is not None:
             if stopped.ended_at is None:
                 return  # its stop is under way
+            if slow:
+                loop.worst = max(loop.worst, step)
             if not slow:
-                self._verdict(stopped, [w for w in loop.beside if w.ended_at is not None])
+                self._verdict(stopped, [w for w in loop.beside if w.ended_at is not None], _sees_all(reading))
                 loop.stopped, loop.streak, loop.beside = None, 0, []
                 if not loop.running:
                     del self._loops[reading.backend]
                 return
-            if (reading.running is not None and reading.in_flight is not None
-                    and 0 <= reading.running <= reading.in_flight):
-                loop.dropped = True  # the engine runs no more than this process sent it: it let the stopped one go
-            if loop.dropped and reading.running is not None:
+            if now - stopped.ended_at >= DROP_GRACE + DROP_STEPS * min(loop.worst, MAX_STEP):
+                # (it looks for a gone client about once a second, and drops it between two steps: past that, let
+                # go. Its counts tell nothing: other processes', replicas' and clients' requests are in them, and a
+                # request this process has in flight may not have reached it; sweep 29 waited for counts a
+                # follower never has, and each decoy stopped first bought the staller 60 s)
+                loop.dropped = True
+            if loop.dropped:
                 loop.slow_after += 1
-            if (loop.slow_after < ACQUIT_READINGS
-                    and self._clock.monotonic() - stopped.ended_at < ACQUIT_SECONDS):
+            if loop.slow_after < ACQUIT_READINGS and now - stopped.ended_at < ACQUIT_SECONDS:
+                return
+            if stopped.key is not None and loop.running and all(w.key == stopped.key for w in loop.running):
+                # still slow, and every request with a grammar left there is its key's: the stall is that key's
+                # either way (one sending the next as each is stopped was acquitted three times, sweep 29)
+                self._verdict(stopped, [], _sees_all(reading))
+                loop.stopped, loop.beside = None, []
+                loop.streak = CONFIRM_READINGS
+                for watched in loop.running:
+                    if watched.stop is not None:
+                        watched.stop(f"the loop of backend {reading.backend} is still slow with only this key's "
+                                     "requests with a grammar there")
                 return
             self.stops.labels(reading.backend, "not_cause").inc()
             log.info("backend %s: its loop is still slow after a stopped request with a grammar left it; stopping "
@@ -229,27 +265,28 @@ class StallGuard:
                     f"the loop of backend {reading.backend}, which runs every request on it, slowed to "
                     f"{step:.1f} s or more a step while this request's grammar (its constraint or tools) ran "
                     f"there; it was stopped (requests with a grammar there are stopped one at a time until the loop "
-                    f"recovers): retry, and if it was the cause it is kept from such engines for a while"):
-                loop.stopped, loop.slow_after, loop.dropped = watched, 0, False
+                    f"recovers): retry, and if it was the cause its key's requests with a grammar are kept from such "
+                    f"engines for a while"):
+                loop.stopped, loop.slow_after, loop.dropped, loop.worst = watched, 0, False, step
                 loop.beside = [w for w in loop.running if w is not watched]
                 log.warning("backend %s: its loop took %.1f s or more a step, %d readings in a row, while requests "
                             "with a grammar ran there: stopped the one running longest (key %s)", reading.backend,
                             step, loop.streak, watched.key or "none")
                 return
 
-    def _verdict(self, stopped: Watched, ended: list[Watched]) -> None:
-        """The loop answered promptly once ``stopped`` was let go. Were others with a grammar that ran beside it
-        ``ended`` meanwhile (their answers done, or their clients gone), the recovery may be theirs: with one key
-        among them all, that key is struck all the same; with several, none is, but each key counts the stall, and
-        one found among the suspects of UNRESOLVED_LIMIT unresolved stalls within ``strike_seconds`` is struck.
-        (Else a key could have another's request stopped and convicted by ending its own stalling one at that
-        moment, or escape its own conviction so.)"""
-        if not ended:
-            self._convict(stopped)
-            return
+    def _verdict(self, stopped: Watched, ended: list[Watched], sees_all: bool) -> None:
+        """The loop answered promptly once ``stopped`` was let go (or, still slow, only its key's requests with a
+        grammar are left). Were others with a grammar that ran beside it ``ended`` meanwhile (their answers done,
+        or their clients gone), the recovery may be theirs; and where this process does not see all the engine
+        runs (``sees_all``: other workers' or replicas' requests are there, or other clients'), it may be theirs
+        too. Then, with one key among the suspects here and nothing unseen, that key is struck all the same;
+        otherwise none is, but each key counts the stall, and one among the suspects of UNRESOLVED_LIMIT unresolved
+        stalls within ``strike_seconds`` is struck. (Else a key could have another's request stopped and convicted
+        by ending its own stalling one at that moment, on this process or another worker, or escape its own
+        conviction so: sweep 29.)"""
         suspects = [stopped, *ended]
         keys = {w.key for w in suspects}
-        if len(keys) == 1:
+        if sees_all and len(keys) == 1:
             self._convict(stopped, also=ended)
             return
         self.stops.labels(stopped.backend, "unresolved").inc()
@@ -264,15 +301,15 @@ class StallGuard:
             self._unresolved[key] = times
             if len(times) >= UNRESOLVED_LIMIT:
                 del self._unresolved[key]
-                self._strike(stopped.backend, key, None)
-        log.info("backend %s: its loop answered promptly once a stopped request with a grammar ended, but %d other "
-                 "such request(s) of other keys ended meanwhile: no one struck for it", stopped.backend, len(ended))
+                self._strike(stopped.backend, key, [])
+        log.info("backend %s: its loop answered promptly once a stopped request with a grammar ended, but %s: no one "
+                 "struck for it", stopped.backend,
+                 f"{len(ended)} other such request(s) of other keys ended meanwhile" if ended
+                 else "the engine runs requests this process did not send it")
 
     def _convict(self, watched: Watched, also: list[Watched] | None = None) -> None:
         self.stops.labels(watched.backend, "cause").inc()
-        self._strike(watched.backend, watched.key, watched.body)
-        for other in also or ():
-            self._bar(fingerprint(other.body), self._clock.monotonic() + self.settings.strike_seconds)
+        self._strike(watched.backend, watched.key, [watched.body, *(w.body for w in also or ())])
 
     def _bar(self, grammar: bytes, until: float) -> None:
         now = self._clock.monotonic()
@@ -281,23 +318,23 @@ class StallGuard:
             del self._barred[next(iter(self._barred))]
         self._barred[grammar] = max(until, self._barred.get(grammar, 0.0))
 
-    def _strike(self, backend: str, key: str | None, body: dict[str, Any] | None) -> None:
-        """Keep ``key``'s requests with a grammar (if a key), and the grammar of ``body`` (if given), from such
-        engines: for strike_seconds, doubled at each repeat of the key's, up to a day."""
+    def _strike(self, backend: str, key: str | None, bodies: list[dict[str, Any]]) -> None:
+        """Keep ``key``'s requests with a grammar from such engines, for strike_seconds doubled at each repeat, up
+        to a day; with no keys (no auth), the grammars of ``bodies``. A grammar is never kept from other keys: a
+        false verdict (an engine's hiccup) barred a common grammar (json_object, a shared tool list) from every
+        key (sweep 29); one tenant holds one key."""
         now = self._clock.monotonic()
-        strikes = 1
-        if key is not None:
-            until, before = self._keys.get(key, (0.0, 0))
-            strikes = before + 1 if until > now - MAX_STRIKE_SECONDS else 1
-            if key not in self._keys and len(self._keys) >= MAX_KEYS:
-                self._keys = {k: v for k, v in self._keys.items() if v[0] > now - MAX_STRIKE_SECONDS}
+        if key is None:
+            for body in bodies:
+                self._bar(fingerprint(body), now + self.settings.strike_seconds)
+            log.warning("backend %s: its loop answered promptly once a stopped request with a grammar ended there: "
+                        "that grammar kept from such engines for %.0f s", backend, self.settings.strike_seconds)
+            return
+        until, before = self._keys.get(key, (0.0, 0))
+        strikes = before + 1 if until > now - MAX_STRIKE_SECONDS else 1
+        if key not in self._keys and len(self._keys) >= MAX_KEYS:
+            self._keys = {k: v for k, v in self._keys.items() if v[0] > now - MAX_STRIKE_SECONDS}
         seconds = min(self.settings.strike_seconds * 2 ** (strikes - 1), MAX_STRIKE_SECONDS)
-        if key is not None:
-            self._keys[key] = (now + seconds, strikes)
-        if body is not None:
-            self._bar(fingerprint(body), now + seconds)
-        log.warning("backend %s: its loop answered promptly once a stopped request with a grammar ended there: %s "
-                    "kept from such engines for %.0f s", backend,
-                    " and ".join(part for part in (
-                        "that grammar" if body is not None else "",
-                        f"key {key}'s requests with a grammar" if key is not None else "") if part), seconds)
+        self._keys[key] = (now + seconds, strikes)
+        log.warning("backend %s: its loop answered promptly once a stopped request with a grammar ended there: key "
+                    "%s's requests with a grammar kept from such engines for %.0f s", backend, key, seconds)
