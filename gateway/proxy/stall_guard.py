@@ -60,6 +60,7 @@ LATENESS_WINDOW = 5.0  # seconds back this process's own worst lag is taken off 
 MAX_STRIKE_SECONDS = 86_400.0
 MAX_BARRED = 10_000  # grammars kept from such engines at once (the oldest bar dropped first)
 MAX_KEYS = 100_000  # keys whose strikes, and unresolved stalls, are kept
+MAX_ENDED = 1_000  # requests with a grammar that ended during one stall, kept for its verdict
 # a key among the suspects of this many stalls within strike_seconds that no one was found the cause of is struck
 UNRESOLVED_LIMIT = 3
 # what a request's grammar is made of, for its fingerprint
@@ -111,6 +112,11 @@ class _Loop:
     # the others with a grammar that ran there when it was stopped: one that ends before the verdict may be
     # what the loop's recovery owes to (its client gone, or its answer done)
     beside: list[Watched] = field(default_factory=list)
+    # those with a grammar that ended there while the loop was slow (before a stop, or before its verdict): the
+    # stall may have been, and gone with, one of them
+    ended: list[Watched] = field(default_factory=list)
+    last_reading: float = 0.0  # when the last reading came
+    deferred: bool = False  # this stall's stop waited a reading already, for one that ended just before it
 
 
 class StallGuard:
@@ -181,6 +187,8 @@ class StallGuard:
             return
         if watched in loop.running:
             loop.running.remove(watched)
+        if (loop.streak or loop.stopped is not None) and watched is not loop.stopped and len(loop.ended) < MAX_ENDED:
+            loop.ended.append(watched)
         if not loop.running and loop.stopped is None:
             del self._loops[watched.backend]
 
@@ -215,6 +223,7 @@ class StallGuard:
         if loop is None:
             return
         now = self._clock.monotonic()
+        previous, loop.last_reading = loop.last_reading, now
         stopped = loop.stopped
         if stopped is not None:
             if stopped.ended_at is None:
@@ -222,8 +231,8 @@ class StallGuard:
             if slow:
                 loop.worst = max(loop.worst, step)
             if not slow:
-                self._verdict(stopped, [w for w in loop.beside if w.ended_at is not None], _sees_all(reading))
-                loop.stopped, loop.streak, loop.beside = None, 0, []
+                self._verdict(stopped, self._ended_beside(loop), _sees_all(reading))
+                loop.stopped, loop.streak, loop.beside, loop.ended, loop.deferred = None, 0, [], [], False
                 if not loop.running:
                     del self._loops[reading.backend]
                 return
@@ -240,8 +249,8 @@ class StallGuard:
             if stopped.key is not None and loop.running and all(w.key == stopped.key for w in loop.running):
                 # still slow, and every request with a grammar left there is its key's: the stall is that key's
                 # either way (one sending the next as each is stopped was acquitted three times, sweep 29)
-                self._verdict(stopped, [], _sees_all(reading))
-                loop.stopped, loop.beside = None, []
+                self._verdict(stopped, self._ended_beside(loop), _sees_all(reading))
+                loop.stopped, loop.beside, loop.ended = None, [], []
                 loop.streak = CONFIRM_READINGS
                 for watched in loop.running:
                     if watched.stop is not None:
@@ -251,14 +260,20 @@ class StallGuard:
             self.stops.labels(reading.backend, "not_cause").inc()
             log.info("backend %s: its loop is still slow after a stopped request with a grammar left it; stopping "
                      "the next", reading.backend)
-            loop.stopped, loop.beside = None, []
+            loop.stopped, loop.beside, loop.ended = None, [], []
             loop.streak = CONFIRM_READINGS
         elif not slow:
-            loop.streak = 0
+            loop.streak, loop.ended, loop.deferred = 0, [], False
             return
         else:
             loop.streak += 1
         if loop.streak < CONFIRM_READINGS or not self.settings.enabled:
+            return
+        if not loop.deferred and any(w.ended_at is not None and w.ended_at > previous for w in loop.ended):
+            # one with a grammar ended since the last reading: the stall may have gone with it (a key ended its
+            # stalling request as the guard was about to stop a victim's, which was then convicted, sweep 29); the
+            # next reading tells, once a stall
+            loop.deferred = True
             return
         for watched in sorted(loop.running, key=lambda w: w.started):
             if watched.stop is not None and watched.stop(
@@ -273,6 +288,15 @@ class StallGuard:
                             "with a grammar ran there: stopped the one running longest (key %s)", reading.backend,
                             step, loop.streak, watched.key or "none")
                 return
+
+    @staticmethod
+    def _ended_beside(loop: _Loop) -> list[Watched]:
+        """Those with a grammar, other than the stopped one, that ended there since the stall began."""
+        seen: dict[int, Watched] = {}
+        for watched in (*loop.ended, *loop.beside):
+            if watched.ended_at is not None and watched is not loop.stopped:
+                seen[id(watched)] = watched
+        return list(seen.values())
 
     def _verdict(self, stopped: Watched, ended: list[Watched], sees_all: bool) -> None:
         """The loop answered promptly once ``stopped`` was let go (or, still slow, only its key's requests with a

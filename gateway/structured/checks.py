@@ -354,7 +354,7 @@ def _union_width(options: list[Any]) -> int:
 
 # what one enum value may cost llama.cpp's grammar sampler in stacks summed over its characters: 64 values
 # alike for 16 characters (250 country names: ~520; 1,000 ids "customer-NNNN": ~10,000)
-MAX_ENUM_COST = 16 * MAX_PARSES
+MAX_ENUM_COST = 1024
 
 
 def enum_cost(texts: list[bytes]) -> tuple[int, str]:

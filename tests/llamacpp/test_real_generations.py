@@ -155,6 +155,6 @@ def test_llama_server_pays_for_every_stack_the_gateway_counts(server: LlamaServe
         assert refused.status_code == 400, refused.text
         error = refused.json()["error"]
         assert error["param"] == "grammar" and error["code"] == "constraint_too_large", error
-        assert "ways at once (after 'a'" in error["message"], error
+        assert "ways at once (" in error["message"], error
         fine = c.post("/v1/completions", json={"model": model, "prompt": "hi", "max_tokens": 4, "grammar": few})
         assert fine.status_code == 200 and set(fine.json()["choices"][0]["text"]) <= {"a"}, fine.text

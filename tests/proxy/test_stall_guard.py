@@ -404,3 +404,36 @@ def test_turning_the_guard_off_forgets_its_strikes() -> None:
     guard.configure(StallGuardSettings(enabled=False))
     guard.configure(StallGuardSettings())
     assert guard.kept(request(), "a") is None
+
+
+def test_a_stall_whose_request_ended_on_its_own_just_before_the_stop_strikes_no_one() -> None:
+    """Sweep 29: a key's short stalling request ended on its own between the guard's two slow readings; the
+    victim's older request was then stopped, the loop was prompt, and the victim was convicted. One that ended
+    since the last reading defers the stop a reading; the stall gone with it, nothing is stopped."""
+    guard, clock, backend = setup()
+    victim = Running(guard, backend, "victim", request(GRAMMAR + "# v\n"))
+    clock.advance(1)
+    attacker = Running(guard, backend, "attacker", request())
+    guard.reading(reading(2.0, running=2, in_flight=2))
+    clock.advance(1)
+    attacker.end()
+    clock.advance(1)
+    guard.reading(reading(2.0, running=1, in_flight=1))  # (taken while the attacker's still ran)
+    assert victim.why is None, "deferred: the stall may have gone with the one that ended"
+    clock.advance(1)
+    guard.reading(reading(0.01, running=1, in_flight=1))
+    assert victim.why is None and guard.kept(request(), "victim") is None
+    # still slow after it: the victim's stopped (a retryable 503), and with the attacker's among those that ended
+    # in the stall, no one is struck for it
+    attacker = Running(guard, backend, "attacker", request())
+    guard.reading(reading(2.0, running=2, in_flight=2))
+    clock.advance(1)
+    attacker.end()
+    clock.advance(1)
+    guard.reading(reading(2.0, running=1, in_flight=1))
+    clock.advance(1)
+    guard.reading(reading(2.0, running=1, in_flight=1))
+    assert victim.why is not None
+    victim.end()
+    guard.reading(reading(0.01, running=0, in_flight=0))
+    assert stops(guard, "unresolved") == 1 and guard.kept(request(), "victim") is None

@@ -208,15 +208,16 @@ def test_a_pattern_enum_or_union_that_goes_too_many_ways_is_not_for_llamacpp() -
     # sweep 25: an anyOf of 30 anyOfs of 30 consts that begin alike (each union 30, no enum)
     nested = {"anyOf": [{"anyOf": [{"const": f"customer-account-reference-identifier-{o:03d}{i:03d}"}
                                    for i in range(30)]} for o in range(30)]}
-    assert "anyOf at / has 65 alternatives (through the unions and enums in it)" in (fanout({"json_schema": nested})
-                                                                                     or "")
+    assert f"anyOf at / has {MAX_PARSES + 1} alternatives (through the unions and enums in it)" in (
+        fanout({"json_schema": nested}) or "")
     union = {"anyOf": [{"type": "object", "properties": {"k": {"const": i}}} for i in range(MAX_PARSES + 1)]}
-    assert "anyOf at / has 65 alternatives" in (fanout({"json_schema": union}) or "")
+    assert f"anyOf at / has {MAX_PARSES + 1} alternatives" in (fanout({"json_schema": union}) or "")
     # (and a grammar's alternatives are each searched: a decoy of 40 short ones beside a plain one that piles up
-    # 962 drew the search away, sweep 25)
+    # 962 drew the search away, sweep 25; 30 here, under the bound)
     trap = ('root ::= "' + "x" * 40 + '" ("y" ' + " ".join(['"a"{0,40}'] * 25) + ' | "z" ('
-            + " | ".join(f'"q{i:02d}"' for i in range(40)) + "))")
-    assert "xxxyaa'), more than 64" in (fanout({"grammar": trap}) or "")
+            + " | ".join(f'"q{i:02d}"' for i in range(30)) + "))")
+    why = fanout({"grammar": trap}) or ""
+    assert "xxxya" in why and f"more than {MAX_PARSES}" in why, why  # (the plain branch's, past the decoy)
     tools = [{"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "properties": {"p": {"type": "string", "pattern": pattern}}}}}]
     constraint = extract({"tools": tools, "tool_choice": "required"})
@@ -248,8 +249,8 @@ def test_a_schemas_unions_enums_and_optional_properties_are_counted_together() -
     values = [f"{chr(0x100 + i)}" for i in range(450)]
     product = {"$defs": {"e": {"enum": values}},
                "anyOf": [{"type": "object", "properties": {"a": {"$ref": "#/$defs/e"}}, "required": ["a"]}
-                         for _ in range(64)]}
-    assert "together may hold 28,800 ways at once" in (fanout({"json_schema": product}) or "")
+                         for _ in range(32)]}  # (64 of them are 64 alternatives, past the union's own bound now)
+    assert "together may hold 14,400 ways at once" in (fanout({"json_schema": product}) or "")
     optional = {"anyOf": [{"type": "object", "properties": {f"p{i:03d}": {"type": "integer"} for i in range(100)}}
                           for _ in range(30)]}  # (sweep 27's: 300 properties, 88 KB)
     assert "together may hold 3,000 ways at once" in (fanout({"json_schema": optional}) or "")
@@ -259,10 +260,12 @@ def test_a_schemas_unions_enums_and_optional_properties_are_counted_together() -
     # sweep 28: the same union as a draft-07 tuple's item, and a union of strings each with a 47-way pattern
     tuple_items = {"$schema": "http://json-schema.org/draft-07/schema#", "definitions": {"e": {"enum": values}},
                    "type": "array", "items": [{"anyOf": [{"type": "object", "properties": {
-                       "a": {"$ref": "#/definitions/e"}}, "required": ["a"]} for _ in range(64)]}]}
-    assert "together may hold 28,800 ways at once" in (fanout({"json_schema": tuple_items}) or "")
-    pattern = "^(" + "|".join("a" * k for k in range(1, 11)) + ")*$"
-    patterned = {"type": "array", "items": {"anyOf": [{"type": "string", "pattern": pattern}] * 64}}
+                       "a": {"$ref": "#/definitions/e"}}, "required": ["a"]} for _ in range(32)]}]}
+    assert "together may hold 14,400 ways at once" in (fanout({"json_schema": tuple_items}) or "")
+    pattern = "^(" + "|".join("a" * k for k in range(1, 8)) + ")*$"
+    strings = {"anyOf": [{"type": "string", "pattern": pattern}] * 32}
+    patterned = {"type": "array", "items": {"anyOf": [{"type": "object", "properties": {"a": strings},
+                                                        "required": ["a"]}] * 32}}
     assert "together may hold" in (fanout({"json_schema": patterned}) or "")
     assert fanout({"json_schema": {"type": "array", "items": {"type": "string", "pattern": pattern}}}) is None
     # an allOf's anyOf parts: llama.cpp merges their properties as optional, whatever they require
@@ -315,8 +318,8 @@ def test_a_grammar_the_search_cannot_follow_to_its_end_is_not_for_llamacpp(monke
 
     grammar = 'root ::= ("a" [b-d]* ("," [0-9]+)?)+ t\nt ::= "x" t | "y"\n'
     assert fanout({"grammar": grammar}) is None
-    # (one stack more every 100 characters, 65 only after ~6,500: past the search's budget, so not for llama.cpp)
-    slow = "root ::= (" + " ".join(['"x"{1999}'] * 10) + ' | "x"{100})+\n'
+    # (one stack more every 200 characters, 33 only after ~6,600: past the search's budget, so not for llama.cpp)
+    slow = "root ::= (" + " ".join(['"x"{1999}'] * 10) + ' | "x"{200})+\n'
     assert "could not follow within 200,000 steps" in (fanout({"grammar": slow}) or "")
     monkeypatch.setattr(checks, "WORKER_BUDGET", 50)
     found = run_check("grammar", grammar, "gbnf", "grammar", BOUNDS)

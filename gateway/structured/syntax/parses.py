@@ -33,8 +33,10 @@ from .least_cost import flatten, least_costs
 from .left_recursion import strong_components
 
 # The most stacks a grammar may make llama.cpp keep. llama.cpp's own example grammars keep at most 13 (c.gbnf;
-# json.gbnf 12); each stack costs ~2.8 ns a candidate token, so 64 cost ~23 ms a token with a 128k vocabulary.
-MAX_PARSES = 64
+# json.gbnf 12); each stack costs ~0.7 ms a token with a 128k vocabulary on 2 cores (sweep 29: 61 ways, 53 ms a
+# token against 10.6 plain; a key sending such grammars back to back, under the stall guard's threshold, took
+# another key's p50 from 0.11 to 1.8-2.6 s at 64): 32 cost ~20 ms.
+MAX_PARSES = 32
 NESTING_BUDGET = 1_000_000  # steps of nesting_problem in a worker (an expression, and a step a range it holds)
 NESTING_INLINE = 2_000  # and on the event loop (past it, the check goes to a worker)
 INLINE_BUDGET = 1_000  # steps on the event loop (~3 ms); past it the search goes to a worker
