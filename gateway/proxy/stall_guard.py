@@ -42,13 +42,16 @@ from gateway.structured import CONSTRAINT_FIELDS
 
 log = logging.getLogger(__name__)
 
-CONFIRM_READINGS = 2  # slow readings in a row before a request is stopped
+CONFIRM_READINGS = 2  # slow readings among the last WINDOW before a request is stopped
+WINDOW = 3
 # readings answered after the engine let the stopped request go (it runs no more than this process sent it), all
 # slow: it was not the cause
 ACQUIT_READINGS = 2
-ACQUIT_SECONDS = 20.0  # or this long after it ended here with no verdict
-DROP_GRACE = 1.0  # the engine lets a request go within this (its look for a gone client) and DROP_STEPS steps
-DROP_STEPS = 3  # (of the longest read since the stop: one under way, one begun before its cancel is read, one more)
+ACQUIT_SECONDS = 40.0  # or this long after it ended here with no verdict
+DROP_GRACE = 1.5  # the engine lets a request go within this (its look for a gone client) and DROP_STEPS steps
+# (of the longest read since the stop, which is less than a step: one under way, one begun before its cancel is
+# read, and margin; llama-server took 4.5 s to let go of a request at ~1 s steps)
+DROP_STEPS = 4
 MAX_STEP = 5.0  # (steps counted so at most)
 # a stall is a reading of stall_seconds, or of stall_factor times the loop's usual: the 90th percentile of its last
 # USUAL_READINGS readings outside stalls (once it has USUAL_LEAST of them), from STALL_FLOOR seconds
@@ -104,7 +107,14 @@ class Watched:
 @dataclass(slots=True)
 class _Loop:
     running: list[Watched] = field(default_factory=list)
-    streak: int = 0  # slow readings in a row
+    # whether each of the last WINDOW readings was slow (a reading waits what is left of the step under way, so a
+    # stall of 2 s steps reads anywhere from 0 to 2 s: two in a row missed an 11 s stall, sweep 29's re-run)
+    recent: deque[bool] = field(default_factory=lambda: deque(maxlen=WINDOW))
+
+    @property
+    def streak(self) -> int:
+        """The slow readings among the last WINDOW."""
+        return sum(self.recent)
     stopped: Watched | None = None  # stopped, its verdict waiting on the readings after it ended
     dropped: bool = False  # the engine let it go (by the time that takes)
     worst: float = 0.0  # the longest step read since it was stopped
@@ -187,7 +197,8 @@ class StallGuard:
             return
         if watched in loop.running:
             loop.running.remove(watched)
-        if (loop.streak or loop.stopped is not None) and watched is not loop.stopped and len(loop.ended) < MAX_ENDED:
+        stalling = any(loop.recent) or loop.stopped is not None
+        if stalling and watched is not loop.stopped and len(loop.ended) < MAX_ENDED:
             loop.ended.append(watched)
         if not loop.running and loop.stopped is None:
             del self._loops[watched.backend]
@@ -230,20 +241,22 @@ class StallGuard:
                 return  # its stop is under way
             if slow:
                 loop.worst = max(loop.worst, step)
-            if not slow:
-                self._verdict(stopped, self._ended_beside(loop), _sees_all(reading))
-                loop.stopped, loop.streak, loop.beside, loop.ended, loop.deferred = None, 0, [], [], False
-                if not loop.running:
-                    del self._loops[reading.backend]
-                return
-            if now - stopped.ended_at >= DROP_GRACE + DROP_STEPS * min(loop.worst, MAX_STEP):
+            if not loop.dropped and now - stopped.ended_at >= DROP_GRACE + DROP_STEPS * min(loop.worst, MAX_STEP):
                 # (it looks for a gone client about once a second, and drops it between two steps: past that, let
                 # go. Its counts tell nothing: other processes', replicas' and clients' requests are in them, and a
                 # request this process has in flight may not have reached it; sweep 29 waited for counts a
                 # follower never has, and each decoy stopped first bought the staller 60 s)
                 loop.dropped = True
-            if loop.dropped:
-                loop.slow_after += 1
+            if not loop.dropped:
+                return  # (the engine may still run it: a reading under the threshold then is a step's residue)
+            if not slow:
+                self._verdict(stopped, self._ended_beside(loop), _sees_all(reading))
+                loop.stopped, loop.beside, loop.ended, loop.deferred = None, [], [], False
+                loop.recent.clear()
+                if not loop.running:
+                    del self._loops[reading.backend]
+                return
+            loop.slow_after += 1
             if loop.slow_after < ACQUIT_READINGS and now - stopped.ended_at < ACQUIT_SECONDS:
                 return
             if stopped.key is not None and loop.running and all(w.key == stopped.key for w in loop.running):
@@ -251,7 +264,7 @@ class StallGuard:
                 # either way (one sending the next as each is stopped was acquitted three times, sweep 29)
                 self._verdict(stopped, self._ended_beside(loop), _sees_all(reading))
                 loop.stopped, loop.beside, loop.ended = None, [], []
-                loop.streak = CONFIRM_READINGS
+                loop.recent.extend([True] * CONFIRM_READINGS)
                 for watched in loop.running:
                     if watched.stop is not None:
                         watched.stop(f"the loop of backend {reading.backend} is still slow with only this key's "
@@ -260,13 +273,15 @@ class StallGuard:
             self.stops.labels(reading.backend, "not_cause").inc()
             log.info("backend %s: its loop is still slow after a stopped request with a grammar left it; stopping "
                      "the next", reading.backend)
-            loop.stopped, loop.beside, loop.ended = None, [], []
-            loop.streak = CONFIRM_READINGS
+            loop.stopped, loop.beside = None, []
+            loop.recent.extend([True] * CONFIRM_READINGS)
         elif not slow:
-            loop.streak, loop.ended, loop.deferred = 0, [], False
+            loop.recent.append(False)
+            if not any(loop.recent):  # (the stall, if any, over)
+                loop.ended, loop.deferred = [], False
             return
         else:
-            loop.streak += 1
+            loop.recent.append(True)
         if loop.streak < CONFIRM_READINGS or not self.settings.enabled:
             return
         if not loop.deferred and any(w.ended_at is not None and w.ended_at > previous for w in loop.ended):
@@ -282,11 +297,12 @@ class StallGuard:
                     f"there; it was stopped (requests with a grammar there are stopped one at a time until the loop "
                     f"recovers): retry, and if it was the cause its key's requests with a grammar are kept from such "
                     f"engines for a while"):
+                log.warning("backend %s: its loop took %.1f s or more a step, in %d of its last %d readings, while "
+                            "requests with a grammar ran there: stopped the one running longest (key %s)",
+                            reading.backend, step, loop.streak, len(loop.recent), watched.key or "none")
                 loop.stopped, loop.slow_after, loop.dropped, loop.worst = watched, 0, False, step
+                loop.recent.clear()
                 loop.beside = [w for w in loop.running if w is not watched]
-                log.warning("backend %s: its loop took %.1f s or more a step, %d readings in a row, while requests "
-                            "with a grammar ran there: stopped the one running longest (key %s)", reading.backend,
-                            step, loop.streak, watched.key or "none")
                 return
 
     @staticmethod
@@ -326,10 +342,10 @@ class StallGuard:
             if len(times) >= UNRESOLVED_LIMIT:
                 del self._unresolved[key]
                 self._strike(stopped.backend, key, [])
-        log.info("backend %s: its loop answered promptly once a stopped request with a grammar ended, but %s: no one "
-                 "struck for it", stopped.backend,
-                 f"{len(ended)} other such request(s) of other keys ended meanwhile" if ended
-                 else "the engine runs requests this process did not send it")
+        log.info("backend %s: its loop answered promptly once a stopped request with a grammar (key %s) ended, but %s: "
+                 "no one struck for it", stopped.backend, stopped.key,
+                 f"{len(ended)} other such request(s) ended meanwhile (keys {', '.join(sorted(map(str, keys)))})"
+                 if ended else "the engine runs requests this process did not send it")
 
     def _convict(self, watched: Watched, also: list[Watched] | None = None) -> None:
         self.stops.labels(watched.backend, "cause").inc()

@@ -97,7 +97,7 @@ def test_a_grammar_that_stalls_llama_server_is_stopped_and_kept_from_it(server: 
             same = victim.post("/v1/completions", json=slow)
             assert same.status_code == 503 and same.json()["error"]["code"] == "engine_stalled", same.text
 
-            # streamed: the stream ends with the error, and the streaming key is kept from llama.cpp in turn
+            # streamed: the stream ends with the error (the verdict after, as above: tests/proxy/test_stall_guard.py)
             streamer = httpx.Client(base_url=gateway.url, timeout=120,
                                     headers={"Authorization": "Bearer sk-streamer"})
             with streamer.stream("POST", "/v1/completions",
@@ -106,8 +106,6 @@ def test_a_grammar_that_stalls_llama_server_is_stopped_and_kept_from_it(server: 
                 events = [line for line in streamed.iter_lines() if line.startswith("data: ")]
             assert '"code":"engine_stalled"' in events[-2].replace(" ", ""), events[-3:]
             assert events[-1] == "data: [DONE]" and len(events) > 3, events[-3:]
-            wait_until(lambda: streamer.post("/v1/completions", json=small).status_code == 429,
-                       "the streaming key kept from llama.cpp", within=30)
         finally:
             done.set()
             beside.join()
