@@ -666,17 +666,20 @@ class StallGuardSettings(_Strict):
     with a constraint or tools (a grammar it follows token by token) run there: the static checks of grammars and
     schemas bound what they know, and this bounds what they miss (docs/security.md)."""
 
-    enabled: bool = Field(default=True, description="stop such requests when the loop stalls, and keep them off")
+    enabled: bool = Field(default=True, description="stop such requests when the loop stalls, and keep the key's "
+                                                    "off; turned off by a reload, its strikes are forgotten")
     stall_seconds: float = Field(
         default=1.0, gt=0, description="a load reading that waits this much longer than the health check before it "
                                        "(the loop's step) is a stall; raise it where a step is that slow anyway "
                                        "(a large model on CPUs)")
     stall_factor: float = Field(
         default=8.0, ge=1, description="so is one this many times the loop's usual (the 90th percentile of its "
-                                       "recent readings, none while a prompt is read), from 0.1 s")
+                                       "recent readings while it worked for requests without a grammar), from "
+                                       "0.1 s")
     strike_seconds: float = Field(
-        default=600.0, gt=0, description="how long the constraint that stalled it, and its key's constrained "
-                                         "requests, are kept from such engines; doubled at each repeat, to a day")
+        default=600.0, gt=0, description="how long the key whose request stalled it has its requests with a "
+                                         "grammar kept from such engines (with no keys: that grammar); doubled at "
+                                         "each repeat, to a day")
 
 
 class StructuredOutputSettings(_Strict):
