@@ -240,7 +240,10 @@ class StallGuard:
             if stopped.ended_at is None:
                 return  # its stop is under way
             if slow:
-                loop.worst = max(loop.worst, step)
+                # (a reading that timed out says only that the step is longer than it could wait: taken as long
+                # as steps are counted, since the engine lets go only between two; sweep 29's resent recursive
+                # schema, each "[" four times the step before, was acquitted while it still held the engine)
+                loop.worst = max(loop.worst, step if reading.running is not None else MAX_STEP)
             if not loop.dropped and now - stopped.ended_at >= DROP_GRACE + DROP_STEPS * min(loop.worst, MAX_STEP):
                 # (it looks for a gone client about once a second, and drops it between two steps: past that, let
                 # go. Its counts tell nothing: other processes', replicas' and clients' requests are in them, and a

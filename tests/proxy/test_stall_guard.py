@@ -453,3 +453,24 @@ def test_a_stall_whose_request_ended_on_its_own_just_before_the_stop_strikes_no_
     clock.advance(GRACE)  # (the engine surely let it go)
     guard.reading(reading(0.01, running=0, in_flight=0))
     assert stops(guard, "unresolved") == 1 and guard.kept(request(), "victim") is None
+
+
+def test_a_stopped_request_on_steps_longer_than_a_reading_is_given_the_longest_drop() -> None:
+    """Sweep 29 re-run: a resent recursive schema (each "[" four times the step before) had readings time out (a
+    step longer than a reading waits); taken as 2 s steps, it was acquitted while it still held the engine."""
+    guard, clock, backend = setup()
+    first = Running(guard, backend, "a", request())
+    second = Running(guard, backend, "b", request(GRAMMAR + "# b\n"))
+    guard.reading(reading(2.0, running=None))
+    guard.reading(reading(2.0, running=None))
+    assert first.why is not None
+    first.end()
+    for _ in range(8):  # (20 s of readings that time out)
+        clock.advance(2.5)
+        guard.reading(reading(2.0, running=None))
+    assert second.why is None, "not acquitted while the engine may still be on its step"
+    for _ in range(3):
+        clock.advance(2.5)
+        guard.reading(reading(2.0, running=None))
+    assert second.why is not None
+    second.end()
