@@ -53,6 +53,9 @@ DROP_GRACE = 1.5  # the engine lets a request go within this (its look for a gon
 # read, and margin; llama-server took 4.5 s to let go of a request at ~1 s steps)
 DROP_STEPS = 4
 MAX_STEP = 5.0  # (steps counted so at most)
+# a key with a request stopped is held this long at most for its verdict (which comes within ACQUIT_SECONDS of its
+# end, if readings come)
+HOLD_SECONDS = ACQUIT_SECONDS + DROP_GRACE + 4 * MAX_STEP
 # a stall is a reading of stall_seconds, or of stall_factor times the loop's usual: the 90th percentile of its last
 # USUAL_READINGS readings outside stalls (once it has USUAL_LEAST of them), from STALL_FLOOR seconds
 USUAL_READINGS = 64
@@ -142,6 +145,8 @@ class StallGuard:
         self._keys: dict[str, tuple[float, int]] = {}  # key -> (kept until, strikes)
         self._barred: dict[bytes, float] = {}  # grammar fingerprint -> kept until
         self._unresolved: dict[str, list[float]] = {}  # key -> when it was among an unresolved stall's suspects
+        # key -> its requests stopped whose verdicts are to come, and when the last was stopped
+        self._pending: dict[str, tuple[int, float]] = {}
         self._usual: dict[str, deque[float]] = {}  # backend -> its loop's last readings outside stalls
         self.stops = Counter("gateway_stall_guard_stops", "Requests with a grammar stopped because the loop of "
                              "the engine they ran on stalled, by backend and verdict (cause: the loop answered "
@@ -154,6 +159,7 @@ class StallGuard:
         self.settings = settings
         if not settings.enabled:
             self._loops.clear()
+            self._pending.clear()
             self._keys.clear()
             self._barred.clear()
             self._unresolved.clear()
@@ -162,11 +168,20 @@ class StallGuard:
     def kept(self, request: RouteRequest, key: str | None) -> tuple[str, float] | None:
         """Why this request may not go to an engine whose loop is watched, and for how many seconds more, if it is
         kept from them."""
-        if not self._keys and not self._barred:
+        if not self._keys and not self._barred and not self._pending:
             return None
         if not self.settings.enabled or not has_grammar(request):
             return None
         now = self._clock.monotonic()
+        held = self._pending.get(key or "")
+        if key is not None and held is not None and now - held[1] > HOLD_SECONDS:
+            del self._pending[key]  # (no verdict came: its backend gone, say)
+        elif key is not None and held is not None:
+            # (one of its requests was stopped, its verdict to come: a key resending as each 503 came had the next
+            # admitted before the strike, and stalled the engine again, sweep 29)
+            return (f"a request of this key with a grammar was stopped for stalling the loop of an engine that runs "
+                    f"every request on one loop (llama.cpp); its requests with a constraint or tools are kept from "
+                    f"such engines until that is settled (at most {ACQUIT_SECONDS:.0f} s)", ACQUIT_SECONDS)
         if key is not None and key in self._keys:
             until, _ = self._keys[key]
             if until > now:
@@ -254,6 +269,7 @@ class StallGuard:
                 return  # (the engine may still run it: a reading under the threshold then is a step's residue)
             if not slow:
                 self._verdict(stopped, self._ended_beside(loop), _sees_all(reading))
+                self._settled(stopped)
                 loop.stopped, loop.beside, loop.ended, loop.deferred = None, [], [], False
                 loop.recent.clear()
                 if not loop.running:
@@ -266,6 +282,7 @@ class StallGuard:
                 # still slow, and every request with a grammar left there is its key's: the stall is that key's
                 # either way (one sending the next as each is stopped was acquitted three times, sweep 29)
                 self._verdict(stopped, self._ended_beside(loop), _sees_all(reading))
+                self._settled(stopped)
                 loop.stopped, loop.beside, loop.ended = None, [], []
                 loop.recent.extend([True] * CONFIRM_READINGS)
                 for watched in loop.running:
@@ -276,6 +293,7 @@ class StallGuard:
             self.stops.labels(reading.backend, "not_cause").inc()
             log.info("backend %s: its loop is still slow after a stopped request with a grammar left it; stopping "
                      "the next", reading.backend)
+            self._settled(stopped)
             loop.stopped, loop.beside = None, []
             loop.recent.extend([True] * CONFIRM_READINGS)
         elif not slow:
@@ -304,9 +322,22 @@ class StallGuard:
                             "requests with a grammar ran there: stopped the one running longest (key %s)",
                             reading.backend, step, loop.streak, len(loop.recent), watched.key or "none")
                 loop.stopped, loop.slow_after, loop.dropped, loop.worst = watched, 0, False, step
+                if watched.key is not None:
+                    count = self._pending.get(watched.key, (0, now))[0]
+                    self._pending[watched.key] = (count + 1, now)
                 loop.recent.clear()
                 loop.beside = [w for w in loop.running if w is not watched]
                 return
+
+    def _settled(self, stopped: Watched) -> None:
+        """The verdict on ``stopped`` is in: its key is no longer held for it."""
+        key = stopped.key
+        held = self._pending.get(key) if key is not None else None
+        if key is not None and held is not None:
+            if held[0] <= 1:
+                del self._pending[key]
+            else:
+                self._pending[key] = (held[0] - 1, held[1])
 
     @staticmethod
     def _ended_beside(loop: _Loop) -> list[Watched]:

@@ -16,6 +16,7 @@ from gateway.pool.state import LoopReading
 from gateway.proxy.stall_guard import (
     DROP_GRACE,
     DROP_STEPS,
+    HOLD_SECONDS,
     MAX_STEP,
     MAX_STRIKE_SECONDS,
     STALL_FLOOR,
@@ -474,3 +475,29 @@ def test_a_stopped_request_on_steps_longer_than_a_reading_is_given_the_longest_d
         guard.reading(reading(2.0, running=None))
     assert second.why is not None
     second.end()
+
+
+def test_a_key_with_a_request_stopped_is_held_until_its_verdict() -> None:
+    """Sweep 29 re-run: a key resending its stalling request as each 503 came had the next admitted before the
+    strike (the verdict waits for the engine to let the first go), and it stalled the engine again."""
+    guard, clock, backend = setup()
+    first = Running(guard, backend, "a", request())
+    guard.reading(reading(2.0))
+    guard.reading(reading(2.0))
+    assert first.why is not None
+    first.end()
+    held = guard.kept(request(GRAMMAR + "# next\n"), "a")
+    assert held is not None and "until that is settled" in held[0]
+    assert guard.kept(request(), "b") is None and guard.kept(request(None), "a") is None
+    clock.advance(GRACE)
+    guard.reading(reading(0.01))
+    kept = guard.kept(request(GRAMMAR + "# next\n"), "a")
+    assert kept is not None and "until that is settled" not in kept[0], "convicted: struck"
+    # an innocent one stopped is held only until it is acquitted; with no verdict at all, not for long
+    other = Running(guard, backend, "b", request())
+    guard.reading(reading(2.0))
+    guard.reading(reading(2.0))
+    other.end()
+    assert guard.kept(request(), "b") is not None
+    clock.advance(HOLD_SECONDS + 1)  # (no reading came: its backend gone)
+    assert guard.kept(request(), "b") is None
