@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -152,10 +151,15 @@ def test_a_gateway_started_while_its_file_is_rewritten_in_place_starts_from_the_
         try:
             # the writer is still at it (the file modified now and then) until the gateway has read what there is
             # (its access time moves past the modification's)
-            while config.stat().st_atime_ns <= config.stat().st_mtime_ns:
+            def read_yet() -> bool:
                 assert proc.poll() is None, "the gateway exited"
+                seen = config.stat()
+                if seen.st_atime_ns > seen.st_mtime_ns:
+                    return True
                 os.utime(config)
-                time.sleep(0.2)  # real time: a writer's pace, while the gateway starts
+                return False
+
+            wait_until(read_yet, "the gateway reading the file being written", within=60)
             with config.open("a") as rest:
                 rest.write(whole[whole.index("auth:"):])
             url = f"http://127.0.0.1:{port}"

@@ -7,15 +7,17 @@ as much, token after token (sweeps 22-28: another key's answers from 0.09 s to 4
 (gateway.structured.syntax.parses, gateway.structured.checks) refuse or reroute the forms they know, and each sweep
 found a form they did not. This guard needs no knowledge of forms. The pool measures the loop's step at every
 scrape: a llama.cpp load reading is answered between two steps (``EngineSpec.load_waits_for_loop``), so it takes
-what is left of the step under way, less the health check just before it, which the HTTP thread answers alone (what
-the network and this gateway's own lateness add is not counted). When ``CONFIRM_READINGS`` readings in a row take
-``stall_seconds`` or more while requests with a grammar run there, the guard stops one (the one running longest: a
-parse grows with its answer) and waits. If the loop answers promptly once that request has ended there, it was the
-cause: its grammar (by the fingerprint of its constraint and tools) and its key's requests with a grammar are kept
-from such engines for ``strike_seconds``, doubled at each repeat up to a day: routed to engines that follow
-grammars another way (vLLM, SGLang), or refused with a 429 that says until when. If the loop is still slow
-(``ACQUIT_READINGS`` prompt-but-slow readings, or ``ACQUIT_SECONDS``, after it ended), the next is stopped. A
-request stopped is answered 503 (or ends its stream with that error); one not found to be the cause may be retried.
+what is left of the step under way, less the health check just before it, which the HTTP thread answers alone, and
+less this process's own event-loop lag. When ``CONFIRM_READINGS`` of the last ``WINDOW`` readings take
+``stall_seconds``, or ``stall_factor`` times the loop's usual, while requests with a grammar run there, the guard
+stops one (the one running longest: a parse grows with its answer), answered 503 (or its stream ended with that
+error), and holds its key's requests with a grammar until the verdict. Once the engine has surely let it go, a
+prompt loop convicts it where nothing else could explain the recovery (no other request with a grammar ended in
+the stall, and the engine runs nothing this process did not send it): its key's requests with a grammar (with no
+keys, its grammar) are kept from such engines for ``strike_seconds``, doubled at each repeat up to a day: routed
+to engines that follow grammars another way (vLLM, SGLang), or refused with a 429 that says until when. Where
+something else could, the stall is unresolved, and a key among the suspects of ``UNRESOLVED_LIMIT`` of them is
+struck. If the loop is still slow, the next is stopped.
 
 Kept per process: each replica (and each worker of one) finds and strikes for itself, so a key gets one stall per
 process before it is struck everywhere it is.
@@ -44,8 +46,7 @@ log = logging.getLogger(__name__)
 
 CONFIRM_READINGS = 2  # slow readings among the last WINDOW before a request is stopped
 WINDOW = 3
-# readings answered after the engine let the stopped request go (it runs no more than this process sent it), all
-# slow: it was not the cause
+# readings after the engine surely let the stopped request go, all slow: it was not the cause
 ACQUIT_READINGS = 2
 ACQUIT_SECONDS = 40.0  # or this long after it ended here with no verdict
 DROP_GRACE = 1.5  # the engine lets a request go within this (its look for a gone client) and DROP_STEPS steps
@@ -55,7 +56,7 @@ DROP_STEPS = 4
 MAX_STEP = 5.0  # (steps counted so at most)
 # a key with a request stopped is held this long at most for its verdict (which comes within ACQUIT_SECONDS of its
 # end, if readings come)
-HOLD_SECONDS = ACQUIT_SECONDS + DROP_GRACE + 4 * MAX_STEP
+HOLD_SECONDS = ACQUIT_SECONDS + DROP_GRACE + DROP_STEPS * MAX_STEP
 # a stall is a reading of stall_seconds, or of stall_factor times the loop's usual: the 90th percentile of its last
 # USUAL_READINGS readings outside stalls (once it has USUAL_LEAST of them), from STALL_FLOOR seconds
 USUAL_READINGS = 64
@@ -113,11 +114,6 @@ class _Loop:
     # whether each of the last WINDOW readings was slow (a reading waits what is left of the step under way, so a
     # stall of 2 s steps reads anywhere from 0 to 2 s: two in a row missed an 11 s stall, sweep 29's re-run)
     recent: deque[bool] = field(default_factory=lambda: deque(maxlen=WINDOW))
-
-    @property
-    def streak(self) -> int:
-        """The slow readings among the last WINDOW."""
-        return sum(self.recent)
     stopped: Watched | None = None  # stopped, its verdict waiting on the readings after it ended
     dropped: bool = False  # the engine let it go (by the time that takes)
     worst: float = 0.0  # the longest step read since it was stopped
@@ -130,6 +126,11 @@ class _Loop:
     ended: list[Watched] = field(default_factory=list)
     last_reading: float = 0.0  # when the last reading came
     deferred: bool = False  # this stall's stop waited a reading already, for one that ended just before it
+
+    @property
+    def streak(self) -> int:
+        """The slow readings among the last WINDOW."""
+        return sum(self.recent)
 
 
 class StallGuard:
@@ -173,15 +174,16 @@ class StallGuard:
         if not self.settings.enabled or not has_grammar(request):
             return None
         now = self._clock.monotonic()
-        held = self._pending.get(key or "")
-        if key is not None and held is not None and now - held[1] > HOLD_SECONDS:
+        held = self._pending.get(key) if key is not None else None
+        if key is not None and held is not None:
+            if now - held[1] <= HOLD_SECONDS:
+                # (one of its requests was stopped, its verdict to come: a key resending as each 503 came had the
+                # next admitted before the strike, and stalled the engine again, sweep 29)
+                return (f"a request of this key with a grammar was stopped for stalling the loop of an engine that "
+                        f"runs every request on one loop (llama.cpp); its requests with a constraint or tools are "
+                        f"kept from such engines until that is settled (at most {ACQUIT_SECONDS:.0f} s)",
+                        ACQUIT_SECONDS)
             del self._pending[key]  # (no verdict came: its backend gone, say)
-        elif key is not None and held is not None:
-            # (one of its requests was stopped, its verdict to come: a key resending as each 503 came had the next
-            # admitted before the strike, and stalled the engine again, sweep 29)
-            return (f"a request of this key with a grammar was stopped for stalling the loop of an engine that runs "
-                    f"every request on one loop (llama.cpp); its requests with a constraint or tools are kept from "
-                    f"such engines until that is settled (at most {ACQUIT_SECONDS:.0f} s)", ACQUIT_SECONDS)
         if key is not None and key in self._keys:
             until, _ = self._keys[key]
             if until > now:
@@ -376,8 +378,8 @@ class StallGuard:
             if len(times) >= UNRESOLVED_LIMIT:
                 del self._unresolved[key]
                 self._strike(stopped.backend, key, [])
-        log.info("backend %s: its loop answered promptly once a stopped request with a grammar (key %s) ended, but %s: "
-                 "no one struck for it", stopped.backend, stopped.key,
+        log.info("backend %s: a stall with a stopped request with a grammar (key %s) is unresolved: %s; no one "
+                 "struck for it", stopped.backend, stopped.key,
                  f"{len(ended)} other such request(s) ended meanwhile (keys {', '.join(sorted(map(str, keys)))})"
                  if ended else "the engine runs requests this process did not send it")
 

@@ -70,9 +70,5 @@ class Stopped(UpstreamError):
     def code(self) -> str:
         return "engine_stalled"
 
-    @property
-    def reason(self) -> str:
-        return "stopped"
-
     def redacted(self, redactor: Redactor) -> UpstreamError:
         return self
