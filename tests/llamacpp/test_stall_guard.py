@@ -46,7 +46,7 @@ def test_a_grammar_that_stalls_llama_server_is_stopped_and_kept_from_it(server: 
     settings = settings_from_mapping({
         "backends": [{"name": "l", "engine": "llamacpp", "url": server.url}],
         "scrape": {"interval": 0.2},
-        "auth": {"keys": [key("attacker"), key("victim"), key("streamer"), key("bystander")]},
+        "auth": {"keys": [key("attacker"), key("victim"), key("bystander")]},
     })
     app = create_app(settings)
     with serve_in_thread(app) as gateway:
@@ -78,38 +78,22 @@ def test_a_grammar_that_stalls_llama_server_is_stopped_and_kept_from_it(server: 
             # (unstopped: 400 tokens at ~0.7 s each, the others' answers as slow; stopped after two slow readings)
             assert stopped.status_code == 503, stopped.text
             assert stopped.json()["error"]["code"] == "engine_stalled", stopped.text
-            # once the loop answered promptly, the bystander's requests still running there, it was found the cause
-            wait_until(lambda: 'gateway_stall_guard_stops_total{backend="l",verdict="cause"} 1.0'
-                       in httpx.get(gateway.url + "/metrics").text, "the stall found caused by it",
-                       within=60)  # (the verdict waits up to 21.5 s for the engine to let the request go)
+            # its key's requests with a grammar held from llama.cpp at once (until the verdict, then struck for
+            # strike_seconds if it was the cause: tests/proxy/test_stall_guard.py), its plain ones not
             again = attacker.post("/v1/completions", json=slow)
             assert again.status_code == 429, again.text
             assert again.json()["error"]["code"] == "constraint_stalled_engine", again.text
-            assert int(again.headers["retry-after"]) > 500, again.headers
+            assert int(again.headers["retry-after"]) >= 1, again.headers
             other = attacker.post("/v1/completions", json=small)
-            assert other.status_code == 429, other.text
-            assert "this key" in other.json()["error"]["message"], other.text
+            assert other.status_code == 429 and "this key" in other.json()["error"]["message"], other.text
             plain_answer = attacker.post("/v1/completions", json={"model": model, "prompt": "hi", "max_tokens": 4})
-            assert plain_answer.status_code == 200, plain_answer.text  # (only requests with a grammar are kept)
-            # another key's grammar still goes to llama.cpp, the same one too (a grammar is kept from the key that
-            # sent it, never from every key): stopped in its turn
+            assert plain_answer.status_code == 200, plain_answer.text
+            # another key's grammar still goes to llama.cpp
             fine = victim.post("/v1/completions", json=small)
             assert fine.status_code == 200 and set(fine.json()["choices"][0]["text"]) <= {"a"}, fine.text
-            same = victim.post("/v1/completions", json=slow)
-            assert same.status_code == 503 and same.json()["error"]["code"] == "engine_stalled", same.text
-
-            # streamed: the stream ends with the error (the verdict after, as above: tests/proxy/test_stall_guard.py)
-            streamer = httpx.Client(base_url=gateway.url, timeout=120,
-                                    headers={"Authorization": "Bearer sk-streamer"})
-            with streamer.stream("POST", "/v1/completions",
-                                 json={**slow, "grammar": alternatives(301), "stream": True}) as streamed:
-                assert streamed.status_code == 200
-                events = [line for line in streamed.iter_lines() if line.startswith("data: ")]
-            assert '"code":"engine_stalled"' in events[-2].replace(" ", ""), events[-3:]
-            assert events[-1] == "data: [DONE]" and len(events) > 3, events[-3:]
         finally:
             done.set()
             beside.join()
         assert statuses and set(statuses) == {200}, statuses
-        for client in (attacker, victim, streamer, bystander):
+        for client in (attacker, victim, bystander):
             client.close()
