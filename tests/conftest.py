@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import socket
 import threading
 from collections.abc import Iterator
@@ -75,14 +76,25 @@ def free_port() -> int:
         return port
 
 
+def _port_range(low: int = 20000, high: int = 32000) -> tuple[int, int]:
+    """This process's share of [low, high): the suite runs in several processes (pytest-xdist), each picks its
+    blocks in its own part, so that one never takes a block another checked free and is about to bind."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
+    index = int(worker.removeprefix("gw")) if worker.startswith("gw") and worker[2:].isdigit() else 0
+    share = (high - low) // max(count, 1)
+    return low + index * share, low + (index + 1) * share
+
+
 def free_port_block(count: int) -> int:
     """First of ``count`` consecutive free ports, below Linux's ephemeral range (where client sockets of
     other tests could take them between this check and the bind)."""
     import random
 
     rng = random.Random()
+    low, high = _port_range()
     for _ in range(200):
-        base = rng.randrange(20000, 32000 - count)
+        base = rng.randrange(low, high - count)
         socks = []
         try:
             for port in range(base, base + count):

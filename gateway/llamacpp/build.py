@@ -10,6 +10,8 @@ machine's CPU features (the build targets the host CPU), and reused.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import os
 import platform
@@ -18,6 +20,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 SDIST_PACKAGE = "llama-cpp-python"
@@ -51,6 +54,26 @@ class BuildError(RuntimeError):
 def cache_dir() -> Path:
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "llm-gateway"
+
+
+@contextlib.contextmanager
+def cache_lock(name: str) -> Iterator[None]:
+    """Hold the cache's lock ``name`` (an advisory ``flock``, let go when the process ends however it ends):
+    processes that need the same cached file at once (the test suite's workers) make it once, the others wait
+    for it instead of building it beside."""
+    directory = cache_dir()
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / f".{name}.lock", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def staging_path(target: Path) -> Path:
+    """A path beside ``target`` no other process writes to, to write it aside and then move it into place."""
+    return target.with_name(f".{target.name}.{os.getpid()}.tmp")
 
 
 def _cpu_key() -> str:
@@ -109,6 +132,13 @@ def build(jobs: int | None = None, force: bool = False, quiet: bool = False) -> 
     target = binary_path()
     if not force and target.exists() and _works(target):
         return target
+    with cache_lock(target.name):
+        if not force and target.exists() and _works(target):
+            return target  # another process built it while this one waited
+        return _build(target, jobs, quiet)
+
+
+def _build(target: Path, jobs: int | None, quiet: bool) -> Path:
     check_toolchain()
     target.parent.mkdir(parents=True, exist_ok=True)
     jobs = jobs or os.cpu_count() or 2
@@ -140,7 +170,7 @@ def build(jobs: int | None = None, force: bool = False, quiet: bool = False) -> 
         built = source / "build" / "bin" / "llama-server"
         if not built.exists():
             raise BuildError(f"the build finished but {built} is missing; see {log}")
-        staging = target.with_suffix(".tmp")
+        staging = staging_path(target)
         shutil.copy2(built, staging)
         staging.replace(target)
     if not _works(target):

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gateway.llamacpp.build import cache_dir
+from gateway.llamacpp.build import cache_dir, cache_lock, staging_path
 
 SEED = 1234
 SPACE = "\u2581"  # SentencePiece's word-boundary marker
@@ -126,7 +126,7 @@ def write(path: Path, name: str, dims: ModelSize, rope_base: float,
 
     tokens, scores, types = vocab
     path.parent.mkdir(parents=True, exist_ok=True)
-    staging = path.with_suffix(".tmp")
+    staging = staging_path(path)
     writer = gguf.GGUFWriter(str(staging), "llama")
     writer.add_name(name)
     writer.add_context_length(dims.n_ctx)
@@ -168,5 +168,7 @@ def model_path(size: str) -> Path:
     name = "agent-llama-v2.gguf" if size == "agent" else f"random-llama-{size}-s{SEED}-v1.gguf"
     path = cache_dir() / "models" / name
     if not path.exists():
-        generate(path, size)
+        with cache_lock(name):
+            if not path.exists():  # (or another process made it while this one waited)
+                generate(path, size)
     return path

@@ -27,6 +27,7 @@ from typing import Any
 import pytest
 
 from gateway.app import create_app
+from gateway.llamacpp.build import cache_lock
 from gateway.llamacpp.server import LlamaServer
 from gateway.sim import FleetThread, agent_fleet_specs
 from tests.api.conftest import ENGINES, TIME_SCALE, gateway_settings
@@ -49,15 +50,19 @@ def _installed() -> bool:
 
 @pytest.fixture(scope="module")
 def clients() -> Path:
-    if not _installed():
-        npm = shutil.which("npm")
-        if npm is None:
-            pytest.skip("npm is not installed: the agent clients cannot be fetched")
-        CACHE.mkdir(parents=True, exist_ok=True)
-        run = subprocess.run([npm, "install", "--prefix", str(CACHE), "--no-audit", "--no-fund", "--loglevel=error",
-                              *(f"{p}@{v}" for p, v in CLIENTS.items())], capture_output=True, text=True, timeout=600)
-        if run.returncode != 0 or not _installed():
-            pytest.skip(f"npm could not install the agent clients: {run.stderr[-500:]}")
+    if _installed():
+        return BIN
+    npm = shutil.which("npm")
+    if npm is None:
+        pytest.skip("npm is not installed: the agent clients cannot be fetched")
+    with cache_lock("agents-npm"):  # (the suite's other process may be installing them)
+        if not _installed():
+            CACHE.mkdir(parents=True, exist_ok=True)
+            run = subprocess.run([npm, "install", "--prefix", str(CACHE), "--no-audit", "--no-fund",
+                                  "--loglevel=error", *(f"{p}@{v}" for p, v in CLIENTS.items())],
+                                 capture_output=True, text=True, timeout=600)
+            if run.returncode != 0 or not _installed():
+                pytest.skip(f"npm could not install the agent clients: {run.stderr[-500:]}")
     return BIN
 
 
