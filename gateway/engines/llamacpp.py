@@ -91,6 +91,7 @@ class LlamaCppAdapter(EngineAdapter):
         running: int | None = None
         waiting: int | None = None
         prefilling = False
+        tasks: frozenset[int] | None = None
         figures = readings.Figures()
         if self._slots_enabled:
             response = await get(client, "/slots")
@@ -105,6 +106,7 @@ class LlamaCppAdapter(EngineAdapter):
                 running = figures.count("running", sum(1 for slot in slots if isinstance(slot, dict)
                                                        and slot.get("is_processing") is True))
                 prefilling = any(_prefilling(slot) for slot in slots)
+                tasks = _tasks(slots)
         if self._metrics_enabled:
             response = await get(client, "/metrics")
             if response.status_code == 501:
@@ -120,7 +122,7 @@ class LlamaCppAdapter(EngineAdapter):
         if running is None and waiting is None and not figures.rejected:
             return None
         return LoadRecord(running=running, waiting=waiting, kv_usage=None, read_at=time.monotonic(),
-                          rejected=tuple(figures.rejected), prefilling=prefilling)
+                          rejected=tuple(figures.rejected), prefilling=prefilling, tasks=tasks)
 
     async def read_capacity(self, client: httpx.AsyncClient) -> Capacity:
         props: Any = await get_json(client, "/props")
@@ -138,6 +140,18 @@ class LlamaCppAdapter(EngineAdapter):
         return Capacity(slots=slots, context_length=n_ctx,
                         cache_tokens=readings.positive(slots * n_ctx) if slots and n_ctx else None,
                         tool_calls=tools if isinstance(tools, bool) else None)
+
+
+def _tasks(slots: list[Any]) -> frozenset[int] | None:
+    """The ids of the tasks the slots are processing (``id_task``), or None where a processing slot names none."""
+    found = set()
+    for slot in slots:
+        if isinstance(slot, dict) and slot.get("is_processing") is True:
+            task = slot.get("id_task")
+            if not isinstance(task, int) or isinstance(task, bool):
+                return None
+            found.add(task)
+    return frozenset(found)
 
 
 def _prefilling(slot: Any) -> bool:

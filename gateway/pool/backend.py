@@ -86,8 +86,9 @@ class Backend:
         self.capacity = Capacity()
         self.kv_source: KvEventSource | None = None  # where it says it publishes KV events (kv_events: discover)
         # its loop's last step as read (EngineSpec.load_waits_for_loop): seconds at least, the sequences it said it
-        # runs (None: the reading timed out; -1: unsaid), clock.monotonic() when read, whether one read its prompt
-        self.loop_step: tuple[float, int | None, float, bool] | None = None
+        # runs (None: the reading timed out; -1: unsaid), clock.monotonic() when read, whether one read its prompt,
+        # the ids of the sequences it runs (None: unsaid)
+        self.loop_step: tuple[float, int | None, float, bool, tuple[int, ...] | None] | None = None
         self.in_flight = 0
         self._in_flight_at_read = 0
         self.scrape_errors = 0

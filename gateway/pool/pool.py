@@ -405,12 +405,13 @@ class Pool:
                 backend.scrape_errors = entry["scrape_errors"]
                 step = entry.get("loop")
                 if step is not None and (backend.loop_step is None or backend.loop_step[2] != step[2]):
+                    tasks = step[4] if len(step) > 4 else None
                     backend.loop_step = (float(step[0]), None if step[1] is None else int(step[1]), float(step[2]),
-                                         bool(step[3]))
+                                         bool(step[3]), None if tasks is None else tuple(int(t) for t in tasks))
                     if self.on_loop is not None:
                         # (the engine runs every worker's requests; this worker knows its own in flight alone)
                         self.on_loop(LoopReading(name, backend.loop_step[0], backend.loop_step[1], None,
-                                                 backend.loop_step[3]))
+                                                 backend.loop_step[3], _task_set(backend.loop_step[4])))
                 kv = entry.get("kv_source")
                 self._set_kv_source(backend, None if kv is None else KvEventSource(*kv))
                 load = entry["load"]
@@ -531,22 +532,26 @@ class Pool:
                 load = dataclasses.replace(load, read_at=self._clock.monotonic())
             backend.record_load(load)
             self._loop_reading(backend, step, -1 if load is None or load.running is None
-                               else load.running + (load.waiting or 0), load is not None and load.prefilling)
+                               else load.running + (load.waiting or 0), load is not None and load.prefilling,
+                               None if load is None else load.tasks)
             if load is not None and load.rejected:
                 backend.scrape_errors += 1
                 self._complain(backend, f"its load reading had garbage for {', '.join(load.rejected)} (taken as no "
                                         f"reading)")
         self._transition(backend, probe)
 
-    def _loop_reading(self, backend: Backend, step: float, running: int | None, prefilling: bool = False) -> None:
+    def _loop_reading(self, backend: Backend, step: float, running: int | None, prefilling: bool = False,
+                      tasks: frozenset[int] | None = None) -> None:
         """Where the load reading waits for the engine's loop, how long it waited (at least what was left of the
-        step under way), the sequences it said it runs (None: the reading timed out; -1: it came, unsaid), and
-        whether one was reading its prompt."""
+        step under way), the sequences it said it runs (None: the reading timed out; -1: it came, unsaid), whether
+        one was reading its prompt, and the engine's ids of those it runs (None: unsaid)."""
         if not backend.spec.load_waits_for_loop:
             return
-        backend.loop_step = (max(0.0, step), running, self._clock.monotonic(), prefilling)
+        backend.loop_step = (max(0.0, step), running, self._clock.monotonic(), prefilling,
+                             None if tasks is None else tuple(sorted(tasks)))
         if self.on_loop is not None:
-            self.on_loop(LoopReading(backend.name, backend.loop_step[0], running, backend.in_flight, prefilling))
+            self.on_loop(LoopReading(backend.name, backend.loop_step[0], running, backend.in_flight, prefilling,
+                                     tasks))
 
     def _discovers(self, backend: Backend) -> bool:
         settings = self._settings.get(backend.name)
@@ -616,3 +621,7 @@ class Pool:
 def _why(exc: Exception) -> str:
     """A failed reading's message: the adapter's own for a BackendError, else the exception's kind too."""
     return str(exc) if isinstance(exc, BackendError) else f"{type(exc).__name__}: {exc}"
+
+
+def _task_set(tasks: tuple[int, ...] | None) -> frozenset[int] | None:
+    return None if tasks is None else frozenset(tasks)

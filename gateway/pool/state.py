@@ -32,6 +32,8 @@ class LoadRecord:
     # a sequence was reading its prompt (llama.cpp's /slots: processing, nothing generated yet): its loop's steps
     # are as long as a batch of prompt takes (gateway.proxy.stall_guard)
     prefilling: bool = False
+    # the engine's ids of the sequences it runs (llama.cpp's /slots: each processing slot's id_task), None unsaid
+    tasks: frozenset[int] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,10 +89,13 @@ class LoopReading:
     """One reading of a backend's loop (EngineSpec.load_waits_for_loop): its step took ``step`` seconds or more;
     the engine said it runs or queues ``running`` sequences (None: the reading timed out; -1: unsaid); ``in_flight``:
     this process's requests there then (None: not known here, a worker taking another's readings); ``prefilling``:
-    a sequence was reading its prompt (a step is then as long as a batch of prompt takes)."""
+    a sequence was reading its prompt (a step is then as long as a batch of prompt takes); ``tasks``: the engine's
+    ids of the sequences it runs (None: unsaid), so that one begun, or ended, since the last reading is seen whoever
+    sent it."""
 
     backend: str
     step: float
     running: int | None
     in_flight: int | None
     prefilling: bool = False
+    tasks: frozenset[int] | None = None

@@ -113,7 +113,8 @@ class _Loop:
     running: list[Watched] = field(default_factory=list)
     # whether each of the last WINDOW readings was slow (a reading waits what is left of the step under way, so a
     # stall of 2 s steps reads anywhere from 0 to 2 s: two in a row missed an 11 s stall, sweep 29's re-run)
-    recent: deque[bool] = field(default_factory=lambda: deque(maxlen=WINDOW))
+    # ... and whether each slow one was a clean step (no prompt read in it: see StallGuard.reading)
+    recent: deque[tuple[bool, bool]] = field(default_factory=lambda: deque(maxlen=WINDOW))
     stopped: Watched | None = None  # stopped, its verdict waiting on the readings after it ended
     dropped: bool = False  # the engine let it go (by the time that takes)
     worst: float = 0.0  # the longest step read since it was stopped
@@ -130,7 +131,17 @@ class _Loop:
     @property
     def streak(self) -> int:
         """The slow readings among the last WINDOW."""
-        return sum(self.recent)
+        return sum(slow for slow, _ in self.recent)
+
+    @property
+    def stalled(self) -> bool:
+        """CONFIRM_READINGS slow among the last WINDOW, one of them at least a clean step: a prompt read is slow
+        by nature, and another key's long prompts had a request with a grammar stopped and its key convicted
+        (sweep 30)."""
+        return self.streak >= CONFIRM_READINGS and any(slow and clean for slow, clean in self.recent)
+
+    def slow(self, clean: bool) -> None:
+        self.recent.append((True, clean))
 
 
 class StallGuard:
@@ -149,6 +160,11 @@ class StallGuard:
         # key -> its requests stopped whose verdicts are to come, and when the last was stopped
         self._pending: dict[str, tuple[int, float]] = {}
         self._usual: dict[str, deque[float]] = {}  # backend -> its loop's last readings outside stalls
+        # backend -> whether its last reading's step read a prompt, and the engine's tasks then
+        self._last: dict[str, tuple[bool, frozenset[int] | None]] = {}
+        # key -> until when it is stopped first: another key's request with a grammar ended as the one stopped
+        # did, and the stall went with one of them; the next stall stops its first (sweep 30)
+        self._first: dict[str, float] = {}
         self.stops = Counter("gateway_stall_guard_stops", "Requests with a grammar stopped because the loop of "
                              "the engine they ran on stalled, by backend and verdict (cause: the loop answered "
                              "promptly once it ended; not_cause: it did not; unresolved: it did, but other keys' "
@@ -164,6 +180,7 @@ class StallGuard:
             self._keys.clear()
             self._barred.clear()
             self._unresolved.clear()
+            self._first.clear()
 
     # --- asked by the dispatcher ----------------------------------------------------------------------------
     def kept(self, request: RouteRequest, key: str | None) -> tuple[str, float] | None:
@@ -214,7 +231,7 @@ class StallGuard:
             return
         if watched in loop.running:
             loop.running.remove(watched)
-        stalling = any(loop.recent) or loop.stopped is not None
+        stalling = loop.streak > 0 or loop.stopped is not None
         if stalling and watched is not loop.stopped and len(loop.ended) < MAX_ENDED:
             loop.ended.append(watched)
         if not loop.running and loop.stopped is None:
@@ -241,9 +258,17 @@ class StallGuard:
         step = reading.step
         if self._lateness is not None and step > 0:
             step = max(0.0, step - self._lateness(LATENESS_WINDOW))
-        slow = step >= (self.settings.stall_seconds if reading.prefilling else self.stall(reading.backend))
+        # a clean step read no prompt: none being read now or at the last reading (the step that ends a prompt
+        # shows its sequence generating), and no sequence begun since (a prompt of one batch is read in one step)
+        before = self._last.pop(reading.backend, (False, None))
+        if len(self._last) >= MAX_BACKENDS:
+            del self._last[next(iter(self._last))]
+        self._last[reading.backend] = (reading.prefilling, reading.tasks)
+        began = reading.tasks is not None and before[1] is not None and not reading.tasks <= before[1]
+        clean = not (reading.prefilling or before[0] or began)
+        slow = step >= (self.stall(reading.backend) if clean else self.settings.stall_seconds)
         loop = self._loops.get(reading.backend)
-        if (not slow and reading.running is not None and reading.running > 0 and not reading.prefilling
+        if (not slow and clean and reading.running is not None and reading.running > 0
                 and (loop is None or (loop.stopped is None and not loop.running))):
             if reading.backend not in self._usual and len(self._usual) >= MAX_BACKENDS:
                 del self._usual[next(iter(self._usual))]  # (backends found by DNS come and go)
@@ -269,6 +294,8 @@ class StallGuard:
                 loop.dropped = True
             if not loop.dropped:
                 return  # (the engine may still run it: a reading under the threshold then is a step's residue)
+            if slow and not clean and now - stopped.ended_at < ACQUIT_SECONDS:
+                return  # (a prompt read: slow whatever the stopped request was)
             if not slow:
                 self._verdict(stopped, self._ended_beside(loop), _sees_all(reading))
                 self._settled(stopped)
@@ -286,7 +313,7 @@ class StallGuard:
                 self._verdict(stopped, self._ended_beside(loop), _sees_all(reading))
                 self._settled(stopped)
                 loop.stopped, loop.beside, loop.ended = None, [], []
-                loop.recent.extend([True] * CONFIRM_READINGS)
+                loop.recent.extend([(True, True)] * CONFIRM_READINGS)
                 for watched in loop.running:
                     if watched.stop is not None:
                         watched.stop(f"the loop of backend {reading.backend} is still slow with only this key's "
@@ -297,15 +324,15 @@ class StallGuard:
                      "the next", reading.backend)
             self._settled(stopped)
             loop.stopped, loop.beside = None, []
-            loop.recent.extend([True] * CONFIRM_READINGS)
+            loop.recent.extend([(True, True)] * CONFIRM_READINGS)
         elif not slow:
-            loop.recent.append(False)
-            if not any(loop.recent):  # (the stall, if any, over)
+            loop.recent.append((False, clean))
+            if not loop.streak:  # (the stall, if any, over)
                 loop.ended, loop.deferred = [], False
             return
         else:
-            loop.recent.append(True)
-        if loop.streak < CONFIRM_READINGS or not self.settings.enabled:
+            loop.slow(clean)
+        if not loop.stalled or not self.settings.enabled:
             return
         if not loop.deferred and any(w.ended_at is not None and w.ended_at > previous for w in loop.ended):
             # one with a grammar ended since the last reading: the stall may have gone with it (a key ended its
@@ -313,7 +340,10 @@ class StallGuard:
             # next reading tells, once a stall
             loop.deferred = True
             return
-        for watched in sorted(loop.running, key=lambda w: w.started):
+        first = {k for k, until in self._first.items() if until > now}
+        # (the one running longest: a parse grows with its answer; but first a key whose request ended as the last
+        # stall's stopped one did, the stall going with one of them)
+        for watched in sorted(loop.running, key=lambda w: (w.key not in first, w.started)):
             if watched.stop is not None and watched.stop(
                     f"the loop of backend {reading.backend}, which runs every request on it, slowed to "
                     f"{step:.1f} s or more a step while this request's grammar (its constraint or tools) ran "
@@ -352,36 +382,45 @@ class StallGuard:
 
     def _verdict(self, stopped: Watched, ended: list[Watched], sees_all: bool) -> None:
         """The loop answered promptly once ``stopped`` was let go (or, still slow, only its key's requests with a
-        grammar are left). Were others with a grammar that ran beside it ``ended`` meanwhile (their answers done,
-        or their clients gone), the recovery may be theirs; and where this process does not see all the engine
-        runs (``sees_all``: other workers' or replicas' requests are there, or other clients'), it may be theirs
-        too. Then, with one key among the suspects here and nothing unseen, that key is struck all the same;
-        otherwise none is, but each key counts the stall, and one among the suspects of UNRESOLVED_LIMIT unresolved
-        stalls within ``strike_seconds`` is struck. (Else a key could have another's request stopped and convicted
-        by ending its own stalling one at that moment, on this process or another worker, or escape its own
-        conviction so: sweep 29.)"""
-        suspects = [stopped, *ended]
-        keys = {w.key for w in suspects}
-        if sees_all and len(keys) == 1:
+        grammar are left). It is the cause, and its key struck, where nothing else could be: no other key's request
+        with a grammar that ran beside it ``ended`` meanwhile (its answer done, or its client gone), and the engine
+        runs nothing this process did not send it (``sees_all``). Otherwise the stall is unresolved:
+        - another key's such request ended too: no key counts it, and those keys' requests are stopped first at
+          the next stall, where the two are told apart (counting each key among the suspects struck every tenant
+          whose requests merely ended as one key's stalls went, sweep 30; striking either would let one key get
+          another's request convicted by ending its own stalling one as the other's was stopped, sweep 29);
+        - only requests this process cannot see could be why (other workers' or replicas'): the stopped key counts
+          it, and UNRESOLVED_LIMIT of them within ``strike_seconds`` strike it (each worker sees its own alone)."""
+        now = self._clock.monotonic()
+        others = {w.key for w in ended} - {stopped.key}
+        if sees_all and not others:
             self._convict(stopped, also=ended)
             return
         self.stops.labels(stopped.backend, "unresolved").inc()
-        now = self._clock.monotonic()
-        horizon = now - self.settings.strike_seconds
-        for key in keys - {None}:
-            assert key is not None
+        if others:
+            for key in others - {None}:
+                assert key is not None
+                if key not in self._first and len(self._first) >= MAX_KEYS:
+                    self._first = {k: t for k, t in self._first.items() if t > now}
+                self._first[key] = now + self.settings.strike_seconds
+            log.info("backend %s: a stall with a stopped request with a grammar (key %s) is unresolved: %d other "
+                     "such request(s) of other keys ended meanwhile (%s); no one struck, their requests stopped "
+                     "first at the next", stopped.backend, stopped.key, len(ended),
+                     ", ".join(sorted(map(str, others))))
+            return
+        key = stopped.key
+        if key is not None:
             if key not in self._unresolved and len(self._unresolved) >= MAX_KEYS:
                 del self._unresolved[next(iter(self._unresolved))]
+            horizon = now - self.settings.strike_seconds
             kept = [t for t in self._unresolved.get(key, []) if t > horizon]
             times = [*kept[-(UNRESOLVED_LIMIT - 1):], now]
             self._unresolved[key] = times
             if len(times) >= UNRESOLVED_LIMIT:
                 del self._unresolved[key]
                 self._strike(stopped.backend, key, [])
-        log.info("backend %s: a stall with a stopped request with a grammar (key %s) is unresolved: %s; no one "
-                 "struck for it", stopped.backend, stopped.key,
-                 f"{len(ended)} other such request(s) ended meanwhile (keys {', '.join(sorted(map(str, keys)))})"
-                 if ended else "the engine runs requests this process did not send it")
+        log.info("backend %s: a stall with a stopped request with a grammar (key %s) is unresolved: the engine runs "
+                 "requests this process did not send it", stopped.backend, key)
 
     def _convict(self, watched: Watched, also: list[Watched] | None = None) -> None:
         self.stops.labels(watched.backend, "cause").inc()
