@@ -206,12 +206,30 @@ def schema_fanout(value: Any) -> str | None:
     would follow too many ways at once. llama.cpp
     writes each as one flat alternation (common/json-schema-to-grammar.cpp, llama-cpp-python 0.3.36), one stack per
     alternative from its start, each kept while its value's text still matches: a value costs it the sum, over its
-    characters, of the values that begin as it does up to there."""
-    for node, at, data in _objects(value):
+    characters, of the values that begin as it does up to there.
+
+    At the start of an enum's value (or of an optional property's name) every alternative is a stack: ``n`` values
+    cost each token written there ``n`` passes over the vocabulary (480 two-letter codes: 200 ms a token with a
+    128k vocabulary, 2.5 plain; sweep 30). Written once, that is a few slow tokens, and the schema's such values
+    together are held to MAX_ENUM_COST; where it may be written again and again (in an array, a definition a
+    ``$ref`` may use, an open object's values), each is held to MAX_PARSES ways, as a union is."""
+    refs = _has_ref(value)
+    once = 0  # the values of the enums (and optional names) written at most once, together
+    for node, trail, data in _object_trails(value):
         if data:
             continue
+        at = pointer(trail, 200)
+        repeats = refs or _repeats(trail)
         values = node.get("enum")
         if isinstance(values, list) and len(values) > 1:
+            if repeats and len(values) > MAX_PARSES:
+                return (f"the enum at {at[:200] or '/'} has {len(values)} values and may be written many times (in "
+                        f"an array, a definition or an open object): llama.cpp would follow {len(values)} ways at "
+                        f"once at the start of each, more than {MAX_PARSES}")
+            once += 0 if repeats else len(values)
+            if once > MAX_ENUM_COST:
+                return (f"its enums and optional properties hold {once} values in all: llama.cpp would follow as "
+                        f"many ways at once where each begins, more than {MAX_ENUM_COST} in a schema")
             cost, value_text = enum_cost([orjson.dumps(v) for v in values])
             if cost > MAX_ENUM_COST:
                 return (f"the enum at {at[:200] or '/'} has {len(values)} values that begin alike: writing "
@@ -224,6 +242,14 @@ def schema_fanout(value: Any) -> str | None:
             # another key's tokens from 3 to 524 ms, sweep 24)
             required = node.get("required")
             names = [key for key in properties if not (isinstance(required, list) and key in required)]
+            if repeats and len(names) > MAX_PARSES:
+                return (f"the object at {at[:200] or '/'} has {len(names)} optional properties and may be written "
+                        f"many times (in an array, a definition or an open object): llama.cpp would follow "
+                        f"{len(names)} ways at once where each may begin, more than {MAX_PARSES}")
+            once += 0 if repeats or len(names) < 2 else len(names)
+            if once > MAX_ENUM_COST:
+                return (f"its enums and optional properties hold {once} values in all: llama.cpp would follow as "
+                        f"many ways at once where each begins, more than {MAX_ENUM_COST} in a schema")
             cost, name = enum_cost([orjson.dumps(key) for key in names]) if len(names) > 1 else (0, "")
             if cost > MAX_ENUM_COST:
                 return (f"the object at {at[:200] or '/'} has {len(names)} optional properties whose names begin "
@@ -252,6 +278,23 @@ def schema_fanout(value: Any) -> str | None:
 
 
 MAX_WIDTH = 1 << 20  # (counted to here)
+# where a schema's part may be written again and again (each item of an array, each value of an open object; a
+# definition, which a $ref may use in any of those)
+_REPEATING = frozenset({"items", "prefixItems", "additionalItems", "contains", "additionalProperties",
+                        "patternProperties", "unevaluatedItems", "unevaluatedProperties", "$defs", "definitions"})
+
+
+def _repeats(trail: Trail) -> bool:
+    while trail is not None:
+        key, trail = trail
+        if key in _REPEATING:
+            return True
+    return False
+
+
+def _has_ref(value: Any) -> bool:
+    """Whether a ``$ref`` is anywhere in the schema (a part it names may then be written from anywhere, and again)."""
+    return any(not data and "$ref" in node for node, _trail, data in _object_trails(value))
 
 
 class _Width:

@@ -198,8 +198,8 @@ def test_a_pattern_enum_or_union_that_goes_too_many_ways_is_not_for_llamacpp() -
     why = fanout({"json_schema": {"type": "string", "pattern": pattern}})
     assert why is not None and "the pattern at /pattern" in why, why
     ids = [f"customer-{i:04d}" for i in range(1000)]  # (1,000 stacks through "customer-": ~10,000 in all)
-    why = fanout({"json_schema": {"type": "array", "items": {"enum": ids}}})
-    assert why is not None and "the enum at /items has 1000 values that begin alike" in why, why
+    why = fanout({"json_schema": {"type": "object", "properties": {"id": {"enum": ids}}}})
+    assert why is not None and "the enum at /properties/id has 1000 values that begin alike" in why, why
     # sweep 24: optional properties are a choice of the next one among all that may come, as an enum's values
     alike = {f"{'customer_account_settings_preference_of_':s}{i:04d}": {"type": "integer"} for i in range(200)}
     why = fanout({"json_schema": {"type": "object", "properties": alike}})
@@ -237,7 +237,9 @@ def test_a_pattern_enum_or_union_that_goes_too_many_ways_is_not_for_llamacpp() -
         assert fanout({"json_schema": {"type": "object", "properties": dict(properties)}}) is not None
     # what real schemas hold: 250 country names (~520 stacks through a value at most), a union of 64, an id pattern
     countries = [f"{chr(65 + i % 26)}{chr(97 + i // 26)}land" for i in range(250)]
-    assert fanout({"json_schema": {"type": "array", "items": {"enum": countries}}}) is None
+    assert fanout({"json_schema": {"type": "object", "properties": {"country": {"enum": countries}}}}) is None
+    # (but not an array of them: 250 ways at each item's start, sweep 30)
+    assert fanout({"json_schema": {"type": "array", "items": {"enum": countries}}}) is not None
     assert fanout({"json_schema": {"anyOf": union["anyOf"][:MAX_PARSES]}}) is None
     assert fanout({"json_schema": {"type": "string", "pattern": "^[a-z]+(,[a-z]+)*$"}}) is None
 
@@ -245,28 +247,29 @@ def test_a_pattern_enum_or_union_that_goes_too_many_ways_is_not_for_llamacpp() -
 def test_a_schemas_unions_enums_and_optional_properties_are_counted_together() -> None:
     """Sweep 27: each counted alone, an anyOf of 64 objects each with a 450-value enum (through a $ref) passed, and
     llama.cpp held 28,800 stacks (19.6 s a token with a 128k vocabulary; another key's p50 from 0.12 to 12.9 s);
-    so did 30 objects of 300 optional properties, and unions of unions of such enums."""
+    so did 30 objects of 300 optional properties, and unions of unions of such enums. (Since sweep 30 an enum
+    a $ref may use, and optional names and enums written once that add up, are held first.)"""
     values = [f"{chr(0x100 + i)}" for i in range(450)]
     product = {"$defs": {"e": {"enum": values}},
                "anyOf": [{"type": "object", "properties": {"a": {"$ref": "#/$defs/e"}}, "required": ["a"]}
                          for _ in range(32)]}  # (64 of them are 64 alternatives, past the union's own bound now)
-    assert "together may hold 14,400 ways at once" in (fanout({"json_schema": product}) or "")
+    assert _held(fanout({"json_schema": product}))
     optional = {"anyOf": [{"type": "object", "properties": {f"p{i:03d}": {"type": "integer"} for i in range(100)}}
                           for _ in range(30)]}  # (sweep 27's: 300 properties, 88 KB)
-    assert "together may hold 3,000 ways at once" in (fanout({"json_schema": optional}) or "")
+    assert _held(fanout({"json_schema": optional}))
     tools = [{"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "$defs": product["$defs"], "properties": {"x": {"anyOf": product["anyOf"]}}}}}]
-    assert "together may hold" in (tools_fanout(tools) or "")
+    assert _held(tools_fanout(tools))
     # sweep 28: the same union as a draft-07 tuple's item, and a union of strings each with a 47-way pattern
     tuple_items = {"$schema": "http://json-schema.org/draft-07/schema#", "definitions": {"e": {"enum": values}},
                    "type": "array", "items": [{"anyOf": [{"type": "object", "properties": {
                        "a": {"$ref": "#/definitions/e"}}, "required": ["a"]} for _ in range(32)]}]}
-    assert "together may hold 14,400 ways at once" in (fanout({"json_schema": tuple_items}) or "")
+    assert _held(fanout({"json_schema": tuple_items}))
     pattern = "^(" + "|".join("a" * k for k in range(1, 8)) + ")*$"
     strings = {"anyOf": [{"type": "string", "pattern": pattern}] * 32}
     patterned = {"type": "array", "items": {"anyOf": [{"type": "object", "properties": {"a": strings},
                                                         "required": ["a"]}] * 32}}
-    assert "together may hold" in (fanout({"json_schema": patterned}) or "")
+    assert "together may hold 23,552 ways at once" in (fanout({"json_schema": patterned}) or "")
     assert fanout({"json_schema": {"type": "array", "items": {"type": "string", "pattern": pattern}}}) is None
     # an allOf's anyOf parts: llama.cpp merges their properties as optional, whatever they require
     names = {f"customer_record_field_{i:04d}": {} for i in range(300)}
@@ -324,3 +327,39 @@ def test_a_grammar_the_search_cannot_follow_to_its_end_is_not_for_llamacpp(monke
     monkeypatch.setattr(checks, "WORKER_BUDGET", 50)
     found = run_check("grammar", grammar, "gbnf", "grammar", BOUNDS)
     assert found.problem is None and found.fanout is not None and "could not follow within 50 steps" in found.fanout
+
+
+def test_an_enum_or_optional_properties_that_may_be_written_again_and_again_are_held_to_ways_at_once() -> None:
+    """Sweep 30: at the start of an enum's value every value is a stack, so 480 two-letter codes cost llama.cpp
+    200 ms a token against 2.5 plain (a 128k vocabulary), all different from the first letter on (their summed cost,
+    987, passed MAX_ENUM_COST); in an array of 60 items, 60 such tokens and more, another key's p50 0.09 -> 30 s."""
+    codes = [a + b for a in "abcdefghijklmnopqrs" for b in "abcdefghijklmnopqrstuvwxyz"][:480]
+    array = {"type": "object", "properties": {"v": {"type": "array", "items": {"enum": codes}, "minItems": 60}}}
+    why = fanout({"json_schema": array})
+    assert why is not None and "the enum at /properties/v/items has 480 values and may be written many times" in why
+    assert "more than 32" in why
+    assert fanout({"json_schema": {**array, "properties": {"v": {"type": "array", "items": {
+        "enum": codes[:MAX_PARSES]}}}}}) is None, "32 ways at once pass"
+    # in a definition a $ref may use from anywhere, or in an open object's values: as in an array
+    defs = {"$defs": {"code": {"enum": codes[:100]}}, "type": "object", "properties": {"c": {"$ref": "#/$defs/code"}}}
+    assert "may be written many times" in (fanout({"json_schema": defs}) or "")
+    open_object = {"type": "object", "additionalProperties": {"enum": codes[:100]}}
+    assert "may be written many times" in (fanout({"json_schema": open_object}) or "")
+    # written once: a few slow tokens; one country list passes, but not so many of them that they add up
+    countries = codes[:249]
+    once = {"type": "object", "properties": {"country": {"enum": countries}}}
+    assert fanout({"json_schema": once}) is None
+    five = {"type": "object", "properties": {f"c{i}": {"enum": countries} for i in range(5)}}
+    assert "hold 1250 values in all" in (fanout({"json_schema": five}) or "")
+    # an object's optional properties are a choice of the next among all that may come: in an array, 32 at most
+    names = {f"field_{i}": {"type": "integer"} for i in range(40)}
+    rows = {"type": "array", "items": {"type": "object", "properties": names}}
+    assert "has 40 optional properties and may be written many times" in (fanout({"json_schema": rows}) or "")
+    assert fanout({"json_schema": {"type": "object", "properties": names}}) is None, "written once"
+
+
+def _held(why: str | None) -> bool:
+    """Whether a schema was kept from llama.cpp for the ways it would follow at once (its unions, enums and optional
+    properties together, or one of them written again and again, or all written once together)."""
+    return why is not None and any(said in why for said in ("together may hold", "may be written many times",
+                                                             "values in all"))
