@@ -409,9 +409,11 @@ class Pool:
                     backend.loop_step = (float(step[0]), None if step[1] is None else int(step[1]), float(step[2]),
                                          bool(step[3]), None if tasks is None else tuple(int(t) for t in tasks))
                     if self.on_loop is not None:
-                        # (the engine runs every worker's requests; this worker knows its own in flight alone)
-                        self.on_loop(LoopReading(name, backend.loop_step[0], backend.loop_step[1], None,
-                                                 backend.loop_step[3], _task_set(backend.loop_step[4])))
+                        # (the engine runs every worker's requests; this worker knows its own in flight alone,
+                        # as of now, not of the reading)
+                        self.on_loop(LoopReading(name, backend.loop_step[0], backend.loop_step[1],
+                                                 backend.in_flight, backend.loop_step[3],
+                                                 _task_set(backend.loop_step[4])))
                 kv = entry.get("kv_source")
                 self._set_kv_source(backend, None if kv is None else KvEventSource(*kv))
                 load = entry["load"]

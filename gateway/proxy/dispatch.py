@@ -606,7 +606,7 @@ class Dispatcher:
         finally:
             backend.in_flight -= 1
             if options.watched is not None:
-                self.guard.ended(options.watched)
+                self.guard.ended(options.watched, finished=exchange.outcome == "success")
             if exchange.shared_slot == backend.name and shared is not None:
                 exchange.shared_slot = None
                 shared.settle(None, 0, backend.name)

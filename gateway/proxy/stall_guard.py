@@ -16,11 +16,14 @@ prompt loop convicts it where nothing else could explain the recovery (no other 
 the stall, and the engine runs nothing this process did not send it): its key's requests with a grammar (with no
 keys, its grammar) are kept from such engines for ``strike_seconds``, doubled at each repeat up to a day: routed
 to engines that follow grammars another way (vLLM, SGLang), or refused with a 429 that says until when. Where
-something else could, the stall is unresolved, and a key among the suspects of ``UNRESOLVED_LIMIT`` of them is
-struck. If the loop is still slow, the next is stopped.
+something else could, the stall is unresolved and no one is struck (another key whose request ended meanwhile has
+its requests stopped first at the next stall). If the loop is still slow, the next is stopped. A request that
+ended lately without its answer (its client gone) may run on in the engine: a stall waits for the engine to let it
+go before it stops anything, and a recovery then is that request's key's doing.
 
-Kept per process: each replica (and each worker of one) finds and strikes for itself, so a key gets one stall per
-process before it is struck everywhere it is.
+Kept per process: each replica (and each worker of one) finds and strikes for itself, and only where its readings
+through the stall showed the engine running nothing another process sent it: where they share a llama-server
+with others, each stops its own, and a key is struck once it stalls the engine where it is alone.
 """
 
 from __future__ import annotations
@@ -68,8 +71,6 @@ MAX_STRIKE_SECONDS = 86_400.0
 MAX_BARRED = 10_000  # grammars kept from such engines at once (the oldest bar dropped first)
 MAX_KEYS = 100_000  # keys whose strikes, and unresolved stalls, are kept
 MAX_ENDED = 1_000  # requests with a grammar that ended during one stall, kept for its verdict
-# a key among the suspects of this many stalls within strike_seconds that no one was found the cause of is struck
-UNRESOLVED_LIMIT = 3
 # what a request's grammar is made of, for its fingerprint
 GRAMMAR_FIELDS = (*CONSTRAINT_FIELDS, "response_format", "tools", "tool_choice")
 
@@ -106,6 +107,9 @@ class Watched:
     started: float
     stop: Callable[[str], bool] | None = None  # ends its attempt with a reason (set while it is forwarded)
     ended_at: float | None = None
+    # its answer came whole: the engine had let it go when it ended here (else it may run there a while more: its
+    # client gone, or its attempt stopped)
+    finished: bool = False
 
 
 @dataclass(slots=True)
@@ -122,11 +126,17 @@ class _Loop:
     # the others with a grammar that ran there when it was stopped: one that ends before the verdict may be
     # what the loop's recovery owes to (its client gone, or its answer done)
     beside: list[Watched] = field(default_factory=list)
-    # those with a grammar that ended there while the loop was slow (before a stop, or before its verdict): the
-    # stall may have been, and gone with, one of them
-    ended: list[Watched] = field(default_factory=list)
+    # those with a grammar that ended there lately (within the longest the engine takes to let one go) or while
+    # the loop was slow (before a stop, or before its verdict): the stall may have been, and gone with, one of
+    # them (one whose client left before the first slow reading ran on there, and the victim's was stopped and
+    # convicted in its place, sweep 30)
+    ended: deque[Watched] = field(default_factory=lambda: deque(maxlen=MAX_ENDED))
     last_reading: float = 0.0  # when the last reading came
-    deferred: bool = False  # this stall's stop waited a reading already, for one that ended just before it
+    confirmed: bool = False  # this stall was confirmed (CONFIRM_READINGS slow ones)
+    wait_until: float = 0.0  # ... and its stop waits until those that ended before it were surely let go
+    unseen: bool = False  # a reading in this stall showed the engine run what this process did not send it
+    stall_worst: float = 0.0  # the longest step read in this stall
+    began: float | None = None  # when its first slow reading came
 
     @property
     def streak(self) -> int:
@@ -156,7 +166,6 @@ class StallGuard:
         self._loops: dict[str, _Loop] = {}
         self._keys: dict[str, tuple[float, int]] = {}  # key -> (kept until, strikes)
         self._barred: dict[bytes, float] = {}  # grammar fingerprint -> kept until
-        self._unresolved: dict[str, list[float]] = {}  # key -> when it was among an unresolved stall's suspects
         # key -> its requests stopped whose verdicts are to come, and when the last was stopped
         self._pending: dict[str, tuple[int, float]] = {}
         self._usual: dict[str, deque[float]] = {}  # backend -> its loop's last readings outside stalls
@@ -179,7 +188,6 @@ class StallGuard:
             self._pending.clear()
             self._keys.clear()
             self._barred.clear()
-            self._unresolved.clear()
             self._first.clear()
 
     # --- asked by the dispatcher ----------------------------------------------------------------------------
@@ -223,19 +231,18 @@ class StallGuard:
         self._loops.setdefault(backend.name, _Loop()).running.append(watched)
         return watched
 
-    def ended(self, watched: Watched) -> None:
+    def ended(self, watched: Watched, finished: bool = False) -> None:
+        """``watched`` ended here; ``finished``: its answer came whole (the engine had let it go)."""
         watched.ended_at = self._clock.monotonic()
+        watched.finished = finished
         watched.stop = None
         loop = self._loops.get(watched.backend)
         if loop is None:
             return
         if watched in loop.running:
             loop.running.remove(watched)
-        stalling = loop.streak > 0 or loop.stopped is not None
-        if stalling and watched is not loop.stopped and len(loop.ended) < MAX_ENDED:
-            loop.ended.append(watched)
-        if not loop.running and loop.stopped is None:
-            del self._loops[watched.backend]
+        if watched is not loop.stopped:
+            loop.ended.append(watched)  # (kept a while: see _Loop.ended; the loop's readings forget it)
 
     # --- told by the pool ------------------------------------------------------------------------------------
     def stall(self, backend: str) -> float:
@@ -268,15 +275,25 @@ class StallGuard:
         clean = not (reading.prefilling or before[0] or began)
         slow = step >= (self.stall(reading.backend) if clean else self.settings.stall_seconds)
         loop = self._loops.get(reading.backend)
-        if (not slow and clean and reading.running is not None and reading.running > 0
+        if (not slow and clean and reading.running is not None and reading.running > 0 and _sees_all(reading)
                 and (loop is None or (loop.stopped is None and not loop.running))):
+            # (nothing another process sent runs there: with server.workers 2 a worker learnt its usual while the
+            # other's grammar ran there, and grammars under the threshold raised it again, sweep 30)
             if reading.backend not in self._usual and len(self._usual) >= MAX_BACKENDS:
                 del self._usual[next(iter(self._usual))]  # (backends found by DNS come and go)
             self._usual.setdefault(reading.backend, deque(maxlen=USUAL_READINGS)).append(step)
         if loop is None:
             return
         now = self._clock.monotonic()
-        previous, loop.last_reading = loop.last_reading, now
+        loop.last_reading = now
+        if loop.streak or loop.stopped is not None or slow:
+            # (remembered for the whole stall: by its verdict the other process's requests may be gone, and a
+            # replica whose only request there was the victim's convicted it, sweep 30)
+            loop.unseen = loop.unseen or self._unseen(loop, reading, now)
+            if loop.began is None:
+                loop.began = now
+            if slow:
+                loop.stall_worst = max(loop.stall_worst, step if reading.running is not None else MAX_STEP)
         stopped = loop.stopped
         if stopped is not None:
             if stopped.ended_at is None:
@@ -297,12 +314,10 @@ class StallGuard:
             if slow and not clean and now - stopped.ended_at < ACQUIT_SECONDS:
                 return  # (a prompt read: slow whatever the stopped request was)
             if not slow:
-                self._verdict(stopped, self._ended_beside(loop), _sees_all(reading))
+                self._verdict(stopped, self._ended_beside(loop), not loop.unseen)
                 self._settled(stopped)
-                loop.stopped, loop.beside, loop.ended, loop.deferred = None, [], [], False
-                loop.recent.clear()
-                if not loop.running:
-                    del self._loops[reading.backend]
+                loop.stopped, loop.beside = None, []
+                self._calm(loop, reading.backend, now)
                 return
             loop.slow_after += 1
             if loop.slow_after < ACQUIT_READINGS and now - stopped.ended_at < ACQUIT_SECONDS:
@@ -310,9 +325,9 @@ class StallGuard:
             if stopped.key is not None and loop.running and all(w.key == stopped.key for w in loop.running):
                 # still slow, and every request with a grammar left there is its key's: the stall is that key's
                 # either way (one sending the next as each is stopped was acquitted three times, sweep 29)
-                self._verdict(stopped, self._ended_beside(loop), _sees_all(reading))
+                self._verdict(stopped, self._ended_beside(loop), not loop.unseen)
                 self._settled(stopped)
-                loop.stopped, loop.beside, loop.ended = None, [], []
+                loop.stopped, loop.beside = None, []
                 loop.recent.extend([(True, True)] * CONFIRM_READINGS)
                 for watched in loop.running:
                     if watched.stop is not None:
@@ -327,18 +342,25 @@ class StallGuard:
             loop.recent.extend([(True, True)] * CONFIRM_READINGS)
         elif not slow:
             loop.recent.append((False, clean))
-            if not loop.streak:  # (the stall, if any, over)
-                loop.ended, loop.deferred = [], False
+            if loop.confirmed and not any(slow for slow, _ in list(loop.recent)[-2:]):
+                # the loop recovered with no request stopped: what ended there lately (its client gone, say) may
+                # still have run there until the engine let it go
+                self._recovered(loop, reading)
+            if not loop.streak:
+                self._calm(loop, reading.backend, now)
             return
         else:
             loop.slow(clean)
         if not loop.stalled or not self.settings.enabled:
             return
-        if not loop.deferred and any(w.ended_at is not None and w.ended_at > previous for w in loop.ended):
-            # one with a grammar ended since the last reading: the stall may have gone with it (a key ended its
-            # stalling request as the guard was about to stop a victim's, which was then convicted, sweep 29); the
-            # next reading tells, once a stall
-            loop.deferred = True
+        if not loop.confirmed:
+            loop.confirmed = True
+            # one that ended lately (its client gone before the first slow reading) may run there still: its drop
+            # is waited for first, once (a request of the next that ends in the wait does not lengthen it)
+            window = DROP_GRACE + DROP_STEPS * min(loop.stall_worst, MAX_STEP)
+            loop.wait_until = max((w.ended_at + window for w in loop.ended
+                                   if not w.finished and w.ended_at is not None), default=0.0)
+        if now < loop.wait_until:
             return
         first = {k for k, until in self._first.items() if until > now}
         # (the one running longest: a parse grows with its answer; but first a key whose request ended as the last
@@ -361,6 +383,46 @@ class StallGuard:
                 loop.beside = [w for w in loop.running if w is not watched]
                 return
 
+    @staticmethod
+    def _unseen(loop: _Loop, reading: LoopReading, now: float) -> bool:
+        """Whether the engine ran, at this reading, what this process did not send it: more than it has in flight
+        there and those it ended without their answers lately, which the engine may run still (a reading that timed
+        out tells nothing)."""
+        if reading.running is None:
+            return False
+        if reading.in_flight is None or reading.running < 0:
+            return True
+        lingering = sum(1 for w in (*loop.ended, loop.stopped) if w is not None and w.ended_at is not None
+                        and not w.finished and now - w.ended_at < DROP_GRACE + DROP_STEPS * MAX_STEP)
+        return reading.running > reading.in_flight + lingering
+
+    def _calm(self, loop: _Loop, backend: str, now: float) -> None:
+        """The loop is not stalled (any more): what the stall kept is forgotten, but for those that ended within the
+        longest the engine takes to let one go; a loop with nothing left to watch is dropped."""
+        loop.confirmed, loop.unseen, loop.stall_worst, loop.wait_until, loop.began = False, False, 0.0, 0.0, None
+        loop.recent.clear()
+        horizon = now - (DROP_GRACE + DROP_STEPS * MAX_STEP)
+        while loop.ended and (loop.ended[0].ended_at or 0.0) < horizon:
+            loop.ended.popleft()
+        if not loop.running and not loop.ended and loop.stopped is None:
+            del self._loops[backend]
+
+    def _recovered(self, loop: _Loop, reading: LoopReading) -> None:
+        """The loop recovered from a confirmed stall with no request stopped: one that ended lately was why, if
+        they were one key's (or, without keys, whichever of them) and nothing unseen ran there."""
+        suspects, unseen = self._ended_beside(loop), loop.unseen
+        loop.ended.clear()  # (judged)
+        loop.confirmed, loop.unseen, loop.stall_worst, loop.wait_until, loop.began = False, False, 0.0, 0.0, None
+        if not suspects:
+            return
+        keys = {w.key for w in suspects}
+        if len(keys) == 1 and not unseen:
+            self.stops.labels(reading.backend, "cause").inc()
+            self._strike(reading.backend, suspects[0].key, [w.body for w in suspects])
+            return
+        log.info("backend %s: its loop recovered from a stall as requests with a grammar of %s ended there: no one "
+                 "struck", reading.backend, ", ".join(sorted(map(str, keys))))
+
     def _settled(self, stopped: Watched) -> None:
         """The verdict on ``stopped`` is in: its key is no longer held for it."""
         key = stopped.key
@@ -373,54 +435,40 @@ class StallGuard:
 
     @staticmethod
     def _ended_beside(loop: _Loop) -> list[Watched]:
-        """Those with a grammar, other than the stopped one, that ended there since the stall began."""
+        """Those with a grammar, other than the stopped one, whose end may be why the loop recovered: ended there
+        since the stall began, or before it without their answers (the engine may have run them on into it)."""
         seen: dict[int, Watched] = {}
+        began = loop.began if loop.began is not None else 0.0
         for watched in (*loop.ended, *loop.beside):
-            if watched.ended_at is not None and watched is not loop.stopped:
+            if (watched.ended_at is not None and watched is not loop.stopped
+                    and (not watched.finished or watched.ended_at >= began)):
                 seen[id(watched)] = watched
         return list(seen.values())
 
     def _verdict(self, stopped: Watched, ended: list[Watched], sees_all: bool) -> None:
         """The loop answered promptly once ``stopped`` was let go (or, still slow, only its key's requests with a
         grammar are left). It is the cause, and its key struck, where nothing else could be: no other key's request
-        with a grammar that ran beside it ``ended`` meanwhile (its answer done, or its client gone), and the engine
-        runs nothing this process did not send it (``sees_all``). Otherwise the stall is unresolved:
-        - another key's such request ended too: no key counts it, and those keys' requests are stopped first at
-          the next stall, where the two are told apart (counting each key among the suspects struck every tenant
-          whose requests merely ended as one key's stalls went, sweep 30; striking either would let one key get
-          another's request convicted by ending its own stalling one as the other's was stopped, sweep 29);
-        - only requests this process cannot see could be why (other workers' or replicas'): the stopped key counts
-          it, and UNRESOLVED_LIMIT of them within ``strike_seconds`` strike it (each worker sees its own alone)."""
+        with a grammar that ran beside it, or ended lately, ``ended`` meanwhile (its answer done, or its client
+        gone), and nothing this process did not send ran there in the stall (``sees_all``). Otherwise the stall is
+        unresolved, and no key is struck for it: counting it against each key among the suspects struck every
+        tenant whose requests merely ended as one key's stalls went, and against the stopped one let a key on
+        another replica or worker have a victim's request stopped and struck (sweep 30); where another key's such
+        request ended, that key's are stopped first at the next stall, where the two are told apart."""
         now = self._clock.monotonic()
         others = {w.key for w in ended} - {stopped.key}
         if sees_all and not others:
             self._convict(stopped, also=ended)
             return
         self.stops.labels(stopped.backend, "unresolved").inc()
-        if others:
-            for key in others - {None}:
-                assert key is not None
-                if key not in self._first and len(self._first) >= MAX_KEYS:
-                    self._first = {k: t for k, t in self._first.items() if t > now}
-                self._first[key] = now + self.settings.strike_seconds
-            log.info("backend %s: a stall with a stopped request with a grammar (key %s) is unresolved: %d other "
-                     "such request(s) of other keys ended meanwhile (%s); no one struck, their requests stopped "
-                     "first at the next", stopped.backend, stopped.key, len(ended),
-                     ", ".join(sorted(map(str, others))))
-            return
-        key = stopped.key
-        if key is not None:
-            if key not in self._unresolved and len(self._unresolved) >= MAX_KEYS:
-                del self._unresolved[next(iter(self._unresolved))]
-            horizon = now - self.settings.strike_seconds
-            kept = [t for t in self._unresolved.get(key, []) if t > horizon]
-            times = [*kept[-(UNRESOLVED_LIMIT - 1):], now]
-            self._unresolved[key] = times
-            if len(times) >= UNRESOLVED_LIMIT:
-                del self._unresolved[key]
-                self._strike(stopped.backend, key, [])
-        log.info("backend %s: a stall with a stopped request with a grammar (key %s) is unresolved: the engine runs "
-                 "requests this process did not send it", stopped.backend, key)
+        for key in others - {None}:
+            assert key is not None
+            if key not in self._first and len(self._first) >= MAX_KEYS:
+                self._first = {k: t for k, t in self._first.items() if t > now}
+            self._first[key] = now + self.settings.strike_seconds
+        log.info("backend %s: a stall with a stopped request with a grammar (key %s) is unresolved: %s; no one "
+                 "struck for it", stopped.backend, stopped.key,
+                 f"such requests of {', '.join(sorted(map(str, others)))} ended there meanwhile" if others
+                 else "the engine ran requests this process did not send it")
 
     def _convict(self, watched: Watched, also: list[Watched] | None = None) -> None:
         self.stops.labels(watched.backend, "cause").inc()
