@@ -206,8 +206,8 @@ class StallGuard:
                 # next admitted before the strike, and stalled the engine again, sweep 29)
                 return (f"a request of this key with a grammar was stopped for stalling the loop of an engine that "
                         f"runs every request on one loop (llama.cpp); its requests with a constraint or tools are "
-                        f"kept from such engines until that is settled (at most {ACQUIT_SECONDS:.0f} s)",
-                        ACQUIT_SECONDS)
+                        f"kept from such engines until that is settled (at most {HOLD_SECONDS:.0f} s)",
+                        HOLD_SECONDS - (now - held[1]))
             del self._pending[key]  # (no verdict came: its backend gone, say)
         if key is not None and key in self._keys:
             until, _ = self._keys[key]
@@ -273,7 +273,10 @@ class StallGuard:
         self._last[reading.backend] = (reading.prefilling, reading.tasks)
         began = reading.tasks is not None and before[1] is not None and not reading.tasks <= before[1]
         clean = not (reading.prefilling or before[0] or began)
-        slow = step >= (self.stall(reading.backend) if clean else self.settings.stall_seconds)
+        # (a reading that timed out is slow whatever the threshold: one raised past what a reading may wait blinded
+        # the guard, sweep 30)
+        slow = reading.running is None or step >= (self.stall(reading.backend) if clean
+                                                   else self.settings.stall_seconds)
         loop = self._loops.get(reading.backend)
         if (not slow and clean and reading.running is not None and reading.running > 0 and _sees_all(reading)
                 and (loop is None or (loop.stopped is None and not loop.running))):

@@ -530,6 +530,8 @@ def test_a_key_with_a_request_stopped_is_held_until_its_verdict() -> None:
     first.end()
     held = guard.kept(request(GRAMMAR + "# next\n"), "a")
     assert held is not None and "until that is settled" in held[0]
+    # (sweep 30: it said 40 s, and held up to 61.5)
+    assert f"at most {HOLD_SECONDS:.0f} s" in held[0] and held[1] == HOLD_SECONDS
     assert guard.kept(request(), "b") is None and guard.kept(request(None), "a") is None
     clock.advance(GRACE)
     guard.reading(reading(0.01))
@@ -629,3 +631,14 @@ def test_a_recovery_as_a_request_ended_where_another_process_ran_requests_strike
     guard.reading(reading(0.01, running=2, in_flight=0))
     guard.reading(reading(0.01, running=2, in_flight=0))
     assert stops(guard, "cause") == 0 and guard.kept(request(), "attacker") is None
+
+
+def test_a_reading_that_timed_out_is_slow_whatever_the_threshold() -> None:
+    """Sweep 30: stall_seconds raised to 5 s for a slow engine, past what a reading may wait (scrape.timeout 2 s):
+    no reading could reach it, and a grammar holding every step at 4 s ran unstopped."""
+    guard, _clock, backend = setup(stall_seconds=5.0)
+    running = Running(guard, backend, "a", request())
+    guard.reading(reading(1.9, running=None))
+    guard.reading(reading(1.9, running=None))
+    assert running.why is not None
+    running.end()
