@@ -840,6 +840,16 @@ class Settings(BaseSettings):
         return self
 
     @model_validator(mode="after")
+    def _auth_section_says_open(self) -> Settings:
+        # (an auth section whose key list came out empty is what a template whose list of secrets is missing
+        # leaves, or a file cut inside it: a reload refused it, and a start from it served anyone, sweep 30)
+        if "auth" in self.model_fields_set and not self.auth.keys and not self.auth.open:
+            raise ValueError("auth: the file's auth section lists no API keys: it may have been written or read "
+                             "without them; to serve without keys on purpose, say auth: {open: true} (or leave the "
+                             "auth section out)")
+        return self
+
+    @model_validator(mode="after")
     def _admin_listener_keyed(self) -> Settings:
         if self.server.admin_on_network() and not self.auth.has_admin_key():
             raise ValueError(ADMIN_ON_NETWORK.format(host=self.server.admin_host))

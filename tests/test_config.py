@@ -120,6 +120,20 @@ def test_an_empty_file_is_refused_not_read_as_every_default(tmp_path: pathlib.Pa
     assert "is empty" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("text", ["auth: {keys: []}\n", "auth: {}\n", "auth:\n  protect_metrics: true\n"])
+def test_an_auth_section_without_keys_must_say_open(tmp_path: pathlib.Path, text: str,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """Sweep 30: a template whose list of secrets was missing left auth: {keys: []}; every reload refused it, but
+    check-config called it OK and a start from it served anyone."""
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError, match="lists no API keys"):
+        load_settings(path)
+    assert main(["check-config", str(path)]) == 2
+    assert "say auth: {open: true}" in capsys.readouterr().err
+    assert load_settings(write(tmp_path, "auth: {open: true}\n")).auth.open
+    assert not load_settings(write(tmp_path, "{}\n")).auth.keys, "no auth section: no keys, as ever"
+
+
 @pytest.mark.system
 def test_gateway_serve_refuses_an_empty_configuration_file(tmp_path: pathlib.Path) -> None:
     path = write(tmp_path, "# nothing here yet\n")
