@@ -126,6 +126,8 @@ class Gateway:
                                      priorities=Priorities(settings.admission, settings.auth.keys),
                                      models=ModelMap(settings.models), checker=self.validation_workers)
         self.pool.on_loop = self.dispatcher.guard.reading
+        self.pool.wants_alone = self.dispatcher.guard.wants_alone
+        self.pool.on_alone = self.dispatcher.guard.alone
         self.metrics.flow.admission = self.admission
         if self.shared is not None:
             pool, admission = self.pool, self.admission

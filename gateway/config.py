@@ -680,6 +680,10 @@ class StallGuardSettings(_Strict):
         default=600.0, gt=0, description="how long the key whose request stalled it has its requests with a "
                                          "grammar kept from such engines (with no keys: that grammar); doubled at "
                                          "each repeat, to a day")
+    measure_alone: bool = Field(
+        default=True, description="until a loop's usual is learnt, measure its step alone: an idle engine is sent a "
+                                  "few tokens of a plain request, at most every 5 minutes (off: stall_seconds is "
+                                  "the threshold until then)")
 
 
 class StructuredOutputSettings(_Strict):
@@ -840,16 +844,6 @@ class Settings(BaseSettings):
         return self
 
     @model_validator(mode="after")
-    def _auth_section_says_open(self) -> Settings:
-        # (an auth section whose key list came out empty is what a template whose list of secrets is missing
-        # leaves, or a file cut inside it: a reload refused it, and a start from it served anyone, sweep 30)
-        if "auth" in self.model_fields_set and not self.auth.keys and not self.auth.open:
-            raise ValueError("auth: the file's auth section lists no API keys: it may have been written or read "
-                             "without them; to serve without keys on purpose, say auth: {open: true} (or leave the "
-                             "auth section out)")
-        return self
-
-    @model_validator(mode="after")
     def _admin_listener_keyed(self) -> Settings:
         if self.server.admin_on_network() and not self.auth.has_admin_key():
             raise ValueError(ADMIN_ON_NETWORK.format(host=self.server.admin_host))
@@ -934,7 +928,14 @@ def parse_settings(content: bytes, source: str) -> Settings:
         raise ConfigError(f"{source}: the top level must be a mapping (server:, backends:, routing:, ...)")
     if document.cut is not None:
         raise ConfigError(f"{source} {document.cut}")
-    return settings_from_mapping(raw, source)
+    settings = settings_from_mapping(raw, source)
+    if "auth" in raw and not settings.auth.keys and not settings.auth.open:
+        # (an auth section whose key list came out empty is what a template whose list of secrets is missing
+        # leaves, or a file cut inside it: a reload refused it, and a start from it served anyone, sweep 30)
+        raise ConfigError(f"{source}: auth: the file's auth section lists no API keys: it may have been written or "
+                          "read without them; to serve without keys on purpose, say auth: {open: true} (or leave the "
+                          "auth section out)")
+    return settings
 
 
 def load_settings(path: str | Path) -> Settings:

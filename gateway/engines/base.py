@@ -76,6 +76,11 @@ class EngineAdapter:
     async def read_capacity(self, client: httpx.AsyncClient) -> Capacity:
         return Capacity(slots=self.spec.default_slots)
 
+    async def measure_step(self, client: httpx.AsyncClient) -> float | None:
+        """Seconds a step of the engine's loop takes with one short plain request alone on it (what it says it
+        took a token), for engines whose loop is watched (EngineSpec.load_waits_for_loop); None where unknown."""
+        return None
+
     async def read_kv_events(self, client: httpx.AsyncClient) -> KvEventSource:
         """Where the engine says it publishes its KV-cache events (``kv_events: discover``); a BackendError when
         it shows none (publishing off, a release that does not say, a setup the gateway cannot follow)."""
@@ -144,29 +149,34 @@ IDENTITY = {"accept-encoding": "identity"}  # (httpx asks for gzip, deflate and 
 async def get(client: httpx.AsyncClient, path: str) -> httpx.Response:
     """``GET path``, its body read whole up to ``readings.MAX_ANSWER_BYTES`` (a larger answer is a BackendError:
     no health, load or models answer is that large, and reading one would hold memory and the event loop)."""
+    return await fetch(client, "GET", path)
+
+
+async def fetch(client: httpx.AsyncClient, method: str, path: str, payload: Any = None) -> httpx.Response:
+    """As :func:`get`, with ``method`` and a JSON ``payload`` if any."""
     limit = readings.MAX_ANSWER_BYTES
     try:
-        async with client.stream("GET", path, headers=IDENTITY) as response:
+        async with client.stream(method, path, headers=IDENTITY, json=payload) as response:
             declared = response.headers.get("content-length", "")
             if declared.isdecimal() and len(declared) < 20 and int(declared) > limit:
-                raise BackendError(f"GET {path} answered {int(declared)} bytes, more than the {limit} a health, "
+                raise BackendError(f"{method} {path} answered {int(declared)} bytes, more than the {limit} a health, "
                                    f"load or models answer may be")
             encoding = response.headers.get("content-encoding", "identity").strip().lower()
             if encoding not in ("", "identity"):
                 # (asked for none: decoded, 64 KiB of gzip became ~67 MB in one piece before the bound was
                 # checked, ~110 ms of the event loop each, and memory that piled up: sweep 13)
-                raise BackendError(f"GET {path} answered compressed ({encoding[:40]!r}), which the gateway does not "
-                                   f"ask for and does not decode")
+                raise BackendError(f"{method} {path} answered compressed ({encoding[:40]!r}), which the gateway "
+                                   f"does not ask for and does not decode")
             body = bytearray()
             async for piece in response.aiter_bytes():  # (identity: as sent)
                 body += piece
                 if len(body) > limit:
-                    raise BackendError(f"GET {path} answered more than the {limit} bytes a health, load or models "
+                    raise BackendError(f"{method} {path} answered more than the {limit} bytes a health, load or models "
                                        f"answer may be")
     except httpx.TimeoutException as exc:
-        raise BackendError(f"GET {path} timed out ({type(exc).__name__})") from None
+        raise BackendError(f"{method} {path} timed out ({type(exc).__name__})") from None
     except httpx.HTTPError as exc:
-        raise BackendError(f"GET {path} failed: {type(exc).__name__}: {exc}") from None
+        raise BackendError(f"{method} {path} failed: {type(exc).__name__}: {exc}") from None
     # (the body as read: never encoded, see above)
     return httpx.Response(response.status_code, content=bytes(body), request=response.request,
                           headers={"content-type": response.headers.get("content-type", "")})

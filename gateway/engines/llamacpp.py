@@ -17,7 +17,16 @@ from typing import Any, ClassVar
 import httpx
 
 from gateway.engines import readings
-from gateway.engines.base import BackendError, EngineAdapter, get, get_json, json_of, native_grammar, parse_metrics
+from gateway.engines.base import (
+    BackendError,
+    EngineAdapter,
+    fetch,
+    get,
+    get_json,
+    json_of,
+    native_grammar,
+    parse_metrics,
+)
 from gateway.engines.spec import LLAMACPP_CACHE_FIGURES, LLAMACPP_CACHE_REPORTS, RERANK_ROUTES, EngineSpec
 from gateway.pool.state import Capacity, LoadRecord, ShapeSeed
 from gateway.structured import Constraint
@@ -124,6 +133,24 @@ class LlamaCppAdapter(EngineAdapter):
         return LoadRecord(running=running, waiting=waiting, kv_usage=None, read_at=time.monotonic(),
                           rejected=tuple(figures.rejected), prefilling=prefilling, tasks=tasks)
 
+    async def measure_step(self, client: httpx.AsyncClient) -> float | None:
+        # a few tokens of a one-word prompt, its end ignored, nothing cached: llama-server's own timing of them
+        # (server-context.cpp: t_token_generation over n_decoded) is its loop's step with one sequence at work
+        body = {"prompt": "The", "n_predict": STEP_TOKENS, "ignore_eos": True, "cache_prompt": False,
+                "temperature": 0.0, "stream": False}
+        response = await fetch(client, "POST", "/completion", body)
+        if response.status_code != 200:
+            raise BackendError(f"/completion answered HTTP {response.status_code}")
+        answer = json_of(response, "/completion")
+        timings = answer.get("timings") if isinstance(answer, dict) else None
+        if not isinstance(timings, dict):
+            return None
+        per_token, count = timings.get("predicted_per_token_ms"), timings.get("predicted_n")
+        if (not isinstance(per_token, int | float) or isinstance(per_token, bool) or not isinstance(count, int)
+                or count < 2 or not 0 < per_token < 600_000):
+            return None
+        return float(per_token) / 1000.0
+
     async def read_capacity(self, client: httpx.AsyncClient) -> Capacity:
         props: Any = await get_json(client, "/props")
         if not isinstance(props, dict):
@@ -140,6 +167,9 @@ class LlamaCppAdapter(EngineAdapter):
         return Capacity(slots=slots, context_length=n_ctx,
                         cache_tokens=readings.positive(slots * n_ctx) if slots and n_ctx else None,
                         tool_calls=tools if isinstance(tools, bool) else None)
+
+
+STEP_TOKENS = 8  # tokens the loop's step alone is measured over
 
 
 def _tasks(slots: list[Any]) -> frozenset[int] | None:

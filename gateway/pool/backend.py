@@ -45,6 +45,7 @@ class Backend:
         "secrets",
         "spec",
         "stale_after",
+        "step_alone",
         "url",
     )
 
@@ -89,6 +90,7 @@ class Backend:
         # runs (None: the reading timed out; -1: unsaid), clock.monotonic() when read, whether one read its prompt,
         # the ids of the sequences it runs (None: unsaid)
         self.loop_step: tuple[float, int | None, float, bool, tuple[int, ...] | None] | None = None
+        self.step_alone: float | None = None  # its loop's step with one short plain request alone, as measured
         self.in_flight = 0
         self._in_flight_at_read = 0
         self.scrape_errors = 0

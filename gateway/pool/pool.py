@@ -35,6 +35,9 @@ LoopReader = Callable[[LoopReading], None]
 COMPLAINT_SECONDS = 60.0
 
 
+MEASURE_TIMEOUT = 60.0  # seconds a measure of a loop's step alone may take (a few tokens of a slow engine)
+
+
 @functools.cache
 def tls_context() -> ssl.SSLContext:
     """The TLS settings every backend's client verifies with (httpx's defaults: certifi's authorities), made once
@@ -79,6 +82,11 @@ class Pool:
         # told each reading of a backend's loop step (EngineSpec.load_waits_for_loop; the stall guard,
         # gateway.proxy.stall_guard)
         self.on_loop = on_loop
+        # asked, when such a backend's engine runs nothing, whether its loop's step alone is wanted; told it once
+        # measured (the stall guard: what its loop takes with no grammar, before any request taught it)
+        self.wants_alone: Callable[[str], bool] | None = None
+        self.on_alone: Callable[[str, float], None] | None = None
+        self._measuring: set[str] = set()
         # told whenever a backend's discovered KV-event source changes (kv_events: discover), to subscribe
         self._on_kv_source = on_kv_source
         self._kv_unknown: dict[str, str] = {}  # backend -> why its engine showed no usable source (logged once)
@@ -377,6 +385,7 @@ class Pool:
                 "load": None if load is None else [load.running, load.waiting, load.kv_usage, load.read_at,
                                                    load.queue_histogram],
                 "probed_at": self._probed_at.get(b.name), "scrape_errors": b.scrape_errors, "loop": b.loop_step,
+                "alone": b.step_alone,
                 "kv_source": None if b.kv_source is None else [b.kv_source.endpoint, b.kv_source.replay_endpoint,
                                                                b.kv_source.topic, b.kv_source.block_size],
             }
@@ -414,6 +423,11 @@ class Pool:
                         self.on_loop(LoopReading(name, backend.loop_step[0], backend.loop_step[1],
                                                  backend.in_flight, backend.loop_step[3],
                                                  _task_set(backend.loop_step[4])))
+                alone = entry.get("alone")
+                if isinstance(alone, int | float) and alone > 0 and alone != backend.step_alone:
+                    backend.step_alone = float(alone)
+                    if self.on_alone is not None:
+                        self.on_alone(name, backend.step_alone)
                 kv = entry.get("kv_source")
                 self._set_kv_source(backend, None if kv is None else KvEventSource(*kv))
                 load = entry["load"]
@@ -536,6 +550,8 @@ class Pool:
             self._loop_reading(backend, step, -1 if load is None or load.running is None
                                else load.running + (load.waiting or 0), load is not None and load.prefilling,
                                None if load is None else load.tasks)
+            if load is not None and load.running == 0 and not load.waiting:
+                self._measure_alone(backend, adapter, client)
             if load is not None and load.rejected:
                 backend.scrape_errors += 1
                 self._complain(backend, f"its load reading had garbage for {', '.join(load.rejected)} (taken as no "
@@ -554,6 +570,32 @@ class Pool:
         if self.on_loop is not None:
             self.on_loop(LoopReading(backend.name, backend.loop_step[0], running, backend.in_flight, prefilling,
                                      tasks))
+
+    def _measure_alone(self, backend: Backend, adapter: EngineAdapter, client: httpx.AsyncClient) -> None:
+        """Its engine idle: measure its loop's step with one short plain request alone, if that is wanted, in the
+        background (a slow engine's few tokens must not hold its scrapes)."""
+        if (not backend.spec.load_waits_for_loop or self.wants_alone is None or backend.name in self._measuring
+                or not self.wants_alone(backend.name)):
+            return
+        self._measuring.add(backend.name)
+
+        async def measure() -> None:
+            try:
+                seconds = await asyncio.wait_for(adapter.measure_step(client), MEASURE_TIMEOUT)
+            except Exception as exc:  # (BackendError, a timeout, or an answer the adapter did not foresee)
+                log.info("backend %s: measuring its loop's step alone failed: %s", backend.name,
+                         backend.secrets.scrub(_why(exc)))
+                return
+            finally:
+                self._measuring.discard(backend.name)
+            if seconds is not None:
+                backend.step_alone = seconds
+                if self.on_alone is not None:
+                    self.on_alone(backend.name, seconds)
+
+        task = asyncio.create_task(measure(), name=f"measure-step:{backend.name}")
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     def _discovers(self, backend: Backend) -> bool:
         settings = self._settings.get(backend.name)

@@ -66,6 +66,10 @@ USUAL_READINGS = 64
 USUAL_LEAST = 16
 STALL_FLOOR = 0.1
 MAX_BACKENDS = 4096  # backends whose usual readings are kept
+# a loop with no usual yet has its step alone measured (the pool sends its engine, idle, a few tokens of a plain
+# request) at most this often: a gateway just started, or one whose requests always had a grammar there, knew no
+# usual, and a grammar holding every step at 0.7 s under stall_seconds ran unstopped (sweep 30)
+ALONE_EVERY = 300.0
 LATENESS_WINDOW = 5.0  # seconds back this process's own worst lag is taken off a reading (a reading takes 2-3 s)
 MAX_STRIKE_SECONDS = 86_400.0
 MAX_BARRED = 10_000  # grammars kept from such engines at once (the oldest bar dropped first)
@@ -169,6 +173,8 @@ class StallGuard:
         # key -> its requests stopped whose verdicts are to come, and when the last was stopped
         self._pending: dict[str, tuple[int, float]] = {}
         self._usual: dict[str, deque[float]] = {}  # backend -> its loop's last readings outside stalls
+        self._alone: dict[str, float] = {}  # backend -> its loop's step with one plain request alone, as measured
+        self._alone_asked: dict[str, float] = {}  # backend -> when that was last asked for
         # backend -> whether its last reading's step read a prompt, and the engine's tasks then
         self._last: dict[str, tuple[bool, frozenset[int] | None]] = {}
         # key -> until when it is stopped first: another key's request with a grammar ended as the one stopped
@@ -245,14 +251,44 @@ class StallGuard:
             loop.ended.append(watched)  # (kept a while: see _Loop.ended; the loop's readings forget it)
 
     # --- told by the pool ------------------------------------------------------------------------------------
-    def stall(self, backend: str) -> float:
-        """The seconds a reading of ``backend``'s loop takes at least to be a stall."""
+    def stall(self, backend: str, running: int = 1) -> float:
+        """The seconds a reading of ``backend``'s loop takes at least to be a stall, with ``running`` sequences
+        there: ``stall_factor`` times its usual, or with no usual yet, times its step alone as measured for each
+        sequence (a step of several takes at most as long as so many steps alone); at least STALL_FLOOR, at most
+        ``stall_seconds``."""
         usual = self._usual.get(backend)
         ceiling = self.settings.stall_seconds
         if usual is None or len(usual) < USUAL_LEAST:
-            return ceiling
+            alone = self._alone.get(backend)
+            if alone is None:
+                return ceiling
+            return min(ceiling, max(STALL_FLOOR, self.settings.stall_factor * alone * max(1, running)))
         ninetieth = sorted(usual)[(len(usual) - 1) * 9 // 10]
         return min(ceiling, max(STALL_FLOOR, self.settings.stall_factor * ninetieth))
+
+    def wants_alone(self, backend: str) -> bool:
+        """Whether the pool should measure ``backend``'s loop's step alone now (its engine idle): no usual is known
+        yet, and it was not asked for lately."""
+        if not self.settings.enabled or not self.settings.measure_alone:
+            return False
+        usual = self._usual.get(backend)
+        if usual is not None and len(usual) >= USUAL_LEAST:
+            return False
+        now = self._clock.monotonic()
+        asked = self._alone_asked.get(backend)
+        if asked is not None and now - asked < ALONE_EVERY:
+            return False
+        if backend not in self._alone_asked and len(self._alone_asked) >= MAX_BACKENDS:
+            del self._alone_asked[next(iter(self._alone_asked))]
+        self._alone_asked[backend] = now
+        return True
+
+    def alone(self, backend: str, seconds: float) -> None:
+        """``backend``'s loop's step with one short plain request alone on it, as measured."""
+        if backend not in self._alone and len(self._alone) >= MAX_BACKENDS:
+            del self._alone[next(iter(self._alone))]
+        self._alone[backend] = seconds
+        log.info("backend %s: its loop takes %.3f s a step with one plain request alone", backend, seconds)
 
     def reading(self, reading: LoopReading) -> None:
         """A reading of a backend's loop (see :class:`~gateway.pool.state.LoopReading`). Only a reading of a loop
@@ -275,7 +311,7 @@ class StallGuard:
         clean = not (reading.prefilling or before[0] or began)
         # (a reading that timed out is slow whatever the threshold: one raised past what a reading may wait blinded
         # the guard, sweep 30)
-        slow = reading.running is None or step >= (self.stall(reading.backend) if clean
+        slow = reading.running is None or step >= (self.stall(reading.backend, reading.running) if clean
                                                    else self.settings.stall_seconds)
         loop = self._loops.get(reading.backend)
         if (not slow and clean and reading.running is not None and reading.running > 0 and _sees_all(reading)

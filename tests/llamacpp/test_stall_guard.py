@@ -54,6 +54,11 @@ def test_a_grammar_that_stalls_llama_server_is_stopped_and_kept_from_it(server: 
         # (a form the static checks miss: the backend is said to take any grammar, as if the checks had passed it)
         backend.spec = dataclasses.replace(backend.spec, many_parses=True)
         wait_until(lambda: httpx.get(gateway.url + "/ready").status_code == 200, "the gateway ready", within=30)
+        # the idle engine's step alone, as llama-server times a few tokens of a plain request: the threshold
+        # before any request taught the guard a usual (sweep 30: stall_seconds until then)
+        wait_until(lambda: backend.step_alone is not None, "the loop's step alone measured", within=30)
+        assert backend.step_alone is not None and 0 < backend.step_alone < 1.0, backend.step_alone
+        assert app.gateway.dispatcher.guard.stall("l") < 1.0
         attacker = httpx.Client(base_url=gateway.url, timeout=120, headers={"Authorization": "Bearer sk-attacker"})
         victim = httpx.Client(base_url=gateway.url, timeout=120, headers={"Authorization": "Bearer sk-victim"})
         model = victim.get("/v1/models").json()["data"][0]["id"]

@@ -28,6 +28,7 @@ class FakeEngine:
         self.state = "ready"  # ready | loading | down
         self.models = ["m1"]
         self.busy = 1
+        self.completions = 0
 
     def handler(self, request: httpx.Request) -> httpx.Response:
         if self.state == "down":
@@ -45,6 +46,10 @@ class FakeEngine:
             return httpx.Response(501, json={"error": {"code": 501}})
         if path == "/props":
             return httpx.Response(200, json={"total_slots": 2, "default_generation_settings": {"n_ctx": 2048}})
+        if path == "/completion":
+            self.completions += 1
+            return httpx.Response(200, json={"content": "a b c", "timings": {"predicted_per_token_ms": 4.0,
+                                                                             "predicted_n": 8}})
         return httpx.Response(404)
 
 
@@ -289,5 +294,43 @@ async def test_a_probe_timing_out_while_the_backend_answers_requests_does_not_ej
         engine.hanging = False
         await pool.scrape_once(a)
         assert a.health is Health.READY
+    finally:
+        await pool.stop()
+
+
+@pytest.mark.anyio
+async def test_an_idle_llamacpp_loop_has_its_step_alone_measured_when_wanted_and_followers_are_told() -> None:
+    """The stall guard's usual before any request taught it (sweep 30): the pool sends an idle llama-server a few
+    tokens of a plain request, in the background, when the guard wants it; a follower takes it from the leader."""
+    import orjson
+
+    clock = ManualClock()
+    engine = FakeEngine()
+    pool = make_pool(engine, clock)
+    wanted: list[str] = []
+    told: list[tuple[str, float]] = []
+    pool.wants_alone = lambda name: not wanted.append(name)  # (wanted each time)
+    pool.on_alone = lambda name, seconds: told.append((name, seconds))
+    await pool.start()
+    try:
+        assert engine.completions == 0 and not wanted, "busy: not measured"
+        engine.busy = 0
+        await pool.scrape_once(pool.get("a"))
+        await until(lambda: told, "the measure")
+        assert told == [("a", 0.004)] and engine.completions == 1 and pool.get("a").step_alone == 0.004
+        pool.wants_alone = lambda name: False
+        await pool.scrape_once(pool.get("a"))
+        assert engine.completions == 1, "not wanted: not measured"
+        follower_pool = follower(FakeEngine(), [], clock=clock)
+        heard: list[tuple[str, float]] = []
+        follower_pool.on_alone = lambda name, seconds: heard.append((name, seconds))
+        await follower_pool.start()
+        try:
+            clock.advance(1)
+            await pool.scrape_once(pool.get("a"))
+            assert follower_pool.apply_snapshot(orjson.dumps(pool.snapshot()))
+            assert heard == [("a", 0.004)] and follower_pool.get("a").step_alone == 0.004
+        finally:
+            await follower_pool.stop()
     finally:
         await pool.stop()

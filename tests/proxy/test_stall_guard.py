@@ -3,6 +3,7 @@ tests/llamacpp/test_stall_guard.py)."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import httpx
@@ -14,6 +15,7 @@ from gateway.engines.registry import create_adapter
 from gateway.pool.backend import Backend
 from gateway.pool.state import LoopReading
 from gateway.proxy.stall_guard import (
+    ALONE_EVERY,
     DROP_GRACE,
     DROP_STEPS,
     HOLD_SECONDS,
@@ -642,3 +644,50 @@ def test_a_reading_that_timed_out_is_slow_whatever_the_threshold() -> None:
     guard.reading(reading(1.9, running=None))
     assert running.why is not None
     running.end()
+
+
+def test_with_no_usual_yet_the_loops_step_alone_as_measured_sets_the_threshold() -> None:
+    """Sweep 30: a gateway just started (or one whose requests always had a grammar beside them) knew no usual,
+    its threshold stall_seconds, and a grammar holding every step at 0.2-0.7 s ran unstopped (another key's p50
+    0.09 -> 30 s). The pool measures an idle engine's step alone; times the sequences running, that is the usual
+    until one is learnt."""
+    guard, clock, backend = setup()
+    assert guard.stall("l") == 1.0
+    assert guard.wants_alone("l") and not guard.wants_alone("l"), "asked once, not again at once"
+    guard.alone("l", 0.0025)
+    assert guard.stall("l") == STALL_FLOOR and guard.stall("l", 2) == STALL_FLOOR
+    assert guard.stall("l", 10) == pytest.approx(0.2), "a step of ten takes at most ten alone"
+    attacker = Running(guard, backend, "a", request())
+    guard.reading(reading(0.3, running=2, in_flight=2))
+    guard.reading(reading(0.3, running=2, in_flight=2))
+    assert attacker.why is not None
+    attacker.end()
+    clock.advance(ALONE_EVERY + 1)
+    assert guard.wants_alone("l"), "asked again while no usual is learnt"
+    for _ in range(USUAL_LEAST + 1):  # (the first gives the stopped request's verdict)
+        guard.reading(reading(0.02, running=1, in_flight=1))
+    clock.advance(ALONE_EVERY + 1)
+    assert not guard.wants_alone("l"), "a usual learnt: no more measures"
+    off, _clock, _backend = setup(measure_alone=False)
+    assert not off.wants_alone("l")
+
+
+@pytest.mark.anyio
+async def test_llamacpp_is_measured_by_its_own_timing_of_a_few_tokens() -> None:
+    adapter = create_adapter("llamacpp")
+    sent: list[dict[str, Any]] = []
+
+    def answer(timings: Any) -> httpx.MockTransport:
+        def handler(request: httpx.Request) -> httpx.Response:
+            sent.append(json.loads(request.content))
+            return httpx.Response(200, json={"content": "x y z", "timings": timings})
+        return httpx.MockTransport(handler)
+
+    async with httpx.AsyncClient(transport=answer({"predicted_per_token_ms": 2.5, "predicted_n": 8}),
+                                 base_url="http://l") as client:
+        assert await adapter.measure_step(client) == pytest.approx(0.0025)
+    assert sent[0]["ignore_eos"] is True and sent[0]["cache_prompt"] is False and "grammar" not in sent[0]
+    for garbage in ({"predicted_per_token_ms": "2.5", "predicted_n": 8}, {"predicted_per_token_ms": 2.5,
+                    "predicted_n": 1}, {"predicted_per_token_ms": -1, "predicted_n": 8}, None):
+        async with httpx.AsyncClient(transport=answer(garbage), base_url="http://l") as client:
+            assert await adapter.measure_step(client) is None, garbage
