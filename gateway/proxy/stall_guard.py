@@ -141,6 +141,7 @@ class _Loop:
     unseen: bool = False  # a reading in this stall showed the engine run what this process did not send it
     stall_worst: float = 0.0  # the longest step read in this stall
     began: float | None = None  # when its first slow reading came
+    fine_at: float = 0.0  # when the last clean reading under the threshold came (the loop fine then)
 
     @property
     def streak(self) -> int:
@@ -353,7 +354,10 @@ class StallGuard:
             if slow and not clean and now - stopped.ended_at < ACQUIT_SECONDS:
                 return  # (a prompt read: slow whatever the stopped request was)
             if not slow:
-                self._verdict(stopped, self._ended_beside(loop), not loop.unseen)
+                # (another key's request with a grammar still running there may have changed its pace as this one
+                # was stopped: a schema slow for a few seconds, then cheap, had a victim's stopped and convicted,
+                # sweep 30; it is not told apart from the one stopped)
+                self._verdict(stopped, self._ended_beside(loop), not loop.unseen, loop.running)
                 self._settled(stopped)
                 loop.stopped, loop.beside = None, []
                 self._calm(loop, reading.backend, now)
@@ -381,6 +385,8 @@ class StallGuard:
             loop.recent.extend([(True, True)] * CONFIRM_READINGS)
         elif not slow:
             loop.recent.append((False, clean))
+            if clean:
+                loop.fine_at = now
             if loop.confirmed and not any(slow for slow, _ in list(loop.recent)[-2:]):
                 # the loop recovered with no request stopped: what ended there lately (its client gone, say) may
                 # still have run there until the engine let it go
@@ -402,9 +408,16 @@ class StallGuard:
         if now < loop.wait_until:
             return
         first = {k for k, until in self._first.items() if until > now}
-        # (the one running longest: a parse grows with its answer; but first a key whose request ended as the last
-        # stall's stopped one did, the stall going with one of them)
-        for watched in sorted(loop.running, key=lambda w: (w.key not in first, w.started)):
+        fine_at = loop.fine_at
+
+        def order(w: Watched) -> tuple[bool, bool, float]:
+            # first a key whose request ended as the last stall's stopped one did (the stall going with one of
+            # them); then those begun since the loop was last read fine, earliest first (one of them may have
+            # begun the stall: a schema slow for a few seconds, then cheap, had the victim's older stream stopped
+            # and convicted in its place, sweep 30); then the one running longest (a parse grows with its answer)
+            return w.key not in first, w.started < fine_at, w.started
+
+        for watched in sorted(loop.running, key=order):
             if watched.stop is not None and watched.stop(
                     f"the loop of backend {reading.backend}, which runs every request on it, slowed to "
                     f"{step:.1f} s or more a step while this request's grammar (its constraint or tools) ran "
@@ -412,7 +425,7 @@ class StallGuard:
                     f"recovers): retry, and if it was the cause its key's requests with a grammar are kept from such "
                     f"engines for a while"):
                 log.warning("backend %s: its loop took %.1f s or more a step, in %d of its last %d readings, while "
-                            "requests with a grammar ran there: stopped the one running longest (key %s)",
+                            "requests with a grammar ran there: stopped one (key %s)",
                             reading.backend, step, loop.streak, len(loop.recent), watched.key or "none")
                 loop.stopped, loop.slow_after, loop.dropped, loop.worst = watched, 0, False, step
                 if watched.key is not None:
@@ -480,22 +493,26 @@ class StallGuard:
         began = loop.began if loop.began is not None else 0.0
         for watched in (*loop.ended, *loop.beside):
             if (watched.ended_at is not None and watched is not loop.stopped
-                    and (not watched.finished or watched.ended_at >= began)):
+                    and (watched.ended_at > began or (not watched.finished and watched.ended_at
+                                                          > began - (DROP_GRACE + DROP_STEPS * MAX_STEP)))):
                 seen[id(watched)] = watched
         return list(seen.values())
 
-    def _verdict(self, stopped: Watched, ended: list[Watched], sees_all: bool) -> None:
+    def _verdict(self, stopped: Watched, ended: list[Watched], sees_all: bool,
+                 running: list[Watched] | None = None) -> None:
         """The loop answered promptly once ``stopped`` was let go (or, still slow, only its key's requests with a
         grammar are left). It is the cause, and its key struck, where nothing else could be: no other key's request
-        with a grammar that ran beside it, or ended lately, ``ended`` meanwhile (its answer done, or its client
-        gone), and nothing this process did not send ran there in the stall (``sees_all``). Otherwise the stall is
+        with a grammar ``ended`` meanwhile (its answer done, or its client gone), or ended lately, or runs there
+        still (its pace may have changed as this one was stopped), and nothing this process did not send ran there
+        in the stall (``sees_all``). Otherwise the stall is
         unresolved, and no key is struck for it: counting it against each key among the suspects struck every
         tenant whose requests merely ended as one key's stalls went, and against the stopped one let a key on
         another replica or worker have a victim's request stopped and struck (sweep 30); where another key's such
         request ended, that key's are stopped first at the next stall, where the two are told apart."""
         now = self._clock.monotonic()
         others = {w.key for w in ended} - {stopped.key}
-        if sees_all and not others:
+        beside = {w.key for w in running or ()} - {stopped.key}
+        if sees_all and not others and not beside:
             self._convict(stopped, also=ended)
             return
         self.stops.labels(stopped.backend, "unresolved").inc()
@@ -507,6 +524,7 @@ class StallGuard:
         log.info("backend %s: a stall with a stopped request with a grammar (key %s) is unresolved: %s; no one "
                  "struck for it", stopped.backend, stopped.key,
                  f"such requests of {', '.join(sorted(map(str, others)))} ended there meanwhile" if others
+                 else f"such requests of {', '.join(sorted(map(str, beside)))} run there still" if beside
                  else "the engine ran requests this process did not send it")
 
     def _convict(self, watched: Watched, also: list[Watched] | None = None) -> None:

@@ -86,20 +86,21 @@ def test_two_slow_readings_stop_the_longest_running_and_a_prompt_loop_after_conv
     first = Running(guard, backend, "a", request())
     clock.advance(1)
     second = Running(guard, backend, "b", request(GRAMMAR + "# b\n"))
-    guard.reading(reading(2.0, running=2, in_flight=2))
+    guard.ended(second.watched, finished=True)  # (its answer came whole before the stall: not a suspect)
+    guard.reading(reading(2.0, running=1, in_flight=1))
     assert first.why is None, "one slow reading is no stall"
-    guard.reading(reading(0.1, running=2, in_flight=2))
-    guard.reading(reading(0.1, running=2, in_flight=2))
-    guard.reading(reading(2.0, running=2, in_flight=2))
+    guard.reading(reading(0.1, running=1, in_flight=1))
+    guard.reading(reading(0.1, running=1, in_flight=1))
+    guard.reading(reading(2.0, running=1, in_flight=1))
     assert first.why is None, "two slow among the last three readings, not in all"
-    guard.reading(reading(0.5, running=2, in_flight=2))  # (a reading waits what is left of a step: any of it)
-    guard.reading(reading(2.0, running=2, in_flight=2))
-    assert first.why is not None and "slowed to 2.0 s" in first.why and second.why is None
+    guard.reading(reading(0.5, running=1, in_flight=1))  # (a reading waits what is left of a step: any of it)
+    guard.reading(reading(2.0, running=1, in_flight=1))
+    assert first.why is not None and "slowed to 2.0 s" in first.why
     first.end()
-    guard.reading(reading(2.0, running=2, in_flight=1))  # (the engine has not let it go yet: no verdict)
+    guard.reading(reading(2.0, running=1, in_flight=0))  # (the engine has not let it go yet: no verdict)
     assert stops(guard, "cause") == 0 and stops(guard, "not_cause") == 0
     clock.advance(GRACE)  # (the engine surely let it go)
-    guard.reading(reading(0.05, running=1, in_flight=1))
+    guard.reading(reading(0.05, running=0, in_flight=0))
     assert stops(guard, "cause") == 1
     # its key's requests with a grammar kept; another key's not, nor the same grammar from another key (a false
     # verdict would bar a common grammar from every key; one tenant holds one key)
@@ -110,7 +111,6 @@ def test_two_slow_readings_stop_the_longest_running_and_a_prompt_loop_after_conv
     assert guard.kept(request(None), "a") is None, "a request without a grammar is not kept"
     clock.advance(601)
     assert guard.kept(request(), "a") is None, "kept for strike_seconds"
-    second.end()
 
 
 def test_a_stopped_request_that_was_not_the_cause_is_acquitted_and_the_next_stopped() -> None:
@@ -311,37 +311,46 @@ def stall_and_stop(guard: StallGuard) -> None:
 
 
 def test_a_key_cannot_get_anothers_request_convicted_by_ending_its_own_stalling_one() -> None:
-    """The victim's long request is the one stopped; the attacker's, which stalled the loop, ends at that moment
-    (its client gone): the loop recovers, and either could be why. No key counts it (sweep 30: counting each key
-    among the suspects struck every tenant whose requests merely ended during three stalls); at the next stall the
-    attacker's request is stopped first, and the loop's recovery with the victim's still there convicts it."""
+    """Sweeps 29-30: the victim's long request was the one stopped; the attacker's, which stalled the loop, ended
+    (or turned cheap) at that moment, and the victim was convicted. One begun since the loop was last read fine is
+    stopped first; where the recovery may owe to another key's request that ended, or that runs there still (its
+    pace may have changed), no one is struck, and a key whose request ended so is stopped first next time."""
     guard, clock, backend = setup()
     victim = Running(guard, backend, "victim", request(GRAMMAR + "# victim\n"))
+    clock.advance(5)
+    guard.reading(reading(0.01, running=1, in_flight=1))  # (the loop fine with the victim's)
     clock.advance(1)
     attacker = Running(guard, backend, "attacker", request(GRAMMAR + "# 1\n"))
     stall_and_stop(guard)
-    assert victim.why is not None and attacker.why is None
-    victim.end()
-    attacker.end()  # (its client leaves as the victim's request is stopped)
-    clock.advance(GRACE)  # (the engine surely let it go)
-    guard.reading(reading(0.01, running=1, in_flight=1))
-    assert guard.kept(request(GRAMMAR + "# victim\n"), "victim") is None
-    assert guard.kept(request(GRAMMAR + "# other\n"), "attacker") is None
-    assert stops(guard, "unresolved") == 1 and stops(guard, "cause") == 0
-    clock.advance(60)
-    # the next stall: the attacker's (younger) request is stopped first, and the loop recovers with the victim's
-    victim = Running(guard, backend, "victim", request(GRAMMAR + "# victim\n"))
-    clock.advance(1)
-    attacker = Running(guard, backend, "attacker", request(GRAMMAR + "# again\n"))
-    stall_and_stop(guard)
-    assert attacker.why is not None and victim.why is None
+    assert attacker.why is not None and victim.why is None, "the one begun since the loop was fine"
     attacker.end()
     clock.advance(GRACE)
     guard.reading(reading(0.01, running=1, in_flight=1))
-    assert stops(guard, "cause") == 1
+    assert stops(guard, "unresolved") == 1 and stops(guard, "cause") == 0, "the victim's runs on beside it"
+    assert guard.kept(request(GRAMMAR + "# victim\n"), "victim") is None
+    # where the victim's was stopped (begun together) and the attacker's ended as it was: unresolved, and the
+    # attacker's stopped first at the next stall
+    clock.advance(60)
+    attacker = Running(guard, backend, "attacker", request(GRAMMAR + "# 2\n"))
+    stall_and_stop(guard)
+    assert attacker.why is not None and victim.why is None
+    victim.end()
+    attacker.end()
+    clock.advance(GRACE)
+    guard.reading(reading(0.01, running=0, in_flight=0))
+    assert stops(guard, "unresolved") == 2 and guard.kept(request(GRAMMAR + "# v\n"), "victim") is None
+    clock.advance(60)
+    victim = Running(guard, backend, "victim", request(GRAMMAR + "# victim\n"))
+    attacker = Running(guard, backend, "attacker", request(GRAMMAR + "# 3\n"))
+    guard.ended(victim.watched, finished=True)
+    stall_and_stop(guard)
+    assert attacker.why is not None
+    attacker.end()
+    clock.advance(GRACE)
+    guard.reading(reading(0.01, running=0, in_flight=0))
+    assert stops(guard, "cause") == 1, "alone there: convicted"
     assert guard.kept(request(GRAMMAR + "# other\n"), "attacker") is not None
     assert guard.kept(request(GRAMMAR + "# victim\n"), "victim") is None
-    victim.end()
 
 
 def test_a_key_whose_requests_only_ended_during_others_stalls_is_never_struck() -> None:
@@ -691,3 +700,24 @@ async def test_llamacpp_is_measured_by_its_own_timing_of_a_few_tokens() -> None:
                     "predicted_n": 1}, {"predicted_per_token_ms": -1, "predicted_n": 8}, None):
         async with httpx.AsyncClient(transport=answer(garbage), base_url="http://l") as client:
             assert await adapter.measure_step(client) is None, garbage
+
+
+def test_a_request_that_turns_cheap_as_anothers_is_stopped_gets_no_one_convicted() -> None:
+    """Sweep 30: a schema slow for ~5 s, then cheap, running on: the guard stopped the victim's older stream, the
+    loop recovered as the schema's slow part ended, no request had ended, and the victim was convicted. Another
+    key's request still running there may have changed its pace: no one is struck."""
+    guard, clock, backend = setup()
+    victim = Running(guard, backend, "victim", request(GRAMMAR + "# v\n"))
+    clock.advance(1)
+    attacker = Running(guard, backend, "attacker", request())
+    clock.advance(1)
+    guard.reading(reading(0.01, running=2, in_flight=2))  # (both begun before the loop was last fine)
+    clock.advance(1)
+    stall_and_stop(guard)
+    assert victim.why is not None and attacker.why is None, "the longest-running"
+    victim.end()
+    clock.advance(GRACE)
+    guard.reading(reading(0.01, running=1, in_flight=1))  # (the attacker's slow part over: it runs on, cheap)
+    assert stops(guard, "cause") == 0 and stops(guard, "unresolved") == 1
+    assert guard.kept(request(GRAMMAR + "# v\n"), "victim") is None
+    attacker.end()
