@@ -142,6 +142,8 @@ class _Loop:
     stall_worst: float = 0.0  # the longest step read in this stall
     began: float | None = None  # when its first slow reading came
     fine_at: float = 0.0  # when the last clean reading under the threshold came (the loop fine then)
+    slow_at: float = 0.0  # when the last slow reading came
+    recovered_at: float = 0.0  # when the first reading under the threshold after it came
 
     @property
     def streak(self) -> int:
@@ -334,6 +336,7 @@ class StallGuard:
                 loop.began = now
             if slow:
                 loop.stall_worst = max(loop.stall_worst, step if reading.running is not None else MAX_STEP)
+                loop.slow_at = now
         stopped = loop.stopped
         if stopped is not None:
             if stopped.ended_at is None:
@@ -384,6 +387,8 @@ class StallGuard:
             loop.stopped, loop.beside = None, []
             loop.recent.extend([(True, True)] * CONFIRM_READINGS)
         elif not slow:
+            if loop.recent and loop.recent[-1][0]:
+                loop.recovered_at = now
             loop.recent.append((False, clean))
             if clean:
                 loop.fine_at = now
@@ -462,7 +467,13 @@ class StallGuard:
     def _recovered(self, loop: _Loop, reading: LoopReading) -> None:
         """The loop recovered from a confirmed stall with no request stopped: one that ended lately was why, if
         they were one key's (or, without keys, whichever of them) and nothing unseen ran there."""
-        suspects, unseen = self._ended_beside(loop), loop.unseen
+        # (those whose answers came whole before the last slow reading had left the engine while it was still
+        # slow, and those after the loop recovered found it fine: neither is why; a tenant's JSON requests that
+        # finished in the stall kept the one whose client left unstruck, sweep 30's re-run)
+        window = DROP_GRACE + DROP_STEPS * min(loop.stall_worst, MAX_STEP)
+        suspects = [w for w in self._ended_beside(loop) if w.ended_at is not None and w.ended_at <= loop.recovered_at
+                    and w.ended_at > loop.slow_at - (0.0 if w.finished else window)]
+        unseen = loop.unseen
         loop.ended.clear()  # (judged)
         loop.confirmed, loop.unseen, loop.stall_worst, loop.wait_until, loop.began = False, False, 0.0, 0.0, None
         if not suspects:

@@ -721,3 +721,24 @@ def test_a_request_that_turns_cheap_as_anothers_is_stopped_gets_no_one_convicted
     assert stops(guard, "cause") == 0 and stops(guard, "unresolved") == 1
     assert guard.kept(request(GRAMMAR + "# v\n"), "victim") is None
     attacker.end()
+
+
+def test_requests_whose_answers_came_whole_while_the_loop_was_slow_still_are_not_why_it_recovered() -> None:
+    """Sweep 30's re-run: a tenant's short JSON requests finishing in the stall of another key's request whose
+    client had left kept that key unstruck. One whose answer came whole before the last slow reading had left the
+    engine while it was still slow."""
+    guard, clock, backend = setup()
+    attacker = Running(guard, backend, "attacker", request())
+    clock.advance(1)
+    attacker.end()  # (its client gone)
+    for n in range(4):
+        clock.advance(1)
+        done = Running(guard, backend, "victim", request(GRAMMAR + f"# {n}\n"))
+        guard.ended(done.watched, finished=True)  # (a short JSON answer, done in the stall)
+        clock.advance(0.5)
+        guard.reading(reading(2.0, running=2, in_flight=1))
+    clock.advance(2)
+    guard.reading(reading(0.01, running=1, in_flight=1))
+    guard.reading(reading(0.01, running=1, in_flight=1))
+    assert stops(guard, "cause") == 1 and guard.kept(request(), "attacker") is not None
+    assert guard.kept(request(GRAMMAR + "# v\n"), "victim") is None
