@@ -25,7 +25,9 @@ def gateway_settings(servers: list[SimServer], *, real: dict[str, str] | None = 
     backends = [{"name": s.spec.name, "engine": s.spec.engine, "url": s.url,
                  **({"api_key": s.spec.api_key} if s.spec.api_key else {})} for s in servers]
     backends += [{"name": name, "engine": "llamacpp", "url": url} for name, url in (real or {}).items()]
-    return settings_from_mapping({"backends": backends, "scrape": {"interval": 0.1, "timeout": 1.0}, **extra})
+    # (a 3 s health-check timeout: beside the rest of the suite, in two processes, an idle emulator's check once
+    # took past 1 s, and a backend taken for down answered a test's request 503)
+    return settings_from_mapping({"backends": backends, "scrape": {"interval": 0.1, "timeout": 3.0}, **extra})
 
 
 class Running:
