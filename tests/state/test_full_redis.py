@@ -9,6 +9,7 @@ limited key's idle bucket (it carried a TTL) along with old responses, and gave 
 from __future__ import annotations
 
 import hashlib
+import time
 from collections.abc import Iterator
 
 import httpx
@@ -72,6 +73,7 @@ def test_a_limited_key_gets_exactly_its_answers_while_stored_responses_fill_redi
         with serve_in_thread(app) as gateway:
             # the key's minute, spent at once (one request: the bucket refills on Redis's real clock, and a run on a
             # loaded machine took 17 s, past the 12 s a 5 requests/min bucket takes to refill one)
+            began = time.monotonic()
             statuses = [chat(gateway.url) for _ in range(5)]
             filled = 0
             while filled < 80:  # (then Redis has been full for dozens of responses)
@@ -85,7 +87,10 @@ def test_a_limited_key_gets_exactly_its_answers_while_stored_responses_fill_redi
             full = stats["evicted_keys"] > 0 if policy == "volatile-lru" else memory["used_memory"] > 0.9 * MAXMEMORY
             assert full, "the stored responses filled Redis"
             statuses += [chat(gateway.url) for _ in range(3)]
-            assert statuses == [200] + [429] * 17, statuses
+            # (one a minute: a run beside the rest of the suite took past a minute, and the bucket gave one more)
+            refills = int((time.monotonic() - began) // 60)
+            assert statuses[0] == 200 and len(statuses) == 18, statuses
+            assert 1 <= statuses.count(200) <= 1 + refills and set(statuses) == {200, 429}, (statuses, refills)
             assert metric(gateway.url, "gateway_state_up") == 1.0
             assert metric(gateway.url, "gateway_state_fail_open_total") == 0.0
             refused = metric(gateway.url, 'gateway_state_errors_total{operation="put_response"}')
