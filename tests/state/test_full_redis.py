@@ -90,6 +90,7 @@ def test_a_limited_key_gets_exactly_its_answers_while_stored_responses_fill_redi
             # (one a minute: a run beside the rest of the suite took past a minute, and the bucket gave one more)
             refills = int((time.monotonic() - began) // 60)
             assert statuses[0] == 200 and len(statuses) == 18, statuses
+            # real time: the key's bucket refills on Redis's clock, one request a minute
             assert 1 <= statuses.count(200) <= 1 + refills and set(statuses) == {200, 429}, (statuses, refills)
             assert metric(gateway.url, "gateway_state_up") == 1.0
             assert metric(gateway.url, "gateway_state_fail_open_total") == 0.0

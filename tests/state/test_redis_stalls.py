@@ -105,9 +105,10 @@ async def test_a_busy_event_loop_does_not_time_admissions_out_redis_answered_in_
         redis_server: RedisServer) -> None:
     """Sweep 13: one large body decoded (~0.3 s) or a fast stream relayed held the event loop past the state's
     timeout, and other keys' admissions, answered by Redis in a millisecond, timed out: 503 limits_unavailable
-    (or, failing open, unchecked). The timeout measures Redis: here the loop is held 110-160 ms at a time, past
-    the 100 ms timeout, and no admission times out."""
-    (state,) = await replicas(redis_server, 1, {"b", key_place_of("wide")}, timeout_ms=100, heartbeat_seconds=5.0)
+    (or, failing open, unchecked). The timeout measures Redis: here the loop is held 330-480 ms at a time, past
+    the 300 ms timeout, and no admission times out. (100 ms, and a Redis slowed by the rest of the suite in two
+    processes, once took longer to answer a settlement.)"""
+    (state,) = await replicas(redis_server, 1, {"b", key_place_of("wide")}, timeout_ms=300, heartbeat_seconds=5.0)
     wide = Budget("wide", None, None, max_in_flight=10_000)
     admin = redis.asyncio.Redis.from_url(redis_server.url)
     enough = asyncio.Event()
@@ -124,7 +125,7 @@ async def test_a_busy_event_loop_does_not_time_admissions_out_redis_answered_in_
 
     try:
         await one()  # (the scripts loaded before the loop gets busy)
-        burner = asyncio.create_task(_busy((0.11, 0.16), enough))
+        burner = asyncio.create_task(_busy((0.33, 0.48), enough))
         for _ in range(4):
             await asyncio.gather(*(one() for _ in range(25)))
         enough.set()
