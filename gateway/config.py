@@ -744,6 +744,16 @@ class StateSettings(_Strict):
             except ValueError as exc:
                 raise ValueError(f"not a URL Redis's client can read ({exc}); percent-encode any '[', ']', '@', "
                                  "':' or '/' in the password (%5B, %5D, %40, %3A, %2F)") from None
+        if url is not None:
+            # (a query parameter the client does not know passed, and every worker then exited on its first
+            # connection, started again and again, sweep 30: the client's connection is built here, unconnected)
+            from redis.asyncio import ConnectionPool
+
+            try:
+                ConnectionPool.from_url(url).make_connection()  # type: ignore[no-untyped-call]
+            except (TypeError, ValueError) as exc:
+                said = str(exc).replace("AbstractConnection.__init__() got an ", "")
+                raise ValueError(f"Redis's client does not take this URL: {said[:200]}") from None
         return url
 
     @model_validator(mode="after")

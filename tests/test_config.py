@@ -88,6 +88,11 @@ def test_good_file_with_environment_overrides(tmp_path: pathlib.Path, monkeypatc
          "endpoint must be tcp://host:port"),
         # sweep 24: passed, then `gateway serve` stopped with "Invalid IPv6 URL" (redis-py), naming no field
         ("state: {url: 'redis://:Sup3r[Secret@127.0.0.1:6379/0'}", "state.url: not a URL Redis's client can read"),
+        # sweep 30: passed check-config, then every worker exited on its first connection, again and again
+        ("state: {url: 'redis://127.0.0.1:6379/0?foo=1'}", "state.url: Redis's client does not take this URL: "
+                                                         "unexpected keyword argument 'foo'"),
+        ("state: {url: 'redis://:s3cret@127.0.0.1:6379/0?socket_timeout=soon'}",
+         "state.url: Redis's client does not take this URL: Invalid value for 'socket_timeout'"),
     ],
 )
 def test_bad_files_name_the_field(tmp_path: pathlib.Path, text: str, expected: str) -> None:
