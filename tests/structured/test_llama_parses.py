@@ -115,7 +115,10 @@ def test_llama_cpp_own_example_grammars_keep_few_stacks_and_pass() -> None:
 def test_a_grammar_whose_parse_goes_too_many_ways_is_not_for_llamacpp(grammar: str) -> None:
     for body in ({"grammar": grammar}, {"ebnf": grammar}):  # (GBNF, or EBNF that is GBNF too)
         why = fanout(body)
-        assert why is not None and "ways at once" in why and f"more than {MAX_PARSES}" in why, why
+        # (or, where the search ran out of its CPU time, as one did beside the rest of the suite in two processes:
+        # kept from llama.cpp all the same)
+        assert why is not None and (("ways at once" in why and f"more than {MAX_PARSES}" in why)
+                                    or "could not follow within" in why), why
     assert fanout({"grammar": 'root ::= ("w" [0-9] [0-9] [0-9])+'}) is None
 
 
